@@ -1,0 +1,61 @@
+"""Pure tensor kernels: no classes, no state. Everything else in manifoldlib builds on these."""
+
+from .dgram import (
+    dgram_alternating,
+    dgram_colnorm_polar,
+    dgram_metric_projection,
+    dgram_normal_multiplier,
+    dgram_project_tangent,
+    off_diagonal,
+)
+from .msign import (
+    JORDAN5_COEFFICIENTS,
+    MSIGN_METHODS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    msign,
+    newton_schulz,
+)
+from .sphere import (
+    cayley_coefficients,
+    exponential_coefficients,
+    gnomonic_coefficients,
+    p_coefficients,
+    rotate,
+    sphere_normalized_sq_step,
+    sphere_project_tangent,
+)
+from .stiefel import (
+    stiefel_cayley,
+    stiefel_exp,
+    stiefel_polar,
+    stiefel_project_tangent,
+    stiefel_qr,
+    sym,
+)
+
+__all__ = [
+    "JORDAN5_COEFFICIENTS",
+    "MSIGN_METHODS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "cayley_coefficients",
+    "dgram_alternating",
+    "dgram_colnorm_polar",
+    "dgram_metric_projection",
+    "dgram_normal_multiplier",
+    "dgram_project_tangent",
+    "exponential_coefficients",
+    "gnomonic_coefficients",
+    "msign",
+    "newton_schulz",
+    "off_diagonal",
+    "p_coefficients",
+    "rotate",
+    "sphere_normalized_sq_step",
+    "sphere_project_tangent",
+    "stiefel_cayley",
+    "stiefel_exp",
+    "stiefel_polar",
+    "stiefel_project_tangent",
+    "stiefel_qr",
+    "sym",
+]

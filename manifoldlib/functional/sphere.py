@@ -1,0 +1,113 @@
+r"""Sphere kernels: tangent projection and the rotation coefficients of the retraction family.
+
+Every sphere retraction here rotates :math:`x` in the plane :math:`\operatorname{span}(x, v)` by an
+angle :math:`\theta(\beta)`, :math:`\beta = \|v\|/r`:
+
+.. math::
+    R_x(v) = \cos\theta \, x + k \, v, \qquad k = \frac{\sin\theta}{\beta}.
+
+Both :math:`\cos\theta` and :math:`k` are even in :math:`\beta`, so every kernel takes
+:math:`\sigma = \beta^2 = \|v\|^2 / r^2` and returns ``(cos_theta, k)``. The closed forms for the
+gnomonic and Cayley members are branch-free; the exponential and p-family members switch to a
+Taylor series near :math:`\sigma = 0` with the *double-where* pattern (the argument of the unsafe
+branch is made safe before the unsafe op), so values and gradients are finite at :math:`v = 0`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "sphere_project_tangent",
+    "sphere_normalized_sq_step",
+    "gnomonic_coefficients",
+    "cayley_coefficients",
+    "exponential_coefficients",
+    "p_coefficients",
+    "rotate",
+]
+
+
+def _series_threshold(dtype: torch.dtype) -> float:
+    # Taylor series with error O(s^3) is exact to rounding below s ~ eps^(1/3); used
+    # conservatively below 1e-4 (float64) as MATH.md suggests, and below eps^(1/2) otherwise.
+    return 1e-4 if dtype == torch.float64 else math.sqrt(float(torch.finfo(dtype).eps))
+
+
+def sphere_project_tangent(x: torch.Tensor, z: torch.Tensor, radius_sq: torch.Tensor | float) -> torch.Tensor:
+    r""":math:`P_x(z) = z - \frac{\langle x, z\rangle}{r^2} x` over the last dimension.
+
+    Args:
+        x: ``(..., d)`` points of norm ``r``.
+        z: ``(..., d)`` ambient vectors (broadcast against ``x``).
+        radius_sq: :math:`r^2`, a float or a tensor broadcastable to ``(..., 1)``.
+    """
+    return z - ((x * z).sum(-1, keepdim=True) / radius_sq) * x
+
+
+def sphere_normalized_sq_step(v: torch.Tensor, radius_sq: torch.Tensor | float) -> torch.Tensor:
+    r""":math:`\sigma = \|v\|^2 / r^2`, shape ``(..., 1)``."""
+    return (v * v).sum(-1, keepdim=True) / radius_sq
+
+
+def gnomonic_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Gnomonic (metric projection), :math:`\theta = \arctan\beta`:
+    :math:`\cos\theta = k = (1+\sigma)^{-1/2}`, so :math:`R_x(v) = (x+v)/\sqrt{1+\sigma}`."""
+    c = torch.rsqrt(1.0 + sigma)
+    return c, c
+
+
+def cayley_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Cayley (stereographic), :math:`\theta = 2\arctan(\beta/2)`:
+    :math:`\cos\theta = (1-\sigma/4)/(1+\sigma/4)`, :math:`k = 1/(1+\sigma/4)`."""
+    k = 1.0 / (1.0 + 0.25 * sigma)
+    return (1.0 - 0.25 * sigma) * k, k
+
+
+def exponential_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Exponential map, :math:`\theta = \beta`: :math:`\cos\sqrt\sigma`, :math:`\sin\sqrt\sigma/\sqrt\sigma`.
+
+    Below the series threshold: :math:`1 - \sigma/2 + \sigma^2/24` and :math:`1 - \sigma/6 + \sigma^2/120`.
+    """
+    small = sigma < _series_threshold(sigma.dtype)
+    safe = torch.where(small, torch.ones_like(sigma), sigma)  # double-where: no sqrt(0) in autograd
+    beta = safe.sqrt()
+    cos_big, k_big = torch.cos(beta), torch.sin(beta) / beta
+    cos_small = 1.0 - sigma / 2.0 + sigma * sigma / 24.0
+    k_small = 1.0 - sigma / 6.0 + sigma * sigma / 120.0
+    return torch.where(small, cos_small, cos_big), torch.where(small, k_small, k_big)
+
+
+def p_coefficients(sigma: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The p-family, :math:`\theta = p\arctan(\beta/p)`, :math:`p \in (0, \infty]`.
+
+    With :math:`z^2 = \sigma/p^2` and :math:`g = \arctan(z)/z` (series :math:`1 - z^2/3 + z^4/5`
+    for small :math:`z`): :math:`\theta = \sqrt\sigma\, g` and :math:`k = (\sin\theta/\theta)\, g`.
+    ``p = inf`` is the exponential map.
+    """
+    if math.isinf(p):
+        return exponential_coefficients(sigma)
+    threshold = _series_threshold(sigma.dtype)
+    z2 = sigma / (p * p)
+    small_z = z2 < threshold
+    z2_safe = torch.where(small_z, torch.ones_like(z2), z2)
+    z_safe = z2_safe.sqrt()
+    g = torch.where(small_z, 1.0 - z2 / 3.0 + z2 * z2 / 5.0, torch.atan(z_safe) / z_safe)
+    theta_sq = sigma * g * g
+    small_t = theta_sq < threshold
+    t2_safe = torch.where(small_t, torch.ones_like(theta_sq), theta_sq)
+    theta_safe = t2_safe.sqrt()
+    cos_theta = torch.where(
+        small_t, 1.0 - theta_sq / 2.0 + theta_sq * theta_sq / 24.0, torch.cos(theta_safe)
+    )
+    sinc = torch.where(
+        small_t, 1.0 - theta_sq / 6.0 + theta_sq * theta_sq / 120.0, torch.sin(theta_safe) / theta_safe
+    )
+    return cos_theta, sinc * g
+
+
+def rotate(x: torch.Tensor, v: torch.Tensor, cos_theta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    r""":math:`\cos\theta\, x + k\, v` (the shared planar rotation), shapes ``(..., d)``."""
+    return cos_theta * x + k * v

@@ -1,0 +1,103 @@
+r"""Stiefel kernels, :math:`\mathrm{St}(m, n) = \{X \in \mathbb{R}^{m\times n}: X^\top X = I\}`, Euclidean metric.
+
+Tangent space :math:`\{V: X^\top V + V^\top X = 0\}`, projection
+:math:`P_X(Z) = Z - X\,\operatorname{sym}(X^\top Z)`. Retractions (MATH.md §2):
+
+- polar: :math:`\operatorname{msign}(X + V) = (X+V)(I + V^\top V)^{-1/2}`, second order;
+- QR: :math:`\operatorname{qf}(X+V)` with columns multiplied by :math:`\operatorname{sign}(\operatorname{diag} R)`,
+  first order (without the sign fix it is discontinuous and not a retraction);
+- Cayley (low-rank form, :math:`O(mn^2)`), first order under the Euclidean metric;
+- exponential (Edelman–Arias–Smith), exact geodesic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .msign import msign
+
+__all__ = [
+    "sym",
+    "stiefel_project_tangent",
+    "stiefel_polar",
+    "stiefel_qr",
+    "stiefel_cayley",
+    "stiefel_exp",
+]
+
+
+def _linalg_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def sym(a: torch.Tensor) -> torch.Tensor:
+    r""":math:`(A + A^\top)/2` over the last two dimensions."""
+    return 0.5 * (a + a.mT)
+
+
+def stiefel_project_tangent(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    r""":math:`P_X(Z) = Z - X\operatorname{sym}(X^\top Z)`, shapes ``(..., m, n)``."""
+    return z - x @ sym(x.mT @ z)
+
+
+def stiefel_polar(x: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    r"""Polar retraction :math:`\operatorname{msign}(X + V)`.
+
+    ``method="auto"`` takes the exact SVD when no gradient is needed and the convergent,
+    differentiable scaled Newton iteration when one is (SVD backward is singular at
+    :math:`V = 0`, where all singular values equal 1). Any :func:`~manifoldlib.functional.msign`
+    method may be named instead.
+    """
+    y = x + v
+    if method == "auto":
+        method = "newton" if (torch.is_grad_enabled() and y.requires_grad) else "svd"
+    return msign(y, method)
+
+
+def stiefel_qr(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""QR retraction: :math:`Q\,\operatorname{diag}(\operatorname{sign}\operatorname{diag} R)` for :math:`X + V = QR`."""
+    y = x + v
+    q, r = torch.linalg.qr(y.to(_linalg_dtype(y)))
+    d = torch.diagonal(r, dim1=-2, dim2=-1)
+    sign = torch.where(d >= 0, torch.ones_like(d), -torch.ones_like(d))
+    return (q * sign.unsqueeze(-2)).to(x.dtype)
+
+
+def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""Cayley retraction in its low-rank form.
+
+    With :math:`P = I - \tfrac12 XX^\top`, :math:`U_1 = [PV, X]`, :math:`U_2 = [X, -PV]`:
+    :math:`R = X + U_1 (I - \tfrac12 U_2^\top U_1)^{-1} U_2^\top X`, which equals
+    :math:`(I - \tfrac12 W)^{-1}(I + \tfrac12 W)X` for :math:`W = PVX^\top - XV^\top P`.
+    Cost :math:`O(mn^2)`; the solve is :math:`2n \times 2n`.
+    """
+    dtype = _linalg_dtype(x)
+    xx, vv = x.to(dtype), v.to(dtype)
+    pv = vv - 0.5 * xx @ (xx.mT @ vv)  # (..., m, n)
+    u1 = torch.cat([pv, xx], dim=-1)  # (..., m, 2n)
+    u2 = torch.cat([xx, -pv], dim=-1)  # (..., m, 2n)
+    n2 = u1.size(-1)
+    eye = torch.eye(n2, dtype=dtype, device=x.device)
+    inner = eye - 0.5 * (u2.mT @ u1)  # (..., 2n, 2n)
+    # (I - W/2)^{-1}(I + W/2) X = X + (I - W/2)^{-1} W X with W = U1 U2^T, and by Woodbury
+    # (I - U1 U2^T/2)^{-1} U1 = U1 (I - U2^T U1/2)^{-1}
+    out = xx + u1 @ torch.linalg.solve(inner, u2.mT @ xx)
+    return out.to(x.dtype)
+
+
+def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""Exponential map (Edelman–Arias–Smith), Euclidean metric.
+
+    :math:`A = X^\top V`, :math:`S = V^\top V`:
+    :math:`[X\ V]\,\exp\!\begin{pmatrix} A & -S \\ I & A\end{pmatrix}\begin{pmatrix}I\\0\end{pmatrix}\exp(-A)`.
+    """
+    dtype = _linalg_dtype(x)
+    xx, vv = x.to(dtype), v.to(dtype)
+    n = x.size(-1)
+    a = xx.mT @ vv  # (..., n, n)
+    s = vv.mT @ vv  # (..., n, n)
+    eye = torch.eye(n, dtype=dtype, device=x.device).expand_as(a)
+    block = torch.cat([torch.cat([a, -s], dim=-1), torch.cat([eye, a], dim=-1)], dim=-2)  # (..., 2n, 2n)
+    e = torch.linalg.matrix_exp(block)[..., :, :n]  # (..., 2n, n)
+    out = torch.cat([xx, vv], dim=-1) @ e @ torch.linalg.matrix_exp(-a)
+    return out.to(x.dtype)

@@ -1,0 +1,130 @@
+"""Shared machinery of manifoldlib's manifolds: a geoopt manifold that carries a retraction.
+
+:class:`RetractionManifold` subclasses :class:`geoopt.manifolds.Manifold`, so
+``geoopt.ManifoldParameter`` and ``geoopt.optim.RiemannianAdam`` / ``RiemannianSGD`` work on
+every manifold here. Its ``retr`` is the retraction chosen at construction (by registry name or
+instance); ``with_retraction`` returns a new manifold with the same geometry.
+
+Tolerances of the checks follow the input's dtype (from :func:`torch.finfo`, so bfloat16 and
+float16 work as well as float32/float64): ``max(1e-5, 16 * eps)`` unless given.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import geoopt
+import torch
+
+from ..retractions.base import Retraction, resolve_retraction
+
+__all__ = ["RetractionManifold", "default_tolerance"]
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Check tolerance for a dtype: ``max(1e-5, 16 * eps(dtype))``."""
+    if not dtype.is_floating_point:
+        return 1e-5
+    return max(1e-5, 16.0 * float(torch.finfo(dtype).eps))
+
+
+class RetractionManifold(geoopt.manifolds.Manifold):
+    """A geoopt manifold whose ``retr`` is a pluggable :class:`~manifoldlib.retractions.Retraction`.
+
+    Subclasses set ``name`` (the retraction registry they draw from), ``ndim`` and
+    ``default_retraction``, and implement the geometry.
+    """
+
+    default_retraction: str = ""
+    reversible = False
+
+    def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):
+        super().__init__()
+        chosen = self.default_retraction if retraction is None else retraction
+        self._retraction = resolve_retraction(self.name, chosen, **retraction_options)
+
+    # -- retraction plumbing ------------------------------------------------------------
+    @property
+    def retraction(self) -> Retraction:
+        """The retraction used by :meth:`retr`."""
+        return self._retraction
+
+    def _init_kwargs(self) -> dict:
+        """Geometry keyword arguments (everything but the retraction), for :meth:`with_retraction`."""
+        return {}
+
+    def with_retraction(self, retraction: Union[str, Retraction], **options) -> "RetractionManifold":
+        """A new manifold with the same geometry and another retraction."""
+        return type(self)(**self._init_kwargs(), retraction=retraction, **options)
+
+    def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Retraction :math:`R_x(u)` with the chosen retraction."""
+        self._validate(x, "x")
+        return self._retraction.retract(x, u)
+
+    def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        y = self.retr(x, u)
+        return y, self.transp(x, y, v)
+
+    def transp_follow_retr(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.transp(x, self.retr(x, u), v)
+
+    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Vector transport by projection onto the tangent space at ``y``."""
+        return self.proju(y, v)
+
+    def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Riemannian gradient of the embedded (Euclidean) metric: the tangent projection."""
+        return self.proju(x, u)
+
+    # -- validation ---------------------------------------------------------------------
+    def _validate(self, x: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` when ``x`` has a shape the manifold cannot hold."""
+        ok, reason = self._check_shape(tuple(x.shape), name)
+        if not ok:
+            raise ValueError(reason)
+
+    def check_point_on_manifold(
+        self, x: torch.Tensor, *, explain: bool = False, atol: Optional[float] = None, rtol: Optional[float] = None
+    ) -> Union[Tuple[bool, Optional[str]], bool]:
+        """geoopt's check with dtype-aware default tolerances; ``explain=True`` returns ``(ok, reason)``."""
+        tol = default_tolerance(x.dtype)
+        return super().check_point_on_manifold(
+            x, explain=explain, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
+        )
+
+    def check_vector_on_tangent(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        *,
+        ok_point: bool = False,
+        explain: bool = False,
+        atol: Optional[float] = None,
+        rtol: Optional[float] = None,
+    ) -> Union[Tuple[bool, Optional[str]], bool]:
+        """geoopt's check with dtype-aware default tolerances; ``explain=True`` returns ``(ok, reason)``."""
+        tol = default_tolerance(u.dtype)
+        return super().check_vector_on_tangent(
+            x,
+            u,
+            ok_point=ok_point,
+            explain=explain,
+            atol=tol if atol is None else atol,
+            rtol=tol if rtol is None else rtol,
+        )
+
+    def extra_repr(self) -> str:
+        return f"retraction={self._retraction!r}"
+
+
+def _random_normal(shape, generator, dtype, device) -> torch.Tensor:
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return torch.randn(*shape, generator=generator, dtype=work, device=device), dtype
+
+
+def _size_tuple(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    return tuple(int(s) for s in size)

@@ -1,0 +1,85 @@
+r"""DGram :math:`= \{W \in \mathbb{R}^{m\times n}: \operatorname{Off}(W^\top W) = 0,\ \operatorname{rank} W = n\}`."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..functional.dgram import dgram_metric_projection, dgram_project_tangent, off_diagonal
+from ..functional.stiefel import stiefel_qr
+from ..retractions.base import Retraction
+from .base import RetractionManifold, _random_normal, _size_tuple
+from .stiefel import check_tall_matrix
+
+__all__ = ["DGram"]
+
+
+class DGram(RetractionManifold):
+    r"""Matrices with orthogonal, non-zero columns: :math:`W = QD`, :math:`Q` Stiefel, :math:`D > 0` diagonal.
+
+    Dimension :math:`mn - n(n-1)/2`. Tangent projection :math:`P_W(Z) = Z - WS` with
+    :math:`S_{ij} = (w_i^\top z_j + z_i^\top w_j)/(d_i^2 + d_j^2)`, :math:`S_{ii} = 0`.
+    Singular values equal the column norms and may grow: the scale freedom studied for
+    Manifold Muon. Retractions: ``alternating`` (default, second order), ``colnorm-polar``
+    (first order). There is no closed-form geodesic: :meth:`expmap` raises.
+    """
+
+    name = "dgram"
+    ndim = 2
+    default_retraction = "alternating"
+
+    def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):
+        super().__init__(retraction, **retraction_options)
+
+    def _check_shape(self, shape, name):
+        return check_tall_matrix(shape, name, "DGram")
+
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        gram = x.mT @ x
+        off = off_diagonal(gram).norm(dim=(-2, -1))
+        scale = gram.norm(dim=(-2, -1))
+        ok = bool((off <= atol + rtol * scale).all())
+        if not ok:
+            rel = (off / scale.clamp_min(torch.finfo(x.dtype).tiny)).max().item()
+            return False, f"||Off(W^T W)|| / ||W^T W|| = {rel:.3e} exceeds atol={atol}, rtol={rtol}"
+        min_col = torch.diagonal(gram, dim1=-2, dim2=-1).amin()
+        if not bool(min_col > 0):
+            return False, "a column of W is zero: DGram needs full column rank"
+        return True, None
+
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        s = x.mT @ u
+        err = off_diagonal(s + s.mT).abs().amax()
+        bound = atol + rtol * (x.abs().amax() * u.abs().amax())
+        ok = bool(err <= bound)
+        return ok, None if ok else f"max |Off(W^T U + U^T W)| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        v = u if v is None else v
+        return (u * v).sum(dim=(-2, -1), keepdim=keepdim)
+
+    def projx(self, x):
+        """Nearest DGram point (alternating minimization, exactly on DGram after any iteration)."""
+        self._validate(x, "x")
+        return dgram_metric_projection(x)
+
+    def proju(self, x, u):
+        self._validate(x, "x")
+        return dgram_project_tangent(x, u)
+
+    def expmap(self, x, u):
+        raise NotImplementedError(
+            "DGram has no closed-form exponential map; use retr (retraction "
+            f"{self._retraction.name!r}) or a geoopt optimizer, which only needs retr"
+        )
+
+    def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
+        """Haar-random orthonormal columns scaled by column norms drawn log-uniform in [1/2, 2]."""
+        shape = _size_tuple(size)
+        self._validate(torch.empty(shape, device="meta"), "size")
+        z, dtype = _random_normal(shape, generator, dtype, device)
+        q = stiefel_qr(torch.zeros_like(z), z)
+        u = torch.rand(shape[:-2] + (1, shape[-1]), generator=generator, dtype=z.dtype, device=z.device)
+        d = torch.exp((2.0 * u - 1.0) * torch.log(torch.tensor(2.0, dtype=z.dtype)))
+        return (q * d).to(dtype)

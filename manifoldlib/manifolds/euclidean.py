@@ -1,0 +1,59 @@
+"""Flat space, for the unconstrained members of a policy (and as a reference in tests)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..retractions.base import Retraction
+from .base import RetractionManifold, _random_normal, _size_tuple
+
+__all__ = ["Euclidean"]
+
+
+class Euclidean(RetractionManifold):
+    """:math:`\\mathbb{R}^{...}` with ``retr(x, v) = x + v``; ``ndim`` trailing dimensions form a point."""
+
+    name = "euclidean"
+    default_retraction = "add"
+    reversible = True
+
+    def __init__(self, ndim: int = 0, retraction: Union[str, Retraction, None] = None, **retraction_options):
+        if not isinstance(ndim, int) or ndim < 0:
+            raise ValueError(f"ndim must be an int >= 0, got {ndim!r}")
+        super().__init__(retraction, **retraction_options)
+        self.ndim = ndim
+
+    def _init_kwargs(self) -> dict:
+        return {"ndim": self.ndim}
+
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        return True, None
+
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        return True, None
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        v = u if v is None else v
+        prod = u * v
+        if self.ndim == 0:
+            return prod
+        return prod.sum(dim=tuple(range(-self.ndim, 0)), keepdim=keepdim)
+
+    def projx(self, x):
+        return x
+
+    def proju(self, x, u):
+        return u
+
+    def expmap(self, x, u):
+        return x + u
+
+    def logmap(self, x, y):
+        return y - x
+
+    def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
+        """Standard normal points."""
+        z, dtype = _random_normal(_size_tuple(size), generator, dtype, device)
+        return z.to(dtype)

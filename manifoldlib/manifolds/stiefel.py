@@ -1,0 +1,83 @@
+r"""The Stiefel manifold :math:`\mathrm{St}(m, n) = \{X: X^\top X = I_n\}`, :math:`m \ge n`, Euclidean metric."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..functional.msign import msign
+from ..functional.stiefel import stiefel_exp, stiefel_project_tangent, stiefel_qr
+from ..retractions.base import Retraction
+from .base import RetractionManifold, _random_normal, _size_tuple
+
+__all__ = ["Stiefel", "check_tall_matrix"]
+
+
+def check_tall_matrix(shape, name: str, manifold: str):
+    """Shared shape check of the matrix manifolds: ``(..., m, n)`` with ``m >= n >= 1``."""
+    if len(shape) < 2:
+        return False, f"'{name}' on {manifold} needs a matrix (..., m, n) with m >= n, got shape {tuple(shape)}"
+    m, n = shape[-2], shape[-1]
+    if n < 1 or m < n:
+        return False, (
+            f"'{name}' on {manifold} needs (..., m, n) with m >= n >= 1, got m={m}, n={n}"
+            " (store a wide matrix transposed)"
+        )
+    return True, None
+
+
+class Stiefel(RetractionManifold):
+    r"""Stiefel manifold, points ``(..., m, n)`` with :math:`X^\top X = I`.
+
+    Tangent space :math:`\{V: X^\top V + V^\top X = 0\}`, projection
+    :math:`P_X(Z) = Z - X\operatorname{sym}(X^\top Z)`. Retractions: ``polar`` (default, second
+    order), ``qr`` and ``cayley`` (first order), ``exp`` (the geodesic).
+    """
+
+    name = "stiefel"
+    ndim = 2
+    default_retraction = "polar"
+
+    def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):
+        super().__init__(retraction, **retraction_options)
+
+    def _check_shape(self, shape, name):
+        return check_tall_matrix(shape, name, "Stiefel")
+
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        eye = torch.eye(x.size(-1), dtype=x.dtype, device=x.device)
+        err = (x.mT @ x - eye).abs().amax()
+        ok = bool(err <= atol + rtol)
+        return ok, None if ok else f"max |X^T X - I| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        s = x.mT @ u
+        err = (s + s.mT).abs().amax()
+        ok = bool(err <= atol + rtol * u.abs().amax())
+        return ok, None if ok else f"max |X^T U + U^T X| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        v = u if v is None else v
+        return (u * v).sum(dim=(-2, -1), keepdim=keepdim)
+
+    def projx(self, x):
+        r"""Nearest Stiefel point: the polar factor :math:`\operatorname{msign}(X)` (exact SVD)."""
+        self._validate(x, "x")
+        return msign(x, "svd")
+
+    def proju(self, x, u):
+        self._validate(x, "x")
+        return stiefel_project_tangent(x, u)
+
+    def expmap(self, x, u):
+        self._validate(x, "x")
+        return stiefel_exp(x, u)
+
+    def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
+        """Haar-distributed points (sign-fixed QR of a Gaussian matrix): ``random(m, n)``."""
+        shape = _size_tuple(size)
+        self._validate(torch.empty(shape, device="meta"), "size")
+        z, dtype = _random_normal(shape, generator, dtype, device)
+        return stiefel_qr(torch.zeros_like(z), z).to(dtype)
+

@@ -1,0 +1,143 @@
+"""The :class:`Retraction` base class and the registry that makes retractions selectable by name.
+
+A retraction :math:`R_x(v)` maps a tangent vector at :math:`x` to a point of the manifold with
+:math:`R_x(0) = x` and :math:`\\mathrm{D}R_x(0) = \\mathrm{id}`. It is second order when the curve
+:math:`t \\mapsto R_x(tv)` has zero tangential acceleration at 0. Each class states the order it
+*claims* in :attr:`Retraction.order`; :mod:`manifoldlib.testing` measures it.
+
+Registry keys are ``(manifold, name)``: ``register_retraction("sphere", "my-p3")`` decorates a
+class; ``get_retraction("sphere", "my-p3", **options)`` builds an instance; unknown names raise a
+``ValueError`` that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, TypeVar
+
+import torch
+
+__all__ = [
+    "MANIFOLD_NAMES",
+    "Retraction",
+    "available_retractions",
+    "get_retraction",
+    "register_retraction",
+    "resolve_retraction",
+]
+
+#: Manifold registries that exist; a retraction registers under one of these.
+MANIFOLD_NAMES = ("sphere", "stiefel", "dgram", "euclidean")
+
+_REGISTRY: dict[str, dict[str, type["Retraction"]]] = {name: {} for name in MANIFOLD_NAMES}
+_ALIASES: dict[str, dict[str, str]] = {name: {} for name in MANIFOLD_NAMES}
+
+R = TypeVar("R", bound=type["Retraction"])
+
+
+class Retraction(abc.ABC):
+    """A retraction of one manifold family.
+
+    Subclasses set the class attributes :attr:`name`, :attr:`manifold` (the registry it belongs
+    to) and :attr:`order` (1 or 2, the order it claims), and implement :meth:`retract`.
+    Constructor keyword options (e.g. ``p`` of :class:`~manifoldlib.retractions.PRetraction`)
+    must be plain data and are reported by :meth:`options`, so a retraction can be rebuilt from
+    ``(manifold, name, options)``.
+    """
+
+    name: str = ""
+    manifold: str = ""
+    order: int = 1
+
+    @abc.abstractmethod
+    def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Map the tangent vector ``v`` at ``x`` to the manifold. Shapes follow the manifold."""
+
+    def __call__(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.retract(x, v)
+
+    def options(self) -> dict:
+        """Constructor options as plain data (empty for option-free retractions)."""
+        return {}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.options() == other.options()  # type: ignore[union-attr]
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(self.options().items()))))
+
+
+def _check_manifold_name(manifold: str) -> None:
+    if manifold not in _REGISTRY:
+        raise ValueError(
+            f"unknown manifold {manifold!r} for a retraction; valid manifolds: {', '.join(MANIFOLD_NAMES)}"
+        )
+
+
+def register_retraction(manifold: str, name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[R], R]:
+    """Class decorator registering a :class:`Retraction` subclass as ``(manifold, name)``.
+
+    Sets the class's ``name`` and ``manifold`` attributes. Registering an existing name
+    replaces it (so a notebook cell can be re-run); aliases resolve to ``name``.
+    """
+    _check_manifold_name(manifold)
+    if not name or not isinstance(name, str):
+        raise ValueError(f"a retraction name must be a non-empty string, got {name!r}")
+
+    def decorator(cls: R) -> R:
+        if not (isinstance(cls, type) and issubclass(cls, Retraction)):
+            raise TypeError(f"register_retraction decorates Retraction subclasses, got {cls!r}")
+        cls.name = name
+        cls.manifold = manifold
+        if cls.order not in (1, 2):
+            raise ValueError(f"{cls.__name__}.order must be 1 or 2, got {cls.order!r}")
+        _REGISTRY[manifold][name] = cls
+        for alias in aliases:
+            _ALIASES[manifold][alias] = name
+        return cls
+
+    return decorator
+
+
+def available_retractions(manifold: str) -> list[str]:
+    """Registered retraction names (aliases included) of one manifold family, sorted."""
+    _check_manifold_name(manifold)
+    return sorted(set(_REGISTRY[manifold]) | set(_ALIASES[manifold]))
+
+
+def get_retraction(manifold: str, name: str, **options) -> Retraction:
+    """Build the retraction registered as ``(manifold, name)`` with constructor ``options``."""
+    _check_manifold_name(manifold)
+    canonical = _ALIASES[manifold].get(name, name)
+    cls = _REGISTRY[manifold].get(canonical)
+    if cls is None:
+        raise ValueError(
+            f"unknown {manifold} retraction {name!r}; valid names: "
+            f"{', '.join(available_retractions(manifold))}"
+        )
+    return cls(**options)
+
+
+def resolve_retraction(manifold: str, retraction: "str | Retraction", **options) -> Retraction:
+    """Accept a registered name or a :class:`Retraction` instance of the right manifold."""
+    if isinstance(retraction, Retraction):
+        if options:
+            raise ValueError(
+                f"options {sorted(options)} can only be given with a retraction name, "
+                f"not with the instance {retraction!r}"
+            )
+        if retraction.manifold and retraction.manifold != manifold:
+            raise ValueError(
+                f"retraction {retraction!r} belongs to the {retraction.manifold!r} manifold, "
+                f"expected one for {manifold!r}"
+            )
+        return retraction
+    if isinstance(retraction, str):
+        return get_retraction(manifold, retraction, **options)
+    raise ValueError(
+        f"retraction must be a registered name or a Retraction instance, got {retraction!r}"
+    )

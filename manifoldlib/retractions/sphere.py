@@ -1,0 +1,145 @@
+r"""Sphere retractions: one planar rotation, many angle functions.
+
+Every member rotates :math:`x` in :math:`\operatorname{span}(x, v)` by :math:`\theta(\beta)`,
+:math:`\beta = \|v\|/r`: :math:`R_x(v) = \cos\theta\,x + (\sin\theta/\beta)\,v`. A subclass of
+:class:`AngleRetraction` defines only :meth:`~AngleRetraction.angle`; the built-ins also override
+:meth:`~AngleRetraction.coefficients` with closed forms in :math:`\sigma = \beta^2`.
+
+============  ======================  =======  ===================================
+name          :math:`\theta(\beta)`   order    paper name
+============  ======================  =======  ===================================
+exp           :math:`\beta`           2        GeoNorm
+gnomonic      :math:`\arctan\beta`    2        Proj-SpheretNorm (p = 1)
+cayley        :math:`2\arctan(\beta/2)` 2      Cay-SpheretNorm (p = 2)
+p             :math:`p\arctan(\beta/p)` 2      p-SpheretNorm
+============  ======================  =======  ===================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..functional.sphere import (
+    cayley_coefficients,
+    exponential_coefficients,
+    gnomonic_coefficients,
+    p_coefficients,
+    rotate,
+    sphere_normalized_sq_step,
+)
+from .base import Retraction, register_retraction
+
+__all__ = [
+    "AngleRetraction",
+    "CayleyRetraction",
+    "ExponentialRetraction",
+    "GnomonicRetraction",
+    "PRetraction",
+]
+
+
+class AngleRetraction(Retraction):
+    r"""Base class of sphere retractions that rotate by an angle :math:`\theta(\beta)`.
+
+    Subclasses define :meth:`angle`, an odd function with :math:`\theta'(0) = 1` (then the
+    retraction is second order whenever :math:`\theta''(0) = 0`, which oddness gives). Points are
+    ``(..., d)`` with the sphere over the last dimension.
+    """
+
+    manifold = "sphere"
+    order = 2
+
+    def angle(self, beta: torch.Tensor) -> torch.Tensor:
+        """Rotation angle for the normalized step ``beta = ||v|| / r`` (elementwise, ``beta >= 0``)."""
+        raise NotImplementedError(f"{type(self).__name__} must define angle(beta)")
+
+    def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(cos θ, k = sin θ / β)`` from :math:`\sigma = \beta^2`, shape ``(..., 1)`` each.
+
+        The generic form evaluates :meth:`angle` at :math:`\beta = \sqrt\sigma`, with the
+        double-where pattern below :math:`\sigma < \epsilon` (where ``k = 1`` and
+        :math:`\cos\theta = 1 - \sigma/2` are exact to rounding for any admissible angle).
+        """
+        small = sigma < float(torch.finfo(sigma.dtype).eps)
+        safe = torch.where(small, torch.ones_like(sigma), sigma)
+        beta = safe.sqrt()
+        theta = self.angle(beta)
+        cos_theta = torch.where(small, 1.0 - 0.5 * sigma, torch.cos(theta))
+        k = torch.where(small, torch.ones_like(sigma), torch.sin(theta) / beta)
+        return cos_theta, k
+
+    def retract(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` towards the tangent vector ``v``.
+
+        Args:
+            x: ``(..., d)`` points on the sphere of radius ``radius``.
+            v: ``(..., d)`` tangent vectors at ``x``.
+            radius: sphere radius; ``None`` reads it from ``||x||``.
+        """
+        radius_sq = (x * x).sum(-1, keepdim=True) if radius is None else radius * radius
+        cos_theta, k = self.coefficients(sphere_normalized_sq_step(v, radius_sq))
+        return rotate(x, v, cos_theta, k)
+
+
+@register_retraction("sphere", "exp")
+class ExponentialRetraction(AngleRetraction):
+    r"""Exponential map (GeoNorm): :math:`\theta = \beta`. Can wrap around the sphere."""
+
+    def angle(self, beta: torch.Tensor) -> torch.Tensor:
+        return beta
+
+    def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return exponential_coefficients(sigma)
+
+
+@register_retraction("sphere", "gnomonic", aliases=("projection",))
+class GnomonicRetraction(AngleRetraction):
+    r"""Gnomonic = metric projection (Proj-SpheretNorm, p = 1): :math:`(x + v)/\sqrt{1+\sigma}`."""
+
+    def angle(self, beta: torch.Tensor) -> torch.Tensor:
+        return torch.atan(beta)
+
+    def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gnomonic_coefficients(sigma)
+
+
+@register_retraction("sphere", "cayley", aliases=("stereographic",))
+class CayleyRetraction(AngleRetraction):
+    r"""Cayley = stereographic (Cay-SpheretNorm, p = 2): :math:`((1-\sigma/4)x + v)/(1+\sigma/4)`."""
+
+    def angle(self, beta: torch.Tensor) -> torch.Tensor:
+        return 2.0 * torch.atan(0.5 * beta)
+
+    def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cayley_coefficients(sigma)
+
+
+@register_retraction("sphere", "p")
+class PRetraction(AngleRetraction):
+    r"""p-family (p-SpheretNorm): :math:`\theta = p\arctan(\beta/p)`, :math:`p \in (0, \infty]`.
+
+    ``p = 1`` is gnomonic, ``p = 2`` Cayley, ``p = inf`` the exponential map, ``p -> 0``
+    the identity. For finite ``p`` the angle saturates below :math:`p\pi/2`.
+    """
+
+    def __init__(self, p: float = 1.0):
+        try:
+            value = float(p)
+        except (TypeError, ValueError):
+            raise ValueError(f"p must be a number in (0, inf], got {p!r}") from None
+        if math.isnan(value) or value <= 0:
+            raise ValueError(f"p must be in (0, inf], got {p!r}")
+        self.p = value
+
+    def options(self) -> dict:
+        return {"p": self.p}
+
+    def angle(self, beta: torch.Tensor) -> torch.Tensor:
+        if math.isinf(self.p):
+            return beta
+        return self.p * torch.atan(beta / self.p)
+
+    def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return p_coefficients(sigma, self.p)
