@@ -31,9 +31,25 @@ __all__ = [
 
 
 def _series_threshold(dtype: torch.dtype) -> float:
-    # Taylor series with error O(s^3) is exact to rounding below s ~ eps^(1/3); used
-    # conservatively below 1e-4 (float64) as MATH.md suggests, and below eps^(1/2) otherwise.
+    # Below this the Taylor branches are used (1e-4 in float64 as MATH.md suggests, eps^(1/2)
+    # otherwise). The series carry terms up to s^3 (atan(z)/z up to z^8), so the first dropped
+    # term is below s^4/40320 ~ 2.5e-21 at s = 1e-4: exact to rounding on both sides of the switch.
     return 1e-4 if dtype == torch.float64 else math.sqrt(float(torch.finfo(dtype).eps))
+
+
+def _cos_sqrt_series(s: torch.Tensor) -> torch.Tensor:
+    # cos(sqrt(s)) = 1 - s/2 + s^2/24 - s^3/720 + O(s^4)
+    return 1.0 + s * (-1.0 / 2.0 + s * (1.0 / 24.0 - s / 720.0))
+
+
+def _sinc_sqrt_series(s: torch.Tensor) -> torch.Tensor:
+    # sin(sqrt(s))/sqrt(s) = 1 - s/6 + s^2/120 - s^3/5040 + O(s^4)
+    return 1.0 + s * (-1.0 / 6.0 + s * (1.0 / 120.0 - s / 5040.0))
+
+
+def _atanc_sqrt_series(s: torch.Tensor) -> torch.Tensor:
+    # atan(z)/z with s = z^2: 1 - s/3 + s^2/5 - s^3/7 + s^4/9 + O(s^5)
+    return 1.0 + s * (-1.0 / 3.0 + s * (1.0 / 5.0 + s * (-1.0 / 7.0 + s / 9.0)))
 
 
 def sphere_project_tangent(x: torch.Tensor, z: torch.Tensor, radius_sq: torch.Tensor | float) -> torch.Tensor:
@@ -69,22 +85,23 @@ def cayley_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def exponential_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Exponential map, :math:`\theta = \beta`: :math:`\cos\sqrt\sigma`, :math:`\sin\sqrt\sigma/\sqrt\sigma`.
 
-    Below the series threshold: :math:`1 - \sigma/2 + \sigma^2/24` and :math:`1 - \sigma/6 + \sigma^2/120`.
+    Below the series threshold: :math:`1 - \sigma/2 + \sigma^2/24 - \sigma^3/720` and
+    :math:`1 - \sigma/6 + \sigma^2/120 - \sigma^3/5040` (exact to rounding there).
     """
     small = sigma < _series_threshold(sigma.dtype)
     safe = torch.where(small, torch.ones_like(sigma), sigma)  # double-where: no sqrt(0) in autograd
     beta = safe.sqrt()
     cos_big, k_big = torch.cos(beta), torch.sin(beta) / beta
-    cos_small = 1.0 - sigma / 2.0 + sigma * sigma / 24.0
-    k_small = 1.0 - sigma / 6.0 + sigma * sigma / 120.0
+    cos_small = _cos_sqrt_series(sigma)
+    k_small = _sinc_sqrt_series(sigma)
     return torch.where(small, cos_small, cos_big), torch.where(small, k_small, k_big)
 
 
 def p_coefficients(sigma: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The p-family, :math:`\theta = p\arctan(\beta/p)`, :math:`p \in (0, \infty]`.
 
-    With :math:`z^2 = \sigma/p^2` and :math:`g = \arctan(z)/z` (series :math:`1 - z^2/3 + z^4/5`
-    for small :math:`z`): :math:`\theta = \sqrt\sigma\, g` and :math:`k = (\sin\theta/\theta)\, g`.
+    With :math:`z^2 = \sigma/p^2` and :math:`g = \arctan(z)/z` (series
+    :math:`1 - z^2/3 + z^4/5 - z^6/7 + z^8/9` for small :math:`z`): :math:`\theta = \sqrt\sigma\, g` and :math:`k = (\sin\theta/\theta)\, g`.
     ``p = inf`` is the exponential map.
     """
     if math.isinf(p):
@@ -94,17 +111,13 @@ def p_coefficients(sigma: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.T
     small_z = z2 < threshold
     z2_safe = torch.where(small_z, torch.ones_like(z2), z2)
     z_safe = z2_safe.sqrt()
-    g = torch.where(small_z, 1.0 - z2 / 3.0 + z2 * z2 / 5.0, torch.atan(z_safe) / z_safe)
+    g = torch.where(small_z, _atanc_sqrt_series(z2), torch.atan(z_safe) / z_safe)
     theta_sq = sigma * g * g
     small_t = theta_sq < threshold
     t2_safe = torch.where(small_t, torch.ones_like(theta_sq), theta_sq)
     theta_safe = t2_safe.sqrt()
-    cos_theta = torch.where(
-        small_t, 1.0 - theta_sq / 2.0 + theta_sq * theta_sq / 24.0, torch.cos(theta_safe)
-    )
-    sinc = torch.where(
-        small_t, 1.0 - theta_sq / 6.0 + theta_sq * theta_sq / 120.0, torch.sin(theta_safe) / theta_safe
-    )
+    cos_theta = torch.where(small_t, _cos_sqrt_series(theta_sq), torch.cos(theta_safe))
+    sinc = torch.where(small_t, _sinc_sqrt_series(theta_sq), torch.sin(theta_safe) / theta_safe)
     return cos_theta, sinc * g
 
 

@@ -13,6 +13,7 @@ class; ``get_retraction("sphere", "my-p3", **options)`` builds an instance; unkn
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Callable, TypeVar
 
 import torch
@@ -119,6 +120,18 @@ def get_retraction(manifold: str, name: str, **options) -> Retraction:
             f"unknown {manifold} retraction {name!r}; valid names: "
             f"{', '.join(available_retractions(manifold))}"
         )
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError:
+        accepted = [
+            p.name
+            for p in inspect.signature(cls).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        raise ValueError(
+            f"{manifold} retraction {name!r} got unexpected options {sorted(options)}; "
+            f"accepted options: {', '.join(accepted) if accepted else 'none'}"
+        ) from None
     return cls(**options)
 
 

@@ -1,12 +1,12 @@
 r"""DGram retractions, points ``(..., m, n)`` with :math:`\operatorname{Off}(W^\top W) = 0`.
 
-=============  ========================================================  =====
-name           formula                                                   order
-=============  ========================================================  =====
-alternating    :math:`Q'=\operatorname{msign}(Y\operatorname{diag}(c))`,
-               :math:`d'_j = q_j'^\top y_j`, :math:`R = Q'\operatorname{diag}(d')`  2
-colnorm-polar  :math:`\operatorname{msign}(YD_Y^{-1})D_Y`                1
-=============  ========================================================  =====
+=============  ========================================================================  =====
+name           formula                                                                   order
+=============  ========================================================================  =====
+alternating    :math:`Q'=\operatorname{msign}(Y\operatorname{diag}(c))`,                   2
+               :math:`d'_j = q_j'^\top y_j`, :math:`R = Q'\operatorname{diag}(d')`
+colnorm-polar  :math:`\operatorname{msign}(YD_Y^{-1})D_Y`                                1
+=============  ========================================================================  =====
 
 (``U V^T diag(σ)`` from an SVD of ``Y`` is *not* a retraction: it sorts the column norms.)
 """

@@ -5,14 +5,14 @@ Every member rotates :math:`x` in :math:`\operatorname{span}(x, v)` by :math:`\t
 :class:`AngleRetraction` defines only :meth:`~AngleRetraction.angle`; the built-ins also override
 :meth:`~AngleRetraction.coefficients` with closed forms in :math:`\sigma = \beta^2`.
 
-============  ======================  =======  ===================================
-name          :math:`\theta(\beta)`   order    paper name
-============  ======================  =======  ===================================
-exp           :math:`\beta`           2        GeoNorm
-gnomonic      :math:`\arctan\beta`    2        Proj-SpheretNorm (p = 1)
-cayley        :math:`2\arctan(\beta/2)` 2      Cay-SpheretNorm (p = 2)
-p             :math:`p\arctan(\beta/p)` 2      p-SpheretNorm
-============  ======================  =======  ===================================
+============  ===========================  =====  ========================
+name          :math:`\theta(\beta)`        order  paper name
+============  ===========================  =====  ========================
+exp           :math:`\beta`                2      GeoNorm
+gnomonic      :math:`\arctan\beta`         2      Proj-SpheretNorm (p = 1)
+cayley        :math:`2\arctan(\beta/2)`    2      Cay-SpheretNorm (p = 2)
+p             :math:`p\arctan(\beta/p)`    2      p-SpheretNorm
+============  ===========================  =====  ========================
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""Forward + backward of one SphereResidual against LayerNorm + add, as ratios to that anchor.
+
+    python benchmarks/bench_sphere_residual.py [--rows 8192] [--dim 768] [--threads 1] [--repeats 15]
+        [--no-compile]
+
+The anchor is the Post-LN-style update ``LayerNorm(h + f)`` (``nn.LayerNorm`` with affine
+parameters), forward and backward into ``h`` and ``f``, measured in the same process. Every
+candidate is timed interleaved with the anchor (round robin, median of ``--repeats`` rounds), so
+machine load affects both alike. Ratios < 1 are faster than the anchor; they are printed for the
+median and for the minimum over rounds (the minimum is the less load-sensitive on a shared CPU). Compiled variants use
+``torch.compile`` (inductor; needs a C++ compiler on CPU) and are skipped if compilation fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from manifoldlib.nn import SphereResidual
+
+
+def _fwd_bwd(fn, h, f, g):
+    def step():
+        h.grad = None
+        f.grad = None
+        out = fn(h, f)
+        out.backward(g)
+
+    return step
+
+
+def _time(step, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n, d = args.rows, args.dim
+    h = torch.randn(n, d)
+    h = (d**0.5 * h / h.norm(dim=-1, keepdim=True)).requires_grad_(True)
+    f = (0.3 * torch.randn(n, d)).requires_grad_(True)
+    g = torch.randn(n, d)
+
+    layer_norm = torch.nn.LayerNorm(d)
+    anchor = lambda a, b: layer_norm(a + b)  # noqa: E731
+    candidates = {
+        "gnomonic fused": SphereResidual(d, retraction="gnomonic"),
+        "gnomonic eager autograd": SphereResidual(d, retraction="gnomonic", fused=False),
+        "exp fused": SphereResidual(d, retraction="exp"),
+        "exp eager autograd": SphereResidual(d, retraction="exp", fused=False),
+        "cayley fused": SphereResidual(d, retraction="cayley"),
+        "p=1.5 fused": SphereResidual(d, retraction="p", p=1.5),
+    }
+    steps = {name: _fwd_bwd(mod, h, f, g) for name, mod in candidates.items()}
+    if not args.no_compile:
+        compiled = {
+            "LayerNorm + add compiled": torch.compile(anchor),
+            "gnomonic eager autograd compiled": torch.compile(SphereResidual(d, retraction="gnomonic", fused=False)),
+            "gnomonic fused compiled": torch.compile(SphereResidual(d, retraction="gnomonic")),
+            "exp eager autograd compiled": torch.compile(SphereResidual(d, retraction="exp", fused=False)),
+        }
+        for name, fn in compiled.items():
+            try:
+                step = _fwd_bwd(fn, h, f, g)
+                step()  # compile now
+                steps[name] = step
+            except Exception as err:  # noqa: BLE001 - report and continue without this variant
+                print(f"skipped {name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+    anchor_step = _fwd_bwd(anchor, h, f, g)
+    for step in [anchor_step, *steps.values()]:
+        step()  # warm up
+    anchor_times, times = [], {name: [] for name in steps}
+    for _ in range(args.repeats):
+        anchor_times += _time(anchor_step, 1)
+        for name, step in steps.items():
+            times[name] += _time(step, 1)
+    base, base_min = statistics.median(anchor_times), min(anchor_times)
+    print(f"shape ({n}, {d}) float32, {torch.get_num_threads()} thread(s), {args.repeats} rounds")
+    print(f"{'variant':40s} {'median':>9s} {'ratio':>6s} {'min':>9s} {'ratio':>6s}")
+    print(f"{'LayerNorm + add (anchor)':40s} {base * 1e3:7.2f}ms {1:6.2f} {base_min * 1e3:7.2f}ms {1:6.2f}")
+    for name, ts in times.items():
+        t, t_min = statistics.median(ts), min(ts)
+        print(f"{name:40s} {t * 1e3:7.2f}ms {t / base:6.2f} {t_min * 1e3:7.2f}ms {t_min / base_min:6.2f}")
+    for stat, label in ((statistics.median, "median"), (min, "min")):
+        ratio = stat(times["exp fused"]) / stat(times["gnomonic fused"])
+        print(f"exp / gnomonic (fused, {label}): {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Curved parameter charts installed with ``torch.nn.utils.parametrize``: SymExpLin (SEL).
+
+``apply_chart(model, SEL, include=...)`` converts (pretrained) weights into chart coordinates,
+``merge_charts(model)`` stores the effective weights back into plain modules.
+"""
+
+from .base import Chart, apply_chart, assert_chart_compatible, chart_parameter_names, merge_charts
+from .inverse import solve_expm1_linear, solve_expm1_minus_linear
+from .schedule import SEL_ROLES, SELLRMultiplier, sel_lr_lambdas, sel_lr_scheduler, sel_param_groups
+from .sel import SEL, SEL_INITS
+
+__all__ = [
+    "SEL",
+    "SEL_INITS",
+    "SEL_ROLES",
+    "Chart",
+    "SELLRMultiplier",
+    "apply_chart",
+    "assert_chart_compatible",
+    "chart_parameter_names",
+    "merge_charts",
+    "sel_lr_lambdas",
+    "sel_lr_scheduler",
+    "sel_param_groups",
+    "solve_expm1_linear",
+    "solve_expm1_minus_linear",
+]

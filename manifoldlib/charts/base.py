@@ -1,0 +1,212 @@
+r"""Charts: curved maps from raw coordinates to an effective weight, installed with ``parametrize``.
+
+A :class:`Chart` is an :class:`torch.nn.Module` with ``forward(raw) -> weight`` and
+``right_inverse(weight) -> raw``. :func:`apply_chart` installs one per selected tensor with
+:func:`torch.nn.utils.parametrize.register_parametrization`; registration runs ``right_inverse`` on
+the current (e.g. pretrained) weight, so converting a pretrained model *is* :func:`apply_chart`.
+:func:`merge_charts` stores the effective weights back into plain tensors (zero inference cost).
+
+Raw chart coordinates are Euclidean coordinates of a curved map, not points of a matrix manifold:
+a manifold-constrained optimizer (Stiefel, DGram, sphere) on them has no meaning.
+:func:`assert_chart_compatible` states that rule as a check and :func:`apply_chart` enforces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = [
+    "Chart",
+    "apply_chart",
+    "assert_chart_compatible",
+    "chart_parameter_names",
+    "merge_charts",
+]
+
+_COMPATIBLE_KINDS = (None, "euclidean", "adamw")
+
+
+class Chart(nn.Module):
+    r"""Base class of a parameter chart :math:`\phi: \text{raw} \mapsto W`.
+
+    Subclasses implement :meth:`forward` and :meth:`right_inverse`. When :attr:`exact_inverse` is
+    True the chart guarantees ``forward(right_inverse(W)) == W`` (to rounding) for every admissible
+    ``W``; a chart with a deliberately mismatched initialization sets it False and documents what
+    ``forward(right_inverse(W))`` realizes instead.
+    """
+
+    exact_inverse: bool = True
+
+    def forward(self, raw: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def assert_chart_compatible(param_or_kind: Any, name: str = "parameter") -> None:
+    """Raise if a charted parameter would be handed to a manifold-constrained optimizer.
+
+    Raw chart coordinates live in flat space. They may be trained by AdamW, SGD, or
+    ``ManifoldMuon`` with ``manifold="euclidean"``; a Stiefel/DGram/sphere constraint on them is
+    meaningless (the *effective* weight would not be on that manifold either).
+
+    Args:
+        param_or_kind: a tensor (rejected if it is a ``geoopt.ManifoldParameter`` on a
+            non-Euclidean manifold) or an optimizer assignment: ``None``/``"adamw"``/``"euclidean"``
+            are accepted, any other manifold name is rejected.
+        name: the parameter's name, used in the error message.
+
+    Raises:
+        ValueError: naming the parameter and the offending manifold.
+    """
+    if isinstance(param_or_kind, torch.Tensor):
+        manifold = getattr(param_or_kind, "manifold", None)
+        if manifold is None:
+            return
+        kind = getattr(manifold, "name", type(manifold).__name__)
+        if str(kind).lower() == "euclidean":
+            return
+    else:
+        kind = param_or_kind
+        if kind is None or (isinstance(kind, str) and kind.lower() in _COMPATIBLE_KINDS[1:]):
+            return
+    raise ValueError(
+        f"{name}: manifold={kind!r} cannot be combined with a chart. Raw chart (e.g. SEL) coordinates "
+        f"are not points of a matrix manifold, so a constrained optimizer on them has no meaning; "
+        f"expected one of None, 'adamw', 'euclidean' (route charted parameters to AdamW)"
+    )
+
+
+def _qualified(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf
+
+
+def _has_chart(module: nn.Module, tensor_name: str) -> bool:
+    if not parametrize.is_parametrized(module, tensor_name):
+        return False
+    return any(isinstance(p, Chart) for p in module.parametrizations[tensor_name])
+
+
+def _own_parametrized_class(module: nn.Module) -> None:
+    """Give a parametrized module a private copy of its generated ``Parametrized<Cls>`` class.
+
+    ``parametrize`` stores each tensor's property on a class generated per module, but
+    :func:`copy.deepcopy` keeps the class object, so a copy and its original share it; removing
+    (or adding) a parametrization on one would then delete (or add) the property on both.
+    """
+    if not parametrize.is_parametrized(module):
+        return
+    cls = type(module)
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    module.__class__ = type(cls.__name__, cls.__bases__, namespace)
+
+
+def apply_chart(
+    model: nn.Module,
+    chart: Callable[..., Chart],
+    include: Callable[[str, nn.Module], bool] | None = None,
+    tensor_name: str = "weight",
+) -> list[str]:
+    """Install a chart on every selected tensor; pretrained values are converted by ``right_inverse``.
+
+    Args:
+        model: the model, modified in place.
+        chart: builder called as ``chart(weight)`` with the tensor's current value (detached),
+            returning a :class:`Chart`; pass options with :func:`functools.partial`.
+        include: ``include(name, module) -> bool`` selects modules (default: every
+            :class:`torch.nn.Linear`). Selected modules without a ``tensor_name`` parameter (e.g.
+            ``bias=False``) are skipped.
+        tensor_name: the parameter to chart on each selected module.
+
+    Returns:
+        Qualified names of the charted tensors, e.g. ``["blocks.0.attn.q.weight", ...]``.
+
+    Raises:
+        ValueError: if a selected tensor is a manifold-constrained parameter, is tied to (shared
+            with) another module, already carries a chart, or the builder does not return a Chart.
+    """
+    if include is None:
+        include = lambda name, module: isinstance(module, nn.Linear)  # noqa: E731
+    uses: dict[int, list[str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            uses.setdefault(id(p), []).append(_qualified(mname, pname))
+    targets = []
+    for mname, module in model.named_modules():
+        if not include(mname, module):
+            continue
+        qname = _qualified(mname, tensor_name)
+        if _has_chart(module, tensor_name):
+            raise ValueError(f"{qname} already carries a chart; merge_charts(model) before charting again")
+        param = module._parameters.get(tensor_name)
+        if param is None:
+            continue
+        assert_chart_compatible(param, qname)
+        shared = sorted(set(uses.get(id(param), [])) - {qname})
+        if shared:
+            raise ValueError(
+                f"{qname} is tied to {shared}; a chart would overwrite the shared tensor with raw "
+                f"coordinates. Untie it or exclude it with include=..."
+            )
+        targets.append((qname, module))
+    names = []
+    for qname, module in targets:
+        weight = getattr(module, tensor_name).detach()
+        built = chart(weight)
+        if not isinstance(built, Chart):
+            raise ValueError(f"chart builder must return a Chart, got {type(built).__name__} for {qname}")
+        _own_parametrized_class(module)
+        parametrize.register_parametrization(module, tensor_name, built)
+        names.append(qname)
+    return names
+
+
+def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:
+    """Replace each charted tensor by its effective value and remove the parametrization.
+
+    Uses :func:`torch.nn.utils.parametrize.remove_parametrizations` with
+    ``leave_parametrized=True``: the module becomes a plain module again whose outputs equal the
+    charted module's, and the parameter object is kept (optimizers holding it stay valid).
+
+    Args:
+        model: the model, modified in place.
+        charts_only: merge only tensors whose parametrization list contains a :class:`Chart`;
+            with False, every parametrization in the model is merged.
+
+    Returns:
+        Qualified names of the merged tensors.
+    """
+    names = []
+    for mname, module in list(model.named_modules()):
+        if not parametrize.is_parametrized(module):
+            continue
+        for tensor_name in list(module.parametrizations.keys()):
+            if charts_only and not _has_chart(module, tensor_name):
+                continue
+            _own_parametrized_class(module)
+            parametrize.remove_parametrizations(module, tensor_name, leave_parametrized=True)
+            names.append(_qualified(mname, tensor_name))
+    return names
+
+
+def chart_parameter_names(model: nn.Module) -> set[str]:
+    """Names of all parameters that belong to a chart: raw coordinates and the chart's own scales.
+
+    An optimizer policy can use it to route these to AdamW (see :func:`assert_chart_compatible`).
+    """
+    names = set()
+    for mname, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for tensor_name, plist in module.parametrizations.items():
+            if not any(isinstance(p, Chart) for p in plist):
+                continue
+            prefix = _qualified(mname, f"parametrizations.{tensor_name}")
+            names.update(_qualified(prefix, n) for n, _ in plist.named_parameters())
+    return names

@@ -1,0 +1,98 @@
+r"""The SEL forward rule as one autograd function with a hand-written backward.
+
+With rank-1 positive scales :math:`a = a_r a_c^\top`, :math:`b = b_r b_c^\top`,
+:math:`c = c_r c_c^\top` (rows ``(out, 1)``, columns ``(1, in)``), :math:`t = |w|`, :math:`s = \pm1`
+the sign of :math:`w` (:math:`+1` at 0) and :math:`e = \operatorname{expm1}(\min(bt, M))`:
+
+.. math::
+    W = s\,a\,e + c\,t.
+
+For an upstream gradient :math:`G`, with :math:`k = [bt < M]` (the overflow clamp) and
+:math:`Q = G\,(e + 1)\,k`:
+
+.. math::
+    \frac{\partial L}{\partial w} = Q\,ab + s\,G\,c, \quad
+    \frac{\partial L}{\partial a} = s\,G\,e, \quad
+    \frac{\partial L}{\partial b} = Q\,a\,w, \quad
+    \frac{\partial L}{\partial c} = G\,t,
+
+using :math:`s\,t = w`. The gradient of a rank-1 factor is a matrix–vector product, e.g.
+:math:`\partial L/\partial a_r = (sGe)\,a_c^\top`. Autograd of the plain expression needs about
+twice the memory passes (every broadcast product and its reduction is a separate kernel); these are
+memory-bound elementwise passes, so the pass count is the cost.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["sel_forward_rule"]
+
+
+class _SELForwardRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
+        t = raw.abs()  # (out, in)
+        e = t * b_r
+        e.mul_(b_c).clamp_(max=max_exponent).expm1_()  # (out, in)
+        weight = e * a_r
+        weight.mul_(a_c).copysign_(raw)
+        if c_r is not None:
+            weight.addcmul_(t.mul_(c_r), c_c)
+        ctx.max_exponent = max_exponent
+        ctx.save_for_backward(raw, e, a_r, a_c, b_r, b_c, c_r, c_c)
+        return weight
+
+    @staticmethod
+    @once_differentiable  # second derivatives are not implemented: raise instead of being wrong
+    def backward(ctx, grad):
+        raw, e, a_r, a_c, b_r, b_c, c_r, c_c = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g_raw = g_ar = g_ac = g_br = g_bc = g_cr = g_cc = None
+        grad_s = torch.ones_like(raw).copysign_(raw).mul_(grad)  # s G (a where() is 10x slower)
+        if need[1] or need[2]:
+            p = grad_s * e  # dL/da (full)
+            g_ar = p @ a_c.mT if need[1] else None
+            g_ac = a_r.mT @ p if need[2] else None
+        q = e + 1.0
+        q.mul_(grad)
+        limit = torch.expm1(torch.tensor(ctx.max_exponent, dtype=e.dtype))
+        if bool(e.max() >= limit):  # rare: only then pay for the mask
+            q.masked_fill_(e >= limit, 0.0)
+        if need[3] or need[4]:
+            qw = q * raw  # dL/db / a (full)
+            g_br = (qw @ (a_c * b_c).mT) * a_r if need[3] else None
+            g_bc = ((a_r * b_r).mT @ qw) * a_c if need[4] else None
+        if c_r is not None and (need[5] or need[6]):
+            gt = grad * raw.abs()  # dL/dc (full)
+            g_cr = gt @ c_c.mT if need[5] else None
+            g_cc = c_r.mT @ gt if need[6] else None
+        if need[0]:
+            g_raw = q.mul_(a_r * b_r).mul_(a_c * b_c)
+            if c_r is not None:
+                g_raw.addcmul_(grad_s.mul_(c_r), c_c)
+        return g_raw, g_ar, g_ac, g_br, g_bc, g_cr, g_cc, None
+
+
+def sel_forward_rule(
+    raw: torch.Tensor,
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    c: tuple[torch.Tensor, torch.Tensor] | None,
+    max_exponent: float,
+) -> torch.Tensor:
+    r""":math:`s\,a\,\operatorname{expm1}(\min(b|w|, M)) + c|w|` for rank-1 scales, differentiable in all inputs.
+
+    Args:
+        raw: ``(out, in)`` raw coordinates :math:`w`.
+        a: row ``(out, 1)`` and column ``(1, in)`` factors of :math:`a > 0`.
+        b: row and column factors of :math:`b > 0`.
+        c: row and column factors of :math:`c > 0`, or None (no linear path).
+        max_exponent: :math:`M`, the clamp of :math:`b|w|` (its gradient is 0 beyond).
+
+    Returns:
+        ``(out, in)`` the effective weight.
+    """
+    c_r, c_c = (None, None) if c is None else c
+    return _SELForwardRule.apply(raw, a[0], a[1], b[0], b[1], c_r, c_c, float(max_exponent))

@@ -1,0 +1,266 @@
+r"""SymExpLin (SEL): a curved chart in which additive raw steps become magnitude-relative changes.
+
+Magnitude map and forward rule (MATH.md §6):
+
+.. math::
+    E(x) = e_w\bigl(e^{\beta m x - n} - e^{-n}\bigr) = a\,\operatorname{expm1}(b x),
+    \quad a = e_w e^{-n},\ b = \beta m, \qquad
+    w_\text{eff} = \operatorname{sign}(w)\bigl(E(|w|) + l_w w\bigr) + \Delta
+                 = \operatorname{sign}(w) E(|w|) + l_w |w| + \Delta.
+
+The linear part of the forward rule is even, so it differs from the odd *congruent* rule
+:math:`g(w) = \operatorname{sign}(w) E(|w|) + l_w w` on negative weights.
+
+* ``init="congruent"``: :meth:`SEL.right_inverse` inverts the forward rule itself (positives: the
+  root of :math:`E(x) + l_w x = y`; negatives: the root of :math:`E(t) - l_w t = |y|` beyond the
+  minimum), so ``forward(right_inverse(W)) == W`` to rounding.
+* ``init="mismatched"`` (default, the seed's choice): :meth:`SEL.right_inverse` inverts :math:`g`
+  and the forward rule runs as above. Positives are realized exactly; a negative target
+  :math:`y` is realized as :math:`y + 2 l_w |w|` (shrunk towards 0), in the linear regime by the
+  factor :math:`(ab - l_w)/(ab + l_w)`.
+
+Scales are positive and rank-1 per weight matrix (``out x in``): for each of :math:`e_w, l_w, m`
+the chart holds a row vector ``(out, 1)`` and a column vector ``(1, in)`` of log-values,
+:math:`s_{ij} = \exp(u_i + v_j)`; the offset is additive, :math:`n_{ij} = p_i + q_j`, so that
+:math:`e^{-n}` is again a positive rank-1 factor. That is :math:`4(\text{out} + \text{in})` scale
+parameters (:math:`3(\text{out}+\text{in})` with ``linear=False``); for a 1-D tensor each scale is
+one scalar. :math:`\beta` is a fixed buffer, set from the width:
+:math:`\beta = \kappa\sqrt{\text{fan\_in}}/(\text{gain}\cdot m_0)` so that :math:`b\sigma_0 = \kappa`
+at the typical initial magnitude :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}`, and
+:math:`a = s_0 / b` keeps the slope :math:`E'(0) = s_0` fixed across widths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .base import Chart
+from .kernel import sel_forward_rule
+from .inverse import solve_expm1_linear, solve_expm1_minus_linear
+
+__all__ = ["SEL", "SEL_INITS"]
+
+SEL_INITS = ("mismatched", "congruent")
+DEFAULT_SLOPE = 0.75  # E'(0); with l_w = 0.25 the congruent rule has slope 1 at 0
+DEFAULT_SCALE_INIT = {"l_w": 0.25, "m": 1.0, "n": 0.0}
+_SCALE_KEYS = ("e_w", "l_w", "m", "n")
+
+
+def _positive(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return v
+
+
+class SEL(Chart):
+    r"""SymExpLin chart for one weight tensor (1-D or 2-D ``(out, in)``).
+
+    Args:
+        weight: the tensor the chart will carry; sets shape, dtype, device and the default fan-in.
+        init: ``"mismatched"`` (default) or ``"congruent"`` — which rule :meth:`right_inverse`
+            inverts (see the module docstring).
+        linear: keep the linear path :math:`l_w w` (False: ablation without it).
+        kappa: curvature at the typical initial magnitude, :math:`b\sigma_0 = \kappa` (> 0).
+        gain: initialization gain in :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}` (> 0).
+        rank: rank of the optional LoRA-style residual :math:`\Delta = BA` (``B`` zero-initialized);
+            0 disables it. Only for 2-D weights.
+        slope: :math:`s_0 = E'(0) = ab` at initialization (> 0); default 0.75. Mutually exclusive
+            with ``scale_init["e_w"]``.
+        scale_init: initial values of ``"e_w"``, ``"l_w"`` (default 0.25), ``"m"`` (default 1) and
+            ``"n"`` (default 0); ``e_w`` is derived from ``slope`` unless given. ``e_w, l_w, m`` must
+            be > 0, ``n`` finite.
+        fan_in: overrides the fan-in (default: ``weight.shape[1]``, or ``numel`` for 1-D).
+        max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
+            gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32).
+
+    Raises:
+        ValueError: for an unknown ``init``, non-positive or non-finite scales, ``kappa`` or
+            ``gain``, a weight that is not finite or not 1-/2-D, or a bad ``rank``.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        *,
+        init: str = "mismatched",
+        linear: bool = True,
+        kappa: float = 1.0,
+        gain: float = 1.0,
+        rank: int = 0,
+        slope: float | None = None,
+        scale_init: Mapping[str, float] | None = None,
+        fan_in: int | None = None,
+        max_exponent: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise ValueError(f"weight must be a floating-point tensor, got {type(weight).__name__}")
+        if weight.dim() not in (1, 2):
+            raise ValueError(f"SEL charts 1-D or 2-D tensors, got shape {tuple(weight.shape)}")
+        if init not in SEL_INITS:
+            raise ValueError(f"init must be one of {SEL_INITS}, got {init!r}")
+        if not isinstance(rank, int) or rank < 0 or (rank > 0 and weight.dim() != 2):
+            raise ValueError(f"rank must be an int >= 0 (and 0 for 1-D tensors), got {rank!r}")
+        if rank > min(weight.shape):
+            raise ValueError(f"rank must be <= min(weight.shape) = {min(weight.shape)}, got {rank}")
+        kappa = _positive("kappa", kappa)
+        gain = _positive("gain", gain)
+        scale_init = dict(scale_init or {})
+        unknown = sorted(set(scale_init) - set(_SCALE_KEYS))
+        if unknown:
+            raise ValueError(f"scale_init keys must be among {_SCALE_KEYS}, got {unknown}")
+        if slope is not None and "e_w" in scale_init:
+            raise ValueError("give either slope or scale_init['e_w'], not both")
+        values = {**DEFAULT_SCALE_INIT, **scale_init}
+        for key in ("e_w", "l_w", "m"):
+            if key in values:
+                values[key] = _positive(f"scale_init['{key}']", values[key])
+        n0 = float(values["n"]) if isinstance(values["n"], (int, float)) else math.nan
+        if not math.isfinite(n0):
+            raise ValueError(f"scale_init['n'] must be a finite number, got {values['n']!r}")
+        if fan_in is None:
+            fan_in = weight.shape[1] if weight.dim() == 2 else weight.numel()
+        if not isinstance(fan_in, int) or fan_in < 1:
+            raise ValueError(f"fan_in must be an int >= 1, got {fan_in!r}")
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("weight must be finite, got NaN or inf entries")
+        finfo = torch.finfo(weight.dtype)
+        self.max_exponent = (
+            0.5 * math.log(finfo.max) if max_exponent is None else _positive("max_exponent", max_exponent)
+        )
+
+        self._is_vector, self._numel = weight.dim() == 1, weight.numel()
+        self.init = init
+        self.linear = bool(linear)
+        self.exact_inverse = init == "congruent" or not self.linear  # without l_w both rules agree
+        self.kappa, self.gain, self.rank, self.fan_in = kappa, gain, rank, fan_in
+
+        b0 = kappa * math.sqrt(fan_in) / gain  # b * sigma_0 = kappa
+        m0 = values["m"]
+        if "e_w" in values:
+            e_w0 = values["e_w"]
+        else:
+            s0 = _positive("slope", DEFAULT_SLOPE if slope is None else slope)
+            e_w0 = s0 / b0 * math.exp(n0)  # a = e_w e^{-n} = s0 / b
+        self.register_buffer("beta", torch.tensor(b0 / m0, dtype=weight.dtype, device=weight.device))
+
+        factory = {"dtype": weight.dtype, "device": weight.device}
+        row_shape = (weight.shape[0], 1) if weight.dim() == 2 else (1,)
+        col_shape = (1, weight.shape[1]) if weight.dim() == 2 else None
+        init_values = {"log_e_w": math.log(e_w0), "log_m": math.log(m0), "n": n0}
+        if self.linear:
+            init_values["log_l_w"] = math.log(values["l_w"])
+        for pname, value in init_values.items():
+            self.register_parameter(f"{pname}_row", nn.Parameter(torch.full(row_shape, value, **factory)))
+            if col_shape is not None:
+                self.register_parameter(f"{pname}_col", nn.Parameter(torch.zeros(col_shape, **factory)))
+        if rank > 0:
+            out_features, in_features = weight.shape
+            self.delta_a = nn.Parameter(torch.randn(rank, in_features, **factory) / math.sqrt(in_features))
+            self.delta_b = nn.Parameter(torch.zeros(out_features, rank, **factory))
+
+    # -- scales -----------------------------------------------------------------------------------
+    def _factor(self, *pairs: tuple[float, str], scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # exp(sum_k sign_k (u_k,i + v_k,j)) as a row factor (out, 1) and a column factor (1, in);
+        # a 1-D tensor is handled as one row, (1, n), with a constant column of ones.
+        row = torch.exp(sum(sgn * getattr(self, f"{p}_row") for sgn, p in pairs))
+        if scale is not None:
+            row = row * scale
+        if self._is_vector:
+            return row.view(1, 1), torch.ones(1, self._numel, dtype=row.dtype, device=row.device)
+        col = torch.exp(sum(sgn * getattr(self, f"{p}_col") for sgn, p in pairs))
+        return row, col
+
+    def factors(self):
+        """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b` and :math:`l_w` (None without the linear path)."""
+        a = self._factor((1.0, "log_e_w"), (-1.0, "n"))
+        b = self._factor((1.0, "log_m"), scale=self.beta)
+        c = self._factor((1.0, "log_l_w")) if self.linear else None
+        return a, b, c
+
+    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        r"""Full :math:`(a, b, l_w)`, each the shape of the weight; :math:`l_w` is None without the linear path.
+
+        :math:`a = e_w e^{-n}` and :math:`b = \beta m`, each the exponential of a rank-1 sum.
+        """
+        shape = (self._numel,) if self._is_vector else None
+        out = []
+        for pair in self.factors():
+            full = None if pair is None else pair[0] * pair[1]
+            out.append(full.reshape(shape) if full is not None and shape else full)
+        return tuple(out)
+
+    def scale_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """The chart's own parameters by role: ``e_w``, ``l_w``, ``m``, ``n`` and ``delta``."""
+        roles = {"e_w": "log_e_w", "l_w": "log_l_w", "m": "log_m", "n": "n"}
+        out = {}
+        for role, pname in roles.items():
+            params = [getattr(self, f"{pname}_{side}", None) for side in ("row", "col")]
+            params = [p for p in params if p is not None]
+            if params:
+                out[role] = params
+        if self.rank > 0:
+            out["delta"] = [self.delta_a, self.delta_b]
+        return out
+
+    def delta(self) -> torch.Tensor | None:
+        """The low-rank residual :math:`\\Delta = BA` ``(out, in)``, or None when ``rank == 0``."""
+        return self.delta_b @ self.delta_a if self.rank > 0 else None
+
+    # -- chart ------------------------------------------------------------------------------------
+    def forward(self, raw: torch.Tensor) -> torch.Tensor:
+        r""":math:`w_\text{eff} = \operatorname{sign}(w) E(|w|) + l_w |w| + \Delta` (shape of ``raw``).
+
+        ``sign(0)`` is taken as +1 and :math:`|w|` as :math:`w\,\operatorname{sign}(w)` with the
+        sign held constant, so the gradient at :math:`w = 0` is the one-sided slope
+        :math:`E'(0) + l_w` instead of 0.
+        """
+        a, b, c = self.factors()
+        weight = sel_forward_rule(raw.view(1, -1) if self._is_vector else raw, a, b, c, self.max_exponent)
+        weight = weight.view_as(raw)  # (out, in) or (n,)
+        if self.rank > 0:
+            weight = weight + self.delta()
+        return weight
+
+    @torch.no_grad()
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        """Raw coordinates for an effective weight (shape of ``weight``).
+
+        ``init="congruent"`` inverts the forward rule (``forward(right_inverse(W)) == W``);
+        ``init="mismatched"`` inverts the congruent rule :math:`g` (positives exact, negatives
+        shrunk). The current residual :math:`\\Delta` is subtracted first.
+
+        Raises:
+            ValueError: if ``weight`` is not finite, or a target is beyond what the clamped chart
+                can represent (:math:`b|w| >` ``max_exponent``).
+        """
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("weight must be finite, got NaN or inf entries")
+        target = weight - self.delta() if self.rank > 0 else weight
+        a, b, c = self.coefficients()
+        c0 = torch.zeros_like(a) if c is None else c
+        mag = target.abs()
+        raw = torch.sign(target) * solve_expm1_linear(mag, a, b, c0)
+        if self.init == "congruent" and c is not None:
+            neg = solve_expm1_minus_linear(mag, a, b, c0)
+            raw = torch.where(target < 0, -neg, raw)
+        if not bool(torch.isfinite(raw).all()) or bool((b * raw.abs() > self.max_exponent).any()):
+            raise ValueError(
+                f"weight magnitude {mag.max().item():.4g} is beyond what the chart represents "
+                f"(b*|w| <= max_exponent = {self.max_exponent:.4g})"
+            )
+        return raw.to(weight.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"init={self.init!r}, linear={self.linear}, kappa={self.kappa}, gain={self.gain}, "
+            f"rank={self.rank}, fan_in={self.fan_in}"
+        )

@@ -1,0 +1,39 @@
+"""Distributed training support: sharded per-matrix work, guards, and a multi-process harness.
+
+- :mod:`~manifoldlib.distributed.sharding`: :func:`assign_owners` gives each matrix one owner
+  rank; :func:`sharded_apply` runs a per-matrix function on the owner only and shares the
+  results with one ``all_gather`` per dtype (gloo and nccl).
+- :mod:`~manifoldlib.distributed.env`: :func:`is_distributed`, :func:`get_rank_world`,
+  :func:`init_from_env` (torchrun) and :func:`destroy_process_group`.
+- :mod:`~manifoldlib.distributed.guards`: :func:`reject_unsupported_parameter` refuses DTensor
+  and FSDP-flattened parameters, which a per-matrix manifold step would get wrong.
+- :mod:`~manifoldlib.distributed.batching`: :func:`batch_shard`, the rows of a global batch a
+  rank trains on, so DDP keeps single-process batch semantics.
+- :mod:`~manifoldlib.distributed.launch`: :func:`run_workers`, the spawn + file-store harness
+  used by the tests and benchmarks.
+"""
+
+from .batching import batch_shard
+from .env import BACKENDS, destroy_process_group, get_rank_world, init_from_env, is_distributed
+from .guards import UnsupportedParameterError, reject_unsupported_parameter
+from .launch import WorkerError, WorkerTimeoutError, run_workers
+from .sharding import STRATEGIES, assign_owners, matrix_cost, rank_loads, sharded_apply
+
+__all__ = [
+    "BACKENDS",
+    "STRATEGIES",
+    "UnsupportedParameterError",
+    "WorkerError",
+    "WorkerTimeoutError",
+    "assign_owners",
+    "batch_shard",
+    "destroy_process_group",
+    "get_rank_world",
+    "init_from_env",
+    "is_distributed",
+    "matrix_cost",
+    "rank_loads",
+    "reject_unsupported_parameter",
+    "run_workers",
+    "sharded_apply",
+]

@@ -1,0 +1,192 @@
+r"""The sphere residual update as one function, with an analytic backward.
+
+.. math::
+    h' = R_h\big(s\, P_h(f)\big) = \cos\theta\, h + k\, s\, u, \qquad
+    u = P_h(f) = f - \tfrac{a}{q} h,
+
+with per-row scalars :math:`q = \|h\|^2` (the radius, read from :math:`h`),
+:math:`a = \langle h, f\rangle`, :math:`n = \|u\|^2 = \|f\|^2 - a^2/q` and
+:math:`\sigma = s^2 n / q`. Since :math:`(\cos\theta, k)` depend on :math:`\sigma` only, the
+whole update is :math:`h' = A\,h + B\,f` with :math:`A = \cos\theta - k s a/q`, :math:`B = k s`:
+three row reductions and one two-term combination — no :math:`(\ldots, d)` temporary for
+:math:`u` is kept for the backward.
+
+Backward, for an upstream gradient :math:`g` (per row, with :math:`\langle h, u\rangle = 0`):
+
+.. math::
+    g_\sigma &= \cos\theta'(\sigma)\,\langle g, h\rangle + k'(\sigma)\, s\,\langle g, u\rangle,
+    \qquad \mu = 2 g_\sigma s^2 / q, \\
+    \nabla_f &= ks\,g + \mu f - \big(\mu a + ks\langle g,h\rangle\big)/q \; h, \\
+    \nabla_h &= (\cos\theta - aks/q)\,g - \big(a\mu + ks\langle g,h\rangle\big)/q \; f
+               + \big(\mu a^2/q^2 + 2aks\langle g,h\rangle/q^2 - 2 g_\sigma\sigma/q\big)\, h, \\
+    \nabla_s &= \textstyle\sum_{\text{rows}} \big(k\langle g,u\rangle + 2 g_\sigma s n/q\big).
+
+The derivatives :math:`(\cos\theta', k')` are closed forms for the gnomonic and Cayley members
+(also as ``PRetraction(p=1)`` / ``(p=2)``); for every other
+:class:`~manifoldlib.retractions.AngleRetraction` — a user's own included — :math:`g_\sigma` is a
+vector-Jacobian product through :meth:`~manifoldlib.retractions.AngleRetraction.coefficients`
+on the small ``(..., 1)`` tensor :math:`\sigma`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..functional.sphere import sphere_project_tangent
+from ..retractions.base import Retraction
+from ..retractions.sphere import AngleRetraction, CayleyRetraction, GnomonicRetraction, PRetraction
+
+__all__ = ["sphere_residual", "sphere_residual_reference"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise inner product over the last dimension, ``(..., d) x (..., d) -> (..., 1)``.
+
+    ``vecdot`` reduces without materializing ``x * y`` (a third faster than ``(x * y).sum(-1)``
+    and twice as fast as a batched ``(1, d) @ (d, 1)`` matmul on one CPU thread at ``(8192, 768)``).
+    """
+    return torch.linalg.vecdot(x, y, dim=-1).unsqueeze(-1)
+
+
+def _closed_form_kind(retraction: AngleRetraction) -> str | None:
+    """``"gnomonic"``/``"cayley"`` when the retraction's coefficients are those closed forms."""
+    method = type(retraction).coefficients
+    if method is GnomonicRetraction.coefficients:
+        return "gnomonic"
+    if method is CayleyRetraction.coefficients:
+        return "cayley"
+    if method is PRetraction.coefficients:
+        p = retraction.p  # type: ignore[attr-defined]
+        return "gnomonic" if p == 1.0 else "cayley" if p == 2.0 else None
+    return None
+
+
+def _coefficients(retraction: AngleRetraction, kind: str | None, sigma: torch.Tensor):
+    if kind == "gnomonic":
+        c = torch.rsqrt(1.0 + sigma)
+        return c, c
+    if kind == "cayley":
+        k = 1.0 / (1.0 + 0.25 * sigma)
+        return 2.0 * k - 1.0, k
+    return retraction.coefficients(sigma)
+
+
+def _sigma_vjp(retraction, kind, sigma, c, k, grad_c, grad_k):
+    r""":math:`g_\sigma = \cos\theta'(\sigma)\,g_c + k'(\sigma)\,g_k`."""
+    if kind == "gnomonic":  # c = k = (1+σ)^(-1/2), c' = k' = -c³/2
+        return -0.5 * c * c * c * (grad_c + grad_k)
+    if kind == "cayley":  # k = 1/(1+σ/4), c = 2k - 1: k' = -k²/4, c' = -k²/2
+        return -0.25 * k * k * (2.0 * grad_c + grad_k)
+    with torch.enable_grad():
+        s = sigma.detach().requires_grad_(True)
+        c2, k2 = retraction.coefficients(s)
+        (g,) = torch.autograd.grad((c2, k2), s, (grad_c, grad_k))
+    return g
+
+
+class _SphereResidual(torch.autograd.Function):
+    # Autocast is switched off inside: it would run the row products (matmuls) in bf16. The
+    # inputs arrive in one floating dtype (float32 or float64) and all arithmetic stays in it.
+
+    @staticmethod
+    def forward(ctx, h, f, scale, retraction, kind):
+        with torch.autocast(h.device.type, enabled=False):
+            return _SphereResidual._forward(ctx, h, f, scale, retraction, kind)
+
+    @staticmethod
+    def _forward(ctx, h, f, scale, retraction, kind):
+        q = _rowdot(h, h).clamp_min(torch.finfo(h.dtype).tiny)  # (..., 1)
+        a = _rowdot(h, f)  # (..., 1)
+        n = (_rowdot(f, f) - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
+        s = scale.to(h.dtype)
+        sigma = s * s * n / q  # (..., 1)
+        c, k = _coefficients(retraction, kind, sigma)
+        ks = k * s
+        out = h * (c - ks * a / q)  # (..., d)
+        out.addcmul_(f, ks)
+        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k)
+        ctx.retraction, ctx.kind = retraction, kind
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        with torch.autocast(g.device.type, enabled=False):
+            return _SphereResidual._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
+        h, f, s, q, a, n, sigma, c, k = ctx.saved_tensors
+        g_h = _rowdot(g, h)  # <g, h>, (..., 1)
+        g_u = _rowdot(g, f) - a / q * g_h  # <g, u>, (..., 1)
+        g_sigma = _sigma_vjp(ctx.retraction, ctx.kind, sigma, c, k, g_h, s * g_u)
+        ks = k * s
+        mu = 2.0 * g_sigma * s * s / q
+        t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
+        grad_h = grad_f = grad_s = None
+        if ctx.needs_input_grad[1]:
+            grad_f = g * ks  # (..., d)
+            grad_f.addcmul_(f, mu).addcmul_(h, -t)
+        if ctx.needs_input_grad[0]:
+            coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * sigma) / q
+            grad_h = g * (c - ks * a / q)  # (..., d)
+            grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
+        if ctx.needs_input_grad[2]:
+            grad_s = (k * g_u + 2.0 * g_sigma * s * n / q).sum().reshape(s.shape)
+        return grad_h, grad_f, grad_s, None, None
+
+
+def _check(h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor) -> None:
+    if h.shape != f.shape:
+        raise ValueError(f"h and f must have the same shape (..., d), got {tuple(h.shape)} and {tuple(f.shape)}")
+    if h.dim() < 1:
+        raise ValueError(f"h must have shape (..., d) with at least one dimension, got {tuple(h.shape)}")
+    if scale.numel() != 1:
+        raise ValueError(f"scale must be a scalar tensor, got shape {tuple(scale.shape)}")
+
+
+def sphere_residual(
+    h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor | float, retraction: Retraction
+) -> torch.Tensor:
+    r""":math:`R_h(s\,P_h(f))` with the analytic backward (the fast path).
+
+    Args:
+        h: ``(..., d)`` points; the sphere radius of each row is read from :math:`\|h\|`.
+        f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
+        scale: step size :math:`s` (a scalar tensor, may require grad).
+        retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere
+            retraction falls back to :func:`sphere_residual_reference`.
+
+    Returns:
+        ``(..., d)`` points with the norms of ``h``. Half-precision inputs are computed in
+        float32 and returned in their own dtype.
+    """
+    scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
+    _check(h, f, scale)
+    if not isinstance(retraction, AngleRetraction):
+        return sphere_residual_reference(h, f, scale, retraction)
+    if h.dtype in _LOW_PRECISION:
+        out = _SphereResidual.apply(h.float(), f.float(), scale.float().reshape(()), retraction,
+                                    _closed_form_kind(retraction))
+        return out.to(h.dtype)
+    return _SphereResidual.apply(h, f.to(h.dtype), scale.reshape(()), retraction, _closed_form_kind(retraction))
+
+
+def sphere_residual_reference(
+    h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor | float, retraction: Retraction
+) -> torch.Tensor:
+    r""":math:`R_h(s\,P_h(f))` written with plain autograd: the reference the fast path is tested
+    against, and the path for sphere retractions that are not :class:`AngleRetraction`.
+
+    Same arguments and shapes as :func:`sphere_residual`.
+    """
+    scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
+    _check(h, f, scale)
+    radius_sq = (h * h).sum(-1, keepdim=True)  # (..., 1)
+    v = scale * sphere_project_tangent(h, f.to(h.dtype), radius_sq)  # (..., d), tangent at h
+    if isinstance(retraction, AngleRetraction):
+        return retraction.retract(h, v, radius=None)
+    return retraction.retract(h, v)

@@ -1,0 +1,46 @@
+r"""ScaleNorm (Nguyen & Salazar, 2019): project onto a sphere whose radius is one learnable scalar."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["ScaleNorm"]
+
+
+class ScaleNorm(nn.Module):
+    r""":math:`\mathrm{ScaleNorm}(x) = g\,x / \max(\|x\|, \varepsilon)` over the last dimension.
+
+    One scalar :math:`g`, initialized to :math:`\sqrt{d}`, so the output lies on the sphere of
+    radius :math:`\sqrt d` (RMS 1 per coordinate) at initialization. Used on the embedding of a
+    sphere network it *sets* the radius of the hidden-state sphere; every
+    :class:`~manifoldlib.nn.SphereResidual` after it reads the radius back from :math:`\|h\|`.
+
+    Args:
+        dim: feature size :math:`d` (the last dimension of the input).
+        eps: floor :math:`\varepsilon > 0` of the norm; a zero input maps to zero with zero
+            gradient instead of NaN.
+
+    Shapes: input ``(..., d)``, output ``(..., d)``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        self.dim = dim
+        self.eps = float(eps)
+        self.scale = nn.Parameter(torch.tensor(math.sqrt(dim)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"ScaleNorm expects inputs (..., {self.dim}), got shape {tuple(x.shape)}")
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(self.eps)  # (..., 1)
+        return x * (self.scale.to(x.dtype) / norm)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"

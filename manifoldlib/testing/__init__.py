@@ -1,0 +1,49 @@
+"""Public tools for verifying retractions: hypothesis strategies and exp-free order checks.
+
+.. code-block:: python
+
+    from manifoldlib import Sphere
+    from manifoldlib.testing import assert_retraction, retraction_order
+
+    retraction_order(Sphere(retraction="cayley"))   # ≈ 2.0
+    assert_retraction(Sphere(retraction="my-p3"))   # raises AssertionError if a check fails
+
+:mod:`~manifoldlib.testing.strategies` needs ``hypothesis`` (a test dependency); it is imported
+on first use so the order checks work without it.
+"""
+
+from __future__ import annotations
+
+from .order import (
+    DEFAULT_TS,
+    ORDER_TOLERANCE,
+    assert_retraction,
+    central_difference_error,
+    remainder_norms,
+    retraction_order,
+)
+from .cases import registered_manifolds
+from .sampling import default_shape, point_norm, random_point, random_tangent
+
+__all__ = [
+    "DEFAULT_TS",
+    "ORDER_TOLERANCE",
+    "assert_retraction",
+    "central_difference_error",
+    "default_shape",
+    "point_norm",
+    "random_point",
+    "random_tangent",
+    "registered_manifolds",
+    "remainder_norms",
+    "retraction_order",
+    "strategies",
+]
+
+
+def __getattr__(name: str):
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module(".strategies", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

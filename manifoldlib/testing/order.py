@@ -1,0 +1,236 @@
+r"""Measure and assert the properties of a retraction, without the exponential map.
+
+A retraction :math:`R` at :math:`x` satisfies :math:`R_x(0) = x` and :math:`\mathrm{D}R_x(0) = \mathrm{id}`
+on the tangent space. It is *second order* when :math:`c(t) = R_x(tv)` has zero tangential
+acceleration at 0 (:math:`c''(0)` is normal). Both statements become measurable through the
+tangential part of the Taylor remainder
+
+.. math::
+    e(t) = \big\|P_x\big(R_x(tv) - x - tv\big)\big\|,
+
+which is :math:`O(t^2)` for a first-order retraction and :math:`O(t^3)` for a second-order one,
+so :math:`e(t)/e(t/2) \approx 4` or :math:`\approx 8`.
+
+**Convention of** :func:`retraction_order`: it returns :math:`\log_2(e(t)/e(t/2)) - 1` (median over
+``ts``), i.e. the exponent :math:`q` of :math:`e(t) = O(t^{q+1})`: ``≈ 2.0`` for a second-order
+retraction, ``≈ 1.0`` for a first-order one, ``math.inf`` when :math:`e` is at rounding level for
+every ``t`` (e.g. :math:`x + v` on Euclidean space: the remainder vanishes identically). Unlike a
+log-log slope fit against the exponential map (Manopt, pymanopt), it works on DGram, which has no
+closed-form geodesic.
+
+:func:`assert_retraction` turns the checks into assertions, for any registered retraction
+including a user's own; all checks run in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..manifolds.base import RetractionManifold
+from .sampling import default_shape, random_point, random_tangent
+
+__all__ = [
+    "DEFAULT_TS",
+    "ORDER_TOLERANCE",
+    "assert_retraction",
+    "central_difference_error",
+    "remainder_norms",
+    "retraction_order",
+]
+
+#: Step sizes of the ratio test, geometric in ``[1e-3, 1e-1]``; each is compared with its half.
+DEFAULT_TS: tuple[float, ...] = (1e-1, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3)
+
+#: Accepted distance between the measured and the claimed order in :func:`assert_retraction`.
+ORDER_TOLERANCE = 0.3
+
+_ROUNDING_FACTOR = 1e3  # e(t) below 1e3 * eps * ||x|| is rounding, not signal (MATH.md §7)
+
+
+def _sample(
+    manifold: RetractionManifold,
+    x: torch.Tensor | None,
+    v: torch.Tensor | None,
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    if x is None:
+        x = random_point(manifold, default_shape(manifold), generator=generator, dtype=dtype)
+    else:
+        x = x.to(dtype)
+    if v is None:
+        v = random_tangent(manifold, x, scale=1.0, generator=generator)
+    else:
+        v = manifold.proju(x, v.to(dtype))
+    return x, v
+
+
+def _unit_direction(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # a direction with ||v|| = ||x||, so that t is a relative step size
+    vnorm = float(torch.linalg.vector_norm(v))
+    if vnorm == 0.0:
+        raise ValueError("the tangent direction v is zero: the order is undefined")
+    return v * (float(torch.linalg.vector_norm(x)) / vnorm)
+
+
+def remainder_norms(
+    manifold: RetractionManifold, x: torch.Tensor, v: torch.Tensor, ts: Sequence[float]
+) -> list[float]:
+    r""":math:`e(t) = \|P_x(R_x(tv) - x - tv)\|` for each ``t`` (norm over the whole tensor)."""
+    out = []
+    with torch.no_grad():
+        for t in ts:
+            y = manifold.retr(x, t * v)
+            out.append(float(torch.linalg.vector_norm(manifold.proju(x, y - x - t * v))))
+    return out
+
+
+def retraction_order(
+    manifold: RetractionManifold,
+    x: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    ts: Sequence[float] = DEFAULT_TS,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> float:
+    r"""Measured order of ``manifold.retr``: :math:`\operatorname{median}_t \log_2(e(t)/e(t/2)) - 1`.
+
+    Args:
+        manifold: a manifold carrying the retraction to measure.
+        x: ``(..., *point_shape)`` base points; drawn with ``manifold.random`` when ``None``.
+        v: tangent directions at ``x`` (projected onto the tangent space and rescaled to
+            :math:`\|v\| = \|x\|`, so ``ts`` are relative step sizes); random when ``None``.
+        ts: step sizes; each is compared with its half.
+        generator: torch generator for the random ``x`` and ``v`` (seed 0 when ``None``).
+        dtype: computation dtype (float64 recommended: in float32 most of the default ``ts``
+            are below the rounding floor and skipped).
+
+    Returns:
+        ≈ 2.0 for a second-order retraction, ≈ 1.0 for a first-order one, ``math.inf`` if the
+        remainder is at rounding level for every ``t`` (float64 only: in a lower precision that
+        says nothing and raises).
+
+    Raises:
+        ValueError: empty or non-positive ``ts``, a zero direction, or no usable pair of steps
+            (in float64: the remainder rises above the rounding floor only at some steps of each
+            pair; below float64: no pair above it).
+    """
+    if len(ts) == 0 or any(not (t > 0) for t in ts):
+        raise ValueError(f"ts must be a non-empty sequence of positive step sizes, got {tuple(ts)!r}")
+    x, v = _sample(manifold, x, v, generator, dtype)
+    v = _unit_direction(x, v)
+    floor = _ROUNDING_FACTOR * float(torch.finfo(dtype).eps) * float(torch.linalg.vector_norm(x))
+    big = remainder_norms(manifold, x, v, ts)
+    half = remainder_norms(manifold, x, v, [t / 2 for t in ts])
+    logs = [math.log2(a / b) - 1.0 for a, b in zip(big, half) if a >= floor and b >= floor]
+    if logs:
+        logs.sort()
+        mid = len(logs) // 2
+        return logs[mid] if len(logs) % 2 else 0.5 * (logs[mid - 1] + logs[mid])
+    if max(big + half) < floor and dtype == torch.float64:
+        return math.inf
+    raise ValueError(
+        f"no step pair in ts={tuple(ts)} has both remainders above the rounding floor {floor:.3e} "
+        f"in {dtype}; use float64 or larger steps"
+    )
+
+
+def central_difference_error(
+    manifold: RetractionManifold, x: torch.Tensor, v: torch.Tensor, h: float
+) -> float:
+    r"""Relative first-order error :math:`\|(R_x(hv) - R_x(-hv))/(2h) - v\| / \|v\|`.
+
+    It is :math:`O(h^2)` exactly when :math:`\mathrm{D}R_x(0)v = v` (plus rounding
+    :math:`\approx \epsilon\|x\|/(h\|v\|)`).
+    """
+    with torch.no_grad():
+        diff = (manifold.retr(x, h * v) - manifold.retr(x, -h * v)) / (2.0 * h)
+    return float(torch.linalg.vector_norm(diff - v) / torch.linalg.vector_norm(v))
+
+
+def _fail(manifold: RetractionManifold, what: str) -> None:
+    raise AssertionError(f"retraction {manifold.retraction!r} on {manifold.name}: {what}")
+
+
+def assert_retraction(
+    manifold: RetractionManifold,
+    order: int | None = None,
+    *,
+    x: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    manifold_rtol: float = 1e-12,
+    zero_rtol: float = 1e-13,
+    derivative_rtol: float = 1e-6,
+    order_tolerance: float = ORDER_TOLERANCE,
+) -> float:
+    r"""Assert that ``manifold.retr`` is a retraction of the order it claims; return the measured order.
+
+    Checks, all in float64:
+
+    1. :math:`R_x(v)` lies on the manifold (``check_point_on_manifold`` with ``atol=0``,
+       ``rtol=manifold_rtol``) for a unit-size and a small step;
+    2. :math:`R_x(0) = x` to ``zero_rtol`` relative (SVD-based retractions are exact only to
+       :math:`O(n\,\kappa\,\epsilon)`);
+    3. :math:`\mathrm{D}R_x(0) = \mathrm{id}` on the tangent space: the central difference at
+       :math:`h = 10^{-4}` has relative error ``<= derivative_rtol``;
+    4. :func:`retraction_order` matches ``order`` (default ``manifold.retraction.order``):
+       within ``order_tolerance`` of 1 for a first-order claim, at least ``2 - order_tolerance``
+       for a second-order claim (an exact retraction measures ``inf``). A retraction that
+       is better than it claims also fails: its claim should be raised.
+
+    Args:
+        manifold: the manifold carrying the retraction (``Sphere(retraction="my-p3")``).
+        order: claimed order, 1 or 2; ``None`` reads ``manifold.retraction.order``.
+        x, v: optional base points and tangent directions (random when ``None``).
+        generator: torch generator for the random draws (seed 0 when ``None``).
+
+    Raises:
+        AssertionError: naming the failed check and the measured numbers.
+        ValueError: ``order`` not 1 or 2.
+    """
+    claim = manifold.retraction.order if order is None else order
+    if claim not in (1, 2):
+        raise ValueError(f"order must be 1 or 2, got {claim!r}")
+    x, v = _sample(manifold, x, v, generator, torch.float64)
+    ok, reason = manifold.check_point_on_manifold(x, explain=True)
+    if not ok:
+        raise ValueError(f"the base point x is not on {manifold.name}: {reason}")
+    v = _unit_direction(x, v)
+
+    for scale in (1.0, 1e-3):
+        with torch.no_grad():
+            y = manifold.retr(x, scale * v)
+        if not bool(torch.isfinite(y).all()):
+            _fail(manifold, f"R_x({scale}·v) is not finite")
+        ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=manifold_rtol)
+        if not ok:
+            _fail(manifold, f"R_x({scale}·v) is off the manifold (rtol={manifold_rtol}): {reason}")
+
+    with torch.no_grad():
+        y0 = manifold.retr(x, torch.zeros_like(v))
+    dev = float(torch.linalg.vector_norm(y0 - x))
+    if dev > zero_rtol * float(torch.linalg.vector_norm(x)):
+        _fail(manifold, f"R_x(0) != x: ||R_x(0) - x|| = {dev:.3e} (allowed {zero_rtol} relative)")
+
+    err = central_difference_error(manifold, x, v, 1e-4)
+    if not err <= derivative_rtol:
+        _fail(
+            manifold,
+            f"the derivative at 0 is not the identity on the tangent space: "
+            f"||(R(hv) - R(-hv))/2h - v|| / ||v|| = {err:.3e} at h=1e-4 (allowed {derivative_rtol})",
+        )
+
+    measured = retraction_order(manifold, x, v)
+    if claim == 2 and not measured >= 2.0 - order_tolerance:
+        _fail(manifold, f"claims order 2 but the measured order is {measured:.3f} (e(t)/e(t/2) ≈ {2 ** (measured + 1):.2f}, 8 expected)")
+    if claim == 1 and not abs(measured - 1.0) <= order_tolerance:
+        hint = " (it is better than claimed: raise its order to 2)" if measured >= 2.0 - order_tolerance else ""
+        _fail(manifold, f"claims order 1 but the measured order is {measured:.3f}{hint}")
+    return measured

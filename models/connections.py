@@ -1,0 +1,181 @@
+r"""Hidden-state connections: how a block combines its state :math:`x` with a sub-layer :math:`F`.
+
+Every connection is a module ``conn(x, F) -> x'`` where ``F`` is the sub-layer (attention or MLP,
+a callable on ``(B, T, C)``). Each class carries its formula; :func:`make_connection` builds one
+by name, and :func:`make_entry` / :func:`make_exit` build what the stream needs before the first
+block (ScaleNorm for the sphere connections) and before the head (a final norm, or a learnable
+scale on the sphere).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from manifoldlib.nn import DyT, ScaleNorm, SphereResidual
+
+__all__ = [
+    "CONNECTIONS",
+    "SPHERE_CONNECTIONS",
+    "Keel",
+    "PeriLN",
+    "PostLN",
+    "PreDyT",
+    "PreLN",
+    "SphereHead",
+    "Spheret",
+    "make_connection",
+    "make_entry",
+    "make_exit",
+]
+
+#: Valid ``GPTConfig.connection`` names.
+CONNECTIONS = ("pre-ln", "post-ln", "peri-ln", "pre-dyt", "keel", "geonorm", "spheret")
+#: Connections whose hidden states live on a sphere.
+SPHERE_CONNECTIONS = ("geonorm", "spheret")
+
+SubLayer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _layer_norm(config) -> nn.LayerNorm:
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
+class PreLN(nn.Module):
+    r"""Pre-LN: :math:`x' = x + F(\mathrm{LN}(x))`."""
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.norm = _layer_norm(config)
+
+    def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        return x + sublayer(self.norm(x))
+
+
+class PostLN(nn.Module):
+    r"""Post-LN: :math:`x' = \mathrm{LN}(x + F(x))`."""
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.norm = _layer_norm(config)
+
+    def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        return self.norm(x + sublayer(x))
+
+
+class PeriLN(nn.Module):
+    r"""Peri-LN: normalize the input and the output of the sub-layer,
+    :math:`x' = x + \mathrm{LN}_{out}(F(\mathrm{LN}_{in}(x)))`."""
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.norm_in = _layer_norm(config)
+        self.norm_out = _layer_norm(config)
+
+    def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        return x + self.norm_out(sublayer(self.norm_in(x)))
+
+
+class PreDyT(nn.Module):
+    r"""Pre-DyT: Pre-LN with Dynamic Tanh in place of LayerNorm,
+    :math:`x' = x + F(\gamma\tanh(\alpha x) + \beta)`."""
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.norm = DyT(config.n_embd, alpha_init=config.dyt_alpha_init)
+
+    def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        return x + sublayer(self.norm(x))
+
+
+class Keel(nn.Module):
+    r"""Keel: a Post-LN with an amplified highway,
+    :math:`x' = \mathrm{LN}(\alpha x + F(\mathrm{LN}(x)))`, :math:`\alpha` = number of sub-layers
+    (``2 * n_layer``)."""
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.alpha = float(2 * config.n_layer)
+        self.norm_in = _layer_norm(config)
+        self.norm_out = _layer_norm(config)
+
+    def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        return self.norm_out(self.alpha * x + sublayer(self.norm_in(x)))
+
+
+class Spheret(nn.Module):
+    r"""SpheretNorm / GeoNorm: :math:`h' = R_h(\alpha_l\lambda_l\,P_h(F(h)))` on the sphere.
+
+    ``retraction`` is any registered sphere retraction (``"p"`` uses ``config.p``: 1 =
+    Proj-SpheretNorm, 2 = Cay-SpheretNorm, inf = GeoNorm); ``geonorm`` is this connection with the
+    exponential map. ``layer`` is the 1-based sub-layer index (attention and MLP count
+    separately), the :math:`l` of the damping :math:`\lambda_l`.
+    """
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        retraction = "exp" if config.connection == "geonorm" else config.retraction
+        self.residual = SphereResidual(
+            config.n_embd, layer=layer, retraction=retraction, p=config.p,
+            damping=config.damping, alpha_init=config.alpha_init, fused=config.fused,
+        )
+
+    def forward(self, h: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        return self.residual(h, sublayer(h))
+
+
+class SphereHead(nn.Module):
+    r"""Reads the sphere before the LM head: :math:`s\,h` with a learnable scalar :math:`s`
+    (initialized to 1). The stream has radius :math:`\sqrt d` at initialization (RMS 1 per
+    coordinate, like a LayerNorm output), so the head sees the same scale as in Pre-LN; :math:`s`
+    lets the logit temperature move independently of the sphere radius the blocks work on."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale.to(h.dtype)  # (..., d)
+
+
+_BY_NAME = {
+    "pre-ln": PreLN,
+    "post-ln": PostLN,
+    "peri-ln": PeriLN,
+    "pre-dyt": PreDyT,
+    "keel": Keel,
+    "geonorm": Spheret,
+    "spheret": Spheret,
+}
+
+
+def make_connection(config, layer: int) -> nn.Module:
+    """The connection module of ``config.connection`` for 1-based sub-layer ``layer``."""
+    try:
+        cls = _BY_NAME[config.connection]
+    except KeyError:
+        raise ValueError(
+            f"unknown connection {config.connection!r}; valid connections: {', '.join(CONNECTIONS)}"
+        ) from None
+    return cls(config, layer)
+
+
+def make_entry(config) -> nn.Module:
+    """Applied to the embeddings: ScaleNorm onto the sphere for sphere connections, else identity."""
+    if config.connection in SPHERE_CONNECTIONS:
+        return ScaleNorm(config.n_embd, eps=config.norm_eps)
+    return nn.Identity()
+
+
+def make_exit(config) -> nn.Module:
+    """Applied before the LM head: a final LayerNorm (pre-ln, peri-ln), DyT (pre-dyt), nothing
+    (post-ln, keel: their last operation is a LayerNorm) or :class:`SphereHead`."""
+    if config.connection in ("pre-ln", "peri-ln"):
+        return _layer_norm(config)
+    if config.connection == "pre-dyt":
+        return DyT(config.n_embd, alpha_init=config.dyt_alpha_init)
+    if config.connection in SPHERE_CONNECTIONS:
+        return SphereHead(config.n_embd)
+    return nn.Identity()

@@ -1,0 +1,341 @@
+r"""A reference GPT in the spirit of nanoGPT, with every hidden-state connection of the study.
+
+``GPT(GPTConfig(...))`` is a decoder-only transformer: token + position embeddings, ``n_layer``
+blocks of causal self-attention and a GELU MLP, an LM head tied to the token embedding. What
+changes between runs is the *connection* (``GPTConfig.connection``), i.e. how each block
+combines its hidden state with a sub-layer output (see :mod:`models.connections`):
+
+=========  ===================================================================
+pre-ln     :math:`x + F(\mathrm{LN}(x))`
+post-ln    :math:`\mathrm{LN}(x + F(x))`
+peri-ln    :math:`x + \mathrm{LN}(F(\mathrm{LN}(x)))`
+pre-dyt    :math:`x + F(\mathrm{DyT}(x))`
+keel       :math:`\mathrm{LN}(2L\,x + F(\mathrm{LN}(x)))`
+spheret    :math:`R_h(\alpha_l\lambda_l P_h F(h))`, any sphere retraction
+geonorm    spheret with the exponential map
+=========  ===================================================================
+
+Names are part of the API: each block holds ``attn`` (linear maps ``q``, ``k``, ``v``, ``o``) and
+``mlp`` (``fc``, ``proj``); optimizer policies recognize attention and MLP parameters by them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from manifoldlib.retractions import available_retractions
+
+from .connections import CONNECTIONS, SPHERE_CONNECTIONS, make_connection, make_entry, make_exit
+from manifoldlib.nn import DAMPINGS
+
+__all__ = ["GPT", "GPTConfig", "CausalSelfAttention", "MLP", "Block"]
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Configuration of :class:`GPT` (frozen, plain data: round-trips through ``asdict`` / JSON).
+
+    Attributes:
+        vocab_size: number of token ids (256 = raw bytes).
+        block_size: maximum context length :math:`T`.
+        n_layer: number of blocks :math:`L` (each has two sub-layers).
+        n_head: attention heads; must divide ``n_embd``.
+        n_embd: model width :math:`d`.
+        dropout: dropout probability in ``[0, 1)`` (attention weights and sub-layer outputs).
+        bias: biases in linear layers and LayerNorms.
+        connection: one of ``pre-ln``, ``post-ln``, ``peri-ln``, ``pre-dyt``, ``keel``,
+            ``geonorm``, ``spheret``.
+        retraction: sphere retraction name for ``spheret`` (any registered name, a user's own too).
+        p: the ``p`` of the p-family when ``retraction == "p"``: 1 = Proj-SpheretNorm (gnomonic),
+            2 = Cay-SpheretNorm (Cayley), ``inf`` = GeoNorm (exponential map).
+        damping: sphere step damping :math:`\\lambda_l`: ``sqrt`` (:math:`1/\\sqrt l`), ``linear``
+            (:math:`1/l`) or ``none``.
+        alpha_init: initial learnable step :math:`\\alpha_l` of every sphere residual.
+        dyt_alpha_init: initial :math:`\\alpha` of DyT (``pre-dyt``).
+        norm_eps: :math:`\\varepsilon` of the ScaleNorm that puts embeddings on the sphere.
+        tie_weights: share the token embedding with the LM head.
+        fused: use the analytic-backward sphere residual (``False``: plain autograd reference).
+    """
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    connection: str = "spheret"
+    retraction: str = "p"
+    p: float = 1.0
+    damping: str = "sqrt"
+    alpha_init: float = 1.0
+    dyt_alpha_init: float = 0.5
+    norm_eps: float = 1e-6
+    tie_weights: bool = True
+    fused: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            _positive_int(name, getattr(self, name))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.connection not in CONNECTIONS:
+            raise ValueError(
+                f"unknown connection {self.connection!r}; valid connections: {', '.join(CONNECTIONS)}"
+            )
+        valid = available_retractions("sphere")
+        if not isinstance(self.retraction, str) or self.retraction not in valid:
+            raise ValueError(
+                f"unknown sphere retraction {self.retraction!r}; valid names: {', '.join(valid)} "
+                "(register your own with manifoldlib.retractions.register_retraction('sphere', name))"
+            )
+        if not (isinstance(self.p, (int, float)) and not isinstance(self.p, bool) and self.p > 0):
+            raise ValueError(f"p must be a number in (0, inf], got {self.p!r}")
+        if self.damping not in DAMPINGS:
+            raise ValueError(f"unknown damping {self.damping!r}; valid dampings: {', '.join(DAMPINGS)}")
+        for name in ("alpha_init", "dyt_alpha_init"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
+
+    @property
+    def on_sphere(self) -> bool:
+        """Whether the hidden states of this configuration live on a sphere."""
+        return self.connection in SPHERE_CONNECTIONS
+
+    def to_dict(self) -> dict:
+        """Plain-data dict of the fields (JSON-serializable; ``p = inf`` becomes ``Infinity``)."""
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate ``q``, ``k``, ``v``, ``o`` maps (SDPA kernel).
+
+    Set :attr:`record_max_logit` to ``True`` to store :math:`\\max |q\\cdot k|/\\sqrt{d_h}` over the
+    causal pairs of the next forward in :attr:`max_logit` (costs one explicit score matrix; the
+    normal path never computes it).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d = config.n_embd
+        self.n_head = config.n_head
+        self.head_dim = d // config.n_head
+        self.q = nn.Linear(d, d, bias=config.bias)
+        self.k = nn.Linear(d, d, bias=config.bias)
+        self.v = nn.Linear(d, d, bias=config.bias)
+        self.o = nn.Linear(d, d, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.record_max_logit = False
+        self.max_logit: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        v = self.v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        if self.record_max_logit:
+            self.max_logit = self._max_logit(q, k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.o(y))
+
+    def _max_logit(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        T = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)).abs() / math.sqrt(self.head_dim)  # (B, nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~causal, 0.0).amax().detach()
+
+
+class MLP(nn.Module):
+    """Two-layer GELU MLP, ``fc`` (:math:`d \\to 4d`) then ``proj`` (:math:`4d \\to d`)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.gelu(self.fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One transformer block: ``x = conn1(x, attn)``, ``x = conn2(x, mlp)``.
+
+    ``index`` is the 0-based block index; the connections get the 1-based sub-layer indices
+    ``2*index + 1`` (attention) and ``2*index + 2`` (MLP).
+    """
+
+    def __init__(self, config: GPTConfig, index: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+        self.conn1 = make_connection(config, layer=2 * index + 1)
+        self.conn2 = make_connection(config, layer=2 * index + 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conn1(x, self.attn)  # (B, T, C)
+        return self.conn2(x, self.mlp)  # (B, T, C)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``logits, loss = model(idx, targets)``.
+
+    Data flow: ``wte(idx) + wpe(pos)`` → dropout → ``embed_norm`` (ScaleNorm onto the sphere of
+    radius :math:`\\sqrt d` for sphere connections, identity otherwise) → ``blocks`` →
+    ``norm_f`` (final LayerNorm / DyT, the sphere read-out with a learnable scale, or identity
+    where the last block already ends in a LayerNorm) → ``lm_head``.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.embed_norm = make_entry(config)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = make_exit(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scale the maps into the stream
+        for name, param in self.named_parameters():
+            if name.endswith("attn.o.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; ``non_embedding`` leaves out the position embedding (nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be an integer tensor of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        return self.embed_norm(x)  # (B, T, C), on the sphere for sphere connections
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position, and the mean cross-entropy when ``targets`` are given.
+
+        Args:
+            idx: ``(B, T)`` token ids, ``T <= block_size``.
+            targets: ``(B, T)`` next-token ids (``-1`` is ignored) or ``None``.
+
+        Returns:
+            ``(logits, loss)``: logits ``(B, T, vocab_size)``; loss a scalar or ``None``.
+        """
+        x = self._embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def hidden_states(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """The residual stream after the embedding and after every sub-layer: ``2*n_layer + 1``
+        tensors ``(B, T, C)`` (diagnostics; on the sphere for sphere connections)."""
+        x = self._embed(idx)
+        states = [x]
+        for block in self.blocks:
+            x = block.conn1(x, block.attn)
+            states.append(x)
+            x = block.conn2(x, block.mlp)
+            states.append(x)
+        return states
+
+    @torch.no_grad()
+    def max_attention_logit(self, idx: torch.Tensor) -> torch.Tensor:
+        """:math:`\\max |q\\cdot k|/\\sqrt{d_h}` over heads, batch and causal pairs, per layer.
+
+        Runs one forward in eval mode (no dropout) and restores the training flag.
+
+        Args:
+            idx: ``(B, T)`` token ids.
+
+        Returns:
+            ``(n_layer,)`` tensor of maxima.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            for block in self.blocks:
+                block.attn.record_max_logit = True
+            self(idx)
+            return torch.stack([block.attn.max_logit for block in self.blocks])
+        finally:
+            for block in self.blocks:
+                block.attn.record_max_logit = False
+                block.attn.max_logit = None
+            self.train(was_training)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` (``(B, T)``); returns ``(B, T + max_new_tokens)``.
+
+        The context is cropped to the last ``block_size`` tokens. ``top_k`` keeps the k most
+        likely tokens; ``generator`` makes sampling reproducible.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]  # (B, <=block_size)
+            logits, _ = self(context)
+            logits = logits[:, -1, :] / temperature  # (B, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)  # (B, V)
+            next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx

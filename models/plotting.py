@@ -1,0 +1,85 @@
+"""Loss-curve figures for a run directory and for comparison suites (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+__all__ = ["plot_curves", "plot_run"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers or in tests
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finite(xs: list, ys: list) -> tuple[list, list]:
+    pairs = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_run(rows: list[dict], path: str | Path, title: str = "",
+             reference: float | None = None) -> None:
+    """Training and validation loss against step, from ``metrics.jsonl`` rows.
+
+    Args:
+        rows: metrics rows (``step``, ``train_loss``, optional ``val_loss``).
+        path: output PNG.
+        title: figure title.
+        reference: a horizontal reference line (the corpus's unigram entropy), or None.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    steps, train = _finite([r["step"] for r in rows], [r.get("train_loss") for r in rows])
+    ax.plot(steps, train, lw=1, alpha=0.7, label="train")
+    steps, val = _finite([r["step"] for r in rows if "val_loss" in r],
+                         [r["val_loss"] for r in rows if "val_loss" in r])
+    ax.plot(steps, val, "o-", ms=3, label="validation")
+    if reference is not None:
+        ax.axhline(reference, color="gray", ls="--", lw=1, label="unigram entropy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, title: str = "",
+                ylim: tuple[float, float] | None = None) -> None:
+    """Validation curves of several runs on one axis (one colour per arm, one line per seed).
+
+    Args:
+        curves: ``{"arm/seed": [(step, val_loss), ...]}``; runs of one arm share a colour.
+        path: output PNG.
+        title: figure title.
+        ylim: y range, or None for automatic.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours: dict[str, object] = {}
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key, points in curves.items():
+        arm = key.rsplit("/", 1)[0]
+        new = arm not in colours
+        if new:
+            colours[arm] = cycle[len(colours) % len(cycle)] if len(colours) < len(cycle) \
+                else plt.cm.tab20(len(colours) % 20)
+        xs, ys = _finite([p[0] for p in points], [p[1] for p in points])
+        ax.plot(xs, ys, color=colours[arm], lw=1.2, alpha=0.85, label=arm if new else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats / token)")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

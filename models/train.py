@@ -1,0 +1,673 @@
+"""Train the reference GPT: ``python -m models.train [--preset NAME] [--config FILE.toml]
+[--out DIR] [--steps N] [--corpus stdlib|file:PATH] [--resume] [--key value ...]``.
+
+A run directory holds
+
+- ``config.json`` — the full :class:`~models.config.TrainConfig`;
+- ``metrics.jsonl`` — one JSON object per logged step: ``step``, ``train_loss``, ``lr``,
+  ``tokens``, ``grad_norm``, ``tokens_per_s``, and at evaluations ``val_loss``, ``val_ppl`` and
+  diagnostics (largest q/k spectral norm, maximum attention logit);
+- ``loss.png`` — the curves; ``sample.txt`` — text generated at the end;
+- ``checkpoint.pt`` — model, optimizer, RNG states (torch, numpy, python) and the data
+  sampler's position, written atomically; ``--resume`` continues it exactly, so the losses equal
+  an uninterrupted run's;
+- ``summary.json`` — ``val_loss``, ``val_ppl``, ``steps``, ``tokens``, ``world_size``,
+  ``wall_time_s``, ``corpus_fingerprint`` and more.
+
+Problems with the user's input (a bad corpus path, a non-empty run directory, a bad override)
+print one ``error:`` line and exit with status 2; a non-finite loss stops the run with status 3
+and keeps the last good checkpoint.
+
+The loop keeps a ``rank`` / ``world_size`` notion for the later torchrun version: only rank 0
+writes files; today the world size is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError, TrainConfig, build_config, load_toml, parse_overrides
+from .data import (
+    BatchSampler,
+    Corpus,
+    CorpusError,
+    check_size,
+    eval_batches,
+    load_corpus,
+    unigram_entropy,
+)
+
+__all__ = ["DivergedError", "MissingModuleError", "RunError", "main", "run_training"]
+
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+
+#: Fields that may change when a run is resumed; all others must match the saved config.
+RESUMABLE_FIELDS = frozenset({
+    "steps", "stop_at", "eval_interval", "eval_batches", "log_interval", "checkpoint",
+    "device", "threads", "progress", "sample_tokens", "sample_prompt", "temperature", "top_k"})
+
+
+class RunError(Exception):
+    """A run that cannot start or continue (run directory, resume, environment)."""
+
+
+class MissingModuleError(RunError):
+    """A configuration needs a module of the project that does not exist (yet)."""
+
+
+class DivergedError(RunError):
+    """The training loss became non-finite."""
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda if available, else mps, else cpu; anything else is a torch device."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:N]' or 'mps', got {name!r}") \
+            from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` from torchrun's environment; ``(0, 1)`` for a plain process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world != 1:
+        raise RunError(f"WORLD_SIZE={world}: distributed training is not implemented in "
+                       f"models.train yet; run a single process")
+    return rank, world
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, ``inf`` on overflow."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def _json_float(x: float | None) -> float | None:
+    """JSON has no NaN/inf: non-finite values are written as null."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temporary file, then ``os.replace``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` file (empty list if it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def lr_scale(step: int, cfg: TrainConfig) -> float:
+    """Learning-rate multiplier for the update that produces step ``step + 1``.
+
+    Linear warm-up over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio``.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------------------------
+# Model and optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def _import(module: str, what: str, why: str):
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingModuleError(f"{why} needs {module}.{what}, which is not available yet "
+                                 f"({exc})") from None
+    if not hasattr(mod, what):
+        raise MissingModuleError(f"{why} needs {module}.{what}, which is not available yet")
+    return getattr(mod, what)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The reference GPT for ``cfg`` (fields shared with ``GPTConfig`` are passed through)."""
+    import dataclasses
+
+    gpt_cls = _import("models.gpt", "GPT", "training")
+    gpt_config_cls = _import("models.gpt", "GPTConfig", "training")
+    names = {f.name for f in dataclasses.fields(gpt_config_cls)}
+    kwargs = {k: v for k, v in cfg.to_dict().items() if k in names}
+    kwargs["vocab_size"] = vocab_size
+    try:
+        gpt_config = gpt_config_cls(**kwargs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    model = gpt_cls(gpt_config)
+    if cfg.sel != "none":
+        apply_sel(model, cfg.sel)
+    return model
+
+
+#: SEL variants of ``TrainConfig.sel`` -> keyword options of ``manifoldlib.charts.SEL``.
+SEL_OPTIONS = {
+    "mismatched": {"init": "mismatched"},
+    "congruent": {"init": "congruent"},
+    "no-linear": {"linear": False},
+}
+
+
+def _is_block_linear(name: str, module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) and (".attn." in f".{name}." or
+                                                   ".mlp." in f".{name}.")
+
+
+def apply_sel(model: torch.nn.Module, variant: str) -> None:
+    """Put a SEL chart on every attention and MLP linear map of ``model``."""
+    import functools
+
+    sel = _import("manifoldlib.charts", "SEL", f"sel={variant!r}")
+    apply_chart = _import("manifoldlib.charts", "apply_chart", f"sel={variant!r}")
+    apply_chart(model, functools.partial(sel, **SEL_OPTIONS[variant]), include=_is_block_linear)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig
+                    ) -> tuple[torch.optim.Optimizer, list]:
+    """The optimizer and one learning-rate multiplier ``mult(step) -> float`` per param group.
+
+    ``adamw``: AdamW with weight decay on matrices only; with SEL charts the groups come from
+    ``manifoldlib.charts.sel_param_groups`` (scales at ``sel_scale_lr``) and, when
+    ``sel_anneal_steps > 0``, the seed's scale annealing multipliers. ``manifold-muon``:
+    ``manifoldlib.optim.build_optimizer(model, policy=...)``. The warm-up / decay schedule of
+    :func:`lr_scale` multiplies all of them.
+    """
+    if cfg.optimizer == "manifold-muon":
+        if cfg.sel != "none":
+            raise ConfigError(f"sel={cfg.sel!r} with optimizer='manifold-muon' is not supported: "
+                              f"the policy would constrain SEL's raw coordinates; use adamw")
+        builder = _import("manifoldlib.optim", "build_optimizer", "optimizer='manifold-muon'")
+        try:
+            opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return opt, [_constant] * len(opt.param_groups)
+    if cfg.sel != "none":
+        sel_param_groups = _import("manifoldlib.charts", "sel_param_groups", f"sel={cfg.sel!r}")
+        groups = sel_param_groups(model, lr=cfg.lr, scale_lr=cfg.sel_scale_lr or cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    else:
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+    if cfg.sel != "none" and cfg.sel_anneal_steps > 0:
+        sel_lr_lambdas = _import("manifoldlib.charts", "sel_lr_lambdas", f"sel={cfg.sel!r}")
+        return opt, sel_lr_lambdas(opt, cfg.sel_anneal_steps)
+    return opt, [_constant] * len(opt.param_groups)
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation and diagnostics
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device
+             ) -> float:
+    """Mean validation loss over ``eval_batches`` fixed batches (no random state is touched)."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for x, y in eval_batches(corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches):
+        _, loss = model(x.to(device), y.to(device))
+        losses.append(float(loss))
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device
+                ) -> dict:
+    """Largest spectral norm of the attention ``q`` / ``k`` maps and the max attention logit."""
+    out: dict[str, float] = {}
+    qk = {"q": [], "k": []}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in qk and ".attn" in f".{name}" and isinstance(module, torch.nn.Linear):
+            qk[last].append(float(torch.linalg.matrix_norm(module.weight.float(), ord=2)))
+    for key, values in qk.items():
+        if values:
+            out[f"{key}_spectral_norm_max"] = max(values)
+    if hasattr(model, "max_attention_logit"):
+        x, _ = next(eval_batches(corpus.val, min(cfg.batch_size, 4), cfg.block_size, 1))
+        out["max_attention_logit"] = float(model.max_attention_logit(x.to(device)).max())
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def generate_sample(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig,
+                    device: torch.device) -> str:
+    """``sample_tokens`` tokens after ``sample_prompt``, decoded (reproducible: own generator)."""
+    prompt = corpus.tokenizer.encode(cfg.sample_prompt.encode()) or [int(corpus.train[0])]
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T0)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(idx, cfg.sample_tokens, temperature=cfg.temperature,
+                         top_k=cfg.top_k or None, generator=gen)  # (1, T0 + n)
+    model.train(was_training)
+    return corpus.tokenizer.decode(out[0].tolist())
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, state: dict, previous_step: int) -> None:
+    """Write ``state`` atomically; never replace a checkpoint of a later step.
+
+    Args:
+        path: ``checkpoint.pt``.
+        state: the checkpoint dict (``step`` among its keys).
+        previous_step: the step of the checkpoint already on disk (-1 when none).
+    """
+    if state["step"] <= previous_step:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+class _Echo:
+    """Prints progress lines; through tqdm when a bar is active."""
+
+    def __init__(self, enabled: bool, bar) -> None:
+        self.enabled, self.bar = enabled, bar
+
+    def __call__(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+
+def _make_bar(cfg: TrainConfig, start: int, enabled: bool):
+    if not (enabled and cfg.progress and sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is a nicety: train without it
+        return None
+    return tqdm(total=cfg.last_step, initial=start, unit="step", dynamic_ncols=True,
+                file=sys.stderr)
+
+
+def _prepare_run_dir(out: Path, resume: bool, is_main: bool) -> None:
+    if resume:
+        if not (out / "checkpoint.pt").is_file():
+            raise RunError(f"cannot resume: {out} has no checkpoint.pt "
+                           f"(start a fresh run without --resume)")
+        return
+    if out.exists() and not out.is_dir():
+        raise RunError(f"run directory {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        raise RunError(f"run directory {out} is not empty; pass --resume to continue it, or "
+                       f"choose another --out")
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+
+
+def _check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
+    changed = [f"{k} ({getattr(saved, k)!r} -> {getattr(new, k)!r})"
+               for k in saved.to_dict() if k not in RESUMABLE_FIELDS
+               and getattr(saved, k) != getattr(new, k)]
+    if changed:
+        raise RunError("cannot resume with a different configuration: " + ", ".join(changed)
+                       + f"; only {', '.join(sorted(RESUMABLE_FIELDS))} may change")
+
+
+def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
+                 echo: bool = True) -> dict:
+    """Train (or resume) one run in the directory ``out`` and return its summary.
+
+    Args:
+        cfg: the configuration (on resume it must match the saved one except
+            :data:`RESUMABLE_FIELDS`).
+        out: run directory.
+        resume: continue from ``out/checkpoint.pt``.
+        echo: print progress lines and the final sample.
+
+    Returns:
+        The summary dict written to ``summary.json`` (``diverged`` is True when the loss became
+        non-finite; the run then stopped early and the last good checkpoint was kept).
+
+    Raises:
+        CorpusError, ConfigError, RunError: bad input; nothing was trained.
+    """
+    out = Path(out)
+    rank, world_size = rank_and_world()
+    is_main = rank == 0
+    _prepare_run_dir(out, resume, is_main)
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    ckpt = None
+    if resume:
+        ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+        _check_resumable(TrainConfig(**ckpt["config"]), cfg)
+        if ckpt["step"] >= cfg.steps:
+            if echo:
+                print(f"run in {out} already finished at step {ckpt['step']} "
+                      f"(steps={cfg.steps}); nothing to do", flush=True)
+            summary_path = out / "summary.json"
+            return json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        if cfg.last_step <= ckpt["step"]:
+            raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint is "
+                           f"already at step {ckpt['step']}")
+
+    tokenizer_path = out / "tokenizer.json"
+    corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
+                         bpe_vocab_size=cfg.bpe_vocab_size,
+                         tokenizer_path=tokenizer_path if resume and cfg.tokenizer == "bpe"
+                         else None)
+    check_size(corpus, cfg.batch_size, cfg.block_size)
+    if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
+        raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run started "
+                       f"(fingerprint {corpus.fingerprint[:12]} != "
+                       f"{ckpt['corpus_fingerprint'][:12]}), so the data order would differ")
+
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    model = build_model(cfg, corpus.vocab_size).to(device)
+    optimizer, multipliers = build_optimizer(model, cfg)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    sampler = BatchSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, rank)
+
+    start_step, tokens, wall_before, saved_step = 0, 0, 0.0, -1
+    metrics_path = out / "metrics.jsonl"
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        sampler.load_state_dict(ckpt["sampler"])
+        set_rng_state(ckpt["rng"])
+        start_step, tokens = ckpt["step"], ckpt["tokens"]
+        wall_before, saved_step = ckpt["wall_time_s"], ckpt["step"]
+        rows = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
+        if is_main:  # rows logged after the checkpoint will be produced again
+            tmp = metrics_path.with_name("metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, metrics_path)
+    else:
+        rows = []
+    unigram = unigram_entropy(corpus.train, corpus.vocab_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    if is_main:
+        write_json(out / "config.json", cfg.to_dict())
+        write_json(out / "corpus.json", corpus.describe())
+        if cfg.tokenizer == "bpe" and not resume:
+            corpus.tokenizer.save(tokenizer_path)
+
+    bar = _make_bar(cfg, start_step, echo and is_main)
+    say = _Echo(echo and is_main, bar)
+    if start_step == 0:
+        say(f"corpus {cfg.corpus}: {corpus.train.numel():,} train / {corpus.val.numel():,} val "
+            f"tokens, fingerprint {corpus.fingerprint[:12]}, unigram entropy {unigram:.3f} nats; "
+            f"model {n_params:,} parameters ({cfg.connection}, {cfg.optimizer}"
+            f"{'/' + cfg.policy if cfg.optimizer == 'manifold-muon' else ''}, sel={cfg.sel}) "
+            f"on {device}")
+    else:
+        say(f"resuming {out} at step {start_step}")
+
+    tokens_per_step = cfg.batch_size * cfg.block_size * world_size
+    t_start = time.perf_counter()
+    t_last, tokens_last = t_start, tokens
+    last_val: float | None = None
+    diverged: str | None = None
+    completed = start_step
+    metrics_file = open(metrics_path, "a") if is_main else contextlib.nullcontext()
+    model.train()
+    with metrics_file as mf:
+        def log(row: dict) -> None:
+            rows.append(row)
+            if is_main:
+                mf.write(json.dumps(row, allow_nan=False) + "\n")
+                mf.flush()
+
+        def checkpoint(step: int) -> None:
+            nonlocal saved_step
+            if not (is_main and cfg.checkpoint):
+                return
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "sampler": sampler.state_dict(), "rng": rng_state(device), "step": step,
+                     "tokens": tokens, "config": cfg.to_dict(),
+                     "wall_time_s": wall_before + time.perf_counter() - t_start,
+                     "corpus_fingerprint": corpus.fingerprint, "finished": step >= cfg.steps}
+            save_checkpoint(out / "checkpoint.pt", state, saved_step)
+            saved_step = max(saved_step, step)
+
+        for step in range(start_step + 1, cfg.last_step + 1):
+            scale = lr_scale(step - 1, cfg)
+            for group, base, mult in zip(optimizer.param_groups, base_lrs, multipliers):
+                group["lr"] = base * scale * mult(step - 1)
+            x, y = sampler.next_batch()
+            _, loss = model(x.to(device), y.to(device))
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                diverged = f"non-finite training loss ({loss_value}) at step {step}"
+                log({"step": step, "train_loss": None, "lr": cfg.lr * scale, "tokens": tokens,
+                     "diverged": True})
+                break
+            loss.backward()
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens += tokens_per_step
+            completed = step
+            if bar is not None:
+                bar.update(1)
+            is_eval = step % cfg.eval_interval == 0 or step == cfg.last_step
+            if not (is_eval or step % cfg.log_interval == 0):
+                continue
+            now = time.perf_counter()
+            row = {"step": step, "train_loss": loss_value, "lr": cfg.lr * scale,
+                   "tokens": tokens, "grad_norm": _json_float(grad_norm),
+                   "tokens_per_s": (tokens - tokens_last) / max(now - t_last, 1e-9)}
+            t_last, tokens_last = now, tokens
+            if is_eval:
+                last_val = evaluate(model, corpus, cfg, device)
+                if not math.isfinite(last_val):
+                    diverged = f"non-finite validation loss ({last_val}) at step {step}"
+                    row.update(val_loss=None, diverged=True)
+                    log(row)
+                    break
+                row.update(val_loss=last_val, val_ppl=perplexity(last_val),
+                           **diagnostics(model, corpus, cfg, device))
+            log(row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if is_eval:
+                say(f"step {step}/{cfg.steps}: train {loss_value:.4f}, val {last_val:.4f} "
+                    f"(ppl {perplexity(last_val):.2f}), {row['tokens_per_s']:.0f} tok/s")
+                checkpoint(step)
+    if bar is not None:
+        bar.close()
+
+    wall = wall_before + time.perf_counter() - t_start
+    finished = diverged is None and completed >= cfg.steps
+    last_train = next((r["train_loss"] for r in reversed(rows)
+                       if r.get("train_loss") is not None), None)
+    run_tokens = tokens - (ckpt["tokens"] if ckpt else 0)
+    summary = {
+        "val_loss": _json_float(last_val),
+        "val_ppl": _json_float(perplexity(last_val)) if last_val is not None else None,
+        "steps": completed, "tokens": tokens, "world_size": world_size, "wall_time_s": wall,
+        "corpus_fingerprint": corpus.fingerprint, "train_loss": last_train,
+        "unigram_entropy": unigram, "parameters": n_params, "finished": finished,
+        "diverged": diverged is not None, "device": str(device), "corpus": cfg.corpus,
+        "tokens_per_s": run_tokens / max(time.perf_counter() - t_start, 1e-9)}
+    if diverged is not None:
+        kept = (f"the last good checkpoint (step {saved_step}) is kept in {out}"
+                if saved_step >= 0 else "no checkpoint had been written yet")
+        summary["error"] = f"{diverged}; {kept}"
+        say(f"stopped: {summary['error']}")
+    elif finished and cfg.sample_tokens > 0:
+        sample = generate_sample(model, corpus, cfg, device)
+        if is_main:
+            (out / "sample.txt").write_text(sample)
+        say("--- sample ---\n" + sample + "\n--------------")
+    if is_main:
+        write_json(out / "summary.json", summary)
+        from .plotting import plot_run
+
+        plot_run(rows, out / "loss.png", title=f"{cfg.connection} / {cfg.optimizer} "
+                 f"/ sel={cfg.sel} on {cfg.corpus}", reference=unigram)
+    if diverged is None and finished:
+        say(f"done: val loss {last_val:.4f} (ppl {perplexity(last_val):.2f}, unigram entropy "
+            f"{unigram:.3f}), {tokens:,} tokens in {wall:.1f} s; run directory {out}")
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump, caught in main
+        raise _ArgumentError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        allow_abbrev=False, prog="python -m models.train",
+        description="Train the reference GPT. Any config field can be overridden with "
+                    "--key value (e.g. --lr 1e-3 --connection pre-ln).")
+    p.add_argument("--preset", help="named preset: smoke, default (default: default)")
+    p.add_argument("--config", help="TOML file of config fields (may name a preset)")
+    p.add_argument("--out", help="run directory (default: runs/<preset>)")
+    p.add_argument("--steps", help="total optimizer steps")
+    p.add_argument("--corpus", help="stdlib | file:PATH | synthetic[:NBYTES]")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest)
+    for key in ("steps", "corpus"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    return args, overrides
+
+
+def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> TrainConfig:
+    """The run's configuration.
+
+    A fresh run layers preset (``default`` unless ``--preset`` / a TOML ``preset`` key says
+    otherwise), TOML file and overrides. ``--resume`` starts from the saved ``config.json``
+    instead (``--preset`` is ignored, ``stop_at`` is cleared) and applies the TOML file and
+    overrides on top; :func:`run_training` then refuses changes outside
+    :data:`RESUMABLE_FIELDS`.
+    """
+    saved = out / "config.json"
+    if args.resume and saved.is_file():
+        base = json.loads(saved.read_text())
+        base["stop_at"] = 0
+        toml = load_toml(args.config) if args.config is not None else {}
+        toml.pop("preset", None)
+        return build_config(overrides={**toml, **overrides}, base=base)
+    preset = args.preset if args.preset is not None or args.config is not None else "default"
+    return build_config(preset, args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0 ok, 2 bad input, 3 diverged)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, overrides = parse_args(argv)
+        out = Path(args.out) if args.out else Path("runs") / (args.preset or "default")
+        cfg = config_from_args(args, overrides, out)
+        summary = run_training(cfg, out, resume=args.resume)
+    except (_ArgumentError, ConfigError, CorpusError, RunError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted; resume with --resume (from the last checkpoint)", file=sys.stderr)
+        return 130
+    if summary.get("diverged"):
+        print(f"error: training diverged: {summary.get('error')}", file=sys.stderr)
+        return EXIT_DIVERGED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The SEL chart on its own: inverses, the mismatched initialization, scales, gradients, options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib.charts import SEL, Chart
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+
+
+def heavy_tailed(shape, dtype, seed=0, df=3.0):
+    """Student-t weights at the usual 1/sqrt(fan_in) scale: a pretrained-like heavy tail."""
+    g = torch.Generator().manual_seed(seed)
+    # Student-t = normal / sqrt(chi2/df), drawn from one generator for reproducibility.
+    z = torch.randn(shape, generator=g, dtype=torch.float64)
+    chi2 = torch.randn((*shape, int(df)), generator=g, dtype=torch.float64).pow(2).sum(-1)
+    return (z / torch.sqrt(chi2 / df) / math.sqrt(shape[-1])).to(dtype)
+
+
+def perturb_scales(chart: SEL, seed: int = 1, spread: float = 0.3) -> None:
+    """Make the rank-1 scales non-uniform so tests see structured (i, j)-dependent scales."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in chart.named_parameters():
+            if not name.startswith("delta"):
+                p.add_(spread * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
+
+
+def rel_err(x, y):
+    return ((x - y).abs() / y.abs()).max().item()
+
+
+def within_conditioning(chart: SEL, raw, out, target, mask=None, k: float = 8.0) -> bool:
+    """|out - target| <= k eps (1 + b|w|)(E(|w|) + l_w|w|): the rounding of the forward rule itself.
+
+    With non-uniform scales, ab < l_w can happen somewhere; there the forward rule on negatives is
+    a difference of two larger terms and no inverse can beat this bound.
+    """
+    a, b, c = chart.coefficients()
+    t = raw.abs()
+    size = (1 + b * t) * (a * torch.expm1(b * t) + c * t)
+    ok = (out - target).abs() <= k * torch.finfo(out.dtype).eps * size
+    return bool((ok if mask is None else ok[mask]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("structured", [False, True])
+def test_congruent_round_trip_is_exact_on_heavy_tailed_weights(dtype, structured):
+    W = heavy_tailed((96, 64), dtype)
+    chart = SEL(W, init="congruent")
+    if structured:
+        perturb_scales(chart)
+    assert chart.exact_inverse
+    raw = chart.right_inverse(W)
+    out = chart(raw)
+    assert out.dtype == dtype
+    if structured:
+        assert within_conditioning(chart, raw, out, W)
+    else:  # default scales: ab = 3 l_w, no cancellation, so the error is relative to |W|
+        assert rel_err(out, W) <= TOL[dtype]
+
+
+def test_round_trip_covers_both_regimes():
+    W = heavy_tailed((96, 64), torch.float64)
+    a, b, c = SEL(W).coefficients()
+    raw = SEL(W, init="congruent").right_inverse(W)
+    bx = (b * raw.abs()).max().item()
+    assert bx > 3.0  # the exponential regime is exercised, not only the near-linear one
+    assert (b * raw.abs()).min().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mismatched_init_realizes_positives_and_shrinks_negatives(dtype):
+    W = heavy_tailed((80, 48), dtype, seed=2)
+    chart = SEL(W)  # init="mismatched" is the default
+    perturb_scales(chart, seed=3)
+    assert not chart.exact_inverse
+    raw = chart.right_inverse(W)
+    out = chart(raw)
+    a, b, c = chart.coefficients()
+    pos, neg = W > 0, W < 0
+    assert rel_err(out[pos], W[pos]) <= TOL[dtype]
+    # MATH.md §6: a negative target w0 is realized as w0 + 2 l_w |w| (|w| the raw magnitude).
+    predicted = W + 2 * c * raw.abs()
+    assert within_conditioning(chart, raw, out, predicted, mask=neg)
+    assert bool((out[neg].abs() < W[neg].abs()).all())
+    assert torch.equal(torch.sign(raw), torch.sign(W))  # raw keeps the sign of the target
+
+
+def test_mismatched_ratio_in_the_linear_regime():
+    W = heavy_tailed((64, 32), torch.float64, seed=4) * 1e-7  # b|w| ~ 1e-7: linear regime
+    chart = SEL(W)
+    perturb_scales(chart, seed=5)
+    out = chart(chart.right_inverse(W))
+    a, b, c = chart.coefficients()
+    ratio = (a * b - c) / (a * b + c)  # (ab - l_w) / (ab + l_w), elementwise
+    neg = W < 0
+    # The deviation from the linear-regime ratio is O(b|w|) ~ 1e-7.
+    assert torch.allclose((out / W)[neg], ratio.expand_as(W)[neg], rtol=0, atol=1e-6)
+    assert ratio.min().item() < 0.3 and ratio.max().item() > 0.7  # scales really vary
+    assert torch.allclose((out / W)[~neg], torch.ones_like(W)[~neg], rtol=1e-12, atol=0)
+
+
+def test_default_ratio_is_one_half():
+    W = torch.full((4, 16), -1e-9, dtype=torch.float64)
+    chart = SEL(W)
+    ratio = chart(chart.right_inverse(W)).detach() / W
+    assert torch.allclose(ratio, torch.full_like(W, 0.5), rtol=1e-6, atol=0)
+
+
+def test_without_linear_path_both_inits_agree():
+    W = heavy_tailed((32, 16), torch.float64, seed=6)
+    mismatched, congruent = SEL(W, linear=False), SEL(W, init="congruent", linear=False)
+    assert mismatched.exact_inverse
+    assert torch.equal(mismatched.right_inverse(W), congruent.right_inverse(W))
+    assert rel_err(mismatched(mismatched.right_inverse(W)), W) <= 1e-12
+    assert "l_w" not in mismatched.scale_parameters()
+
+
+@pytest.mark.parametrize("fan_in", [64, 256, 1024])
+@pytest.mark.parametrize("kappa, gain, slope", [(1.0, 1.0, 0.75), (0.5, 2.0, 1.5)])
+def test_curvature_from_width(fan_in, kappa, gain, slope):
+    W = torch.zeros(8, fan_in, dtype=torch.float64)
+    chart = SEL(W, kappa=kappa, gain=gain, slope=slope, scale_init={"m": 0.3, "n": 0.7})
+    a, b, c = chart.coefficients()
+    sigma0 = gain / math.sqrt(fan_in)
+    assert torch.allclose(b * sigma0, torch.full_like(b, kappa), rtol=1e-14, atol=0)
+    assert torch.allclose(a * b, torch.full_like(a * b, slope), rtol=1e-14, atol=0)  # E'(0) fixed
+    assert chart.beta.item() == pytest.approx(kappa * math.sqrt(fan_in) / (gain * 0.3), rel=1e-14)
+
+
+def test_scale_parameter_count_and_structure():
+    out_f, in_f, rank = 24, 40, 3
+    chart = SEL(torch.zeros(out_f, in_f), rank=rank)
+    scales = chart.scale_parameters()
+    assert set(scales) == {"e_w", "l_w", "m", "n", "delta"}
+    n_scales = sum(p.numel() for role, ps in scales.items() if role != "delta" for p in ps)
+    assert n_scales == 4 * (out_f + in_f)
+    assert sum(p.numel() for p in scales["delta"]) == rank * (out_f + in_f)
+    a, b, c = chart.coefficients()
+    for s in (a, b, c):  # positive and rank one
+        assert bool((s > 0).all())
+        assert torch.linalg.matrix_rank(s.expand(out_f, in_f).double()).item() == 1
+
+
+def test_gradients_reach_raw_weights_and_every_scale():
+    W = heavy_tailed((16, 12), torch.float64, seed=7)
+    chart = SEL(W, rank=2)
+    with torch.no_grad():
+        chart.delta_b.normal_(generator=torch.Generator().manual_seed(8))
+    raw = chart.right_inverse(W).requires_grad_(True)
+    g = torch.Generator().manual_seed(9)
+    probe = torch.randn(W.shape, generator=g, dtype=torch.float64)
+    (chart(raw) * probe).sum().backward()
+    assert raw.grad is not None and bool((raw.grad != 0).all())
+    for name, p in chart.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
+        assert p.grad.abs().sum().item() > 0, name
+
+
+def test_gradcheck_away_from_zero():
+    W = heavy_tailed((5, 4), torch.float64, seed=10)
+    chart = SEL(W, rank=1)
+    perturb_scales(chart, seed=11)
+    raw = chart.right_inverse(W)
+    raw = torch.where(raw.abs() < 1e-3, torch.full_like(raw, 0.05), raw).requires_grad_(True)
+    assert torch.autograd.gradcheck(chart, (raw,))
+
+
+def test_gradient_at_zero_is_finite_one_sided_slope():
+    chart = SEL(torch.zeros(3, 8, dtype=torch.float64))
+    raw = torch.zeros(3, 8, dtype=torch.float64, requires_grad=True)
+    out = chart(raw)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    a, b, c = chart.coefficients()
+    assert torch.allclose(raw.grad, (a * b + c).expand_as(raw), rtol=1e-14, atol=0)
+    for name, p in chart.named_parameters():
+        assert bool(torch.isfinite(p.grad).all()), name
+
+
+def test_float32_overflow_guard_keeps_values_and_gradients_finite():
+    chart = SEL(torch.zeros(4, 256))
+    raw = torch.tensor([[1e4, -1e4, 50.0, 0.0]] * 4).repeat(1, 64).requires_grad_(True)
+    out = chart(raw)
+    assert bool(torch.isfinite(out).all())
+    out.sum().backward()
+    assert bool(torch.isfinite(raw.grad).all())
+    for name, p in chart.named_parameters():
+        assert bool(torch.isfinite(p.grad).all()), name
+    with pytest.raises(ValueError, match="beyond what the chart represents"):
+        chart.right_inverse(torch.full((4, 256), 1e30))
+
+
+def test_right_inverse_subtracts_the_low_rank_residual():
+    W = heavy_tailed((20, 10), torch.float64, seed=12)
+    chart = SEL(W, init="congruent", rank=2)
+    with torch.no_grad():
+        chart.delta_b.normal_(generator=torch.Generator().manual_seed(13))
+    assert chart.delta().abs().max().item() > 0
+    assert rel_err(chart(chart.right_inverse(W)), W) <= 1e-12
+
+
+def test_one_dimensional_tensor_has_scalar_scales():
+    b = heavy_tailed((1, 50), torch.float64, seed=14)[0]
+    chart = SEL(b, init="congruent")
+    assert all(p.numel() == 1 for p in chart.parameters())
+    assert rel_err(chart(chart.right_inverse(b)), b) <= 1e-12
+    assert isinstance(chart, Chart)
+
+
+BAD_OPTIONS = [
+    ({"kappa": 0.0}, r"kappa must be a finite number > 0, got 0\.0"),
+    ({"kappa": -1.0}, r"kappa .* got -1\.0"),
+    ({"kappa": math.nan}, r"kappa .* got nan"),
+    ({"gain": -2.0}, r"gain .* got -2\.0"),
+    ({"slope": 0.0}, r"slope .* got 0\.0"),
+    ({"scale_init": {"e_w": -1.0}}, r"scale_init\['e_w'\] .* got -1\.0"),
+    ({"scale_init": {"l_w": 0.0}}, r"scale_init\['l_w'\] .* got 0\.0"),
+    ({"scale_init": {"m": math.nan}}, r"scale_init\['m'\] .* got nan"),
+    ({"scale_init": {"n": math.inf}}, r"scale_init\['n'\] .* got inf"),
+    ({"scale_init": {"q": 1.0}}, r"scale_init keys must be among .* got \['q'\]"),
+    ({"slope": 1.0, "scale_init": {"e_w": 1.0}}, r"either slope or scale_init\['e_w'\]"),
+    ({"init": "symmetric"}, r"init must be one of \('mismatched', 'congruent'\), got 'symmetric'"),
+    ({"rank": -1}, r"rank must be an int >= 0.* got -1"),
+    ({"rank": 99}, r"rank must be <= min\(weight.shape\) = 8, got 99"),
+    ({"fan_in": 0}, r"fan_in must be an int >= 1, got 0"),
+    ({"max_exponent": -5.0}, r"max_exponent .* got -5\.0"),
+]
+
+
+@pytest.mark.parametrize("options, match", BAD_OPTIONS)
+def test_bad_options_raise_value_error_naming_the_value(options, match):
+    with pytest.raises(ValueError, match=match):
+        SEL(torch.zeros(8, 16), **options)
+
+
+def test_bad_weights_raise():
+    with pytest.raises(ValueError, match="weight must be finite"):
+        SEL(torch.tensor([[1.0, math.nan]]))
+    with pytest.raises(ValueError, match=r"1-D or 2-D tensors, got shape \(2, 2, 2\)"):
+        SEL(torch.zeros(2, 2, 2))
+    with pytest.raises(ValueError, match="rank must be"):
+        SEL(torch.zeros(5), rank=1)
+    chart = SEL(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="weight must be finite"):
+        chart.right_inverse(torch.tensor([[1.0, math.inf], [0.0, 0.0]]))
+
+
+def _reference_forward(chart: SEL, raw):
+    """The forward rule written with plain autograd ops (no custom backward)."""
+    a, b, c = chart.coefficients()
+    sign = (raw >= 0).to(raw.dtype) * 2 - 1
+    mag = raw * sign
+    return sign * a * torch.expm1((b * mag).clamp(max=chart.max_exponent)) + c * mag
+
+
+def test_fused_backward_matches_plain_autograd():
+    W = heavy_tailed((12, 9), torch.float64, seed=15)
+    chart = SEL(W, max_exponent=3.0)
+    perturb_scales(chart, seed=16)
+    raw = chart.right_inverse(W * 0.5).detach()
+    raw[0, :3] = torch.tensor([0.0, 5.0, -5.0], dtype=torch.float64)  # zero and two clamped entries
+    probe = torch.randn(W.shape, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    grads = []
+    for fn in (chart, lambda r: _reference_forward(chart, r)):
+        chart.zero_grad(set_to_none=True)
+        r = raw.clone().requires_grad_(True)
+        out = fn(r)
+        (out * probe).sum().backward()
+        grads.append((out.detach(), r.grad, [p.grad.clone() for p in chart.parameters()]))
+    (o1, g1, p1), (o2, g2, p2) = grads
+    assert torch.allclose(o1, o2, rtol=1e-14, atol=0)
+    assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-300)
+    for x, y in zip(p1, p2):
+        assert torch.allclose(x, y, rtol=1e-12, atol=1e-14)
+
+
+def test_gradcheck_one_dimensional_chart():
+    b = heavy_tailed((1, 7), torch.float64, seed=18)[0]
+    chart = SEL(b)
+    raw = (chart.right_inverse(b) + 0.01).requires_grad_(True)
+    assert torch.autograd.gradcheck(chart, (raw,))

@@ -1,0 +1,74 @@
+"""run_workers: failures, hung collectives and runaway jobs end the job with a clear error."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from manifoldlib.distributed import WorkerError, WorkerTimeoutError, run_workers
+
+try:  # tests laid out as packages
+    from . import workers
+except ImportError:  # pytest's default rootdir-relative import puts this folder on sys.path
+    import workers
+
+
+def _no_live_children() -> bool:
+    return not multiprocessing.active_children()
+
+
+def test_worker_exception_is_reraised_with_its_rank() -> None:
+    with pytest.raises(WorkerError) as caught:
+        run_workers(workers.raising_job, 2, timeout=120.0, collective_timeout=60.0)
+    assert caught.value.rank == 1
+    assert "ValueError: deliberate failure on rank 1" in str(caught.value)
+    assert _no_live_children()
+
+
+def test_hung_collective_fails_at_the_collective_timeout() -> None:
+    # rank 0 waits in an all_reduce rank 1 never joins; the job timeout is far away, so the
+    # error can only come from the process group's collective timeout
+    with pytest.raises(WorkerError) as caught:
+        run_workers(workers.hung_collective_job, 2, timeout=300.0, collective_timeout=2.0)
+    assert caught.value.rank == 0
+    message = str(caught.value)
+    assert "hung_collective_job" in message and "all_reduce" in message
+    assert "timed out" in message.lower()
+    assert _no_live_children()
+
+
+def test_job_past_its_timeout_is_killed() -> None:
+    with pytest.raises(WorkerTimeoutError, match="did not finish within 2.0 s"):
+        run_workers(workers.never_finishing_job, 2, timeout=2.0)
+    assert _no_live_children()
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert run_workers(workers.rank_and_world_job, 3, timeout=120.0) == [(0, 3), (1, 3), (2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+        ({"world_size": 2, "timeout": 0.0}, "timeout must be > 0 seconds, got 0.0"),
+        ({"world_size": 2, "collective_timeout": -1.0}, "collective_timeout must be > 0 seconds"),
+        ({"world_size": 2, "backend": "mpi"}, "backend must be one of gloo, nccl, got 'mpi'"),
+        ({"world_size": 2, "num_threads": 0}, "num_threads must be an int >= 1, got 0"),
+        ({"world_size": 2, "start_method": "fork"}, "start_method must be one of"),
+    ],
+)
+def test_bad_arguments_raise_before_starting_anything(kwargs: dict, message: str) -> None:
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=message):
+        run_workers(workers.rank_and_world_job, world_size, **kwargs)
+
+
+def test_functions_the_workers_cannot_import_are_refused() -> None:
+    def local_job(rank: int) -> int:
+        return rank
+
+    for fn in (local_job, lambda rank: rank):
+        with pytest.raises(ValueError, match="module-level function"):
+            run_workers(fn, 2)

@@ -1,0 +1,169 @@
+"""msign: every method against the SVD polar factor and scipy.linalg.polar (MATH.md §3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, msign, newton_schulz
+
+EPS = torch.finfo(torch.float64).eps
+CONVERGENT = ("svd", "newton", "newton-schulz")
+SHAPES = [(7, 3), (3, 7), (5, 5), (4, 6, 2), (2, 3, 5, 4)]
+
+
+def _gaussian(shape, seed, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _with_spectrum(m: int, n: int, s: torch.Tensor, seed: int) -> torch.Tensor:
+    """An (m, n) matrix with singular values ``s`` (length min(m, n)) and random singular vectors."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    u = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))[0]
+    return (u * s) @ v.T
+
+
+def _scipy_polar(x: torch.Tensor) -> torch.Tensor:
+    """Orthogonal polar factor from scipy, batched over leading dims (wide: side='left')."""
+    flat = x.reshape(-1, *x.shape[-2:]).numpy()
+    side = "right" if x.shape[-2] >= x.shape[-1] else "left"
+    out = np.stack([scipy.linalg.polar(a, side=side)[0] for a in flat])
+    return torch.from_numpy(out).reshape(x.shape)
+
+
+def _rel(a, b):
+    return float(torch.linalg.matrix_norm(a - b).max() / torch.linalg.matrix_norm(b).max())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("method", CONVERGENT)
+def test_convergent_methods_match_scipy_polar(shape, method):
+    x = _gaussian(shape, 0)
+    ref = _scipy_polar(x)
+    y = msign(x, method)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    # Gaussian matrices up to 7x7: condition numbers below ~1e3 for these seeds
+    assert _rel(y, ref) <= 1e-12
+
+
+@pytest.mark.parametrize("method", CONVERGENT + ("polar-express",))
+@pytest.mark.parametrize("cond", [1e1, 1e3])
+def test_ill_conditioned_spectrum(method, cond):
+    s = torch.logspace(0, -np.log10(cond), 8, dtype=torch.float64)
+    x = _with_spectrum(20, 8, s, seed=1)
+    steps = 10 if method == "polar-express" else None  # 8 steps reach 1e-3 only to ~1e-6
+    y = msign(x, method, steps=steps)
+    assert _rel(y, _scipy_polar(x)) <= 1e-13 * cond
+
+
+def test_svd_maps_zero_singular_values_to_zero():
+    s = torch.tensor([3.0, 1.0, 0.5, 0.0, 0.0], dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    u = torch.linalg.qr(torch.randn(9, 5, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))[0]
+    x = (u * s) @ v.T
+    expected = (u * (s > 0).double()) @ v.T
+    assert _rel(msign(x, "svd"), expected) <= 1e-14
+    assert torch.equal(msign(torch.zeros(4, 3, dtype=torch.float64), "svd"), torch.zeros(4, 3, dtype=torch.float64))
+    # wide orientation and a batch holding a rank-deficient member
+    batch = torch.stack([x.T, _gaussian((5, 9), 3)])
+    out = msign(batch, "svd")
+    assert _rel(out[0], expected.T) <= 1e-14
+    assert torch.linalg.svdvals(out[1]).sub(1).abs().max() <= 1e-14
+
+
+def test_fixed_count_methods_map_zero_to_zero():
+    z = torch.zeros(3, 6, 4, dtype=torch.float64)
+    for method in ("jordan5", "polar-express"):
+        assert torch.equal(msign(z, method), z)
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (3, 32, 24)], ids=str)
+def test_jordan5_singular_values_in_expected_band(shape):
+    x = _gaussian(shape, 4, torch.float32)
+    s = torch.linalg.svdvals(msign(x, "jordan5").double())
+    assert 0.5 <= float(s.min()) and float(s.max()) <= 1.2
+    # not convergent: far from the polar factor (MATH.md: an update direction, not a retraction)
+    assert float(s.max() - s.min()) > 0.3
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (3, 32, 24)], ids=str)
+def test_polar_express_accuracy(shape):
+    x64 = _gaussian(shape, 5)
+    assert _rel(msign(x64, "polar-express"), msign(x64, "svd")) <= 1e-13
+    s32 = torch.linalg.svdvals(msign(x64.float(), "polar-express").double())
+    assert (s32 - 1).abs().max() <= 1e-6  # a few float32 ulps
+    sj = torch.linalg.svdvals(msign(x64.float(), "jordan5").double())
+    assert (s32 - 1).abs().max() < 1e-4 * (sj - 1).abs().max()
+
+
+def test_polar_express_schedule_matches_math_md():
+    assert len(POLAR_EXPRESS_COEFFICIENTS) == 8
+    a, b, c = POLAR_EXPRESS_COEFFICIENTS[0]
+    assert a == pytest.approx(8.28721201814563 / 1.01, rel=1e-15)
+    assert b == pytest.approx(-23.595886519098837 / 1.01**3, rel=1e-15)
+    assert c == pytest.approx(17.300387312530933 / 1.01**5, rel=1e-15)
+    assert POLAR_EXPRESS_COEFFICIENTS[-1] == (1.875, -1.25, 0.375)
+    # past the schedule the last triple repeats: 20 steps = 8 steps + 12 convergent quintic steps
+    x = _gaussian((12, 5), 6)
+    manual = newton_schulz(x, POLAR_EXPRESS_COEFFICIENTS + ((1.875, -1.25, 0.375),) * 12, 20, normalize_scale=1.01)
+    assert torch.allclose(msign(x, "polar-express", steps=20), manual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", MSIGN_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtype_and_shape_follow_input(method, dtype):
+    x = _gaussian((2, 6, 4), 7).to(dtype)
+    y = msign(x, method)
+    assert y.dtype == dtype and y.shape == x.shape and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("method", CONVERGENT)
+def test_float32_accuracy(method):
+    x = _gaussian((3, 12, 5), 8)
+    y = msign(x.float(), method).double()
+    assert _rel(y, msign(x, "svd")) <= 32 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("method", MSIGN_METHODS)
+@given(seed=st.integers(0, 2**31 - 1), c=st.floats(1e-3, 1e3), m=st.integers(1, 6), n=st.integers(1, 6))
+def test_symmetries(method, seed, c, m, n):
+    x = _gaussian((m, n), seed)
+    y = msign(x, method)
+    exact = method in CONVERGENT
+    tol = 1e-12 if exact else 1e-6
+    # msign(X^T) = msign(X)^T, msign(-X) = -msign(X), msign(cX) = msign(X) for c > 0
+    assert torch.allclose(msign(x.T, method), y.T, rtol=0, atol=tol)
+    assert torch.allclose(msign(-x, method), -y, rtol=0, atol=tol)
+    if exact:
+        assert torch.allclose(msign(c * x, method), y, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("method", CONVERGENT)
+def test_orthogonal_input_is_fixed(method):
+    q = torch.linalg.qr(_gaussian((3, 9, 4), 9))[0]
+    assert _rel(msign(q, method), q) <= 1e-14
+
+
+def test_newton_gradient_matches_svd_gradient_at_generic_point():
+    x = _gaussian((7, 4), 10)
+    w = _gaussian((7, 4), 11)
+    grads = []
+    for method in ("svd", "newton"):
+        xi = x.clone().requires_grad_(True)
+        (msign(xi, method) * w).sum().backward()
+        grads.append(xi.grad)
+    assert _rel(grads[1], grads[0]) <= 1e-10
+
+
+def test_newton_gradient_finite_at_orthogonal_point():
+    # at an orthogonal X all singular values are 1 and SVD backward divides by 0
+    q = torch.linalg.qr(_gaussian((6, 3), 12))[0].requires_grad_(True)
+    (msign(q, "newton") * _gaussian((6, 3), 13)).sum().backward()
+    assert torch.isfinite(q.grad).all()

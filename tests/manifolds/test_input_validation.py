@@ -1,0 +1,120 @@
+"""Bad input raises ValueError naming the value and what was expected."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
+from manifoldlib.functional import dgram_metric_projection, msign, newton_schulz
+from manifoldlib.retractions import PRetraction
+
+WIDE = torch.randn(3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+VECTOR = torch.randn(5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("cls,label", [(Stiefel, "Stiefel"), (DGram, "DGram")])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, z: m.projx(z),
+        lambda m, z: m.proju(z, z),
+        lambda m, z: m.retr(z, z),
+        lambda m, z: m.egrad2rgrad(z, z),
+        lambda m, z: m.random(*z.shape),
+    ],
+    ids=["projx", "proju", "retr", "egrad2rgrad", "random"],
+)
+def test_matrix_manifolds_reject_wide_matrices(cls, label, call):
+    with pytest.raises(ValueError, match=rf"on {label} needs \(\.\.\., m, n\) with m >= n >= 1, got m=3, n=5"):
+        call(cls(), WIDE)
+
+
+@pytest.mark.parametrize("cls,label", [(Stiefel, "Stiefel"), (DGram, "DGram")])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, z: m.projx(z),
+        lambda m, z: m.proju(z, z),
+        lambda m, z: m.retr(z, z),
+        lambda m, z: m.random(*z.shape),
+    ],
+    ids=["projx", "proju", "retr", "random"],
+)
+def test_matrix_manifolds_reject_vectors(cls, label, call):
+    with pytest.raises(ValueError, match=rf"on {label} needs a matrix .* got shape \(5,\)"):
+        call(cls(), VECTOR)
+
+
+def test_stiefel_expmap_rejects_wide():
+    with pytest.raises(ValueError, match="m=3, n=5"):
+        Stiefel().expmap(WIDE, WIDE)
+
+
+def test_dgram_has_no_expmap():
+    x = DGram().random(4, 2, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="no closed-form exponential map"):
+        DGram().expmap(x, x)
+
+
+@pytest.mark.parametrize("p", [0.0, -1.0, -math.inf, math.nan, "abc", None])
+def test_p_must_be_positive(p):
+    with pytest.raises(ValueError, match=r"p must be (a number )?in \(0, inf\], got"):
+        PRetraction(p)
+    with pytest.raises(ValueError, match=r"p must be"):
+        Sphere(retraction="p", p=p)
+
+
+@pytest.mark.parametrize("radius", [0.0, -2.0, math.nan, math.inf, "big"])
+def test_radius_must_be_positive_and_finite(radius):
+    with pytest.raises(ValueError, match=rf"radius must be a (finite|positive) number.*got {radius!r}"):
+        Sphere(radius=radius)
+    with pytest.raises(ValueError, match="radius"):
+        get_manifold("sphere", radius=radius)
+
+
+def test_sphere_rejects_scalars():
+    with pytest.raises(ValueError, match=r"needs shape \(\.\.\., d\) with d >= 1, got \(\)"):
+        Sphere().projx(torch.tensor(1.0))
+
+
+def test_euclidean_ndim_must_be_non_negative_int():
+    with pytest.raises(ValueError, match="ndim must be an int >= 0, got -1"):
+        Euclidean(ndim=-1)
+    with pytest.raises(ValueError, match="ndim must be an int >= 0, got 1.5"):
+        Euclidean(ndim=1.5)
+
+
+def test_unknown_manifold_name_lists_valid():
+    with pytest.raises(ValueError, match="unknown manifold 'poincare'; valid names: dgram, euclidean, sphere, stiefel"):
+        get_manifold("poincare")
+    with pytest.raises(ValueError, match="cannot be applied to the instance"):
+        get_manifold(Sphere(), radius=2.0)
+
+
+@pytest.mark.parametrize("method", ["nope", "SVD", "newton_schulz", ""])
+def test_unknown_msign_method_lists_valid(method):
+    with pytest.raises(ValueError, match=rf"unknown msign method {method!r}; valid methods: svd, newton, newton-schulz, jordan5, polar-express"):
+        msign(WIDE, method)
+
+
+@pytest.mark.parametrize("cls", [Stiefel, DGram])
+def test_unknown_polar_method_in_retraction(cls):
+    with pytest.raises(ValueError, match="unknown polar method 'qr'; valid: auto, svd"):
+        cls(method="qr")
+
+
+def test_msign_rejects_vectors_and_negative_steps():
+    with pytest.raises(ValueError, match=r"got shape \(5,\)"):
+        msign(VECTOR)
+    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+        msign(WIDE, "jordan5", steps=-1)
+    with pytest.raises(ValueError, match="steps must be >= 0, got -2"):
+        newton_schulz(WIDE, (1.5, -0.5, 0.0), -2)
+
+
+def test_metric_projection_iterations():
+    with pytest.raises(ValueError, match="iterations must be >= 1, got 0"):
+        dgram_metric_projection(WIDE.mT, iterations=0)

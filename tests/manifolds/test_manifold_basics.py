@@ -1,0 +1,135 @@
+"""One parametrized suite of geometric invariants for every manifold (geoopt's test model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
+from manifoldlib.manifolds import available_manifolds
+from manifoldlib.testing import random_point, random_tangent
+from manifoldlib.testing import strategies as mst
+
+EPS = torch.finfo(torch.float64).eps
+MANIFOLDS = [Sphere(0.5), Sphere(3.0), Stiefel(), DGram(), Euclidean(ndim=1), Euclidean(ndim=2)]
+IDS = ["sphere-r0.5", "sphere-r3", "stiefel", "dgram", "euclidean-1", "euclidean-2"]
+CURVED = MANIFOLDS[:4]
+CURVED_IDS = IDS[:4]
+
+
+def _norm(t):
+    return float(torch.linalg.vector_norm(t))
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(data=st.data())
+def test_random_points_are_on_manifold_and_projx_fixes_them(manifold, data):
+    x = data.draw(mst.points(manifold))
+    ok, reason = manifold.check_point_on_manifold(x, explain=True, atol=0.0, rtol=1e-13)
+    assert ok, reason
+    assert _norm(manifold.projx(x) - x) <= 1e-13 * _norm(x)
+
+
+@pytest.mark.parametrize("manifold", CURVED, ids=CURVED_IDS)
+@given(data=st.data())
+def test_projx_lands_on_manifold_and_is_idempotent(manifold, data):
+    x = data.draw(mst.points(manifold))
+    g = data.draw(mst.seeds())
+    y = manifold.projx(x + 0.3 * torch.randn(x.shape, generator=g, dtype=x.dtype) * _norm(x) / x.numel() ** 0.5)
+    ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=1e-12)
+    assert ok, reason
+    assert _norm(manifold.projx(y) - y) <= 1e-12 * _norm(y)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(data=st.data())
+def test_proju_is_an_orthogonal_projection(manifold, data):
+    x = data.draw(mst.points(manifold))
+    g = data.draw(mst.seeds())
+    z = torch.randn(x.shape, generator=g, dtype=x.dtype)
+    w = torch.randn(x.shape, generator=g, dtype=x.dtype)
+    pz = manifold.proju(x, z)
+    # the constraint residual of P z is cancellation-limited: O(eps ||x|| ||z||), not O(eps ||P z||)
+    atol = 16 * EPS * max(1.0, _norm(x)) * _norm(z)
+    ok, reason = manifold.check_vector_on_tangent(x, pz, explain=True, atol=atol, rtol=0.0)
+    assert ok, reason
+    assert _norm(manifold.proju(x, pz) - pz) <= 1e-13 * _norm(z)  # idempotent
+    # self-adjoint: <P z, w> = <z, P w>
+    lhs, rhs = manifold.inner(x, pz, w), manifold.inner(x, z, manifold.proju(x, w))
+    assert torch.allclose(lhs, rhs, rtol=0, atol=1e-13 * _norm(z) * _norm(w))
+    assert torch.equal(manifold.egrad2rgrad(x, z), pz)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+def test_inner_is_symmetric_and_keepdim(manifold):
+    g = torch.Generator().manual_seed(0)
+    x = random_point(manifold, (3,) + ((5,) if manifold.ndim <= 1 else (5, 3)), generator=g)
+    u, v = random_tangent(manifold, x, generator=g), random_tangent(manifold, x, generator=g)
+    assert torch.equal(manifold.inner(x, u, v), manifold.inner(x, v, u))
+    assert manifold.inner(x, u).shape == (3,)
+    assert manifold.inner(x, u, keepdim=True).shape == (3,) + (1,) * manifold.ndim
+    assert torch.allclose(manifold.inner(x, u), (u * u).flatten(1).sum(-1), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("manifold", CURVED, ids=CURVED_IDS)
+def test_transport_lands_in_target_tangent_space(manifold):
+    g = torch.Generator().manual_seed(1)
+    x = random_point(manifold, (3,) + ((5,) if manifold.ndim == 1 else (5, 3)), generator=g)
+    u, w = random_tangent(manifold, x, scale=0.5, generator=g), random_tangent(manifold, x, generator=g)
+    y, tw = manifold.retr_transp(x, u, w)
+    assert torch.equal(y, manifold.retr(x, u))
+    ok, reason = manifold.check_vector_on_tangent(y, tw, explain=True, atol=0.0, rtol=1e-12)
+    assert ok, reason
+    assert torch.equal(manifold.transp_follow_retr(x, u, w), tw)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_random_respects_generator_dtype_and_shape(manifold, dtype):
+    shape = (2, 6) if manifold.ndim <= 1 else (2, 6, 4)
+    a = manifold.random(*shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    b = manifold.random(shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    assert a.shape == shape and a.dtype == dtype and torch.equal(a, b)
+    assert manifold.check_point_on_manifold(a)  # dtype-aware default tolerance
+    c = manifold.random(*shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("manifold", CURVED, ids=CURVED_IDS)
+def test_check_point_explains_failures(manifold):
+    x = random_point(manifold, (5,) if manifold.ndim == 1 else (5, 3), generator=torch.Generator().manual_seed(5))
+    bad = x * 1.1 if manifold.ndim == 1 else x + 0.1 * torch.ones_like(x)
+    ok, reason = manifold.check_point_on_manifold(bad, explain=True)
+    assert not ok and isinstance(reason, str) and "exceeds" in reason
+    assert manifold.check_point_on_manifold(x, explain=True) == (True, None)
+    with pytest.raises(ValueError, match="exceeds"):
+        manifold.assert_check_point_on_manifold(bad)
+
+
+def test_dgram_rejects_a_zero_column():
+    x = DGram().random(5, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    x[:, 1] = 0
+    ok, reason = DGram().check_point_on_manifold(x, explain=True)
+    assert not ok and "zero" in reason
+
+
+@given(data=st.data())
+def test_sphere_logmap_inverts_expmap_and_dist_is_arc_length(data):
+    s = Sphere(1.7)
+    x, v = data.draw(mst.point_and_tangent(s, scale=(0.0, 1.5)))  # β < π: no wrap-around
+    y = s.expmap(x, v)
+    assert _norm(s.logmap(x, y) - v) <= 1e-12 * max(1.0, _norm(v))
+    assert torch.allclose(s.dist(x, y), v.norm(dim=-1), rtol=0, atol=1e-13)
+
+
+def test_get_manifold_builds_every_family():
+    assert available_manifolds() == ["dgram", "euclidean", "sphere", "stiefel"]
+    s = get_manifold("sphere", radius=2.0, retraction="p", p=1.5)
+    assert isinstance(s, Sphere) and s.radius == 2.0 and s.retraction.options() == {"p": 1.5}
+    assert get_manifold(s) is s
+    assert isinstance(get_manifold("stiefel", retraction="qr"), Stiefel)
+    assert isinstance(get_manifold("dgram"), DGram) and get_manifold("dgram").retraction.name == "alternating"
+    assert get_manifold("euclidean", ndim=2).ndim == 2
+    assert "retraction=" in repr(s) and "radius=2.0" in repr(s)

@@ -1,0 +1,227 @@
+"""The reference GPT: every connection is causal, learns, and the sphere ones stay on the sphere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib.retractions import AngleRetraction, register_retraction
+from models import GPT, GPTConfig
+from models.connections import CONNECTIONS
+
+TINY = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+@register_retraction("sphere", "test-gpt-p3")
+class _UserP3(AngleRetraction):
+    order = 2
+
+    def angle(self, beta):
+        return 3.0 * torch.atan(beta / 3.0)
+
+
+def _model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **overrides}))
+
+
+def _large_steps(model: GPT) -> GPT:
+    """Weights 10x the init scale, so each sphere update rotates by a sizable angle and the choice
+    of retraction changes the outputs (at init all members agree to O(beta^3))."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def _tokens(seed: int, batch: int, length: int, vocab: int = 32) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("connection", CONNECTIONS)
+def test_shapes_loss_and_causality(connection):
+    model = _model(connection=connection).eval()
+    idx = _tokens(1, 3, 12)
+    logits, loss = model(idx)
+    assert logits.shape == (3, 12, 32) and loss is None
+    logits_t, loss_t = model(idx, idx)
+    assert loss_t.dim() == 0 and torch.isfinite(loss_t)
+    assert torch.allclose(logits_t, logits)
+    changed = idx.clone()
+    changed[:, 8] = (changed[:, 8] + 5) % 32  # a future token for positions < 8
+    logits_c, _ = model(changed)
+    assert torch.allclose(logits_c[:, :8], logits[:, :8], rtol=0, atol=1e-6)
+    assert not torch.allclose(logits_c[:, 8:], logits[:, 8:], rtol=0, atol=1e-4)
+
+
+def _successor_batch(perm: torch.Tensor, gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    seq = [torch.randint(0, perm.numel(), (batch,), generator=gen)]
+    for _ in range(length):
+        seq.append(perm[seq[-1]])
+    return torch.stack(seq, 1)  # (batch, length + 1)
+
+
+@pytest.mark.parametrize("connection", CONNECTIONS)
+def test_every_connection_learns_a_successor_task(connection):
+    # next token = perm[token]: loss starts near log(32) and must fall clearly below it.
+    model = _model(connection=connection)
+    gen = torch.Generator().manual_seed(1)
+    perm = torch.randperm(32, generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for _ in range(30):
+        seq = _successor_batch(perm, gen, 16, 16)
+        _, loss = model(seq[:, :-1], seq[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 0.8 * math.log(32)
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses
+
+
+def test_geonorm_equals_spheret_with_p_infinity_and_exp():
+    idx = _tokens(2, 2, 16)
+    ref, _ = _large_steps(_model(seed=3, connection="geonorm"))(idx)
+    for overrides in ({"retraction": "p", "p": math.inf}, {"retraction": "exp"}):
+        out, _ = _large_steps(_model(seed=3, connection="spheret", **overrides))(idx)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    gnomonic, _ = _large_steps(_model(seed=3, connection="spheret", p=1.0))(idx)
+    assert not torch.allclose(gnomonic, ref, rtol=1e-3, atol=1e-3)  # the retraction does matter
+
+
+def test_user_retraction_plugs_into_the_config():
+    idx = _tokens(4, 2, 16)
+    user = _large_steps(_model(seed=5, retraction="test-gpt-p3"))
+    out, loss = user(idx, idx)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in user.parameters() if p.grad is not None)
+    p3, _ = _large_steps(_model(seed=5, retraction="p", p=3.0))(idx)
+    assert torch.allclose(out, p3, rtol=1e-5, atol=1e-5)
+    p1, _ = _large_steps(_model(seed=5, retraction="p", p=1.0))(idx)
+    assert not torch.allclose(out, p1, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("retraction, p", [("p", 1.0), ("cayley", 1.0), ("exp", 1.0)])
+def test_hidden_states_stay_on_one_sphere_at_depth_36(retraction, p):
+    model = _model(n_layer=36, n_embd=64, n_head=4, block_size=32, retraction=retraction, p=p, alpha_init=4.0)
+    _large_steps(model)
+    idx = _tokens(6, 4, 32)
+    states = model.hidden_states(idx)
+    assert len(states) == 2 * 36 + 1
+    radius = model.embed_norm.scale.item()
+    rel = max(float(((h.norm(dim=-1) - radius).abs() / radius).max()) for h in states)
+    assert rel <= 1e-5
+    moved = (states[-1] - states[0]).norm(dim=-1) / radius
+    assert float(moved.mean()) > 0.1  # the stream did move along the sphere
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert all(torch.isfinite(q.grad).all() for q in model.parameters() if q.grad is not None)
+
+
+def test_unknown_connection_lists_the_valid_ones():
+    with pytest.raises(ValueError) as info:
+        GPTConfig(connection="pre-rms")
+    for name in CONNECTIONS:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"n_embd": 30, "n_head": 4}, "divisible by n_head"),
+        ({"n_layer": 0}, "n_layer must be an integer >= 1"),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+        ({"retraction": "nope"}, "valid names:.*gnomonic"),
+        ({"p": 0.0}, r"p must be a number in \(0, inf\]"),
+        ({"damping": "cubic"}, "valid dampings"),
+        ({"alpha_init": math.nan}, "alpha_init must be a finite number"),
+    ],
+)
+def test_config_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**{**TINY, **overrides})
+
+
+def test_config_is_frozen_plain_data():
+    cfg = GPTConfig(**TINY)
+    assert GPTConfig(**cfg.to_dict()) == cfg
+    with pytest.raises(AttributeError):
+        cfg.n_layer = 3  # type: ignore[misc]
+
+
+def test_block_submodule_names_for_optimizer_policies():
+    model = _model(n_layer=3)
+    for i in range(3):
+        block = model.blocks[i]
+        for name in ("q", "k", "v", "o"):
+            assert isinstance(getattr(block.attn, name), torch.nn.Linear)
+        for name in ("fc", "proj"):
+            assert isinstance(getattr(block.mlp, name), torch.nn.Linear)
+    names = [n for n, p in model.named_parameters() if p.dim() == 2 and ".attn." in n]
+    assert len(names) == 3 * 4
+
+
+def test_max_attention_logit_matches_an_explicit_computation():
+    model = _model(connection="pre-ln").train()
+    idx = _tokens(7, 2, 16)
+    got = model.max_attention_logit(idx)
+    assert got.shape == (2,) and model.training
+    assert all(block.attn.max_logit is None and not block.attn.record_max_logit for block in model.blocks)
+    with torch.no_grad():  # layer 0 by hand
+        attn = model.blocks[0].attn
+        x = model.blocks[0].conn1.norm(model._embed(idx))
+        q = attn.q(x).view(2, 16, 2, 16).transpose(1, 2)
+        k = attn.k(x).view(2, 16, 2, 16).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) / 4.0
+        mask = torch.ones(16, 16, dtype=torch.bool).tril()
+        expected = scores.abs()[..., mask].max()
+    assert float(got[0]) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_generate_shapes_greedy_and_reproducible():
+    model = _model().eval()
+    prompt = _tokens(8, 2, 5)
+    out = model.generate(prompt, 20, top_k=1)  # longer than block_size: the context is cropped
+    assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
+    logits, _ = model(out[:, -16 - 1:-1])
+    assert torch.equal(out[:, -1], logits[:, -1].argmax(-1))  # top_k=1 is greedy
+    a = model.generate(prompt, 6, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    b = model.generate(prompt, 6, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and int(a.max()) < 32
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        model.generate(prompt, 1, temperature=0.0)
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(_tokens(0, 1, 17))
+
+
+@pytest.mark.parametrize("connection", ["spheret", "pre-ln"])
+def test_bf16_autocast_forward(connection):
+    model = _model(connection=connection)
+    idx = _tokens(9, 2, 16)
+    ref, _ = model(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, idx)
+    assert torch.isfinite(logits).all() and torch.isfinite(loss)
+    assert float((logits.float() - ref).abs().max()) <= 0.05 * float(ref.abs().max()) + 0.05
+    if connection == "spheret":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            states = model.hidden_states(idx)
+        radius = model.embed_norm.scale.item()
+        assert states[-1].dtype == torch.float32  # the stream stays float32; matmuls run in bf16
+        assert float(((states[-1].norm(dim=-1) - radius).abs() / radius).max()) <= 1e-5
+
+
+def test_fused_and_reference_models_agree():
+    idx = _tokens(10, 2, 16)
+    fused = _large_steps(_model(seed=11, retraction="exp"))
+    ref = _large_steps(_model(seed=11, retraction="exp", fused=False))
+    (lf, loss_f), (lr, loss_r) = fused(idx, idx), ref(idx, idx)
+    loss_f.backward()
+    loss_r.backward()
+    assert torch.allclose(lf, lr, rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(fused.named_parameters(), ref.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name

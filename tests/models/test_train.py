@@ -1,0 +1,248 @@
+"""The training CLI: run directory, resume exactness, non-finite loss, bad input, config layers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models.train as train_mod
+from models.config import PRESETS, ConfigError, TrainConfig, build_config, parse_overrides
+from models.train import lr_scale, main, read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+SUMMARY_KEYS = {"val_loss", "val_ppl", "steps", "tokens", "world_size", "wall_time_s",
+                "corpus_fingerprint"}
+COMPARED = ("step", "train_loss", "val_loss", "lr", "tokens", "grad_norm")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "models.train", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _quiet(*args: str) -> list[str]:
+    """Smoke-preset arguments without the end-of-run sample (faster)."""
+    return ["--preset", "smoke", "--sample_tokens", "0", *args]
+
+
+def _same_rows(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in COMPARED} == {k: rb.get(k) for k in COMPARED}
+
+
+# ---- one real run through the command line --------------------------------------------------
+
+
+def test_smoke_run_writes_the_documented_run_directory(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli("--preset", "smoke", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for name in ("config.json", "metrics.jsonl", "loss.png", "checkpoint.pt", "summary.json",
+                 "sample.txt"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    steps = PRESETS["smoke"]["steps"]
+    assert summary["steps"] == steps and summary["world_size"] == 1 and summary["finished"]
+    assert summary["tokens"] == steps * PRESETS["smoke"]["batch_size"] * \
+        PRESETS["smoke"]["block_size"]
+    assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]), rel=1e-12)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(5, steps + 1, 5))
+    assert all(isinstance(r["train_loss"], float) and "lr" in r and "tokens" in r for r in rows)
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert evals[-1]["val_loss"] == summary["val_loss"]
+    # it learns: below uniform bytes and below where it was at the first evaluation
+    assert summary["val_loss"] < evals[0]["val_loss"] < math.log(256)
+    assert "max_attention_logit" in evals[-1] and "q_spectral_norm_max" in evals[-1]
+    config = TrainConfig(**json.loads((out / "config.json").read_text()))
+    assert config == build_config("smoke", overrides={"steps": str(steps)})
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == steps and ckpt["finished"]
+    assert {"model", "optimizer", "rng", "sampler"} <= ckpt.keys()
+    assert {"torch", "numpy", "python"} <= ckpt["rng"].keys()
+    sample = (out / "sample.txt").read_text()
+    assert sample.startswith(TrainConfig().sample_prompt) and sample in proc.stdout
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- resume ---------------------------------------------------------------------------------
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    # dropout makes the torch RNG matter; the sampler state makes the data order matter
+    common = _quiet("--steps", "20", "--dropout", "0.1", "--eval_interval", "5")
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--stop_at", "10", "--out", str(tmp_path / "b")]) == 0
+    partial = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert partial["steps"] == 10 and not partial["finished"]
+    assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
+    _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
+               read_metrics(tmp_path / "b" / "metrics.jsonl"))
+    state_a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
+    state_b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
+    common = _quiet("--schedule", "constant", "--eval_interval", "5")
+    assert main([*common, "--steps", "20", "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--steps", "10", "--out", str(tmp_path / "b")]) == 0
+    assert main(["--resume", "--steps", "20", "--out", str(tmp_path / "b")]) == 0
+    _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
+               read_metrics(tmp_path / "b" / "metrics.jsonl"))
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_run_directory_rules(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 2
+    assert "not empty; pass --resume" in capsys.readouterr().err
+    assert main(["--resume", "--steps", "20", "--n_embd", "64", "--out", str(out)]) == 2
+    assert "n_embd (32 -> 64)" in capsys.readouterr().err
+    assert main(["--resume", "--out", str(tmp_path / "nothing")]) == 2
+    assert "has no checkpoint.pt" in capsys.readouterr().err
+
+
+# ---- non-finite loss ------------------------------------------------------------------------
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    build = train_mod.build_model
+
+    def poisoned(cfg, vocab_size):
+        model = build(cfg, vocab_size)
+        forward, calls = model.forward, {"train": 0}
+
+        def forward_with_nan(idx, targets=None):
+            logits, loss = forward(idx, targets)
+            if model.training:
+                calls["train"] += 1
+                if calls["train"] >= 13:
+                    loss = loss * float("nan")
+            return logits, loss
+
+        model.forward = forward_with_nan
+        return model
+
+    monkeypatch.setattr(train_mod, "build_model", poisoned)
+    out = tmp_path / "run"
+    assert main([*_quiet("--eval_interval", "5"), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "non-finite training loss (nan) at step 13" in err and "step 10" in err
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 10
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged"] and summary["steps"] == 12 and not summary["finished"]
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    assert last["step"] == 13 and last["train_loss"] is None and last["diverged"] is True
+    assert last["tokens"] == 12 * 8 * 32
+
+
+def test_a_huge_learning_rate_diverges_with_status_3(tmp_path, capsys):
+    assert main([*_quiet("--lr", "1e30", "--grad_clip", "0"), "--out", str(tmp_path / "r")]) == 3
+    assert "training diverged: non-finite" in capsys.readouterr().err
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def test_missing_corpus_is_one_line_without_traceback(tmp_path):
+    missing = tmp_path / "nope.txt"
+    proc = _cli("--preset", "smoke", "--corpus", f"file:{missing}", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: corpus path {missing} does not exist"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--lr", "fast"], "--lr expects a number, got 'fast'"),
+    (["--n_layer", "2.5"], "--n_layer expects an integer"),
+    (["--bias", "maybe"], "--bias expects a boolean"),
+    (["--colour", "red"], "unknown config key 'colour'"),
+    (["--connection", "resnet"], "connection must be one of"),
+    (["--n_head", "3"], "n_embd must be divisible by n_head"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--lr"], "--lr needs a value"),
+    (["stray"], "unexpected argument 'stray'"),
+    (["--batch_size", "4000"], "smaller than one batch"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
+    argv = ["--preset", "smoke", *args] if "--preset" not in args else args
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_tiny_text_file_corpus_is_rejected(tmp_path, capsys):
+    path = tmp_path / "tiny.txt"
+    path.write_text("print('hi')\n" * 5)
+    assert main(["--preset", "smoke", "--corpus", f"file:{path}", "--out",
+                 str(tmp_path / "r")]) == 2
+    assert "smaller than one batch" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "checkpoint.pt").exists()
+
+
+# ---- configuration layers -------------------------------------------------------------------
+
+
+def test_toml_preset_and_overrides_stack_in_order(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "smoke"\nlr = 0.005\nbias = true\nconnection = "pre-ln"\n')
+    cfg = build_config(toml_path=toml, overrides={"lr": "2e-3", "n_layer": "3"})
+    assert cfg.n_embd == PRESETS["smoke"]["n_embd"]           # from the preset
+    assert cfg.bias is True and cfg.connection == "pre-ln"    # from the file
+    assert cfg.lr == 2e-3 and cfg.n_layer == 3                # the command line wins
+    toml.write_text("lr = [1, 2]\n")
+    with pytest.raises(ConfigError, match="must be a plain value"):
+        build_config(toml_path=toml)
+    toml.write_text("lr = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_config(toml_path=toml)
+
+
+def test_every_field_can_be_overridden_with_its_type():
+    changed = {bool: lambda v: str(not v).lower(), int: lambda v: str(v + 1),
+               float: lambda v: repr(v * 0.5 if v else 0.25)}
+    for name, value in TrainConfig().to_dict().items():
+        if type(value) not in changed:
+            continue
+        text = changed[type(value)](value)
+        try:
+            cfg = build_config(overrides={name: text})
+        except ConfigError:   # a legal type but an illegal value for this field, e.g. stop_at
+            continue
+        assert getattr(cfg, name) != value and type(getattr(cfg, name)) is type(value)
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--lr", "1e-3", "--bias=true", "--p", "-1"]) == {
+        "lr": "1e-3", "bias": "true", "p": "-1"}
+    with pytest.raises(ConfigError, match="must be > 0, got -1.0"):
+        build_config(overrides={"p": "-1"})
+
+
+def test_learning_rate_schedule_shape():
+    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_scale(0, cfg) == pytest.approx(0.1) and lr_scale(9, cfg) == 1.0
+    assert lr_scale(10, cfg) == 1.0 and lr_scale(100, cfg) == pytest.approx(0.1)
+    mids = [lr_scale(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(mids, mids[1:]))
+    assert lr_scale(80, cfg.replace(schedule="constant")) == 1.0

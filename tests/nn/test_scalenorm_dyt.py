@@ -1,0 +1,77 @@
+"""ScaleNorm puts vectors on a sphere of learnable radius; DyT is gamma * tanh(alpha x) + beta."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib.nn import DyT, ScaleNorm
+
+
+@given(seed=st.integers(0, 2**31 - 1), dim=st.integers(1, 40), magnitude=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_scalenorm_output_lies_on_the_sphere_of_radius_g(seed, dim, magnitude):
+    norm = ScaleNorm(dim).double()
+    assert norm.scale.item() == pytest.approx(math.sqrt(dim), rel=1e-7)  # g = sqrt(d) at init
+    x = magnitude * torch.randn(5, 3, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    y = norm(x)
+    assert float((y.norm(dim=-1) - norm.scale.item()).abs().max()) <= 1e-13 * math.sqrt(dim)
+    assert float((y / y.norm(dim=-1, keepdim=True) - x / x.norm(dim=-1, keepdim=True)).abs().max()) <= 1e-14
+
+
+def test_scalenorm_zero_input_has_finite_gradients():
+    norm = ScaleNorm(6)
+    x = torch.zeros(2, 6, requires_grad=True)
+    y = norm(x)
+    assert torch.equal(y, torch.zeros_like(y))
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(norm.scale.grad).all()
+
+
+def test_scalenorm_gradcheck_and_small_norm_floor():
+    norm = ScaleNorm(4, eps=1e-3).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(norm, (x,))
+    tiny = torch.full((1, 4), 1e-5, dtype=torch.float64)  # ||x|| = 2e-5 < eps: divided by eps
+    assert torch.allclose(norm(tiny), norm.scale * tiny / 1e-3, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"dim": 0}, "dim must be"), ({"dim": 4, "eps": 0.0}, "eps must be"),
+                                             ({"dim": 4, "eps": float("nan")}, "eps must be")])
+def test_scalenorm_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ScaleNorm(**kwargs)
+
+
+def test_scalenorm_wrong_width_raises():
+    with pytest.raises(ValueError, match=r"\(\.\.\., 4\)"):
+        ScaleNorm(4)(torch.randn(2, 5))
+
+
+@given(seed=st.integers(0, 2**31 - 1))
+def test_dyt_formula(seed):
+    g = torch.Generator().manual_seed(seed)
+    dyt = DyT(7).double()
+    assert dyt.alpha.item() == 0.5 and dyt.alpha.dim() == 0
+    with torch.no_grad():
+        dyt.weight.copy_(torch.randn(7, generator=g, dtype=torch.float64))
+        dyt.bias.copy_(torch.randn(7, generator=g, dtype=torch.float64))
+        dyt.alpha.fill_(1.7)
+    x = 3 * torch.randn(4, 7, generator=g, dtype=torch.float64)
+    expected = dyt.weight * torch.tanh(1.7 * x) + dyt.bias
+    assert float((dyt(x) - expected).abs().max()) <= 1e-15 * 8
+
+
+def test_dyt_gradcheck_and_bad_arguments():
+    dyt = DyT(3, alpha_init=0.9).double()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(dyt, (x,))
+    with pytest.raises(ValueError, match="dim must be"):
+        DyT(0)
+    with pytest.raises(ValueError, match="alpha_init must be"):
+        DyT(3, alpha_init=float("nan"))
+    with pytest.raises(ValueError, match=r"\(\.\.\., 3\)"):
+        dyt(torch.randn(2, 4, dtype=torch.float64))

@@ -1,0 +1,229 @@
+"""SphereResidual: the fused analytic backward against plain autograd, and the geometry of
+MATH.md §1 (norm preservation, Jacobian at F = 0, nGPT and Post-LN equivalences)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib.nn import SphereResidual, damping_factor, sphere_residual, sphere_residual_reference
+from manifoldlib.retractions import (
+    AngleRetraction,
+    GnomonicRetraction,
+    PRetraction,
+    get_retraction,
+    register_retraction,
+)
+
+
+@register_retraction("sphere", "test-nn-p3")
+class _UserP3(AngleRetraction):
+    """A user's retraction defined only by its angle: the fused path must use the generic VJP."""
+
+    order = 2
+
+    def angle(self, beta):
+        return 3.0 * torch.atan(beta / 3.0)
+
+
+RETRACTIONS = {
+    "gnomonic": get_retraction("sphere", "gnomonic"),
+    "cayley": get_retraction("sphere", "cayley"),
+    "exp": get_retraction("sphere", "exp"),
+    "p=1": PRetraction(1.0),
+    "p=2": PRetraction(2.0),
+    "p=0.5": PRetraction(0.5),
+    "p=inf": PRetraction(math.inf),
+    "user-p3": get_retraction("sphere", "test-nn-p3"),
+}
+EPS64 = torch.finfo(torch.float64).eps
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300))
+
+
+def _case(seed: int, rows: int, dim: int, radius: float, f_scale: float, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+    h = radius * h / h.norm(dim=-1, keepdim=True)
+    f = f_scale * radius * torch.randn(rows, dim, generator=g, dtype=torch.float64) / math.sqrt(dim)
+    return h.to(dtype), f.to(dtype)
+
+
+def _values_and_grads(fn, h, f, scale, retraction, seed=7):
+    h = h.clone().requires_grad_(True)
+    f = f.clone().requires_grad_(True)
+    s = torch.tensor(scale, dtype=h.dtype, requires_grad=True)
+    out = fn(h, f, s, retraction)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(h.dtype)
+    (out * w).sum().backward()
+    return out.detach(), h.grad, f.grad, s.grad
+
+
+@pytest.mark.parametrize("name", list(RETRACTIONS))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    radius=st.sampled_from([0.5, 1.0, 4.0, 27.7]),
+    f_scale=st.sampled_from([0.0, 1e-6, 0.05, 1.0, 20.0]),
+    scale=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+)
+def test_fused_matches_autograd_float64(name, seed, radius, f_scale, scale):
+    h, f = _case(seed, 6, 9, radius, f_scale)
+    fused = _values_and_grads(sphere_residual, h, f, scale, RETRACTIONS[name])
+    ref = _values_and_grads(sphere_residual_reference, h, f, scale, RETRACTIONS[name])
+    assert _rel(fused[0], ref[0]) <= 32 * EPS64
+    for a, b in zip(fused[1:], ref[1:]):
+        assert torch.isfinite(a).all()
+        assert float((a - b).abs().max()) <= 1e-11 * max(1.0, float(b.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+def test_fused_matches_autograd_float32(name):
+    h, f = _case(3, 64, 48, radius=math.sqrt(48), f_scale=1.0, dtype=torch.float32)
+    fused = _values_and_grads(sphere_residual, h, f, 0.7, RETRACTIONS[name])
+    ref = _values_and_grads(sphere_residual_reference, h, f, 0.7, RETRACTIONS[name])
+    assert _rel(fused[0], ref[0]) <= 1e-6
+    for a, b in zip(fused[1:], ref[1:]):
+        assert _rel(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(RETRACTIONS))
+@pytest.mark.parametrize("f_kind", ["random", "zero", "parallel"])
+def test_gradcheck_fused_and_reference(name, f_kind):
+    h, f = _case(11, 3, 5, radius=1.7, f_scale=0.8)
+    if f_kind == "zero":
+        f = torch.zeros_like(f)
+    elif f_kind == "parallel":  # P_h f = 0: sigma = 0 with a nonzero f
+        f = 0.6 * h
+    s = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+    h.requires_grad_(True)
+    f.requires_grad_(True)
+    retraction = RETRACTIONS[name]
+    for fn in (sphere_residual, sphere_residual_reference):
+        assert torch.autograd.gradcheck(lambda a, b, c: fn(a, b, c, retraction), (h, f, s))
+
+
+@pytest.mark.parametrize("name", list(RETRACTIONS))
+@given(seed=st.integers(0, 2**31 - 1), radius=st.sampled_from([0.3, 1.0, 16.0]))
+def test_output_keeps_the_norm_of_h(name, seed, radius):
+    h, f = _case(seed, 8, 16, radius, f_scale=3.0)
+    out = sphere_residual(h, f, 1.3, RETRACTIONS[name])
+    assert float(((out.norm(dim=-1) - radius).abs() / radius).max()) <= 16 * EPS64
+
+
+@pytest.mark.parametrize("name", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_jacobian_at_zero_update_is_scaled_tangent_projection(name, fused):
+    layer, alpha = 3, 0.8
+    res = SphereResidual(6, layer=layer, retraction=RETRACTIONS[name], alpha_init=alpha, fused=fused).double()
+    h, _ = _case(5, 1, 6, radius=2.2, f_scale=0.0)
+    h = h[0]
+    jac = torch.autograd.functional.jacobian(lambda f: res(h, f), torch.zeros(6, dtype=torch.float64))
+    projector = torch.eye(6, dtype=torch.float64) - torch.outer(h, h) / h.dot(h)
+    expected = res.alpha.item() / math.sqrt(layer) * projector  # alpha was stored in float32
+    assert float((jac - expected).abs().max()) <= 1e-14
+
+
+@given(seed=st.integers(0, 2**31 - 1), alpha=st.floats(0.01, 0.5))
+def test_ngpt_update_is_a_gnomonic_step(seed, alpha):
+    # nGPT: h <- N(N(h) + alpha (N(h_A) - N(h))) equals the gnomonic retraction of
+    # kappa P_h(hat h_A), kappa = alpha / (1 - alpha + alpha <h, hat h_A>), for unit h (MATH.md §1).
+    h, h_a = _case(seed, 8, 12, radius=1.0, f_scale=2.0)
+    hat_a = h_a / h_a.norm(dim=-1, keepdim=True)
+    ngpt = h + alpha * (hat_a - h)
+    ngpt = ngpt / ngpt.norm(dim=-1, keepdim=True)
+    kappa = alpha / (1 - alpha + alpha * (h * hat_a).sum(-1, keepdim=True))  # (rows, 1)
+    ours = sphere_residual(h, kappa * hat_a, 1.0, GnomonicRetraction())  # R_h(1 * P_h(kappa hat_a))
+    assert _rel(ours, ngpt) <= 16 * EPS64
+
+
+@given(seed=st.integers(0, 2**31 - 1), radius=st.sampled_from([0.5, 1.0, 8.0]))
+def test_post_ln_like_update_is_a_gnomonic_step(seed, radius):
+    # r N(x + F) equals the gnomonic retraction of P_x F / (1 + <x, F>/r^2) where 1 + <x,F>/r^2 > 0.
+    x, f = _case(seed, 8, 10, radius, f_scale=0.9)
+    denom = 1 + (x * f).sum(-1, keepdim=True) / radius**2
+    assert bool((denom > 0).all())  # |F| < r makes the gnomonic chart valid for every row
+    post_ln = radius * (x + f) / (x + f).norm(dim=-1, keepdim=True)
+    ours = sphere_residual(x, f / denom, 1.0, GnomonicRetraction())
+    assert _rel(ours, post_ln) <= 16 * EPS64
+
+
+def test_p_limits_inside_the_layer():
+    h, f = _case(2, 4, 8, radius=3.0, f_scale=1.5)
+    for p, other in [(1.0, "gnomonic"), (2.0, "cayley"), (math.inf, "exp")]:
+        a = SphereResidual(8, retraction="p", p=p).double()(h, f)
+        b = SphereResidual(8, retraction=other).double()(h, f)
+        assert _rel(a, b) <= 16 * EPS64
+
+
+def test_user_retraction_by_name_and_instance():
+    h, f = _case(4, 4, 8, radius=3.0, f_scale=1.5)
+    by_name = SphereResidual(8, retraction="test-nn-p3").double()(h, f)
+    by_instance = SphereResidual(8, retraction=_UserP3()).double()(h, f)
+    as_p3 = SphereResidual(8, retraction="p", p=3.0).double()(h, f)
+    assert torch.equal(by_name, by_instance)
+    assert _rel(by_name, as_p3) <= 64 * EPS64
+
+
+def test_damping_schedules():
+    assert damping_factor("sqrt", 4) == 0.5
+    assert damping_factor("linear", 4) == 0.25
+    assert damping_factor("none", 4) == 1.0
+    res = SphereResidual(8, layer=9, damping="sqrt", alpha_init=0.6)
+    assert float(res.step_size()) == pytest.approx(0.2, rel=1e-6)
+
+
+def test_learnable_alpha_is_a_scalar_and_gets_gradients():
+    res = SphereResidual(8, alpha_init=0.5)
+    assert [name for name, _ in res.named_parameters()] == ["alpha"] and res.alpha.dim() == 0
+    h, f = _case(1, 5, 8, radius=2.0, f_scale=1.0, dtype=torch.float32)
+    res(h, f).square().mul(torch.arange(8.0)).sum().backward()
+    assert torch.isfinite(res.alpha.grad) and float(res.alpha.grad.abs()) > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"layer": 0}, "layer must be an integer >= 1"),
+        ({"layer": -2}, "layer must be an integer >= 1"),
+        ({"layer": 1.5}, "layer must be an integer >= 1"),
+        ({"damping": "cubic"}, "valid dampings: sqrt, linear, none"),
+        ({"p": 0.0}, "p must be in"),
+        ({"p": -1.0}, "p must be in"),
+        ({"p": float("nan")}, "p must be in"),
+        ({"retraction": "nope"}, "valid names:"),
+        ({"retraction": "polar"}, "valid names:"),
+        ({"alpha_init": float("inf")}, "alpha_init must be a finite number"),
+    ],
+)
+def test_bad_arguments_raise_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SphereResidual(8, **kwargs)
+
+
+def test_bad_dim_and_shapes_raise():
+    with pytest.raises(ValueError, match="dim must be an integer >= 1"):
+        SphereResidual(0)
+    with pytest.raises(ValueError, match="stiefel"):
+        SphereResidual(8, retraction=get_retraction("stiefel", "polar"))
+    res = SphereResidual(8)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 8\)"):
+        res(torch.randn(3, 7), torch.randn(3, 7))
+    with pytest.raises(ValueError, match="same shape"):
+        res(torch.randn(3, 8), torch.randn(2, 8))
+
+
+def test_low_precision_update_keeps_the_stream_dtype():
+    h, f = _case(6, 16, 32, radius=math.sqrt(32), f_scale=1.0, dtype=torch.float32)
+    res = SphereResidual(32, alpha_init=1.0)
+    mixed = res(h, f.bfloat16())  # a bf16 sub-layer output on a float32 stream
+    assert mixed.dtype == torch.float32
+    assert _rel(mixed, res(h, f.bfloat16().float())) <= 1e-6
+    low = res(h.bfloat16(), f.bfloat16())  # an all-bf16 stream: computed in float32, returned bf16
+    assert low.dtype == torch.bfloat16
+    assert float(((low.float().norm(dim=-1) - math.sqrt(32)).abs() / math.sqrt(32)).max()) <= 1e-2

@@ -1,0 +1,165 @@
+"""The retraction registry: names, aliases, user registrations and error messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
+from manifoldlib.retractions import (
+    AngleRetraction,
+    CayleyRetraction,
+    GnomonicRetraction,
+    PRetraction,
+    Retraction,
+    StiefelQRRetraction,
+    available_retractions,
+    get_retraction,
+    register_retraction,
+    resolve_retraction,
+)
+from manifoldlib.retractions import base as registry_base
+
+DESIGN_NAMES = {
+    "sphere": {"exp", "gnomonic", "projection", "cayley", "stereographic", "p"},
+    "stiefel": {"polar", "qr", "cayley", "exp"},
+    "dgram": {"alternating", "colnorm-polar"},
+    "euclidean": {"add"},
+}
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Let a test register retractions without leaking them into other tests."""
+    for table in (registry_base._REGISTRY, registry_base._ALIASES):
+        for family in list(table):
+            monkeypatch.setitem(table, family, dict(table[family]))
+
+
+@pytest.mark.parametrize("family", sorted(DESIGN_NAMES))
+def test_design_names_are_registered(family):
+    assert DESIGN_NAMES[family] <= set(available_retractions(family))
+    for name in available_retractions(family):
+        r = get_retraction(family, name)
+        assert isinstance(r, Retraction) and r.manifold == family and r.order in (1, 2)
+
+
+def test_aliases_resolve_to_the_same_class():
+    assert type(get_retraction("sphere", "projection")) is GnomonicRetraction
+    assert type(get_retraction("sphere", "stereographic")) is CayleyRetraction
+
+
+@pytest.mark.parametrize(
+    "family,bad", [("sphere", "gnomonik"), ("stiefel", "gnomonic"), ("dgram", "polar"), ("euclidean", "exp")]
+)
+def test_unknown_name_lists_valid_names(family, bad):
+    with pytest.raises(ValueError) as info:
+        get_retraction(family, bad)
+    message = str(info.value)
+    assert repr(bad) in message
+    for name in available_retractions(family):
+        assert name in message
+
+
+def test_unknown_name_through_manifold_constructor():
+    with pytest.raises(ValueError, match="valid names: .*alternating.*colnorm-polar"):
+        DGram(retraction="metric")
+    with pytest.raises(ValueError, match="unknown manifold 'torus'"):
+        get_retraction("torus", "exp")
+
+
+def test_unknown_option_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"'gnomonic' got unexpected options \['p'\]; accepted options: none"):
+        Sphere(retraction="gnomonic", p=2.0)
+    with pytest.raises(ValueError, match="accepted options: p"):
+        get_retraction("sphere", "p", q=1.0)
+
+
+def test_options_round_trip_and_equality():
+    r = get_retraction("sphere", "p", p=1.5)
+    assert r.options() == {"p": 1.5}
+    assert r == PRetraction(1.5) and hash(r) == hash(PRetraction(1.5))
+    assert r != PRetraction(2.0) and r != GnomonicRetraction()
+    rebuilt = get_retraction(r.manifold, r.name, **r.options())
+    assert rebuilt == r
+    assert "p=1.5" in repr(r)
+
+
+def test_resolve_retraction_rules():
+    inst = PRetraction(2.0)
+    assert resolve_retraction("sphere", inst) is inst
+    with pytest.raises(ValueError, match="belongs to the 'stiefel' manifold"):
+        resolve_retraction("sphere", StiefelQRRetraction())
+    with pytest.raises(ValueError, match="options"):
+        resolve_retraction("sphere", inst, p=3.0)
+    with pytest.raises(ValueError, match="registered name or a Retraction instance, got 3"):
+        resolve_retraction("sphere", 3)
+
+
+def test_user_registration_by_name(clean_registry):
+    @register_retraction("sphere", "test-p3", aliases=("test-p3-alias",))
+    class P3(AngleRetraction):
+        order = 2
+
+        def angle(self, beta):
+            return 3 * torch.atan(beta / 3)
+
+    assert P3.name == "test-p3" and P3.manifold == "sphere"
+    assert {"test-p3", "test-p3-alias"} <= set(available_retractions("sphere"))
+    s = Sphere(2.0, retraction="test-p3-alias")
+    g = torch.Generator().manual_seed(0)
+    x = s.random(3, 4, generator=g, dtype=torch.float64)
+    v = s.proju(x, torch.randn(x.shape, generator=g, dtype=torch.float64))
+    expected = Sphere(2.0, retraction=PRetraction(3.0)).retr(x, v)
+    assert torch.allclose(s.retr(x, v), expected, rtol=0, atol=1e-14)
+    assert type(get_manifold("sphere", retraction="test-p3").retraction) is P3
+
+
+def test_reregistering_replaces(clean_registry):
+    @register_retraction("euclidean", "test-add")
+    class First(Retraction):
+        order = 2
+
+        def retract(self, x, v):
+            return x + v
+
+    @register_retraction("euclidean", "test-add")
+    class Second(First):
+        pass
+
+    assert type(get_retraction("euclidean", "test-add")) is Second
+
+
+def test_registration_errors(clean_registry):
+    with pytest.raises(ValueError, match="unknown manifold 'hyperbolic'"):
+        register_retraction("hyperbolic", "x")
+    with pytest.raises(ValueError, match="non-empty string"):
+        register_retraction("sphere", "")
+    with pytest.raises(TypeError, match="Retraction subclasses"):
+        register_retraction("sphere", "not-a-class")(lambda x, v: x)
+
+    class ThirdOrder(AngleRetraction):
+        order = 3
+
+    with pytest.raises(ValueError, match="order must be 1 or 2, got 3"):
+        register_retraction("sphere", "third")(ThirdOrder)
+
+
+@pytest.mark.parametrize(
+    "manifold", [Sphere(1.5, retraction="cayley"), Stiefel(retraction="qr"), DGram(retraction="colnorm-polar"), Euclidean(1)]
+)
+def test_with_retraction_keeps_geometry(manifold):
+    name = available_retractions(manifold.name)[0]
+    other = manifold.with_retraction(name)
+    assert type(other) is type(manifold) and other is not manifold
+    assert other.retraction == get_retraction(manifold.name, name)
+    if isinstance(manifold, Sphere):
+        assert other.radius == 1.5
+    if isinstance(manifold, Euclidean):
+        assert other.ndim == 1
+    assert manifold.with_retraction(manifold.retraction).retraction is manifold.retraction
+
+
+def test_sphere_with_p_option():
+    s = Sphere(2.0).with_retraction("p", p=0.5)
+    assert s.radius == 2.0 and s.retraction == PRetraction(0.5)

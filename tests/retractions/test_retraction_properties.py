@@ -1,0 +1,172 @@
+"""Invariants every registered retraction must satisfy, parametrized over the registry.
+
+A new ``register_retraction`` call is covered automatically: the cases come from
+:func:`manifoldlib.testing.registered_manifolds`, which reads the registry.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib.testing import (
+    assert_retraction,
+    random_point,
+    random_tangent,
+    registered_manifolds,
+    remainder_norms,
+    retraction_order,
+)
+from manifoldlib.testing import strategies as mst
+from manifoldlib.testing.sampling import default_shape
+
+CASES = registered_manifolds()
+IDS = [case_id for case_id, _ in CASES]
+MANIFOLDS = [m for _, m in CASES]
+FIRST_ORDER = {"stiefel-qr", "stiefel-cayley", "dgram-colnorm-polar"}
+
+EPS64 = torch.finfo(torch.float64).eps
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _sample(manifold, seed, dtype=torch.float64, scale=1.0, batch=3):
+    g = torch.Generator().manual_seed(seed)
+    x = random_point(manifold, default_shape(manifold, batch), generator=g, dtype=dtype)
+    return x, random_tangent(manifold, x, scale=scale, generator=g)
+
+
+def test_registry_cases_cover_every_family():
+    families = {case_id.split("-")[0] for case_id in IDS}
+    assert families == {"sphere", "stiefel", "dgram", "euclidean"}
+    assert FIRST_ORDER <= set(IDS)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(data=st.data())
+def test_result_on_manifold_float64(manifold, data):
+    x, v = data.draw(mst.point_and_tangent(manifold, scale=(0.0, 1.0)))
+    y = manifold.retr(x, v)
+    assert y.shape == x.shape and y.dtype == torch.float64
+    ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=1e-12)
+    assert ok, reason
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(data=st.data())
+def test_result_on_manifold_float32(manifold, data):
+    x, v = data.draw(mst.point_and_tangent(manifold, dtype=torch.float32, scale=(0.0, 1.0)))
+    y = manifold.retr(x, v)
+    assert y.dtype == torch.float32
+    # 64 eps: a few dozen rounding errors of O(m n) float32 products
+    ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=64 * EPS32)
+    assert ok, reason
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(x=st.data())
+def test_zero_step_is_identity(manifold, x):
+    point = x.draw(mst.points(manifold))
+    y = manifold.retr(point, torch.zeros_like(point))
+    err = torch.linalg.vector_norm(y - point)
+    assert err <= _zero_step_tolerance(manifold, point) * torch.linalg.vector_norm(point)
+
+
+def _zero_step_tolerance(manifold, x):
+    """Relative bound on ||R_x(0) - x||: 10 eps for closed forms; a backward-stable SVD or QR of an
+    n-column matrix with condition number kappa (DGram: ratio of squared column norms, since
+    the alternating step factors Y diag(c)) is exact to O(n kappa eps)."""
+    if manifold.ndim < 2:
+        return 10 * EPS64
+    d2 = (x * x).sum(-2)  # (..., n) squared column norms
+    kappa = float((d2.amax(-1) / d2.amin(-1)).max()) ** (1.0 if manifold.name == "dgram" else 0.0)
+    return 10 * EPS64 * x.shape[-1] * kappa
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_jacobian_at_zero_is_identity_on_tangent_space(manifold, seed):
+    x, u = _sample(manifold, seed)
+    _, ju = torch.autograd.functional.jvp(lambda v: manifold.retr(x, v), torch.zeros_like(x), u)
+    assert torch.linalg.vector_norm(ju - u) <= 1e-10 * torch.linalg.vector_norm(u)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_measured_order_equals_claim(manifold, seed):
+    measured = assert_retraction(manifold, generator=torch.Generator().manual_seed(seed))
+    expected = manifold.retraction.order
+    if math.isinf(measured):
+        assert expected == 2
+    else:
+        assert abs(measured - expected) < 0.1
+
+
+@pytest.mark.parametrize(
+    "manifold", [m for i, m in CASES if i in FIRST_ORDER], ids=[i for i in IDS if i in FIRST_ORDER]
+)
+def test_first_order_controls_have_ratio_four(manifold):
+    # MATH.md §7: e(t)/e(t/2) ≈ 4 for a first-order retraction, for t in [1e-3, 1e-1]
+    x, v = _sample(manifold, 5)
+    v = v * (torch.linalg.vector_norm(x) / torch.linalg.vector_norm(v))
+    ts = [1e-2, 5e-3, 2e-3, 1e-3]
+    e = remainder_norms(manifold, x, v, ts)
+    e_half = remainder_norms(manifold, x, v, [t / 2 for t in ts])
+    for a, b in zip(e, e_half):
+        assert 3.8 < a / b < 4.2
+    assert manifold.retraction.order == 1
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+def test_finite_gradients_at_zero_step(manifold):
+    x, w = _sample(manifold, 3)
+    x = x.clone().requires_grad_(True)
+    v = torch.zeros_like(x, requires_grad=True)
+    y = manifold.retr(x, v)
+    (y * w).sum().backward()
+    assert torch.isfinite(v.grad).all() and torch.isfinite(x.grad).all()
+    # <grad_v, u> = <w, DR(0) u> = <w, u> for tangent u, i.e. P_x(grad_v) = P_x(w)
+    xd = x.detach()
+    err = torch.linalg.vector_norm(manifold.proju(xd, v.grad) - manifold.proju(xd, w))
+    assert err <= 1e-10 * torch.linalg.vector_norm(w)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+def test_finite_gradients_float32_at_zero_step(manifold):
+    x, _ = _sample(manifold, 4, dtype=torch.float32)
+    v = torch.zeros_like(x, requires_grad=True)
+    manifold.retr(x, v).square().sum().backward()
+    assert v.grad.dtype == torch.float32 and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_smoke(manifold, dtype):
+    x, v = _sample(manifold, 6, scale=0.3)
+    xh, vh = x.to(dtype), v.to(dtype)
+    y = manifold.retr(xh, vh)
+    assert y.dtype == dtype and y.shape == x.shape and torch.isfinite(y).all()
+    # rounding of the half inputs alone moves the result by O(eps(dtype))
+    reference = manifold.retr(xh.double(), manifold.proju(xh.double(), vh.double()))
+    rel = torch.linalg.vector_norm(y.double() - reference) / torch.linalg.vector_norm(reference)
+    assert rel <= 8 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+def test_batched_equals_one_by_one(manifold):
+    x, v = _sample(manifold, 7)
+    y = manifold.retr(x, v)
+    for i in range(x.shape[0]):
+        yi = manifold.retr(x[i], v[i])
+        assert torch.allclose(yi, y[i], rtol=0, atol=1e-13 * float(torch.linalg.vector_norm(x[i])))
+
+
+def test_order_tolerates_float32_inputs_by_measuring_in_float64():
+    # retraction_order casts x and v to its dtype; a float32 point measured in float64 still shows order 2
+    sphere = dict(CASES)["sphere-cayley"]
+    x, v = _sample(sphere, 8, dtype=torch.float32)
+    x = sphere.projx(x.double())
+    assert abs(retraction_order(sphere, x, v) - 2.0) < 0.05

@@ -1,0 +1,204 @@
+"""Identities of the sphere retraction family θ(β) = p·arctan(β/p) (MATH.md §1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib import Sphere
+from manifoldlib.functional import exponential_coefficients, p_coefficients
+from manifoldlib.retractions import AngleRetraction, PRetraction, available_retractions
+from manifoldlib.testing import random_point, random_tangent
+from manifoldlib.testing import strategies as mst
+
+EPS = torch.finfo(torch.float64).eps
+RADII = [0.3, 1.0, 2.5]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def _beta(v: torch.Tensor, r: float) -> torch.Tensor:
+    return v.norm(dim=-1) / r
+
+
+@pytest.mark.parametrize("radius", RADII)
+@given(data=st.data())
+def test_p1_is_gnomonic_and_p2_is_cayley(radius, data):
+    s = Sphere(radius)
+    x, v = data.draw(mst.point_and_tangent(s, scale=(0.0, 5.0)))
+    p1 = s.with_retraction(PRetraction(1.0)).retr(x, v)
+    p2 = s.with_retraction(PRetraction(2.0)).retr(x, v)
+    assert _rel(p1, s.with_retraction("gnomonic").retr(x, v)) <= 8 * EPS
+    assert _rel(p2, s.with_retraction("cayley").retr(x, v)) <= 8 * EPS
+    # closed forms of MATH.md: (x+v)/sqrt(1+σ) and ((1-σ/4)x + v)/(1+σ/4)
+    sigma = (v * v).sum(-1, keepdim=True) / radius**2
+    assert _rel(p1, (x + v) / torch.sqrt(1 + sigma)) <= 8 * EPS
+    assert _rel(p2, ((1 - sigma / 4) * x + v) / (1 + sigma / 4)) <= 8 * EPS
+
+
+@given(data=st.data())
+def test_exp_retraction_is_expmap_and_p_inf(data):
+    s = Sphere(1.7, retraction="exp")
+    x, v = data.draw(mst.point_and_tangent(s, scale=(0.0, 4.0)))
+    y = s.retr(x, v)
+    assert _rel(y, s.expmap(x, v)) <= 8 * EPS
+    assert _rel(y, s.with_retraction(PRetraction(math.inf)).retr(x, v)) <= 8 * EPS
+    beta = _beta(v, 1.7).unsqueeze(-1)
+    u = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    assert _rel(y, torch.cos(beta) * x + torch.sin(beta) * 1.7 * u) <= 8 * EPS
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 1.5, 3.0])
+@given(data=st.data())
+def test_geodesic_distance_to_exp_is_r_times_angle_gap(p, data):
+    r = 1.3
+    s = Sphere(r)
+    x, v = data.draw(mst.point_and_tangent(s, scale=(0.0, 2.0)))
+    y = s.with_retraction(PRetraction(p)).retr(x, v)
+    e = s.expmap(x, v)
+    beta = _beta(v, r)
+    theta = p * torch.atan(beta / p)
+    dist = s.dist(y, e)  # both on the great circle through x along v, angles θ and β <= 2 < π
+    assert torch.allclose(dist, r * (beta - theta), rtol=0, atol=16 * EPS * r)
+
+
+@given(beta=st.floats(0.0, 50.0), p=st.floats(0.05, 50.0))
+def test_angle_gap_bound(beta, p):
+    # 0 <= β - p·arctan(β/p) <= β³/(3p²), up to the rounding of the subtraction
+    b = torch.tensor(beta, dtype=torch.float64)
+    gap = float(b - PRetraction(p).angle(b))
+    rounding = 4 * EPS * beta
+    assert -rounding <= gap <= beta**3 / (3 * p * p) + rounding
+
+
+@given(beta=st.floats(0.0, 1e12), p=st.floats(1e-3, 1e3))
+def test_angle_saturates_below_p_pi_over_2(beta, p):
+    theta = float(PRetraction(p).angle(torch.tensor(beta, dtype=torch.float64)))
+    assert 0.0 <= theta < p * math.pi / 2
+    assert theta <= beta
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0])
+def test_rotation_never_passes_p_pi_over_2_even_for_huge_steps(p):
+    r = 1.5
+    s = Sphere(r, retraction=PRetraction(p))
+    g = torch.Generator().manual_seed(11)
+    x = random_point(s, (64, 5), generator=g)
+    for scale in (1.0, 1e3, 1e8):
+        v = random_tangent(s, x, scale=scale, generator=g)
+        y = s.retr(x, v)
+        angle = s.dist(x, y) / r
+        assert (angle <= p * math.pi / 2 + 1e-7).all()  # acos-free atan2 angle, rounding ~1e-8 near π
+    assert (s.retr(x, v) * x).sum(-1).min() > (-r * r if p >= 2 else 0.0)
+
+
+def test_p_to_infinity_approaches_exp_quadratically():
+    r = 2.0
+    s = Sphere(r)
+    g = torch.Generator().manual_seed(3)
+    x = random_point(s, (16, 6), generator=g)
+    v = random_tangent(s, x, scale=1.0, generator=g)  # β = 1
+    beta = _beta(v, r)
+    e = s.expmap(x, v)
+    gaps = []
+    for p in (4.0, 8.0, 16.0, 32.0, 64.0):
+        y = s.with_retraction(PRetraction(p)).retr(x, v)
+        gap = (y - e).norm(dim=-1)
+        assert (gap <= r * beta**3 / (3 * p * p) + 8 * EPS * r).all()
+        gaps.append(float(gap.max()))
+    for big, small in zip(gaps, gaps[1:]):
+        assert 3.8 < big / small < 4.1  # gap ∝ 1/p² once β ≪ p
+
+
+def test_p_to_zero_approaches_identity():
+    r = 0.7
+    s = Sphere(r)
+    g = torch.Generator().manual_seed(4)
+    x = random_point(s, (16, 6), generator=g)
+    for scale in (0.1, 1.0, 1e6):
+        v = random_tangent(s, x, scale=scale, generator=g)
+        previous = math.inf
+        for p in (1e-1, 1e-2, 1e-3, 1e-4):
+            moved = float((s.with_retraction(PRetraction(p)).retr(x, v) - x).norm(dim=-1).max())
+            assert moved <= r * p * math.pi / 2  # chord <= arc = r·θ < r·pπ/2
+            assert moved < previous
+            previous = moved
+
+
+@pytest.mark.parametrize("radius", RADII)
+@given(data=st.data())
+def test_cayley_closed_form_equals_matrix_cayley_transform(radius, data):
+    s = Sphere(radius, retraction="cayley")
+    x, v = data.draw(mst.point_and_tangent(s, batch=None, scale=(0.0, 3.0)))
+    omega = (torch.outer(v, x) - torch.outer(x, v)) / radius**2  # (d, d), skew, Ω x = v
+    eye = torch.eye(x.numel(), dtype=x.dtype)
+    expected = torch.linalg.solve(eye - omega / 2, (eye + omega / 2) @ x)
+    assert _rel(s.retr(x, v), expected) <= 32 * EPS
+
+
+class _ArctanThree(AngleRetraction):
+    """p = 3 through the generic :meth:`AngleRetraction.coefficients` path (not registered)."""
+
+    def angle(self, beta):
+        return 3.0 * torch.atan(beta / 3.0)
+
+
+@given(data=st.data())
+def test_generic_angle_path_matches_closed_form(data):
+    s = Sphere(1.1)
+    x, v = data.draw(mst.point_and_tangent(s, scale=(0.0, 3.0)))
+    generic = s.with_retraction(_ArctanThree()).retr(x, v)
+    assert _rel(generic, s.with_retraction(PRetraction(3.0)).retr(x, v)) <= 8 * EPS
+    # radius=None reads r from ||x||
+    assert _rel(_ArctanThree().retract(x, v), generic) <= 8 * EPS
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-12, 1e-9, 1e-7])
+def test_generic_angle_path_near_zero(scale):
+    s = Sphere(1.1)
+    g = torch.Generator().manual_seed(9)
+    x = random_point(s, (4, 5), generator=g)
+    v = random_tangent(s, x, scale=scale, generator=g)
+    generic = s.with_retraction(_ArctanThree()).retr(x, v)
+    assert _rel(generic, s.with_retraction(PRetraction(3.0)).retr(x, v)) <= 4 * EPS
+
+
+def _sphere_retractions():
+    names = [n for n in available_retractions("sphere")]
+    return [(n, n) for n in names] + [("p=1.5", PRetraction(1.5)), ("p=0.3", PRetraction(0.3)),
+                                      ("generic-atan3", _ArctanThree())]
+
+
+@pytest.mark.parametrize("retraction", [r for _, r in _sphere_retractions()],
+                         ids=[i for i, _ in _sphere_retractions()])
+@pytest.mark.parametrize("at_zero", [True, False], ids=["v=0", "v random"])
+def test_gradcheck(retraction, at_zero):
+    s = Sphere(1.3, retraction=retraction)
+    g = torch.Generator().manual_seed(21)
+    x = random_point(s, (2, 4), generator=g)
+    v = torch.zeros_like(x) if at_zero else random_tangent(s, x, scale=0.8, generator=g)
+    x.requires_grad_(True)
+    v.requires_grad_(True)
+    assert torch.autograd.gradcheck(s.retr, (x, v), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sigma", [1e-10, 1e-6, 0.999e-4, 1.001e-4, 1e-2, 1.0, 30.0])
+def test_series_branches_exact_to_rounding(sigma):
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 40
+    s = torch.tensor([sigma], dtype=torch.float64)
+    b = mp.sqrt(mp.mpf(sigma))
+    c, k = exponential_coefficients(s)
+    assert abs(mp.mpf(c.item()) - mp.cos(b)) <= 2 * EPS
+    assert abs(mp.mpf(k.item()) - mp.sin(b) / b) <= 2 * EPS
+    for p in (0.1, 1.0, 1.5, 10.0):
+        c, k = p_coefficients(s, p)
+        theta = p * mp.atan(b / p)
+        assert abs(mp.mpf(c.item()) - mp.cos(theta)) <= 4 * EPS
+        assert abs(mp.mpf(k.item()) - mp.sin(theta) / b) <= 4 * EPS

@@ -1,0 +1,192 @@
+"""manifoldlib.testing: the order measurement and assert_retraction catch what they promise to."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib import DGram, Euclidean, Sphere, Stiefel
+from manifoldlib.functional import stiefel_qr
+from manifoldlib.retractions import AngleRetraction, PRetraction, Retraction
+from manifoldlib.testing import (
+    assert_retraction,
+    central_difference_error,
+    random_point,
+    random_tangent,
+    retraction_order,
+)
+
+
+class NotOnSphere(AngleRetraction):
+    """x + v: R(0) = x and DR(0) = id, but it leaves the sphere."""
+
+    def retract(self, x, v, radius=None):
+        return x + v
+
+
+class Shifted(AngleRetraction):
+    def retract(self, x, v, radius=None):
+        return PRetraction(1.0).retract(x + 1e-6 * torch.roll(x, 1, -1), v, radius)
+
+
+class DoubleSpeed(AngleRetraction):
+    """θ = 2 arctan β: on the sphere, R(0) = x, but DR(0) = 2·id."""
+
+    def angle(self, beta):
+        return 2 * torch.atan(beta)
+
+
+class TangentialKick(Retraction):
+    """Gnomonic retraction of v + (||v||²/r²)·P_x(r e₀): smooth, DR(0) = id, but the quadratic
+    term has a tangential part, so only first order."""
+
+    manifold = "sphere"
+    order = 1
+
+    def retract(self, x, v):
+        r2 = (x * x).sum(-1, keepdim=True)
+        e0 = torch.zeros_like(x)
+        e0[..., 0] = 1.0
+        kick = e0 * r2.sqrt() - (x * e0).sum(-1, keepdim=True) / r2 * x * r2.sqrt()  # P_x(r e₀)
+        w = v + (v * v).sum(-1, keepdim=True) / r2 * kick
+        return PRetraction(1.0).retract(x, w)
+
+
+class QRClaimingTwo(Retraction):
+    manifold = "stiefel"
+    order = 2
+
+    def retract(self, x, v):
+        return stiefel_qr(x, v)
+
+
+@pytest.mark.parametrize(
+    "manifold,expected",
+    [
+        (Sphere(3.0, retraction="gnomonic"), 2.0),
+        (Sphere(0.2, retraction="exp"), 2.0),
+        (Stiefel(retraction="polar"), 2.0),
+        (Stiefel(retraction="qr"), 1.0),
+        (Stiefel(retraction="cayley"), 1.0),
+        (DGram(retraction="alternating"), 2.0),
+        (DGram(retraction="colnorm-polar"), 1.0),
+        (Sphere(retraction=TangentialKick()), 1.0),
+    ],
+    ids=["gnomonic", "exp", "polar", "qr", "st-cayley", "alternating", "colnorm", "tangential-kick"],
+)
+def test_retraction_order_measures_the_exponent(manifold, expected):
+    for seed in range(3):
+        measured = retraction_order(manifold, generator=torch.Generator().manual_seed(seed))
+        assert abs(measured - expected) < 0.05
+
+
+def test_exact_retraction_measures_infinity():
+    assert retraction_order(Euclidean(ndim=1)) == math.inf
+    assert assert_retraction(Euclidean(ndim=1)) == math.inf
+
+
+def test_retraction_order_uses_given_points_and_rescales_direction():
+    s = Sphere(2.0, retraction="cayley")
+    g = torch.Generator().manual_seed(0)
+    x = random_point(s, (4, 6), generator=g)
+    v = random_tangent(s, x, generator=g)
+    a = retraction_order(s, x, v)
+    b = retraction_order(s, x, 1e-3 * v)  # only the direction matters
+    assert a == pytest.approx(b, abs=1e-8)
+    # a non-tangent v is projected first
+    c = retraction_order(s, x, v + 5.0 * x)
+    assert c == pytest.approx(a, abs=1e-6)
+
+
+def test_retraction_order_input_errors():
+    s = Sphere()
+    with pytest.raises(ValueError, match="ts must be a non-empty sequence of positive step sizes"):
+        retraction_order(s, ts=())
+    with pytest.raises(ValueError, match="positive"):
+        retraction_order(s, ts=(0.1, -0.01))
+    x = s.random(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="direction v is zero"):
+        retraction_order(s, x, torch.zeros_like(x))
+    # in float32 the remainder at t = 1e-2 (~1e-6) is below the rounding floor (~1e-4):
+    # that says nothing about the order, so it raises instead of reporting an exact retraction
+    with pytest.raises(ValueError, match="rounding floor .* in torch.float32"):
+        retraction_order(s, ts=(1e-2,), dtype=torch.float32)
+
+
+def test_float32_measurement_with_large_steps():
+    s = Sphere(retraction="cayley")
+    measured = retraction_order(s, ts=(0.2, 0.1, 0.05), dtype=torch.float32)
+    assert abs(measured - 2.0) < 0.2
+
+
+def test_central_difference_error_is_second_order_in_h():
+    s = Sphere(1.5, retraction="p", p=0.7)
+    g = torch.Generator().manual_seed(2)
+    x = random_point(s, (3, 5), generator=g)
+    v = random_tangent(s, x, generator=g)
+    errs = [central_difference_error(s, x, v, h) for h in (1e-1, 5e-2, 2.5e-2)]
+    for a, b in zip(errs, errs[1:]):
+        assert 3.8 < a / b < 4.2
+
+
+def test_assert_retraction_passes_on_builtins_and_returns_measurement():
+    assert abs(assert_retraction(Sphere(2.0, retraction="p", p=1.5)) - 2.0) < 0.05
+    assert abs(assert_retraction(Stiefel(retraction="qr")) - 1.0) < 0.05
+    assert abs(assert_retraction(Sphere(retraction=TangentialKick())) - 1.0) < 0.05
+
+
+def test_assert_retraction_catches_off_manifold():
+    with pytest.raises(AssertionError, match="off the manifold"):
+        assert_retraction(Sphere(retraction=NotOnSphere()))
+
+
+def test_assert_retraction_catches_moved_base_point():
+    with pytest.raises(AssertionError, match=r"R_x\(0\) != x"):
+        assert_retraction(Sphere(retraction=Shifted()), manifold_rtol=1e-3)
+
+
+def test_assert_retraction_catches_wrong_derivative():
+    with pytest.raises(AssertionError, match="derivative at 0 is not the identity"):
+        assert_retraction(Sphere(retraction=DoubleSpeed()))
+
+
+def test_assert_retraction_catches_overclaimed_order():
+    with pytest.raises(AssertionError, match=r"claims order 2 but the measured order is (0\.9|1\.0)"):
+        assert_retraction(Stiefel(retraction=QRClaimingTwo()))
+    with pytest.raises(AssertionError, match="claims order 2"):
+        assert_retraction(Sphere(retraction=TangentialKick()), order=2)
+
+
+def test_assert_retraction_catches_underclaimed_order():
+    with pytest.raises(AssertionError, match="claims order 1 .* raise its order to 2"):
+        assert_retraction(Sphere(retraction="cayley"), order=1)
+
+
+def test_assert_retraction_argument_errors():
+    with pytest.raises(ValueError, match="order must be 1 or 2, got 3"):
+        assert_retraction(Sphere(), order=3)
+    bad = torch.ones(2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="base point x is not on sphere"):
+        assert_retraction(Sphere(), x=bad)
+
+
+def test_assert_retraction_accepts_float32_points():
+    s = Stiefel(retraction="polar")
+    x = s.random(2, 5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    # cast to float64 and re-checked there: a float32 point is on Stiefel only to ~1e-7
+    with pytest.raises(ValueError, match="not on stiefel"):
+        assert_retraction(s, x=x.double() + 1e-3)
+    assert abs(assert_retraction(s, x=s.projx(x.double())) - 2.0) < 0.05
+
+
+def test_order_depends_on_shape_where_theory_says_so():
+    # On square Stiefel (the orthogonal group) the Euclidean and canonical metrics agree up to a
+    # factor, so Cayley is second order there; with one column DGram is R^m minus 0 and both
+    # DGram retractions return W + V exactly. The default shapes (m > n >= 2) avoid both.
+    g = torch.Generator().manual_seed(0)
+    square = Stiefel().random(2, 4, 4, generator=g, dtype=torch.float64)
+    assert abs(retraction_order(Stiefel(retraction="cayley"), square) - 2.0) < 0.05
+    column = DGram().random(2, 5, 1, generator=g, dtype=torch.float64)
+    assert retraction_order(DGram(retraction="colnorm-polar"), column) == math.inf

@@ -1,0 +1,89 @@
+"""manifoldlib.testing.strategies and registered_manifolds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifoldlib import DGram, Euclidean, Sphere, Stiefel
+from manifoldlib.retractions import AngleRetraction, register_retraction
+from manifoldlib.retractions import base as registry_base
+from manifoldlib.testing import point_norm, registered_manifolds
+from manifoldlib.testing import strategies as mst
+
+MANIFOLDS = [Sphere(4.0), Stiefel(), DGram(), Euclidean(ndim=2)]
+IDS = ["sphere", "stiefel", "dgram", "euclidean"]
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(data=st.data())
+def test_points_follow_shape_dtype_and_lie_on_manifold(manifold, data):
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
+    x = data.draw(mst.points(manifold, batch=(2, 3), dim=(3, 5), dtype=dtype))
+    assert x.dtype == dtype and x.shape[0] in (2, 3)
+    assert all(3 <= s <= 5 for s in x.shape[1:2])
+    if manifold.name in ("stiefel", "dgram"):
+        assert 1 <= x.shape[-1] <= x.shape[-2]
+    assert manifold.check_point_on_manifold(x)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@given(data=st.data())
+def test_tangents_are_tangent_with_requested_relative_size(manifold, data):
+    x = data.draw(mst.points(manifold, batch=None))
+    v = data.draw(mst.tangents(manifold, x, scale=0.25))
+    assert v.shape == x.shape and v.dtype == x.dtype
+    assert torch.allclose(point_norm(manifold, v), 0.25 * point_norm(manifold, x), rtol=1e-12, atol=0)
+    assert manifold.check_vector_on_tangent(x, v, atol=1e-13, rtol=0.0)
+
+
+@given(data=st.data())
+def test_point_and_tangent_pairs_share_the_point(data):
+    s = Sphere(2.0)
+    x, v = data.draw(mst.point_and_tangent(s, batch=4, dim=3, scale=(0.5, 2.0)))
+    assert x.shape == (4, 3)
+    assert (x * v).sum(-1).abs().max() <= 1e-13 * 4.0
+    ratio = v.norm(dim=-1) / 2.0
+    assert bool(((ratio >= 0.5 - 1e-12) & (ratio <= 2.0 + 1e-12)).all())
+
+
+@given(data=st.data())
+def test_matrix_cols_option(data):
+    x = data.draw(mst.points(Stiefel(), dim=6, cols=(2, 3)))
+    assert x.shape[-2] == 6 and x.shape[-1] in (2, 3)
+
+
+def test_strategy_argument_errors():
+    with pytest.raises(ValueError, match="batch must be an int >= 1 or a range"):
+        mst.shapes(Sphere(), batch=(3, 1))
+    with pytest.raises(ValueError, match="dim must be"):
+        mst.shapes(Sphere(), dim=0)
+    with pytest.raises(ValueError, match="scale must be >= 0"):
+        mst.tangents(Sphere(), torch.ones(3), scale=-1.0)
+
+
+def test_seeds_from_different_streams_differ():
+    # the same drawn integer gives different generators in stream 0 and stream 1
+    a = torch.Generator().manual_seed(5)
+    b = torch.Generator().manual_seed(5 + 2**31)
+    assert not torch.equal(torch.randn(3, generator=a), torch.randn(3, generator=b))
+
+
+def test_registered_manifolds_covers_new_registrations(monkeypatch):
+    for table in (registry_base._REGISTRY, registry_base._ALIASES):
+        for family in list(table):
+            monkeypatch.setitem(table, family, dict(table[family]))
+    before = {case_id for case_id, _ in registered_manifolds()}
+
+    @register_retraction("sphere", "test-registered")
+    class P4(AngleRetraction):
+        def angle(self, beta):
+            return 4 * torch.atan(beta / 4)
+
+    cases = dict(registered_manifolds())
+    assert set(cases) - before == {"sphere-test-registered"}
+    assert isinstance(cases["sphere-test-registered"].retraction, P4)
+    assert "sphere-projection" not in cases
+    assert "sphere-projection" in dict(registered_manifolds(aliases=True))
