@@ -52,7 +52,9 @@ def _copy(i: int, x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-def timing_job(rank: int, shapes: list[tuple[int, int]], mode: str, strategy: str, repeats: int) -> list[float]:
+def timing_job(
+    rank: int, shapes: list[tuple[int, int]], mode: str, strategy: str, repeats: int
+) -> list[float]:
     """Seconds per step on this rank, after one untimed warm-up step."""
     tensors = _inputs(shapes)
     times = []
@@ -88,10 +90,12 @@ def main() -> None:
     args = parser.parse_args()
     shapes = layer_shapes(args.dim, args.layers)
     loads = rank_loads(shapes, assign_owners(shapes, 2, args.strategy), 2)
-    print(f"matrices: {len(shapes)} ({args.layers} layer(s) of dim {args.dim}), float32, "
-          f"polar-express msign; strategy {args.strategy}, rank cost shares "
-          f"{[round(x / sum(loads), 3) for x in loads]}; median of {args.rounds} rounds x "
-          f"{args.repeats} timed steps")
+    print(
+        f"matrices: {len(shapes)} ({args.layers} layer(s) of dim {args.dim}), float32, "
+        f"polar-express msign; strategy {args.strategy}, rank cost shares "
+        f"{[round(x / sum(loads), 3) for x in loads]}; median of {args.rounds} rounds x "
+        f"{args.repeats} timed steps"
+    )
     configs = [
         ("1 process (anchor)", 1, "replicated"),
         ("2 processes, replicated", 2, "replicated"),
@@ -102,14 +106,18 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     for _ in range(args.rounds):
         for name, world_size, mode in configs:
-            samples[name].append(_median_step(world_size, shapes, mode, args.strategy, args.repeats))
+            samples[name].append(
+                _median_step(world_size, shapes, mode, args.strategy, args.repeats)
+            )
     rows = [(name, statistics.median(samples[name])) for name, _, _ in configs]
     anchor = rows[0][1]
     print(f"{'':28s} {'s/step':>9s} {'time ratio to anchor':>21s}")
     for name, seconds in rows:
         print(f"{name:28s} {seconds:9.4f} {seconds / anchor:21.3f}")
-    print(f"speedup of sharded over 1 process: {anchor / rows[2][1]:.2f}x; "
-          f"over 2-process replicated: {rows[1][1] / rows[2][1]:.2f}x")
+    print(
+        f"speedup of sharded over 1 process: {anchor / rows[2][1]:.2f}x; "
+        f"over 2-process replicated: {rows[1][1] / rows[2][1]:.2f}x"
+    )
 
 
 if __name__ == "__main__":

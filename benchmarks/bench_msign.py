@@ -50,13 +50,17 @@ def round_robin_ms(fns: dict, repeats: int, device: torch.device, warmup: int = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--cols", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: leave the default)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     args = parser.parse_args()
 
@@ -69,17 +73,25 @@ def main() -> None:
     x = torch.randn(*shape, generator=g, dtype=dtype, device=device)  # (..., m, n)
     ref = msign(x, "svd").double()
 
-    print(f"msign, x: {tuple(shape)} {args.dtype} on {device}, median of {args.repeats}, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"msign, x: {tuple(shape)} {args.dtype} on {device}, median of {args.repeats}, "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
     methods = ("svd", "jordan5", "polar-express", "newton-schulz", "newton")
     timed = round_robin_ms({m: (lambda m=m: msign(x, m)) for m in methods}, args.repeats, device)
-    print(f"{'method':<16}{'ms':>9}{'ratio vs svd':>14}{'min sv':>9}{'max sv':>9}{'rel err vs svd':>16}")
+    print(
+        f"{'method':<16}{'ms':>9}{'ratio vs svd':>14}{'min sv':>9}{'max sv':>9}"
+        f"{'rel err vs svd':>16}"
+    )
     for method in methods:
         out = msign(x, method).double()
         sv = torch.linalg.svdvals(out)
         err = float(torch.linalg.matrix_norm(out - ref).max() / torch.linalg.matrix_norm(ref).max())
         ms, ratio = timed[method]
-        print(f"{method:<16}{ms:>9.2f}{ratio:>14.2f}{float(sv.min()):>9.4f}{float(sv.max()):>9.4f}{err:>16.2e}")
+        print(
+            f"{method:<16}{ms:>9.2f}{ratio:>14.2f}{float(sv.min()):>9.4f}{float(sv.max()):>9.4f}{err:>16.2e}"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -1,19 +1,21 @@
 """Training-step overhead of SEL charts on models.GPT, as ratios against the plain model.
 
-Three copies of one GPT (same initial weights) are timed in the same process, interleaved, so
+Copies of one GPT (same initial weights) are timed in the same process, interleaved, so
 machine load hits all of them alike:
 
 * ``plain``  — the model as built (the anchor, ratio 1.00);
 * ``sel``    — SEL (mismatched init) on every block linear map (``attn.q/k/v/o``, ``mlp.fc/proj``);
-* ``merged`` — the SEL model after :func:`manifoldlib.charts.merge_charts` (plain linears again).
+* ``merged`` — the SEL model after :func:`manifoldlib.charts.merge_charts` (plain linears again);
+* ``sel-compile`` (with ``--compile``) — SEL with ``impl="compile"`` (:func:`torch.compile`).
 
 A training step is forward + backward + AdamW step on one batch of ``batch x block`` tokens; an
-inference step is a ``torch.no_grad`` forward in eval mode. The script prints the median time of
-each variant over ``--repeats`` rounds and its ratio to ``plain``.
+inference step is a ``torch.no_grad`` forward in eval mode. Each round times every variant back to back;
+the script prints, per variant, the median over rounds of its time divided by ``plain``'s time in
+the same round (wall clock and process CPU time), with the interquartile range.
 
 Usage::
 
-    python benchmarks/bench_sel.py                       # d=512, 4 layers, 8 x 128 tokens
+    python benchmarks/bench_sel.py --threads 1 --compile  # d=512, 4 layers, 8 x 128 tokens
     python benchmarks/bench_sel.py --n-embd 256 --batch 4 --quick
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -31,8 +34,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
-from manifoldlib.charts import SEL, apply_chart, merge_charts  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
+from manifoldlib.charts import SEL, apply_chart, merge_charts
+from models import GPT, GPTConfig
 
 
 def in_blocks(name: str, module: nn.Module) -> bool:
@@ -50,7 +53,12 @@ def build(args) -> dict[str, nn.Module]:
     apply_chart(sel, SEL, include=in_blocks)
     merged = copy.deepcopy(sel)
     merge_charts(merged)
-    return {"plain": plain, "sel": sel, "merged": merged}
+    models = {"plain": plain, "sel": sel, "merged": merged}
+    if args.compile:
+        compiled = copy.deepcopy(plain)
+        apply_chart(compiled, functools.partial(SEL, impl="compile"), include=in_blocks)
+        models["sel-compile"] = compiled
+    return models
 
 
 def _sync(device: str) -> None:
@@ -98,6 +106,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="1 step x 5 rounds")
+    parser.add_argument("--compile", action="store_true", help="also time SEL(impl='compile')")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 1, 5
@@ -113,8 +122,10 @@ def main() -> None:
         "train step (fwd+bwd+AdamW)": {k: train_step(m, opts[k], idx, targets) for k, m in models.items()},
         "inference forward (eval, no_grad)": {k: infer_step(m, idx) for k, m in models.items()},
     }
-    for k, m in models.items():  # warm-up: allocator, kernels, AdamW state
-        kinds["train step (fwd+bwd+AdamW)"][k]()
+    for k in models:  # warm-up: allocator, kernels, AdamW state, torch.compile
+        for steps in kinds.values():
+            steps[k]()
+            steps[k]()
 
     n_chart = sum(p.numel() for n, p in models["sel"].named_parameters() if ".original" in n)
     print(
@@ -126,13 +137,13 @@ def main() -> None:
     # within the round, so a load spike on a shared machine hits numerator and anchor alike.
     # The median over rounds of these paired ratios is reported, for wall and for CPU time.
     for title, steps in kinds.items():
-        for k in models:
-            models[k].train(title.startswith("train"))
+        for model in models.values():
+            model.train(title.startswith("train"))
         ratios = {k: {"wall": [], "cpu": []} for k in models}
         anchor_ms = []
         names = list(models)
         for r in range(args.repeats):
-            order = names[r % 3:] + names[: r % 3]
+            order = names[r % len(names):] + names[: r % len(names)]
             times = {k: timed(steps[k], args.steps, args.device) for k in order}
             anchor_ms.append(times["plain"][0] * 1e3)
             for k in names:
@@ -142,7 +153,7 @@ def main() -> None:
         for k in names:
             w, c = ratios[k]["wall"], ratios[k]["cpu"]
             print(
-                f"  {k:7s} ratio wall {statistics.median(w):.3f} (IQR {_iqr(w)})   "
+                f"  {k:11s} ratio wall {statistics.median(w):.3f} (IQR {_iqr(w)})   "
                 f"ratio cpu {statistics.median(c):.3f} (IQR {_iqr(c)})"
             )
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +52,16 @@ def round_robin_ms(fns: dict, repeats: int, device: torch.device, warmup: int = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: leave the default)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     args = parser.parse_args()
 
@@ -100,13 +103,24 @@ def main() -> None:
 
         return run
 
-    print(f"sphere retractions, x: ({args.rows}, {args.dim}) {args.dtype} on {device}, "
-          f"median of {args.repeats}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    fwd = round_robin_ms({name: forward(fn) for name, fn in candidates.items()}, args.repeats, device)
-    bwd = round_robin_ms({name: forward_backward(fn) for name, fn in candidates.items()}, args.repeats, device)
-    print(f"{'retraction':<20}{'fwd ms':>10}{'fwd ratio':>11}{'fwd+bwd ms':>13}{'fwd+bwd ratio':>15}")
+    print(
+        f"sphere retractions, x: ({args.rows}, {args.dim}) {args.dtype} on {device}, "
+        f"median of {args.repeats}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
+    fwd = round_robin_ms(
+        {name: forward(fn) for name, fn in candidates.items()}, args.repeats, device
+    )
+    bwd = round_robin_ms(
+        {name: forward_backward(fn) for name, fn in candidates.items()}, args.repeats, device
+    )
+    print(
+        f"{'retraction':<20}{'fwd ms':>10}{'fwd ratio':>11}{'fwd+bwd ms':>13}{'fwd+bwd ratio':>15}"
+    )
     for name in candidates:
-        print(f"{name:<20}{fwd[name][0]:>10.2f}{fwd[name][1]:>11.2f}{bwd[name][0]:>13.2f}{bwd[name][1]:>15.2f}")
+        print(
+            f"{name:<20}{fwd[name][0]:>10.2f}{fwd[name][1]:>11.2f}{bwd[name][0]:>13.2f}{bwd[name][1]:>15.2f}"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -220,7 +220,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig
                               f"the policy would constrain SEL's raw coordinates; use adamw")
         builder = _import("manifoldlib.optim", "build_optimizer", "optimizer='manifold-muon'")
         try:
-            opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr)
+            opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
+                          adamw_betas=(cfg.beta1, cfg.beta2),
+                          adamw_weight_decay=cfg.weight_decay)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return opt, [_constant] * len(opt.param_groups)
@@ -606,8 +608,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    import dataclasses
+    import textwrap
+
+    fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(TrainConfig))
+    epilog = "config fields (--key value), defaults before a preset applies:\n" + textwrap.fill(
+        fields, width=96, initial_indent="  ", subsequent_indent="  ")
     p = _Parser(
-        allow_abbrev=False, prog="python -m models.train",
+        allow_abbrev=False, prog="python -m models.train", epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train the reference GPT. Any config field can be overridden with "
                     "--key value (e.g. --lr 1e-3 --connection pre-ln).")
     p.add_argument("--preset", help="named preset: smoke, default (default: default)")

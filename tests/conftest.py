@@ -1,4 +1,4 @@
-"""Shared test configuration: a reproducible hypothesis profile and the manifold cases.
+"""Shared test configuration: a reproducible hypothesis profile, single-threaded core suites.
 
 The ``manifoldlib`` profile is loaded by default: ``derandomize=True`` (the same examples every
 run), no deadline (timing never fails a test), and a modest ``max_examples`` so the default suite
@@ -8,7 +8,9 @@ stays fast on two CPU cores. ``HYPOTHESIS_PROFILE=thorough`` runs 10x more examp
 from __future__ import annotations
 
 import os
+import pathlib
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -31,6 +33,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "manifoldlib"))
 # state fixed as well so an accidental default draw is still reproducible.
 torch.manual_seed(0)
 
-# The tests use small tensors, where intra-op threading only adds synchronization: on a shared
-# 2-core machine a 12x12 solve is ~10x slower with 2 threads than with 1. Results do not change.
-torch.set_num_threads(1)
+# The math-core tests use small tensors, where intra-op threading only adds synchronization:
+# on a shared 2-core machine a 12x12 solve is ~10x slower with 2 threads than with 1. Scoped to
+# those folders so other suites (training smoke tests with large matmuls) keep their threads.
+_SINGLE_THREAD_DIRS = {"functional", "retractions", "manifolds", "testing"}
+_TESTS_ROOT = pathlib.Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _single_thread_for_small_tensor_suites(request):
+    path = pathlib.Path(str(request.node.path)).resolve()
+    try:
+        top = path.relative_to(_TESTS_ROOT).parts[0]
+    except (ValueError, IndexError):
+        top = ""
+    if top not in _SINGLE_THREAD_DIRS:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -6,11 +6,13 @@
 
 from .base import Chart, apply_chart, assert_chart_compatible, chart_parameter_names, merge_charts
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
+from .kernel import SEL_IMPLS, sel_forward_rule
 from .schedule import SEL_ROLES, SELLRMultiplier, sel_lr_lambdas, sel_lr_scheduler, sel_param_groups
 from .sel import SEL, SEL_INITS
 
 __all__ = [
     "SEL",
+    "SEL_IMPLS",
     "SEL_INITS",
     "SEL_ROLES",
     "Chart",
@@ -19,6 +21,7 @@ __all__ = [
     "assert_chart_compatible",
     "chart_parameter_names",
     "merge_charts",
+    "sel_forward_rule",
     "sel_lr_lambdas",
     "sel_lr_scheduler",
     "sel_param_groups",

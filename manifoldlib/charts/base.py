@@ -132,7 +132,7 @@ def apply_chart(
             with) another module, already carries a chart, or the builder does not return a Chart.
     """
     if include is None:
-        include = lambda name, module: isinstance(module, nn.Linear)  # noqa: E731
+        include = lambda name, module: isinstance(module, nn.Linear)
     uses: dict[int, list[str]] = {}
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):

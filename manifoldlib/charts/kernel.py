@@ -27,7 +27,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["sel_forward_rule"]
+__all__ = ["SEL_IMPLS", "sel_forward_rule"]
+
+#: ``fused``: the autograd function below; ``autograd``: the plain expression (reference);
+#: ``compile``: the plain expression through :func:`torch.compile` (one fused loop per pass on CPU,
+#: compiled once per weight shape on first use, then dynamic in the shape).
+SEL_IMPLS = ("fused", "autograd", "compile")
+_compiled = None
 
 
 class _SELForwardRule(torch.autograd.Function):
@@ -75,12 +81,20 @@ class _SELForwardRule(torch.autograd.Function):
         return g_raw, g_ar, g_ac, g_br, g_bc, g_cr, g_cc, None
 
 
+def _plain_rule(raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
+    sign = (raw >= 0).to(raw.dtype) * 2 - 1  # +-1, +1 at 0; no gradient
+    mag = raw * sign  # |w| with d|w|/dw = sign
+    weight = sign * (a_r * a_c) * torch.expm1((b_r * b_c * mag).clamp(max=max_exponent))
+    return weight if c_r is None else weight + (c_r * c_c) * mag
+
+
 def sel_forward_rule(
     raw: torch.Tensor,
     a: tuple[torch.Tensor, torch.Tensor],
     b: tuple[torch.Tensor, torch.Tensor],
     c: tuple[torch.Tensor, torch.Tensor] | None,
     max_exponent: float,
+    impl: str = "fused",
 ) -> torch.Tensor:
     r""":math:`s\,a\,\operatorname{expm1}(\min(b|w|, M)) + c|w|` for rank-1 scales, differentiable in all inputs.
 
@@ -90,9 +104,20 @@ def sel_forward_rule(
         b: row and column factors of :math:`b > 0`.
         c: row and column factors of :math:`c > 0`, or None (no linear path).
         max_exponent: :math:`M`, the clamp of :math:`b|w|` (its gradient is 0 beyond).
+        impl: one of :data:`SEL_IMPLS`; all three give the same values and gradients.
 
     Returns:
         ``(out, in)`` the effective weight.
     """
+    global _compiled
     c_r, c_c = (None, None) if c is None else c
-    return _SELForwardRule.apply(raw, a[0], a[1], b[0], b[1], c_r, c_c, float(max_exponent))
+    args = (raw, a[0], a[1], b[0], b[1], c_r, c_c, float(max_exponent))
+    if impl == "fused":
+        return _SELForwardRule.apply(*args)
+    if impl == "autograd":
+        return _plain_rule(*args)
+    if impl == "compile":
+        if _compiled is None:
+            _compiled = torch.compile(_plain_rule)
+        return _compiled(*args)
+    raise ValueError(f"impl must be one of {SEL_IMPLS}, got {impl!r}")

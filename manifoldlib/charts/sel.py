@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from .base import Chart
-from .kernel import sel_forward_rule
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
+from .kernel import SEL_IMPLS, sel_forward_rule
 
 __all__ = ["SEL", "SEL_INITS"]
 
@@ -80,6 +80,9 @@ class SEL(Chart):
         fan_in: overrides the fan-in (default: ``weight.shape[1]``, or ``numel`` for 1-D).
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
             gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32).
+        impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
+            hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
+            compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
 
     Raises:
         ValueError: for an unknown ``init``, non-positive or non-finite scales, ``kappa`` or
@@ -99,6 +102,7 @@ class SEL(Chart):
         scale_init: Mapping[str, float] | None = None,
         fan_in: int | None = None,
         max_exponent: float | None = None,
+        impl: str = "fused",
     ) -> None:
         super().__init__()
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
@@ -107,6 +111,8 @@ class SEL(Chart):
             raise ValueError(f"SEL charts 1-D or 2-D tensors, got shape {tuple(weight.shape)}")
         if init not in SEL_INITS:
             raise ValueError(f"init must be one of {SEL_INITS}, got {init!r}")
+        if impl not in SEL_IMPLS:
+            raise ValueError(f"impl must be one of {SEL_IMPLS}, got {impl!r}")
         if not isinstance(rank, int) or rank < 0 or (rank > 0 and weight.dim() != 2):
             raise ValueError(f"rank must be an int >= 0 (and 0 for 1-D tensors), got {rank!r}")
         if rank > min(weight.shape):
@@ -138,7 +144,7 @@ class SEL(Chart):
         )
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
-        self.init = init
+        self.init, self.impl = init, impl
         self.linear = bool(linear)
         self.exact_inverse = init == "congruent" or not self.linear  # without l_w both rules agree
         self.kappa, self.gain, self.rank, self.fan_in = kappa, gain, rank, fan_in
@@ -168,7 +174,9 @@ class SEL(Chart):
             self.delta_b = nn.Parameter(torch.zeros(out_features, rank, **factory))
 
     # -- scales -----------------------------------------------------------------------------------
-    def _factor(self, *pairs: tuple[float, str], scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _factor(
+        self, *pairs: tuple[float, str], scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # exp(sum_k sign_k (u_k,i + v_k,j)) as a row factor (out, 1) and a column factor (1, in);
         # a 1-D tensor is handled as one row, (1, n), with a constant column of ones.
         row = torch.exp(sum(sgn * getattr(self, f"{p}_row") for sgn, p in pairs))
@@ -180,14 +188,17 @@ class SEL(Chart):
         return row, col
 
     def factors(self):
-        """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b` and :math:`l_w` (None without the linear path)."""
+        """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b` and :math:`l_w`.
+
+        The :math:`l_w` entry is None without the linear path.
+        """
         a = self._factor((1.0, "log_e_w"), (-1.0, "n"))
         b = self._factor((1.0, "log_m"), scale=self.beta)
         c = self._factor((1.0, "log_l_w")) if self.linear else None
         return a, b, c
 
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        r"""Full :math:`(a, b, l_w)`, each the shape of the weight; :math:`l_w` is None without the linear path.
+        r"""Full :math:`(a, b, l_w)`, each the shape of the weight (:math:`l_w` None without the linear path).
 
         :math:`a = e_w e^{-n}` and :math:`b = \beta m`, each the exponential of a rank-1 sum.
         """
@@ -224,7 +235,9 @@ class SEL(Chart):
         :math:`E'(0) + l_w` instead of 0.
         """
         a, b, c = self.factors()
-        weight = sel_forward_rule(raw.view(1, -1) if self._is_vector else raw, a, b, c, self.max_exponent)
+        weight = sel_forward_rule(
+            raw.view(1, -1) if self._is_vector else raw, a, b, c, self.max_exponent, self.impl
+        )
         weight = weight.view_as(raw)  # (out, in) or (n,)
         if self.rank > 0:
             weight = weight + self.delta()
@@ -245,7 +258,10 @@ class SEL(Chart):
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite, got NaN or inf entries")
         target = weight - self.delta() if self.rank > 0 else weight
-        a, b, c = self.coefficients()
+        # Newton in at least float32: half-precision rounding would stall the iteration.
+        work = torch.promote_types(weight.dtype, torch.float32)
+        target = target.to(work)
+        a, b, c = (None if x is None else x.to(work) for x in self.coefficients())
         c0 = torch.zeros_like(a) if c is None else c
         mag = target.abs()
         raw = torch.sign(target) * solve_expm1_linear(mag, a, b, c0)
@@ -262,5 +278,5 @@ class SEL(Chart):
     def extra_repr(self) -> str:
         return (
             f"init={self.init!r}, linear={self.linear}, kappa={self.kappa}, gain={self.gain}, "
-            f"rank={self.rank}, fan_in={self.fan_in}"
+            f"rank={self.rank}, fan_in={self.fan_in}, impl={self.impl!r}"
         )

@@ -20,7 +20,9 @@ from .env import get_rank_world
 __all__ = ["batch_shard"]
 
 
-def batch_shard(global_batch_size: int, rank: int | None = None, world_size: int | None = None) -> slice:
+def batch_shard(
+    global_batch_size: int, rank: int | None = None, world_size: int | None = None
+) -> slice:
     """The rows of a global batch that ``rank`` trains on.
 
     Args:
@@ -38,14 +40,20 @@ def batch_shard(global_batch_size: int, rank: int | None = None, world_size: int
             ``world_size``, or a rank outside ``[0, world_size)``.
     """
     if (rank is None) != (world_size is None):
-        raise ValueError(f"give both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}")
+        raise ValueError(
+            f"give both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}"
+        )
     if rank is None or world_size is None:
         rank, world_size = get_rank_world()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+    if (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or global_batch_size < 1
+    ):
         raise ValueError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
     if global_batch_size % world_size:
         raise ValueError(

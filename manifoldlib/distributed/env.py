@@ -59,13 +59,13 @@ def get_rank_world(process_group: dist.ProcessGroup | None = None) -> tuple[int,
         return 0, 1
     rank = dist.get_rank(process_group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of {process_group!r}")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of {process_group!r}"
+        )
     return rank, dist.get_world_size(process_group)
 
 
-def init_from_env(
-    backend: str | None = None, *, timeout: float = 1800.0
-) -> tuple[int, int, int]:
+def init_from_env(backend: str | None = None, *, timeout: float = 1800.0) -> tuple[int, int, int]:
     """Initialize the default process group from ``torchrun``'s environment variables.
 
     ``torchrun`` (``python -m torch.distributed.run``) sets ``RANK``, ``WORLD_SIZE``,

@@ -28,8 +28,8 @@ _FSDP_FLATTENED_ATTRIBUTE = "_fsdp_flattened"
 
 _ADVICE = (
     "manifold updates need whole matrices on every rank: wrap the model with "
-    "DistributedDataParallel (replicated parameters) and use ManifoldMuon's distributed mode "
-    "to share the per-matrix work, or give this parameter to an elementwise optimizer (AdamW)"
+    "DistributedDataParallel instead (whole, replicated parameters), or give this parameter "
+    "to an elementwise optimizer (AdamW)"
 )
 
 

@@ -13,9 +13,9 @@ forever, and the process group is destroyed on every exit path.
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing
 import os
-import json
 import tempfile
 import time
 import traceback
@@ -197,7 +197,9 @@ def run_workers(
         start_method = "forkserver" if "forkserver" in available else "spawn"
     if start_method not in _START_METHODS or start_method not in available:
         valid = [m for m in _START_METHODS if m in available]
-        raise ValueError(f"start_method must be one of {', '.join(valid)} or None, got {start_method!r}")
+        raise ValueError(
+            f"start_method must be one of {', '.join(valid)} or None, got {start_method!r}"
+        )
     if start_method == "forkserver":
         # only takes effect when this process starts its fork server (the first job)
         multiprocessing.set_forkserver_preload([__name__])

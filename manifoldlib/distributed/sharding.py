@@ -34,6 +34,7 @@ __all__ = [
 #: Ownership strategies of :func:`assign_owners`.
 STRATEGIES = ("round-robin", "size")
 
+
 def matrix_cost(shape_or_numel: int | Sequence[int]) -> int:
     r"""Work estimate of one per-matrix solve.
 
@@ -105,7 +106,9 @@ def assign_owners(
     """
     _check_world_size(world_size)
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
+        )
     costs = [matrix_cost(s) for s in shapes_or_numels]
     if strategy == "round-robin":
         return [i % world_size for i in range(len(costs))]
@@ -137,7 +140,11 @@ def rank_loads(
 def _check_owners(owners: Sequence[int], count: int, world_size: int) -> None:
     if len(owners) != count:
         raise ValueError(f"owners must have one entry per tensor ({count}), got {len(owners)}")
-    bad = [r for r in owners if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    bad = [
+        r
+        for r in owners
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size
+    ]
     if bad:
         raise ValueError(f"owners must be ranks in [0, {world_size}), got {bad[0]!r}")
 

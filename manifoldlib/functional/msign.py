@@ -144,7 +144,10 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
             / torch.linalg.matrix_norm(y, keepdim=True)
         ).sqrt()
         y_next = 0.5 * (zeta * y + y_inv_t / zeta)
-        delta = float((torch.linalg.matrix_norm(y_next - y) / torch.linalg.matrix_norm(y_next)).max())
+        # the stopping test is not part of the function: detach it (no autograd warning/graph)
+        delta = float(
+            (torch.linalg.matrix_norm(y_next - y) / torch.linalg.matrix_norm(y_next)).detach().max()
+        )
         y = y_next
         # quadratic convergence: stop at tolerance, or once rounding stops the progress
         if delta <= tol or (delta < 1e-3 and delta > 0.5 * previous):
@@ -167,7 +170,7 @@ def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int) -> torch.T
     previous = float("inf")
     for _ in range(max_steps):
         gram = y @ y.mT
-        err = float(torch.linalg.matrix_norm(gram - eye).max())
+        err = float(torch.linalg.matrix_norm(gram.detach() - eye).max())
         if err <= scaled_tol or (err < 1e-3 * y.size(-2) ** 0.5 and err > 0.5 * previous):
             break  # converged, or rounding stopped the progress (cubic convergence near 1)
         previous = err

@@ -101,7 +101,8 @@ def p_coefficients(sigma: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.T
     r"""The p-family, :math:`\theta = p\arctan(\beta/p)`, :math:`p \in (0, \infty]`.
 
     With :math:`z^2 = \sigma/p^2` and :math:`g = \arctan(z)/z` (series
-    :math:`1 - z^2/3 + z^4/5 - z^6/7 + z^8/9` for small :math:`z`): :math:`\theta = \sqrt\sigma\, g` and :math:`k = (\sin\theta/\theta)\, g`.
+    :math:`1 - z^2/3 + z^4/5 - z^6/7 + z^8/9` for small :math:`z`):
+    :math:`\theta = \sqrt\sigma\, g` and :math:`k = (\sin\theta/\theta)\, g`.
     ``p = inf`` is the exponential map.
     """
     if math.isinf(p):

@@ -14,6 +14,7 @@ on first use so the order checks work without it.
 
 from __future__ import annotations
 
+from .cases import registered_manifolds
 from .order import (
     DEFAULT_TS,
     ORDER_TOLERANCE,
@@ -22,7 +23,6 @@ from .order import (
     remainder_norms,
     retraction_order,
 )
-from .cases import registered_manifolds
 from .sampling import default_shape, point_norm, random_point, random_tangent
 
 __all__ = [

@@ -1,4 +1,6 @@
-"""Every registered ``(manifold, retraction)`` pair as a ready manifold object, for parametrized tests.
+"""Every registered ``(manifold, retraction)`` pair as a ready manifold object.
+
+Meant for parametrized tests.
 
 ``registered_manifolds()`` reads the registry when called, so a retraction registered by a user
 (or a later version of the library) is covered by a parametrized suite without editing it.
@@ -35,5 +37,7 @@ def registered_manifolds(
         for name in available_retractions(family):
             if not aliases and name in _ALIASES[family]:
                 continue
-            cases.append((f"{family}-{name}", get_manifold(family, retraction=name, **_GEOMETRY[family])))
+            cases.append(
+                (f"{family}-{name}", get_manifold(family, retraction=name, **_GEOMETRY[family]))
+            )
     return cases

@@ -1,9 +1,9 @@
 r"""Measure and assert the properties of a retraction, without the exponential map.
 
-A retraction :math:`R` at :math:`x` satisfies :math:`R_x(0) = x` and :math:`\mathrm{D}R_x(0) = \mathrm{id}`
-on the tangent space. It is *second order* when :math:`c(t) = R_x(tv)` has zero tangential
-acceleration at 0 (:math:`c''(0)` is normal). Both statements become measurable through the
-tangential part of the Taylor remainder
+A retraction :math:`R` at :math:`x` satisfies :math:`R_x(0) = x` and
+:math:`\mathrm{D}R_x(0) = \mathrm{id}` on the tangent space. It is *second order* when
+:math:`c(t) = R_x(tv)` has zero tangential acceleration at 0 (:math:`c''(0)` is normal). Both
+statements become measurable through the tangential part of the Taylor remainder
 
 .. math::
     e(t) = \big\|P_x\big(R_x(tv) - x - tv\big)\big\|,
@@ -99,7 +99,7 @@ def retraction_order(
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> float:
-    r"""Measured order of ``manifold.retr``: :math:`\operatorname{median}_t \log_2(e(t)/e(t/2)) - 1`.
+    r"""Measured order of ``manifold.retr``: median over ``ts`` of :math:`\log_2(e(t)/e(t/2)) - 1`.
 
     Args:
         manifold: a manifold carrying the retraction to measure.
@@ -122,7 +122,9 @@ def retraction_order(
             pair; below float64: no pair above it).
     """
     if len(ts) == 0 or any(not (t > 0) for t in ts):
-        raise ValueError(f"ts must be a non-empty sequence of positive step sizes, got {tuple(ts)!r}")
+        raise ValueError(
+            f"ts must be a non-empty sequence of positive step sizes, got {tuple(ts)!r}"
+        )
     x, v = _sample(manifold, x, v, generator, dtype)
     v = _unit_direction(x, v)
     floor = _ROUNDING_FACTOR * float(torch.finfo(dtype).eps) * float(torch.linalg.vector_norm(x))
@@ -170,7 +172,9 @@ def assert_retraction(
     derivative_rtol: float = 1e-6,
     order_tolerance: float = ORDER_TOLERANCE,
 ) -> float:
-    r"""Assert that ``manifold.retr`` is a retraction of the order it claims; return the measured order.
+    r"""Assert that ``manifold.retr`` is a retraction of the order it claims.
+
+    Returns the measured order.
 
     Checks, all in float64:
 
@@ -224,13 +228,22 @@ def assert_retraction(
         _fail(
             manifold,
             f"the derivative at 0 is not the identity on the tangent space: "
-            f"||(R(hv) - R(-hv))/2h - v|| / ||v|| = {err:.3e} at h=1e-4 (allowed {derivative_rtol})",
+            f"||(R(hv) - R(-hv))/2h - v|| / ||v|| = {err:.3e} at h=1e-4 "
+            f"(allowed {derivative_rtol})",
         )
 
     measured = retraction_order(manifold, x, v)
     if claim == 2 and not measured >= 2.0 - order_tolerance:
-        _fail(manifold, f"claims order 2 but the measured order is {measured:.3f} (e(t)/e(t/2) ≈ {2 ** (measured + 1):.2f}, 8 expected)")
+        _fail(
+            manifold,
+            f"claims order 2 but the measured order is {measured:.3f} "
+            f"(e(t)/e(t/2) ≈ {2 ** (measured + 1):.2f}, 8 expected)",
+        )
     if claim == 1 and not abs(measured - 1.0) <= order_tolerance:
-        hint = " (it is better than claimed: raise its order to 2)" if measured >= 2.0 - order_tolerance else ""
+        hint = (
+            " (it is better than claimed: raise its order to 2)"
+            if measured >= 2.0 - order_tolerance
+            else ""
+        )
         _fail(manifold, f"claims order 1 but the measured order is {measured:.3f}{hint}")
     return measured

@@ -19,8 +19,10 @@ __all__ = ["default_shape", "point_norm", "random_point", "random_tangent"]
 
 
 def default_shape(manifold: RetractionManifold, batch: int | None = 2) -> tuple[int, ...]:
-    """A small shape that exercises ``manifold`` fully: ``(batch, 5)`` on the sphere, ``(batch, 5, 3)``
-    on Stiefel and DGram (tall, ``m > n >= 2``: square Stiefel makes Cayley second order and a single
+    """A small shape that exercises ``manifold`` fully.
+
+    ``(batch, 5)`` on the sphere, ``(batch, 5, 3)`` on Stiefel and DGram (tall,
+    ``m > n >= 2``: square Stiefel makes Cayley second order and a single
     column makes every DGram retraction exact), ``(batch, 4)`` for Euclidean."""
     lead = () if batch is None else (int(batch),)
     if manifold.name == "sphere":
@@ -31,7 +33,7 @@ def default_shape(manifold: RetractionManifold, batch: int | None = 2) -> tuple[
 
 
 def point_norm(manifold: RetractionManifold, x: torch.Tensor) -> torch.Tensor:
-    """Per-point Euclidean norm over the manifold's trailing ``ndim`` dimensions, ``keepdim=True``."""
+    """Per-point Euclidean norm over the manifold's trailing ``ndim`` dimensions (keepdim)."""
     if manifold.ndim == 0:
         return x.abs()
     dims = tuple(range(-manifold.ndim, 0))

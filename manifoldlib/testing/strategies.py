@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from ..manifolds.base import RetractionManifold
 from .sampling import random_point, random_tangent
 
-__all__ = ["seeds", "shapes", "points", "tangents", "point_and_tangent"]
+__all__ = ["point_and_tangent", "points", "seeds", "shapes", "tangents"]
 
 IntRange = Union[int, tuple[int, int]]
 FloatRange = Union[float, tuple[float, float]]
@@ -43,14 +43,19 @@ _SEED_MAX = 2**31 - 1
 def _int_range(value: IntRange, name: str, low: int = 1) -> st.SearchStrategy[int]:
     lo, hi = (value, value) if isinstance(value, int) else value
     if lo < low or hi < lo:
-        raise ValueError(f"{name} must be an int >= {low} or a range (lo, hi) with {low} <= lo <= hi, got {value!r}")
+        raise ValueError(
+            f"{name} must be an int >= {low} or a range (lo, hi) with {low} <= lo <= hi, "
+            f"got {value!r}"
+        )
     return st.integers(lo, hi)
 
 
 def _float_range(value: FloatRange, name: str) -> st.SearchStrategy[float]:
     lo, hi = (value, value) if isinstance(value, (int, float)) else value
     if not (0 <= lo <= hi):
-        raise ValueError(f"{name} must be >= 0 or a range (lo, hi) with 0 <= lo <= hi, got {value!r}")
+        raise ValueError(
+            f"{name} must be >= 0 or a range (lo, hi) with 0 <= lo <= hi, got {value!r}"
+        )
     if lo == hi:
         return st.just(float(lo))
     return st.floats(float(lo), float(hi), allow_nan=False, allow_infinity=False)
@@ -63,7 +68,9 @@ def seeds(stream: int = 0) -> st.SearchStrategy[torch.Generator]:
     stream 1, so a shrunk example never reuses the point's Gaussian draw as the tangent's
     (which would make the ambient vector parallel to the point).
     """
-    return st.integers(0, _SEED_MAX).map(lambda s: torch.Generator().manual_seed(s + stream * (_SEED_MAX + 1)))
+    return st.integers(0, _SEED_MAX).map(
+        lambda s: torch.Generator().manual_seed(s + stream * (_SEED_MAX + 1))
+    )
 
 
 def shapes(
@@ -126,7 +133,10 @@ def points(
 def tangents(
     manifold: RetractionManifold, point: torch.Tensor, *, scale: FloatRange = (0.0, 1.0)
 ) -> st.SearchStrategy[torch.Tensor]:
-    r"""Tangent vectors at ``point`` with per-point norm ``scale * ||point||`` (scale drawn from the range)."""
+    r"""Tangent vectors at ``point`` with per-point norm ``scale * ||point||``.
+
+    ``scale`` is a number or a range to draw it from.
+    """
     scales = _float_range(scale, "scale")
 
     @st.composite

@@ -33,7 +33,7 @@ def in_blocks(name: str, module: nn.Module) -> bool:
 
 def small_gpt(seed: int = 0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    cfg = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, connection="pre-ln")
+    cfg = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16, "connection": "pre-ln"}
     return GPT(GPTConfig(**{**cfg, **overrides}))
 
 

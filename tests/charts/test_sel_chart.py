@@ -34,7 +34,7 @@ def rel_err(x, y):
     return ((x - y).abs() / y.abs()).max().item()
 
 
-def within_conditioning(chart: SEL, raw, out, target, mask=None, k: float = 8.0) -> bool:
+def within_conditioning(chart: SEL, raw, out, target, mask=None, k: float = 8.0, eps=None) -> bool:
     """|out - target| <= k eps (1 + b|w|)(E(|w|) + l_w|w|): the rounding of the forward rule itself.
 
     With non-uniform scales, ab < l_w can happen somewhere; there the forward rule on negatives is
@@ -43,7 +43,8 @@ def within_conditioning(chart: SEL, raw, out, target, mask=None, k: float = 8.0)
     a, b, c = chart.coefficients()
     t = raw.abs()
     size = (1 + b * t) * (a * torch.expm1(b * t) + c * t)
-    ok = (out - target).abs() <= k * torch.finfo(out.dtype).eps * size
+    eps = torch.finfo(out.dtype).eps if eps is None else eps
+    ok = (out - target).abs() <= k * eps * size
     return bool((ok if mask is None else ok[mask]).all())
 
 
@@ -66,7 +67,7 @@ def test_congruent_round_trip_is_exact_on_heavy_tailed_weights(dtype, structured
 
 def test_round_trip_covers_both_regimes():
     W = heavy_tailed((96, 64), torch.float64)
-    a, b, c = SEL(W).coefficients()
+    _, b, _ = SEL(W).coefficients()
     raw = SEL(W, init="congruent").right_inverse(W)
     bx = (b * raw.abs()).max().item()
     assert bx > 3.0  # the exponential regime is exercised, not only the near-linear one
@@ -81,7 +82,7 @@ def test_mismatched_init_realizes_positives_and_shrinks_negatives(dtype):
     assert not chart.exact_inverse
     raw = chart.right_inverse(W)
     out = chart(raw)
-    a, b, c = chart.coefficients()
+    _, _, c = chart.coefficients()
     pos, neg = W > 0, W < 0
     assert rel_err(out[pos], W[pos]) <= TOL[dtype]
     # MATH.md §6: a negative target w0 is realized as w0 + 2 l_w |w| (|w| the raw magnitude).
@@ -126,7 +127,7 @@ def test_without_linear_path_both_inits_agree():
 def test_curvature_from_width(fan_in, kappa, gain, slope):
     W = torch.zeros(8, fan_in, dtype=torch.float64)
     chart = SEL(W, kappa=kappa, gain=gain, slope=slope, scale_init={"m": 0.3, "n": 0.7})
-    a, b, c = chart.coefficients()
+    a, b, _ = chart.coefficients()
     sigma0 = gain / math.sqrt(fan_in)
     assert torch.allclose(b * sigma0, torch.full_like(b, kappa), rtol=1e-14, atol=0)
     assert torch.allclose(a * b, torch.full_like(a * b, slope), rtol=1e-14, atol=0)  # E'(0) fixed
@@ -230,6 +231,7 @@ BAD_OPTIONS = [
     ({"rank": 99}, r"rank must be <= min\(weight.shape\) = 8, got 99"),
     ({"fan_in": 0}, r"fan_in must be an int >= 1, got 0"),
     ({"max_exponent": -5.0}, r"max_exponent .* got -5\.0"),
+    ({"impl": "triton"}, r"impl must be one of \('fused', 'autograd', 'compile'\), got 'triton'"),
 ]
 
 
@@ -252,32 +254,52 @@ def test_bad_weights_raise():
 
 
 def _reference_forward(chart: SEL, raw):
-    """The forward rule written with plain autograd ops (no custom backward)."""
+    """The forward rule written independently with plain autograd ops (no custom backward)."""
     a, b, c = chart.coefficients()
     sign = (raw >= 0).to(raw.dtype) * 2 - 1
     mag = raw * sign
     return sign * a * torch.expm1((b * mag).clamp(max=chart.max_exponent)) + c * mag
 
 
-def test_fused_backward_matches_plain_autograd():
-    W = heavy_tailed((12, 9), torch.float64, seed=15)
+def _values_and_grads(chart: SEL, fn, raw, probe):
+    chart.zero_grad(set_to_none=True)
+    r = raw.clone().requires_grad_(True)
+    out = fn(r)
+    (out * probe).sum().backward()
+    return out.detach(), r.grad, [p.grad.clone() for p in chart.parameters()]
+
+
+def _impl_case(dtype=torch.float64):
+    W = heavy_tailed((12, 9), dtype, seed=15)
     chart = SEL(W, max_exponent=3.0)
     perturb_scales(chart, seed=16)
     raw = chart.right_inverse(W * 0.5).detach()
-    raw[0, :3] = torch.tensor([0.0, 5.0, -5.0], dtype=torch.float64)  # zero and two clamped entries
-    probe = torch.randn(W.shape, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
-    grads = []
-    for fn in (chart, lambda r: _reference_forward(chart, r)):
-        chart.zero_grad(set_to_none=True)
-        r = raw.clone().requires_grad_(True)
-        out = fn(r)
-        (out * probe).sum().backward()
-        grads.append((out.detach(), r.grad, [p.grad.clone() for p in chart.parameters()]))
-    (o1, g1, p1), (o2, g2, p2) = grads
-    assert torch.allclose(o1, o2, rtol=1e-14, atol=0)
-    assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-300)
+    raw[0, :3] = torch.tensor([0.0, 5.0, -5.0], dtype=dtype)  # zero and two clamped entries
+    probe = torch.randn(W.shape, generator=torch.Generator().manual_seed(17), dtype=torch.float64).to(dtype)
+    reference = _values_and_grads(chart, lambda r: _reference_forward(chart, r), raw, probe)
+    return chart, raw, probe, reference
+
+
+def _assert_same(result, reference, rtol=1e-12):
+    (o1, g1, p1), (o2, g2, p2) = result, reference
+    assert torch.allclose(o1, o2, rtol=rtol, atol=0)
+    assert torch.allclose(g1, g2, rtol=rtol, atol=1e-300)
     for x, y in zip(p1, p2):
-        assert torch.allclose(x, y, rtol=1e-12, atol=1e-14)
+        assert torch.allclose(x, y, rtol=rtol, atol=rtol * 1e-2)
+
+
+@pytest.mark.parametrize("impl", ["fused", "autograd"])
+def test_forward_impls_match_plain_autograd(impl):
+    chart, raw, probe, reference = _impl_case()
+    chart.impl = impl
+    _assert_same(_values_and_grads(chart, chart, raw, probe), reference)
+
+
+@pytest.mark.slow
+def test_compiled_forward_matches_plain_autograd():
+    chart, raw, probe, reference = _impl_case()
+    chart.impl = "compile"
+    _assert_same(_values_and_grads(chart, chart, raw, probe), reference)
 
 
 def test_gradcheck_one_dimensional_chart():
@@ -285,3 +307,21 @@ def test_gradcheck_one_dimensional_chart():
     chart = SEL(b)
     raw = (chart.right_inverse(b) + 0.01).requires_grad_(True)
     assert torch.autograd.gradcheck(chart, (raw,))
+
+
+def test_bfloat16_round_trip_is_limited_only_by_storing_raw_in_bfloat16():
+    W = heavy_tailed((32, 64), torch.float64, seed=19).to(torch.bfloat16)
+    chart = SEL(W, init="congruent")
+    raw = chart.right_inverse(W)
+    assert raw.dtype == torch.bfloat16
+    out = chart(raw)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert within_conditioning(chart, raw.double(), out.double(), W.double(), k=8.0, eps=eps)
+
+
+def test_forward_rule_rejects_unknown_impl():
+    from manifoldlib.charts import sel_forward_rule
+
+    one = (torch.ones(2, 1), torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"impl must be one of .* got 'cuda'"):
+        sel_forward_rule(torch.zeros(2, 3), one, one, one, 10.0, impl="cuda")

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from manifoldlib.charts import SEL, SELLRMultiplier, apply_chart, sel_lr_lambdas, sel_lr_scheduler, sel_param_groups
+from manifoldlib.charts import (
+    SEL,
+    SELLRMultiplier,
+    apply_chart,
+    sel_lr_lambdas,
+    sel_lr_scheduler,
+    sel_param_groups,
+)
 
 
 def charted_mlp(rank: int = 0) -> nn.Module:
@@ -53,12 +61,12 @@ def test_multipliers_anneal_e_w_down_and_m_up():
     e_w = SELLRMultiplier("e_w", T, e_w_boost=8.0)
     m = SELLRMultiplier("m", T, m_start=0.2)
     other = SELLRMultiplier("l_w", T)
-    steps = range(0, 2 * T)
+    steps = range(2 * T)
     e_vals, m_vals = [e_w(s) for s in steps], [m(s) for s in steps]
     assert e_vals[0] == pytest.approx(8.0) and m_vals[0] == pytest.approx(0.2)
     assert all(v == pytest.approx(1.0) for v in e_vals[T:] + m_vals[T:])
-    assert all(x >= y for x, y in zip(e_vals, e_vals[1:]))
-    assert all(x <= y for x, y in zip(m_vals, m_vals[1:]))
+    assert all(x >= y for x, y in itertools.pairwise(e_vals))
+    assert all(x <= y for x, y in itertools.pairwise(m_vals))
     assert all(other(s) == 1.0 for s in steps)
     with_base = SELLRMultiplier("e_w", T, e_w_boost=8.0, base=lambda s: 0.5)
     assert with_base(0) == pytest.approx(4.0)

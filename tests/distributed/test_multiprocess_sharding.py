@@ -23,7 +23,9 @@ JOB_TIMEOUT_S = 120.0  # start-up of two interpreters on a contended 2-core mach
 
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
-    return run_workers(workers.sharding_job, WORLD_SIZE, timeout=JOB_TIMEOUT_S, collective_timeout=60.0)
+    return run_workers(
+        workers.sharding_job, WORLD_SIZE, timeout=JOB_TIMEOUT_S, collective_timeout=60.0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,9 @@ def _assert_bitwise_equal(got: list[torch.Tensor], expected: list[torch.Tensor])
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g.shape == e.shape and g.dtype == e.dtype, (i, g.shape, e.shape, g.dtype, e.dtype)
-        assert torch.equal(g, e), f"tensor {i} differs: max |diff| {(g.double() - e.double()).abs().max()}"
+        assert torch.equal(g, e), (
+            f"tensor {i} differs: max |diff| {(g.double() - e.double()).abs().max()}"
+        )
 
 
 def test_ranks_report_their_place(reports: list[dict]) -> None:
@@ -94,10 +98,18 @@ MUON_STEPS = 10
 
 @pytest.fixture(scope="module")
 def muon_reports() -> list[dict]:
-    return run_workers(workers.stiefel_muon_job, WORLD_SIZE, MUON_STEPS, timeout=JOB_TIMEOUT_S, collective_timeout=60.0)
+    return run_workers(
+        workers.stiefel_muon_job,
+        WORLD_SIZE,
+        MUON_STEPS,
+        timeout=JOB_TIMEOUT_S,
+        collective_timeout=60.0,
+    )
 
 
-def test_sharded_optimizer_pattern_matches_one_process_after_ten_steps(muon_reports: list[dict]) -> None:
+def test_sharded_optimizer_pattern_matches_one_process_after_ten_steps(
+    muon_reports: list[dict],
+) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -24,14 +24,19 @@ def test_whole_parameters_pass() -> None:
 
 def test_fsdp_flat_parameter_is_refused() -> None:
     flat = FlatParameter(torch.zeros(12))
-    with pytest.raises(UnsupportedParameterError, match=r"'_fsdp_wrapped_module._flat_param' is an FSDP FlatParameter \(shape \(12,\)\)"):
+    with pytest.raises(
+        UnsupportedParameterError,
+        match=r"'_fsdp_wrapped_module._flat_param' is an FSDP FlatParameter \(shape \(12,\)\)",
+    ):
         reject_unsupported_parameter(flat, "_fsdp_wrapped_module._flat_param")
 
 
 def test_parameter_flattened_by_fsdp_is_refused() -> None:
     view = torch.nn.Parameter(torch.zeros(6))  # what use_orig_params=True leaves in the module
     _set_fsdp_flattened(view)
-    with pytest.raises(UnsupportedParameterError, match=r"parameter 'attn.q.weight' was flattened by FSDP") as caught:
+    with pytest.raises(
+        UnsupportedParameterError, match=r"parameter 'attn.q.weight' was flattened by FSDP"
+    ) as caught:
         reject_unsupported_parameter(view, "attn.q.weight")
     assert "DistributedDataParallel" in str(caught.value)
 

@@ -14,19 +14,22 @@ except ImportError:  # pytest's default rootdir-relative import puts this folder
     import workers
 
 
-def _no_live_children() -> bool:
-    return not multiprocessing.active_children()
+@pytest.fixture
+def no_leftover_workers():
+    """Fails the test if it leaves a child process running that was not there before."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield
+    assert {p.pid for p in multiprocessing.active_children()} <= before
 
 
-def test_worker_exception_is_reraised_with_its_rank() -> None:
+def test_worker_exception_is_reraised_with_its_rank(no_leftover_workers: None) -> None:
     with pytest.raises(WorkerError) as caught:
         run_workers(workers.raising_job, 2, timeout=120.0, collective_timeout=60.0)
     assert caught.value.rank == 1
     assert "ValueError: deliberate failure on rank 1" in str(caught.value)
-    assert _no_live_children()
 
 
-def test_hung_collective_fails_at_the_collective_timeout() -> None:
+def test_hung_collective_fails_at_the_collective_timeout(no_leftover_workers: None) -> None:
     # rank 0 waits in an all_reduce rank 1 never joins; the job timeout is far away, so the
     # error can only come from the process group's collective timeout
     with pytest.raises(WorkerError) as caught:
@@ -35,13 +38,11 @@ def test_hung_collective_fails_at_the_collective_timeout() -> None:
     message = str(caught.value)
     assert "hung_collective_job" in message and "all_reduce" in message
     assert "timed out" in message.lower()
-    assert _no_live_children()
 
 
-def test_job_past_its_timeout_is_killed() -> None:
+def test_job_past_its_timeout_is_killed(no_leftover_workers: None) -> None:
     with pytest.raises(WorkerTimeoutError, match="did not finish within 2.0 s"):
         run_workers(workers.never_finishing_job, 2, timeout=2.0)
-    assert _no_live_children()
 
 
 def test_results_come_back_in_rank_order() -> None:

@@ -60,7 +60,7 @@ def sharding_job(rank: int) -> dict:
     for strategy in STRATEGIES:
         calls: list[int] = []
 
-        def recording_fn(i: int, x: torch.Tensor) -> torch.Tensor:
+        def recording_fn(i: int, x: torch.Tensor, calls: list[int] = calls) -> torch.Tensor:
             calls.append(i)
             return reference_fn(i, x)
 
@@ -92,7 +92,9 @@ def _dtensor_rejections() -> list[str]:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     sharded = torch.nn.Parameter(
-        distribute_tensor(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)])
+        distribute_tensor(
+            torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)]
+        )
     )
     layer = torch.nn.Linear(4, 6)
     fully_shard(layer, mesh=mesh)
@@ -157,7 +159,9 @@ def stiefel_muon_pattern(
         the indices whose multiplier this rank kept during the steps.
     """
     generator = torch.Generator().manual_seed(seed)
-    weights = [msign(torch.randn(s, generator=generator, dtype=torch.float64)) for s in STIEFEL_SHAPES]
+    weights = [
+        msign(torch.randn(s, generator=generator, dtype=torch.float64)) for s in STIEFEL_SHAPES
+    ]
     momenta = [torch.zeros_like(w) for w in weights]
     owner_state: dict[int, torch.Tensor] = {}  # index -> multiplier, only on the owner
     _, world_size = get_rank_world()

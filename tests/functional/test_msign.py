@@ -21,7 +21,7 @@ def _gaussian(shape, seed, dtype=torch.float64):
 
 
 def _with_spectrum(m: int, n: int, s: torch.Tensor, seed: int) -> torch.Tensor:
-    """An (m, n) matrix with singular values ``s`` (length min(m, n)) and random singular vectors."""
+    """An (m, n) matrix with singular values ``s`` (length min(m, n)), random singular vectors."""
     g = torch.Generator().manual_seed(seed)
     k = min(m, n)
     u = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))[0]
@@ -70,7 +70,9 @@ def test_svd_maps_zero_singular_values_to_zero():
     x = (u * s) @ v.T
     expected = (u * (s > 0).double()) @ v.T
     assert _rel(msign(x, "svd"), expected) <= 1e-14
-    assert torch.equal(msign(torch.zeros(4, 3, dtype=torch.float64), "svd"), torch.zeros(4, 3, dtype=torch.float64))
+    assert torch.equal(
+        msign(torch.zeros(4, 3, dtype=torch.float64), "svd"), torch.zeros(4, 3, dtype=torch.float64)
+    )
     # wide orientation and a batch holding a rank-deficient member
     batch = torch.stack([x.T, _gaussian((5, 9), 3)])
     out = msign(batch, "svd")
@@ -112,7 +114,9 @@ def test_polar_express_schedule_matches_math_md():
     assert POLAR_EXPRESS_COEFFICIENTS[-1] == (1.875, -1.25, 0.375)
     # past the schedule the last triple repeats: 20 steps = 8 steps + 12 convergent quintic steps
     x = _gaussian((12, 5), 6)
-    manual = newton_schulz(x, POLAR_EXPRESS_COEFFICIENTS + ((1.875, -1.25, 0.375),) * 12, 20, normalize_scale=1.01)
+    manual = newton_schulz(
+        x, POLAR_EXPRESS_COEFFICIENTS + ((1.875, -1.25, 0.375),) * 12, 20, normalize_scale=1.01
+    )
     assert torch.allclose(msign(x, "polar-express", steps=20), manual, rtol=0, atol=0)
 
 
@@ -132,7 +136,9 @@ def test_float32_accuracy(method):
 
 
 @pytest.mark.parametrize("method", MSIGN_METHODS)
-@given(seed=st.integers(0, 2**31 - 1), c=st.floats(1e-3, 1e3), m=st.integers(1, 6), n=st.integers(1, 6))
+@given(
+    seed=st.integers(0, 2**31 - 1), c=st.floats(1e-3, 1e3), m=st.integers(1, 6), n=st.integers(1, 6)
+)
 def test_symmetries(method, seed, c, m, n):
     x = _gaussian((m, n), seed)
     y = msign(x, method)
@@ -167,3 +173,17 @@ def test_newton_gradient_finite_at_orthogonal_point():
     q = torch.linalg.qr(_gaussian((6, 3), 12))[0].requires_grad_(True)
     (msign(q, "newton") * _gaussian((6, 3), 13)).sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("method", ["newton", "newton-schulz"])
+def test_iterations_differentiate_without_warnings(method):
+    # the convergence test converts a tensor to a Python float; it must not touch the graph
+    import warnings
+
+    x = _gaussian((6, 3), 14).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (msign(x, method) * _gaussian((6, 3), 15)).sum().backward()
+    ref = x.detach().clone().requires_grad_(True)
+    (msign(ref, "svd") * _gaussian((6, 3), 15)).sum().backward()
+    assert _rel(x.grad, ref.grad) <= 1e-10

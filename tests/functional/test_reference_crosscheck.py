@@ -1,4 +1,4 @@
-"""Cross-checks against independent implementations: geoopt, scipy.linalg, explicit dense formulas."""
+"""Cross-checks against independent implementations: geoopt, scipy.linalg, dense formulas."""
 
 from __future__ import annotations
 
@@ -111,7 +111,11 @@ def test_stiefel_polar_matches_scipy_polar_and_closed_form(seed, method):
     ref = _np_batched(lambda a: scipy.linalg.polar(a)[0], x + v)
     assert _rel(y, ref) <= 1e-13
     # (X+V)(I + V^T V)^{-1/2} for tangent V (MATH.md §2)
-    closed = _np_batched(lambda a, b: a @ scipy.linalg.inv(scipy.linalg.sqrtm(np.eye(b.shape[1]) + b.T @ b)).real, x + v, v)
+    closed = _np_batched(
+        lambda a, b: a @ scipy.linalg.inv(scipy.linalg.sqrtm(np.eye(b.shape[1]) + b.T @ b)).real,
+        x + v,
+        v,
+    )
     assert _rel(y, closed) <= 1e-13
     assert _rel(Stiefel().projx(x + v), ref) <= 1e-13
 
@@ -211,7 +215,9 @@ def test_dgram_metric_projection_is_a_critical_point(seed):
     for iters in (1, 2, 4, 50):
         r = dgram_metric_projection(y, iterations=iters)
         assert dg.check_point_on_manifold(r, atol=0.0, rtol=1e-13)
-        errs.append(float(torch.linalg.vector_norm(dg.proju(r, y - r)) / torch.linalg.vector_norm(y)))
+        errs.append(
+            float(torch.linalg.vector_norm(dg.proju(r, y - r)) / torch.linalg.vector_norm(y))
+        )
     assert errs[-1] <= 1e-12  # converged to rounding
     assert errs[0] > errs[1] > errs[2] > errs[3]  # linear convergence of alternating minimization
     dist_one = float((y - dgram_metric_projection(y, 1)).norm())
@@ -230,7 +236,7 @@ def test_dgram_colnorm_polar_keeps_column_norms(seed):
 
 
 def test_dgram_retractions_reduce_to_stiefel_polar_on_stiefel_points():
-    # with unit columns and a step that keeps them unit-norm to first order the families agree at O(V²)
+    # on unit columns, with a step keeping them unit-norm to first order, all agree to O(V²)
     x, v = _stiefel_case(6, scale=1e-4)
     for retr in (dgram_alternating, dgram_colnorm_polar):
         assert _rel(retr(x, v, "svd"), stiefel_polar(x, v, "svd")) <= 1e-7

@@ -32,7 +32,7 @@ def _chain(manifold, steps: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     x0 = random_point(manifold, shape, generator=g, dtype=torch.float32)
     x = x0
     # ||z|| ≈ 0.05·||x|| per point before projection
-    per_point = float(torch.tensor(shape[-manifold.ndim:]).prod())
+    per_point = float(torch.tensor(shape[-manifold.ndim :]).prod())
     with torch.no_grad():
         for _ in range(steps):
             z = torch.randn(shape, generator=g) * (0.05 * point_norm(manifold, x) / per_point**0.5)
@@ -42,8 +42,13 @@ def _chain(manifold, steps: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize(
     "case,steps",
-    [("sphere-gnomonic", 10_000), ("sphere-cayley", 10_000), ("sphere-exp", 10_000),
-     ("stiefel-polar", 2_000), ("dgram-alternating", 2_000)],
+    [
+        ("sphere-gnomonic", 10_000),
+        ("sphere-cayley", 10_000),
+        ("sphere-exp", 10_000),
+        ("stiefel-polar", 2_000),
+        ("dgram-alternating", 2_000),
+    ],
 )
 def test_chained_float32_retractions_stay_on_manifold(case, steps):
     manifold = CASES[case]

@@ -1,4 +1,4 @@
-"""geoopt interop: ManifoldParameter + RiemannianSGD / RiemannianAdam solve problems with known answers.
+"""geoopt interop: ManifoldParameter + RiemannianSGD / RiemannianAdam on known-answer problems.
 
 Answers come from scipy (eigh, polar, lstsq) or are built into the problem (a DGram target), never
 from manifoldlib itself.
@@ -31,7 +31,9 @@ def _minimize(manifold, x0, loss, optimizer):
         loss(param).backward()
         opt.step()
         schedule.step()
-    ok, reason = manifold.check_point_on_manifold(param.detach(), explain=True, atol=0.0, rtol=1e-12)
+    ok, reason = manifold.check_point_on_manifold(
+        param.detach(), explain=True, atol=0.0, rtol=1e-12
+    )
     assert ok, reason
     return param.detach()
 
@@ -55,7 +57,9 @@ def test_sphere_sgd_finds_leading_eigenvector(eig_problem, retraction):
     r = 2.0
     s = Sphere(r, retraction=retraction)
     x0 = random_point(s, (8,), generator=torch.Generator().manual_seed(1))
-    x = _minimize(s, x0, lambda p: -(p @ a @ p) / r**2, (geoopt.optim.RiemannianSGD, {"lr": 0.5}, 1.0, 300))
+    x = _minimize(
+        s, x0, lambda p: -(p @ a @ p) / r**2, (geoopt.optim.RiemannianSGD, {"lr": 0.5}, 1.0, 300)
+    )
     assert 1 - abs(float(x @ top)) / r <= 1e-12
 
 
@@ -102,7 +106,12 @@ def test_stiefel_square_orthogonal_procrustes_matches_scipy():
     if torch.linalg.det(x0) * torch.linalg.det(answer) < 0:
         x0 = x0 * torch.tensor([-1.0, 1.0, 1.0, 1.0], dtype=x0.dtype)
     scale = float(torch.linalg.matrix_norm(a, ord=2)) ** 2
-    x = _minimize(st, x0, lambda p: ((a @ p - b) ** 2).sum() / scale, (geoopt.optim.RiemannianSGD, {"lr": 0.2}, 1.0, 400))
+    x = _minimize(
+        st,
+        x0,
+        lambda p: ((a @ p - b) ** 2).sum() / scale,
+        (geoopt.optim.RiemannianSGD, {"lr": 0.2}, 1.0, 400),
+    )
     assert float((x - answer).norm()) <= 1e-9
 
 
@@ -126,5 +135,10 @@ def test_euclidean_least_squares_matches_scipy_lstsq(name):
     e = Euclidean(ndim=1)
     # loss Hessian 2 A^T A / ||A||_2^2 has norm 2: SGD is stable below lr = 1
     optimizer = (geoopt.optim.RiemannianSGD, {"lr": 0.45}, 1.0, 300) if name == "sgd" else ADAM
-    x = _minimize(e, torch.zeros(5, dtype=torch.float64), lambda p: ((a @ p - b) ** 2).sum() / scale, optimizer)
+    x = _minimize(
+        e,
+        torch.zeros(5, dtype=torch.float64),
+        lambda p: ((a @ p - b) ** 2).sum() / scale,
+        optimizer,
+    )
     assert float((x - answer).norm()) <= 1e-8 * max(1.0, float(np.linalg.norm(answer.numpy())))

@@ -28,7 +28,9 @@ VECTOR = torch.randn(5, generator=torch.Generator().manual_seed(1), dtype=torch.
     ids=["projx", "proju", "retr", "egrad2rgrad", "random"],
 )
 def test_matrix_manifolds_reject_wide_matrices(cls, label, call):
-    with pytest.raises(ValueError, match=rf"on {label} needs \(\.\.\., m, n\) with m >= n >= 1, got m=3, n=5"):
+    with pytest.raises(
+        ValueError, match=rf"on {label} needs \(\.\.\., m, n\) with m >= n >= 1, got m=3, n=5"
+    ):
         call(cls(), WIDE)
 
 
@@ -69,7 +71,9 @@ def test_p_must_be_positive(p):
 
 @pytest.mark.parametrize("radius", [0.0, -2.0, math.nan, math.inf, "big"])
 def test_radius_must_be_positive_and_finite(radius):
-    with pytest.raises(ValueError, match=rf"radius must be a (finite|positive) number.*got {radius!r}"):
+    with pytest.raises(
+        ValueError, match=rf"radius must be a (finite|positive) number.*got {radius!r}"
+    ):
         Sphere(radius=radius)
     with pytest.raises(ValueError, match="radius"):
         get_manifold("sphere", radius=radius)
@@ -88,7 +92,10 @@ def test_euclidean_ndim_must_be_non_negative_int():
 
 
 def test_unknown_manifold_name_lists_valid():
-    with pytest.raises(ValueError, match="unknown manifold 'poincare'; valid names: dgram, euclidean, sphere, stiefel"):
+    with pytest.raises(
+        ValueError,
+        match="unknown manifold 'poincare'; valid names: dgram, euclidean, sphere, stiefel",
+    ):
         get_manifold("poincare")
     with pytest.raises(ValueError, match="cannot be applied to the instance"):
         get_manifold(Sphere(), radius=2.0)
@@ -96,7 +103,11 @@ def test_unknown_manifold_name_lists_valid():
 
 @pytest.mark.parametrize("method", ["nope", "SVD", "newton_schulz", ""])
 def test_unknown_msign_method_lists_valid(method):
-    with pytest.raises(ValueError, match=rf"unknown msign method {method!r}; valid methods: svd, newton, newton-schulz, jordan5, polar-express"):
+    with pytest.raises(
+        ValueError,
+        match=rf"unknown msign method {method!r}; "
+        r"valid methods: svd, newton, newton-schulz, jordan5, polar-express",
+    ):
         msign(WIDE, method)
 
 

@@ -37,7 +37,9 @@ def test_random_points_are_on_manifold_and_projx_fixes_them(manifold, data):
 def test_projx_lands_on_manifold_and_is_idempotent(manifold, data):
     x = data.draw(mst.points(manifold))
     g = data.draw(mst.seeds())
-    y = manifold.projx(x + 0.3 * torch.randn(x.shape, generator=g, dtype=x.dtype) * _norm(x) / x.numel() ** 0.5)
+    y = manifold.projx(
+        x + 0.3 * torch.randn(x.shape, generator=g, dtype=x.dtype) * _norm(x) / x.numel() ** 0.5
+    )
     ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=1e-12)
     assert ok, reason
     assert _norm(manifold.projx(y) - y) <= 1e-12 * _norm(y)
@@ -77,7 +79,10 @@ def test_inner_is_symmetric_and_keepdim(manifold):
 def test_transport_lands_in_target_tangent_space(manifold):
     g = torch.Generator().manual_seed(1)
     x = random_point(manifold, (3,) + ((5,) if manifold.ndim == 1 else (5, 3)), generator=g)
-    u, w = random_tangent(manifold, x, scale=0.5, generator=g), random_tangent(manifold, x, generator=g)
+    u, w = (
+        random_tangent(manifold, x, scale=0.5, generator=g),
+        random_tangent(manifold, x, generator=g),
+    )
     y, tw = manifold.retr_transp(x, u, w)
     assert torch.equal(y, manifold.retr(x, u))
     ok, reason = manifold.check_vector_on_tangent(y, tw, explain=True, atol=0.0, rtol=1e-12)
@@ -99,7 +104,9 @@ def test_random_respects_generator_dtype_and_shape(manifold, dtype):
 
 @pytest.mark.parametrize("manifold", CURVED, ids=CURVED_IDS)
 def test_check_point_explains_failures(manifold):
-    x = random_point(manifold, (5,) if manifold.ndim == 1 else (5, 3), generator=torch.Generator().manual_seed(5))
+    x = random_point(
+        manifold, (5,) if manifold.ndim == 1 else (5, 3), generator=torch.Generator().manual_seed(5)
+    )
     bad = x * 1.1 if manifold.ndim == 1 else x + 0.1 * torch.ones_like(x)
     ok, reason = manifold.check_point_on_manifold(bad, explain=True)
     assert not ok and isinstance(reason, str) and "exceeds" in reason
@@ -130,6 +137,9 @@ def test_get_manifold_builds_every_family():
     assert isinstance(s, Sphere) and s.radius == 2.0 and s.retraction.options() == {"p": 1.5}
     assert get_manifold(s) is s
     assert isinstance(get_manifold("stiefel", retraction="qr"), Stiefel)
-    assert isinstance(get_manifold("dgram"), DGram) and get_manifold("dgram").retraction.name == "alternating"
+    assert (
+        isinstance(get_manifold("dgram"), DGram)
+        and get_manifold("dgram").retraction.name == "alternating"
+    )
     assert get_manifold("euclidean", ndim=2).ndim == 2
     assert "retraction=" in repr(s) and "radius=2.0" in repr(s)

@@ -122,6 +122,16 @@ def test_hidden_states_stay_on_one_sphere_at_depth_36(retraction, p):
     assert all(torch.isfinite(q.grad).all() for q in model.parameters() if q.grad is not None)
 
 
+@pytest.mark.parametrize("damping, expected", [("sqrt", lambda l: l**-0.5), ("linear", lambda l: 1 / l),
+                                               ("none", lambda l: 1.0)])
+def test_sphere_steps_are_damped_by_sub_layer_index(damping, expected):
+    model = _model(n_layer=3, damping=damping, alpha_init=0.7)
+    for i, block in enumerate(model.blocks):
+        for conn, layer in ((block.conn1, 2 * i + 1), (block.conn2, 2 * i + 2)):
+            assert conn.residual.layer == layer
+            assert conn.residual.step_size().item() == pytest.approx(0.7 * expected(layer), rel=1e-6)
+
+
 def test_unknown_connection_lists_the_valid_ones():
     with pytest.raises(ValueError) as info:
         GPTConfig(connection="pre-rms")
@@ -139,6 +149,7 @@ def test_unknown_connection_lists_the_valid_ones():
         ({"p": 0.0}, r"p must be a number in \(0, inf\]"),
         ({"damping": "cubic"}, "valid dampings"),
         ({"alpha_init": math.nan}, "alpha_init must be a finite number"),
+        ({"bias": 1}, "bias must be True or False"),
     ],
 )
 def test_config_validation(overrides, message):

@@ -50,7 +50,8 @@ def test_aliases_resolve_to_the_same_class():
 
 
 @pytest.mark.parametrize(
-    "family,bad", [("sphere", "gnomonik"), ("stiefel", "gnomonic"), ("dgram", "polar"), ("euclidean", "exp")]
+    "family,bad",
+    [("sphere", "gnomonik"), ("stiefel", "gnomonic"), ("dgram", "polar"), ("euclidean", "exp")],
 )
 def test_unknown_name_lists_valid_names(family, bad):
     with pytest.raises(ValueError) as info:
@@ -69,7 +70,9 @@ def test_unknown_name_through_manifold_constructor():
 
 
 def test_unknown_option_is_a_value_error_naming_it():
-    with pytest.raises(ValueError, match=r"'gnomonic' got unexpected options \['p'\]; accepted options: none"):
+    with pytest.raises(
+        ValueError, match=r"'gnomonic' got unexpected options \['p'\]; accepted options: none"
+    ):
         Sphere(retraction="gnomonic", p=2.0)
     with pytest.raises(ValueError, match="accepted options: p"):
         get_retraction("sphere", "p", q=1.0)
@@ -146,7 +149,13 @@ def test_registration_errors(clean_registry):
 
 
 @pytest.mark.parametrize(
-    "manifold", [Sphere(1.5, retraction="cayley"), Stiefel(retraction="qr"), DGram(retraction="colnorm-polar"), Euclidean(1)]
+    "manifold",
+    [
+        Sphere(1.5, retraction="cayley"),
+        Stiefel(retraction="qr"),
+        DGram(retraction="colnorm-polar"),
+        Euclidean(1),
+    ],
 )
 def test_with_retraction_keeps_geometry(manifold):
     name = available_retractions(manifold.name)[0]

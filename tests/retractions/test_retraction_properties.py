@@ -165,7 +165,7 @@ def test_batched_equals_one_by_one(manifold):
 
 
 def test_order_tolerates_float32_inputs_by_measuring_in_float64():
-    # retraction_order casts x and v to its dtype; a float32 point measured in float64 still shows order 2
+    # retraction_order casts x and v to its dtype: a float32 point measured in float64 shows order 2
     sphere = dict(CASES)["sphere-cayley"]
     x, v = _sample(sphere, 8, dtype=torch.float32)
     x = sphere.projx(x.double())

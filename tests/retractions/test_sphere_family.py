@@ -94,7 +94,9 @@ def test_rotation_never_passes_p_pi_over_2_even_for_huge_steps(p):
         v = random_tangent(s, x, scale=scale, generator=g)
         y = s.retr(x, v)
         angle = s.dist(x, y) / r
-        assert (angle <= p * math.pi / 2 + 1e-7).all()  # acos-free atan2 angle, rounding ~1e-8 near π
+        assert (
+            angle <= p * math.pi / 2 + 1e-7
+        ).all()  # acos-free atan2 angle, rounding ~1e-8 near π
     assert (s.retr(x, v) * x).sum(-1).min() > (-r * r if p >= 2 else 0.0)
 
 
@@ -171,12 +173,16 @@ def test_generic_angle_path_near_zero(scale):
 
 def _sphere_retractions():
     names = [n for n in available_retractions("sphere")]
-    return [(n, n) for n in names] + [("p=1.5", PRetraction(1.5)), ("p=0.3", PRetraction(0.3)),
-                                      ("generic-atan3", _ArctanThree())]
+    return [(n, n) for n in names] + [
+        ("p=1.5", PRetraction(1.5)),
+        ("p=0.3", PRetraction(0.3)),
+        ("generic-atan3", _ArctanThree()),
+    ]
 
 
-@pytest.mark.parametrize("retraction", [r for _, r in _sphere_retractions()],
-                         ids=[i for i, _ in _sphere_retractions()])
+@pytest.mark.parametrize(
+    "retraction", [r for _, r in _sphere_retractions()], ids=[i for i, _ in _sphere_retractions()]
+)
 @pytest.mark.parametrize("at_zero", [True, False], ids=["v=0", "v random"])
 def test_gradcheck(retraction, at_zero):
     s = Sphere(1.3, retraction=retraction)

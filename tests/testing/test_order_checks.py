@@ -74,7 +74,16 @@ class QRClaimingTwo(Retraction):
         (DGram(retraction="colnorm-polar"), 1.0),
         (Sphere(retraction=TangentialKick()), 1.0),
     ],
-    ids=["gnomonic", "exp", "polar", "qr", "st-cayley", "alternating", "colnorm", "tangential-kick"],
+    ids=[
+        "gnomonic",
+        "exp",
+        "polar",
+        "qr",
+        "st-cayley",
+        "alternating",
+        "colnorm",
+        "tangential-kick",
+    ],
 )
 def test_retraction_order_measures_the_exponent(manifold, expected):
     for seed in range(3):
@@ -153,7 +162,9 @@ def test_assert_retraction_catches_wrong_derivative():
 
 
 def test_assert_retraction_catches_overclaimed_order():
-    with pytest.raises(AssertionError, match=r"claims order 2 but the measured order is (0\.9|1\.0)"):
+    with pytest.raises(
+        AssertionError, match=r"claims order 2 but the measured order is (0\.9|1\.0)"
+    ):
         assert_retraction(Stiefel(retraction=QRClaimingTwo()))
     with pytest.raises(AssertionError, match="claims order 2"):
         assert_retraction(Sphere(retraction=TangentialKick()), order=2)

@@ -35,7 +35,9 @@ def test_tangents_are_tangent_with_requested_relative_size(manifold, data):
     x = data.draw(mst.points(manifold, batch=None))
     v = data.draw(mst.tangents(manifold, x, scale=0.25))
     assert v.shape == x.shape and v.dtype == x.dtype
-    assert torch.allclose(point_norm(manifold, v), 0.25 * point_norm(manifold, x), rtol=1e-12, atol=0)
+    assert torch.allclose(
+        point_norm(manifold, v), 0.25 * point_norm(manifold, x), rtol=1e-12, atol=0
+    )
     assert manifold.check_vector_on_tangent(x, v, atol=1e-13, rtol=0.0)
 
 

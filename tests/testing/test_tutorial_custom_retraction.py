@@ -10,12 +10,16 @@ import pytest
 
 from manifoldlib.retractions import base as registry_base
 
-TUTORIAL = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "custom_retraction.rst"
+TUTORIAL = (
+    pathlib.Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "custom_retraction.rst"
+)
 
 
 def _code_blocks(text: str) -> list[str]:
     blocks = []
-    for match in re.finditer(r"^\.\. code-block:: python\n\n((?:(?:    .*)?\n)+)", text, flags=re.M):
+    for match in re.finditer(
+        r"^\.\. code-block:: python\n\n((?:(?:    .*)?\n)+)", text, flags=re.MULTILINE
+    ):
         blocks.append(textwrap.dedent(match.group(1)))
     return blocks
 
@@ -30,7 +34,7 @@ def clean_registry(monkeypatch):
 def test_tutorial_has_the_expected_blocks():
     blocks = _code_blocks(TUTORIAL.read_text())
     assert len(blocks) == 6
-    assert "@register_retraction(\"sphere\", \"my-p3\")" in blocks[0]
+    assert '@register_retraction("sphere", "my-p3")' in blocks[0]
 
 
 def test_tutorial_code_runs_and_its_claims_hold(clean_registry, capsys):
@@ -49,4 +53,3 @@ def test_tutorial_code_runs_and_its_claims_hold(clean_registry, capsys):
 
     assert "my-p3" in available_retractions("sphere")
     assert "polar-ns" in available_retractions("stiefel")
-

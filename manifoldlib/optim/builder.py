@@ -1,0 +1,194 @@
+"""``build_optimizer``: one optimizer object for a whole model, matrices by policy to Manifold Muon.
+
+:class:`CombinedOptimizer` is a :class:`torch.optim.Optimizer` whose ``param_groups`` are the
+union of a :class:`~manifoldlib.optim.ManifoldMuon` and a :class:`torch.optim.AdamW` (the same
+dict objects, so LR schedulers and manual ``group["lr"]`` edits reach the inner optimizers), each
+group tagged with ``"kind"`` (``"muon"`` or ``"adamw"``) and ``"param_names"``. There is one
+``state`` and one ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
+from .policies import Classifier, Policy, get_policy
+
+__all__ = ["CombinedOptimizer", "assign_parameters", "build_optimizer"]
+
+DEFAULT_ADAMW_BETAS = (0.9, 0.95)
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """Parameter id -> (qualified name, owning module), first occurrence (tied weights once)."""
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) not in found:
+                found[id(param)] = (f"{module_name}.{pname}" if module_name else pname, module)
+    return found
+
+
+def assign_parameters(
+    model: nn.Module, policy: "str | Policy" = "hetero", *, classifier: Classifier | None = None
+) -> dict[str, str | None]:
+    """Apply a policy: qualified parameter name -> manifold name, or ``None`` for AdamW.
+
+    Raises:
+        ValueError: unknown policy, a policy returning an unknown manifold, or a non-matrix
+            parameter assigned to Manifold Muon (the message names the parameter and the value).
+    """
+    resolved = get_policy(policy, classifier=classifier)
+    owners = _owners(model)
+    assignment: dict[str, str | None] = {}
+    for name, param in model.named_parameters():
+        qualified, module = owners[id(param)]
+        if not param.requires_grad:
+            continue
+        choice = resolved(qualified, module, param)
+        if choice is not None and choice not in MUON_MANIFOLDS:
+            raise ValueError(
+                f"policy {policy!r} assigned parameter {qualified!r} to unknown manifold {choice!r}; "
+                f"valid: {', '.join(MUON_MANIFOLDS)} or None (AdamW)"
+            )
+        if choice is not None and param.dim() != 2:
+            raise ValueError(
+                f"policy {policy!r} assigned parameter {qualified!r} of shape {tuple(param.shape)} to "
+                f"{choice!r}; Manifold Muon takes 2-D matrices only (return None for AdamW)"
+            )
+        assignment[qualified] = choice
+    return assignment
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers behind one :class:`torch.optim.Optimizer` interface.
+
+    Args:
+        optimizers: ``{kind: optimizer}``; parameter sets must be disjoint.
+
+    ``step(closure)`` evaluates the closure once, then steps every inner optimizer.
+    ``load_state_dict`` re-links the inner optimizers to the loaded groups and state.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        if not optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        self.optimizers = dict(optimizers)
+        groups = []
+        for kind, opt in self.optimizers.items():
+            for group in opt.param_groups:
+                group["kind"] = kind
+                groups.append(group)  # the same dict object: edits reach the inner optimizer
+        super().__init__(groups, {})
+        self._link()
+
+    def _link(self) -> None:
+        shared: defaultdict = defaultdict(dict)
+        for opt in self.optimizers.values():
+            shared.update(opt.state)
+        self.state = shared
+        for kind, opt in self.optimizers.items():
+            opt.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+            opt.state = shared
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step every inner optimizer (the closure runs once)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers.values():
+            opt.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{kind}: {type(opt).__name__}" for kind, opt in self.optimizers.items())
+        return f"CombinedOptimizer({inner}; {len(self.param_groups)} groups)"
+
+
+def build_optimizer(
+    model: nn.Module,
+    policy: "str | Policy" = "hetero",
+    lr: float = 0.02,
+    adamw_lr: float = 3e-3,
+    weight_decay: float = 0.0,
+    adamw_betas: tuple[float, float] = DEFAULT_ADAMW_BETAS,
+    *,
+    adamw_weight_decay: float | None = None,
+    classifier: Classifier | None = None,
+    manifold_options: dict[str, dict[str, Any]] | None = None,
+    **muon_kw: Any,
+) -> CombinedOptimizer:
+    """One optimizer for ``model``: Manifold Muon for the policy's matrices, AdamW for the rest.
+
+    Muon groups: one per manifold in use (``"manifold"`` set). AdamW groups: matrices
+    (embeddings, head) with ``adamw_weight_decay`` and vectors (gains, biases) without decay.
+
+    Args:
+        model: the model; tied parameters are counted once.
+        policy: a registered policy name or a callable ``(name, module, param) -> str | None``.
+        lr: Manifold Muon learning rate.
+        adamw_lr: AdamW learning rate.
+        weight_decay: Manifold Muon weight decay (skipped on Stiefel, see ManifoldMuon).
+        adamw_betas: AdamW betas.
+        adamw_weight_decay: decay of AdamW matrices (default: ``weight_decay``).
+        classifier: ``(name, module) -> "attn" | "mlp" | None`` for a model that does not follow
+            the ``attn`` / ``mlp`` naming rule (built-in policies only).
+        manifold_options: per-manifold ManifoldMuon options, e.g.
+            ``{"dgram": {"retraction": "colnorm-polar"}}``.
+        **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
+            ``msign_method``, ``dual_tol``, ...).
+
+    Returns:
+        A :class:`CombinedOptimizer`.
+    """
+    manifold_options = dict(manifold_options or {})
+    for key in manifold_options:
+        if key not in MUON_MANIFOLDS:
+            raise ValueError(f"manifold_options has unknown manifold {key!r}; valid: {', '.join(MUON_MANIFOLDS)}")
+    if "manifold" in muon_kw:
+        raise ValueError("pass manifolds through the policy, not manifold=...")
+    assignment = assign_parameters(model, policy, classifier=classifier)
+    params = {name: p for name, p in model.named_parameters()}
+    by_manifold: dict[str, list[str]] = {}
+    adamw_decay: list[str] = []
+    adamw_no_decay: list[str] = []
+    for name, choice in assignment.items():
+        if choice is not None:
+            by_manifold.setdefault(choice, []).append(name)
+        elif params[name].dim() >= 2:
+            adamw_decay.append(name)
+        else:
+            adamw_no_decay.append(name)
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    if by_manifold:
+        groups = [
+            {
+                "params": [params[n] for n in names],
+                "param_names": list(names),
+                "manifold": manifold,
+                **manifold_options.get(manifold, {}),
+            }
+            for manifold, names in by_manifold.items()
+        ]
+        optimizers["muon"] = ManifoldMuon(groups, lr=lr, weight_decay=weight_decay, **muon_kw)
+    adamw_groups = [
+        {"params": [params[n] for n in names], "param_names": list(names), "weight_decay": wd}
+        for names, wd in (
+            (adamw_decay, weight_decay if adamw_weight_decay is None else adamw_weight_decay),
+            (adamw_no_decay, 0.0),
+        )
+        if names
+    ]
+    if adamw_groups:
+        optimizers["adamw"] = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=tuple(adamw_betas))
+    return CombinedOptimizer(optimizers)

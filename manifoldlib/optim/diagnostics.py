@@ -1,0 +1,130 @@
+r"""Numbers worth logging while training with Manifold Muon.
+
+- :func:`constraint_residual`: how far a matrix is from its manifold, Stiefel
+  :math:`\|W^\top W - I\|_F`, DGram :math:`\|\operatorname{Off}(W^\top W)\|_F / \|W^\top W\|_F`
+  (tall orientation);
+- :func:`spectral_norm`: :math:`\|W\|_2`;
+- :func:`optimizer_diagnostics`: both per Muon matrix, plus the dual iterations and residual of
+  the last step (recorded in the optimizer state);
+- :func:`max_attention_logit`: :math:`\max |q\cdot k|/\sqrt{d_h}` per attention layer, from
+  ``model.max_attention_logit`` where the model has it (``models.GPT``), else from forward hooks
+  on every ``attn.q`` / ``attn.k`` pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..functional.dgram import off_diagonal
+
+__all__ = ["constraint_residual", "spectral_norm", "optimizer_diagnostics", "max_attention_logit"]
+
+
+def _tall(w: torch.Tensor) -> torch.Tensor:
+    return w.mT if w.size(-2) < w.size(-1) else w
+
+
+@torch.no_grad()
+def constraint_residual(w: torch.Tensor, manifold: str) -> float:
+    """Distance of ``w`` (``(m, n)``, either orientation) from ``manifold``; 0 for Euclidean.
+
+    Raises:
+        ValueError: unknown manifold or a non-matrix ``w``.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"constraint_residual needs a matrix, got shape {tuple(w.shape)}")
+    x = _tall(w).to(torch.float64)
+    if manifold == "euclidean":
+        return 0.0
+    gram = x.mT @ x  # (n, n)
+    if manifold == "stiefel":
+        return float((gram - torch.eye(gram.size(-1), dtype=gram.dtype)).norm())
+    if manifold == "dgram":
+        return float(off_diagonal(gram).norm() / gram.norm())
+    raise ValueError(f"unknown manifold {manifold!r}; valid: euclidean, stiefel, dgram")
+
+
+@torch.no_grad()
+def spectral_norm(w: torch.Tensor) -> float:
+    """Largest singular value of a matrix."""
+    if w.dim() != 2:
+        raise ValueError(f"spectral_norm needs a matrix, got shape {tuple(w.shape)}")
+    return float(torch.linalg.matrix_norm(w.to(torch.float64), ord=2))
+
+
+def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = True) -> dict[str, dict]:
+    """Per Muon matrix: ``manifold``, ``residual``, ``spectral_norm``, ``dual_iterations``, ``dual_residual``.
+
+    Works on a :class:`~manifoldlib.optim.ManifoldMuon` or the combined optimizer of
+    :func:`~manifoldlib.optim.build_optimizer` (keys are the parameter names recorded there, or
+    ``"group{i}.param{j}"``). ``spectral=False`` skips the SVD-based spectral norm.
+    """
+    out: dict[str, dict] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        if "manifold" not in group:
+            continue
+        names = group.get("param_names") or [f"group{gi}.param{j}" for j in range(len(group["params"]))]
+        for name, p in zip(names, group["params"]):
+            state = optimizer.state.get(p, {})
+            row = {
+                "manifold": group["manifold"],
+                "residual": constraint_residual(p.detach(), group["manifold"]),
+                "dual_iterations": int(state.get("dual_iterations", 0)),
+                "dual_residual": float(state.get("dual_residual", 0.0)),
+            }
+            if spectral:
+                row["spectral_norm"] = spectral_norm(p.detach())
+            out[name] = row
+    return out
+
+
+@torch.no_grad()
+def max_attention_logit(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    r"""Per attention layer, :math:`\max |q\cdot k|/\sqrt{d_h}` over batch, heads and causal pairs.
+
+    Uses ``model.max_attention_logit(idx)`` when the model provides it (``models.GPT`` does).
+    Otherwise hooks every module named ``...attn`` that has ``q`` and ``k`` children, runs one
+    forward in eval mode, and splits heads by the module's ``n_head`` attribute (1 if absent).
+
+    Returns:
+        ``(n_attention_layers,)`` tensor.
+    """
+    if hasattr(model, "max_attention_logit") and callable(model.max_attention_logit):
+        return model.max_attention_logit(idx)
+    attn_modules = [
+        m for name, m in model.named_modules()
+        if name.split(".")[-1] == "attn" and hasattr(m, "q") and hasattr(m, "k")
+    ]
+    if not attn_modules:
+        raise ValueError("the model has no 'attn' module with 'q' and 'k' children")
+    captured: dict[int, dict[str, torch.Tensor]] = {}
+    handles = []
+    for i, attn in enumerate(attn_modules):
+        captured[i] = {}
+        for key in ("q", "k"):
+            def hook(_module, _inputs, output, i=i, key=key):
+                captured[i][key] = output.detach()
+            handles.append(getattr(attn, key).register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        model(idx)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    maxima = []
+    for i, attn in enumerate(attn_modules):
+        q, k = captured[i]["q"], captured[i]["k"]  # (B, T, C)
+        n_head = int(getattr(attn, "n_head", 1))
+        b, t, c = q.shape
+        hd = c // n_head
+        qh = q.view(b, t, n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        kh = k.view(b, t, n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        scores = (qh @ kh.transpose(-2, -1)).abs() / math.sqrt(hd)  # (B, nh, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        maxima.append(scores.masked_fill(~causal, 0.0).amax())
+    return torch.stack(maxima)

@@ -1,0 +1,384 @@
+r"""Manifold Muon: Muon's spectral-norm steepest descent, kept on Stiefel or DGram.
+
+One step for a matrix :math:`W` with gradient :math:`G` (all in the tall orientation):
+
+.. math::
+
+    B \leftarrow \mu B + (1-\mu) G,\qquad
+    U = \begin{cases} (1-\mu) G + \mu B & \text{nesterov} \\ B & \text{otherwise}\end{cases},\qquad
+    A = \operatorname*{arg\,max}_{\|A\|_2\le 1,\ A\in T_W} \langle U, A\rangle,\qquad
+    W \leftarrow R_W(-\eta A).
+
+Momentum is accumulated on the Euclidean gradient (exactly as :class:`torch.optim.Muon`); the
+tangent space enters only through the dual solve of :func:`~manifoldlib.optim.steepest_direction`
+at the *current* point, so a buffer built at older points is never transported, it is simply
+re-projected by the solve. The dual multiplier of each matrix is kept in the optimizer state and
+warm-starts the next solve.
+
+With ``manifold="euclidean"`` the step is :class:`torch.optim.Muon`'s, operation for operation
+(bfloat16 Newton–Schulz, the same learning-rate adjustment and decoupled weight decay).
+
+Learning rate for non-square matrices: on Stiefel and DGram ``adjust_lr_fn=None`` means
+``"spectral"`` (no adjustment). The update has spectral norm :math:`\eta` and a Stiefel point has
+spectral norm 1, so :math:`\eta` is already the relative spectral size of the step for every shape
+(this is the scaling the modular-norm analysis prescribes). ``"original"`` and
+``"match_rms_adamw"`` apply Muon's shape factors when asked for. On Euclidean groups ``None`` means
+``"original"``, as in torch.
+
+Weight decay: decoupled, :math:`W \leftarrow (1 - \eta\lambda)W` before the retraction, on DGram
+(it shrinks column norms, the manifold's scale freedom) and Euclidean. Stiefel has no scale
+freedom, so decay there is skipped (with a polar retraction it would only rescale the step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from ..manifolds import get_manifold
+from ..retractions.base import available_retractions
+from .steepest import gram_msign_factor, steepest_direction
+
+__all__ = [
+    "ManifoldMuon",
+    "manifold_muon",
+    "MUON_MANIFOLDS",
+    "ADJUST_LR_FNS",
+    "DEFAULT_RETRACTIONS",
+]
+
+# Defaults follow torch.optim.Muon (Keller Jordan's constants).
+EPS = 1e-7
+DEFAULT_A = 3.4445
+DEFAULT_B = -4.7750
+DEFAULT_C = 2.0315
+DEFAULT_NS_STEPS = 5
+DEFAULT_LR = 1e-3
+DEFAULT_WEIGHT_DECAY = 0.1
+DEFAULT_MOMENTUM = 0.95
+DEFAULT_DUAL_TOL = 1e-3
+DEFAULT_DUAL_MAX_ITER = 30
+
+#: Manifold names a ManifoldMuon group may use.
+MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram")
+#: Learning-rate adjustments (None picks "original" on Euclidean groups, "spectral" otherwise).
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
+#: Default retraction and its options per manifold: convergent Newton–Schulz polar factors,
+#: exact to float tolerance, cheap because the singular values start near their targets.
+DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "stiefel": ("polar", {"method": "newton-schulz"}),
+    "dgram": ("alternating", {"method": "newton-schulz"}),
+    "euclidean": ("add", {}),
+}
+#: Dual-solve msign methods; "ns" is the group's own Newton–Schulz (ns_coefficients, ns_steps).
+DUAL_MSIGN_METHODS = ("ns", "jordan5", "polar-express", "newton-schulz", "svd")
+
+
+def _zeropower_bf16(grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> Tensor:
+    """Muon's bfloat16 Newton–Schulz, step for step as :class:`torch.optim.Muon` runs it."""
+    a, b, c = ns_coefficients
+    x = grad.bfloat16()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x.div(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T  # (k, k), k = min(m, n)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, manifold: str, shape: torch.Size) -> float:
+    rows, cols = shape[0], shape[1]
+    fn = adjust_lr_fn if adjust_lr_fn is not None else ("original" if manifold == "euclidean" else "spectral")
+    if fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def _validate_group_options(group: MutableMapping) -> None:
+    """Raise ``ValueError`` naming the option and the accepted values."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"lr must be >= 0, got {float(lr)}")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+    if not group["eps"] > 0.0:
+        raise ValueError(f"eps must be > 0, got {group['eps']}")
+    steps = group["ns_steps"]
+    if not (isinstance(steps, int) and 0 <= steps < 100):
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
+    coeffs = group["ns_coefficients"]
+    if len(tuple(coeffs)) != 3:
+        raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {coeffs!r}")
+    fn = group["adjust_lr_fn"]
+    if fn is not None and fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be None or one of {', '.join(ADJUST_LR_FNS)}, got {fn!r}")
+    manifold = group["manifold"]
+    if manifold not in MUON_MANIFOLDS:
+        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(MUON_MANIFOLDS)}")
+    retraction = group["retraction"]
+    if retraction is not None and retraction not in available_retractions(manifold):
+        raise ValueError(
+            f"unknown {manifold} retraction {retraction!r}; valid: {', '.join(available_retractions(manifold))}"
+        )
+    method = group["msign_method"]
+    if method not in DUAL_MSIGN_METHODS:
+        raise ValueError(f"msign_method must be one of {', '.join(DUAL_MSIGN_METHODS)}, got {method!r}")
+    if not (isinstance(group["dual_tol"], (int, float)) and group["dual_tol"] > 0):
+        raise ValueError(f"dual_tol must be > 0, got {group['dual_tol']!r}")
+    cap = group["dual_max_iter"]
+    if not (isinstance(cap, int) and cap >= 0):
+        raise ValueError(f"dual_max_iter must be an int >= 0, got {cap!r}")
+
+
+def _group_manifold(group: MutableMapping):
+    """The manifold object of a group, built from its plain-data options."""
+    name = group["manifold"]
+    default_name, default_opts = DEFAULT_RETRACTIONS[name]
+    retraction = group["retraction"] or default_name
+    options = dict(group.get("retraction_options") or {})
+    if group["retraction"] is None:
+        options = {**default_opts, **options}
+    return get_manifold(name, retraction=retraction, **options)
+
+
+def _tall(t: Tensor) -> Tensor:
+    return t.mT if t.size(-2) < t.size(-1) else t
+
+
+def manifold_muon(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_bufs: list[Tensor],
+    states: list[dict],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    manifold: str,
+    manifold_obj,
+    msign_method: str,
+    dual_tol: float,
+    dual_max_iter: int,
+    warm_start: bool,
+) -> None:
+    r"""Functional core of :class:`ManifoldMuon`: one step for a list of matrices of one group.
+
+    ``states[i]`` is the optimizer state of ``params[i]``; the dual multiplier (``"multiplier"``),
+    the dual iterations (``"dual_iterations"``) and residual (``"dual_residual"``) of this step are
+    written there.
+    """
+    lr = float(lr)
+    for param, grad, buf, state in zip(params, grads, momentum_bufs, states):
+        if grad.ndim != 2:
+            raise ValueError(f"ManifoldMuon needs 2-D gradients, got shape {tuple(grad.shape)}")
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if nesterov else buf
+        adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold, param.shape)
+        if manifold == "euclidean":
+            direction = _zeropower_bf16(update, ns_coefficients, ns_steps, eps)
+            param.mul_(1 - lr * weight_decay)
+            param.add_(direction, alpha=-adjusted)
+            state["dual_iterations"] = 0
+            state["dual_residual"] = 0.0
+            continue
+        method = "jordan5" if msign_method == "ns" else msign_method
+        coefficients = tuple(ns_coefficients) if msign_method == "ns" else None
+        steps = ns_steps if msign_method in ("ns", "jordan5") else None
+        w = _tall(param)
+        a, info = steepest_direction(
+            w,
+            _tall(update),
+            manifold,
+            tol=dual_tol,
+            max_iter=dual_max_iter,
+            msign_method=method,
+            ns_steps=steps,
+            ns_coefficients=coefficients,
+            eps=eps,
+            multiplier=state.get("multiplier") if warm_start else None,
+            return_info=True,
+        )
+        state["multiplier"] = info.multiplier
+        state["dual_iterations"] = int(info.iterations)
+        state["dual_residual"] = float(info.residual)
+        base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
+        new = manifold_obj.retr(base, a.to(w.dtype).mul(-adjusted))
+        w.copy_(new)  # writes through the transposed view of a wide parameter
+
+
+class ManifoldMuon(Optimizer):
+    r"""Muon on Stiefel, DGram or Euclidean space, per parameter group.
+
+    Args:
+        params: parameters or parameter groups (2-D matrices only).
+        lr: learning rate :math:`\eta` (default ``1e-3``, as torch.optim.Muon).
+        weight_decay: decoupled weight decay :math:`\lambda` (default ``0.1``; skipped on Stiefel).
+        momentum: momentum factor :math:`\mu \in [0, 1)` (default ``0.95``).
+        nesterov: Nesterov momentum (default ``True``).
+        ns_coefficients: Newton–Schulz ``(a, b, c)`` (default Muon's quintic).
+        eps: added to the Newton–Schulz normalizing norm (default ``1e-7``).
+        ns_steps: Newton–Schulz steps (default 5).
+        adjust_lr_fn: ``None``, ``"original"``, ``"match_rms_adamw"`` or ``"spectral"`` (see the
+            module docstring; ``None`` is ``"original"`` on Euclidean groups, ``"spectral"`` else).
+        manifold: ``"euclidean"`` (default), ``"stiefel"`` or ``"dgram"``.
+        retraction: a registered retraction name of that manifold; ``None`` picks
+            :data:`DEFAULT_RETRACTIONS` (polar / alternating with convergent Newton–Schulz).
+        retraction_options: plain-data options of the retraction (e.g. ``{"method": "svd"}``).
+        msign_method: msign inside the dual solve: ``"ns"`` (the group's Newton–Schulz:
+            ``ns_coefficients`` and ``ns_steps``), ``"jordan5"``, ``"polar-express"``,
+            ``"newton-schulz"`` or ``"svd"`` (exact, slow). Default ``"polar-express"``.
+        dual_tol: relative tangent residual at which the dual solve stops (default ``1e-3``).
+        dual_max_iter: cap on dual iterations per step (default 30).
+        warm_start: start each dual solve from the previous step's multiplier (default ``True``).
+        project_init: project every parameter onto its group's manifold now (default ``True``).
+
+    Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
+    ``torch.load(weights_only=True)``. Wide matrices are handled in their tall orientation: a
+    ``(256, 1024)`` weight on Stiefel has orthonormal *rows*.
+
+    Example:
+        >>> opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}], lr=0.02)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = DEFAULT_LR,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
+        momentum: float = DEFAULT_MOMENTUM,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        manifold: str = "euclidean",
+        retraction: str | None = None,
+        retraction_options: dict | None = None,
+        msign_method: str = "polar-express",
+        dual_tol: float = DEFAULT_DUAL_TOL,
+        dual_max_iter: int = DEFAULT_DUAL_MAX_ITER,
+        warm_start: bool = True,
+        project_init: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "manifold": manifold,
+            "retraction": retraction,
+            "retraction_options": dict(retraction_options or {}),
+            "msign_method": msign_method,
+            "dual_tol": dual_tol,
+            "dual_max_iter": dual_max_iter,
+            "warm_start": warm_start,
+        }
+        _validate_group_options(defaults)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _validate_group_options(group)
+            _group_manifold(group)  # fails early on bad retraction options
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"ManifoldMuon only takes 2-D matrices; a parameter of shape {tuple(p.shape)} "
+                        f"is in a group with manifold {group['manifold']!r}"
+                    )
+                if torch.is_complex(p):
+                    raise ValueError("ManifoldMuon does not support complex parameters")
+        if project_init:
+            self.project_parameters()
+
+    @torch.no_grad()
+    def project_parameters(self) -> None:
+        """Move every parameter onto its group's manifold (no-op on Euclidean groups)."""
+        for group in self.param_groups:
+            if group["manifold"] == "euclidean":
+                continue
+            manifold = _group_manifold(group)
+            for p in group["params"]:
+                w = _tall(p)
+                work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
+                w.copy_(manifold.projx(work))
+
+    def _init_group(
+        self,
+        group: MutableMapping,
+        params_with_grad: list[Tensor],
+        grads: list[Tensor],
+        momentum_bufs: list[Tensor],
+        states: list[dict],
+    ) -> None:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("ManifoldMuon does not support sparse gradients")
+            params_with_grad.append(p)
+            grads.append(p.grad)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            momentum_bufs.append(state["momentum_buffer"])
+            states.append(state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the loss (optional)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params_with_grad: list[Tensor] = []
+            grads: list[Tensor] = []
+            momentum_bufs: list[Tensor] = []
+            states: list[dict] = []
+            self._init_group(group, params_with_grad, grads, momentum_bufs, states)
+            if not params_with_grad:
+                continue
+            manifold_muon(
+                params_with_grad,
+                grads,
+                momentum_bufs,
+                states,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_coefficients=tuple(group["ns_coefficients"]),
+                ns_steps=group["ns_steps"],
+                eps=group["eps"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                manifold=group["manifold"],
+                manifold_obj=_group_manifold(group),
+                msign_method=group["msign_method"],
+                dual_tol=group["dual_tol"],
+                dual_max_iter=group["dual_max_iter"],
+                warm_start=group["warm_start"],
+            )
+        return loss

@@ -1,0 +1,166 @@
+"""Per-module manifold assignment policies: which matrix is optimized on which manifold.
+
+A *policy* is a callable ``policy(name, module, param) -> str | None`` called once per parameter
+with its qualified name (``"blocks.0.attn.q.weight"``), the module that owns it and the tensor.
+It returns a manifold name for :class:`~manifoldlib.optim.ManifoldMuon` (``"euclidean"``,
+``"stiefel"``, ``"dgram"``) or ``None`` for AdamW.
+
+Built-in policies (the study of the layer-wise manifolds seed):
+
+=============== =========================== =========================== =====================
+name            attention matrices          MLP matrices                other hidden matrices
+=============== =========================== =========================== =====================
+unconstrained   euclidean                   euclidean                   euclidean
+all-stiefel     stiefel                     stiefel                     stiefel
+all-dgram       dgram                       dgram                       dgram
+hetero          stiefel                     dgram                       euclidean
+hetero-inv      dgram                       stiefel                     euclidean
+=============== =========================== =========================== =====================
+
+Embeddings, the output head, gains, biases and every non-matrix go to AdamW under every
+built-in policy. Attention and MLP are recognized by the naming rule of :mod:`models.gpt`: a
+path component ``attn`` or ``mlp`` in the qualified name. A model that names its blocks
+differently passes a *classifier* ``classifier(name, module) -> "attn" | "mlp" | None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Policy",
+    "Classifier",
+    "RolePolicy",
+    "HEAD_NAMES",
+    "available_policies",
+    "get_policy",
+    "register_policy",
+    "default_classifier",
+    "is_hidden_matrix",
+]
+
+Policy = Callable[[str, nn.Module, torch.Tensor], Optional[str]]
+Classifier = Callable[[str, nn.Module], Optional[str]]
+
+#: Module names treated as the output head (never a hidden matrix).
+HEAD_NAMES = ("lm_head", "head")
+
+_POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str) -> Callable[[Policy], Policy]:
+    """Decorator registering ``policy(name, module, param) -> str | None`` under ``name``.
+
+    Registering an existing name replaces it (a notebook cell can be re-run).
+
+    Example:
+        >>> @register_policy("attn-only")  # doctest: +SKIP
+        ... def attn_only(name, module, param):
+        ...     return "stiefel" if ".attn." in name and param.dim() == 2 else None
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a policy name must be a non-empty string, got {name!r}")
+
+    def decorator(policy: Policy) -> Policy:
+        if not callable(policy):
+            raise ValueError(f"register_policy decorates a callable, got {policy!r}")
+        _POLICIES[name] = policy
+        return policy
+
+    return decorator
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_POLICIES)
+
+
+def get_policy(policy: "str | Policy", *, classifier: Classifier | None = None) -> Policy:
+    """Resolve a registered name (or pass a callable through); bind ``classifier`` to a built-in.
+
+    Raises:
+        ValueError: unknown name (the valid ones are listed), or a ``classifier`` given for a
+            policy that cannot take one (a plain function).
+    """
+    if isinstance(policy, str):
+        found = _POLICIES.get(policy)
+        if found is None:
+            raise ValueError(f"unknown policy {policy!r}; valid policies: {', '.join(available_policies())}")
+        policy = found
+    elif not callable(policy):
+        raise ValueError(f"policy must be a registered name or a callable, got {policy!r}")
+    if classifier is not None:
+        if not isinstance(policy, RolePolicy):
+            raise ValueError(
+                f"policy {policy!r} does not take a classifier; only role policies "
+                f"({', '.join(n for n, p in _POLICIES.items() if isinstance(p, RolePolicy))}) do"
+            )
+        policy = policy.with_classifier(classifier)
+    return policy
+
+
+def default_classifier(name: str, module: nn.Module) -> str | None:
+    """``"attn"`` / ``"mlp"`` when the qualified name has such a path component, else ``None``."""
+    parts = name.split(".")
+    if "attn" in parts:
+        return "attn"
+    if "mlp" in parts:
+        return "mlp"
+    return None
+
+
+def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
+    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector."""
+    if param.dim() != 2 or isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    parts = name.split(".")
+    owner = parts[-2] if len(parts) >= 2 else ""
+    return owner not in HEAD_NAMES
+
+
+class RolePolicy:
+    """Assign a manifold by role: attention, MLP, or another hidden matrix.
+
+    Args:
+        attn: manifold (or ``None``) for attention matrices.
+        mlp: manifold (or ``None``) for MLP matrices.
+        other: manifold (or ``None``) for hidden matrices that are neither.
+        classifier: ``classifier(name, module) -> "attn" | "mlp" | None``
+            (default :func:`default_classifier`).
+    """
+
+    def __init__(self, attn: str | None, mlp: str | None, other: str | None, classifier: Classifier | None = None):
+        self.attn, self.mlp, self.other = attn, mlp, other
+        self.classifier = default_classifier if classifier is None else classifier
+
+    def with_classifier(self, classifier: Classifier) -> "RolePolicy":
+        """The same assignment with another classifier."""
+        if not callable(classifier):
+            raise ValueError(f"classifier must be callable, got {classifier!r}")
+        return RolePolicy(self.attn, self.mlp, self.other, classifier)
+
+    def __call__(self, name: str, module: nn.Module, param: torch.Tensor) -> str | None:
+        if not is_hidden_matrix(name, module, param):
+            return None
+        role = self.classifier(name, module)
+        if role == "attn":
+            return self.attn
+        if role == "mlp":
+            return self.mlp
+        if role is not None:
+            raise ValueError(f"classifier returned {role!r} for parameter {name!r}; expected 'attn', 'mlp' or None")
+        return self.other
+
+    def __repr__(self) -> str:
+        return f"RolePolicy(attn={self.attn!r}, mlp={self.mlp!r}, other={self.other!r})"
+
+
+register_policy("unconstrained")(RolePolicy("euclidean", "euclidean", "euclidean"))
+register_policy("all-stiefel")(RolePolicy("stiefel", "stiefel", "stiefel"))
+register_policy("all-dgram")(RolePolicy("dgram", "dgram", "dgram"))
+register_policy("hetero")(RolePolicy("stiefel", "dgram", "euclidean"))
+register_policy("hetero-inv")(RolePolicy("dgram", "stiefel", "euclidean"))
