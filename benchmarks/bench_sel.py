@@ -9,9 +9,10 @@ machine load hits all of them alike:
 * ``sel-compile`` (with ``--compile``) — SEL with ``impl="compile"`` (:func:`torch.compile`).
 
 A training step is forward + backward + AdamW step on one batch of ``batch x block`` tokens; an
-inference step is a ``torch.no_grad`` forward in eval mode. Each round times every variant back to back;
-the script prints, per variant, the median over rounds of its time divided by ``plain``'s time in
-the same round (wall clock and process CPU time), with the interquartile range.
+inference step is a ``torch.no_grad`` forward in eval mode. Each round times every variant back
+to back; the script prints, per variant, the median over rounds of its time divided by
+``plain``'s time in the same round (wall clock and process CPU time), with the interquartile
+range.
 
 Usage::
 
@@ -45,8 +46,12 @@ def in_blocks(name: str, module: nn.Module) -> bool:
 def build(args) -> dict[str, nn.Module]:
     torch.manual_seed(0)
     cfg = GPTConfig(
-        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=256,
-        block_size=args.block, connection="pre-ln",
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        vocab_size=256,
+        block_size=args.block,
+        connection="pre-ln",
     )
     plain = GPT(cfg).to(args.device)
     sel = copy.deepcopy(plain)
@@ -119,7 +124,9 @@ def main() -> None:
     idx, targets = data[:, :-1], data[:, 1:]
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     kinds = {
-        "train step (fwd+bwd+AdamW)": {k: train_step(m, opts[k], idx, targets) for k, m in models.items()},
+        "train step (fwd+bwd+AdamW)": {
+            k: train_step(m, opts[k], idx, targets) for k, m in models.items()
+        },
         "inference forward (eval, no_grad)": {k: infer_step(m, idx) for k, m in models.items()},
     }
     for k in models:  # warm-up: allocator, kernels, AdamW state, torch.compile
@@ -130,7 +137,8 @@ def main() -> None:
     n_chart = sum(p.numel() for n, p in models["sel"].named_parameters() if ".original" in n)
     print(
         f"GPT d={args.n_embd} layers={args.n_layer} tokens/step={args.batch * args.block} "
-        f"charted weights={n_chart / 1e6:.2f}M device={args.device} threads={torch.get_num_threads()} "
+        f"charted weights={n_chart / 1e6:.2f}M device={args.device} "
+        f"threads={torch.get_num_threads()} "
         f"rounds={args.repeats} x {args.steps} steps"
     )
     # Each round times every variant back to back (in rotating order), and ratios are taken
@@ -143,7 +151,7 @@ def main() -> None:
         anchor_ms = []
         names = list(models)
         for r in range(args.repeats):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             times = {k: timed(steps[k], args.steps, args.device) for k in order}
             anchor_ms.append(times["plain"][0] * 1e3)
             for k in names:

@@ -319,6 +319,29 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, checked: every saved per-parameter state must arrive.
+
+    Works around ``CombinedOptimizer.load_state_dict`` (``manifoldlib.optim``) dropping the
+    loaded per-parameter state when it re-links its inner optimizers: their ``state`` is pointed
+    at the loaded one before re-linking.
+    """
+    optimizer.load_state_dict(state)
+    if len(optimizer.state_dict()["state"]) == len(state["state"]):
+        return
+    inner = getattr(optimizer, "optimizers", None)
+    if inner is None or not hasattr(optimizer, "_link"):
+        raise RunError("the optimizer lost its state while loading the checkpoint; "
+                       "cannot resume exactly")
+    torch.optim.Optimizer.load_state_dict(optimizer, state)
+    for opt in inner.values():
+        opt.state = optimizer.state
+    optimizer._link()
+    if len(optimizer.state_dict()["state"]) != len(state["state"]):
+        raise RunError("the optimizer lost its state while loading the checkpoint; "
+                       "cannot resume exactly")
+
+
 def save_checkpoint(path: Path, state: dict, previous_step: int) -> None:
     """Write ``state`` atomically; never replace a checkpoint of a later step.
 
@@ -452,7 +475,7 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
     metrics_path = out / "metrics.jsonl"
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"])
         sampler.load_state_dict(ckpt["sampler"])
         set_rng_state(ckpt["rng"])
         start_step, tokens = ckpt["step"], ckpt["tokens"]

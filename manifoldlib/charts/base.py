@@ -77,7 +77,8 @@ def assert_chart_compatible(param_or_kind: Any, name: str = "parameter") -> None
         if kind is None or (isinstance(kind, str) and kind.lower() in _COMPATIBLE_KINDS[1:]):
             return
     raise ValueError(
-        f"{name}: manifold={kind!r} cannot be combined with a chart. Raw chart (e.g. SEL) coordinates "
+        f"{name}: manifold={kind!r} cannot be combined with a chart. Raw chart (e.g. SEL) "
+        f"coordinates "
         f"are not points of a matrix manifold, so a constrained optimizer on them has no meaning; "
         f"expected one of None, 'adamw', 'euclidean' (route charted parameters to AdamW)"
     )
@@ -113,7 +114,7 @@ def apply_chart(
     include: Callable[[str, nn.Module], bool] | None = None,
     tensor_name: str = "weight",
 ) -> list[str]:
-    """Install a chart on every selected tensor; pretrained values are converted by ``right_inverse``.
+    """Install a chart on every selected tensor; ``right_inverse`` converts the current values.
 
     Args:
         model: the model, modified in place.
@@ -143,7 +144,9 @@ def apply_chart(
             continue
         qname = _qualified(mname, tensor_name)
         if _has_chart(module, tensor_name):
-            raise ValueError(f"{qname} already carries a chart; merge_charts(model) before charting again")
+            raise ValueError(
+                f"{qname} already carries a chart; merge_charts(model) before charting again"
+            )
         param = module._parameters.get(tensor_name)
         if param is None:
             continue
@@ -160,7 +163,9 @@ def apply_chart(
         weight = getattr(module, tensor_name).detach()
         built = chart(weight)
         if not isinstance(built, Chart):
-            raise ValueError(f"chart builder must return a Chart, got {type(built).__name__} for {qname}")
+            raise ValueError(
+                f"chart builder must return a Chart, got {type(built).__name__} for {qname}"
+            )
         _own_parametrized_class(module)
         parametrize.register_parametrization(module, tensor_name, built)
         names.append(qname)

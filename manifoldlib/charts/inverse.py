@@ -97,7 +97,9 @@ def solve_expm1_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
         tol = 4.0 * torch.finfo(y.dtype).eps if tol is None else tol
         inf = torch.full_like(y, math.inf)
         x_lin = torch.where(c > 0, y / torch.where(c > 0, c, torch.ones_like(c)), inf)
-        x_exp = torch.where(a > 0, torch.log1p(y / torch.where(a > 0, a, torch.ones_like(a))) / b, inf)
+        x_exp = torch.where(
+            a > 0, torch.log1p(y / torch.where(a > 0, a, torch.ones_like(a))) / b, inf
+        )
         x0 = torch.minimum(x_lin, x_exp)
 
         def value_and_slope(x):
@@ -153,4 +155,6 @@ def solve_expm1_minus_linear(y, a, b, c, *, tol: float | None = None) -> torch.T
             return a_safe * torch.expm1(bt) - c * t, a_safe * b * torch.exp(bt) - c
 
         t = _newton_from_right(t0, y, value_and_slope, tol)
-        return torch.where(ok | (y == 0), torch.where(ok, t, torch.zeros_like(t)), torch.full_like(t, math.nan))
+        return torch.where(
+            ok | (y == 0), torch.where(ok, t, torch.zeros_like(t)), torch.full_like(t, math.nan)
+        )

@@ -96,7 +96,9 @@ def sel_forward_rule(
     max_exponent: float,
     impl: str = "fused",
 ) -> torch.Tensor:
-    r""":math:`s\,a\,\operatorname{expm1}(\min(b|w|, M)) + c|w|` for rank-1 scales, differentiable in all inputs.
+    r""":math:`s\,a\,\operatorname{expm1}(\min(b|w|, M)) + c|w|` for rank-1 scales.
+
+    Differentiable in ``raw`` and in every factor.
 
     Args:
         raw: ``(out, in)`` raw coordinates :math:`w`.

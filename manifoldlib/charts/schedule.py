@@ -42,7 +42,7 @@ def sel_param_groups(
     role in :data:`SEL_ROLES` at ``scale_lr`` without decay (``delta`` at ``lr``).
 
     Args:
-        model: a model, possibly with SEL charts installed by :func:`~manifoldlib.charts.apply_chart`.
+        model: a model, possibly with SEL charts (:func:`~manifoldlib.charts.apply_chart`).
         lr: learning rate for weights (and the low-rank residual).
         scale_lr: learning rate for the SEL scales (default ``lr``).
         weight_decay: decoupled weight decay for the ``"weight"`` group.
@@ -116,17 +116,24 @@ class SELLRMultiplier:
         return mult * (1.0 if self.base is None else float(self.base(step)))
 
 
-def sel_lr_lambdas(optimizer: torch.optim.Optimizer, anneal_steps: int, **kwargs) -> list[SELLRMultiplier]:
+def sel_lr_lambdas(
+    optimizer: torch.optim.Optimizer, anneal_steps: int, **kwargs
+) -> list[SELLRMultiplier]:
     """One :class:`SELLRMultiplier` per param group, read from each group's ``"sel_role"``.
 
     Groups without a role (built by hand) get the constant multiplier (times ``base``).
     ``kwargs`` go to :class:`SELLRMultiplier`.
     """
-    return [SELLRMultiplier(g.get("sel_role", "weight"), anneal_steps, **kwargs) for g in optimizer.param_groups]
+    return [
+        SELLRMultiplier(g.get("sel_role", "weight"), anneal_steps, **kwargs)
+        for g in optimizer.param_groups
+    ]
 
 
 def sel_lr_scheduler(
     optimizer: torch.optim.Optimizer, anneal_steps: int, **kwargs
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """:class:`~torch.optim.lr_scheduler.LambdaLR` with :func:`sel_lr_lambdas`; call ``.step()`` per step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, sel_lr_lambdas(optimizer, anneal_steps, **kwargs))
+    """:class:`~torch.optim.lr_scheduler.LambdaLR` built from :func:`sel_lr_lambdas`."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, sel_lr_lambdas(optimizer, anneal_steps, **kwargs)
+    )

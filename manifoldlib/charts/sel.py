@@ -25,7 +25,8 @@ the chart holds a row vector ``(out, 1)`` and a column vector ``(1, in)`` of log
 :math:`e^{-n}` is again a positive rank-1 factor. That is :math:`4(\text{out} + \text{in})` scale
 parameters (:math:`3(\text{out}+\text{in})` with ``linear=False``); for a 1-D tensor each scale is
 one scalar. :math:`\beta` is a fixed buffer, set from the width:
-:math:`\beta = \kappa\sqrt{\text{fan\_in}}/(\text{gain}\cdot m_0)` so that :math:`b\sigma_0 = \kappa`
+:math:`\beta = \kappa\sqrt{\text{fan\_in}}/(\text{gain}\cdot m_0)` so that
+:math:`b\sigma_0 = \kappa`
 at the typical initial magnitude :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}`, and
 :math:`a = s_0 / b` keeps the slope :math:`E'(0) = s_0` fixed across widths.
 """
@@ -75,8 +76,8 @@ class SEL(Chart):
         slope: :math:`s_0 = E'(0) = ab` at initialization (> 0); default 0.75. Mutually exclusive
             with ``scale_init["e_w"]``.
         scale_init: initial values of ``"e_w"``, ``"l_w"`` (default 0.25), ``"m"`` (default 1) and
-            ``"n"`` (default 0); ``e_w`` is derived from ``slope`` unless given. ``e_w, l_w, m`` must
-            be > 0, ``n`` finite.
+            ``"n"`` (default 0); ``e_w`` is derived from ``slope`` unless given. ``e_w, l_w, m``
+            must be > 0, ``n`` finite.
         fan_in: overrides the fan-in (default: ``weight.shape[1]``, or ``numel`` for 1-D).
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
             gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32).
@@ -140,7 +141,9 @@ class SEL(Chart):
             raise ValueError("weight must be finite, got NaN or inf entries")
         finfo = torch.finfo(weight.dtype)
         self.max_exponent = (
-            0.5 * math.log(finfo.max) if max_exponent is None else _positive("max_exponent", max_exponent)
+            0.5 * math.log(finfo.max)
+            if max_exponent is None
+            else _positive("max_exponent", max_exponent)
         )
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
@@ -156,7 +159,9 @@ class SEL(Chart):
         else:
             s0 = _positive("slope", DEFAULT_SLOPE if slope is None else slope)
             e_w0 = s0 / b0 * math.exp(n0)  # a = e_w e^{-n} = s0 / b
-        self.register_buffer("beta", torch.tensor(b0 / m0, dtype=weight.dtype, device=weight.device))
+        self.register_buffer(
+            "beta", torch.tensor(b0 / m0, dtype=weight.dtype, device=weight.device)
+        )
 
         factory = {"dtype": weight.dtype, "device": weight.device}
         row_shape = (weight.shape[0], 1) if weight.dim() == 2 else (1,)
@@ -165,12 +170,18 @@ class SEL(Chart):
         if self.linear:
             init_values["log_l_w"] = math.log(values["l_w"])
         for pname, value in init_values.items():
-            self.register_parameter(f"{pname}_row", nn.Parameter(torch.full(row_shape, value, **factory)))
+            self.register_parameter(
+                f"{pname}_row", nn.Parameter(torch.full(row_shape, value, **factory))
+            )
             if col_shape is not None:
-                self.register_parameter(f"{pname}_col", nn.Parameter(torch.zeros(col_shape, **factory)))
+                self.register_parameter(
+                    f"{pname}_col", nn.Parameter(torch.zeros(col_shape, **factory))
+                )
         if rank > 0:
             out_features, in_features = weight.shape
-            self.delta_a = nn.Parameter(torch.randn(rank, in_features, **factory) / math.sqrt(in_features))
+            self.delta_a = nn.Parameter(
+                torch.randn(rank, in_features, **factory) / math.sqrt(in_features)
+            )
             self.delta_b = nn.Parameter(torch.zeros(out_features, rank, **factory))
 
     # -- scales -----------------------------------------------------------------------------------
@@ -188,7 +199,7 @@ class SEL(Chart):
         return row, col
 
     def factors(self):
-        """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b` and :math:`l_w`.
+        """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b`, :math:`l_w`.
 
         The :math:`l_w` entry is None without the linear path.
         """
@@ -198,7 +209,7 @@ class SEL(Chart):
         return a, b, c
 
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        r"""Full :math:`(a, b, l_w)`, each the shape of the weight (:math:`l_w` None without the linear path).
+        r"""Full :math:`(a, b, l_w)` in the weight's shape (:math:`l_w` None without linear path).
 
         :math:`a = e_w e^{-n}` and :math:`b = \beta m`, each the exponential of a rank-1 sum.
         """
@@ -228,7 +239,7 @@ class SEL(Chart):
 
     # -- chart ------------------------------------------------------------------------------------
     def forward(self, raw: torch.Tensor) -> torch.Tensor:
-        r""":math:`w_\text{eff} = \operatorname{sign}(w) E(|w|) + l_w |w| + \Delta` (shape of ``raw``).
+        r""":math:`w_\text{eff} = \operatorname{sign}(w) E(|w|) + l_w |w| + \Delta`, like ``raw``.
 
         ``sign(0)`` is taken as +1 and :math:`|w|` as :math:`w\,\operatorname{sign}(w)` with the
         sign held constant, so the gradient at :math:`w = 0` is the one-sided slope

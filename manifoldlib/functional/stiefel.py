@@ -12,6 +12,8 @@ Tangent space :math:`\{V: X^\top V + V^\top X = 0\}`, projection
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .msign import msign
@@ -28,6 +30,33 @@ __all__ = [
 
 def _linalg_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+_EXPM_THETA = 0.25  # scale until ||A||_1 <= 1/4, where the degree-12 Taylor sum is exact
+_EXPM_DEGREE = 12  # truncation (1/4)^13 / 13! ~ 2.4e-18, below float64 rounding
+
+
+def _matrix_exp(a: torch.Tensor) -> torch.Tensor:
+    r"""Matrix exponential by scaling and squaring of a Taylor polynomial, ``(..., k, k)``.
+
+    ``torch.linalg.matrix_exp`` (through torch 2.14 at least) has a wrong coefficient in its
+    degree-8 branch, which it selects for a *single* matrix of small norm: errors of ~1e-10
+    (float64) and ~2e-5 (float32) instead of rounding (pytorch/pytorch#196592). Stiefel points
+    from :func:`stiefel_exp` then leave the manifold by that much. This version uses only matrix
+    products: :math:`e^A = (T_{12}(A/2^s))^{2^s}` with :math:`\|A/2^s\|_1 \le 1/4`.
+    """
+    norm = float(a.detach().abs().sum(-2).amax()) if a.numel() else 0.0  # max 1-norm in the batch
+    if not math.isfinite(norm):
+        return torch.linalg.matrix_exp(a)
+    squarings = max(0, math.ceil(math.log2(norm / _EXPM_THETA))) if norm > _EXPM_THETA else 0
+    x = a / (2.0**squarings)
+    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device).expand_as(a)
+    result = eye
+    for k in range(_EXPM_DEGREE, 0, -1):  # Horner: I + x (I + x/2 (I + x/3 (...)))
+        result = eye + (x @ result) / k
+    for _ in range(squarings):
+        result = result @ result
+    return result
 
 
 def sym(a: torch.Tensor) -> torch.Tensor:
@@ -98,6 +127,6 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     s = vv.mT @ vv  # (..., n, n)
     eye = torch.eye(n, dtype=dtype, device=x.device).expand_as(a)
     block = torch.cat([torch.cat([a, -s], dim=-1), torch.cat([eye, a], dim=-1)], dim=-2)  # (..., 2n, 2n)
-    e = torch.linalg.matrix_exp(block)[..., :, :n]  # (..., 2n, n)
-    out = torch.cat([xx, vv], dim=-1) @ e @ torch.linalg.matrix_exp(-a)
+    e = _matrix_exp(block)[..., :, :n]  # (..., 2n, n)
+    out = torch.cat([xx, vv], dim=-1) @ e @ _matrix_exp(-a)
     return out.to(x.dtype)

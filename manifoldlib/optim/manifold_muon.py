@@ -12,8 +12,10 @@ One step for a matrix :math:`W` with gradient :math:`G` (all in the tall orienta
 Momentum is accumulated on the Euclidean gradient (exactly as :class:`torch.optim.Muon`); the
 tangent space enters only through the dual solve of :func:`~manifoldlib.optim.steepest_direction`
 at the *current* point, so a buffer built at older points is never transported, it is simply
-re-projected by the solve. The dual multiplier of each matrix is kept in the optimizer state and
-warm-starts the next solve.
+re-projected by the solve. Each solve starts from the closed-form multiplier :math:`\Lambda_0` of
+the new point plus the correction :math:`\Lambda - \Lambda_0` that the previous step's dual
+iterations found (``state["dual_correction"]``): the closed-form part follows the point, the
+learned part carries over.
 
 With ``manifold="euclidean"`` the step is :class:`torch.optim.Muon`'s, operation for operation
 (bfloat16 Newton–Schulz, the same learning-rate adjustment and decoupled weight decay).
@@ -182,7 +184,7 @@ def manifold_muon(
 ) -> None:
     r"""Functional core of :class:`ManifoldMuon`: one step for a list of matrices of one group.
 
-    ``states[i]`` is the optimizer state of ``params[i]``; the dual multiplier (``"multiplier"``),
+    ``states[i]`` is the optimizer state of ``params[i]``; the dual correction (``"dual_correction"``),
     the dual iterations (``"dual_iterations"``) and residual (``"dual_residual"``) of this step are
     written there.
     """
@@ -214,10 +216,10 @@ def manifold_muon(
             ns_steps=steps,
             ns_coefficients=coefficients,
             eps=eps,
-            multiplier=state.get("multiplier") if warm_start else None,
+            correction=state.get("dual_correction") if warm_start else None,
             return_info=True,
         )
-        state["multiplier"] = info.multiplier
+        state["dual_correction"] = info.correction
         state["dual_iterations"] = int(info.iterations)
         state["dual_residual"] = float(info.residual)
         base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
@@ -245,7 +247,8 @@ class ManifoldMuon(Optimizer):
         retraction_options: plain-data options of the retraction (e.g. ``{"method": "svd"}``).
         msign_method: msign inside the dual solve: ``"ns"`` (the group's Newton–Schulz:
             ``ns_coefficients`` and ``ns_steps``), ``"jordan5"``, ``"polar-express"``,
-            ``"newton-schulz"`` or ``"svd"`` (exact, slow). Default ``"polar-express"``.
+            ``"newton-schulz"`` or ``"svd"`` (exact, slow). Default ``"ns"``: the dual sees the same
+            msign Muon uses, and its smoothing of tiny singular values helps the dual converge.
         dual_tol: relative tangent residual at which the dual solve stops (default ``1e-3``).
         dual_max_iter: cap on dual iterations per step (default 30).
         warm_start: start each dual solve from the previous step's multiplier (default ``True``).
@@ -274,7 +277,7 @@ class ManifoldMuon(Optimizer):
         manifold: str = "euclidean",
         retraction: str | None = None,
         retraction_options: dict | None = None,
-        msign_method: str = "polar-express",
+        msign_method: str = "ns",
         dual_tol: float = DEFAULT_DUAL_TOL,
         dual_max_iter: int = DEFAULT_DUAL_MAX_ITER,
         warm_start: bool = True,

@@ -79,14 +79,16 @@ _CONVERGENT_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
 
 @dataclass
 class SteepestInfo:
-    """What one dual solve did.
+    r"""What one dual solve did.
 
     Attributes:
         iterations: dual updates taken (0 when the initial multiplier already met ``tol``).
-        residual: relative tangent residual :math:`\\|A - P_W A\\|_F / \\|A\\|_F` of the returned ``A``.
+        residual: relative tangent residual :math:`\|A - P_W A\|_F / \|A\|_F` of the returned ``A``.
         converged: ``residual <= tol``.
-        multiplier: the final :math:`\\Lambda` ``(n, n)`` for the *normalized* gradient
-            :math:`G/\\|G\\|_F`, in the tall orientation; pass it back as ``multiplier`` to warm-start.
+        multiplier: the final :math:`\Lambda` ``(n, n)`` for the *normalized* gradient
+            :math:`G/\|G\|_F`, in the tall orientation; pass it back as ``multiplier`` to warm-start.
+        correction: :math:`\Lambda - \Lambda_0` (what the dual iterations added to the closed-form
+            start); pass it back as ``correction`` to warm-start at a *new* point.
         history: residual after each dual iteration (starting with the initial one).
     """
 
@@ -94,6 +96,7 @@ class SteepestInfo:
     residual: float
     converged: bool
     multiplier: torch.Tensor | None
+    correction: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
 
 
@@ -278,6 +281,7 @@ def steepest_direction(
     ns_coefficients=None,
     eps: float = 1e-7,
     multiplier: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
     return_info: bool = False,
 ):
     r"""Steepest unit direction of ``G`` under the spectral norm in the tangent space at ``W``.
@@ -310,7 +314,11 @@ def steepest_direction(
         ns_steps: Newton–Schulz step count (preset default when ``None``).
         ns_coefficients: custom ``(a, b, c)`` (or a schedule) for the Newton–Schulz iteration.
         eps: added to the normalizing norm of Newton–Schulz.
-        multiplier: warm start :math:`\Lambda` ``(k, k)``, ``k = min(m, n)``, from a previous solve.
+        multiplier: warm start :math:`\Lambda` ``(k, k)``, ``k = min(m, n)``, from a previous solve
+            at the same point.
+        correction: warm start :math:`\Lambda_0 + \Delta` with :math:`\Delta` the ``correction``
+            of a previous solve: the right warm start after the point moved (the optimizer's), since
+            :math:`\Lambda_0` already carries the closed-form part (exact for square Stiefel).
         return_info: also return a :class:`SteepestInfo`.
 
     Returns:
@@ -336,18 +344,23 @@ def steepest_direction(
             r = gram_msign_factor(g.mT @ g, msign_method, ns_steps, coefficients=ns_coefficients, eps=eps)
             a = g @ r
         a = a.mT if transposed else a
-        info = SteepestInfo(0, 0.0, True, None if multiplier is None else multiplier, [0.0])
+        info = SteepestInfo(0, 0.0, True, multiplier, correction, [0.0])
         return (a.to(out_dtype), info) if return_info else a.to(out_dtype)
     w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
     n = g.size(-1)
     problem = _DualProblem(w, g, manifold, msign_method, ns_steps, ns_coefficients, eps)
-    if multiplier is None:
-        lam = problem.initial_multiplier()
-    else:
-        if tuple(multiplier.shape) != (n, n):
-            raise ValueError(f"multiplier must have shape {(n, n)}, got {tuple(multiplier.shape)}")
-        lam = problem.mask(0.5 * (multiplier + multiplier.mT)).to(work_dtype)
+    if multiplier is not None and correction is not None:
+        raise ValueError("give at most one of multiplier and correction")
+    lam0 = problem.initial_multiplier()
+    lam = lam0
+    for label, start in (("multiplier", multiplier), ("correction", correction)):
+        if start is None:
+            continue
+        if tuple(start.shape) != (n, n):
+            raise ValueError(f"{label} must have shape {(n, n)}, got {tuple(start.shape)}")
+        start = problem.mask(0.5 * (start + start.mT)).to(work_dtype)
+        lam = start if label == "multiplier" else lam0 + start
     history: list[float] = []
     lam, state, residual, iterations = _dual_solve(problem, lam, float(tol), max_iter, history)
     a = problem.direction(state)
@@ -355,4 +368,4 @@ def steepest_direction(
     a = a.to(out_dtype)
     if not return_info:
         return a
-    return a, SteepestInfo(iterations, residual, residual <= tol, lam, history)
+    return a, SteepestInfo(iterations, residual, residual <= tol, lam, lam - lam0, history)

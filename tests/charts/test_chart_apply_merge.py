@@ -24,7 +24,11 @@ from manifoldlib.charts import (
 )
 from models import GPT, GPTConfig
 
-BLOCK_LINEARS = [f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc", "mlp.proj")]
+BLOCK_LINEARS = [
+    f"blocks.{i}.{m}.weight"
+    for i in range(2)
+    for m in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc", "mlp.proj")
+]
 
 
 def in_blocks(name: str, module: nn.Module) -> bool:
@@ -33,7 +37,14 @@ def in_blocks(name: str, module: nn.Module) -> bool:
 
 def small_gpt(seed: int = 0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    cfg = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16, "connection": "pre-ln"}
+    cfg = {
+        "n_layer": 2,
+        "n_embd": 32,
+        "n_head": 2,
+        "vocab_size": 64,
+        "block_size": 16,
+        "connection": "pre-ln",
+    }
     return GPT(GPTConfig(**{**cfg, **overrides}))
 
 
@@ -49,7 +60,9 @@ def pretrained_like(model: nn.Module, seed: int = 1) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                t = torch.randn(p.shape, generator=g) / torch.randn(p.shape, generator=g).abs().clamp(min=0.05)
+                t = torch.randn(p.shape, generator=g) / torch.randn(
+                    p.shape, generator=g
+                ).abs().clamp(min=0.05)
                 p.copy_(0.02 * t.clamp(-40, 40))
 
 
@@ -62,7 +75,10 @@ def test_congruent_conversion_keeps_outputs_and_lists_names():
     assert names == BLOCK_LINEARS
     after, _ = model(idx)
     assert torch.allclose(after, before, rtol=1e-4, atol=1e-5)
-    assert all(parametrize.is_parametrized(model.get_submodule(n.rsplit(".", 1)[0]), "weight") for n in names)
+    assert all(
+        parametrize.is_parametrized(model.get_submodule(n.rsplit(".", 1)[0]), "weight")
+        for n in names
+    )
 
 
 def test_mismatched_conversion_changes_only_negative_weights():
@@ -101,7 +117,9 @@ def test_train_with_adamw_then_merge_keeps_outputs():
     merged_names = merge_charts(model)
     assert merged_names == BLOCK_LINEARS
     assert not any(parametrize.is_parametrized(m) for m in model.modules())
-    assert all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith((".q", ".fc", ".proj")))
+    assert all(
+        type(m) is nn.Linear for n, m in model.named_modules() if n.endswith((".q", ".fc", ".proj"))
+    )
     assert not any("parametrizations" in k for k in model.state_dict())
     merged, _ = model(idx)
     assert torch.allclose(merged, charted, rtol=0, atol=1e-6 * charted.abs().max().item())
@@ -131,16 +149,22 @@ def test_charting_a_manifold_parameter_is_refused():
     model = small_gpt()
     q = model.blocks[0].attn.q
     q.weight = geoopt.ManifoldParameter(Stiefel().projx(q.weight.detach()), manifold=Stiefel())
-    with pytest.raises(ValueError, match=r"blocks.0.attn.q.weight: manifold='stiefel' cannot be combined"):
+    with pytest.raises(
+        ValueError, match=r"blocks.0.attn.q.weight: manifold='stiefel' cannot be combined"
+    ):
         apply_chart(model, SEL, include=in_blocks)
-    assert not parametrize.is_parametrized(model.blocks[1].attn.q)  # refused before touching anything
+    assert not parametrize.is_parametrized(
+        model.blocks[1].attn.q
+    )  # refused before touching anything
 
 
 @pytest.mark.parametrize("kind", [None, "adamw", "euclidean", "Euclidean"])
 def test_assert_chart_compatible_accepts_flat_assignments(kind):
     assert_chart_compatible(kind)
     assert_chart_compatible(torch.zeros(2, 2))
-    assert_chart_compatible(geoopt.ManifoldParameter(torch.zeros(2, 2), manifold=geoopt.Euclidean()))
+    assert_chart_compatible(
+        geoopt.ManifoldParameter(torch.zeros(2, 2), manifold=geoopt.Euclidean())
+    )
 
 
 @pytest.mark.parametrize("kind", ["stiefel", "dgram", "sphere"])

@@ -275,7 +275,9 @@ def _impl_case(dtype=torch.float64):
     perturb_scales(chart, seed=16)
     raw = chart.right_inverse(W * 0.5).detach()
     raw[0, :3] = torch.tensor([0.0, 5.0, -5.0], dtype=dtype)  # zero and two clamped entries
-    probe = torch.randn(W.shape, generator=torch.Generator().manual_seed(17), dtype=torch.float64).to(dtype)
+    probe = torch.randn(
+        W.shape, generator=torch.Generator().manual_seed(17), dtype=torch.float64
+    ).to(dtype)
     reference = _values_and_grads(chart, lambda r: _reference_forward(chart, r), raw, probe)
     return chart, raw, probe, reference
 

@@ -1,4 +1,4 @@
-"""Newton inverses of the SEL magnitude maps: property tests in float64, a float32 tier, edge cases."""
+"""Newton inverses of the SEL magnitude maps: float64 property tests, a float32 tier, edge cases."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ EPS64 = torch.finfo(torch.float64).eps
 positive = st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False)
 curvature = st.floats(min_value=1e-2, max_value=100.0, allow_nan=False, allow_infinity=False)
 slope = st.floats(min_value=0.0, max_value=10.0, allow_nan=False, allow_infinity=False)
-magnitudes = st.lists(st.floats(min_value=0.0, max_value=1e3, allow_nan=False), min_size=1, max_size=16)
+magnitudes = st.lists(
+    st.floats(min_value=0.0, max_value=1e3, allow_nan=False), min_size=1, max_size=16
+)
 
 
 def _t(values) -> torch.Tensor:

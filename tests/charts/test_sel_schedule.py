@@ -50,7 +50,9 @@ def test_groups_of_a_plain_model_and_frozen_parameters():
     assert [g["sel_role"] for g in groups] == ["weight"]
 
 
-@pytest.mark.parametrize("kwargs", [{"lr": -1.0}, {"lr": 1.0, "scale_lr": math.nan}, {"lr": 1.0, "weight_decay": -0.1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"lr": -1.0}, {"lr": 1.0, "scale_lr": math.nan}, {"lr": 1.0, "weight_decay": -0.1}]
+)
 def test_groups_reject_bad_rates(kwargs):
     with pytest.raises(ValueError, match="must be a finite number >= 0"):
         sel_param_groups(nn.Linear(2, 2), **kwargs)
@@ -77,7 +79,11 @@ def test_lambda_lr_applies_per_group_multipliers():
     opt = torch.optim.AdamW(sel_param_groups(model, lr=1e-3, scale_lr=1e-2))
     sched = sel_lr_scheduler(opt, anneal_steps=4, e_w_boost=10.0, m_start=0.1)
     lrs = {g["sel_role"]: g["lr"] for g in opt.param_groups}
-    assert lrs["e_w"] == pytest.approx(0.1) and lrs["m"] == pytest.approx(1e-3) and lrs["weight"] == pytest.approx(1e-3)
+    assert (
+        lrs["e_w"] == pytest.approx(0.1)
+        and lrs["m"] == pytest.approx(1e-3)
+        and lrs["weight"] == pytest.approx(1e-3)
+    )
     for _ in range(4):
         opt.step()
         sched.step()

@@ -12,7 +12,9 @@ TUTORIAL = Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "sel_fin
 def python_blocks(text: str) -> list[str]:
     """Bodies of the ``.. code-block:: python`` directives (indented lines after a blank line)."""
     blocks = []
-    for match in re.finditer(r"^\.\. code-block:: python\n\n((?:(?:   .*)?\n)+)", text, re.MULTILINE):
+    for match in re.finditer(
+        r"^\.\. code-block:: python\n\n((?:(?:   .*)?\n)+)", text, re.MULTILINE
+    ):
         blocks.append(textwrap.dedent(match.group(1)))
     return blocks
 

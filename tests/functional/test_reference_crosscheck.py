@@ -240,3 +240,30 @@ def test_dgram_retractions_reduce_to_stiefel_polar_on_stiefel_points():
     x, v = _stiefel_case(6, scale=1e-4)
     for retr in (dgram_alternating, dgram_colnorm_polar):
         assert _rel(retr(x, v, "svd"), stiefel_polar(x, v, "svd")) <= 1e-7
+
+
+@pytest.mark.parametrize(
+    "dtype,theta,tol",
+    [(torch.float64, 0.04, 4 * EPS), (torch.float32, 0.5, 4 * torch.finfo(torch.float32).eps)],
+)
+def test_stiefel_exp_on_the_circle_single_matrix(dtype, theta, tol):
+    # St(2, 1) is the unit circle: Exp_x(θ·x⊥) = (cos θ, sin θ). A single small-norm matrix is
+    # where torch.linalg.matrix_exp's degree-8 branch errs (pytorch/pytorch#196592).
+    x = torch.tensor([[1.0], [0.0]], dtype=dtype)
+    v = torch.tensor([[0.0], [theta]], dtype=dtype)
+    expected = torch.tensor([[np.cos(theta)], [np.sin(theta)]], dtype=torch.float64)
+    assert float((stiefel_exp(x, v).double() - expected).abs().max()) <= tol
+    rotation = torch.tensor([[0.0, -theta], [theta, 0.0]], dtype=dtype)  # square St(2, 2)
+    y = stiefel_exp(torch.eye(2, dtype=dtype), rotation)
+    expected_2 = torch.tensor([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
+    assert float((y.double() - expected_2).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stiefel_exp_single_matrix_small_steps_stay_on_manifold(seed):
+    st_ = Stiefel()
+    g = torch.Generator().manual_seed(seed)
+    x = random_point(st_, (4, 2), generator=g)
+    for scale in (1e-3, 3e-2, 0.1):
+        y = stiefel_exp(x, random_tangent(st_, x, scale=scale, generator=g))
+        assert st_.check_point_on_manifold(y, atol=0.0, rtol=1e-14)

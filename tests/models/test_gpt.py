@@ -11,6 +11,17 @@ from manifoldlib.retractions import AngleRetraction, register_retraction
 from models import GPT, GPTConfig
 from models.connections import CONNECTIONS
 
+@pytest.fixture(autouse=True)
+def _single_thread():
+    # Tiny models: intra-op threads only add OpenMP synchronization (10x slower on a shared CPU).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 TINY = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 

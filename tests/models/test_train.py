@@ -92,6 +92,25 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
+def _has_build_optimizer() -> bool:
+    try:
+        from manifoldlib.optim import build_optimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_build_optimizer(), reason="manifoldlib.optim not available")
+def test_resume_is_exact_with_manifold_muon(tmp_path):
+    common = _quiet("--steps", "12", "--eval_interval", "4", "--log_interval", "2",
+                    "--optimizer", "manifold-muon", "--policy", "unconstrained", "--lr", "0.02")
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--stop_at", "8", "--out", str(tmp_path / "b")]) == 0
+    assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
+    _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
+               read_metrics(tmp_path / "b" / "metrics.jsonl"))
+
+
 def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
     common = _quiet("--schedule", "constant", "--eval_interval", "5")
     assert main([*common, "--steps", "20", "--out", str(tmp_path / "a")]) == 0

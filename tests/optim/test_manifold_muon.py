@@ -1,0 +1,164 @@
+"""ManifoldMuon: torch.optim.Muon parity on Euclidean groups, staying on Stiefel / DGram."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from manifoldlib.optim import ManifoldMuon, constraint_residual
+
+
+def _matrices(shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(0.1 * torch.randn(*s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def _quadratic_grads(params, targets):
+    for p, t in zip(params, targets):
+        p.grad = (p.detach() - t) + 0.01 * torch.sin(p.detach() * 7.0)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov,weight_decay", [(True, 0.1), (False, 0.0), (True, 0.0)])
+def test_euclidean_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
+    shapes = [(12, 5), (5, 12), (8, 8)]
+    ours = _matrices(shapes)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
+    kw = dict(lr=0.03, weight_decay=weight_decay, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    opt = ManifoldMuon(ours, manifold="euclidean", **kw)
+    ref_opt = torch.optim.Muon(ref, **kw)
+    for _ in range(10):
+        _quadratic_grads(ours, targets)
+        _quadratic_grads(ref, targets)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        assert float((p - q).detach().abs().max()) <= 1e-6
+    assert any(float((p - t).norm()) < float((p0 - t).norm()) for p, t, p0 in zip(ours, targets, _matrices(shapes)))
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_stays_on_the_manifold_and_descends(manifold):
+    shapes = [(16, 16), (24, 8), (8, 24)]
+    params = _matrices(shapes, seed=2)
+    opt = ManifoldMuon(params, lr=0.05, manifold=manifold, weight_decay=0.0)
+    for p in params:  # projected at construction
+        assert constraint_residual(p.detach(), manifold) <= 1e-5
+    targets = [torch.randn(*s, generator=torch.Generator().manual_seed(3)) for s in shapes]
+    start = sum(float((p - t).pow(2).sum()) for p, t in zip(params, targets))
+    for _ in range(15):
+        _quadratic_grads(params, targets)
+        opt.step()
+    end = sum(float((p - t).pow(2).sum()) for p, t in zip(params, targets))
+    assert end < start
+    for p in params:
+        assert constraint_residual(p.detach(), manifold) <= 1e-4
+        state = opt.state[p]
+        assert isinstance(state["dual_iterations"], int) and state["dual_iterations"] >= 0
+        assert state["dual_residual"] <= 1.0
+
+
+def test_wide_stiefel_has_orthonormal_rows():
+    (p,) = _matrices([(4, 10)], seed=4)
+    opt = ManifoldMuon([p], lr=0.1, manifold="stiefel")
+    p.grad = torch.randn(4, 10, generator=torch.Generator().manual_seed(5))
+    opt.step()
+    torch.testing.assert_close(p.detach() @ p.detach().T, torch.eye(4), rtol=0, atol=1e-5)
+
+
+def test_stiefel_step_has_spectral_size_lr():
+    # one step from W with lr eta moves W by a spectral distance of about eta (no shape factor)
+    (p,) = _matrices([(32, 8)], seed=6)
+    opt = ManifoldMuon([p], lr=0.01, manifold="stiefel", momentum=0.0, msign_method="svd", dual_tol=1e-8,
+                       dual_max_iter=500)
+    before = p.detach().clone()
+    p.grad = torch.randn(32, 8, generator=torch.Generator().manual_seed(7))
+    opt.step()
+    moved = float(torch.linalg.matrix_norm((p.detach() - before).double(), ord=2))
+    assert abs(moved - 0.01) <= 1e-3 * 0.01 + 1e-5
+
+
+def test_warm_start_reduces_dual_iterations():
+    def total(warm):
+        (p,) = _matrices([(48, 16)], seed=8)
+        opt = ManifoldMuon([p], lr=0.01, manifold="stiefel", dual_tol=1e-4, dual_max_iter=200, warm_start=warm)
+        target = torch.randn(48, 16, generator=torch.Generator().manual_seed(9))
+        count = 0
+        for _ in range(12):
+            _quadratic_grads([p], [target])
+            opt.step()
+            count += opt.state[p]["dual_iterations"]
+        return count
+
+    assert total(True) < total(False)
+
+
+def test_state_dict_round_trips_with_weights_only():
+    params = _matrices([(12, 6), (6, 6)], seed=10)
+    opt = ManifoldMuon(
+        [{"params": [params[0]], "manifold": "dgram", "retraction": "colnorm-polar"},
+         {"params": [params[1]], "manifold": "stiefel", "retraction_options": {"method": "svd"}}],
+        lr=0.02,
+    )
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = ManifoldMuon(
+        [{"params": [clone[0]], "manifold": "dgram"}, {"params": [clone[1]], "manifold": "stiefel"}],
+        lr=0.5,
+        project_init=False,  # the clones are already on their manifolds
+    )
+    opt2.load_state_dict(loaded)
+    assert opt2.param_groups[0]["retraction"] == "colnorm-polar"
+    assert opt2.param_groups[1]["lr"] == 0.02
+    for p, q in zip(params, clone):
+        g = torch.full_like(p, 0.3) + torch.arange(p.numel(), dtype=p.dtype).view_as(p) / p.numel()
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    opt2.step()
+    for p, q in zip(params, clone):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"lr": -1.0}, "lr must be >= 0, got -1.0"),
+        ({"momentum": 1.5}, r"momentum must be in \[0, 1\), got 1.5"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+        ({"ns_steps": 200}, "ns_steps must be an int in"),
+        ({"adjust_lr_fn": "bogus"}, "adjust_lr_fn must be None or one of"),
+        ({"manifold": "sphere"}, "unknown manifold 'sphere'"),
+        ({"manifold": "stiefel", "retraction": "alternating"}, "unknown stiefel retraction 'alternating'"),
+        ({"msign_method": "qr"}, "msign_method must be one of"),
+        ({"dual_tol": 0}, "dual_tol must be > 0"),
+        ({"dual_max_iter": -2}, "dual_max_iter must be an int >= 0"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ManifoldMuon(_matrices([(4, 4)]), **kwargs)
+
+
+def test_non_matrix_parameter_is_rejected():
+    with pytest.raises(ValueError, match=r"shape \(4,\).*'stiefel'"):
+        ManifoldMuon([torch.nn.Parameter(torch.zeros(4))], manifold="stiefel")
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_float64_parameters_stay_tight(manifold):
+    params = _matrices([(20, 6)], seed=11, dtype=torch.float64)
+    opt = ManifoldMuon(params, lr=0.05, manifold=manifold)
+    target = torch.randn(20, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    for _ in range(10):
+        _quadratic_grads(params, [target])
+        opt.step()
+    assert constraint_residual(params[0].detach(), manifold) <= 1e-10

@@ -1,0 +1,208 @@
+"""Policies, build_optimizer and the combined optimizer, on models.GPT and on a user's model."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from manifoldlib.optim import (
+    CombinedOptimizer,
+    assign_parameters,
+    available_policies,
+    build_optimizer,
+    constraint_residual,
+    get_policy,
+    register_policy,
+)
+from models import GPT, GPTConfig
+
+BUILT_IN = ["unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv"]
+
+
+def _gpt(seed=0, n_layer=2, n_embd=32):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=64, block_size=16, connection="pre-ln")
+    return GPT(cfg)
+
+
+class _UserBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.ModuleDict({"q": nn.Linear(d, d), "k": nn.Linear(d, d)})
+        self.mlp = nn.Sequential(nn.Linear(d, 3 * d), nn.GELU(), nn.Linear(3 * d, d))
+        self.gain = nn.Parameter(torch.ones(d))
+
+
+class _UserModel(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.embed = nn.Embedding(10, d)
+        self.layers = nn.ModuleList([_UserBlock(d)])
+        self.mixer = nn.Linear(d, d, bias=False)
+        self.head = nn.Linear(d, 10)
+
+
+def test_built_in_policies_are_registered():
+    assert set(BUILT_IN) <= set(available_policies())
+
+
+@pytest.mark.parametrize("policy,attn,mlp", [
+    ("unconstrained", "euclidean", "euclidean"),
+    ("all-stiefel", "stiefel", "stiefel"),
+    ("all-dgram", "dgram", "dgram"),
+    ("hetero", "stiefel", "dgram"),
+    ("hetero-inv", "dgram", "stiefel"),
+])
+def test_gpt_assignment(policy, attn, mlp):
+    model = _gpt()
+    assignment = assign_parameters(model, policy)
+    for name, choice in assignment.items():
+        if ".attn." in name and name.endswith("weight"):
+            assert choice == attn, name
+        elif ".mlp." in name and name.endswith("weight"):
+            assert choice == mlp, name
+        else:  # embeddings, tied head, norm gains
+            assert choice is None, name
+    assert sum(c is not None for c in assignment.values()) == 2 * 6
+
+
+def test_user_model_naming_rule_and_head():
+    assignment = assign_parameters(_UserModel(), "hetero")
+    assert assignment["layers.0.attn.q.weight"] == "stiefel"
+    assert assignment["layers.0.mlp.0.weight"] == "dgram"
+    assert assignment["layers.0.mlp.2.weight"] == "dgram"
+    assert assignment["mixer.weight"] == "euclidean"  # another hidden matrix
+    for name in ("embed.weight", "head.weight", "head.bias", "layers.0.gain", "layers.0.attn.q.bias"):
+        assert assignment[name] is None
+
+
+def test_classifier_argument():
+    def classifier(name, module):
+        return "attn" if name.startswith("mixer") else None
+
+    assignment = assign_parameters(_UserModel(), "hetero", classifier=classifier)
+    assert assignment["mixer.weight"] == "stiefel"
+    assert assignment["layers.0.attn.q.weight"] == "euclidean"  # no longer recognized
+
+
+def test_custom_policy_registration():
+    @register_policy("test-attn-only")
+    def attn_only(name, module, param):
+        return "stiefel" if ".attn." in name and param.dim() == 2 else None
+
+    assert get_policy("test-attn-only") is attn_only
+    assignment = assign_parameters(_gpt(), "test-attn-only")
+    assert {c for n, c in assignment.items() if ".mlp." in n} == {None}
+    assert {c for n, c in assignment.items() if ".attn." in n} == {"stiefel"}
+
+
+@pytest.mark.parametrize("policy,match", [
+    ("no-such-policy", "unknown policy 'no-such-policy'; valid policies: "),
+    (lambda n, m, p: "hyperbolic" if p.dim() == 2 else None, "to unknown manifold 'hyperbolic'"),
+    (lambda n, m, p: "stiefel", r"parameter 'wte.weight'|shape \("),
+])
+def test_bad_policies(policy, match):
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(_gpt(), policy)
+
+
+def test_non_matrix_assignment_names_the_parameter():
+    with pytest.raises(ValueError, match=r"'blocks.0.conn1.norm.weight' of shape \(32,\) to 'dgram'"):
+        assign_parameters(_gpt(), lambda n, m, p: "dgram" if "norm" in n else None)
+
+
+def test_classifier_for_a_plain_function_is_rejected():
+    with pytest.raises(ValueError, match="does not take a classifier"):
+        get_policy(lambda n, m, p: None, classifier=lambda n, m: None)
+
+
+def test_build_optimizer_is_one_optimizer_with_tagged_groups():
+    model = _gpt()
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=3e-3)
+    assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, CombinedOptimizer)
+    kinds = {(g["kind"], g.get("manifold")) for g in opt.param_groups}
+    assert kinds == {("muon", "stiefel"), ("muon", "dgram"), ("adamw", None)}
+    n_params = sum(len(g["params"]) for g in opt.param_groups)
+    assert n_params == len(list(model.parameters()))
+    for g in opt.param_groups:
+        if g.get("manifold") in ("stiefel", "dgram"):
+            for p in g["params"]:
+                assert constraint_residual(p.detach(), g["manifold"]) <= 1e-5
+
+
+def test_scheduler_reaches_inner_optimizers_and_state_round_trips():
+    model = _gpt(seed=1)
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        _, loss = model(idx, idx)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    inner = opt.optimizers["muon"].param_groups[0]["lr"]
+    assert inner == pytest.approx(0.02 * 0.25)
+    assert opt.optimizers["adamw"].param_groups[0]["lr"] == pytest.approx(3e-3 * 0.25)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    twin = _gpt(seed=1)
+    twin.load_state_dict(model.state_dict())
+    opt2 = build_optimizer(twin, "hetero", lr=0.5, adamw_lr=0.5)
+    with torch.no_grad():  # undo the construction-time projection drift: same weights as model
+        for p, q in zip(twin.parameters(), model.parameters()):
+            p.copy_(q)
+    opt2.load_state_dict(state)
+    assert opt2.optimizers["muon"].param_groups[0]["lr"] == pytest.approx(0.02 * 0.25)
+    for m, o in ((model, opt), (twin, opt2)):
+        _, loss = m(idx, idx)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_gpt_training_short_stays_on_manifolds():
+    model = _gpt(seed=2)
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=3e-3)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 64, (4, 16), generator=g)
+    losses = []
+    for _ in range(20):
+        _, loss = model(idx, idx)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    for group in opt.param_groups:
+        if group.get("manifold") in ("stiefel", "dgram"):
+            for p in group["params"]:
+                assert constraint_residual(p.detach(), group["manifold"]) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["hetero", "hetero-inv"])
+def test_gpt_1000_steps_float32_stay_on_manifolds(policy):
+    model = _gpt(seed=4, n_layer=2, n_embd=32)
+    opt = build_optimizer(model, policy, lr=0.02, adamw_lr=3e-3)
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 64, (64, 17), generator=g)
+    for step in range(1000):
+        batch = data[(step * 4) % 64:(step * 4) % 64 + 4]
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(loss)
+    for group in opt.param_groups:
+        if group.get("manifold") in ("stiefel", "dgram"):
+            for p in group["params"]:
+                assert p.dtype == torch.float32
+                assert constraint_residual(p.detach(), group["manifold"]) <= 1e-4
