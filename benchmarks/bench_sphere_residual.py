@@ -18,7 +18,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from manifoldlib.nn import SphereResidual
 
@@ -59,7 +58,7 @@ def main() -> None:
     g = torch.randn(n, d)
 
     layer_norm = torch.nn.LayerNorm(d)
-    anchor = lambda a, b: layer_norm(a + b)  # noqa: E731
+    anchor = lambda a, b: layer_norm(a + b)
     candidates = {
         "gnomonic fused": SphereResidual(d, retraction="gnomonic"),
         "gnomonic eager autograd": SphereResidual(d, retraction="gnomonic", fused=False),

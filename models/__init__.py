@@ -1,5 +1,5 @@
 """Reference models built on manifoldlib: the GPT of the hidden-state connection study."""
 
-from .gpt import GPT, Block, CausalSelfAttention, GPTConfig, MLP
+from .gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]

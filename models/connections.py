@@ -9,7 +9,7 @@ scale on the sphere).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -43,6 +43,7 @@ __all__ = [
     "ByteTokenizer",
     "Corpus",
     "CorpusError",
+    "check_size",
     "eval_batches",
     "load_corpus",
     "stdlib_files",

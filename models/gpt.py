@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from manifoldlib.nn import DAMPINGS
 from manifoldlib.retractions import available_retractions
 
 from .connections import CONNECTIONS, SPHERE_CONNECTIONS, make_connection, make_entry, make_exit
-from manifoldlib.nn import DAMPINGS
 
-__all__ = ["GPT", "GPTConfig", "CausalSelfAttention", "MLP", "Block"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
 
 
 def _positive_int(name: str, value) -> None:
@@ -226,7 +226,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scale the maps into the stream
         for name, param in self.named_parameters():
-            if name.endswith("attn.o.weight") or name.endswith("mlp.proj.weight"):
+            if name.endswith(("attn.o.weight", "mlp.proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -48,7 +48,9 @@ from .data import (
     unigram_entropy,
 )
 
-__all__ = ["DivergedError", "MissingModuleError", "RunError", "main", "run_training"]
+__all__ = ["RESUMABLE_FIELDS", "MissingModuleError", "RunError", "build_model", "build_optimizer",
+           "evaluate", "load_optimizer_state", "lr_scale", "main", "resolve_device",
+           "run_training", "save_checkpoint"]
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -65,10 +67,6 @@ class RunError(Exception):
 
 class MissingModuleError(RunError):
     """A configuration needs a module of the project that does not exist (yet)."""
-
-
-class DivergedError(RunError):
-    """The training loss became non-finite."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,24 +320,13 @@ def set_rng_state(state: dict) -> None:
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """``optimizer.load_state_dict(state)``, checked: every saved per-parameter state must arrive.
 
-    Works around ``CombinedOptimizer.load_state_dict`` (``manifoldlib.optim``) dropping the
-    loaded per-parameter state when it re-links its inner optimizers: their ``state`` is pointed
-    at the loaded one before re-linking.
+    An optimizer that silently drops state (as an early ``CombinedOptimizer`` did) would make a
+    resumed run differ from an uninterrupted one; that is refused instead.
     """
     optimizer.load_state_dict(state)
-    if len(optimizer.state_dict()["state"]) == len(state["state"]):
-        return
-    inner = getattr(optimizer, "optimizers", None)
-    if inner is None or not hasattr(optimizer, "_link"):
-        raise RunError("the optimizer lost its state while loading the checkpoint; "
-                       "cannot resume exactly")
-    torch.optim.Optimizer.load_state_dict(optimizer, state)
-    for opt in inner.values():
-        opt.state = optimizer.state
-    optimizer._link()
     if len(optimizer.state_dict()["state"]) != len(state["state"]):
-        raise RunError("the optimizer lost its state while loading the checkpoint; "
-                       "cannot resume exactly")
+        raise RunError("the optimizer lost its per-parameter state while loading the "
+                       "checkpoint; cannot resume exactly")
 
 
 def save_checkpoint(path: Path, state: dict, previous_step: int) -> None:

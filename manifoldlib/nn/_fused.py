@@ -156,7 +156,8 @@ def sphere_residual(
     r""":math:`R_h(s\,P_h(f))` with the analytic backward (the fast path).
 
     Args:
-        h: ``(..., d)`` points; the sphere radius of each row is read from :math:`\|h\|`.
+        h: ``(..., d)`` points with nonzero rows; the sphere radius of each row is read from
+            :math:`\|h\|`.
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
         scale: step size :math:`s` (a scalar tensor, may require grad).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere

@@ -86,10 +86,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._link()
 
-    def _link(self) -> None:
-        shared: defaultdict = defaultdict(dict)
-        for opt in self.optimizers.values():
-            shared.update(opt.state)
+    def _link(self, shared: defaultdict | None = None) -> None:
+        if shared is None:
+            shared = defaultdict(dict)
+            for opt in self.optimizers.values():
+                shared.update(opt.state)
         self.state = shared
         for kind, opt in self.optimizers.items():
             opt.param_groups = [g for g in self.param_groups if g["kind"] == kind]
@@ -108,7 +109,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._link()
+        self._link(self.state)  # the loaded state is the shared one
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{kind}: {type(opt).__name__}" for kind, opt in self.optimizers.items())

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from manifoldlib.retractions import AngleRetraction, register_retraction
+from manifoldlib.retractions import base as retraction_base
 from models import GPT, GPTConfig
 from models.connections import CONNECTIONS
+
 
 @pytest.fixture(autouse=True)
 def _single_thread():
@@ -22,15 +24,27 @@ def _single_thread():
         torch.set_num_threads(previous)
 
 
-TINY = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+TINY = {"vocab_size": 32, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
 
-@register_retraction("sphere", "test-gpt-p3")
 class _UserP3(AngleRetraction):
     order = 2
 
     def angle(self, beta):
         return 3.0 * torch.atan(beta / 3.0)
+
+
+@pytest.fixture
+def user_p3_name():
+    """Register :class:`_UserP3` by name for one test, then restore the registry (other suites
+    enumerate the registered sphere retractions)."""
+    saved = dict(retraction_base._REGISTRY["sphere"])
+    register_retraction("sphere", "test-gpt-p3")(_UserP3)
+    try:
+        yield "test-gpt-p3"
+    finally:
+        retraction_base._REGISTRY["sphere"].clear()
+        retraction_base._REGISTRY["sphere"].update(saved)
 
 
 def _model(seed: int = 0, **overrides) -> GPT:
@@ -104,9 +118,9 @@ def test_geonorm_equals_spheret_with_p_infinity_and_exp():
     assert not torch.allclose(gnomonic, ref, rtol=1e-3, atol=1e-3)  # the retraction does matter
 
 
-def test_user_retraction_plugs_into_the_config():
+def test_user_retraction_plugs_into_the_config(user_p3_name):
     idx = _tokens(4, 2, 16)
-    user = _large_steps(_model(seed=5, retraction="test-gpt-p3"))
+    user = _large_steps(_model(seed=5, retraction=user_p3_name))
     out, loss = user(idx, idx)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in user.parameters() if p.grad is not None)
@@ -247,3 +261,15 @@ def test_fused_and_reference_models_agree():
     assert torch.allclose(lf, lr, rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(fused.named_parameters(), ref.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_dropout_is_active_in_training_only():
+    idx = _tokens(13, 2, 16)
+    model = _model(seed=14, dropout=0.3)
+    plain = _model(seed=14, dropout=0.0).eval()
+    a, _ = model.train()(idx)
+    b, _ = model(idx)
+    assert not torch.allclose(a, b)
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
+    assert torch.allclose(model(idx)[0], plain(idx)[0], rtol=0, atol=1e-6)

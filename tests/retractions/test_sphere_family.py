@@ -68,7 +68,11 @@ def test_geodesic_distance_to_exp_is_r_times_angle_gap(p, data):
     assert torch.allclose(dist, r * (beta - theta), rtol=0, atol=16 * EPS * r)
 
 
-@given(beta=st.floats(0.0, 50.0), p=st.floats(0.05, 50.0))
+# β = 0 or normal β/p: a subnormal carries no relative precision, so no rounding bound holds there
+_BETAS = st.one_of(st.just(0.0), st.floats(1e-290, 50.0))
+
+
+@given(beta=_BETAS, p=st.floats(0.05, 50.0))
 def test_angle_gap_bound(beta, p):
     # 0 <= β - p·arctan(β/p) <= β³/(3p²), up to the rounding of the subtraction
     b = torch.tensor(beta, dtype=torch.float64)
@@ -77,11 +81,11 @@ def test_angle_gap_bound(beta, p):
     assert -rounding <= gap <= beta**3 / (3 * p * p) + rounding
 
 
-@given(beta=st.floats(0.0, 1e12), p=st.floats(1e-3, 1e3))
+@given(beta=st.one_of(st.just(0.0), st.floats(1e-290, 1e12)), p=st.floats(1e-3, 1e3))
 def test_angle_saturates_below_p_pi_over_2(beta, p):
     theta = float(PRetraction(p).angle(torch.tensor(beta, dtype=torch.float64)))
     assert 0.0 <= theta < p * math.pi / 2
-    assert theta <= beta
+    assert theta <= beta * (1 + 2 * EPS)  # p·(β/p) may round one ulp above β
 
 
 @pytest.mark.parametrize("p", [0.5, 1.0, 2.0])
