@@ -78,7 +78,7 @@ def _values_and_grads(fn, h, f, scale, retraction, seed=7):
     f = f.clone().requires_grad_(True)
     s = torch.tensor(scale, dtype=h.dtype, requires_grad=True)
     out = fn(h, f, s, retraction)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(h.dtype)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(h.dtype)  # float32 draw
     (out * w).sum().backward()
     return out.detach(), h.grad, f.grad, s.grad
 
@@ -107,12 +107,19 @@ def test_fused_matches_autograd_float64(name, seed, radius, f_scale, scale):
     scale=st.sampled_from([0.3, 1.0, 2.5]),
 )
 def test_fused_matches_autograd_float32(name, seed, f_scale, scale):
+    # Against the float64 truth, the fused float32 path is as accurate as float32 autograd.
     h, f = _case(seed, 16, 48, radius=math.sqrt(48), f_scale=f_scale, dtype=torch.float32)
     fused = _values_and_grads(sphere_residual, h, f, scale, RETRACTIONS[name])
     ref = _values_and_grads(sphere_residual_reference, h, f, scale, RETRACTIONS[name])
-    assert _rel(fused[0], ref[0]) <= 1e-6
-    for a, b in zip(fused[1:], ref[1:]):
-        assert _rel(a, b) <= 1e-5
+    truth = _values_and_grads(sphere_residual_reference, h.double(), f.double(), scale, RETRACTIONS[name])
+    w_norm = float(torch.randn(h.shape, generator=torch.Generator().manual_seed(7)).norm())
+    # d(out)/ds is about P_h f in size, so the natural rounding scale of the scalar gradient is
+    # ||w|| ||f|| (the sum over rows may cancel far below it); the others scale with themselves.
+    floors = [float(t.norm()) for t in truth[:3]] + [w_norm * float(f.norm())]
+    for a, b, t, floor in zip(fused, ref, truth, floors):
+        err_fused = float(torch.linalg.vector_norm(a.double() - t))
+        err_ref = float(torch.linalg.vector_norm(b.double() - t))
+        assert err_fused <= 4 * err_ref + 1e-6 * floor
 
 
 @pytest.mark.parametrize("name", list(RETRACTIONS))
