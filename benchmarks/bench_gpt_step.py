@@ -12,10 +12,9 @@ model on the plain-autograd reference path instead of the analytic backward.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import median_min_table, round_robin
 
 from models import GPT, GPTConfig
 
@@ -64,22 +63,11 @@ def main() -> None:
             loss.backward()
             opt.step()
 
-        step()
-        step()  # warm up (and compile)
         steps[name] = step
-    times = {name: [] for name in names}
-    for _ in range(args.repeats):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
-    base, base_min = statistics.median(times["pre-ln"]), min(times["pre-ln"])
+    times = round_robin(steps, args.repeats, warmup=2)  # the warm-up also compiles
     print(f"GPT d={args.n_embd} L={args.n_layer} batch={args.batch}x{args.block}, "
           f"{torch.get_num_threads()} thread(s), compile={args.compile}, {args.repeats} rounds")
-    print(f"{'connection':15s} {'median':>10s} {'ratio':>6s} {'min':>10s} {'ratio':>6s}")
-    for name in names:
-        t, t_min = statistics.median(times[name]), min(times[name])
-        print(f"{name:15s} {t * 1e3:8.1f}ms {t / base:6.3f} {t_min * 1e3:8.1f}ms {t_min / base_min:6.3f}")
+    print("\n".join(median_min_table(times, "pre-ln", width=15)))
 
 
 if __name__ == "__main__":

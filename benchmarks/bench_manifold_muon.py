@@ -7,6 +7,7 @@ ratio to torch.optim.Muon, dual iterations per matrix per step, and the largest 
 residual of the dual solutions.
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--threads 2] [--max-iter 30] [--tol 1e-3]
+        [--msign ns|polar-express|...] [--only stiefel,dgram]
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-iter", type=int, default=30, help="dual iteration cap")
     parser.add_argument("--tol", type=float, default=1e-3, help="dual tolerance (relative tangent residual)")
+    parser.add_argument("--msign", default="ns", help="msign inside the dual solve (ManifoldMuon msign_method)")
+    parser.add_argument("--only", default="", help="comma-separated substrings: run only matching optimizers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + 1)
     kw = dict(lr=0.02, weight_decay=0.0)
-    mm = dict(dual_tol=args.tol, dual_max_iter=args.max_iter)
+    mm = dict(dual_tol=args.tol, dual_max_iter=args.max_iter, msign_method=args.msign)
     runs = {
         "torch.optim.Muon (anchor)": lambda ps: torch.optim.Muon(ps, **kw),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
@@ -89,10 +92,13 @@ def main() -> None:
         ),
     }
     print(f"shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
-          f"cap {args.max_iter}")
+          f"cap {args.max_iter}, dual msign {args.msign}")
     anchor = None
     print(f"{'optimizer':40s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
+    wanted = [w for w in args.only.split(",") if w]
     for name, make in runs.items():
+        if wanted and "anchor" not in name and not any(w in name for w in wanted):
+            continue
         r = _run(make, grads)
         anchor = r["time"] if anchor is None else anchor
         print(f"{name:40s} {r['time']:8.3f} {r['time'] / anchor:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "

@@ -13,40 +13,11 @@ Frobenius distance to the SVD result.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import round_robin_ms
 
 from manifoldlib.functional import msign
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def round_robin_ms(fns: dict, repeats: int, device: torch.device, warmup: int = 2) -> dict:
-    """Time every candidate once per round, ``repeats`` rounds, so machine load hits all alike.
-
-    Returns ``{name: (median ms, median of the per-round ratio to the first candidate)}``.
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    _sync(device)
-    times: dict = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append((time.perf_counter() - start) * 1e3)
-    anchor = times[next(iter(fns))]
-    return {
-        name: (statistics.median(t), statistics.median(a / b for a, b in zip(t, anchor)))
-        for name, t in times.items()
-    }
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from _timing import sync
 from manifoldlib.charts import SEL, apply_chart, merge_charts
 from models import GPT, GPTConfig
 
@@ -66,18 +67,13 @@ def build(args) -> dict[str, nn.Module]:
     return models
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timed(fn, steps: int, device: str) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) per call of ``fn``."""
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 

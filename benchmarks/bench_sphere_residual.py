@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from _timing import median_min_table, round_robin
 
 from manifoldlib.nn import SphereResidual
 
@@ -30,15 +30,6 @@ def _fwd_bwd(fn, h, f, g):
         out.backward(g)
 
     return step
-
-
-def _time(step, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> None:
@@ -82,21 +73,10 @@ def main() -> None:
                 steps[name] = step
             except Exception as err:  # noqa: BLE001 - report and continue without this variant
                 print(f"skipped {name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
-    anchor_step = _fwd_bwd(anchor, h, f, g)
-    for step in [anchor_step, *steps.values()]:
-        step()  # warm up
-    anchor_times, times = [], {name: [] for name in steps}
-    for _ in range(args.repeats):
-        anchor_times += _time(anchor_step, 1)
-        for name, step in steps.items():
-            times[name] += _time(step, 1)
-    base, base_min = statistics.median(anchor_times), min(anchor_times)
+    steps = {"LayerNorm + add (anchor)": _fwd_bwd(anchor, h, f, g), **steps}
+    times = round_robin(steps, args.repeats, warmup=1)
     print(f"shape ({n}, {d}) float32, {torch.get_num_threads()} thread(s), {args.repeats} rounds")
-    print(f"{'variant':40s} {'median':>9s} {'ratio':>6s} {'min':>9s} {'ratio':>6s}")
-    print(f"{'LayerNorm + add (anchor)':40s} {base * 1e3:7.2f}ms {1:6.2f} {base_min * 1e3:7.2f}ms {1:6.2f}")
-    for name, ts in times.items():
-        t, t_min = statistics.median(ts), min(ts)
-        print(f"{name:40s} {t * 1e3:7.2f}ms {t / base:6.2f} {t_min * 1e3:7.2f}ms {t_min / base_min:6.2f}")
+    print("\n".join(median_min_table(times, "LayerNorm + add (anchor)")))
     for stat, label in ((statistics.median, "median"), (min, "min")):
         ratio = stat(times["exp fused"]) / stat(times["gnomonic fused"])
         print(f"exp / gnomonic (fused, {label}): {ratio:.2f}x")

@@ -1,4 +1,5 @@
-"""Shared test configuration: a reproducible hypothesis profile, single-threaded core suites.
+"""Shared test configuration: a reproducible hypothesis profile, single-threaded small-tensor
+suites, and fixtures that keep the retraction registry clean.
 
 The ``manifoldlib`` profile is loaded by default: ``derandomize=True`` (the same examples every
 run), no deadline (timing never fails a test), and a modest ``max_examples`` so the default suite
@@ -13,6 +14,9 @@ import pathlib
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from manifoldlib.retractions import AngleRetraction, register_retraction
+from manifoldlib.retractions import base as registry_base
 
 settings.register_profile(
     "manifoldlib",
@@ -33,10 +37,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "manifoldlib"))
 # state fixed as well so an accidental default draw is still reproducible.
 torch.manual_seed(0)
 
-# The math-core tests use small tensors, where intra-op threading only adds synchronization:
-# on a shared 2-core machine a 12x12 solve is ~10x slower with 2 threads than with 1. Scoped to
-# those folders so other suites (training smoke tests with large matmuls) keep their threads.
-_SINGLE_THREAD_DIRS = {"functional", "retractions", "manifolds", "testing"}
+# These suites use small tensors, where intra-op threading only adds synchronization: on a shared
+# 2-core machine a 12x12 solve is ~10x slower with 2 threads than with 1, and tests/charts took
+# 89 s with 2 threads against 5 s with 1 (tests/models: 23 s either way; its training runs in
+# subprocesses keep their own threads). Scoped to folders so other suites keep their threads.
+_SINGLE_THREAD_DIRS = {"functional", "retractions", "manifolds", "testing", "nn", "models", "charts"}
 _TESTS_ROOT = pathlib.Path(__file__).resolve().parent
 
 
@@ -56,3 +61,27 @@ def _single_thread_for_small_tensor_suites(request):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Let a test register retractions (and aliases) without leaking them into other tests:
+    every family's table is replaced by a copy for the duration of the test."""
+    for table in (registry_base._REGISTRY, registry_base._ALIASES):
+        for family in list(table):
+            monkeypatch.setitem(table, family, dict(table[family]))
+
+
+@pytest.fixture
+def user_p3_name(clean_registry):
+    """Register a user's sphere retraction, defined only by its angle theta = 3 atan(beta / 3),
+    as ``"test-user-p3"`` for one test, and return that name."""
+
+    @register_retraction("sphere", "test-user-p3")
+    class UserP3(AngleRetraction):
+        order = 2
+
+        def angle(self, beta):
+            return 3.0 * torch.atan(beta / 3.0)
+
+    return "test-user-p3"

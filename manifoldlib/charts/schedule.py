@@ -26,6 +26,8 @@ from .sel import SEL
 
 __all__ = ["SEL_ROLES", "SELLRMultiplier", "sel_lr_lambdas", "sel_lr_scheduler", "sel_param_groups"]
 
+#: Roles of an :class:`~manifoldlib.charts.SEL` chart's parameters (the ``"sel_role"`` tag of
+#: the groups made by :func:`sel_param_groups`).
 SEL_ROLES = ("e_w", "l_w", "m", "n", "delta")
 
 

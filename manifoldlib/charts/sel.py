@@ -45,6 +45,7 @@ from .kernel import SEL_IMPLS, sel_forward_rule
 
 __all__ = ["SEL", "SEL_INITS"]
 
+#: Valid ``init`` names of :class:`SEL` (which rule :meth:`SEL.right_inverse` inverts).
 SEL_INITS = ("mismatched", "congruent")
 DEFAULT_SLOPE = 0.75  # E'(0); with l_w = 0.25 the congruent rule has slope 1 at 0
 DEFAULT_SCALE_INIT = {"l_w": 0.25, "m": 1.0, "n": 0.0}

@@ -33,18 +33,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..functional.sphere import sphere_project_tangent
+from ..functional.sphere import cayley_coefficients, gnomonic_coefficients, sphere_project_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction, CayleyRetraction, GnomonicRetraction, PRetraction
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise inner product over the last dimension, ``(..., d) x (..., d) -> (..., 1)``."""
-    return torch.linalg.vecdot(x, y, dim=-1).unsqueeze(-1)
 
 
 def _rowsq(x: torch.Tensor) -> torch.Tensor:
@@ -67,12 +62,11 @@ def _closed_form_kind(retraction: AngleRetraction) -> str | None:
 
 
 def _coefficients(retraction: AngleRetraction, kind: str | None, sigma: torch.Tensor):
+    # p = 1 / p = 2 take the branch-free closed forms (PRetraction would go through atan).
     if kind == "gnomonic":
-        c = torch.rsqrt(1.0 + sigma)
-        return c, c
+        return gnomonic_coefficients(sigma)
     if kind == "cayley":
-        k = 1.0 / (1.0 + 0.25 * sigma)
-        return 2.0 * k - 1.0, k
+        return cayley_coefficients(sigma)
     return retraction.coefficients(sigma)
 
 
@@ -100,14 +94,18 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, h, f, scale, retraction, kind):
+        # Full-tensor passes: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and
+        # its row sum, then A·h + B·f written over that same buffer. The buffer is the only
+        # (..., d) allocation: on CPU a fresh large tensor costs page faults comparable to a pass.
         q = _rowsq(h).clamp_min(torch.finfo(h.dtype).tiny)  # (..., 1)
-        a = _rowdot(h, f)  # (..., 1)
+        out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
+        a = out.sum(-1, keepdim=True)  # (..., 1)
         n = (_rowsq(f) - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
         s = scale.to(h.dtype)
         sigma = s * s * n / q  # (..., 1)
         c, k = _coefficients(retraction, kind, sigma)
         ks = k * s
-        out = h * (c - ks * a / q)  # (..., d)
+        torch.mul(h, c - ks * a / q, out=out)  # (..., d)
         out.addcmul_(f, ks)
         ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k)
         ctx.retraction, ctx.kind = retraction, kind
@@ -122,19 +120,23 @@ class _SphereResidual(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, g):
         h, f, s, q, a, n, sigma, c, k = ctx.saved_tensors
-        g_h = _rowdot(g, h)  # <g, h>, (..., 1)
-        g_u = _rowdot(g, f) - a / q * g_h  # <g, u>, (..., 1)
+        # The products g∘h and g∘f are formed in the two buffers that then receive the
+        # gradients, so the backward allocates only what it returns.
+        buf_f = torch.mul(g, h)  # (..., d), scratch for <g, h>, then grad_f
+        g_h = buf_f.sum(-1, keepdim=True)  # <g, h>, (..., 1)
+        buf_h = torch.mul(g, f)  # (..., d), scratch for <g, f>, then grad_h
+        g_u = buf_h.sum(-1, keepdim=True) - a / q * g_h  # <g, u>, (..., 1)
         g_sigma = _sigma_vjp(ctx.retraction, ctx.kind, sigma, c, k, g_h, s * g_u)
         ks = k * s
         mu = 2.0 * g_sigma * s * s / q
         t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
         grad_h = grad_f = grad_s = None
         if ctx.needs_input_grad[1]:
-            grad_f = g * ks  # (..., d)
+            grad_f = torch.mul(g, ks, out=buf_f)  # (..., d)
             grad_f.addcmul_(f, mu).addcmul_(h, -t)
         if ctx.needs_input_grad[0]:
             coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * sigma) / q
-            grad_h = g * (c - ks * a / q)  # (..., d)
+            grad_h = torch.mul(g, c - ks * a / q, out=buf_h)  # (..., d)
             grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
         if ctx.needs_input_grad[2]:
             grad_s = (k * g_u + 2.0 * g_sigma * s * n / q).sum().reshape(s.shape)

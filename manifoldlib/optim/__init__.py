@@ -9,7 +9,12 @@
 """
 
 from .builder import CombinedOptimizer, assign_parameters, build_optimizer
-from .diagnostics import constraint_residual, max_attention_logit, optimizer_diagnostics, spectral_norm
+from .diagnostics import (
+    constraint_residual,
+    max_attention_logit,
+    optimizer_diagnostics,
+    spectral_norm,
+)
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
 from .policies import (
     RolePolicy,
@@ -22,8 +27,8 @@ from .policies import (
 from .steepest import SteepestInfo, steepest_direction, tangent_residual
 
 __all__ = [
-    "CombinedOptimizer",
     "MUON_MANIFOLDS",
+    "CombinedOptimizer",
     "ManifoldMuon",
     "RolePolicy",
     "SteepestInfo",

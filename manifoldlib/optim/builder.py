@@ -34,7 +34,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
 
 
 def assign_parameters(
-    model: nn.Module, policy: "str | Policy" = "hetero", *, classifier: Classifier | None = None
+    model: nn.Module, policy: str | Policy = "hetero", *, classifier: Classifier | None = None
 ) -> dict[str, str | None]:
     """Apply a policy: qualified parameter name -> manifold name, or ``None`` for AdamW.
 
@@ -118,7 +118,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
 def build_optimizer(
     model: nn.Module,
-    policy: "str | Policy" = "hetero",
+    policy: str | Policy = "hetero",
     lr: float = 0.02,
     adamw_lr: float = 3e-3,
     weight_decay: float = 0.0,

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..functional.dgram import off_diagonal
 
-__all__ = ["constraint_residual", "spectral_norm", "optimizer_diagnostics", "max_attention_logit"]
+__all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
 
 
 def _tall(w: torch.Tensor) -> torch.Tensor:

@@ -44,14 +44,14 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
-from .steepest import gram_msign_factor, steepest_direction
+from .steepest import steepest_direction
 
 __all__ = [
-    "ManifoldMuon",
-    "manifold_muon",
-    "MUON_MANIFOLDS",
     "ADJUST_LR_FNS",
     "DEFAULT_RETRACTIONS",
+    "MUON_MANIFOLDS",
+    "ManifoldMuon",
+    "manifold_muon",
 ]
 
 # Defaults follow torch.optim.Muon (Keller Jordan's constants).
@@ -65,6 +65,8 @@ DEFAULT_WEIGHT_DECAY = 0.1
 DEFAULT_MOMENTUM = 0.95
 DEFAULT_DUAL_TOL = 1e-3
 DEFAULT_DUAL_MAX_ITER = 30
+#: Stop a dual solve after this many iterations without a 10% residual improvement.
+DUAL_PATIENCE = 6
 
 #: Manifold names a ManifoldMuon group may use.
 MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram")
@@ -217,9 +219,12 @@ def manifold_muon(
             ns_coefficients=coefficients,
             eps=eps,
             correction=state.get("dual_correction") if warm_start else None,
+            step_size=state.get("dual_step") if warm_start else None,
+            patience=DUAL_PATIENCE,
             return_info=True,
         )
         state["dual_correction"] = info.correction
+        state["dual_step"] = info.step_size
         state["dual_iterations"] = int(info.iterations)
         state["dual_residual"] = float(info.residual)
         base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w

@@ -26,25 +26,24 @@ differently passes a *classifier* ``classifier(name, module) -> "attn" | "mlp" |
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
 
 import torch
 from torch import nn
 
 __all__ = [
-    "Policy",
-    "Classifier",
-    "RolePolicy",
     "HEAD_NAMES",
+    "Classifier",
+    "Policy",
+    "RolePolicy",
     "available_policies",
-    "get_policy",
-    "register_policy",
     "default_classifier",
+    "get_policy",
     "is_hidden_matrix",
+    "register_policy",
 ]
 
-Policy = Callable[[str, nn.Module, torch.Tensor], Optional[str]]
-Classifier = Callable[[str, nn.Module], Optional[str]]
+Policy = Callable[[str, nn.Module, torch.Tensor], str | None]
+Classifier = Callable[[str, nn.Module], str | None]
 
 #: Module names treated as the output head (never a hidden matrix).
 HEAD_NAMES = ("lm_head", "head")
@@ -79,7 +78,7 @@ def available_policies() -> list[str]:
     return sorted(_POLICIES)
 
 
-def get_policy(policy: "str | Policy", *, classifier: Classifier | None = None) -> Policy:
+def get_policy(policy: str | Policy, *, classifier: Classifier | None = None) -> Policy:
     """Resolve a registered name (or pass a callable through); bind ``classifier`` to a built-in.
 
     Raises:
@@ -137,7 +136,7 @@ class RolePolicy:
         self.attn, self.mlp, self.other = attn, mlp, other
         self.classifier = default_classifier if classifier is None else classifier
 
-    def with_classifier(self, classifier: Classifier) -> "RolePolicy":
+    def with_classifier(self, classifier: Classifier) -> RolePolicy:
         """The same assignment with another classifier."""
         if not callable(classifier):
             raise ValueError(f"classifier must be callable, got {classifier!r}")

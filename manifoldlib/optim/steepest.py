@@ -57,9 +57,9 @@ from ..functional.msign import (
 )
 
 __all__ = [
-    "STEEPEST_MANIFOLDS",
-    "DEFAULT_TOL",
     "DEFAULT_MAX_ITER",
+    "DEFAULT_TOL",
+    "STEEPEST_MANIFOLDS",
     "SteepestInfo",
     "steepest_direction",
     "tangent_residual",
@@ -90,6 +90,8 @@ class SteepestInfo:
         correction: :math:`\Lambda - \Lambda_0` (what the dual iterations added to the closed-form
             start); pass it back as ``correction`` to warm-start at a *new* point.
         history: residual after each dual iteration (starting with the initial one).
+        step_size: the last Barzilai–Borwein dual step; pass it back as ``step_size`` to start
+            the next solve with the curvature this one learned.
     """
 
     iterations: int
@@ -98,9 +100,12 @@ class SteepestInfo:
     multiplier: torch.Tensor | None
     correction: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
+    step_size: float | None = None
 
 
-def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold: str, tol: float, max_iter: int) -> None:
+def _check_inputs(
+    w: torch.Tensor, g: torch.Tensor, manifold: str, tol: float, max_iter: int, patience: int | None
+) -> None:
     if manifold not in STEEPEST_MANIFOLDS:
         raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(STEEPEST_MANIFOLDS)}")
     if g.dim() != 2:
@@ -111,6 +116,8 @@ def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold: str, tol: float, m
         raise ValueError(f"tol must be > 0, got {tol!r}")
     if not (isinstance(max_iter, int) and max_iter >= 0):
         raise ValueError(f"max_iter must be an int >= 0, got {max_iter!r}")
+    if patience is not None and not (isinstance(patience, int) and patience >= 1):
+        raise ValueError(f"patience must be None or an int >= 1, got {patience!r}")
 
 
 def _ns_schedule(method: str, coefficients) -> tuple[tuple[float, float, float], ...]:
@@ -237,16 +244,28 @@ class _DualProblem:
         return (self.g_perp + self.q @ m) @ r  # X R = msign(X), (m, n)
 
 
-def _dual_solve(problem: _DualProblem, lam: torch.Tensor, tol: float, max_iter: int, history: list[float]):
+def _dual_solve(
+    problem: _DualProblem,
+    lam: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    history: list[float],
+    step: float | None,
+    patience: int | None,
+):
     h, residual, state = problem.evaluate(lam)
     history.append(residual)
     n = lam.size(-1)
-    # initial step ~ sigma / 4 (curvature of the nuclear norm is ~ 1/sigma), sigma ~ ||X||_F / sqrt(n)
-    step = 0.25 / math.sqrt(n)
+    if step is None:
+        # ~ sigma / 4 (the nuclear norm's curvature is ~ 1/sigma), sigma ~ ||X||_F / sqrt(n) <= 1/sqrt(n)
+        step = 0.25 / math.sqrt(n)
     lam_prev = grad_prev = None
     best = (residual, lam, state)
-    iterations = 0
-    while residual > tol and iterations < max_iter:
+    iterations = since_progress = 0
+    progress_mark = residual
+    while not residual <= tol and iterations < max_iter:  # a NaN residual keeps iterating
+        if patience is not None and since_progress >= patience:
+            break  # stalled (e.g. a rank-deficient dual optimum): keep the best iterate
         grad = h / problem.metric  # preconditioned dual gradient
         if lam_prev is not None:
             s_vec = lam - lam_prev
@@ -263,10 +282,14 @@ def _dual_solve(problem: _DualProblem, lam: torch.Tensor, tol: float, max_iter: 
         iterations += 1
         h, residual, state = problem.evaluate(lam)
         history.append(residual)
-        if residual < best[0]:
+        if residual < best[0] or best[0] != best[0]:
             best = (residual, lam, state)
+        if residual < 0.9 * progress_mark:
+            progress_mark, since_progress = residual, 0
+        else:
+            since_progress += 1
     residual, lam, state = best
-    return lam, state, residual, iterations
+    return lam, state, residual, iterations, step
 
 
 def steepest_direction(
@@ -282,6 +305,8 @@ def steepest_direction(
     eps: float = 1e-7,
     multiplier: torch.Tensor | None = None,
     correction: torch.Tensor | None = None,
+    step_size: float | None = None,
+    patience: int | None = None,
     return_info: bool = False,
 ):
     r"""Steepest unit direction of ``G`` under the spectral norm in the tangent space at ``W``.
@@ -319,6 +344,11 @@ def steepest_direction(
         correction: warm start :math:`\Lambda_0 + \Delta` with :math:`\Delta` the ``correction``
             of a previous solve: the right warm start after the point moved (the optimizer's), since
             :math:`\Lambda_0` already carries the closed-form part (exact for square Stiefel).
+        step_size: first dual step (default :math:`1/(4\sqrt{n})`, about a quarter of a typical
+            singular value of the normalized problem); later steps follow Barzilai–Borwein.
+        patience: stop early once this many iterations in a row failed to cut the best residual
+            by 10% (``None``: run to ``tol`` or ``max_iter``). Guards the cost where the dual
+            optimum is rank deficient and the residual stalls (square DGram).
         return_info: also return a :class:`SteepestInfo`.
 
     Returns:
@@ -328,7 +358,7 @@ def steepest_direction(
         ValueError: unknown manifold or method, mismatched shapes, bad ``tol``/``max_iter``, or a
             multiplier of the wrong shape.
     """
-    _check_inputs(W, G, manifold, tol, max_iter)
+    _check_inputs(W, G, manifold, tol, max_iter, patience)
     if msign_method not in MSIGN_METHODS or msign_method == "newton":
         valid = [m for m in MSIGN_METHODS if m != "newton"]
         raise ValueError(f"unknown msign_method {msign_method!r}; valid: {', '.join(valid)}")
@@ -344,7 +374,7 @@ def steepest_direction(
             r = gram_msign_factor(g.mT @ g, msign_method, ns_steps, coefficients=ns_coefficients, eps=eps)
             a = g @ r
         a = a.mT if transposed else a
-        info = SteepestInfo(0, 0.0, True, multiplier, correction, [0.0])
+        info = SteepestInfo(0, 0.0, True, multiplier, correction, [0.0], step_size)
         return (a.to(out_dtype), info) if return_info else a.to(out_dtype)
     w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
@@ -362,10 +392,12 @@ def steepest_direction(
         start = problem.mask(0.5 * (start + start.mT)).to(work_dtype)
         lam = start if label == "multiplier" else lam0 + start
     history: list[float] = []
-    lam, state, residual, iterations = _dual_solve(problem, lam, float(tol), max_iter, history)
+    lam, state, residual, iterations, last_step = _dual_solve(
+        problem, lam, float(tol), max_iter, history, step_size, patience
+    )
     a = problem.direction(state)
     a = a.mT if transposed else a
     a = a.to(out_dtype)
     if not return_info:
         return a
-    return a, SteepestInfo(iterations, residual, residual <= tol, lam, lam - lam0, history)
+    return a, SteepestInfo(iterations, residual, residual <= tol, lam, lam - lam0, history, last_step)

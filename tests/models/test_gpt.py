@@ -7,44 +7,11 @@ import math
 import pytest
 import torch
 
-from manifoldlib.retractions import AngleRetraction, register_retraction
-from manifoldlib.retractions import base as retraction_base
 from models import GPT, GPTConfig
 from models.connections import CONNECTIONS
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # Tiny models: intra-op threads only add OpenMP synchronization (10x slower on a shared CPU).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 TINY = {"vocab_size": 32, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
-
-
-class _UserP3(AngleRetraction):
-    order = 2
-
-    def angle(self, beta):
-        return 3.0 * torch.atan(beta / 3.0)
-
-
-@pytest.fixture
-def user_p3_name():
-    """Register :class:`_UserP3` by name for one test, then restore the registry (other suites
-    enumerate the registered sphere retractions)."""
-    saved = dict(retraction_base._REGISTRY["sphere"])
-    register_retraction("sphere", "test-gpt-p3")(_UserP3)
-    try:
-        yield "test-gpt-p3"
-    finally:
-        retraction_base._REGISTRY["sphere"].clear()
-        retraction_base._REGISTRY["sphere"].update(saved)
 
 
 def _model(seed: int = 0, **overrides) -> GPT:

@@ -21,9 +21,7 @@ from manifoldlib.retractions import (
     GnomonicRetraction,
     PRetraction,
     get_retraction,
-    register_retraction,
 )
-from manifoldlib.retractions import base as retraction_base
 
 
 class _UserP3(AngleRetraction):
@@ -33,19 +31,6 @@ class _UserP3(AngleRetraction):
 
     def angle(self, beta):
         return 3.0 * torch.atan(beta / 3.0)
-
-
-@pytest.fixture
-def user_p3_name():
-    """Register :class:`_UserP3` by name for one test, then restore the registry (other suites
-    enumerate the registered sphere retractions)."""
-    saved = dict(retraction_base._REGISTRY["sphere"])
-    register_retraction("sphere", "test-nn-p3")(_UserP3)
-    try:
-        yield "test-nn-p3"
-    finally:
-        retraction_base._REGISTRY["sphere"].clear()
-        retraction_base._REGISTRY["sphere"].update(saved)
 
 
 RETRACTIONS = {

@@ -164,6 +164,27 @@ def test_gram_form_equals_newton_schulz_on_the_matrix():
     torch.testing.assert_close(x @ r, newton_schulz(x, JORDAN5_COEFFICIENTS, 5), rtol=0, atol=1e-10)
 
 
+def test_patience_stops_a_stalled_solve_and_keeps_the_best_iterate():
+    # square DGram: the dual optimum is rank deficient, the residual stalls well above 1e-8
+    w, g = _instance(8, 8, "dgram", seed=1)
+    _, full = steepest_direction(w, g, "dgram", tol=1e-8, max_iter=60, return_info=True)
+    _, short = steepest_direction(w, g, "dgram", tol=1e-8, max_iter=60, patience=3, return_info=True)
+    assert full.iterations == 60 and not full.converged
+    assert short.iterations < 60
+    assert short.residual == min(short.history)
+    assert full.residual == min(full.history)
+
+
+def test_step_size_warm_start_is_returned_and_accepted():
+    w, g = _instance(24, 6, "stiefel", seed=11, lowrank=True)
+    _, first = steepest_direction(w, g, "stiefel", tol=1e-6, max_iter=500, return_info=True)
+    assert first.step_size is not None and first.step_size > 0
+    a, second = steepest_direction(w, g, "stiefel", tol=1e-6, max_iter=500, step_size=first.step_size,
+                                   return_info=True)
+    assert second.converged
+    assert float(tangent_residual(w, a, "stiefel")) <= 1e-6
+
+
 def test_zero_gradient_gives_zero_direction():
     w, _ = _instance(8, 3, "stiefel", seed=0)
     a = steepest_direction(w, torch.zeros_like(w), "stiefel")
@@ -179,6 +200,7 @@ def test_zero_gradient_gives_zero_direction():
         ({"max_iter": -1}, "max_iter must be"),
         ({"msign_method": "qr"}, "unknown msign_method 'qr'"),
         ({"multiplier": torch.zeros(2, 2, dtype=torch.float64)}, r"multiplier must have shape \(3, 3\)"),
+        ({"patience": 0}, "patience must be None or an int >= 1, got 0"),
     ],
 )
 def test_bad_input(kwargs, match):

@@ -11,7 +11,7 @@ TUTORIAL = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tutorials" / 
 
 def _code_blocks(text: str) -> list[str]:
     blocks = []
-    for match in re.finditer(r"^\.\. code-block:: python\n\n((?:(?:    .*)?\n)+)", text, flags=re.M):
+    for match in re.finditer(r"^\.\. code-block:: python\n\n((?:(?:    .*)?\n)+)", text, flags=re.MULTILINE):
         blocks.append(textwrap.dedent(match.group(1)))
     return blocks
 

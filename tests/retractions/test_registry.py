@@ -18,7 +18,6 @@ from manifoldlib.retractions import (
     register_retraction,
     resolve_retraction,
 )
-from manifoldlib.retractions import base as registry_base
 
 DESIGN_NAMES = {
     "sphere": {"exp", "gnomonic", "projection", "cayley", "stereographic", "p"},
@@ -26,14 +25,6 @@ DESIGN_NAMES = {
     "dgram": {"alternating", "colnorm-polar"},
     "euclidean": {"add"},
 }
-
-
-@pytest.fixture
-def clean_registry(monkeypatch):
-    """Let a test register retractions without leaking them into other tests."""
-    for table in (registry_base._REGISTRY, registry_base._ALIASES):
-        for family in list(table):
-            monkeypatch.setitem(table, family, dict(table[family]))
 
 
 @pytest.mark.parametrize("family", sorted(DESIGN_NAMES))

@@ -6,9 +6,7 @@ import pathlib
 import re
 import textwrap
 
-import pytest
 
-from manifoldlib.retractions import base as registry_base
 
 TUTORIAL = (
     pathlib.Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "custom_retraction.rst"
@@ -22,13 +20,6 @@ def _code_blocks(text: str) -> list[str]:
     ):
         blocks.append(textwrap.dedent(match.group(1)))
     return blocks
-
-
-@pytest.fixture
-def clean_registry(monkeypatch):
-    for table in (registry_base._REGISTRY, registry_base._ALIASES):
-        for family in list(table):
-            monkeypatch.setitem(table, family, dict(table[family]))
 
 
 def test_tutorial_has_the_expected_blocks():
