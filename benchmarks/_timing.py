@@ -72,3 +72,17 @@ def median_min_table(times: dict[str, list[float]], anchor: str, width: int = 40
             f"{name:{width}s} {t * 1e3:7.2f}ms {t / base:6.3f} {t_min * 1e3:7.2f}ms {t_min / base_min:6.3f}"
         )
     return rows
+
+
+def add_device_arguments(parser) -> None:
+    """``--device``, ``--threads`` (0: leave torch's default) and ``--dtype`` options."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+
+
+def apply_device_arguments(args) -> tuple[torch.device, torch.dtype]:
+    """Set the thread count from ``args`` and return ``(device, dtype)``."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return torch.device(args.device), getattr(torch, args.dtype)

@@ -3,7 +3,8 @@
 Matrices: GPT-small shapes, 768x768 (attention) and 768x3072 / 3072x768 (MLP). The gradients are
 a fixed low-rank signal plus fresh noise each step (consecutive steps are correlated, as in
 training, so the warm start has something to reuse). Prints, per optimizer: seconds per step, the
-ratio to torch.optim.Muon, dual iterations per matrix per step, and the largest relative tangent
+ratio to torch.optim.Muon (median of per-step ratios, each against an anchor step run just
+before on the same gradients), dual iterations per matrix per step, and the largest relative tangent
 residual of the dual solutions.
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--threads 2] [--max-iter 30] [--tol 1e-3]
@@ -41,24 +42,35 @@ def _params(seed: int = 1) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(0.02 * torch.randn(m, n, generator=g)) for m, n in SHAPES]
 
 
-def _run(make, grads) -> dict:
-    params = _params()
-    opt = make(params)
-    times, iters, residuals = [], [], []
+def _timed_step(opt, params, grads) -> float:
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    start = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def _run(make, anchor_make, grads) -> dict:
+    """Time ``make``'s optimizer; each step is paired with an anchor step run just before it on
+    the same gradients, and the ratio is the median of the per-step ratios (robust to the load of
+    a shared machine drifting during the run)."""
+    params, anchor_params = _params(), _params()
+    opt, anchor = make(params), anchor_make(anchor_params)
+    times, ratios, iters, residuals = [], [], [], []
     for k, step_grads in enumerate(grads):
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.clone()
-        start = time.perf_counter()
-        opt.step()
-        elapsed = time.perf_counter() - start
-        if k > 0:  # the first step is warm-up (allocation, first multiplier)
-            times.append(elapsed)
-            for p in params:
-                state = opt.state[p]
-                iters.append(state.get("dual_iterations", 0))
-                residuals.append(state.get("dual_residual", 0.0))
+        t_anchor = _timed_step(anchor, anchor_params, step_grads)
+        t_opt = _timed_step(opt, params, step_grads)
+        if k == 0:  # warm-up step (allocation, first multiplier), not timed
+            continue
+        times.append(t_opt)
+        ratios.append(t_opt / t_anchor)
+        for p in params:
+            state = opt.state[p]
+            iters.append(state.get("dual_iterations", 0))
+            residuals.append(state.get("dual_residual", 0.0))
     return {
         "time": statistics.median(times),
+        "ratio": statistics.median(ratios),
         "iters": statistics.mean(iters) if iters else 0.0,
         "max_iters": max(iters) if iters else 0,
         "residual": max(residuals) if residuals else 0.0,
@@ -93,15 +105,14 @@ def main() -> None:
     }
     print(f"shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
           f"cap {args.max_iter}, dual msign {args.msign}")
-    anchor = None
+    anchor_make = runs["torch.optim.Muon (anchor)"]
     print(f"{'optimizer':40s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
     wanted = [w for w in args.only.split(",") if w]
     for name, make in runs.items():
         if wanted and "anchor" not in name and not any(w in name for w in wanted):
             continue
-        r = _run(make, grads)
-        anchor = r["time"] if anchor is None else anchor
-        print(f"{name:40s} {r['time']:8.3f} {r['time'] / anchor:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
+        r = _run(make, anchor_make, grads)
+        print(f"{name:40s} {r['time']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
               f"{r['residual']:10.1e}", flush=True)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import round_robin_ms
+from _timing import add_device_arguments, apply_device_arguments, round_robin_ms
 
 from manifoldlib.functional import msign
 
@@ -28,17 +28,9 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads (0: leave the default)"
-    )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    add_device_arguments(parser)
     args = parser.parse_args()
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device, dtype = apply_device_arguments(args)
     g = torch.Generator(device=device).manual_seed(0)
     shape = ((args.batch,) if args.batch > 1 else ()) + (args.rows, args.cols)
     x = torch.randn(*shape, generator=g, dtype=dtype, device=device)  # (..., m, n)

@@ -115,10 +115,14 @@ def _json_float(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def write_json(path: Path, obj: dict) -> None:
-    """Write JSON atomically (temporary file, then ``os.replace``)."""
+def write_json(path: Path, obj: dict, allow_nan: bool = False) -> None:
+    """Write JSON atomically (temporary file, then ``os.replace``).
+
+    ``allow_nan`` lets a config hold ``p = inf`` (written as ``Infinity``, which Python's
+    :mod:`json` reads back); metrics and summaries never contain non-finite numbers.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=allow_nan) + "\n")
     os.replace(tmp, path)
 
 
@@ -477,7 +481,7 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
     unigram = unigram_entropy(corpus.train, corpus.vocab_size)
     n_params = sum(p.numel() for p in model.parameters())
     if is_main:
-        write_json(out / "config.json", cfg.to_dict())
+        write_json(out / "config.json", cfg.to_dict(), allow_nan=True)
         write_json(out / "corpus.json", corpus.describe())
         if cfg.tokenizer == "bpe" and not resume:
             corpus.tokenizer.save(tokenizer_path)
@@ -556,7 +560,7 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
                     row.update(val_loss=None, diverged=True)
                     log(row)
                     break
-                row.update(val_loss=last_val, val_ppl=perplexity(last_val),
+                row.update(val_loss=last_val, val_ppl=_json_float(perplexity(last_val)),
                            **diagnostics(model, corpus, cfg, device))
             log(row)
             if bar is not None:

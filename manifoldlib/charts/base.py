@@ -108,6 +108,11 @@ def _own_parametrized_class(module: nn.Module) -> None:
     module.__class__ = type(cls.__name__, cls.__bases__, namespace)
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def apply_chart(
     model: nn.Module,
     chart: Callable[..., Chart],
@@ -132,6 +137,9 @@ def apply_chart(
         ValueError: if a selected tensor is a manifold-constrained parameter, is tied to (shared
             with) another module, already carries a chart, or the builder does not return a Chart.
     """
+    _check_model(model)
+    if not callable(chart):
+        raise ValueError(f"chart must be a callable chart(weight) -> Chart, got {chart!r}")
     if include is None:
         include = lambda name, module: isinstance(module, nn.Linear)
     uses: dict[int, list[str]] = {}
@@ -187,6 +195,7 @@ def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:
     Returns:
         Qualified names of the merged tensors.
     """
+    _check_model(model)
     names = []
     for mname, module in list(model.named_modules()):
         if not parametrize.is_parametrized(module):

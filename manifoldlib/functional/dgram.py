@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .msign import msign
+from .stiefel import _check_tall_pair
 
 __all__ = [
     "off_diagonal",
@@ -54,6 +55,7 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
     With :math:`Y = W + V`, :math:`c_j = \|y_j\|`: :math:`Q' = \operatorname{msign}(Y\operatorname{diag}(c))`,
     :math:`d'_j = q_j'^\top y_j` (clamped positive), :math:`R = Q'\operatorname{diag}(d')`.
     """
+    _check_tall_pair(w, v, "dgram_alternating")
     y = w + v
     c = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     q = _polar(y * c, method)
@@ -64,6 +66,7 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
 
 def dgram_colnorm_polar(w: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
     r"""Column-normalized polar retraction (first order): :math:`\operatorname{msign}(Y D_Y^{-1}) D_Y`."""
+    _check_tall_pair(w, v, "dgram_colnorm_polar")
     y = w + v
     c = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     return _polar(y / c, method) * c

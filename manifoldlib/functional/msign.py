@@ -102,9 +102,15 @@ def newton_schulz(
     _check_matrix(x)
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if len(coefficients) == 0:
+        raise ValueError(f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}")
     schedule = (
         (coefficients,) if isinstance(coefficients[0], (int, float)) else tuple(coefficients)
     )
+    if any(len(triple) != 3 for triple in schedule):
+        raise ValueError(
+            f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}"
+        )
     out_dtype = x.dtype
     y = x.to(_compute_dtype(x.dtype))
     transposed = y.size(-2) > y.size(-1)

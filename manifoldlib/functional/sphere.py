@@ -105,6 +105,8 @@ def p_coefficients(sigma: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.T
     :math:`\theta = \sqrt\sigma\, g` and :math:`k = (\sin\theta/\theta)\, g`.
     ``p = inf`` is the exponential map.
     """
+    if not p > 0:  # also rejects NaN
+        raise ValueError(f"p must be in (0, inf], got {p!r}")
     if math.isinf(p):
         return exponential_coefficients(sigma)
     threshold = _series_threshold(sigma.dtype)

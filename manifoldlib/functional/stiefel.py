@@ -28,6 +28,16 @@ __all__ = [
 ]
 
 
+def _check_tall_pair(x: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """``x`` must be ``(..., m, n)`` with ``m >= n`` and ``v`` of the same matrix shape."""
+    if x.dim() < 2 or x.size(-2) < x.size(-1):
+        raise ValueError(f"{what} needs points (..., m, n) with m >= n, got shape {tuple(x.shape)}")
+    if v.shape[-2:] != x.shape[-2:]:
+        raise ValueError(
+            f"{what} needs v with the matrix shape {tuple(x.shape[-2:])} of x, got shape {tuple(v.shape)}"
+        )
+
+
 def _linalg_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
@@ -77,6 +87,7 @@ def stiefel_polar(x: torch.Tensor, v: torch.Tensor, method: str = "auto") -> tor
     :math:`V = 0`, where all singular values equal 1). Any :func:`~manifoldlib.functional.msign`
     method may be named instead.
     """
+    _check_tall_pair(x, v, "stiefel_polar")
     y = x + v
     if method == "auto":
         method = "newton" if (torch.is_grad_enabled() and y.requires_grad) else "svd"
@@ -85,6 +96,7 @@ def stiefel_polar(x: torch.Tensor, v: torch.Tensor, method: str = "auto") -> tor
 
 def stiefel_qr(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     r"""QR retraction: :math:`Q\,\operatorname{diag}(\operatorname{sign}\operatorname{diag} R)` for :math:`X + V = QR`."""
+    _check_tall_pair(x, v, "stiefel_qr")
     y = x + v
     q, r = torch.linalg.qr(y.to(_linalg_dtype(y)))
     d = torch.diagonal(r, dim1=-2, dim2=-1)
@@ -100,6 +112,7 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     :math:`(I - \tfrac12 W)^{-1}(I + \tfrac12 W)X` for :math:`W = PVX^\top - XV^\top P`.
     Cost :math:`O(mn^2)`; the solve is :math:`2n \times 2n`.
     """
+    _check_tall_pair(x, v, "stiefel_cayley")
     dtype = _linalg_dtype(x)
     xx, vv = x.to(dtype), v.to(dtype)
     pv = vv - 0.5 * xx @ (xx.mT @ vv)  # (..., m, n)
@@ -120,6 +133,7 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     :math:`A = X^\top V`, :math:`S = V^\top V`:
     :math:`[X\ V]\,\exp\!\begin{pmatrix} A & -S \\ I & A\end{pmatrix}\begin{pmatrix}I\\0\end{pmatrix}\exp(-A)`.
     """
+    _check_tall_pair(x, v, "stiefel_exp")
     dtype = _linalg_dtype(x)
     xx, vv = x.to(dtype), v.to(dtype)
     n = x.size(-1)

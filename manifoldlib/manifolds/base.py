@@ -59,7 +59,7 @@ class RetractionManifold(geoopt.manifolds.Manifold):
 
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Retraction :math:`R_x(u)` with the chosen retraction."""
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         return self._retraction.retract(x, u)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +83,17 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         ok, reason = self._check_shape(tuple(x.shape), name)
         if not ok:
             raise ValueError(reason)
+
+    def _validate_pair(self, x: torch.Tensor, u: torch.Tensor) -> None:
+        """:meth:`_validate` ``x``, and require the vector ``u`` to have the point shape of ``x``
+        (leading batch dimensions may broadcast)."""
+        self._validate(x, "x")
+        ndim = getattr(self, "ndim", 0)
+        if ndim and tuple(u.shape[-ndim:]) != tuple(x.shape[-ndim:]):
+            raise ValueError(
+                f"'u' must have the point shape {tuple(x.shape[-ndim:])} of x on {self.name}, "
+                f"got shape {tuple(u.shape)}"
+            )
 
     def check_point_on_manifold(
         self, x: torch.Tensor, *, explain: bool = False, atol: Optional[float] = None, rtol: Optional[float] = None

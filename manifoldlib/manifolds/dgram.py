@@ -65,7 +65,7 @@ class DGram(RetractionManifold):
         return dgram_metric_projection(x)
 
     def proju(self, x, u):
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         return dgram_project_tangent(x, u)
 
     def expmap(self, x, u):

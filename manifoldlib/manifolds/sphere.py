@@ -72,18 +72,18 @@ class Sphere(RetractionManifold):
         return self.radius * x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
 
     def proju(self, x, u):
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         return sphere_project_tangent(x, u, self.radius**2)
 
     def retr(self, x, u):
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         if isinstance(self._retraction, AngleRetraction):
             return self._retraction.retract(x, u, radius=self.radius)
         return self._retraction.retract(x, u)
 
     def expmap(self, x, u):
         r"""Exponential map :math:`\cos\beta\,x + (\sin\beta/\beta)\,u`, :math:`\beta = \|u\|/r`."""
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         cos_theta, k = exponential_coefficients(sphere_normalized_sq_step(u, self.radius**2))
         return rotate(x, u, cos_theta, k)
 

@@ -67,11 +67,11 @@ class Stiefel(RetractionManifold):
         return msign(x, "svd")
 
     def proju(self, x, u):
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         return stiefel_project_tangent(x, u)
 
     def expmap(self, x, u):
-        self._validate(x, "x")
+        self._validate_pair(x, u)
         return stiefel_exp(x, u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:

@@ -143,13 +143,17 @@ class _SphereResidual(torch.autograd.Function):
         return grad_h, grad_f, grad_s, None, None
 
 
-def _check(h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor) -> None:
+def _check(h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Retraction) -> None:
     if h.shape != f.shape:
         raise ValueError(f"h and f must have the same shape (..., d), got {tuple(h.shape)} and {tuple(f.shape)}")
     if h.dim() < 1:
         raise ValueError(f"h must have shape (..., d) with at least one dimension, got {tuple(h.shape)}")
     if scale.numel() != 1:
         raise ValueError(f"scale must be a scalar tensor, got shape {tuple(scale.shape)}")
+    if not h.is_floating_point():
+        raise ValueError(f"h must be a floating-point tensor, got dtype {h.dtype}")
+    if retraction.manifold != "sphere":
+        raise ValueError(f"retraction must be a sphere retraction, got {retraction!r} of {retraction.manifold!r}")
 
 
 def sphere_residual(
@@ -170,7 +174,7 @@ def sphere_residual(
         float32 and returned in their own dtype.
     """
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
-    _check(h, f, scale)
+    _check(h, f, scale, retraction)
     if not isinstance(retraction, AngleRetraction):
         return sphere_residual_reference(h, f, scale, retraction)
     if h.dtype in _LOW_PRECISION:
@@ -189,7 +193,7 @@ def sphere_residual_reference(
     Same arguments and shapes as :func:`sphere_residual`.
     """
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
-    _check(h, f, scale)
+    _check(h, f, scale, retraction)
     radius_sq = (h * h).sum(-1, keepdim=True)  # (..., 1)
     v = scale * sphere_project_tangent(h, f.to(h.dtype), radius_sq)  # (..., d), tangent at h
     if isinstance(retraction, AngleRetraction):

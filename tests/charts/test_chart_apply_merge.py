@@ -225,3 +225,12 @@ def test_merging_a_deep_copy_leaves_the_original_charted():
     assert torch.allclose(twin(idx)[0], expected, rtol=0, atol=1e-6 * expected.abs().max().item())
     merge_charts(model)
     assert torch.allclose(model(idx)[0], expected, rtol=0, atol=1e-6 * expected.abs().max().item())
+
+
+def test_apply_and_merge_reject_what_is_not_a_model_or_a_chart():
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module, got dict"):
+        apply_chart({"w": torch.ones(2, 2)}, SEL)
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module, got int"):
+        merge_charts(3)
+    with pytest.raises(ValueError, match="chart must be a callable chart\\(weight\\) -> Chart, got 'SEL'"):
+        apply_chart(nn.Linear(2, 2), "SEL")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from manifoldlib.charts import SEL, Chart
+from manifoldlib.charts import SEL, SEL_IMPLS, SEL_INITS, Chart
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 
@@ -327,3 +327,17 @@ def test_forward_rule_rejects_unknown_impl():
     one = (torch.ones(2, 1), torch.ones(1, 3))
     with pytest.raises(ValueError, match=r"impl must be one of .* got 'cuda'"):
         sel_forward_rule(torch.zeros(2, 3), one, one, one, 10.0, impl="cuda")
+
+
+def test_every_listed_init_and_impl_is_accepted():
+    w = heavy_tailed((6, 5), torch.float64, seed=3)
+    for init in SEL_INITS:
+        chart = SEL(w, init=init)
+        assert torch.isfinite(chart(chart.right_inverse(w))).all()
+    exact = SEL(w, init="congruent")  # the congruent init inverts the forward rule exactly
+    assert (exact(exact.right_inverse(w)) - w).abs().max() <= TOL[torch.float64]
+    raw = SEL(w).right_inverse(w)
+    for impl in [i for i in SEL_IMPLS if i != "compile"]:  # compiling is too slow for the default run
+        assert (SEL(w, impl=impl)(raw) - SEL(w)(raw)).abs().max() <= TOL[torch.float64]
+    with pytest.raises(ValueError, match="init must be one of"):
+        SEL(w, init="exact")

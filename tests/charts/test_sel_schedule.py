@@ -12,6 +12,7 @@ from torch import nn
 
 from manifoldlib.charts import (
     SEL,
+    SEL_ROLES,
     SELLRMultiplier,
     apply_chart,
     sel_lr_lambdas,
@@ -34,6 +35,7 @@ def test_groups_partition_all_parameters_by_role():
     assert len(seen) == len(set(seen)) == len(list(model.parameters()))
     by_role = {g["sel_role"]: g for g in groups}
     assert list(by_role) == ["weight", "other", "e_w", "l_w", "m", "n", "delta"]
+    assert list(by_role)[2:] == list(SEL_ROLES)
     assert by_role["weight"]["weight_decay"] == 0.1 and by_role["weight"]["lr"] == 1e-3
     raw = {id(m.parametrizations.weight.original) for m in (model[0], model[2])}
     assert raw <= {id(p) for p in by_role["weight"]["params"]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from manifoldlib.distributed import destroy_process_group, init_from_env, is_distributed
+from manifoldlib.distributed import BACKENDS, destroy_process_group, init_from_env, is_distributed
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -18,6 +18,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 def test_plain_process_is_rank_zero_of_one(clean_env: pytest.MonkeyPatch) -> None:
     assert init_from_env() == (0, 1, 0)
+    for backend in BACKENDS:  # every listed backend passes validation (no group outside torchrun)
+        assert init_from_env(backend=backend) == (0, 1, 0)
     assert not is_distributed()
     destroy_process_group()  # nothing to destroy: a no-op
     assert not is_distributed()

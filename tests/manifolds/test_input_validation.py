@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
-from manifoldlib.functional import dgram_metric_projection, msign, newton_schulz
+from manifoldlib.functional import (
+    dgram_alternating,
+    dgram_colnorm_polar,
+    dgram_metric_projection,
+    msign,
+    newton_schulz,
+    p_coefficients,
+    stiefel_cayley,
+    stiefel_exp,
+    stiefel_polar,
+    stiefel_qr,
+)
 from manifoldlib.retractions import PRetraction
 
 WIDE = torch.randn(3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -129,3 +141,45 @@ def test_msign_rejects_vectors_and_negative_steps():
 def test_metric_projection_iterations():
     with pytest.raises(ValueError, match="iterations must be >= 1, got 0"):
         dgram_metric_projection(WIDE.mT, iterations=0)
+
+
+@pytest.mark.parametrize(
+    "manifold,x_shape,u_shape,point_shape,method",
+    [
+        (m, xs, us, ps, method)
+        for m, xs, us, ps in [
+            (Sphere(), (3, 4), (3, 5), (4,)),
+            (Stiefel(), (5, 3), (5, 2), (5, 3)),
+            (DGram(), (2, 5, 3), (2, 3, 5), (5, 3)),
+        ]
+        for method in ("proju", "retr", "expmap")
+        if not (method == "expmap" and isinstance(m, DGram))  # DGram has no expmap
+    ],
+)
+def test_vector_must_have_the_point_shape(manifold, x_shape, u_shape, point_shape, method):
+    x = manifold.random(*x_shape, dtype=torch.float64)
+    u = torch.zeros(u_shape, dtype=torch.float64)
+    message = rf"'u' must have the point shape {re.escape(str(point_shape))} of x on {manifold.name}, got shape {re.escape(str(u_shape))}"
+    with pytest.raises(ValueError, match=message):
+        getattr(manifold, method)(x, u)
+
+
+@pytest.mark.parametrize(
+    "kernel", [stiefel_polar, stiefel_qr, stiefel_cayley, stiefel_exp, dgram_alternating, dgram_colnorm_polar]
+)
+def test_matrix_retraction_kernels_check_their_shapes(kernel):
+    tall = torch.linalg.qr(WIDE.mT).Q  # (5, 3)
+    with pytest.raises(ValueError, match=rf"{kernel.__name__} needs points \(\.\.\., m, n\) with m >= n, got shape \(3, 5\)"):
+        kernel(WIDE, WIDE)
+    with pytest.raises(ValueError, match=rf"{kernel.__name__} needs v with the matrix shape \(5, 3\) of x, got shape \(3, 5\)"):
+        kernel(tall, WIDE)
+
+
+def test_kernel_arguments():
+    with pytest.raises(ValueError, match="p must be in \\(0, inf\\], got 0.0"):
+        p_coefficients(torch.ones(1), 0.0)
+    with pytest.raises(ValueError, match="p must be in \\(0, inf\\], got nan"):
+        p_coefficients(torch.ones(1), math.nan)
+    for bad in [(), (1.5, -0.5), ((1.5, -0.5, 0.0), (1.0,))]:
+        with pytest.raises(ValueError, match="coefficients must be one \\(a, b, c\\) triple"):
+            newton_schulz(WIDE, bad, 2)

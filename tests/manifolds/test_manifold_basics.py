@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import geoopt
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
-from manifoldlib.manifolds import available_manifolds
+from manifoldlib.manifolds import RetractionManifold, available_manifolds, default_tolerance
 from manifoldlib.testing import random_point, random_tangent
 from manifoldlib.testing import strategies as mst
 
@@ -143,3 +144,17 @@ def test_get_manifold_builds_every_family():
     )
     assert get_manifold("euclidean", ndim=2).ndim == 2
     assert "retraction=" in repr(s) and "radius=2.0" in repr(s)
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+def test_every_manifold_is_a_retraction_manifold_of_geoopt(manifold):
+    assert isinstance(manifold, RetractionManifold) and isinstance(manifold, geoopt.manifolds.Manifold)
+    assert manifold.retraction.manifold == manifold.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_default_tolerance_covers_every_float_dtype(dtype):
+    # geoopt's tolerance table knows only float32/float64; ours is defined for every dtype
+    tol = default_tolerance(dtype)
+    assert tol >= 1e-5 and tol >= 16 * torch.finfo(dtype).eps
+    assert tol == max(default_tolerance(torch.float64), 16 * torch.finfo(dtype).eps)

@@ -7,8 +7,23 @@ import math
 import pytest
 import torch
 
+from manifoldlib.nn import ScaleNorm
 from models import GPT, GPTConfig
-from models.connections import CONNECTIONS
+from models.connections import (
+    CONNECTIONS,
+    SPHERE_CONNECTIONS,
+    Keel,
+    PeriLN,
+    PostLN,
+    PreDyT,
+    PreLN,
+    SphereHead,
+    Spheret,
+    make_connection,
+    make_entry,
+    make_exit,
+)
+from models.gpt import MLP, Block, CausalSelfAttention
 
 
 TINY = {"vocab_size": 32, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -160,6 +175,8 @@ def test_block_submodule_names_for_optimizer_policies():
     model = _model(n_layer=3)
     for i in range(3):
         block = model.blocks[i]
+        assert isinstance(block, Block) and isinstance(block.attn, CausalSelfAttention)
+        assert isinstance(block.mlp, MLP)
         for name in ("q", "k", "v", "o"):
             assert isinstance(getattr(block.attn, name), torch.nn.Linear)
         for name in ("fc", "proj"):
@@ -240,3 +257,38 @@ def test_dropout_is_active_in_training_only():
     model.eval()
     assert torch.equal(model(idx)[0], model(idx)[0])
     assert torch.allclose(model(idx)[0], plain(idx)[0], rtol=0, atol=1e-6)
+
+
+CONNECTION_CLASSES = {
+    "pre-ln": PreLN, "post-ln": PostLN, "peri-ln": PeriLN, "pre-dyt": PreDyT, "keel": Keel,
+    "geonorm": Spheret, "spheret": Spheret,
+}
+
+
+@pytest.mark.parametrize("connection", CONNECTIONS)
+def test_connection_factories(connection):
+    cfg = GPTConfig(**{**TINY, "connection": connection})
+    conn = make_connection(cfg, layer=3)
+    assert type(conn) is CONNECTION_CLASSES[connection]
+    entry, exit_ = make_entry(cfg), make_exit(cfg)
+    on_sphere = connection in SPHERE_CONNECTIONS
+    assert isinstance(entry, ScaleNorm) == on_sphere and isinstance(exit_, SphereHead) == on_sphere
+    x = torch.randn(2, 5, TINY["n_embd"], generator=torch.Generator().manual_seed(0))  # (B, T, C)
+    if on_sphere:
+        x = entry(x)
+        assert conn.residual.layer == 3
+    out = conn(x, lambda t: 0.5 * t.flip(-1))
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    if on_sphere:  # the residual keeps the radius the entry set
+        assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    if connection == "keel":
+        assert conn.alpha == 2 * TINY["n_layer"]
+
+
+def test_sphere_head_scales_by_one_learnable_scalar():
+    head = SphereHead(TINY["n_embd"])
+    h = torch.randn(3, TINY["n_embd"])
+    assert [n for n, _ in head.named_parameters()] == ["scale"] and torch.equal(head(h), h)
+    with torch.no_grad():
+        head.scale.fill_(2.0)
+    assert torch.equal(head(h), 2.0 * h)

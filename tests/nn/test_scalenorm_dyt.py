@@ -22,6 +22,15 @@ def test_scalenorm_output_lies_on_the_sphere_of_radius_g(seed, dim, magnitude):
     assert float((y / y.norm(dim=-1, keepdim=True) - x / x.norm(dim=-1, keepdim=True)).abs().max()) <= 1e-14
 
 
+def test_scalenorm_float32_tier():
+    norm = ScaleNorm(64)
+    x = 1e3 * torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    y = norm(x)
+    eps32 = torch.finfo(torch.float32).eps
+    assert y.dtype == torch.float32
+    assert float((y.norm(dim=-1) / norm.scale.detach() - 1).abs().max()) <= 8 * eps32
+
+
 def test_scalenorm_zero_input_has_finite_gradients():
     norm = ScaleNorm(6)
     x = torch.zeros(2, 6, requires_grad=True)

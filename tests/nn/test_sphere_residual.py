@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from manifoldlib.nn import (
+    DAMPINGS,
     SphereResidual,
     damping_factor,
     sphere_residual,
@@ -186,6 +187,10 @@ def test_user_retraction_by_name_and_instance(user_p3_name):
 
 
 def test_damping_schedules():
+    for damping in DAMPINGS:  # every listed name is accepted, by the function and the layer
+        assert SphereResidual(8, layer=4, damping=damping).damping_factor == damping_factor(damping, 4)
+    with pytest.raises(ValueError, match="unknown damping 'cosine'; valid dampings: " + ", ".join(DAMPINGS)):
+        damping_factor("cosine", 4)
     assert damping_factor("sqrt", 4) == 0.5
     assert damping_factor("linear", 4) == 0.25
     assert damping_factor("none", 4) == 1.0
@@ -231,6 +236,12 @@ def test_bad_dim_and_shapes_raise():
         res(torch.randn(3, 7), torch.randn(3, 7))
     with pytest.raises(ValueError, match="same shape"):
         res(torch.randn(3, 8), torch.randn(2, 8))
+    h = torch.ones(2, 3)
+    for fn in (sphere_residual, sphere_residual_reference):
+        with pytest.raises(ValueError, match="h must be a floating-point tensor, got dtype torch.int64"):
+            fn(h.long(), h.long(), 1.0, get_retraction("sphere", "gnomonic"))
+        with pytest.raises(ValueError, match="retraction must be a sphere retraction, got .* of 'stiefel'"):
+            fn(h, h, 1.0, get_retraction("stiefel", "polar"))
 
 
 def test_low_precision_update_keeps_the_stream_dtype():

@@ -7,11 +7,19 @@ import torch
 
 from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
 from manifoldlib.retractions import (
+    MANIFOLD_NAMES,
+    AddRetraction,
     AngleRetraction,
     CayleyRetraction,
+    DGramAlternatingRetraction,
+    DGramColnormPolarRetraction,
+    ExponentialRetraction,
     GnomonicRetraction,
     PRetraction,
     Retraction,
+    StiefelCayleyRetraction,
+    StiefelExpRetraction,
+    StiefelPolarRetraction,
     StiefelQRRetraction,
     available_retractions,
     get_retraction,
@@ -163,3 +171,34 @@ def test_with_retraction_keeps_geometry(manifold):
 def test_sphere_with_p_option():
     s = Sphere(2.0).with_retraction("p", p=0.5)
     assert s.radius == 2.0 and s.retraction == PRetraction(0.5)
+
+
+@pytest.mark.parametrize(
+    "family,name,cls,order",
+    [
+        ("sphere", "exp", ExponentialRetraction, 2),
+        ("sphere", "gnomonic", GnomonicRetraction, 2),
+        ("sphere", "cayley", CayleyRetraction, 2),
+        ("sphere", "p", PRetraction, 2),
+        ("stiefel", "polar", StiefelPolarRetraction, 2),
+        ("stiefel", "qr", StiefelQRRetraction, 1),
+        ("stiefel", "cayley", StiefelCayleyRetraction, 1),
+        ("stiefel", "exp", StiefelExpRetraction, 2),
+        ("dgram", "alternating", DGramAlternatingRetraction, 2),
+        ("dgram", "colnorm-polar", DGramColnormPolarRetraction, 1),
+        ("euclidean", "add", AddRetraction, 2),
+    ],
+)
+def test_public_classes_are_what_their_names_build(family, name, cls, order):
+    # the orders are those of MATH.md's tables; tests/testing measures them
+    r = get_retraction(family, name)
+    assert type(r) is cls and (cls.name, cls.manifold, cls.order) == (name, family, order)
+
+
+def test_manifold_names_are_the_registries():
+    assert set(MANIFOLD_NAMES) == set(DESIGN_NAMES)
+    for family in MANIFOLD_NAMES:
+        assert available_retractions(family)
+    with pytest.raises(ValueError, match="unknown manifold 'torus' for a retraction; valid manifolds: "
+                       + ", ".join(MANIFOLD_NAMES)):
+        available_retractions("torus")

@@ -11,6 +11,8 @@ from manifoldlib import DGram, Euclidean, Sphere, Stiefel
 from manifoldlib.functional import stiefel_qr
 from manifoldlib.retractions import AngleRetraction, PRetraction, Retraction
 from manifoldlib.testing import (
+    DEFAULT_TS,
+    ORDER_TOLERANCE,
     assert_retraction,
     central_difference_error,
     random_point,
@@ -201,3 +203,15 @@ def test_order_depends_on_shape_where_theory_says_so():
     assert abs(retraction_order(Stiefel(retraction="cayley"), square) - 2.0) < 0.05
     column = DGram().random(2, 5, 1, generator=g, dtype=torch.float64)
     assert retraction_order(DGram(retraction="colnorm-polar"), column) == math.inf
+
+
+def test_default_step_sizes_and_tolerance():
+    # MATH.md §7: ratio e(t)/e(t/2) for t in [1e-3, 1e-1]
+    assert min(DEFAULT_TS) >= 1e-3 and max(DEFAULT_TS) <= 1e-1 and len(set(DEFAULT_TS)) == len(DEFAULT_TS)
+    s = Sphere(retraction="cayley")
+    assert retraction_order(s) == retraction_order(s, ts=DEFAULT_TS)  # the default
+    # the tolerance separates the two claims: a first-order measurement (about 1) is not
+    # within it of 2, and a second-order one (about 2) is not within it of 1
+    assert 0 < ORDER_TOLERANCE < 0.5
+    with pytest.raises(AssertionError, match="claims order 1"):
+        assert_retraction(s, order=1, order_tolerance=ORDER_TOLERANCE)

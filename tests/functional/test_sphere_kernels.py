@@ -1,0 +1,107 @@
+"""Sphere and DGram kernels of :mod:`manifoldlib.functional` tested directly (MATH.md §1, §5):
+the closed forms agree with the general p-family, every member is a rotation
+(:math:`\\cos^2\\theta + k^2\\sigma = 1`), and the projections are orthogonal projections."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib.functional import (
+    cayley_coefficients,
+    dgram_normal_multiplier,
+    dgram_project_tangent,
+    exponential_coefficients,
+    gnomonic_coefficients,
+    off_diagonal,
+    p_coefficients,
+    rotate,
+    sphere_normalized_sq_step,
+    sphere_project_tangent,
+)
+
+EPS = {torch.float64: torch.finfo(torch.float64).eps, torch.float32: torch.finfo(torch.float32).eps}
+# sigma from 0 (v = 0) through the series switch (1e-4) to steps of 30 radii
+SIGMAS = torch.cat([torch.zeros(1), torch.logspace(-12, 3, 61, dtype=torch.float64)]).unsqueeze(-1)
+FAMILIES = {
+    "gnomonic": gnomonic_coefficients,
+    "cayley": cayley_coefficients,
+    "exp": exponential_coefficients,
+    "p=0.5": lambda s: p_coefficients(s, 0.5),
+    "p=3": lambda s: p_coefficients(s, 3.0),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("closed,p", [(gnomonic_coefficients, 1.0), (cayley_coefficients, 2.0),
+                                      (exponential_coefficients, math.inf)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_closed_forms_equal_the_p_family(closed, p, dtype):
+    sigma = SIGMAS.to(dtype)
+    for got, want in zip(closed(sigma), p_coefficients(sigma, p)):
+        assert (got - want).abs().max() <= 8 * EPS[dtype]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_coefficients_are_a_rotation(name, dtype):
+    # R_x(v) = cos θ x + k v with k = sin θ / β: cos²θ + k²σ = sin²θ + cos²θ = 1
+    sigma = SIGMAS.to(dtype)
+    c, k = FAMILIES[name](sigma)
+    assert (c * c + k * k * sigma - 1).abs().max() <= 8 * EPS[dtype]
+    assert torch.equal(c[0], torch.ones(1, dtype=dtype)) and torch.equal(k[0], torch.ones(1, dtype=dtype))
+
+
+# third derivative of the angle at 0: p atan(b/p) = b - b^3/(3p^2) + ..., so -2/p^2; exp has 0
+THETA3 = {"gnomonic": -2.0, "cayley": -0.5, "exp": 0.0, "p=0.5": -8.0, "p=3": -2.0 / 9.0}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_coefficient_gradients_at_zero_are_the_taylor_slopes(name):
+    # cos(theta) = 1 - sigma/2 + O(sigma^2), k = sin(theta)/beta = 1 + (THETA3 - 1) sigma/6 + ...
+    sigma = torch.zeros(3, 1, dtype=torch.float64, requires_grad=True)
+    c, k = FAMILIES[name](sigma)
+    (grad_c,) = torch.autograd.grad(c.sum(), sigma, retain_graph=True)
+    (grad_k,) = torch.autograd.grad(k.sum(), sigma)
+    assert (grad_c + 0.5).abs().max() <= 4 * EPS[torch.float64]
+    assert (grad_k - (THETA3[name] - 1.0) / 6.0).abs().max() <= 4 * EPS[torch.float64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tangent_projection_and_rotation_keep_the_sphere(dtype):
+    g = torch.Generator().manual_seed(3)
+    radius = 2.5
+    x = torch.randn(6, 9, generator=g, dtype=dtype)
+    x = radius * x / x.norm(dim=-1, keepdim=True)  # (6, 9) on the sphere of radius 2.5
+    z = torch.randn(6, 9, generator=g, dtype=dtype)
+    radius_sq = (x * x).sum(-1, keepdim=True)
+    v = sphere_project_tangent(x, z, radius_sq)
+    tol = 16 * EPS[dtype]
+    assert (x * v).sum(-1).abs().max() <= tol * radius * z.norm(dim=-1).max()  # tangent
+    assert _rel(sphere_project_tangent(x, v, radius * radius), v) <= tol  # idempotent, float radius²
+    assert _rel(sphere_project_tangent(x, x, radius_sq) + x, x) <= tol  # normal vectors vanish
+    sigma = sphere_normalized_sq_step(v, radius_sq)
+    assert _rel(sigma, v.norm(dim=-1, keepdim=True) ** 2 / radius**2) <= tol
+    for coefficients in FAMILIES.values():
+        y = rotate(x, v, *coefficients(sigma))
+        assert _rel(y.norm(dim=-1), x.norm(dim=-1)) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_dgram_normal_multiplier_splits_z_into_tangent_and_normal(dtype):
+    g = torch.Generator().manual_seed(4)
+    q, _ = torch.linalg.qr(torch.randn(2, 7, 4, generator=g, dtype=torch.float64))
+    w = (q * torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)).to(dtype)  # (2, 7, 4), WᵀW diagonal
+    z = torch.randn(2, 7, 4, generator=g, dtype=dtype)
+    s = dgram_normal_multiplier(w, z)  # (2, 4, 4)
+    assert torch.equal(s, s.mT) and torch.equal(torch.diagonal(s, dim1=-2, dim2=-1), torch.zeros(2, 4, dtype=dtype))
+    v = dgram_project_tangent(w, z)
+    assert _rel(v, z - w @ s) <= 4 * EPS[dtype]
+    tol = 64 * EPS[dtype] * float(w.norm() * z.norm())
+    assert off_diagonal(w.mT @ v + v.mT @ w).abs().max() <= tol  # V is tangent
+    assert (v * (w @ s)).sum((-2, -1)).abs().max() <= tol  # Z - V = WS is orthogonal to it
