@@ -39,6 +39,8 @@ OPTIMIZERS = ("adamw", "manifold-muon")
 #: ``sel`` values: no chart, or SEL on every block linear map with the given variant.
 SEL_VARIANTS = ("none", "mismatched", "congruent", "no-linear")
 SCHEDULES = ("cosine", "constant")
+#: ``muon_distributed`` values: each matrix solved on one rank, or on every rank.
+MUON_DISTRIBUTED = ("sharded", "replicated")
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,7 @@ class TrainConfig:
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
     policy: str = "hetero"            #: ManifoldMuon assignment policy (``manifold-muon`` only)
+    muon_distributed: str = "sharded"  #: ManifoldMuon under torchrun: ``sharded``|``replicated``
     sel: str = "none"                 #: SEL chart on block linear maps: none|mismatched|...
     sel_scale_lr: float = 0.0         #: AdamW lr of SEL scale parameters; 0 = same as ``lr``
     sel_anneal_steps: int = 0         #: steps of SEL's scale-lr annealing; 0 = no annealing
@@ -106,6 +109,7 @@ class TrainConfig:
         _check_choice("sel", self.sel, SEL_VARIANTS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
+        _check_choice("muon_distributed", self.muon_distributed, MUON_DISTRIBUTED)
         for name in ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "steps",
                      "eval_interval", "eval_batches", "log_interval", "bpe_vocab_size"):
             if getattr(self, name) < 1:

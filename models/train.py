@@ -18,8 +18,13 @@ Problems with the user's input (a bad corpus path, a non-empty run directory, a 
 print one ``error:`` line and exit with status 2; a non-finite loss stops the run with status 3
 and keeps the last good checkpoint.
 
-The loop keeps a ``rank`` / ``world_size`` notion for the later torchrun version: only rank 0
-writes files; today the world size is 1.
+Distributed data parallel: ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
+models.train ...`` trains one model with :class:`~torch.nn.parallel.DistributedDataParallel`
+(gloo on CPU, nccl on CUDA, one device per rank). Every rank draws the same global batch of
+``batch_size`` sequences and trains on its slice (:func:`manifoldlib.distributed.batch_shard`), so
+the steps are those of a single process up to floating-point rounding; ``batch_size`` must be
+divisible by the number of processes. Only rank 0 writes files; ``--resume`` works the same way.
+See ``docs/guides/distributed.rst``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from manifoldlib.distributed import (
+    batch_shard,
+    destroy_process_group,
+    get_rank_world,
+    init_from_env,
+    is_distributed,
+)
 
 from .config import ConfigError, TrainConfig, build_config, load_toml, parse_overrides
 from .data import (
@@ -58,7 +72,8 @@ EXIT_DIVERGED = 3
 #: Fields that may change when a run is resumed; all others must match the saved config.
 RESUMABLE_FIELDS = frozenset({
     "steps", "stop_at", "eval_interval", "eval_batches", "log_interval", "checkpoint",
-    "device", "threads", "progress", "sample_tokens", "sample_prompt", "temperature", "top_k"})
+    "device", "threads", "progress", "sample_tokens", "sample_prompt", "temperature", "top_k",
+    "muon_distributed"})
 
 
 class RunError(Exception):
@@ -92,14 +107,76 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` from torchrun's environment; ``(0, 1)`` for a plain process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world != 1:
-        raise RunError(f"WORLD_SIZE={world}: distributed training is not implemented in "
-                       f"models.train yet; run a single process")
-    return rank, world
+class _Dist:
+    """This process's place in the job: rank, world size, device, and the few collectives used.
+
+    Outside ``torchrun`` (and without an initialized process group) it is rank 0 of 1 and every
+    collective is the identity.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+
+    def mean(self, value: float, device: torch.device) -> float:
+        """The mean of ``value`` over ranks (``sum / W``; gloo has no ``AVG``)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t) / self.world_size
+
+    def from_main(self, value: float, device: torch.device) -> float:
+        """Rank 0's ``value`` on every rank, so decisions (stop, diverge) are taken together."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.broadcast(t, src=0)
+        return float(t)
+
+    def gather(self, obj):
+        """``[obj_rank0, obj_rank1, ...]`` on every rank (picklable objects)."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def raise_together(self, error: Exception | None) -> None:
+        """Raise on *every* rank if any rank failed its checks, instead of leaving the others
+        waiting in a collective until the timeout. Also a barrier."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        reports = self.gather(None if error is None else (type(error).__name__, str(error)))
+        if error is not None:
+            raise error
+        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+        if failed:
+            r, (kind, message) = failed[0]
+            raise RunError(f"rank {r} failed ({kind}): {message}")
+
+
+def _start_distributed(device: torch.device) -> tuple[_Dist, int, bool]:
+    """Join the torchrun job (if any): ``(dist info, local rank, whether we own the group)``.
+
+    An already initialized default group (e.g. a test harness) is used as it is.
+    """
+    if is_distributed():
+        rank, world_size = get_rank_world()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return _Dist(rank, world_size), local_rank, False
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 \
+            and device.type not in ("cpu", "cuda"):
+        raise RunError(f"distributed training runs on cpu (gloo) or cuda (nccl), not on "
+                       f"{device.type}; pass --device cpu or --device cuda")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        rank, world_size, local_rank = init_from_env(backend)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+    return _Dist(rank, world_size), local_rank, is_distributed()
 
 
 def perplexity(loss: float) -> float:
@@ -206,7 +283,7 @@ def apply_sel(model: torch.nn.Module, variant: str) -> None:
     apply_chart(model, functools.partial(sel, **SEL_OPTIONS[variant]), include=_is_block_linear)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_size: int = 1
                     ) -> tuple[torch.optim.Optimizer, list]:
     """The optimizer and one learning-rate multiplier ``mult(step) -> float`` per param group.
 
@@ -215,16 +292,22 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig
     ``sel_anneal_steps > 0``, the seed's scale annealing multipliers. ``manifold-muon``:
     ``manifoldlib.optim.build_optimizer(model, policy=...)``. The warm-up / decay schedule of
     :func:`lr_scale` multiplies all of them.
+
+    With ``world_size > 1`` ManifoldMuon runs in ``cfg.muon_distributed`` mode (``sharded``:
+    each matrix's dual solve and retraction on one rank, results shared by ``all_gather``;
+    ``replicated``: every rank solves every matrix). Build it on the unwrapped model, before
+    the DDP wrap, so the parameter names carry no ``module.`` prefix.
     """
     if cfg.optimizer == "manifold-muon":
         if cfg.sel != "none":
             raise ConfigError(f"sel={cfg.sel!r} with optimizer='manifold-muon' is not supported: "
                               f"the policy would constrain SEL's raw coordinates; use adamw")
         builder = _import("manifoldlib.optim", "build_optimizer", "optimizer='manifold-muon'")
+        extra = {"distributed": cfg.muon_distributed} if world_size > 1 else {}
         try:
             opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
                           adamw_betas=(cfg.beta1, cfg.beta2),
-                          adamw_weight_decay=cfg.weight_decay)
+                          adamw_weight_decay=cfg.weight_decay, **extra)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return opt, [_constant] * len(opt.param_groups)
@@ -379,7 +462,8 @@ def _make_bar(cfg: TrainConfig, start: int, enabled: bool):
                 file=sys.stderr)
 
 
-def _prepare_run_dir(out: Path, resume: bool, is_main: bool) -> None:
+def _check_run_dir(out: Path, resume: bool) -> None:
+    """Refuse a run directory that cannot be used (no writes: every rank checks the same)."""
     if resume:
         if not (out / "checkpoint.pt").is_file():
             raise RunError(f"cannot resume: {out} has no checkpoint.pt "
@@ -390,8 +474,6 @@ def _prepare_run_dir(out: Path, resume: bool, is_main: bool) -> None:
     if out.exists() and any(out.iterdir()):
         raise RunError(f"run directory {out} is not empty; pass --resume to continue it, or "
                        f"choose another --out")
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
 
 
 def _check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
@@ -403,64 +485,111 @@ def _check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
                        + f"; only {', '.join(sorted(RESUMABLE_FIELDS))} may change")
 
 
+def _check_world_size(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.batch_size % world_size:
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by the {world_size} "
+                          f"processes of this job; the global batch is split evenly across "
+                          f"ranks, so choose a multiple of {world_size}")
+
+
+def _set_rank_rng(cfg: TrainConfig, rank: int) -> None:
+    # Rank 0 keeps the single-process stream; the others get their own (dropout masks differ
+    # across ranks as they would across the rows of one process's batch).
+    if rank > 0:
+        torch.manual_seed(cfg.seed * 1_000_003 + rank)
+
+
 def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
                  echo: bool = True) -> dict:
     """Train (or resume) one run in the directory ``out`` and return its summary.
 
+    Under ``torchrun`` (or inside an initialized default process group) every rank calls this;
+    the model is wrapped in :class:`~torch.nn.parallel.DistributedDataParallel`, each rank
+    trains on its slice of the same global batch, and only rank 0 writes files.
+
     Args:
         cfg: the configuration (on resume it must match the saved one except
             :data:`RESUMABLE_FIELDS`).
-        out: run directory.
+        out: run directory (on a filesystem every rank sees).
         resume: continue from ``out/checkpoint.pt``.
-        echo: print progress lines and the final sample.
+        echo: print progress lines and the final sample (rank 0 only).
 
     Returns:
         The summary dict written to ``summary.json`` (``diverged`` is True when the loss became
         non-finite; the run then stopped early and the last good checkpoint was kept).
 
     Raises:
-        CorpusError, ConfigError, RunError: bad input; nothing was trained.
+        CorpusError, ConfigError, RunError: bad input; nothing was trained (on every rank).
     """
     out = Path(out)
-    rank, world_size = rank_and_world()
-    is_main = rank == 0
-    _prepare_run_dir(out, resume, is_main)
     device = resolve_device(cfg.device)
+    ctx, local_rank, owns_group = _start_distributed(device)
+    try:
+        if ctx.world_size > 1 and device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+        return _train(cfg, out, resume, echo, ctx, device)
+    finally:
+        if owns_group:
+            destroy_process_group()
+
+
+def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
+           device: torch.device) -> dict:
+    rank, world_size, is_main = ctx.rank, ctx.world_size, ctx.is_main
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    ckpt = None
-    if resume:
-        ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
-        _check_resumable(TrainConfig(**ckpt["config"]), cfg)
-        if ckpt["step"] >= cfg.steps:
-            if echo:
-                print(f"run in {out} already finished at step {ckpt['step']} "
-                      f"(steps={cfg.steps}); nothing to do", flush=True)
-            summary_path = out / "summary.json"
-            return json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        if cfg.last_step <= ckpt["step"]:
-            raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint is "
-                           f"already at step {ckpt['step']}")
-
+    # ---- checks: every rank runs them, all fail together --------------------------------
+    ckpt, corpus, error = None, None, None
     tokenizer_path = out / "tokenizer.json"
-    corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
-                         bpe_vocab_size=cfg.bpe_vocab_size,
-                         tokenizer_path=tokenizer_path if resume and cfg.tokenizer == "bpe"
-                         else None)
-    check_size(corpus, cfg.batch_size, cfg.block_size)
-    if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
-        raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run started "
-                       f"(fingerprint {corpus.fingerprint[:12]} != "
-                       f"{ckpt['corpus_fingerprint'][:12]}), so the data order would differ")
+    try:
+        _check_world_size(cfg, world_size)
+        _check_run_dir(out, resume)
+        if resume:
+            ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+            _check_resumable(TrainConfig(**ckpt["config"]), cfg)
+            if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
+                raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
+                               f"is already at step {ckpt['step']}")
+        if ckpt is None or ckpt["step"] < cfg.steps:
+            corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction,
+                                 tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
+                                 tokenizer_path=tokenizer_path
+                                 if resume and cfg.tokenizer == "bpe" else None)
+            check_size(corpus, cfg.batch_size, cfg.block_size)
+            if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
+                raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run "
+                               f"started (fingerprint {corpus.fingerprint[:12]} != "
+                               f"{ckpt['corpus_fingerprint'][:12]}), so the data order would "
+                               f"differ")
+    except (ConfigError, CorpusError, RunError) as exc:
+        error = exc
+    ctx.raise_together(error)  # also the barrier before rank 0 creates the directory
+    if ckpt is not None and ckpt["step"] >= cfg.steps:
+        if echo and is_main:
+            print(f"run in {out} already finished at step {ckpt['step']} "
+                  f"(steps={cfg.steps}); nothing to do", flush=True)
+        summary_path = out / "summary.json"
+        return json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    fingerprints = ctx.gather(corpus.fingerprint)
+    if len(set(fingerprints)) != 1:
+        raise RunError(f"the ranks loaded different corpora (fingerprints "
+                       f"{[f[:12] for f in fingerprints]}); every rank must see the same "
+                       f"{cfg.corpus!r}")
+    if is_main and not resume:
+        out.mkdir(parents=True, exist_ok=True)
 
+    # ---- model, optimizer, data: identical on every rank ---------------------------------
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
     model = build_model(cfg, corpus.vocab_size).to(device)
-    optimizer, multipliers = build_optimizer(model, cfg)
+    optimizer, multipliers = build_optimizer(model, cfg, world_size=world_size)
     base_lrs = [group["lr"] for group in optimizer.param_groups]
-    sampler = BatchSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, rank)
+    # rank 0's sampler on every rank: all ranks draw the same global batch, then take a slice
+    sampler = BatchSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, 0)
+    shard = batch_shard(cfg.batch_size, rank, world_size)
+    _set_rank_rng(cfg, rank)
 
     start_step, tokens, wall_before, saved_step = 0, 0, 0.0, -1
     metrics_path = out / "metrics.jsonl"
@@ -468,16 +597,28 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
         model.load_state_dict(ckpt["model"])
         load_optimizer_state(optimizer, ckpt["optimizer"])
         sampler.load_state_dict(ckpt["sampler"])
-        set_rng_state(ckpt["rng"])
+        per_rank = ckpt.get("rng_per_rank")
+        same_world = per_rank is not None and len(per_rank) == world_size
+        set_rng_state(per_rank[rank] if same_world else ckpt["rng"])
+        if not same_world and world_size > 1:
+            _set_rank_rng(cfg, rank)
         start_step, tokens = ckpt["step"], ckpt["tokens"]
         wall_before, saved_step = ckpt["wall_time_s"], ckpt["step"]
         rows = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
-        if is_main:  # rows logged after the checkpoint will be produced again
-            tmp = metrics_path.with_name("metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            os.replace(tmp, metrics_path)
     else:
         rows = []
+    ctx.raise_together(None)  # every rank has read metrics.jsonl before rank 0 rewrites it
+    if is_main and ckpt is not None:  # rows logged after the checkpoint will be produced again
+        tmp = metrics_path.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, metrics_path)
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        trained = model
     unigram = unigram_entropy(corpus.train, corpus.vocab_size)
     n_params = sum(p.numel() for p in model.parameters())
     if is_main:
@@ -488,23 +629,24 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
 
     bar = _make_bar(cfg, start_step, echo and is_main)
     say = _Echo(echo and is_main, bar)
+    where = f"{world_size} processes ({device.type})" if world_size > 1 else str(device)
     if start_step == 0:
         say(f"corpus {cfg.corpus}: {corpus.train.numel():,} train / {corpus.val.numel():,} val "
             f"tokens, fingerprint {corpus.fingerprint[:12]}, unigram entropy {unigram:.3f} nats; "
             f"model {n_params:,} parameters ({cfg.connection}, {cfg.optimizer}"
             f"{'/' + cfg.policy if cfg.optimizer == 'manifold-muon' else ''}, sel={cfg.sel}) "
-            f"on {device}")
+            f"on {where}")
     else:
-        say(f"resuming {out} at step {start_step}")
+        say(f"resuming {out} at step {start_step} on {where}")
 
-    tokens_per_step = cfg.batch_size * cfg.block_size * world_size
+    tokens_per_step = cfg.batch_size * cfg.block_size  # the global batch, whatever the world
     t_start = time.perf_counter()
     t_last, tokens_last = t_start, tokens
     last_val: float | None = None
     diverged: str | None = None
     completed = start_step
     metrics_file = open(metrics_path, "a") if is_main else contextlib.nullcontext()
-    model.train()
+    trained.train()
     with metrics_file as mf:
         def log(row: dict) -> None:
             rows.append(row)
@@ -514,13 +656,22 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
 
         def checkpoint(step: int) -> None:
             nonlocal saved_step
-            if not (is_main and cfg.checkpoint):
+            if not cfg.checkpoint:
+                return
+            # collectives first, on every rank: owner-only optimizer state, per-rank RNG
+            consolidate = getattr(optimizer, "consolidate_state_dict", None)
+            if consolidate is not None:
+                consolidate()
+            rngs = ctx.gather(rng_state(device))
+            if not is_main:
                 return
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "sampler": sampler.state_dict(), "rng": rng_state(device), "step": step,
-                     "tokens": tokens, "config": cfg.to_dict(),
+                     "sampler": sampler.state_dict(), "rng": rngs[0], "step": step,
+                     "tokens": tokens, "config": cfg.to_dict(), "world_size": world_size,
                      "wall_time_s": wall_before + time.perf_counter() - t_start,
                      "corpus_fingerprint": corpus.fingerprint, "finished": step >= cfg.steps}
+            if world_size > 1:
+                state["rng_per_rank"] = rngs
             save_checkpoint(out / "checkpoint.pt", state, saved_step)
             saved_step = max(saved_step, step)
 
@@ -528,15 +679,16 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
             scale = lr_scale(step - 1, cfg)
             for group, base, mult in zip(optimizer.param_groups, base_lrs, multipliers):
                 group["lr"] = base * scale * mult(step - 1)
-            x, y = sampler.next_batch()
-            _, loss = model(x.to(device), y.to(device))
-            loss_value = float(loss.detach())
+            x, y = sampler.next_batch()  # (B, T) each: the global batch
+            x, y = x[shard], y[shard]  # (B / W, T): this rank's rows
+            _, loss = trained(x.to(device), y.to(device))
+            loss_value = ctx.mean(float(loss.detach()), device)  # the global batch's mean loss
             if not math.isfinite(loss_value):
                 diverged = f"non-finite training loss ({loss_value}) at step {step}"
                 log({"step": step, "train_loss": None, "lr": cfg.lr * scale, "tokens": tokens,
                      "diverged": True})
                 break
-            loss.backward()
+            loss.backward()  # DDP averages the gradients over ranks
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()
@@ -554,14 +706,17 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
                    "tokens_per_s": (tokens - tokens_last) / max(now - t_last, 1e-9)}
             t_last, tokens_last = now, tokens
             if is_eval:
-                last_val = evaluate(model, corpus, cfg, device)
+                # every rank evaluates the unwrapped model (a DDP forward on rank 0 alone could
+                # wait for its peers); rank 0's value decides for all
+                last_val = ctx.from_main(evaluate(model, corpus, cfg, device), device)
                 if not math.isfinite(last_val):
                     diverged = f"non-finite validation loss ({last_val}) at step {step}"
                     row.update(val_loss=None, diverged=True)
                     log(row)
                     break
-                row.update(val_loss=last_val, val_ppl=_json_float(perplexity(last_val)),
-                           **diagnostics(model, corpus, cfg, device))
+                row.update(val_loss=last_val, val_ppl=_json_float(perplexity(last_val)))
+                if is_main:
+                    row.update(diagnostics(model, corpus, cfg, device))
             log(row)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
@@ -584,16 +739,16 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
         "corpus_fingerprint": corpus.fingerprint, "train_loss": last_train,
         "unigram_entropy": unigram, "parameters": n_params, "finished": finished,
         "diverged": diverged is not None, "device": str(device), "corpus": cfg.corpus,
+        "batch_size_per_rank": cfg.batch_size // world_size,
         "tokens_per_s": run_tokens / max(time.perf_counter() - t_start, 1e-9)}
     if diverged is not None:
         kept = (f"the last good checkpoint (step {saved_step}) is kept in {out}"
                 if saved_step >= 0 else "no checkpoint had been written yet")
         summary["error"] = f"{diverged}; {kept}"
         say(f"stopped: {summary['error']}")
-    elif finished and cfg.sample_tokens > 0:
+    elif finished and cfg.sample_tokens > 0 and is_main:
         sample = generate_sample(model, corpus, cfg, device)
-        if is_main:
-            (out / "sample.txt").write_text(sample)
+        (out / "sample.txt").write_text(sample)
         say("--- sample ---\n" + sample + "\n--------------")
     if is_main:
         write_json(out / "summary.json", summary)
@@ -604,6 +759,7 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
     if diverged is None and finished:
         say(f"done: val loss {last_val:.4f} (ppl {perplexity(last_val):.2f}, unigram entropy "
             f"{unigram:.3f}), {tokens:,} tokens in {wall:.1f} s; run directory {out}")
+    ctx.raise_together(None)  # no rank returns before rank 0 has written the run directory
     return summary
 
 

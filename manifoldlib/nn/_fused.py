@@ -21,11 +21,12 @@ Backward, for an upstream gradient :math:`g` (per row, with :math:`\langle h, u\
                + \big(\mu a^2/q^2 + 2aks\langle g,h\rangle/q^2 - 2 g_\sigma\sigma/q\big)\, h, \\
     \nabla_s &= \textstyle\sum_{\text{rows}} \big(k\langle g,u\rangle + 2 g_\sigma s n/q\big).
 
-The derivatives :math:`(\cos\theta', k')` are closed forms for the gnomonic and Cayley members
-(also as ``PRetraction(p=1)`` / ``(p=2)``); for every other
-:class:`~manifoldlib.retractions.AngleRetraction` — a user's own included — :math:`g_\sigma` is a
-vector-Jacobian product through :meth:`~manifoldlib.retractions.AngleRetraction.coefficients`
-on the small ``(..., 1)`` tensor :math:`\sigma`.
+The coefficients and :math:`g_\sigma` come from the retraction itself:
+:meth:`~manifoldlib.retractions.AngleRetraction.coefficients` and
+:meth:`~manifoldlib.retractions.AngleRetraction.coefficients_vjp`. The gnomonic and Cayley
+members (also as ``PRetraction(p=1)`` / ``(p=2)``) give closed-form derivatives; every other
+:class:`~manifoldlib.retractions.AngleRetraction` — a user's own included — a vector-Jacobian
+product through its coefficients on the small ``(..., 1)`` tensor :math:`\sigma`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..functional.sphere import cayley_coefficients, gnomonic_coefficients, sphere_project_tangent
+from ..functional.sphere import sphere_project_tangent
 from ..retractions.base import Retraction
-from ..retractions.sphere import AngleRetraction, CayleyRetraction, GnomonicRetraction, PRetraction
+from ..retractions.sphere import AngleRetraction
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
 
@@ -48,52 +49,17 @@ def _rowsq(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
 
 
-def _closed_form_kind(retraction: AngleRetraction) -> str | None:
-    """``"gnomonic"``/``"cayley"`` when the retraction's coefficients are those closed forms."""
-    method = type(retraction).coefficients
-    if method is GnomonicRetraction.coefficients:
-        return "gnomonic"
-    if method is CayleyRetraction.coefficients:
-        return "cayley"
-    if method is PRetraction.coefficients:
-        p = retraction.p  # type: ignore[attr-defined]
-        return "gnomonic" if p == 1.0 else "cayley" if p == 2.0 else None
-    return None
-
-
-def _coefficients(retraction: AngleRetraction, kind: str | None, sigma: torch.Tensor):
-    # p = 1 / p = 2 take the branch-free closed forms (PRetraction would go through atan).
-    if kind == "gnomonic":
-        return gnomonic_coefficients(sigma)
-    if kind == "cayley":
-        return cayley_coefficients(sigma)
-    return retraction.coefficients(sigma)
-
-
-def _sigma_vjp(retraction, kind, sigma, c, k, grad_c, grad_k):
-    r""":math:`g_\sigma = \cos\theta'(\sigma)\,g_c + k'(\sigma)\,g_k`."""
-    if kind == "gnomonic":  # c = k = (1+σ)^(-1/2), c' = k' = -c³/2
-        return -0.5 * c * c * c * (grad_c + grad_k)
-    if kind == "cayley":  # k = 1/(1+σ/4), c = 2k - 1: k' = -k²/4, c' = -k²/2
-        return -0.25 * k * k * (2.0 * grad_c + grad_k)
-    with torch.enable_grad():
-        s = sigma.detach().requires_grad_(True)
-        c2, k2 = retraction.coefficients(s)
-        (g,) = torch.autograd.grad((c2, k2), s, (grad_c, grad_k))
-    return g
-
-
 class _SphereResidual(torch.autograd.Function):
     # Autocast is switched off inside: it would run the row products (matmuls) in bf16. The
     # inputs arrive in one floating dtype (float32 or float64) and all arithmetic stays in it.
 
     @staticmethod
-    def forward(ctx, h, f, scale, retraction, kind):
+    def forward(ctx, h, f, scale, retraction):
         with torch.autocast(h.device.type, enabled=False):
-            return _SphereResidual._forward(ctx, h, f, scale, retraction, kind)
+            return _SphereResidual._forward(ctx, h, f, scale, retraction)
 
     @staticmethod
-    def _forward(ctx, h, f, scale, retraction, kind):
+    def _forward(ctx, h, f, scale, retraction):
         # Full-tensor passes: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and
         # its row sum, then A·h + B·f written over that same buffer. The buffer is the only
         # (..., d) allocation: on CPU a fresh large tensor costs page faults comparable to a pass.
@@ -103,12 +69,12 @@ class _SphereResidual(torch.autograd.Function):
         n = (_rowsq(f) - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
         s = scale.to(h.dtype)
         sigma = s * s * n / q  # (..., 1)
-        c, k = _coefficients(retraction, kind, sigma)
+        c, k = retraction.coefficients(sigma)
         ks = k * s
         torch.mul(h, c - ks * a / q, out=out)  # (..., d)
         out.addcmul_(f, ks)
         ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k)
-        ctx.retraction, ctx.kind = retraction, kind
+        ctx.retraction = retraction
         return out
 
     @staticmethod
@@ -126,7 +92,7 @@ class _SphereResidual(torch.autograd.Function):
         g_h = buf_f.sum(-1, keepdim=True)  # <g, h>, (..., 1)
         buf_h = torch.mul(g, f)  # (..., d), scratch for <g, f>, then grad_h
         g_u = buf_h.sum(-1, keepdim=True) - a / q * g_h  # <g, u>, (..., 1)
-        g_sigma = _sigma_vjp(ctx.retraction, ctx.kind, sigma, c, k, g_h, s * g_u)
+        g_sigma = ctx.retraction.coefficients_vjp(sigma, c, k, g_h, s * g_u)
         ks = k * s
         mu = 2.0 * g_sigma * s * s / q
         t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
@@ -140,7 +106,7 @@ class _SphereResidual(torch.autograd.Function):
             grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
         if ctx.needs_input_grad[2]:
             grad_s = (k * g_u + 2.0 * g_sigma * s * n / q).sum().reshape(s.shape)
-        return grad_h, grad_f, grad_s, None, None
+        return grad_h, grad_f, grad_s, None
 
 
 def _check(h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Retraction) -> None:
@@ -178,10 +144,9 @@ def sphere_residual(
     if not isinstance(retraction, AngleRetraction):
         return sphere_residual_reference(h, f, scale, retraction)
     if h.dtype in _LOW_PRECISION:
-        out = _SphereResidual.apply(h.float(), f.float(), scale.float().reshape(()), retraction,
-                                    _closed_form_kind(retraction))
+        out = _SphereResidual.apply(h.float(), f.float(), scale.float().reshape(()), retraction)
         return out.to(h.dtype)
-    return _SphereResidual.apply(h, f.to(h.dtype), scale.reshape(()), retraction, _closed_form_kind(retraction))
+    return _SphereResidual.apply(h, f.to(h.dtype), scale.reshape(()), retraction)
 
 
 def sphere_residual_reference(

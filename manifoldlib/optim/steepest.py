@@ -30,7 +30,7 @@ Two ideas make the solve cheap (MATH.md §4–5 give the plain dual ascent):
   :math:`R = S^{-1/2}`. Every dual iteration then works on ``n × n`` matrices only: ``R`` comes
   from the Newton–Schulz preset run on the Gram matrix (the iteration :math:`Y \leftarrow Y
   p(Y^\top Y)` written as :math:`R \leftarrow R\,p(R^\top S R)`, identical in exact arithmetic),
-  and :math:`Q^\top A = MR`. The ``m``-sized work (four ``m·n²`` products) happens once.
+  and :math:`Q^\top A = MR`. The ``m``-sized work (five ``m·n²`` products) happens once per solve.
 * **Barzilai–Borwein dual steps.** The dual objective is smooth where :math:`X` has full column
   rank; BB step sizes (alternating the long and short rule, safeguarded) adapt to its curvature
   and need far fewer iterations than the decaying subgradient schedule of the reference

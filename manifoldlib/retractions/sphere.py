@@ -40,6 +40,16 @@ __all__ = [
 ]
 
 
+def _gnomonic_vjp(cos_theta: torch.Tensor, grad_cos: torch.Tensor, grad_k: torch.Tensor) -> torch.Tensor:
+    # cos θ = k = (1 + σ)^(-1/2): both derivatives are -cos³θ / 2
+    return -0.5 * cos_theta * cos_theta * cos_theta * (grad_cos + grad_k)
+
+
+def _cayley_vjp(k: torch.Tensor, grad_cos: torch.Tensor, grad_k: torch.Tensor) -> torch.Tensor:
+    # k = 1/(1 + σ/4), cos θ = 2k - 1: k' = -k²/4, cos θ' = -k²/2
+    return -0.25 * k * k * (2.0 * grad_cos + grad_k)
+
+
 class AngleRetraction(Retraction):
     r"""Base class of sphere retractions that rotate by an angle :math:`\theta(\beta)`.
 
@@ -69,6 +79,28 @@ class AngleRetraction(Retraction):
         cos_theta = torch.where(small, 1.0 - 0.5 * sigma, torch.cos(theta))
         k = torch.where(small, torch.ones_like(sigma), torch.sin(theta) / beta)
         return cos_theta, k
+
+    def coefficients_vjp(
+        self,
+        sigma: torch.Tensor,
+        cos_theta: torch.Tensor,
+        k: torch.Tensor,
+        grad_cos: torch.Tensor,
+        grad_k: torch.Tensor,
+    ) -> torch.Tensor:
+        r"""Vector-Jacobian product of :meth:`coefficients`:
+        :math:`g_\sigma = \cos\theta'(\sigma)\,g_c + k'(\sigma)\,g_k`, shape ``(..., 1)``.
+
+        ``cos_theta`` and ``k`` are :meth:`coefficients` at ``sigma`` (closed forms reuse them).
+        The generic form differentiates :meth:`coefficients` with autograd on the small
+        ``(..., 1)`` tensor; members with closed-form derivatives override it. The analytic
+        backward of :class:`~manifoldlib.nn.SphereResidual` calls it.
+        """
+        with torch.enable_grad():
+            s = sigma.detach().requires_grad_(True)
+            c2, k2 = self.coefficients(s)
+            grads = torch.autograd.grad((c2, k2), s, (grad_cos, grad_k), allow_unused=True)
+        return torch.zeros_like(sigma) if grads[0] is None else grads[0]
 
     def retract(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x`` towards the tangent vector ``v``.
@@ -104,6 +136,9 @@ class GnomonicRetraction(AngleRetraction):
     def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gnomonic_coefficients(sigma)
 
+    def coefficients_vjp(self, sigma, cos_theta, k, grad_cos, grad_k):
+        return _gnomonic_vjp(cos_theta, grad_cos, grad_k)
+
 
 @register_retraction("sphere", "cayley", aliases=("stereographic",))
 class CayleyRetraction(AngleRetraction):
@@ -114,6 +149,9 @@ class CayleyRetraction(AngleRetraction):
 
     def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cayley_coefficients(sigma)
+
+    def coefficients_vjp(self, sigma, cos_theta, k, grad_cos, grad_k):
+        return _cayley_vjp(k, grad_cos, grad_k)
 
 
 @register_retraction("sphere", "p")
@@ -142,4 +180,16 @@ class PRetraction(AngleRetraction):
         return self.p * torch.atan(beta / self.p)
 
     def coefficients(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # p = 1 and p = 2 are the gnomonic and Cayley members: their branch-free closed forms
+        if self.p == 1.0:
+            return gnomonic_coefficients(sigma)
+        if self.p == 2.0:
+            return cayley_coefficients(sigma)
         return p_coefficients(sigma, self.p)
+
+    def coefficients_vjp(self, sigma, cos_theta, k, grad_cos, grad_k):
+        if self.p == 1.0:
+            return _gnomonic_vjp(cos_theta, grad_cos, grad_k)
+        if self.p == 2.0:
+            return _cayley_vjp(k, grad_cos, grad_k)
+        return super().coefficients_vjp(sigma, cos_theta, k, grad_cos, grad_k)

@@ -192,3 +192,47 @@ def stiefel_muon_job(rank: int, steps: int) -> dict:
     weights, multipliers, held = stiefel_muon_pattern(steps)
     owners = assign_owners(list(STIEFEL_SHAPES), dist.get_world_size(), "size")
     return {"weights": weights, "multipliers": multipliers, "held": held, "owners": owners}
+
+
+def train_job(rank: int, runs: list[tuple[dict, str, bool]]) -> dict:
+    """``models.train.run_training`` for each ``(overrides, out, resume)`` of ``runs`` in turn.
+
+    The overrides apply on top of the ``smoke`` preset. Every training forward's input rows are
+    recorded (the first batch of each run kept whole), so the parent can check that each rank
+    trained on its own slice of the global batch.
+    """
+    import models.train as train_mod
+    from models.config import build_config
+
+    seen: list[list[torch.Tensor]] = []
+    build = train_mod.build_model
+
+    def recording_build(cfg, vocab_size):
+        model = build(cfg, vocab_size)
+        forward, inputs = model.forward, []
+        seen.append(inputs)
+
+        def recorded(idx, targets=None):
+            if model.training:
+                inputs.append(idx.detach().cpu().clone())
+            return forward(idx, targets)
+
+        model.forward = recorded
+        return model
+
+    train_mod.build_model = recording_build
+    try:
+        summaries = []
+        for overrides, out, resume in runs:
+            try:
+                cfg = build_config("smoke", overrides=overrides)
+                summaries.append(train_mod.run_training(cfg, out, resume=resume, echo=False))
+            except ValueError as error:  # ConfigError, CorpusError
+                summaries.append({"error": f"{type(error).__name__}: {error}"})
+    finally:
+        train_mod.build_model = build
+    return {
+        "summaries": summaries,
+        "first_inputs": [inputs[0] for inputs in seen if inputs],
+        "input_rows": sorted({len(x) for inputs in seen for x in inputs}),
+    }

@@ -202,12 +202,25 @@ def test_missing_corpus_is_one_line_without_traceback(tmp_path):
     (["--lr"], "--lr needs a value"),
     (["stray"], "unexpected argument 'stray'"),
     (["--batch_size", "4000"], "smaller than one batch"),
+    (["--muon_distributed", "zero3"], "muon_distributed must be one of sharded, replicated"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     argv = ["--preset", "smoke", *args] if "--preset" not in args else args
     assert main([*argv, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_incomplete_torchrun_environment_exits_2_before_training(tmp_path, capsys,
+                                                                  monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([*_quiet(), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: incomplete torchrun environment: WORLD_SIZE set but "
+                          "LOCAL_RANK, RANK missing")
+    assert not (tmp_path / "r").exists()
 
 
 def test_tiny_text_file_corpus_is_rejected(tmp_path, capsys):

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from manifoldlib import Sphere
 from manifoldlib.functional import exponential_coefficients, p_coefficients
-from manifoldlib.retractions import AngleRetraction, PRetraction, available_retractions
+from manifoldlib.retractions import (
+    AngleRetraction,
+    CayleyRetraction,
+    GnomonicRetraction,
+    PRetraction,
+    available_retractions,
+    get_retraction,
+)
 from manifoldlib.testing import random_point, random_tangent
 from manifoldlib.testing import strategies as mst
 
@@ -212,3 +219,37 @@ def test_series_branches_exact_to_rounding(sigma):
         theta = p * mp.atan(b / p)
         assert abs(mp.mpf(c.item()) - mp.cos(theta)) <= 4 * EPS
         assert abs(mp.mpf(k.item()) - mp.sin(theta) / b) <= 4 * EPS
+
+
+class _P3(AngleRetraction):
+    def angle(self, beta):
+        return 3.0 * torch.atan(beta / 3.0)
+
+
+@pytest.mark.parametrize(
+    "retraction",
+    [GnomonicRetraction(), CayleyRetraction(), PRetraction(1.0), PRetraction(2.0), PRetraction(0.5),
+     PRetraction(math.inf), get_retraction("sphere", "exp"), _P3()],
+    ids=["gnomonic", "cayley", "p=1", "p=2", "p=0.5", "p=inf", "exp", "user-p3"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_coefficients_vjp_is_the_derivative_of_coefficients(retraction, dtype):
+    # closed-form overrides (gnomonic, Cayley, p = 1, 2) against autograd through coefficients
+    g = torch.Generator().manual_seed(5)
+    sigma = torch.cat([torch.zeros(1, dtype=torch.float64),
+                       torch.logspace(-10, 2, 25, dtype=torch.float64)]).unsqueeze(-1).to(dtype)
+    grad_cos = torch.randn(sigma.shape, generator=g, dtype=torch.float64).to(dtype)
+    grad_k = torch.randn(sigma.shape, generator=g, dtype=torch.float64).to(dtype)
+    c, k = retraction.coefficients(sigma)
+    got = retraction.coefficients_vjp(sigma, c, k, grad_cos, grad_k)
+    s = sigma.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(retraction.coefficients(s), s, (grad_cos, grad_k))
+    eps = torch.finfo(dtype).eps
+    assert got.shape == sigma.shape and float((got - want).abs().max()) <= 16 * eps * float(want.abs().max())
+
+
+def test_p_family_uses_the_closed_forms_at_p_1_and_2():
+    sigma = torch.logspace(-8, 3, 12, dtype=torch.float64).unsqueeze(-1)
+    for p, closed in ((1.0, GnomonicRetraction()), (2.0, CayleyRetraction())):
+        for got, want in zip(PRetraction(p).coefficients(sigma), closed.coefficients(sigma)):
+            assert torch.equal(got, want)
