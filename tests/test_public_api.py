@@ -73,9 +73,9 @@ def _home(package: str, name: str) -> str:
     for module_name in sorted(MODULES | {package}):
         if module_name.startswith(package) or package.startswith(module_name):
             module = importlib.import_module(module_name)
-            if name in getattr(module, "__all__", ()) and getattr(module, name, None) is obj:
-                if module_name in MODULES:
-                    return module_name
+            listed = name in getattr(module, "__all__", ()) and getattr(module, name, None) is obj
+            if listed and module_name in MODULES:
+                return module_name
     return package
 
 

@@ -30,6 +30,15 @@ spectral norm 1, so :math:`\eta` is already the relative spectral size of the st
 Weight decay: decoupled, :math:`W \leftarrow (1 - \eta\lambda)W` before the retraction, on DGram
 (it shrinks column norms, the manifold's scale freedom) and Euclidean. Stiefel has no scale
 freedom, so decay there is skipped (with a polar retraction it would only rescale the step).
+
+Distributed training (DDP): after DDP's gradient all-reduce every rank holds the same gradients.
+``distributed="replicated"`` (default) lets every rank solve every matrix; ``"sharded"`` solves
+each matrix on one owner rank (:func:`~manifoldlib.distributed.assign_owners`) and shares the new
+matrices with one ``all_gather`` per dtype (:func:`~manifoldlib.distributed.sharded_apply`). The
+momentum buffers stay replicated; the warm-start state of a matrix (``"dual_correction"``,
+``"dual_step"``, ``"dual_iterations"``, ``"dual_residual"``) lives only on its owner until
+:meth:`ManifoldMuon.consolidate_state_dict` shares it for a checkpoint. Both modes give every
+rank the parameters of a single process running the same steps, bit for bit.
 """
 
 from __future__ import annotations
@@ -42,6 +51,13 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
+from ..distributed import (
+    STRATEGIES,
+    assign_owners,
+    get_rank_world,
+    reject_unsupported_parameter,
+    sharded_apply,
+)
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
 from .steepest import steepest_direction
@@ -49,6 +65,7 @@ from .steepest import steepest_direction
 __all__ = [
     "ADJUST_LR_FNS",
     "DEFAULT_RETRACTIONS",
+    "DISTRIBUTED_MODES",
     "MUON_MANIFOLDS",
     "ManifoldMuon",
     "manifold_muon",
@@ -81,6 +98,10 @@ DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: Dual-solve msign methods; "ns" is the group's own Newton–Schulz (ns_coefficients, ns_steps).
 DUAL_MSIGN_METHODS = ("ns", "jordan5", "polar-express", "newton-schulz", "svd")
+#: ``distributed`` modes: every rank solves every matrix, or each matrix on its owner rank.
+DISTRIBUTED_MODES = ("replicated", "sharded")
+#: Per-matrix state that only the owner keeps in sharded mode.
+OWNER_STATE_KEYS = ("dual_correction", "dual_step", "dual_iterations", "dual_residual")
 
 
 def _zeropower_bf16(grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> Tensor:
@@ -163,6 +184,71 @@ def _tall(t: Tensor) -> Tensor:
     return t.mT if t.size(-2) < t.size(-1) else t
 
 
+def _momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Update the momentum buffer in place; return the update the step uses (every rank)."""
+    if grad.ndim != 2:
+        raise ValueError(f"ManifoldMuon needs 2-D gradients, got shape {tuple(grad.shape)}")
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def _solve_one(
+    param: Tensor,
+    update: Tensor,
+    state: dict,
+    *,
+    lr: float,
+    weight_decay: float,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    manifold: str,
+    manifold_obj,
+    msign_method: str,
+    dual_tol: float,
+    dual_max_iter: int,
+    warm_start: bool,
+) -> Tensor:
+    """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
+
+    ``param`` is read, never written (in sharded mode it is also the owner's input to
+    :func:`~manifoldlib.distributed.sharded_apply`).
+    """
+    adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold, param.shape)
+    if manifold == "euclidean":
+        direction = _zeropower_bf16(update, ns_coefficients, ns_steps, eps)
+        state["dual_iterations"] = 0
+        state["dual_residual"] = 0.0
+        return param.mul(1 - lr * weight_decay).add_(direction, alpha=-adjusted)
+    method = "jordan5" if msign_method == "ns" else msign_method
+    coefficients = tuple(ns_coefficients) if msign_method == "ns" else None
+    steps = ns_steps if msign_method in ("ns", "jordan5") else None
+    w = _tall(param)
+    a, info = steepest_direction(
+        w,
+        _tall(update),
+        manifold,
+        tol=dual_tol,
+        max_iter=dual_max_iter,
+        msign_method=method,
+        ns_steps=steps,
+        ns_coefficients=coefficients,
+        eps=eps,
+        correction=state.get("dual_correction") if warm_start else None,
+        step_size=state.get("dual_step") if warm_start else None,
+        patience=DUAL_PATIENCE,
+        return_info=True,
+    )
+    state["dual_correction"] = info.correction
+    state["dual_step"] = info.step_size
+    state["dual_iterations"] = int(info.iterations)
+    state["dual_residual"] = float(info.residual)
+    base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
+    new = manifold_obj.retr(base, a.to(w.dtype).mul(-adjusted))  # tall orientation
+    return new.mT if param.size(-2) < param.size(-1) else new
+
+
 def manifold_muon(
     params: list[Tensor],
     grads: list[Tensor],
@@ -190,46 +276,41 @@ def manifold_muon(
     the dual iterations (``"dual_iterations"``) and residual (``"dual_residual"``) of this step are
     written there.
     """
-    lr = float(lr)
+    options = {
+        "lr": float(lr),
+        "weight_decay": weight_decay,
+        "ns_coefficients": ns_coefficients,
+        "ns_steps": ns_steps,
+        "eps": eps,
+        "adjust_lr_fn": adjust_lr_fn,
+        "manifold": manifold,
+        "manifold_obj": manifold_obj,
+        "msign_method": msign_method,
+        "dual_tol": dual_tol,
+        "dual_max_iter": dual_max_iter,
+        "warm_start": warm_start,
+    }
     for param, grad, buf, state in zip(params, grads, momentum_bufs, states):
-        if grad.ndim != 2:
-            raise ValueError(f"ManifoldMuon needs 2-D gradients, got shape {tuple(grad.shape)}")
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if nesterov else buf
-        adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold, param.shape)
-        if manifold == "euclidean":
-            direction = _zeropower_bf16(update, ns_coefficients, ns_steps, eps)
-            param.mul_(1 - lr * weight_decay)
-            param.add_(direction, alpha=-adjusted)
-            state["dual_iterations"] = 0
-            state["dual_residual"] = 0.0
-            continue
-        method = "jordan5" if msign_method == "ns" else msign_method
-        coefficients = tuple(ns_coefficients) if msign_method == "ns" else None
-        steps = ns_steps if msign_method in ("ns", "jordan5") else None
-        w = _tall(param)
-        a, info = steepest_direction(
-            w,
-            _tall(update),
-            manifold,
-            tol=dual_tol,
-            max_iter=dual_max_iter,
-            msign_method=method,
-            ns_steps=steps,
-            ns_coefficients=coefficients,
-            eps=eps,
-            correction=state.get("dual_correction") if warm_start else None,
-            step_size=state.get("dual_step") if warm_start else None,
-            patience=DUAL_PATIENCE,
-            return_info=True,
-        )
-        state["dual_correction"] = info.correction
-        state["dual_step"] = info.step_size
-        state["dual_iterations"] = int(info.iterations)
-        state["dual_residual"] = float(info.residual)
-        base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
-        new = manifold_obj.retr(base, a.to(w.dtype).mul(-adjusted))
-        w.copy_(new)  # writes through the transposed view of a wide parameter
+        update = _momentum_update(grad, buf, momentum, nesterov)
+        param.copy_(_solve_one(param, update, state, **options))
+
+
+def _solve_options(group: MutableMapping) -> dict[str, Any]:
+    """The keyword options of :func:`_solve_one` for one parameter group."""
+    return {
+        "lr": float(group["lr"]),
+        "weight_decay": group["weight_decay"],
+        "ns_coefficients": tuple(group["ns_coefficients"]),
+        "ns_steps": group["ns_steps"],
+        "eps": group["eps"],
+        "adjust_lr_fn": group["adjust_lr_fn"],
+        "manifold": group["manifold"],
+        "manifold_obj": _group_manifold(group),
+        "msign_method": group["msign_method"],
+        "dual_tol": group["dual_tol"],
+        "dual_max_iter": group["dual_max_iter"],
+        "warm_start": group["warm_start"],
+    }
 
 
 class ManifoldMuon(Optimizer):

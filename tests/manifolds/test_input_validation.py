@@ -169,9 +169,10 @@ def test_vector_must_have_the_point_shape(manifold, x_shape, u_shape, point_shap
 )
 def test_matrix_retraction_kernels_check_their_shapes(kernel):
     tall = torch.linalg.qr(WIDE.mT).Q  # (5, 3)
-    with pytest.raises(ValueError, match=rf"{kernel.__name__} needs points \(\.\.\., m, n\) with m >= n, got shape \(3, 5\)"):
+    name = kernel.__name__
+    with pytest.raises(ValueError, match=rf"{name} needs points \(\.\.\., m, n\) with m >= n, got shape \(3, 5\)"):
         kernel(WIDE, WIDE)
-    with pytest.raises(ValueError, match=rf"{kernel.__name__} needs v with the matrix shape \(5, 3\) of x, got shape \(3, 5\)"):
+    with pytest.raises(ValueError, match=rf"{name} needs v with the matrix shape \(5, 3\) of x, got shape \(3, 5\)"):
         kernel(tall, WIDE)
 
 
