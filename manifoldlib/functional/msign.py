@@ -103,7 +103,9 @@ def newton_schulz(
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     if len(coefficients) == 0:
-        raise ValueError(f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}")
+        raise ValueError(
+            f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}"
+        )
     schedule = (
         (coefficients,) if isinstance(coefficients[0], (int, float)) else tuple(coefficients)
     )

@@ -107,6 +107,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
             opt.step()
         return loss
 
+    def consolidate_state_dict(self) -> None:
+        """Call ``consolidate_state_dict()`` of every inner optimizer that has one.
+
+        A collective under ``ManifoldMuon(distributed="sharded")``: every rank calls it before
+        rank 0 saves :meth:`state_dict`; a no-op otherwise.
+        """
+        for opt in self.optimizers.values():
+            consolidate = getattr(opt, "consolidate_state_dict", None)
+            if consolidate is not None:
+                consolidate()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._link(self.state)  # the loaded state is the shared one
@@ -147,7 +158,9 @@ def build_optimizer(
         manifold_options: per-manifold ManifoldMuon options, e.g.
             ``{"dgram": {"retraction": "colnorm-polar"}}``.
         **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
-            ``msign_method``, ``dual_tol``, ...).
+            ``msign_method``, ``dual_tol``, ...), including the distributed ones
+            (``distributed="sharded"``, ``process_group``, ``shard_strategy``). Build the
+            optimizer on the unwrapped model, before wrapping it in DDP.
 
     Returns:
         A :class:`CombinedOptimizer`.

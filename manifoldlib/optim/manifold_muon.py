@@ -339,10 +339,23 @@ class ManifoldMuon(Optimizer):
         dual_max_iter: cap on dual iterations per step (default 30).
         warm_start: start each dual solve from the previous step's multiplier (default ``True``).
         project_init: project every parameter onto its group's manifold now (default ``True``).
+        distributed: ``"replicated"`` (default; every rank solves every matrix, nothing to set
+            up beyond DDP) or ``"sharded"`` (each matrix solved by one owner rank, the results
+            shared with one ``all_gather`` per dtype every step; call
+            :meth:`consolidate_state_dict` on every rank before rank 0 saves
+            :meth:`state_dict`). Outside a distributed job both are the single-process step.
+        process_group: the group to shard over (``None``: the default group).
+        shard_strategy: owner assignment of :func:`~manifoldlib.distributed.assign_owners`,
+            ``"size"`` (default, balances the solve cost) or ``"round-robin"``.
 
     Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
     ``torch.load(weights_only=True)``. Wide matrices are handled in their tall orientation: a
     ``(256, 1024)`` weight on Stiefel has orthonormal *rows*.
+
+    Parameters must be whole tensors: DTensor (FSDP2, tensor parallel) and FSDP1-flattened
+    parameters raise :class:`~manifoldlib.distributed.UnsupportedParameterError` here, since a
+    manifold step on a shard would be silently wrong. ``distributed``, ``process_group`` and
+    ``shard_strategy`` are attributes of the optimizer, not group options.
 
     Example:
         >>> opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}], lr=0.02)  # doctest: +SKIP
@@ -368,7 +381,22 @@ class ManifoldMuon(Optimizer):
         dual_max_iter: int = DEFAULT_DUAL_MAX_ITER,
         warm_start: bool = True,
         project_init: bool = True,
+        distributed: str = "replicated",
+        process_group=None,
+        shard_strategy: str = "size",
     ) -> None:
+        if distributed not in DISTRIBUTED_MODES:
+            raise ValueError(
+                f"distributed must be one of {', '.join(DISTRIBUTED_MODES)}, got {distributed!r}"
+            )
+        if shard_strategy not in STRATEGIES:
+            raise ValueError(
+                f"shard_strategy must be one of {', '.join(STRATEGIES)}, got {shard_strategy!r}"
+            )
+        self.distributed = distributed
+        self.process_group = process_group
+        self.shard_strategy = shard_strategy
+        self._owner_cache: tuple[tuple[int, ...], int, dict[int, int]] | None = None
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -391,7 +419,9 @@ class ManifoldMuon(Optimizer):
         for group in self.param_groups:
             _validate_group_options(group)
             _group_manifold(group)  # fails early on bad retraction options
-            for p in group["params"]:
+            names = group.get("param_names") or [None] * len(group["params"])
+            for p, name in zip(group["params"], names):
+                reject_unsupported_parameter(p, name)
                 if p.ndim != 2:
                     raise ValueError(
                         f"ManifoldMuon only takes 2-D matrices; a parameter of shape {tuple(p.shape)} "
@@ -435,13 +465,37 @@ class ManifoldMuon(Optimizer):
             momentum_bufs.append(state["momentum_buffer"])
             states.append(state)
 
+    def _all_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def owners(self) -> dict[int, int]:
+        """``id(param) -> owner rank`` in sharded mode, over every parameter of every group.
+
+        Computed from the shapes alone (the same on every rank) and cached, so each matrix
+        keeps its owner, and its owner-only warm-start state, from step to step.
+        """
+        params = self._all_params()
+        key = tuple(id(p) for p in params)
+        _, world_size = get_rank_world(self.process_group)
+        if self._owner_cache is None or self._owner_cache[:2] != (key, world_size):
+            ranks = assign_owners([tuple(p.shape) for p in params], world_size, self.shard_strategy)
+            self._owner_cache = (key, world_size, dict(zip(key, ranks)))
+        return self._owner_cache[2]
+
+    def _sharded(self) -> bool:
+        return self.distributed == "sharded" and get_rank_world(self.process_group)[1] > 1
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Perform one optimization step; ``closure`` re-evaluates the loss (optional)."""
+        """Perform one optimization step; ``closure`` re-evaluates the loss (optional).
+
+        In sharded mode this is a collective: every rank of the group must call it.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        items: list[tuple[Tensor, Tensor, dict, dict[str, Any]]] = []
         for group in self.param_groups:
             params_with_grad: list[Tensor] = []
             grads: list[Tensor] = []
@@ -450,24 +504,92 @@ class ManifoldMuon(Optimizer):
             self._init_group(group, params_with_grad, grads, momentum_bufs, states)
             if not params_with_grad:
                 continue
-            manifold_muon(
-                params_with_grad,
-                grads,
-                momentum_bufs,
-                states,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                ns_coefficients=tuple(group["ns_coefficients"]),
-                ns_steps=group["ns_steps"],
-                eps=group["eps"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                manifold=group["manifold"],
-                manifold_obj=_group_manifold(group),
-                msign_method=group["msign_method"],
-                dual_tol=group["dual_tol"],
-                dual_max_iter=group["dual_max_iter"],
-                warm_start=group["warm_start"],
-            )
+            options = _solve_options(group)
+            for p, grad, buf, state in zip(params_with_grad, grads, momentum_bufs, states):
+                update = _momentum_update(grad, buf, group["momentum"], group["nesterov"])
+                items.append((p, update, state, options))
+        if not self._sharded():
+            for p, update, state, options in items:
+                p.copy_(_solve_one(p, update, state, **options))
+            return loss
+        owners = self.owners()
+
+        def solve(i: int, p: Tensor) -> Tensor:
+            _, update, state, options = items[i]
+            return _solve_one(p, update, state, **options)
+
+        new = sharded_apply(
+            [p for p, _, _, _ in items],
+            solve,
+            process_group=self.process_group,
+            owners=[owners[id(p)] for p, _, _, _ in items],
+        )
+        for (p, _, _, _), value in zip(items, new):
+            p.copy_(value)
         return loss
+
+    @torch.no_grad()
+    def consolidate_state_dict(self) -> None:
+        """Give every rank the owner-only state of every matrix (sharded mode; a collective).
+
+        Every rank of the group must call it, then any rank (usually rank 0) may call
+        :meth:`state_dict` and get the complete state, as one process would. A no-op in
+        replicated mode and outside a distributed job. Non-owners keep the copies they
+        receive; only the owner's copy is updated by later steps, and a later
+        :meth:`load_state_dict` on every rank restores every matrix's state everywhere.
+        """
+        if not self._sharded():
+            return
+        params = self._all_params()
+        owners = self.owners()
+        ranks = [owners[id(p)] for p in params]
+        corrections = []  # (k, k) per matrix, k = min(m, n), in the dual solve's dtype
+        for p in params:
+            k = min(p.shape)
+            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            corrections.append(torch.zeros(k, k, dtype=dtype, device=p.device))
+        # [has state, has correction, has step, step, iterations, residual] per matrix
+        scalars = [torch.zeros(6, dtype=torch.float64, device=p.device) for p in params]
+
+        def owned_correction(i: int, template: Tensor) -> Tensor:
+            value = self.state.get(params[i], {}).get("dual_correction")
+            return template if value is None else value.to(template.dtype)
+
+        def owned_scalars(i: int, template: Tensor) -> Tensor:
+            state = self.state.get(params[i], {})
+            if "dual_iterations" not in state:
+                return template
+            step = state.get("dual_step")
+            return torch.tensor(
+                [
+                    1.0,
+                    float(state.get("dual_correction") is not None),
+                    float(step is not None),
+                    0.0 if step is None else float(step),
+                    float(state["dual_iterations"]),
+                    float(state["dual_residual"]),
+                ],
+                dtype=torch.float64,
+                device=template.device,
+            )
+
+        shared_corrections = sharded_apply(
+            corrections, owned_correction, process_group=self.process_group, owners=ranks
+        )
+        shared_scalars = sharded_apply(
+            scalars, owned_scalars, process_group=self.process_group, owners=ranks
+        )
+        euclidean = {
+            id(p) for group in self.param_groups if group["manifold"] == "euclidean"
+            for p in group["params"]
+        }
+        for p, correction, values in zip(params, shared_corrections, shared_scalars):
+            has_state, has_correction, has_step, step, iterations, residual = values.tolist()
+            if not has_state:
+                continue
+            state = self.state[p]
+            state["dual_iterations"] = int(iterations)
+            state["dual_residual"] = residual
+            if id(p) not in euclidean:  # a dual solve writes both keys, possibly None
+                state["dual_correction"] = correction.clone() if has_correction else None
+                state["dual_step"] = step if has_step else None

@@ -99,7 +99,8 @@ def test_dgram_normal_multiplier_splits_z_into_tangent_and_normal(dtype):
     w = (q * torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)).to(dtype)  # (2, 7, 4), WᵀW diagonal
     z = torch.randn(2, 7, 4, generator=g, dtype=dtype)
     s = dgram_normal_multiplier(w, z)  # (2, 4, 4)
-    assert torch.equal(s, s.mT) and torch.equal(torch.diagonal(s, dim1=-2, dim2=-1), torch.zeros(2, 4, dtype=dtype))
+    assert torch.equal(s, s.mT)
+    assert torch.equal(torch.diagonal(s, dim1=-2, dim2=-1), torch.zeros(2, 4, dtype=dtype))
     v = dgram_project_tangent(w, z)
     assert _rel(v, z - w @ s) <= 4 * EPS[dtype]
     tol = 64 * EPS[dtype] * float(w.norm() * z.norm())
