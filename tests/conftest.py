@@ -41,7 +41,7 @@ torch.manual_seed(0)
 # 2-core machine a 12x12 solve is ~10x slower with 2 threads than with 1, and tests/charts took
 # 89 s with 2 threads against 5 s with 1 (tests/models: 23 s either way; its training runs in
 # subprocesses keep their own threads). Scoped to folders so other suites keep their threads.
-_SINGLE_THREAD_DIRS = {"functional", "retractions", "manifolds", "testing", "nn", "models", "charts"}
+_SINGLE_THREAD_DIRS = {"functional", "retractions", "manifolds", "testing", "nn", "models", "charts", "optim"}
 _TESTS_ROOT = pathlib.Path(__file__).resolve().parent
 
 
