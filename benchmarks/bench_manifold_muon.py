@@ -8,12 +8,13 @@ before on the same gradients), dual iterations per matrix per step, and the larg
 residual of the dual solutions.
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--threads 2] [--max-iter 30] [--tol 1e-3]
-        [--msign ns|polar-express|...] [--only stiefel,dgram]
+        [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -85,7 +86,10 @@ def main() -> None:
     parser.add_argument("--tol", type=float, default=1e-3, help="dual tolerance (relative tangent residual)")
     parser.add_argument("--msign", default="ns", help="msign inside the dual solve (ManifoldMuon msign_method)")
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching optimizers")
+    parser.add_argument("--shapes", default="", help="comma-separated MxN shapes (default: the GPT-small block)")
     args = parser.parse_args()
+    if args.shapes:
+        SHAPES[:] = [tuple(int(k) for k in item.split("x")) for item in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + 1)
     kw = dict(lr=0.02, weight_decay=0.0)
@@ -104,7 +108,7 @@ def main() -> None:
         ),
     }
     print(f"shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
-          f"cap {args.max_iter}, dual msign {args.msign}")
+          f"cap {args.max_iter}, dual msign {args.msign}, load average {os.getloadavg()[0]:.2f}")
     anchor_make = runs["torch.optim.Muon (anchor)"]
     print(f"{'optimizer':40s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
     wanted = [w for w in args.only.split(",") if w]
@@ -114,6 +118,7 @@ def main() -> None:
         r = _run(make, anchor_make, grads)
         print(f"{name:40s} {r['time']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
               f"{r['residual']:10.1e}", flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

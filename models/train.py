@@ -8,9 +8,9 @@ A run directory holds
   ``tokens``, ``grad_norm``, ``tokens_per_s``, and at evaluations ``val_loss``, ``val_ppl`` and
   diagnostics (largest q/k spectral norm, maximum attention logit);
 - ``loss.png`` — the curves; ``sample.txt`` — text generated at the end;
-- ``checkpoint.pt`` — model, optimizer, RNG states (torch, numpy, python) and the data
-  sampler's position, written atomically; ``--resume`` continues it exactly, so the losses equal
-  an uninterrupted run's;
+- ``checkpoint.pt`` — model, optimizer, RNG states (torch, numpy, python; under torchrun also
+  every rank's, ``rng_per_rank``), the data sampler's position and ``world_size``, written
+  atomically; ``--resume`` continues it exactly, so the losses equal an uninterrupted run's;
 - ``summary.json`` — ``val_loss``, ``val_ppl``, ``steps``, ``tokens``, ``world_size``,
   ``wall_time_s``, ``corpus_fingerprint`` and more.
 
@@ -828,6 +828,11 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     return build_config(preset, args.config, overrides)
 
 
+def _is_rank_zero() -> bool:
+    """Rank 0 of a torchrun job, or a plain process (the only one that prints errors)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad input, 3 diverged)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -837,13 +842,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args, overrides, out)
         summary = run_training(cfg, out, resume=args.resume)
     except (_ArgumentError, ConfigError, CorpusError, RunError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if _is_rank_zero():  # every rank failed with the same message (see _Dist.raise_together)
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted; resume with --resume (from the last checkpoint)", file=sys.stderr)
         return 130
     if summary.get("diverged"):
-        print(f"error: training diverged: {summary.get('error')}", file=sys.stderr)
+        if _is_rank_zero():
+            print(f"error: training diverged: {summary.get('error')}", file=sys.stderr)
         return EXIT_DIVERGED
     return 0
 

@@ -21,24 +21,32 @@ and the gradient of the dual objective is the normal residual :math:`H = W^\top 
 (``Off`` of it for DGram). At the dual optimum :math:`H = 0`: :math:`A(\Lambda^\star)` is tangent,
 has spectral norm one and is optimal.
 
-Two ideas make the solve cheap (MATH.md §4–5 give the plain dual ascent):
+Three ideas make the solve cheap and exact (MATH.md §4–5 give the plain dual ascent):
 
-* **Reduced dual.** Write :math:`W = QD` (:math:`D = I` on Stiefel), :math:`B = Q^\top g`,
-  :math:`g_\perp = g - QB` and :math:`C = g_\perp^\top g_\perp`. With
-  :math:`M = B + 2D\Lambda` the matrix :math:`X = g_\perp + QM` has Gram matrix
-  :math:`S = C + M^\top M`, and :math:`\operatorname{msign}(X) = XR` with
-  :math:`R = S^{-1/2}`. Every dual iteration then works on ``n × n`` matrices only: ``R`` comes
-  from the Newton–Schulz preset run on the Gram matrix (the iteration :math:`Y \leftarrow Y
-  p(Y^\top Y)` written as :math:`R \leftarrow R\,p(R^\top S R)`, identical in exact arithmetic),
-  and :math:`Q^\top A = MR`. The ``m``-sized work (five ``m·n²`` products) happens once per solve.
+* **Reduced dual, one eigendecomposition per iteration.** Write :math:`W = QD` (:math:`D = I` on
+  Stiefel), :math:`B = Q^\top G = D^{-1}W^\top G` and :math:`C = G^\top G - B^\top B` (zero for
+  square ``W``). With :math:`M = B + 2D\Lambda` the matrix :math:`X = G + 2W\Lambda` has Gram
+  matrix :math:`S = C + M^\top M`, and every spectral map of :math:`X` is :math:`XR` with
+  :math:`R = V\operatorname{diag}(\psi(\lambda))V^\top` from :math:`S = V\operatorname{diag}
+  (\lambda)V^\top`. For a Newton–Schulz preset :math:`\psi` is the preset's scalar polynomial
+  composed ``steps`` times (the same ``R`` as the iteration, exactly), so a dual iteration is
+  one ``n × n`` eigh and three ``n × n`` products, and :math:`Q^\top A = MR`. The ``m``-sized
+  work is :math:`W^\top G`, :math:`G^\top G` (setup) and :math:`A = (G + 2W\Lambda)R` (end).
 * **Barzilai–Borwein dual steps.** The dual objective is smooth where :math:`X` has full column
-  rank; BB step sizes (alternating the long and short rule, safeguarded) adapt to its curvature
-  and need far fewer iterations than the decaying subgradient schedule of the reference
-  implementation. The step is preconditioned by :math:`2/(d_i^2 + d_j^2)` (the inverse metric of
-  the normal space) so DGram columns of different norms converge together.
+  rank; BB step sizes (alternating the long and short rule, safeguarded) adapt to its curvature.
+  The step is preconditioned by :math:`2/(d_i^2 + d_j^2)` (the inverse metric of the normal
+  space) so DGram columns of different norms converge together.
+* **Smoothed dual for square DGram.** There the dual optimum is rank deficient and no
+  :math:`\operatorname{msign}` of a dual iterate is tangent. Replacing :math:`\|X\|_*` by
+  :math:`\operatorname{tr}(X^\top X + \mu^2 I)^{1/2}` makes the dual smooth; its minimizer gives
+  the tangent :math:`A = X(X^\top X + \mu^2 I)^{-1/2}` (:math:`\|A\|_2 < 1`), which maximizes
+  :math:`\langle G, A\rangle + \mu\sum_i\sqrt{1 - \sigma_i(A)^2}` over the tangent unit ball, so
+  it loses at most :math:`n\mu` of the optimum. It is solved by Newton–CG (the Hessian from the
+  same eigendecomposition, Daleckii–Krein divided differences) with a continuation in
+  :math:`\mu`.
 
-``msign_method="svd"`` runs the exact, unreduced iteration (SVD of the ``m × n`` matrix
-:math:`X` every step): the reference used by the tests.
+``msign_method="svd"`` without smoothing runs the exact, unreduced iteration (SVD of the
+``m × n`` matrix :math:`X` every step): the reference used by the tests.
 """
 
 from __future__ import annotations
@@ -57,10 +65,13 @@ from ..functional.msign import (
 )
 
 __all__ = [
+    "AUTO_SMOOTHING",
     "DEFAULT_MAX_ITER",
     "DEFAULT_TOL",
     "STEEPEST_MANIFOLDS",
     "SteepestInfo",
+    "gram_msign_factor",
+    "gram_msign_factor_eigh",
     "steepest_direction",
     "tangent_residual",
 ]
@@ -75,6 +86,13 @@ DEFAULT_MAX_ITER = 100
 _PE_SAFETY = 1.01
 _DEFAULT_NS_STEPS = {"jordan5": 5, "polar-express": 8, "newton-schulz": 30}
 _CONVERGENT_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
+_LINE_SEARCH_STEPS = 20
+#: CG iterations per Newton step of the smoothed dual.
+NEWTON_CG_ITER = 20
+#: Relative smoothing :math:`\kappa` that ``smoothing="auto"`` uses for square DGram matrices.
+AUTO_SMOOTHING = 2e-2
+#: Continuation start of a cold smoothed solve (relative :math:`\kappa`).
+SMOOTHING_START = 1e-1
 
 
 @dataclass
@@ -186,13 +204,104 @@ def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold: str) -> torch.T
     return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
 
 
-class _DualProblem:
-    """The reduced dual of one tall instance: everything but the last product is ``n × n``."""
+def _polynomial_gain(lam: torch.Tensor, method: str, steps: int | None, coefficients, eps: float) -> torch.Tensor:
+    r""":math:`\psi(\lambda) = \phi(\sigma)/\sigma` of a Newton–Schulz preset, on eigenvalues :math:`\lambda = \sigma^2`.
 
-    def __init__(self, w, g, manifold, method, steps, coefficients, eps):
+    The preset maps a singular value by :math:`y_0 = \sigma/(c\|X\|_F + \epsilon)`,
+    :math:`y_{k+1} = y_k(a + b y_k^2 + c y_k^4)`; the gain is the product of the factors times the
+    first scaling, so no division by :math:`\sigma` happens (finite at :math:`\sigma = 0`).
+    """
+    n_steps = _DEFAULT_NS_STEPS.get(method, 5) if steps is None else steps
+    schedule = _ns_schedule(method, coefficients)
+    scale = _PE_SAFETY if (method == "polar-express" and coefficients is None) else 1.0
+    s0 = 1.0 / (scale * float(lam.sum().clamp_min(0).sqrt()) + eps)
+    gain = torch.full_like(lam, s0)
+    t = lam * (s0 * s0)  # y_k^2
+    for k in range(n_steps):
+        a, b, c = schedule[min(k, len(schedule) - 1)]
+        factor = a + t * (b + c * t)
+        gain = gain * factor
+        t = t * factor * factor
+    return gain
+
+
+def gram_msign_factor_eigh(
+    s: torch.Tensor,
+    method: str,
+    steps: int | None = None,
+    *,
+    coefficients=None,
+    eps: float = 1e-7,
+    smoothing: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``R`` with :math:`\operatorname{msign}(X) \approx XR` from one eigendecomposition of :math:`S = X^\top X`.
+
+    With :math:`S = V\operatorname{diag}(\lambda)V^\top` every spectral map of ``X`` is
+    :math:`XR` with :math:`R = V\operatorname{diag}(\psi(\lambda))V^\top`:
+
+    * a Newton–Schulz preset: :math:`\psi` is its scalar polynomial composed ``steps`` times, so
+      ``R`` equals :func:`gram_msign_factor`'s in exact arithmetic, at one ``n × n`` eigh and one
+      product instead of four products per Newton–Schulz step;
+    * ``smoothing`` :math:`= \mu > 0`: :math:`\psi = (\lambda + \mu^2)^{-1/2}`, the gradient
+      :math:`X(X^\top X + \mu^2 I)^{-1/2}` of the smoothed nuclear norm
+      :math:`\operatorname{tr}(X^\top X + \mu^2 I)^{1/2}` (singular values
+      :math:`\sigma/\sqrt{\sigma^2 + \mu^2} < 1`).
+
+    Args:
+        s: ``(n, n)`` symmetric positive semi-definite.
+        method: ``"jordan5"``, ``"polar-express"`` or ``"newton-schulz"`` (ignored with ``smoothing``).
+        steps: Newton–Schulz iteration count (defaults: 5, 8, 30).
+        coefficients: a custom ``(a, b, c)`` or schedule of triples.
+        eps: added to the normalizing norm.
+        smoothing: :math:`\mu` (absolute), or ``None`` for the preset.
+
+    Returns:
+        ``(R, norm_sq)``: the ``(n, n)`` factor and :math:`\|XR\|_F^2 = \sum_i \lambda_i\psi_i^2`.
+    """
+    lam, vec, gain = _spectral_gain(s, method, steps, coefficients, eps, smoothing)
+    r = (vec * gain) @ vec.mT  # (n, n)
+    return r, (lam * gain * gain).sum()
+
+
+def _spectral_gain(s, method, steps, coefficients, eps, smoothing):
+    r"""Eigenvalues (clamped at 0), eigenvectors and the gain :math:`\psi(\lambda)` of ``s``."""
+    lam, vec = torch.linalg.eigh(0.5 * (s + s.mT))  # (n,), (n, n)
+    lam = lam.clamp_min(0)
+    if smoothing is not None:
+        gain = (lam + smoothing * smoothing).rsqrt()
+    else:
+        gain = _polynomial_gain(lam, method, steps, coefficients, eps)
+    return lam, vec, gain
+
+
+@dataclass
+class _State:
+    """One evaluation of the dual: the multiplier and what rebuilds ``A`` (and its Hessian)."""
+
+    lam: torch.Tensor
+    factor: torch.Tensor  # R (n, n) on the reduced path, A (m, n) itself on the SVD path
+    m: torch.Tensor | None = None
+    eig: torch.Tensor | None = None
+    vec: torch.Tensor | None = None
+    gain: torch.Tensor | None = None
+    value: float | None = None  # smoothed dual objective sum sqrt(lambda + mu^2)
+    mv: torch.Tensor | None = None
+
+
+class _DualProblem:
+    r"""The reduced dual of one tall instance: every iteration is ``n × n`` work only.
+
+    Setup: :math:`W^\top G` and :math:`G^\top G` (two ``m·n²`` products); the answer
+    :math:`A = (G + 2W\Lambda)R` costs two more. The Gram matrix of :math:`X = G + 2W\Lambda` is
+    :math:`S = C + M^\top M` with :math:`M = B + 2D\Lambda`, :math:`B = Q^\top G` and
+    :math:`C = G^\top G - B^\top B` (zero for square ``W``).
+    """
+
+    def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None):
         self.manifold = manifold
         self.method = method
         self.steps, self.coefficients, self.eps = steps, coefficients, eps
+        self.smoothing = smoothing  # absolute mu of the smoothed nuclear norm, or None
         n = w.size(-1)
         if manifold == "dgram":
             self.d = w.norm(dim=-2)  # (n,) column norms
@@ -204,32 +313,46 @@ class _DualProblem:
         d2 = self.d * self.d
         self.metric = 0.5 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))  # (n, n), (d_i^2 + d_j^2)/2
         self.mask = off_diagonal if manifold == "dgram" else (lambda x: x)
-        if method != "svd":
-            self.b = self.q.mT @ g  # (n, n)
-            g_perp = g - self.q @ self.b  # (m, n)
-            self.c = g_perp.mT @ g_perp  # (n, n)
-            self.g_perp = g_perp
+        self.wg = w.mT @ g  # (n, n) = W^T G = D B
+        self.reduced = method != "svd" or smoothing is not None
+        if self.reduced:
+            self.b = self.wg / self.d.unsqueeze(-1)  # (n, n) = Q^T G
+            if w.size(-2) == n:
+                self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
+            else:
+                gram = g.mT @ g  # (n, n)
+                self.c = gram - self.b.mT @ self.b  # G_perp^T G_perp
+                self.c = 0.5 * (self.c + self.c.mT)
 
     def initial_multiplier(self) -> torch.Tensor:
         # G + 2 W Lambda_0 = P_T(G): Lambda_0 = -(W^T G + G^T W) / (2 (d_i^2 + d_j^2))
-        wg = self.w.mT @ self.g
-        return -self.mask(wg + wg.mT) / (4.0 * self.metric)
+        return -self.mask(self.wg + self.wg.mT) / (4.0 * self.metric)
+
+    def gram(self, lam: torch.Tensor) -> torch.Tensor:
+        r"""``(n, n)`` Gram matrix :math:`S` of :math:`X = G + 2W\Lambda` (reduced path only)."""
+        m = self.b + 2.0 * (self.d.unsqueeze(-1) * lam)
+        return self.c + m.mT @ m
 
     def evaluate(self, lam: torch.Tensor):
         """``(H, residual, state)`` at the multiplier ``lam``; ``state`` rebuilds ``A``."""
-        if self.method == "svd":
+        if not self.reduced:
             x = self.g + 2.0 * (self.w @ lam)  # (m, n)
             a = msign(x, "svd")
             k = self.q.mT @ a  # (n, n) = Q^T A
             a_sq = (a * a).sum()
-            state = a
+            state = _State(lam, a)
         else:
             m = self.b + 2.0 * (self.d.unsqueeze(-1) * lam)  # (n, n) = B + 2 D Lambda
             s = self.c + m.mT @ m  # (n, n) Gram matrix of X
-            r = gram_msign_factor(s, self.method, self.steps, coefficients=self.coefficients, eps=self.eps)
+            if not bool(torch.isfinite(s).all()):
+                nan = torch.full_like(lam, float("nan"))
+                return nan, float("nan"), _State(lam, nan, value=float("nan"))
+            eig, vec, gain = _spectral_gain(s, self.method, self.steps, self.coefficients, self.eps, self.smoothing)
+            r = (vec * gain) @ vec.mT  # (n, n), msign(X) = X R
             k = m @ r  # Q^T A
-            a_sq = torch.diagonal(r.mT @ s @ r).sum()  # ||A||_F^2
-            state = (m, r)
+            a_sq = (eig * gain * gain).sum()  # ||A||_F^2
+            value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
+            state = _State(lam, r, m, eig, vec, gain, value)
         dk = self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
         h = self.mask(dk + dk.mT)  # dual gradient
         # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||D S||_F
@@ -237,11 +360,32 @@ class _DualProblem:
         residual = float(normal.norm() / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
         return h, residual, state
 
-    def direction(self, state) -> torch.Tensor:
-        if self.method == "svd":
-            return state
-        m, r = state
-        return (self.g_perp + self.q @ m) @ r  # X R = msign(X), (m, n)
+    def direction(self, state: _State) -> torch.Tensor:
+        if not self.reduced:
+            return state.factor  # the (m, n) direction itself
+        x = self.g + self.w @ (2.0 * state.lam)  # (m, n) = G + 2 W Lambda
+        return x @ state.factor  # msign(X) = X R, (m, n)
+
+    def hessian_vector(self, state: _State, delta: torch.Tensor) -> torch.Tensor:
+        r"""Second derivative of the smoothed dual along the symmetric ``delta`` (reduced path).
+
+        :math:`E = 2D\Delta`, :math:`dS = E^\top M + M^\top E`,
+        :math:`dR = V[(V^\top dS V)\circ\Phi]V^\top` with :math:`\Phi_{ij}` the divided difference of
+        :math:`\psi(\lambda) = (\lambda + \mu^2)^{-1/2}`, :math:`-1/(a_i a_j (a_i + a_j))`,
+        :math:`a = \psi^{-1}`; then :math:`dK = ER + M\,dR` and the answer is
+        :math:`\mathcal{N}(D\,dK + dK^\top D)`. Four ``n × n`` products.
+        """
+        vec, gain = state.vec, state.gain
+        root = gain.reciprocal()  # a_i = sqrt(lambda_i + mu^2)
+        phi = -1.0 / (root.unsqueeze(-1) * root.unsqueeze(-2) * (root.unsqueeze(-1) + root.unsqueeze(-2)))
+        if state.mv is None:
+            state.mv = state.m @ vec  # (n, n) = M V
+        ev = (2.0 * (self.d.unsqueeze(-1) * delta)) @ vec  # (n, n) = E V
+        t = ev.mT @ state.mv  # (n, n)
+        dr = (t + t.mT) * phi  # V^T dR V
+        dk = (ev * gain + state.mv @ dr) @ vec.mT  # (n, n) = dK
+        ddk = self.d.unsqueeze(-1) * dk
+        return self.mask(ddk + ddk.mT)
 
 
 def _dual_solve(
@@ -292,6 +436,121 @@ def _dual_solve(
     return lam, state, residual, iterations, step
 
 
+def _conjugate_gradient(problem: _DualProblem, state: _State, rhs: torch.Tensor, max_iter: int, rtol: float):
+    """Preconditioned CG on ``Hess · p = rhs`` (preconditioner: the normal-space metric)."""
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    z = r / problem.metric
+    p = z.clone()
+    rz = float((r * z).sum())
+    stop = rtol * float(rhs.norm())
+    for _ in range(max_iter):
+        hp = problem.hessian_vector(state, p)
+        php = float((p * hp).sum())
+        if not php > 0:  # flat or numerically indefinite direction: keep what we have
+            break
+        alpha = rz / php
+        x = x + alpha * p
+        r = r - alpha * hp
+        if float(r.norm()) <= stop:
+            break
+        z = r / problem.metric
+        rz_new = float((r * z).sum())
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return x if bool(x.abs().sum() > 0) else z
+
+
+def _newton_solve(
+    problem: _DualProblem,
+    lam: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    history: list[float],
+    patience: int | None,
+    cg_iter: int = NEWTON_CG_ITER,
+):
+    r"""Newton–CG on the smoothed dual :math:`\sum_i (\lambda_i(S) + \mu^2)^{1/2}` with backtracking.
+
+    The smoothed dual is smooth and convex, so inexact Newton steps (CG on the Hessian from one
+    eigendecomposition) with an Armijo line search on the dual value converge fast where BB
+    crawls (its curvature spans :math:`1/\mu` to :math:`1/\sigma_{\max}`).
+    """
+    h, residual, state = problem.evaluate(lam)
+    history.append(residual)
+    best = (residual, lam, state)
+    iterations = since_progress = 0
+    progress_mark = residual
+    while not residual <= tol and iterations < max_iter:
+        if patience is not None and since_progress >= patience:
+            break
+        if residual != residual:
+            break
+        hnorm = float(h.norm())
+        direction = _conjugate_gradient(problem, state, -h, cg_iter, min(0.5, hnorm**0.5))
+        slope = float((h * direction).sum())
+        if not slope < 0:
+            direction, slope = -h / problem.metric, -float((h * h / problem.metric).sum())
+        t = 1.0
+        for _ in range(_LINE_SEARCH_STEPS):
+            trial = lam + t * direction
+            h_t, res_t, state_t = problem.evaluate(trial)
+            if state_t.value is not None and state_t.value <= state.value + 1e-4 * t * slope:
+                break
+            t *= 0.5
+        lam, h, residual, state = trial, h_t, res_t, state_t
+        iterations += 1
+        history.append(residual)
+        if residual < best[0] or best[0] != best[0]:
+            best = (residual, lam, state)
+        if residual < 0.9 * progress_mark:
+            progress_mark, since_progress = residual, 0
+        else:
+            since_progress += 1
+    residual, lam, state = best
+    return lam, state, residual, iterations, None
+
+
+def _resolve_smoothing(smoothing, manifold: str, shape) -> float | None:
+    """The relative smoothing :math:`\\kappa` of this solve (``None``: the plain dual)."""
+    if smoothing == "auto":
+        square = shape[-2] == shape[-1]
+        return AUTO_SMOOTHING if (manifold == "dgram" and square) else None
+    if smoothing is None:
+        return None
+    if isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and smoothing > 0:
+        return float(smoothing)
+    raise ValueError(f"smoothing must be 'auto', None or a float > 0, got {smoothing!r}")
+
+
+def _smoothed_solve(problem, lam, lam0, kappa, tol, max_iter, history, patience, cold):
+    r"""Newton–CG on the smoothed dual with :math:`\mu = \kappa\|P_W G\|_F/\sqrt{n}`.
+
+    A cold start runs a continuation (first :data:`SMOOTHING_START` to ``10 tol``, then ``kappa``
+    to ``tol``); a warm start goes straight to ``kappa`` when its residual beats the closed-form
+    start's. The iteration budget is shared.
+    """
+    n = lam.size(-1)
+    scale = float(torch.diagonal(problem.gram(lam0)).sum().clamp_min(0).sqrt()) / math.sqrt(n)
+    scale = scale if scale > 0 else 1.0 / math.sqrt(n)
+    if not cold:
+        # a warm start from another gradient can be worse than the closed-form start: keep the
+        # better of the two (at the final smoothing), and run the continuation from Lambda_0
+        problem.smoothing = kappa * scale
+        cold = not problem.evaluate(lam)[1] < problem.evaluate(lam0)[1]
+        lam = lam0 if cold else lam
+    stages = [SMOOTHING_START, kappa] if (cold and kappa < SMOOTHING_START) else [kappa]
+    iterations, state, residual = 0, None, float("nan")
+    for k, stage in enumerate(stages):
+        problem.smoothing = stage * scale
+        stage_tol = tol if k == len(stages) - 1 else 10.0 * tol  # a continuation stage needs less
+        lam, state, residual, done, _ = _newton_solve(
+            problem, lam, stage_tol, max_iter - iterations, history, patience
+        )
+        iterations += done
+    return lam, state, residual, iterations
+
+
 def steepest_direction(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -307,6 +566,7 @@ def steepest_direction(
     correction: torch.Tensor | None = None,
     step_size: float | None = None,
     patience: int | None = None,
+    smoothing: float | str | None = "auto",
     return_info: bool = False,
 ):
     r"""Steepest unit direction of ``G`` under the spectral norm in the tangent space at ``W``.
@@ -349,6 +609,15 @@ def steepest_direction(
         patience: stop early once this many iterations in a row failed to cut the best residual
             by 10% (``None``: run to ``tol`` or ``max_iter``). Guards the cost where the dual
             optimum is rank deficient and the residual stalls (square DGram).
+        smoothing: replace the nuclear norm of the dual by
+            :math:`\\operatorname{tr}(X^\\top X + \\mu^2 I)^{1/2}` with
+            :math:`\\mu = \\kappa\\|P_W G\\|_F/\\sqrt{n}` (``kappa`` = this float) and solve it by
+            Newton–CG. Its optimum is exactly tangent with :math:`\\|A\\|_2 < 1` and loses at
+            most :math:`n\\mu` of the objective. ``"auto"`` (default) uses
+            :data:`AUTO_SMOOTHING` for square DGram matrices, whose plain dual has a
+            rank-deficient optimum that no :math:`\\operatorname{msign}` reaches, and the plain
+            dual (BB steps, the ``msign_method`` map) elsewhere; ``None`` never smooths. With
+            smoothing, ``msign_method`` only selects the exact SVD-free eigen path.
         return_info: also return a :class:`SteepestInfo`.
 
     Returns:
@@ -379,22 +648,30 @@ def steepest_direction(
     w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
     n = g.size(-1)
-    problem = _DualProblem(w, g, manifold, msign_method, ns_steps, ns_coefficients, eps)
+    kappa = _resolve_smoothing(smoothing, manifold, w.shape)
+    problem = _DualProblem(w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa)
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")
     lam0 = problem.initial_multiplier()
     lam = lam0
-    for label, start in (("multiplier", multiplier), ("correction", correction)):
-        if start is None:
+    start = multiplier if multiplier is not None else correction
+    for label, given in (("multiplier", multiplier), ("correction", correction)):
+        if given is None:
             continue
-        if tuple(start.shape) != (n, n):
-            raise ValueError(f"{label} must have shape {(n, n)}, got {tuple(start.shape)}")
-        start = problem.mask(0.5 * (start + start.mT)).to(work_dtype)
-        lam = start if label == "multiplier" else lam0 + start
+        if tuple(given.shape) != (n, n):
+            raise ValueError(f"{label} must have shape {(n, n)}, got {tuple(given.shape)}")
+        given = problem.mask(0.5 * (given + given.mT)).to(work_dtype)
+        lam = given if label == "multiplier" else lam0 + given
     history: list[float] = []
-    lam, state, residual, iterations, last_step = _dual_solve(
-        problem, lam, float(tol), max_iter, history, step_size, patience
-    )
+    if kappa is None:
+        lam, state, residual, iterations, last_step = _dual_solve(
+            problem, lam, float(tol), max_iter, history, step_size, patience
+        )
+    else:
+        lam, state, residual, iterations = _smoothed_solve(
+            problem, lam, lam0, kappa, float(tol), max_iter, history, patience, cold=start is None
+        )
+        last_step = step_size
     a = problem.direction(state)
     a = a.mT if transposed else a
     a = a.to(out_dtype)

@@ -37,7 +37,10 @@ CLOSE = ("train_loss", "val_loss", "grad_norm")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("ddp")
-    dirs = {name: str(root / name) for name in ("plain", "full", "part", "odd")}
+    dirs = {name: str(root / name)
+            for name in ("plain", "full", "part", "odd", "muon", "muon-rep", "muon-part")}
+    muon = {**QUIET, "steps": "12", "eval_interval": "4", "log_interval": "2",
+            "optimizer": "manifold-muon", "policy": "hetero", "lr": "0.02"}
     dropout = {**QUIET, "steps": "20", "dropout": "0.1", "eval_interval": "5"}
     jobs = [
         (QUIET, dirs["plain"], False),
@@ -45,6 +48,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ({**dropout, "stop_at": "10"}, dirs["part"], False),
         ({**dropout, "steps": "20"}, dirs["part"], True),
         ({**QUIET, "batch_size": "7"}, dirs["odd"], False),
+        (muon, dirs["muon"], False),  # muon_distributed=sharded, the default
+        ({**muon, "muon_distributed": "replicated"}, dirs["muon-rep"], False),
+        ({**muon, "stop_at": "8"}, dirs["muon-part"], False),
+        (muon, dirs["muon-part"], True),
     ]
     reports = run_workers(
         workers.train_job, WORLD_SIZE, jobs, timeout=JOB_TIMEOUT_S, collective_timeout=120.0
@@ -113,8 +120,23 @@ def test_resume_with_dropout_is_exact_under_ddp(runs: dict) -> None:
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
+def test_manifold_muon_sharded_equals_replicated_and_resumes_exactly(runs: dict) -> None:
+    sharded, replicated, part = (Path(runs["dirs"][k]) for k in ("muon", "muon-rep", "muon-part"))
+    rows = read_metrics(sharded / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(2, 13, 2))
+    _close_rows(rows, read_metrics(replicated / "metrics.jsonl"), atol=0.0)
+    _close_rows(rows, read_metrics(part / "metrics.jsonl"), atol=0.0)  # sharded state resumed
+    saved = torch.load(part / "checkpoint.pt", weights_only=False)
+    # consolidated before saving: rank 0's checkpoint holds every matrix's dual state
+    corrections = [s for s in saved["optimizer"]["state"].values() if "dual_correction" in s]
+    muon_params = sum(len(g["params"]) for g in saved["optimizer"]["param_groups"]
+                      if g.get("kind") == "muon")
+    assert muon_params > 0 and len(corrections) == muon_params
+    assert runs["reports"][0]["summaries"][5]["world_size"] == WORLD_SIZE
+
+
 def test_indivisible_batch_size_fails_on_every_rank_with_a_clear_error(runs: dict) -> None:
     for report in runs["reports"]:
-        message = report["summaries"][-1]["error"]
+        message = report["summaries"][4]["error"]
         assert message.startswith("ConfigError: batch_size 7 is not divisible by the 2 "), message
     assert not Path(runs["dirs"]["odd"]).exists()  # refused before anything was written

@@ -6,6 +6,7 @@ inside an initialized gloo process group and returns plain data for the parent t
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -236,3 +237,175 @@ def train_job(rank: int, runs: list[tuple[dict, str, bool]]) -> dict:
         "first_inputs": [inputs[0] for inputs in seen if inputs],
         "input_rows": sorted({len(x) for inputs in seen for x in inputs}),
     }
+
+
+# ---- ManifoldMuon under DDP -----------------------------------------------------------------
+
+#: (shape, manifold) of the matrices of :class:`MuonNet`: tall, wide and square, on every
+#: manifold a ManifoldMuon group can use.
+MUON_LAYERS: tuple[tuple[tuple[int, int], str], ...] = (
+    ((16, 8), "stiefel"),
+    ((8, 16), "stiefel"),  # wide: orthonormal rows
+    ((12, 8), "dgram"),
+    ((12, 12), "stiefel"),
+    ((6, 12), "dgram"),
+    ((6, 6), "euclidean"),
+)
+MUON_BATCH = 8
+
+
+class MuonNet(torch.nn.Module):
+    """A chain of bias-free matrices ``x -> tanh(W_i x)``; float64; deterministic init."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(0.3 * torch.randn(shape, generator=generator, dtype=torch.float64))
+            for shape, _ in MUON_LAYERS
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 8) -> (B, 6)
+        for w in self.weights:
+            x = torch.tanh(x @ w.mT)
+        return x
+
+
+def muon_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: inputs ``(B, 8)`` and targets ``(B, 6)``, float64."""
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(MUON_BATCH, 8, generator=generator, dtype=torch.float64)
+    return x, torch.randn(MUON_BATCH, 6, generator=generator, dtype=torch.float64)
+
+
+def make_muon(model: torch.nn.Module, **options):
+    """ManifoldMuon with one group per manifold of :data:`MUON_LAYERS`."""
+    from manifoldlib.optim import ManifoldMuon
+
+    groups: dict[str, list] = {}
+    for p, (_, manifold) in zip(model.weights, MUON_LAYERS):
+        groups.setdefault(manifold, []).append(p)
+    return ManifoldMuon(
+        [{"params": ps, "manifold": m} for m, ps in groups.items()],
+        lr=0.05, momentum=0.9, weight_decay=0.01, **options,
+    )
+
+
+def _train_steps(models_and_opts, steps: int, shard: slice, first: int = 0) -> None:
+    for step in range(first, first + steps):
+        x, y = muon_batch(step)
+        for model, opt in models_and_opts:
+            loss = (model(x[shard]) - y[shard]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def _owner_state_keys(opt) -> list[list[str]]:
+    return [sorted(opt.state[p].keys()) for p in opt._all_params()]
+
+
+def muon_ddp_job(rank: int, steps: int, options: dict) -> dict:
+    """Sharded and replicated ManifoldMuon (extra ``options``) on two DDP copies of MuonNet.
+
+    After ``steps`` steps: both copies' weights; the sharded optimizer's owners and which
+    state keys each rank held; the state dicts of both (the sharded one after
+    ``consolidate_state_dict``); the weights after ``steps`` more steps with the same
+    optimizers (``"continued"``) and, from the same point, with fresh optimizers loaded from
+    those state dicts (``"resumed"``, the checkpoint path). In a plain process
+    (``rank`` 0 of 1, no group) the same code is the single-process reference.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from manifoldlib.distributed import batch_shard, get_rank_world
+
+    rank, world_size = get_rank_world()
+    shard = batch_shard(MUON_BATCH, rank, world_size)
+    wrap = DistributedDataParallel if world_size > 1 else (lambda m: m)
+    nets = {mode: MuonNet() for mode in ("sharded", "replicated")}
+    opts = {mode: make_muon(nets[mode], distributed=mode, **options) for mode in nets}
+    _train_steps([(wrap(nets[m]), opts[m]) for m in nets], steps, shard)
+    report: dict = {
+        "weights": {m: [p.detach().clone() for p in nets[m].weights] for m in nets},
+        "held": _owner_state_keys(opts["sharded"]),
+        "owners": [opts["sharded"].owners()[id(p)] for p in nets["sharded"].weights],
+    }
+    for opt in opts.values():
+        opt.consolidate_state_dict()
+    # a deep copy, as torch.save would write it: later steps update the buffers in place
+    report["state_dicts"] = {m: copy.deepcopy(opts[m].state_dict()) for m in opts}
+    report["held_after"] = _owner_state_keys(opts["sharded"])
+    saved = {m: [p.detach().clone() for p in nets[m].weights] for m in nets}
+    # continue with the same optimizers ...
+    _train_steps([(wrap(nets[m]), opts[m]) for m in nets], steps, shard, first=steps)
+    report["continued"] = {m: [p.detach().clone() for p in nets[m].weights] for m in nets}
+    with torch.no_grad():
+        for m in nets:
+            for p, value in zip(nets[m].weights, saved[m]):
+                p.copy_(value)
+    # ... and resume: fresh optimizers (no projection: the weights are on their manifolds)
+    fresh = {
+        m: make_muon(nets[m], distributed=m, project_init=False, **options) for m in nets
+    }
+    for m in nets:
+        fresh[m].load_state_dict(report["state_dicts"][m])
+    _train_steps([(wrap(nets[m]), fresh[m]) for m in nets], steps, shard, first=steps)
+    report["resumed"] = {m: [p.detach().clone() for p in nets[m].weights] for m in nets}
+    return report
+
+
+def muon_ddp_jobs(rank: int, steps: int, option_sets: dict[str, dict]) -> dict:
+    """:func:`muon_ddp_job` for each named set of options, in one process group; plus what
+    ``build_optimizer`` says about an FSDP2-sharded (DTensor) matrix (key ``"fsdp2"``)."""
+    report = {name: muon_ddp_job(rank, steps, options) for name, options in option_sets.items()}
+    report["fsdp2"] = _muon_fsdp2_rejection()
+    return report
+
+
+def _muon_fsdp2_rejection() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from manifoldlib.optim import build_optimizer
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Module()
+    model.attn = torch.nn.Linear(8, 8, bias=False)
+    fully_shard(model.attn, mesh=mesh)
+    try:
+        build_optimizer(model, policy="all-stiefel", distributed="sharded")
+    except TypeError as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+def combined_ddp_job(rank: int, steps: int) -> dict:
+    """``build_optimizer`` (hetero policy) on a tiny float64 GPT under DDP, both modes."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from manifoldlib.distributed import batch_shard, get_rank_world
+    from manifoldlib.optim import build_optimizer
+    from models.gpt import GPT, GPTConfig
+
+    rank, world_size = get_rank_world()
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                       dropout=0.0, bias=False)
+    shard = batch_shard(MUON_BATCH, rank, world_size)
+    out: dict = {"params": {}, "kinds": {}}
+    for mode in ("sharded", "replicated"):
+        torch.manual_seed(0)
+        model = GPT(config).double()
+        opt = build_optimizer(model, policy="hetero", lr=0.02, adamw_lr=1e-3, distributed=mode)
+        trained = DistributedDataParallel(model) if world_size > 1 else model
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(200 + step)
+            idx = torch.randint(32, (MUON_BATCH, 9), generator=generator)
+            _, loss = trained(idx[shard, :-1], idx[shard, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.consolidate_state_dict()
+        out["params"][mode] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["kinds"][mode] = sorted({g["manifold"] for g in opt.param_groups if "manifold" in g})
+        out.setdefault("state_sizes", {})[mode] = len(opt.state_dict()["state"])
+    return out

@@ -167,8 +167,9 @@ def test_gram_form_equals_newton_schulz_on_the_matrix():
 def test_patience_stops_a_stalled_solve_and_keeps_the_best_iterate():
     # square DGram: the dual optimum is rank deficient, the residual stalls well above 1e-8
     w, g = _instance(8, 8, "dgram", seed=1)
-    _, full = steepest_direction(w, g, "dgram", tol=1e-8, max_iter=60, return_info=True)
-    _, short = steepest_direction(w, g, "dgram", tol=1e-8, max_iter=60, patience=3, return_info=True)
+    _, full = steepest_direction(w, g, "dgram", tol=1e-8, max_iter=60, smoothing=None, return_info=True)
+    _, short = steepest_direction(w, g, "dgram", tol=1e-8, max_iter=60, patience=3, smoothing=None,
+                                  return_info=True)
     assert full.iterations == 60 and not full.converged
     assert short.iterations < 60
     assert short.residual == min(short.history)
@@ -213,3 +214,138 @@ def test_shape_mismatch():
     w, g = _instance(8, 3, "stiefel", seed=0)
     with pytest.raises(ValueError, match="same shape"):
         steepest_direction(w, g[:, :2], "stiefel")
+
+
+def _smoothed_dual_upper_bound(w: np.ndarray, g: np.ndarray) -> float:
+    """An upper bound on the optimum (weak duality): ||G + W S||_* at an S found by L-BFGS on the
+    smoothed nuclear norm sum sqrt(sigma^2 + eps^2), eps -> 0 (numpy and scipy only)."""
+    n = w.shape[1]
+    iu = np.triu_indices(n, k=1)
+
+    def unpack(z):
+        s = np.zeros((n, n))
+        s[iu] = z
+        return s + s.T
+
+    def fun(z, eps):
+        u, sig, vt = np.linalg.svd(g + w @ unpack(z), full_matrices=False)
+        root = np.sqrt(sig**2 + eps**2)
+        grad_full = w.T @ ((u * (sig / root)) @ vt)
+        return root.sum(), (grad_full + grad_full.T)[iu]
+
+    wg = w.T @ g
+    d2 = (w * w).sum(0)
+    z = (-(wg + wg.T) / (d2[:, None] + d2[None, :]))[iu]
+    for eps in (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
+        z = scipy.optimize.minimize(fun, z, args=(eps,), jac=True, method="L-BFGS-B",
+                                    options={"maxiter": 5000, "gtol": 1e-12, "ftol": 1e-15}).x
+    return float(np.linalg.svd(g + w @ unpack(z), compute_uv=False).sum())
+
+
+@pytest.mark.parametrize("n", [5, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_square_dgram_reaches_the_optimum_with_smoothing(n, seed):
+    # The plain dual of square DGram stalls (rank-deficient optimum); the smoothed dual's answer is
+    # tangent, inside the unit ball, and its value is certified against an independent upper bound.
+    from manifoldlib.functional import dgram_project_tangent
+
+    w, g = _instance(n, n, "dgram", seed)
+    gn = g / g.norm()
+    a, info = steepest_direction(w, g, "dgram", tol=1e-4, max_iter=200, return_info=True)
+    assert info.converged
+    assert float(tangent_residual(w, a, "dgram")) <= 1e-3
+    assert float(torch.linalg.matrix_norm(a, ord=2)) <= 1 + 1e-4
+    upper = _smoothed_dual_upper_bound(w.numpy(), gn.numpy())
+    feasible = dgram_project_tangent(w, a)
+    feasible = feasible / max(1.0, float(torch.linalg.matrix_norm(feasible, ord=2)))
+    lower = float((gn * feasible).sum())  # <G, A_f> of an exactly feasible A_f
+    assert lower <= upper + 1e-9
+    assert upper - lower <= 1e-3 * upper
+    assert abs(float((gn * a).sum()) - lower) <= 1e-3 * upper
+
+
+def test_square_dgram_plain_dual_stalls_where_the_smoothed_one_converges():
+    w, g = _instance(8, 8, "dgram", seed=2)
+    _, plain = steepest_direction(w, g, "dgram", tol=1e-3, max_iter=100, smoothing=None, return_info=True)
+    _, smooth = steepest_direction(w, g, "dgram", tol=1e-3, max_iter=100, return_info=True)
+    assert not plain.converged
+    assert smooth.converged and smooth.residual <= 1e-3
+
+
+@pytest.mark.parametrize("method", ["jordan5", "polar-express", "newton-schulz"])
+def test_eigen_gram_factor_equals_the_matrix_form(method):
+    # one eigendecomposition applies the preset's scalar polynomial exactly: same R as the
+    # Newton-Schulz iteration written on the Gram matrix (float64), and ||XR||_F^2 matches.
+    from manifoldlib.optim.steepest import gram_msign_factor_eigh
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(40, 10, generator=g, dtype=torch.float64)
+    s = x.mT @ x
+    r_eig, norm_sq = gram_msign_factor_eigh(s, method)
+    r_ns = gram_msign_factor(s, method)
+    torch.testing.assert_close(x @ r_eig, x @ r_ns, rtol=0, atol=1e-10)
+    torch.testing.assert_close(norm_sq, (x @ r_ns).square().sum(), rtol=1e-10, atol=0)
+    # rank deficient (a zero singular value): the gain has no 1/sigma, everything stays finite
+    x[:, -1] = x[:, 0]
+    r_deg, norm_deg = gram_msign_factor_eigh(x.mT @ x, method)
+    assert torch.isfinite(r_deg).all() and torch.isfinite(norm_deg)
+    torch.testing.assert_close(x @ r_deg, x @ gram_msign_factor(x.mT @ x, method), rtol=0, atol=1e-8)
+
+
+def test_smoothed_factor_is_the_smoothed_nuclear_norm_gradient():
+    from manifoldlib.optim.steepest import gram_msign_factor_eigh
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    mu = 0.3
+    r, _ = gram_msign_factor_eigh(x.mT @ x, "jordan5", smoothing=mu)
+    u, sv, vh = torch.linalg.svd(x, full_matrices=False)
+    torch.testing.assert_close(x @ r, (u * (sv / (sv**2 + mu**2).sqrt())) @ vh, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("manifold,m,n", [("dgram", 7, 7), ("dgram", 11, 5), ("stiefel", 11, 5)])
+def test_smoothed_dual_hessian_matches_finite_differences(manifold, m, n):
+    from manifoldlib.optim.steepest import _DualProblem
+
+    w, g = _instance(m, n, manifold, seed=14)
+    g = g / g.norm()
+    problem = _DualProblem(w, g, manifold, "jordan5", None, None, 1e-7, smoothing=0.05)
+    gen = torch.Generator().manual_seed(15)
+    noise = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    lam = problem.initial_multiplier() + problem.mask(0.01 * (noise + noise.mT))
+    delta = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    delta = problem.mask(delta + delta.mT)
+    h, _, state = problem.evaluate(lam)
+    step = 1e-6
+    h_plus, _, s_plus = problem.evaluate(lam + step * delta)
+    h_minus, _, s_minus = problem.evaluate(lam - step * delta)
+    hv = problem.hessian_vector(state, delta)
+    fd = (h_plus - h_minus) / (2 * step)
+    assert float((hv - fd).norm()) <= 1e-6 * float(fd.norm())
+    # and H is the gradient of the smoothed dual value
+    slope = (s_plus.value - s_minus.value) / (2 * step)
+    assert abs(slope - float((h * delta).sum())) <= 1e-6 * max(1.0, abs(slope))
+
+
+def test_square_dgram_float32_converges():
+    w, g = _instance(24, 24, "dgram", seed=16, dtype=torch.float32)
+    a, info = steepest_direction(w, g, "dgram", tol=1e-3, max_iter=100, msign_method="jordan5", return_info=True)
+    assert a.dtype == torch.float32 and torch.isfinite(a).all()
+    assert info.converged
+    assert float(tangent_residual(w.double(), a.double(), "dgram")) <= 1.5e-3
+    assert float(torch.linalg.matrix_norm(a.double(), ord=2)) <= 1 + 1e-4
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, "yes", True])
+def test_bad_smoothing(bad):
+    w, g = _instance(8, 3, "stiefel", seed=0)
+    with pytest.raises(ValueError, match="smoothing must be 'auto', None or a float > 0"):
+        steepest_direction(w, g, smoothing=bad)
+
+
+def test_explicit_smoothing_on_tall_stiefel_is_tangent_and_inside_the_ball():
+    w, g = _instance(20, 6, "stiefel", seed=17)
+    a, info = steepest_direction(w, g, "stiefel", tol=1e-6, max_iter=100, smoothing=0.05, return_info=True)
+    assert info.converged
+    assert float(tangent_residual(w, a, "stiefel")) <= 1e-6
+    assert float(torch.linalg.matrix_norm(a, ord=2)) < 1.0

@@ -1,0 +1,192 @@
+"""ManifoldMuon under DDP: sharded == replicated bit for bit, == one process within 1e-6.
+
+Two 2-process gloo jobs (module-scoped fixtures; the workers live in
+``tests/distributed/workers.py``) train DDP copies of a small float64 chain of Stiefel, DGram and
+Euclidean matrices, and a tiny GPT with ``build_optimizer``; the parent runs the same code in a
+plain process as the single-process reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
+
+from manifoldlib.distributed import UnsupportedParameterError, run_workers
+from manifoldlib.optim import ManifoldMuon, build_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+import workers  # after the path insert; the spawned workers import it by this name too
+
+WORLD_SIZE = 2
+STEPS = 10
+JOB_TIMEOUT_S = 180.0
+#: "warm": the defaults (warm-started dual solves); "cold": warm_start=False. The warm-started
+#: dual solve amplifies a 1e-15 relative gradient change to ~1e-2 in 10 steps even in one
+#: process, so the comparison with a single process (whose gradients differ from DDP's by
+#: all-reduce rounding) uses the cold solve; sharded vs replicated is bitwise in both.
+OPTION_SETS = {"warm": {}, "cold": {"warm_start": False}}
+SINGLE_SETS = {"cold": {"warm_start": False}}
+MODES = ("sharded", "replicated")
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    return run_workers(workers.muon_ddp_jobs, WORLD_SIZE, STEPS, OPTION_SETS,
+                       timeout=JOB_TIMEOUT_S, collective_timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return {name: workers.muon_ddp_job(0, STEPS, o) for name, o in SINGLE_SETS.items()}
+
+
+@pytest.fixture(scope="module")
+def combined() -> list[dict]:
+    return run_workers(workers.combined_ddp_job, WORLD_SIZE, 5, timeout=JOB_TIMEOUT_S,
+                       collective_timeout=120.0)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_sharded_equals_replicated_bit_for_bit(reports: list[dict], options: str) -> None:
+    for report in reports:
+        run = report[options]
+        assert _equal(run["weights"]["sharded"], run["weights"]["replicated"])
+        assert _equal(run["resumed"]["sharded"], run["resumed"]["replicated"])
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_resuming_from_the_consolidated_state_dict_is_exact(
+    reports: list[dict], options: str
+) -> None:
+    for report in reports:
+        for mode in MODES:
+            run = report[options]
+            assert _equal(run["resumed"][mode], run["continued"][mode]), mode
+            assert not _equal(run["resumed"][mode], run["weights"][mode])  # it did step on
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_every_rank_holds_identical_parameters(reports: list[dict], options: str) -> None:
+    first, second = (report[options] for report in reports)
+    for mode in MODES:
+        assert _equal(first["weights"][mode], second["weights"][mode])
+        assert _equal(first["resumed"][mode], second["resumed"][mode])
+
+
+def test_ddp_matches_one_process_within_1e_6_after_ten_steps(
+    reports: list[dict], single: dict
+) -> None:
+    reference = single["cold"]
+    initial = [p.detach() for p in workers.MuonNet().weights]
+    for report in reports:
+        for mode in MODES:
+            assert _max_diff(report["cold"]["weights"][mode], reference["weights"][mode]) <= 1e-6
+    # the tolerance is far below the distance travelled
+    moved = [float((w - w0).abs().max()) for w, w0 in zip(reference["weights"]["sharded"], initial)]
+    assert min(moved) > 1e-2
+
+
+def test_fsdp2_dtensor_parameters_are_refused_with_a_clear_error(reports: list[dict]) -> None:
+    for report in reports:
+        message = report["fsdp2"]
+        assert message.startswith("UnsupportedParameterError: parameter 'attn.weight' is a DTensor")
+        assert "Shard(dim=0)" in message and "DistributedDataParallel" in message
+
+
+def test_owner_only_state_and_its_consolidation(reports: list[dict]) -> None:
+    owners = reports[0]["warm"]["owners"]
+    assert all(report["warm"]["owners"] == owners for report in reports)
+    assert set(owners) == set(range(WORLD_SIZE))  # both ranks solve something
+    manifolds = [m for _, m in workers.MUON_LAYERS]
+    for rank, report in enumerate(reports):
+        for i, (held, after) in enumerate(zip(report["warm"]["held"], report["warm"]["held_after"])):
+            solved = {"dual_iterations", "dual_residual"}
+            if manifolds[i] != "euclidean":
+                solved |= {"dual_correction", "dual_step"}
+            assert "momentum_buffer" in held  # replicated on every rank
+            assert (solved <= set(held)) == (owners[i] == rank), (rank, i, held)
+            assert solved | {"momentum_buffer"} == set(after)  # every rank, after consolidation
+
+
+def _assert_state_dicts_equal(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index, state in a["state"].items():
+        other = b["state"][index]
+        assert state.keys() == other.keys(), index
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other[key]), (index, key)
+            else:
+                assert value == other[key], (index, key)
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_consolidated_state_dict_equals_the_replicated_one(
+    reports: list[dict], options: str
+) -> None:
+    for report in reports:
+        states = report[options]["state_dicts"]
+        _assert_state_dicts_equal(states["sharded"], states["replicated"])
+
+
+def test_build_optimizer_under_ddp(combined: list[dict]) -> None:
+    single = workers.combined_ddp_job(0, 5)
+    first, second = combined
+    assert first["kinds"]["sharded"] == ["dgram", "stiefel"]  # attention, MLP
+    for mode in MODES:
+        assert first["params"][mode].keys() == single["params"][mode].keys()
+        for name, value in first["params"][mode].items():
+            assert torch.equal(value, second["params"][mode][name]), (mode, name)  # ranks agree
+            assert torch.equal(value, first["params"]["replicated"][name]), name  # modes agree
+            assert torch.allclose(value, single["params"][mode][name], rtol=0, atol=1e-6), name
+    assert first["state_sizes"]["sharded"] == first["state_sizes"]["replicated"] > 0
+
+
+# ---- single process: options, guards, pass-through -----------------------------------------
+
+
+def test_bad_distributed_options_name_the_value() -> None:
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="distributed must be one of replicated, sharded, got 'zero'"):
+        ManifoldMuon([w], distributed="zero")
+    with pytest.raises(ValueError, match="shard_strategy must be one of round-robin, size, got 'x'"):
+        ManifoldMuon([w], distributed="sharded", shard_strategy="x")
+
+
+def test_fsdp_flattened_parameters_are_refused_at_construction() -> None:
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    _set_fsdp_flattened(w)
+    with pytest.raises(UnsupportedParameterError, match="'blocks.0.attn.q' was flattened by FSDP"):
+        ManifoldMuon([{"params": [w], "param_names": ["blocks.0.attn.q"], "manifold": "stiefel"}])
+
+
+def test_sharded_mode_in_one_process_is_the_plain_step() -> None:
+    nets = [workers.MuonNet(), workers.MuonNet()]
+    opts = [workers.make_muon(nets[0]), workers.make_muon(nets[1], distributed="sharded")]
+    workers._train_steps(list(zip(nets, opts)), 3, slice(None))
+    assert _equal(list(nets[0].weights), list(nets[1].weights))
+    opts[1].consolidate_state_dict()  # nothing to share: a no-op
+    _assert_state_dicts_equal(opts[1].state_dict(), opts[0].state_dict())
+
+
+def test_build_optimizer_passes_the_distributed_options_through() -> None:
+    model = workers.MuonNet().float()
+    model.attn = torch.nn.Linear(4, 4, bias=False)
+    opt = build_optimizer(model, policy="all-stiefel", distributed="sharded",
+                          shard_strategy="round-robin")
+    muon = opt.optimizers["muon"]
+    assert (muon.distributed, muon.shard_strategy) == ("sharded", "round-robin")
+    opt.consolidate_state_dict()  # forwards to ManifoldMuon; a no-op in one process
