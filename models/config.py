@@ -70,6 +70,9 @@ class TrainConfig:
     connection: str = "spheret"
     retraction: str = "p"             #: sphere retraction of ``spheret`` (any registered name)
     p: float = 1.0                    #: p of the ``p`` retraction (1 = Proj-SpheretNorm)
+    damping: str = "sqrt"             #: step damping of sphere residuals: sqrt|linear|none
+    alpha_init: float = 1.0           #: initial learnable step alpha_l of sphere residuals
+    dyt_alpha_init: float = 0.5       #: initial alpha of DyT (``pre-dyt``)
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
     policy: str = "hetero"            #: ManifoldMuon assignment policy (``manifold-muon`` only)

@@ -418,7 +418,8 @@ class BatchSampler:
 
     Each call of :meth:`next_batch` draws ``batch_size`` start offsets uniformly from
     ``[0, N - block_size - 1]`` with its own ``torch.Generator`` (seeded from ``seed`` and the
-    rank, so ranks see different data), and returns inputs and next-token targets.
+    rank; ``models.train`` passes ``rank=0`` on every rank so all ranks draw the same global batch
+    and each keeps its slice), and returns inputs and next-token targets.
     :meth:`state_dict` / :meth:`load_state_dict` capture the generator state and the number of
     batches drawn, which is what ``--resume`` needs to continue the same data order.
 

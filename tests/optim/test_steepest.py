@@ -236,9 +236,9 @@ def _smoothed_dual_upper_bound(w: np.ndarray, g: np.ndarray) -> float:
     wg = w.T @ g
     d2 = (w * w).sum(0)
     z = (-(wg + wg.T) / (d2[:, None] + d2[None, :]))[iu]
-    for eps in (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
+    for eps in (1e-2, 1e-3, 1e-4):
         z = scipy.optimize.minimize(fun, z, args=(eps,), jac=True, method="L-BFGS-B",
-                                    options={"maxiter": 5000, "gtol": 1e-12, "ftol": 1e-15}).x
+                                    options={"maxiter": 3000, "gtol": 1e-10, "ftol": 1e-13}).x
     return float(np.linalg.svd(g + w @ unpack(z), compute_uv=False).sum())
 
 
