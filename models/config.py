@@ -73,6 +73,9 @@ class TrainConfig:
     damping: str = "sqrt"             #: step damping of sphere residuals: sqrt|linear|none
     alpha_init: float = 1.0           #: initial learnable step alpha_l of sphere residuals
     dyt_alpha_init: float = 0.5       #: initial alpha of DyT (``pre-dyt``)
+    tie_weights: bool = True          #: share the token embedding with the LM head
+    norm_eps: float = 1e-6            #: epsilon of the ScaleNorm that puts embeddings on the sphere
+    fused: bool = True                #: analytic-backward sphere residual (False: plain autograd)
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
     policy: str = "hetero"            #: ManifoldMuon assignment policy (``manifold-muon`` only)

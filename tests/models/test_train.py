@@ -278,3 +278,19 @@ def test_learning_rate_schedule_shape():
     mids = [lr_scale(s, cfg) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(mids, mids[1:]))
     assert lr_scale(80, cfg.replace(schedule="constant")) == 1.0
+
+
+def test_every_model_field_can_be_set_from_the_command_line():
+    """Every GPTConfig field but the corpus-given vocab_size is a TrainConfig field (a --key override)."""
+    import dataclasses
+
+    from models.gpt import GPTConfig
+
+    train_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for field in dataclasses.fields(GPTConfig):
+        if field.name == "vocab_size":
+            continue
+        assert field.name in train_fields, f"GPTConfig.{field.name} cannot be set by models.train"
+    cfg = build_config("smoke", overrides=parse_overrides(["--alpha_init", "2.5", "--damping", "linear"]))
+    model = train_mod.build_model(cfg, vocab_size=256)
+    assert model.config.alpha_init == 2.5 and model.config.damping == "linear"
