@@ -92,8 +92,8 @@ def main() -> None:
         SHAPES[:] = [tuple(int(k) for k in item.split("x")) for item in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + 1)
-    kw = dict(lr=0.02, weight_decay=0.0)
-    mm = dict(dual_tol=args.tol, dual_max_iter=args.max_iter, msign_method=args.msign)
+    kw = {"lr": 0.02, "weight_decay": 0.0}
+    mm = {"dual_tol": args.tol, "dual_max_iter": args.max_iter, "msign_method": args.msign}
     runs = {
         "torch.optim.Muon (anchor)": lambda ps: torch.optim.Muon(ps, **kw),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3),

@@ -88,7 +88,7 @@ _DEFAULT_NS_STEPS = {"jordan5": 5, "polar-express": 8, "newton-schulz": 30}
 _CONVERGENT_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
 _LINE_SEARCH_STEPS = 20
 #: CG iterations per Newton step of the smoothed dual.
-NEWTON_CG_ITER = 20
+NEWTON_CG_ITER = 40
 #: Relative smoothing :math:`\kappa` that ``smoothing="auto"`` uses for square DGram matrices.
 AUTO_SMOOTHING = 2e-2
 #: Continuation start of a cold smoothed solve (relative :math:`\kappa`).
@@ -205,7 +205,7 @@ def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold: str) -> torch.T
 
 
 def _polynomial_gain(lam: torch.Tensor, method: str, steps: int | None, coefficients, eps: float) -> torch.Tensor:
-    r""":math:`\psi(\lambda) = \phi(\sigma)/\sigma` of a Newton–Schulz preset, on eigenvalues :math:`\lambda = \sigma^2`.
+    r"""Gain :math:`\psi(\lambda) = \phi(\sigma)/\sigma` of a Newton–Schulz preset, :math:`\lambda = \sigma^2`.
 
     The preset maps a singular value by :math:`y_0 = \sigma/(c\|X\|_F + \epsilon)`,
     :math:`y_{k+1} = y_k(a + b y_k^2 + c y_k^4)`; the gain is the product of the factors times the
@@ -484,7 +484,7 @@ def _newton_solve(
     while not residual <= tol and iterations < max_iter:
         if patience is not None and since_progress >= patience:
             break
-        if residual != residual:
+        if math.isnan(residual):
             break
         hnorm = float(h.norm())
         direction = _conjugate_gradient(problem, state, -h, cg_iter, min(0.5, hnorm**0.5))
@@ -593,9 +593,11 @@ def steepest_direction(
         G: ``(m, n)`` gradient (or momentum).
         manifold: ``"stiefel"``, ``"dgram"`` or ``"euclidean"``.
         tol: stop once the relative tangent residual :math:`\|A - P_W A\|_F/\|A\|_F \le` ``tol``.
-        max_iter: cap on dual iterations; the best iterate seen is returned.
+        max_iter: cap on dual iterations (Newton steps for a smoothed solve); the best iterate seen
+            is returned.
         msign_method: ``"svd"`` (exact, full-size; for tests), or a Newton–Schulz preset
-            ``"jordan5"``, ``"polar-express"``, ``"newton-schulz"`` run on the ``n × n`` Gram matrix.
+            ``"jordan5"``, ``"polar-express"``, ``"newton-schulz"``, applied exactly to the
+            eigenvalues of the ``n × n`` Gram matrix (one eigh per dual iteration).
         ns_steps: Newton–Schulz step count (preset default when ``None``).
         ns_coefficients: custom ``(a, b, c)`` (or a schedule) for the Newton–Schulz iteration.
         eps: added to the normalizing norm of Newton–Schulz.
