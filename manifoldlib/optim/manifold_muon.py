@@ -167,6 +167,13 @@ def _validate_group_options(group: MutableMapping) -> None:
     cap = group["dual_max_iter"]
     if not (isinstance(cap, int) and cap >= 0):
         raise ValueError(f"dual_max_iter must be an int >= 0, got {cap!r}")
+    smoothing = group.get("dual_smoothing", "auto")
+    if not (
+        smoothing is None
+        or smoothing == "auto"
+        or (isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and smoothing > 0)
+    ):
+        raise ValueError(f"dual_smoothing must be 'auto', None or a number > 0, got {smoothing!r}")
 
 
 def _group_manifold(group: MutableMapping):
@@ -209,6 +216,7 @@ def _solve_one(
     dual_tol: float,
     dual_max_iter: int,
     warm_start: bool,
+    dual_smoothing: str | float | None = "auto",
 ) -> Tensor:
     """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
 
@@ -238,6 +246,7 @@ def _solve_one(
         correction=state.get("dual_correction") if warm_start else None,
         step_size=state.get("dual_step") if warm_start else None,
         patience=DUAL_PATIENCE,
+        smoothing=dual_smoothing,
         return_info=True,
     )
     state["dual_correction"] = info.correction
@@ -269,6 +278,7 @@ def manifold_muon(
     dual_tol: float,
     dual_max_iter: int,
     warm_start: bool,
+    dual_smoothing: str | float | None = "auto",
 ) -> None:
     r"""Functional core of :class:`ManifoldMuon`: one step for a list of matrices of one group.
 
@@ -289,6 +299,7 @@ def manifold_muon(
         "dual_tol": dual_tol,
         "dual_max_iter": dual_max_iter,
         "warm_start": warm_start,
+        "dual_smoothing": dual_smoothing,
     }
     for param, grad, buf, state in zip(params, grads, momentum_bufs, states):
         update = _momentum_update(grad, buf, momentum, nesterov)
@@ -310,6 +321,7 @@ def _solve_options(group: MutableMapping) -> dict[str, Any]:
         "dual_tol": group["dual_tol"],
         "dual_max_iter": group["dual_max_iter"],
         "warm_start": group["warm_start"],
+        "dual_smoothing": group.get("dual_smoothing", "auto"),
     }
 
 
@@ -337,6 +349,11 @@ class ManifoldMuon(Optimizer):
             msign Muon uses, and its smoothing of tiny singular values helps the dual converge.
         dual_tol: relative tangent residual at which the dual solve stops (default ``1e-3``).
         dual_max_iter: cap on dual iterations per step (default 30).
+        dual_smoothing: smoothing of the dual solve (see
+            :func:`~manifoldlib.optim.steepest_direction`): ``"auto"`` (default: the smoothed
+            Newton–CG dual for square DGram matrices, whose plain dual stalls at a residual of
+            ~1e-1; converged but costly at large n), ``None`` (plain dual everywhere, cheap), or a
+            number > 0 (smoothing strength for every shape).
         warm_start: start each dual solve from the previous step's multiplier (default ``True``).
         project_init: project every parameter onto its group's manifold now (default ``True``).
         distributed: ``"replicated"`` (default; every rank solves every matrix, nothing to set
@@ -380,6 +397,7 @@ class ManifoldMuon(Optimizer):
         dual_tol: float = DEFAULT_DUAL_TOL,
         dual_max_iter: int = DEFAULT_DUAL_MAX_ITER,
         warm_start: bool = True,
+        dual_smoothing: str | float | None = "auto",
         project_init: bool = True,
         distributed: str = "replicated",
         process_group=None,
@@ -413,6 +431,7 @@ class ManifoldMuon(Optimizer):
             "dual_tol": dual_tol,
             "dual_max_iter": dual_max_iter,
             "warm_start": warm_start,
+            "dual_smoothing": dual_smoothing,
         }
         _validate_group_options(defaults)
         super().__init__(params, defaults)

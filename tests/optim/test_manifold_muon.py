@@ -141,6 +141,8 @@ def test_state_dict_round_trips_with_weights_only():
         ({"msign_method": "qr"}, "msign_method must be one of"),
         ({"dual_tol": 0}, "dual_tol must be > 0"),
         ({"dual_max_iter": -2}, "dual_max_iter must be an int >= 0"),
+        ({"dual_smoothing": "always"}, "dual_smoothing must be 'auto', None or a number > 0, got 'always'"),
+        ({"dual_smoothing": -0.1}, "dual_smoothing must be 'auto', None or a number > 0"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -162,3 +164,17 @@ def test_float64_parameters_stay_tight(manifold):
         _quadratic_grads(params, [target])
         opt.step()
     assert constraint_residual(params[0].detach(), manifold) <= 1e-10
+
+
+def test_square_dgram_dual_converges_only_with_smoothing():
+    """Square DGram: the plain dual stalls (residual ~1e-1); the default smoothed dual reaches dual_tol."""
+    residuals = {}
+    for smoothing in ("auto", None):
+        params = _matrices([(16, 16)], seed=21)
+        opt = ManifoldMuon(params, lr=0.02, manifold="dgram", dual_smoothing=smoothing, dual_max_iter=60)
+        params[0].grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(22))
+        opt.step()
+        residuals[smoothing] = opt.state[params[0]]["dual_residual"]
+        assert float(constraint_residual(params[0].detach(), "dgram")) <= 1e-4
+    assert residuals["auto"] <= 1e-3 < residuals[None]
+    assert opt.param_groups[0]["dual_smoothing"] is None
