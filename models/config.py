@@ -23,6 +23,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from .connections import CONNECTIONS  # residual-connection names, one source of truth
+
 __all__ = [
     "CONNECTIONS",
     "PRESETS",
@@ -32,8 +34,6 @@ __all__ = [
     "parse_overrides",
 ]
 
-#: Residual-connection families the reference GPT implements (see ``models.gpt``).
-CONNECTIONS = ("pre-ln", "post-ln", "peri-ln", "pre-dyt", "keel", "geonorm", "spheret")
 #: ``optimizer`` values: plain AdamW, or ``manifoldlib.optim.build_optimizer`` with ``policy``.
 OPTIMIZERS = ("adamw", "manifold-muon")
 #: ``sel`` values: no chart, or SEL on every block linear map with the given variant.
