@@ -28,6 +28,7 @@ PACKAGES = (
     "manifoldlib.distributed",
     "models.gpt",
     "models.connections",
+    "manifoldlib.optim",
 )
 
 
