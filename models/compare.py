@@ -103,6 +103,7 @@ def _spheret_arms() -> tuple[tuple[str, dict], ...]:
     return tuple(arms)
 
 
+#: The comparison suites by ``--suite`` name.
 SUITES: dict[str, Suite] = {
     # 14 arms: two seeds by default keep it near 30 minutes on a loaded 2-core CPU (measured
     # 32 min); pass --seeds 0 1 2 for a third

@@ -23,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .connections import CONNECTIONS  # residual-connection names, one source of truth
+from .connections import CONNECTIONS as _CONNECTIONS
 
 __all__ = [
     "CONNECTIONS",
@@ -41,6 +41,10 @@ SEL_VARIANTS = ("none", "mismatched", "congruent", "no-linear")
 SCHEDULES = ("cosine", "constant")
 #: ``muon_distributed`` values: each matrix solved on one rank, or on every rank.
 MUON_DISTRIBUTED = ("sharded", "replicated")
+
+
+#: Residual-connection names the reference GPT implements (defined once, in ``models.connections``).
+CONNECTIONS = _CONNECTIONS
 
 
 class ConfigError(ValueError):

@@ -29,6 +29,10 @@ PACKAGES = (
     "models.gpt",
     "models.connections",
     "manifoldlib.optim",
+    "models.data",
+    "models.train",
+    "models.config",
+    "models.compare",
 )
 
 

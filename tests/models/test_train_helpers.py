@@ -1,0 +1,78 @@
+"""Public helpers of models.data and models.train: tokenizers, Corpus, checkpoint and resume guards."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from models.config import ConfigError, TrainConfig
+from models.data import BPETokenizer, ByteTokenizer, Corpus, CorpusError, load_corpus
+from models.train import RESUMABLE_FIELDS, RunError, load_optimizer_state, resolve_device, save_checkpoint
+
+
+def test_byte_tokenizer_round_trips_utf8():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'π'\n"
+    ids = tok.encode(text.encode("utf-8"))
+    assert tok.vocab_size == 256 and max(ids) < 256
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is not None, reason="tokenizers is installed")
+def test_bpe_without_the_extra_is_a_corpus_error_naming_it():
+    with pytest.raises(CorpusError, match=r"optional 'tokenizers' package.*pip install -e '\.\[bpe\]'"):
+        BPETokenizer.train([b"abc abc"], vocab_size=300)
+
+
+def test_load_corpus_returns_a_corpus_with_a_deterministic_split():
+    a = load_corpus("synthetic:20000")
+    b = load_corpus("synthetic:20000")
+    assert isinstance(a, Corpus) and isinstance(a.tokenizer, ByteTokenizer)
+    assert a.fingerprint == b.fingerprint and torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.train.numel() > a.val.numel() > 0
+
+
+def test_resumable_fields_are_train_config_fields_and_exclude_the_model():
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert RESUMABLE_FIELDS <= names
+    assert not RESUMABLE_FIELDS & {"n_layer", "n_embd", "connection", "lr", "seed", "corpus", "policy"}
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "cuda", "mps")
+    with pytest.raises(ConfigError, match="got 'warp-drive'"):
+        resolve_device("warp-drive")
+
+
+def test_save_checkpoint_is_atomic_and_never_goes_back(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"step": 10, "x": 1}, previous_step=-1)
+    assert torch.load(path, weights_only=True)["x"] == 1
+    save_checkpoint(path, {"step": 5, "x": 2}, previous_step=10)   # an earlier step: ignored
+    assert torch.load(path, weights_only=True)["x"] == 1
+    save_checkpoint(path, {"step": 20, "x": 3}, previous_step=10)
+    assert torch.load(path, weights_only=True)["x"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left behind
+
+
+def test_load_optimizer_state_refuses_an_optimizer_that_drops_state():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.ones(3)
+    opt.step()
+    saved = opt.state_dict()
+
+    class Forgetful(torch.optim.AdamW):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict({**state_dict, "state": {}})
+
+    fresh = Forgetful([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    with pytest.raises(RunError, match="lost its per-parameter state"):
+        load_optimizer_state(fresh, saved)
+    good = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    load_optimizer_state(good, saved)
+    assert len(good.state_dict()["state"]) == 1
