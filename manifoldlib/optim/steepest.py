@@ -511,15 +511,17 @@ def _newton_solve(
     return lam, state, residual, iterations, None
 
 
-def _resolve_smoothing(smoothing, manifold: str, shape) -> float | None:
-    """The relative smoothing :math:`\\kappa` of this solve (``None``: the plain dual)."""
+def _resolve_smoothing(smoothing, manifold: str, shape) -> tuple[float | None, float | None]:
+    """``(kappa, fallback)``: the relative smoothing :math:`\\kappa` to solve with from the start
+    (``None``: the plain dual), and the one to continue with when the plain dual stalls (``None``:
+    keep the plain dual's best iterate)."""
     if smoothing == "auto":
         square = shape[-2] == shape[-1]
-        return AUTO_SMOOTHING if (manifold == "dgram" and square) else None
+        return (AUTO_SMOOTHING, None) if (manifold == "dgram" and square) else (None, AUTO_SMOOTHING)
     if smoothing is None:
-        return None
+        return None, None
     if isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and smoothing > 0:
-        return float(smoothing)
+        return float(smoothing), None
     raise ValueError(f"smoothing must be 'auto', None or a float > 0, got {smoothing!r}")
 
 
@@ -527,8 +529,9 @@ def _smoothed_solve(problem, lam, lam0, kappa, tol, max_iter, history, patience,
     r"""Newton–CG on the smoothed dual with :math:`\mu = \kappa\|P_W G\|_F/\sqrt{n}`.
 
     A cold start runs a continuation (first :data:`SMOOTHING_START` to ``10 tol``, then ``kappa``
-    to ``tol``); a warm start goes straight to ``kappa`` when its residual beats the closed-form
-    start's. The iteration budget is shared.
+    to ``tol``); a warm start (a previous step's correction, or a stalled plain dual's best
+    iterate) goes straight to ``kappa`` when its residual beats the closed-form start's. The
+    iteration budget is shared.
     """
     n = lam.size(-1)
     scale = float(torch.diagonal(problem.gram(lam0)).sum().clamp_min(0).sqrt()) / math.sqrt(n)
@@ -616,9 +619,13 @@ def steepest_direction(
             :math:`\\mu = \\kappa\\|P_W G\\|_F/\\sqrt{n}` (``kappa`` = this float) and solve it by
             Newton–CG. Its optimum is exactly tangent with :math:`\\|A\\|_2 < 1` and loses at
             most :math:`n\\mu` of the objective. ``"auto"`` (default) uses
-            :data:`AUTO_SMOOTHING` for square DGram matrices, whose plain dual has a
-            rank-deficient optimum that no :math:`\\operatorname{msign}` reaches, and the plain
-            dual (BB steps, the ``msign_method`` map) elsewhere; ``None`` never smooths. With
+            :data:`AUTO_SMOOTHING` from the start for square DGram matrices, whose plain dual has
+            a rank-deficient optimum that no :math:`\\operatorname{msign}` reaches; elsewhere it
+            runs the plain dual (BB steps, the ``msign_method`` map) and, only if that stops
+            above ``tol`` (a stall or the cap: tall DGram and Stiefel instances can have
+            rank-deficient optima too), continues with the smoothed dual from the best iterate
+            for up to ``max_iter`` more Newton steps. ``None`` never smooths (the plain dual's
+            best iterate is returned, above ``tol`` if it stalled). With
             smoothing, ``msign_method`` only selects the exact SVD-free eigen path.
         return_info: also return a :class:`SteepestInfo`.
 
@@ -650,7 +657,7 @@ def steepest_direction(
     w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
     n = g.size(-1)
-    kappa = _resolve_smoothing(smoothing, manifold, w.shape)
+    kappa, fallback = _resolve_smoothing(smoothing, manifold, w.shape)
     problem = _DualProblem(w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa)
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")
@@ -669,6 +676,14 @@ def steepest_direction(
         lam, state, residual, iterations, last_step = _dual_solve(
             problem, lam, float(tol), max_iter, history, step_size, patience
         )
+        if fallback is not None and problem.reduced and not residual <= tol:
+            # the plain dual stalled: its optimum is (near) rank deficient, no msign of a dual
+            # iterate is tangent; the smoothed dual, started from the best iterate, has a unique
+            # smooth optimum and gets there in a few Newton steps
+            lam, state, residual, more = _smoothed_solve(
+                problem, lam, lam0, fallback, float(tol), max_iter, history, patience, cold=False
+            )
+            iterations += more
     else:
         lam, state, residual, iterations = _smoothed_solve(
             problem, lam, lam0, kappa, float(tol), max_iter, history, patience, cold=start is None
