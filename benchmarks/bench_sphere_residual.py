@@ -9,6 +9,9 @@ candidate is timed interleaved with the anchor (round robin, median of ``--repea
 machine load affects both alike. Ratios < 1 are faster than the anchor; they are printed for the
 median and for the minimum over rounds (the minimum is the less load-sensitive on a shared CPU). Compiled variants use
 ``torch.compile`` (inductor; needs a C++ compiler on CPU) and are skipped if compilation fails.
+
+Eager fused variants use the C++ CPU kernels when they are built (the default path); the
+gnomonic update is also timed with them switched off ("fused (ATen)"), in the same rounds.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import statistics
 import torch
 from _timing import median_min_table, round_robin
 
-from manifoldlib.nn import SphereResidual
+from manifoldlib.nn import SphereResidual, _cpu_kernels
 
 
 def _fwd_bwd(fn, h, f, g):
@@ -30,6 +33,16 @@ def _fwd_bwd(fn, h, f, g):
         out.backward(g)
 
     return step
+
+
+def _aten_only(fn):
+    """``fn`` with the C++ kernels switched off (the forward picks the path its backward takes)."""
+
+    def call(h, f):
+        with _cpu_kernels.disabled():
+            return fn(h, f)
+
+    return call
 
 
 def main() -> None:
@@ -50,14 +63,21 @@ def main() -> None:
 
     layer_norm = torch.nn.LayerNorm(d)
     anchor = lambda a, b: layer_norm(a + b)
+    gnomonic = SphereResidual(d, retraction="gnomonic")
+    kernels = _cpu_kernels.available()
+    if not kernels:
+        print(f"C++ CPU kernels unavailable ({_cpu_kernels.ENV_VAR}=0, or the build failed)")
     candidates = {
-        "gnomonic fused": SphereResidual(d, retraction="gnomonic"),
+        "gnomonic fused (C++ kernels)": gnomonic,
+        "gnomonic fused (ATen)": _aten_only(gnomonic),
         "gnomonic eager autograd": SphereResidual(d, retraction="gnomonic", fused=False),
         "exp fused": SphereResidual(d, retraction="exp"),
         "exp eager autograd": SphereResidual(d, retraction="exp", fused=False),
         "cayley fused": SphereResidual(d, retraction="cayley"),
         "p=1.5 fused": SphereResidual(d, retraction="p", p=1.5),
     }
+    if not kernels:
+        del candidates["gnomonic fused (C++ kernels)"]
     steps = {name: _fwd_bwd(mod, h, f, g) for name, mod in candidates.items()}
     if not args.no_compile:
         compiled = {
@@ -77,9 +97,13 @@ def main() -> None:
     times = round_robin(steps, args.repeats, warmup=1)
     print(f"shape ({n}, {d}) float32, {torch.get_num_threads()} thread(s), {args.repeats} rounds")
     print("\n".join(median_min_table(times, "LayerNorm + add (anchor)")))
+    gnomonic_key = "gnomonic fused (C++ kernels)" if kernels else "gnomonic fused (ATen)"
     for stat, label in ((statistics.median, "median"), (min, "min")):
-        ratio = stat(times["exp fused"]) / stat(times["gnomonic fused"])
+        ratio = stat(times["exp fused"]) / stat(times[gnomonic_key])
         print(f"exp / gnomonic (fused, {label}): {ratio:.2f}x")
+        if kernels:
+            aten, cpp = times["gnomonic fused (ATen)"], times["gnomonic fused (C++ kernels)"]
+            print(f"gnomonic fused, ATen / C++ kernels ({label}): {stat(aten) / stat(cpp):.2f}x")
 
 
 if __name__ == "__main__":

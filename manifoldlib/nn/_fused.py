@@ -27,6 +27,14 @@ The coefficients and :math:`g_\sigma` come from the retraction itself:
 members (also as ``PRetraction(p=1)`` / ``(p=2)``) give closed-form derivatives; every other
 :class:`~manifoldlib.retractions.AngleRetraction` — a user's own included — a vector-Jacobian
 product through its coefficients on the small ``(..., 1)`` tensor :math:`\sigma`.
+
+On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ kernels of
+:mod:`manifoldlib.nn._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
+:math:`A h + B f` (4 reads, 1 write); backward: one pass for :math:`\langle g,h\rangle,
+\langle g,f\rangle` and one writing both gradients (6 reads, 2 writes) — while the per-row
+coefficient math above stays here. Everywhere else (CUDA, other layouts, ``torch.compile``
+tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the same passes are composed of ATen
+kernels.
 """
 
 from __future__ import annotations
@@ -37,16 +45,42 @@ from torch.autograd.function import once_differentiable
 from ..functional.sphere import sphere_project_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction
+from . import _cpu_kernels
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
 def _rowsq(x: torch.Tensor) -> torch.Tensor:
     """Row-wise squared norm, ``(..., d) -> (..., 1)``: ``vector_norm`` is a single-pass reduction,
     about 3x faster on CPU than ``vecdot(x, x)`` (which materializes ``x * x``)."""
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``(..., d) -> (N, d)`` view of a contiguous tensor, the layout the C++ kernels take."""
+    return x.view(-1, x.shape[-1])
+
+
+def _cpu_kernels_for(h: torch.Tensor, f: torch.Tensor):
+    """The C++ kernels' namespace when they apply to ``h`` and ``f``, else ``None`` (ATen path).
+
+    They apply to contiguous float32/float64 CPU tensors outside ``torch.compile`` tracing
+    (inductor fuses the ATen path itself), when built and not switched off; the cheap checks
+    come first, so the build is only ever triggered by a call that could use it.
+    """
+    if (
+        h.device.type != "cpu"
+        or h.dtype not in _KERNEL_DTYPES
+        or f.dtype != h.dtype
+        or h.numel() == 0
+        or not (h.is_contiguous() and f.is_contiguous())
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return _cpu_kernels.enabled()
 
 
 class _SphereResidual(torch.autograd.Function):
@@ -60,21 +94,38 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, h, f, scale, retraction):
-        # Full-tensor passes: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and
-        # its row sum, then A·h + B·f written over that same buffer. The buffer is the only
+        # Full-tensor passes. C++ kernels: one pass for ||h||², <h, f>, ||f||², one for A h + B f.
+        # ATen: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and its row sum,
+        # then A·h + B·f written over that same buffer. Either way the output is the only
         # (..., d) allocation: on CPU a fresh large tensor costs page faults comparable to a pass.
-        q = _rowsq(h).clamp_min(torch.finfo(h.dtype).tiny)  # (..., 1)
-        out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
-        a = out.sum(-1, keepdim=True)  # (..., 1)
-        n = (_rowsq(f) - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
+        # Both paths allocate it before the small (..., 1) tensors (the backward likewise its
+        # gradients), so the allocator sees one pattern whichever path runs.
+        kernels = _cpu_kernels_for(h, f)
+        if kernels is None:
+            q = _rowsq(h)  # (..., 1)
+            out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
+            a = out.sum(-1, keepdim=True)  # (..., 1)
+            f_sq = _rowsq(f)  # (..., 1)
+        else:
+            out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (..., d)
+            dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3)
+            q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
+        q = q.clamp_min(torch.finfo(h.dtype).tiny)
+        n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
         s = scale.to(h.dtype)
         sigma = s * s * n / q  # (..., 1)
         c, k = retraction.coefficients(sigma)
         ks = k * s
-        torch.mul(h, c - ks * a / q, out=out)  # (..., d)
-        out.addcmul_(f, ks)
+        coef_h = c - ks * a / q  # A, (..., 1)
+        if kernels is None:
+            torch.mul(h, coef_h, out=out)  # (..., d)
+            out.addcmul_(f, ks)
+        else:
+            coef = [coef_h.contiguous(), ks.expand_as(coef_h).contiguous()]  # A, B: (..., 1)
+            kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
         ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k)
         ctx.retraction = retraction
+        ctx.kernels = kernels
         return out
 
     @staticmethod
@@ -86,25 +137,52 @@ class _SphereResidual(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, g):
         h, f, s, q, a, n, sigma, c, k = ctx.saved_tensors
-        # The products g∘h and g∘f are formed in the two buffers that then receive the
-        # gradients, so the backward allocates only what it returns.
-        buf_f = torch.mul(g, h)  # (..., d), scratch for <g, h>, then grad_f
-        g_h = buf_f.sum(-1, keepdim=True)  # <g, h>, (..., 1)
-        buf_h = torch.mul(g, f)  # (..., d), scratch for <g, f>, then grad_h
-        g_u = buf_h.sum(-1, keepdim=True) - a / q * g_h  # <g, u>, (..., 1)
+        kernels = ctx.kernels
+        if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
+            kernels = None  # e.g. an expanded gradient: the ATen passes read it in place
+        if kernels is None:
+            # The products g∘h and g∘f are formed in the two buffers that then receive the
+            # gradients, so the backward allocates only what it returns.
+            buf_f = torch.mul(g, h)  # (..., d), scratch for <g, h>, then grad_f
+            g_h = buf_f.sum(-1, keepdim=True)  # <g, h>, (..., 1)
+            buf_h = torch.mul(g, f)  # (..., d), scratch for <g, f>, then grad_h
+            g_f = buf_h.sum(-1, keepdim=True)  # <g, f>, (..., 1)
+        else:  # the gradients' buffers first, as in the forward
+            want_h, want_f = ctx.needs_input_grad[:2]
+            grad_f = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_f else None
+            grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None
+            dots = kernels.backward_dots(_rows(g), _rows(h), _rows(f))  # (N, 2)
+            g_h, g_f = dots.view(*h.shape[:-1], 2).split(1, dim=-1)  # (..., 1) each
+        g_u = g_f - a / q * g_h  # <g, u>, (..., 1)
         g_sigma = ctx.retraction.coefficients_vjp(sigma, c, k, g_h, s * g_u)
         ks = k * s
         mu = 2.0 * g_sigma * s * s / q
         t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
-        grad_h = grad_f = grad_s = None
-        if ctx.needs_input_grad[1]:
-            grad_f = torch.mul(g, ks, out=buf_f)  # (..., d)
-            grad_f.addcmul_(f, mu).addcmul_(h, -t)
-        if ctx.needs_input_grad[0]:
+        want_h, want_f, want_s = ctx.needs_input_grad[:3]
+        grad_s = None
+        if want_h:  # grad_h = coef_g g - t f + coef_h h, (..., 1) each
+            coef_g = c - ks * a / q
             coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * sigma) / q
-            grad_h = torch.mul(g, c - ks * a / q, out=buf_h)  # (..., d)
-            grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
-        if ctx.needs_input_grad[2]:
+        if kernels is None:
+            grad_h = grad_f = None
+            if want_f:
+                grad_f = torch.mul(g, ks, out=buf_f)  # (..., d)
+                grad_f.addcmul_(f, mu).addcmul_(h, -t)
+            if want_h:
+                grad_h = torch.mul(g, coef_g, out=buf_h)  # (..., d)
+                grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
+        elif want_f or want_h:
+            # One pass reads g, h, f and writes both gradients; coefficients of g, h, f in turn.
+            minus_t = -t
+            of_f = [ks.expand_as(t), minus_t, mu] if want_f else []
+            of_h = [coef_g, coef_h, minus_t] if want_h else []
+            kernels.backward_combine(
+                _rows(g), _rows(h), _rows(f),
+                [c.contiguous() for c in of_f], [c.contiguous() for c in of_h],
+                None if grad_f is None else _rows(grad_f),
+                None if grad_h is None else _rows(grad_h),
+            )
+        if want_s:
             grad_s = (k * g_u + 2.0 * g_sigma * s * n / q).sum().reshape(s.shape)
         return grad_h, grad_f, grad_s, None
 

@@ -67,7 +67,11 @@ class SphereResidual(nn.Module):
         damping: ``"sqrt"`` (:math:`1/\sqrt l`), ``"linear"`` (:math:`1/l`) or ``"none"``.
         alpha_init: initial :math:`\alpha`.
         fused: use the analytic-backward function (``True``) or the plain-autograd reference
-            (``False``; e.g. to let ``torch.compile`` fuse it).
+            (``False``; e.g. to let ``torch.compile`` fuse it). On contiguous float32/float64
+            CPU tensors (bf16 runs in float32) the fused path does its full-tensor passes in
+            small C++ kernels, compiled on first use into torch's extension cache
+            (``TORCH_EXTENSIONS_DIR``); ``MANIFOLDLIB_CPU_KERNELS=0`` switches them off, and
+            if they cannot be built it warns once and uses ATen, as on every other device.
 
     Shapes: ``h`` and ``f`` are ``(..., d)``; the output is ``(..., d)`` in ``h``'s dtype.
     """

@@ -1,0 +1,138 @@
+"""Build (once, into torch's extension cache) and load the C++ sphere-residual kernels.
+
+The source is compiled on first use with :func:`torch.utils.cpp_extension.load` into
+``$TORCH_EXTENSIONS_DIR`` (default: torch's ``~/.cache/torch_extensions``), in a folder whose
+name carries the instruction set and a hash of the source, the flags and the torch version — so
+a cache shared between machines or torch versions never hands one the other's binary. Later
+processes only load the cached library. If the build fails, :func:`load` warns once, naming the
+error, and returns ``None``: the callers then use their ATen path.
+
+``MANIFOLDLIB_CPU_KERNELS=0`` (also ``false``/``off``/``no``) disables the kernels before any
+build; :func:`disabled` does the same for a block of code (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pathlib
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["ENV_VAR", "available", "disabled", "enabled", "load"]
+
+#: Environment variable that switches the kernels off when set to 0 / false / off / no.
+ENV_VAR = "MANIFOLDLIB_CPU_KERNELS"
+
+_NAMESPACE = "manifoldlib_sphere_residual"  # the TORCH_LIBRARY namespace of the source
+_SOURCE = pathlib.Path(__file__).with_name("sphere_residual.cpp")
+_BASE_FLAGS = ["-O3"]  # torch adds its own -std
+_AVX2_FLAGS = ["-mavx2", "-mfma"]
+_OFF_VALUES = ("0", "false", "off", "no")
+
+_log = logging.getLogger("manifoldlib")
+_lock = threading.Lock()
+_state: dict[str, object] = {"done": False, "ops": None}
+_disabled_depth = 0
+
+
+def _isa() -> tuple[str, list[str]]:
+    """The instruction set to compile for: AVX2 + FMA where torch's own kernels use AVX2 or
+    better on this CPU, else the portable x86-64 / aarch64 baseline (no ``-march=native``)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return "avx2", _AVX2_FLAGS
+    return "base", []
+
+
+def _build_directory(name: str) -> pathlib.Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return pathlib.Path(root) / name
+
+
+def _build():
+    """The ``torch.ops`` namespace of the kernels, compiling them if no cached build matches."""
+    from torch.utils import cpp_extension
+
+    isa, isa_flags = _isa()
+    flags = _BASE_FLAGS + isa_flags
+    digest = hashlib.sha256(
+        _SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
+    ).hexdigest()[:12]
+    name = f"{_NAMESPACE}_{isa}_{digest}"
+    build_dir = _build_directory(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cached = (build_dir / f"{name}.so").exists()
+    if not cached:
+        _log.warning("manifoldlib: compiling the C++ CPU kernels of SphereResidual into %s "
+                     "(once; set %s=0 to skip)", build_dir, ENV_VAR)
+    start = time.perf_counter()
+    cpp_extension.load(
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=flags,
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    if not cached:
+        _log.warning("manifoldlib: compiled the SphereResidual CPU kernels in %.1f s",
+                     time.perf_counter() - start)
+    return getattr(torch.ops, _NAMESPACE)
+
+
+def load():
+    """The kernels' ``torch.ops`` namespace, or ``None`` when disabled by :data:`ENV_VAR` or
+    when the build failed (warned once). Built or loaded on the first call, then cached."""
+    if not _state["done"]:
+        with _lock:
+            if not _state["done"]:
+                ops = None
+                if os.environ.get(ENV_VAR, "1").strip().lower() not in _OFF_VALUES:
+                    try:
+                        ops = _build()
+                    except Exception as err:  # noqa: BLE001 - any build failure means the ATen path
+                        first = (str(err).strip().splitlines() or [""])[0][:300]
+                        warnings.warn(
+                            f"manifoldlib: the C++ CPU kernels of SphereResidual could not be "
+                            f"built ({type(err).__name__}: {first}); using the ATen path instead",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                _state["ops"] = ops
+                _state["done"] = True
+    return _state["ops"]
+
+
+def available() -> bool:
+    """Whether the kernels are built (building them now if needed) and not disabled by
+    :data:`ENV_VAR`. Ignores :func:`disabled`."""
+    return load() is not None
+
+
+def enabled():
+    """The kernels' namespace if they should be used right now, else ``None``: not inside
+    :func:`disabled`, not switched off by :data:`ENV_VAR`, and built."""
+    if _disabled_depth:
+        return None
+    return load()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, the fused sphere residual uses its ATen path (the decision is taken in
+    the forward, so a backward runs on the path its forward took). Process-wide, not per thread."""
+    global _disabled_depth
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1

@@ -1,0 +1,296 @@
+"""The C++ CPU kernels of the fused sphere residual: the path is taken where it applies, gives the
+values and gradients of the ATen path and of plain autograd, and falls back cleanly elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib.nn import _cpu_kernels, _fused, sphere_residual, sphere_residual_reference
+from manifoldlib.nn._cpu_kernels import loader
+from manifoldlib.retractions import AngleRetraction, PRetraction, get_retraction
+
+pytestmark = pytest.mark.skipif(
+    not _cpu_kernels.available(),
+    reason=f"the C++ CPU kernels could not be built on this machine (see the RuntimeWarning), "
+    f"or {_cpu_kernels.ENV_VAR}=0 switches them off",
+)
+
+
+class _UserP3(AngleRetraction):
+    """A user's retraction defined only by its angle (the generic coefficient VJP)."""
+
+    order = 2
+
+    def angle(self, beta):
+        return 3.0 * torch.atan(beta / 3.0)
+
+
+RETRACTIONS = {
+    "gnomonic": get_retraction("sphere", "gnomonic"),
+    "cayley": get_retraction("sphere", "cayley"),
+    "exp": get_retraction("sphere", "exp"),
+    "p=1.5": PRetraction(1.5),
+    "user-p3": _UserP3(),
+}
+KERNELS = ("forward_dots", "forward_combine", "backward_dots", "backward_combine")
+
+
+class _Spy:
+    """Stands in for the kernels' namespace and records which kernels ran."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def call(*args):
+            self.calls.append(name)
+            return op(*args)
+
+        return call
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records the kernels the fused path calls (and honours :func:`_cpu_kernels.disabled`)."""
+    recorder = _Spy(_cpu_kernels.load())
+    enabled = _cpu_kernels.enabled
+    monkeypatch.setattr(
+        _fused._cpu_kernels, "enabled", lambda: recorder if enabled() is not None else None
+    )
+    return recorder
+
+
+def _case(seed, shape, radius=1.7, f_scale=0.8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(shape, generator=g, dtype=torch.float64)
+    h = radius * h / h.norm(dim=-1, keepdim=True)
+    f = torch.randn(shape, generator=g, dtype=torch.float64)
+    f = f_scale * radius * f / math.sqrt(shape[-1])
+    return h.to(dtype), f.to(dtype)
+
+
+def _values_and_grads(fn, h, f, scale, retraction, seed=7):
+    h = h.detach().clone().requires_grad_(True)
+    f = f.detach().clone().requires_grad_(True)
+    s = torch.tensor(scale, dtype=h.dtype, requires_grad=True)
+    out = fn(h, f, s, retraction)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(h.dtype)
+    (out * w).sum().backward()
+    return out.detach(), h.grad, f.grad, s.grad
+
+
+def _aten(h, f, s, retraction):
+    with _cpu_kernels.disabled():
+        return sphere_residual(h, f, s, retraction)
+
+
+def _err(a: torch.Tensor, truth: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a.double() - truth.double()))
+
+
+def test_kernel_path_runs_all_four_kernels(spy):
+    h, f = _case(0, (4, 3, 10), dtype=torch.float32)
+    _values_and_grads(sphere_residual, h, f, 0.7, RETRACTIONS["gnomonic"])
+    assert spy.calls == list(KERNELS)
+    spy.calls.clear()
+    _values_and_grads(_aten, h, f, 0.7, RETRACTIONS["gnomonic"])
+    assert spy.calls == []
+
+
+@pytest.mark.parametrize("name", list(RETRACTIONS))
+@pytest.mark.parametrize("f_kind", ["random", "zero", "parallel"])
+def test_gradcheck_kernel_path_float64(spy, name, f_kind):
+    h, f = _case(11, (2, 3, 7))
+    if f_kind == "zero":
+        f = torch.zeros_like(f)
+    elif f_kind == "parallel":  # P_h f = 0: sigma = 0 with a nonzero f
+        f = -0.4 * h
+    h.requires_grad_(True)
+    f.requires_grad_(True)
+    s = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+    retraction = RETRACTIONS[name]
+    assert torch.autograd.gradcheck(lambda a, b, c: sphere_residual(a, b, c, retraction), (h, f, s))
+    assert set(spy.calls) == set(KERNELS)
+
+
+@pytest.mark.parametrize("name", list(RETRACTIONS))
+@pytest.mark.parametrize("shape", [(33,), (5, 64), (2, 3, 70)])
+def test_kernel_aten_and_reference_agree_float64(spy, name, shape):
+    h, f = _case(3, shape, radius=4.0, f_scale=1.3)
+    kernel = _values_and_grads(sphere_residual, h, f, 0.8, RETRACTIONS[name])
+    assert set(spy.calls) == set(KERNELS)
+    aten = _values_and_grads(_aten, h, f, 0.8, RETRACTIONS[name])
+    ref = _values_and_grads(sphere_residual_reference, h, f, 0.8, RETRACTIONS[name])
+    for a, b, c in zip(kernel, aten, ref):
+        assert a.shape == c.shape
+        assert _err(a, b) <= 1e-13 * max(float(c.norm()), 1.0)
+        assert _err(a, c) <= 1e-13 * max(float(c.norm()), 1.0)
+
+
+@pytest.mark.parametrize("name", list(RETRACTIONS))
+@pytest.mark.parametrize("f_scale", [0.05, 1.0, 5.0])
+def test_kernel_path_float32_is_as_accurate_as_aten(spy, name, f_scale):
+    # Against the float64 truth on the same float32 inputs, the kernel path is at least as
+    # accurate as the ATen path up to a rounding-level slack; d(out)/ds rounds on the scale
+    # ||w|| ||f|| (the row sum may cancel far below it).
+    h, f = _case(5, (64, 96), radius=math.sqrt(96), f_scale=f_scale, dtype=torch.float32)
+    retraction = RETRACTIONS[name]
+    kernel = _values_and_grads(sphere_residual, h, f, 0.6, retraction)
+    assert set(spy.calls) == set(KERNELS)
+    aten = _values_and_grads(_aten, h, f, 0.6, retraction)
+    truth = _values_and_grads(sphere_residual_reference, h.double(), f.double(), 0.6, retraction)
+    w_norm = float(torch.randn(h.shape, generator=torch.Generator().manual_seed(7)).norm())
+    floors = [float(t.norm()) for t in truth[:3]] + [w_norm * float(f.norm())]
+    for a, b, t, floor in zip(kernel, aten, truth, floors):
+        assert a.dtype == torch.float32
+        assert _err(a, t) <= 2 * _err(b, t) + 1e-6 * floor
+        assert _err(a, t) <= 1e-5 * floor
+
+
+def _dot_cases(dtype, rows=16, dim=8191):
+    """Long rows with a common offset (sums of like-signed terms) and zero-mean rows (heavy
+    cancellation), as ``[(kernel result, x, y), ...]`` for the five row dot products."""
+    ops = _cpu_kernels.load()
+    g = torch.Generator().manual_seed(1)
+    x = (1.0 + 1e-2 * torch.randn(rows, dim, generator=g, dtype=torch.float64)).to(dtype)
+    y = (1.0 + 1e-2 * torch.randn(rows, dim, generator=g, dtype=torch.float64)).to(dtype)
+    z = torch.randn(rows, dim, generator=g, dtype=torch.float64).to(dtype)
+    fwd, bwd = ops.forward_dots(x, y), ops.backward_dots(z, x, y)
+    assert fwd.dtype == bwd.dtype == dtype
+    assert fwd.shape == (rows, 3) and bwd.shape == (rows, 2)
+    return [
+        (fwd[:, 0], x, x), (fwd[:, 1], x, y), (fwd[:, 2], y, y), (bwd[:, 0], z, x), (bwd[:, 1], z, y)
+    ]
+
+
+def test_float32_row_dots_are_rounded_once_and_beat_aten_sum():
+    # float32 products are exact in double and summed there: the result is within one rounding
+    # (half an ulp, plus double-level noise) of the true dot product, ATen's mul + sum is not.
+    eps = torch.finfo(torch.float32).eps
+    for dots, a, b in _dot_cases(torch.float32):
+        truth = (a.double() * b.double()).sum(-1)  # exact products, double sum: ~1e-14 off
+        err_kernel = float(((dots.double() - truth).abs() / truth.abs()).max())
+        err_aten = float((((a * b).sum(-1).double() - truth).abs() / truth.abs()).max())
+        assert err_kernel <= 0.51 * eps
+        assert err_kernel <= err_aten
+
+
+def test_float64_row_dots_meet_the_blocked_summation_bound():
+    # |error| <= m eps sum|a b| with m = products (1) + lanes within a block (kBlock / kLanes)
+    # + the lane sum (kLanes) + the blocks (d / kBlock) + the truth's own rounding (1).
+    eps = torch.finfo(torch.float64).eps
+    dim = 8191
+    m = 1 + 256 // 8 + 8 + math.ceil(dim / 256) + 1
+    for dots, a, b in _dot_cases(torch.float64, rows=4, dim=dim):
+        truth = torch.tensor([math.fsum(r) for r in (a * b).tolist()], dtype=torch.float64)
+        scale = (a * b).abs().sum(-1)
+        assert bool(((dots - truth).abs() <= m * eps * scale).all())
+
+
+def test_non_contiguous_inputs_fall_back_to_aten(spy):
+    big_h, big_f = _case(9, (6, 40))
+    retraction = RETRACTIONS["exp"]
+    results = []
+    for fn in (sphere_residual, sphere_residual_reference):
+        leaf_h = big_h.clone().requires_grad_(True)
+        leaf_f = big_f.clone().requires_grad_(True)
+        s = torch.tensor(1.1, dtype=torch.float64, requires_grad=True)
+        h, f = leaf_h[:, ::2], leaf_f[:, 1::2]  # (6, 20) views, not contiguous
+        assert not (h.is_contiguous() or f.is_contiguous())
+        out = fn(h, f, s, retraction)
+        (out * torch.linspace(-1.0, 2.0, 20, dtype=torch.float64)).sum().backward()
+        results.append((out.detach(), leaf_h.grad, leaf_f.grad, s.grad))
+    assert spy.calls == []
+    for a, b in zip(*results):
+        assert _err(a, b) <= 1e-13 * max(float(b.norm()), 1.0)
+
+
+def test_non_contiguous_upstream_gradient_falls_back_in_backward(spy):
+    # out.sum() hands the backward an expanded (stride-0) gradient: the forward ran the kernels,
+    # the backward reads that gradient with the ATen passes.
+    h, f = _case(4, (5, 12))
+    retraction = RETRACTIONS["gnomonic"]
+    grads = []
+    for fn in (sphere_residual, sphere_residual_reference):
+        a = h.clone().requires_grad_(True)
+        b = f.clone().requires_grad_(True)
+        s = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+        fn(a, b, s, retraction).sum().backward()
+        grads.append((a.grad, b.grad, s.grad))
+    assert spy.calls == ["forward_dots", "forward_combine"]
+    for a, b in zip(*grads):
+        assert _err(a, b) <= 1e-13 * max(float(b.norm()), 1.0)
+
+
+@pytest.mark.parametrize("which", ["h", "f"])
+def test_one_input_gradient(spy, which):
+    h, f = _case(8, (7, 16))
+    retraction = RETRACTIONS["cayley"]
+    grads = []
+    for fn in (sphere_residual, sphere_residual_reference):
+        a = h.clone().requires_grad_(which == "h")
+        b = f.clone().requires_grad_(which == "f")
+        (fn(a, b, 0.5, retraction) * torch.arange(16.0, dtype=torch.float64)).sum().backward()
+        grads.append(a.grad if which == "h" else b.grad)
+        assert (b.grad if which == "h" else a.grad) is None
+    assert spy.calls == list(KERNELS)
+    assert _err(grads[0], grads[1]) <= 1e-13 * float(grads[1].norm())
+
+
+def test_bfloat16_goes_through_the_float32_kernels(spy):
+    h, f = _case(2, (8, 32), radius=math.sqrt(32), f_scale=1.0, dtype=torch.bfloat16)
+    retraction = RETRACTIONS["gnomonic"]
+    low = _values_and_grads(sphere_residual, h, f, 0.9, retraction)
+    assert spy.calls == list(KERNELS)
+    high = _values_and_grads(sphere_residual_reference, h.float(), f.float(), 0.9, retraction)
+    assert [t.dtype for t in low[:3]] == [torch.bfloat16] * 3
+    for a, b in zip(low[:3], high[:3]):
+        assert _err(a, b) <= 2e-2 * float(b.norm())
+    assert abs(float(low[3]) - float(high[3])) <= 2e-2 * abs(float(high[3])) + 1e-2
+
+
+def test_kernels_reject_bad_inputs():
+    ops = _cpu_kernels.load()
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        ops.forward_dots(x.half(), x.half())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.forward_dots(x.t(), x.t())
+    with pytest.raises(RuntimeError, match="one per row"):
+        ops.forward_combine(x, x, [torch.ones(3), torch.ones(4)], torch.empty(3, 4))
+
+
+def test_env_var_switches_the_kernels_off(monkeypatch, spy):
+    monkeypatch.setitem(loader._state, "ops", loader._state["ops"])  # restored afterwards
+    monkeypatch.setitem(loader._state, "done", False)
+    monkeypatch.setenv(_cpu_kernels.ENV_VAR, "0")
+    assert _cpu_kernels.load() is None and not _cpu_kernels.available()
+    h, f = _case(1, (3, 8))
+    out = sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"])
+    assert spy.calls == []
+    assert _err(out, sphere_residual_reference(h, f, 0.5, RETRACTIONS["gnomonic"])) <= 1e-14
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch, spy):
+    def broken_build():
+        raise OSError("no compiler here")
+
+    monkeypatch.setitem(loader._state, "ops", loader._state["ops"])  # restored afterwards
+    monkeypatch.setitem(loader._state, "done", False)
+    monkeypatch.setattr(loader, "_build", broken_build)
+    with pytest.warns(RuntimeWarning, match="OSError: no compiler here"):
+        assert _cpu_kernels.load() is None
+    h, f = _case(1, (3, 8))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failure is not reported again
+        out = sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"])
+    assert spy.calls == []
+    assert _err(out, sphere_residual_reference(h, f, 0.5, RETRACTIONS["gnomonic"])) <= 1e-14
