@@ -102,7 +102,13 @@ def main() -> None:
         "ManifoldMuon stiefel (no warm start)": lambda ps: ManifoldMuon(
             ps, manifold="stiefel", warm_start=False, **kw, **mm
         ),
+        "ManifoldMuon stiefel (BB dual steps)": lambda ps: ManifoldMuon(
+            ps, manifold="stiefel", dual_update="bb", **kw, **mm
+        ),
         "ManifoldMuon dgram": lambda ps: ManifoldMuon(ps, manifold="dgram", **kw, **mm),
+        "ManifoldMuon dgram (BB dual steps)": lambda ps: ManifoldMuon(
+            ps, manifold="dgram", dual_update="bb", **kw, **mm
+        ),
         "ManifoldMuon dgram (no warm start)": lambda ps: ManifoldMuon(
             ps, manifold="dgram", warm_start=False, **kw, **mm
         ),

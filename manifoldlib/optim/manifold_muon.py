@@ -65,7 +65,7 @@ from ..distributed import (
 )
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
-from .steepest import steepest_direction
+from .steepest import DUAL_UPDATES, steepest_direction
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -179,6 +179,11 @@ def _validate_group_options(group: MutableMapping) -> None:
         or (isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and smoothing > 0)
     ):
         raise ValueError(f"dual_smoothing must be 'auto', None or a number > 0, got {smoothing!r}")
+    update = group.get("dual_update", "auto")
+    if update not in DUAL_UPDATES:
+        raise ValueError(f"dual_update must be one of {', '.join(DUAL_UPDATES)}, got {update!r}")
+    if update == "anderson" and method == "svd":
+        raise ValueError("dual_update='anderson' needs a Newton-Schulz msign_method, got msign_method='svd'")
 
 
 def _group_manifold(group: MutableMapping):
@@ -222,6 +227,7 @@ def _solve_one(
     dual_max_iter: int,
     warm_start: bool,
     dual_smoothing: str | float | None = "auto",
+    dual_update: str = "auto",
 ) -> Tensor:
     """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
 
@@ -251,6 +257,7 @@ def _solve_one(
         correction=state.get("dual_correction") if warm_start else None,
         patience=DUAL_PATIENCE,
         smoothing=dual_smoothing,
+        dual_update=dual_update,
         return_info=True,
     )
     state["dual_correction"] = info.correction
@@ -282,6 +289,7 @@ def manifold_muon(
     dual_max_iter: int,
     warm_start: bool,
     dual_smoothing: str | float | None = "auto",
+    dual_update: str = "auto",
 ) -> None:
     r"""Functional core of :class:`ManifoldMuon`: one step for a list of matrices of one group.
 
@@ -303,6 +311,7 @@ def manifold_muon(
         "dual_max_iter": dual_max_iter,
         "warm_start": warm_start,
         "dual_smoothing": dual_smoothing,
+        "dual_update": dual_update,
     }
     for param, grad, buf, state in zip(params, grads, momentum_bufs, states):
         update = _momentum_update(grad, buf, momentum, nesterov)
@@ -325,6 +334,7 @@ def _solve_options(group: MutableMapping) -> dict[str, Any]:
         "dual_max_iter": group["dual_max_iter"],
         "warm_start": group["warm_start"],
         "dual_smoothing": group.get("dual_smoothing", "auto"),
+        "dual_update": group.get("dual_update", "auto"),
     }
 
 
@@ -356,7 +366,11 @@ class ManifoldMuon(Optimizer):
             :func:`~manifoldlib.optim.steepest_direction`): ``"auto"`` (default: the smoothed
             Newton–CG dual for square DGram matrices, whose plain dual stalls at a residual of
             ~1e-1; converged but costly at large n), ``None`` (plain dual everywhere, cheap), or a
-            number > 0 (smoothing strength for every shape).
+            number > 0 (smoothing strength for every shape). Elsewhere ``"auto"`` continues a
+            stalled plain dual on the smoothed one.
+        dual_update: steps of the plain dual: ``"auto"`` (default; ``"anderson"`` unless
+            ``msign_method="svd"``), ``"anderson"`` (eigenbasis-preconditioned approximate Newton
+            steps with Anderson mixing) or ``"bb"`` (Barzilai–Borwein gradient steps).
         warm_start: start each dual solve from the previous step's multiplier (default ``True``).
         project_init: project every parameter onto its group's manifold now (default ``True``).
         distributed: ``"replicated"`` (default; every rank solves every matrix, nothing to set
@@ -401,6 +415,7 @@ class ManifoldMuon(Optimizer):
         dual_max_iter: int = DEFAULT_DUAL_MAX_ITER,
         warm_start: bool = True,
         dual_smoothing: str | float | None = "auto",
+        dual_update: str = "auto",
         project_init: bool = True,
         distributed: str = "replicated",
         process_group=None,
@@ -435,6 +450,7 @@ class ManifoldMuon(Optimizer):
             "dual_max_iter": dual_max_iter,
             "warm_start": warm_start,
             "dual_smoothing": dual_smoothing,
+            "dual_update": dual_update,
         }
         _validate_group_options(defaults)
         super().__init__(params, defaults)

@@ -1,0 +1,92 @@
+"""Plain-dual update rules: Anderson-mixed eigenbasis-preconditioned steps against BB steps.
+
+The optimal value comes from the independent scipy dual of ``test_steepest.py``; the Anderson
+update must reach it with a Newton–Schulz msign (the eigen path), take fewer iterations than BB,
+and hand a stalled solve to the smoothed dual.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.optim import ManifoldMuon, steepest_direction, tangent_residual
+from manifoldlib.optim.steepest import DUAL_UPDATES
+
+from test_steepest import CASES, _dual_optimum, _instance
+
+
+@pytest.mark.parametrize("manifold,m,n", [c for c in CASES if c[1] > c[2]])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_anderson_reaches_the_independent_optimum(manifold, m, n, seed):
+    w, g = _instance(m, n, manifold, seed)
+    a, info = steepest_direction(w, g, manifold, tol=1e-8, max_iter=500, msign_method="newton-schulz",
+                                 ns_steps=60, dual_update="anderson", smoothing=None, return_info=True)
+    optimum = _dual_optimum(w.numpy(), g.numpy(), zero_diag=manifold == "dgram")
+    assert info.converged
+    assert abs(float((g * a).sum()) - optimum) <= 1e-3 * optimum
+    assert float(torch.linalg.matrix_norm(a, ord=2)) <= 1 + 1e-4
+    assert float(tangent_residual(w, a, manifold)) <= 1e-6
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_anderson_needs_fewer_iterations_than_bb(manifold, seed):
+    # a GPT-like tall instance: a low-rank signal plus noise, float32, Muon's msign in the dual
+    m, n = 512, 128
+    gen = torch.Generator().manual_seed(seed)
+    w, _ = _instance(m, n, manifold, seed, dtype=torch.float32)
+    g = (torch.randn(m, 8, generator=gen) @ torch.randn(8, n, generator=gen)) / 8 + 0.3 * torch.randn(m, n, generator=gen)
+    iterations = {}
+    for update in ("anderson", "bb"):
+        a, info = steepest_direction(w, g, manifold, tol=1e-3, max_iter=60, msign_method="jordan5",
+                                     dual_update=update, smoothing=None, return_info=True)
+        assert info.converged, (update, info.history)
+        assert float(tangent_residual(w, a, manifold)) <= 1e-3
+        iterations[update] = info.iterations
+    assert iterations["anderson"] < iterations["bb"], iterations
+
+
+def test_auto_picks_anderson_on_the_eigen_path_and_bb_for_svd():
+    w, g = _instance(24, 6, "stiefel", seed=3)
+    kw = dict(tol=1e-6, max_iter=300, return_info=True)
+    for method, expected in (("jordan5", "anderson"), ("svd", "bb")):
+        _, auto = steepest_direction(w, g, "stiefel", msign_method=method, **kw)
+        _, explicit = steepest_direction(w, g, "stiefel", msign_method=method, dual_update=expected, **kw)
+        assert auto.history == explicit.history
+
+
+def test_unknown_or_impossible_dual_update_is_refused():
+    w, g = _instance(12, 4, "stiefel", seed=0)
+    with pytest.raises(ValueError, match="unknown dual_update 'newton'; valid: auto, anderson, bb"):
+        steepest_direction(w, g, dual_update="newton")
+    with pytest.raises(ValueError, match="dual_update='anderson' needs a Newton-Schulz msign_method"):
+        steepest_direction(w, g, msign_method="svd", dual_update="anderson")
+    p = torch.nn.Parameter(w.clone())
+    with pytest.raises(ValueError, match="dual_update must be one of auto, anderson, bb, got 'lbfgs'"):
+        ManifoldMuon([p], manifold="stiefel", dual_update="lbfgs")
+    with pytest.raises(ValueError, match="needs a Newton-Schulz msign_method, got msign_method='svd'"):
+        ManifoldMuon([p], manifold="stiefel", dual_update="anderson", msign_method="svd")
+    assert DUAL_UPDATES == ("auto", "anderson", "bb")
+
+
+def _tall_dgram_trajectory(smoothing):
+    """Residuals of a 12x8 DGram matrix along 10 ManifoldMuon steps on a quadratic; its plain
+    dual stalls from the first step (a rank-deficient optimum on a tall matrix)."""
+    gen = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter(0.1 * torch.randn(12, 8, generator=gen, dtype=torch.float64))
+    target = torch.randn(12, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    opt = ManifoldMuon([p], lr=0.05, momentum=0.9, manifold="dgram", dual_smoothing=smoothing)
+    residuals = []
+    for _ in range(10):
+        p.grad = (p.detach() - target) + 0.01 * torch.sin(p.detach() * 7.0)
+        opt.step()
+        residuals.append(opt.state[p]["dual_residual"])
+    return residuals
+
+
+def test_a_stalled_tall_dual_continues_on_the_smoothed_dual():
+    plain = _tall_dgram_trajectory(None)
+    auto = _tall_dgram_trajectory("auto")
+    assert max(plain) > 1e-2  # the plain dual stalls far above the tolerance ...
+    assert max(auto) <= 1e-3  # ... and the smoothed continuation converges every step
