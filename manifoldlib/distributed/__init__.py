@@ -4,7 +4,7 @@
   rank; :func:`sharded_apply` runs a per-matrix function on the owner only and shares the
   results with one ``all_gather`` per dtype (gloo and nccl).
 - :mod:`~manifoldlib.distributed.env`: :func:`is_distributed`, :func:`get_rank_world`,
-  :func:`init_from_env` (torchrun) and :func:`destroy_process_group`.
+  :func:`init_from_env` (torchrun), :func:`import_before_init` and :func:`destroy_process_group`.
 - :mod:`~manifoldlib.distributed.guards`: :func:`reject_unsupported_parameter` refuses DTensor
   and FSDP-flattened parameters, which a per-matrix manifold step would get wrong.
 - :mod:`~manifoldlib.distributed.batching`: :func:`batch_shard`, the rows of a global batch a
@@ -14,7 +14,14 @@
 """
 
 from .batching import batch_shard
-from .env import BACKENDS, destroy_process_group, get_rank_world, init_from_env, is_distributed
+from .env import (
+    BACKENDS,
+    destroy_process_group,
+    get_rank_world,
+    import_before_init,
+    init_from_env,
+    is_distributed,
+)
 from .guards import UnsupportedParameterError, reject_unsupported_parameter
 from .launch import WorkerError, WorkerTimeoutError, run_workers
 from .sharding import STRATEGIES, assign_owners, matrix_cost, rank_loads, sharded_apply
@@ -29,6 +36,7 @@ __all__ = [
     "batch_shard",
     "destroy_process_group",
     "get_rank_world",
+    "import_before_init",
     "init_from_env",
     "is_distributed",
     "matrix_cost",

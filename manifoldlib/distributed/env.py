@@ -3,12 +3,27 @@
 These wrap :mod:`torch.distributed` so that the same code runs unchanged in a single process
 (nothing initialized: rank 0 of a world of 1) and under ``torchrun`` / :func:`run_workers
 <manifoldlib.distributed.launch.run_workers>` (an initialized default process group).
+
+Teardown: :func:`torch.distributed.destroy_process_group` only unregisters the group; its gloo
+threads stop when the last reference to it is dropped. A reference that outlives it leaves those
+threads running into interpreter shutdown, where destroying them can abort the process ("terminate
+called without an active exception", SIGABRT) after all its work is done. torch itself creates
+such a reference: :mod:`torch.distributed.nn.functional` takes ``group.WORLD`` as the default
+argument of its collectives *when it is imported*, and
+:class:`~torch.nn.parallel.DistributedDataParallel` imports it on first use. So
+:func:`import_before_init` imports it while there is no group yet (the defaults are then
+``None``, "the default group at call time"), and :func:`destroy_process_group` warns if the
+group survives its destruction.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import os
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -17,6 +32,7 @@ __all__ = [
     "BACKENDS",
     "destroy_process_group",
     "get_rank_world",
+    "import_before_init",
     "init_from_env",
     "is_distributed",
 ]
@@ -25,6 +41,21 @@ __all__ = [
 BACKENDS = ("gloo", "nccl")
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+#: torch modules that bind the default group as a default argument when imported (see above).
+_CAPTURE_WORLD_ON_IMPORT = ("torch.distributed.nn.functional",)
+
+
+def import_before_init() -> None:
+    """Import the torch modules that would otherwise keep the default group alive forever.
+
+    Call before :func:`torch.distributed.init_process_group` (:func:`init_from_env` and
+    :func:`~manifoldlib.distributed.launch.run_workers` do). Imported later, e.g. by the first
+    :class:`~torch.nn.parallel.DistributedDataParallel`, they would hold the group past
+    :func:`destroy_process_group`; see the module docstring.
+    """
+    for name in _CAPTURE_WORLD_ON_IMPORT:
+        importlib.import_module(name)
 
 
 def is_distributed() -> bool:
@@ -106,6 +137,7 @@ def init_from_env(backend: str | None = None, *, timeout: float = 1800.0) -> tup
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        import_before_init()
         dist.init_process_group(
             backend,
             init_method="env://",
@@ -117,6 +149,27 @@ def init_from_env(backend: str | None = None, *, timeout: float = 1800.0) -> tup
 
 
 def destroy_process_group() -> None:
-    """Destroy the default process group if one is initialized (safe to call twice)."""
-    if is_distributed():
-        dist.destroy_process_group()
+    """Destroy the default process group if one is initialized (safe to call twice).
+
+    Call it after the last collective and after dropping what holds the group (a
+    :class:`~torch.nn.parallel.DistributedDataParallel` wrapper and its reducer). If the group
+    is still referenced afterwards, its backend threads outlive it and are torn down at
+    interpreter exit, which can abort the process; that is reported with a
+    :class:`RuntimeWarning` instead of passing silently.
+    """
+    if not is_distributed():
+        return
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    if group() is not None:
+        gc.collect()  # a reference cycle (e.g. a dropped DDP wrapper) is not a leak
+    if group() is not None:
+        warnings.warn(
+            "the default process group is still referenced after destroy_process_group, so its "
+            "backend threads run on into interpreter shutdown and may abort the process there "
+            "('terminate called without an active exception'); drop every reference to it "
+            "before destroying it, and call manifoldlib.distributed.env.import_before_init() "
+            "before init_process_group",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .env import BACKENDS
+from .env import BACKENDS, destroy_process_group, import_before_init
 
 __all__ = ["WorkerError", "WorkerTimeoutError", "run_workers"]
 
@@ -67,6 +67,7 @@ def _worker_entry(
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
     try:
+        import_before_init()  # or a DDP in fn keeps the group (and its threads) alive past exit
         dist.init_process_group(
             backend,
             init_method="file://" + os.path.join(workdir, _STORE_FILE),
@@ -84,7 +85,7 @@ def _worker_entry(
         _record_failure(workdir, rank)  # before the group is destroyed and the peers fail
         raise
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # a no-op if fn destroyed the group itself
 
 
 def _record_failure(workdir: str, rank: int) -> None:

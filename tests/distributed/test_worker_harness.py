@@ -73,3 +73,15 @@ def test_functions_the_workers_cannot_import_are_refused() -> None:
     for fn in (local_job, lambda rank: rank):
         with pytest.raises(ValueError, match="module-level function"):
             run_workers(fn, 2)
+
+
+def test_destroying_the_group_after_ddp_stops_its_gloo_threads(no_leftover_workers: None) -> None:
+    # torch.distributed.nn.functional, imported by DDP, binds the default group as a default
+    # argument when first imported; imported after init it kept the group (and its gloo threads)
+    # alive into interpreter shutdown, which aborted ~1 torchrun process in 7 at exit. The
+    # harness (and init_from_env) call import_before_init() so that never happens.
+    reports = run_workers(workers.ddp_teardown_job, 2, timeout=120.0, collective_timeout=60.0)
+    for report in reports:
+        assert report["before"], "gloo threads were expected while the group was alive"
+        assert report["after"] == []
+        assert report["warnings"] == []

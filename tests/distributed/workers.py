@@ -409,3 +409,36 @@ def combined_ddp_job(rank: int, steps: int) -> dict:
         out["kinds"][mode] = sorted({g["manifold"] for g in opt.param_groups if "manifold" in g})
         out.setdefault("state_sizes", {})[mode] = len(opt.state_dict()["state"])
     return out
+
+
+def ddp_teardown_job(rank: int) -> dict:
+    """One DDP step, then the group destroyed: the warnings that raised and the gloo threads
+    still alive afterwards (thread names from /proc; Linux only)."""
+    import gc
+    import glob
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from manifoldlib.distributed import destroy_process_group
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    del model
+    gc.collect()
+
+    def gloo_threads() -> list[str]:
+        names = []
+        for path in glob.glob("/proc/self/task/*/comm"):
+            try:
+                with open(path) as handle:
+                    names.append(handle.read().strip())
+            except OSError:  # a thread that ended while we listed them
+                continue
+        return sorted(name for name in names if "gloo" in name)
+
+    before = gloo_threads()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        destroy_process_group()
+    return {"before": before, "after": gloo_threads(), "warnings": [str(w.message) for w in caught]}
