@@ -728,8 +728,8 @@ def steepest_direction(
             multiplier of the wrong shape.
     """
     _check_inputs(W, G, manifold, tol, max_iter, patience)
-    if msign_method not in MSIGN_METHODS or msign_method == "newton":
-        valid = [m for m in MSIGN_METHODS if m != "newton"]
+    if msign_method not in MSIGN_METHODS or msign_method in ("newton", "gram-eigh"):
+        valid = [m for m in MSIGN_METHODS if m not in ("newton", "gram-eigh")]
         raise ValueError(f"unknown msign_method {msign_method!r}; valid: {', '.join(valid)}")
     if dual_update not in DUAL_UPDATES:
         raise ValueError(f"unknown dual_update {dual_update!r}; valid: {', '.join(DUAL_UPDATES)}")

@@ -187,3 +187,46 @@ def test_iterations_differentiate_without_warnings(method):
     ref = x.detach().clone().requires_grad_(True)
     (msign(ref, "svd") * _gaussian((6, 3), 15)).sum().backward()
     assert _rel(x.grad, ref.grad) <= 1e-10
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gram_eigh_matches_scipy_polar_on_well_conditioned_input(shape):
+    k = min(shape[-2:])
+    s = torch.linspace(1.0, 0.2, k, dtype=torch.float64)  # condition number 5
+    x = torch.stack([_with_spectrum(*shape[-2:], s, seed) for seed in range(int(np.prod(shape[:-2])))])
+    x = x.reshape(shape)
+    assert _rel(msign(x, "gram-eigh"), _scipy_polar(x)) <= 1e-13
+
+
+@pytest.mark.parametrize("cond", [1e2, 1e4])
+def test_gram_eigh_error_grows_with_the_squared_condition_number(cond):
+    s = torch.logspace(0, -np.log10(cond), 6, dtype=torch.float64)
+    x = _with_spectrum(15, 6, s, seed=3)
+    error = _rel(msign(x, "gram-eigh"), _scipy_polar(x))
+    assert error <= 10 * cond**2 * EPS  # the documented bound ...
+    assert _rel(msign(x, "svd"), _scipy_polar(x)) <= 1e-12  # ... which the SVD does not need
+
+
+def test_gram_eigh_maps_zero_singular_values_to_zero():
+    x = _with_spectrum(9, 4, torch.tensor([1.0, 0.5, 0.25, 0.0], dtype=torch.float64), seed=4)
+    y = msign(x, "gram-eigh")
+    torch.testing.assert_close(torch.linalg.svdvals(y), torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    assert _rel(y, msign(x, "svd")) <= 1e-12
+
+
+def test_gram_eigh_float32_retraction_of_a_small_step_is_orthonormal():
+    # the use it is made for: the polar retraction of W - eta A with ||A||_2 = 1, eta = 0.02
+    q = torch.linalg.qr(_gaussian((256, 64), 16))[0]
+    a = msign(_gaussian((256, 64), 17), "svd")
+    y = (q - 0.02 * a).float()
+    r = msign(y, "gram-eigh")
+    assert r.dtype == torch.float32
+    eye = torch.eye(64, dtype=torch.float64)
+
+    def off_orthonormal(z: torch.Tensor) -> float:
+        return float(torch.linalg.matrix_norm(z.double().T @ z.double() - eye))
+
+    # as orthonormal as float32 allows: within 2x of the float32 SVD's own answer (~1e-5 here)
+    assert off_orthonormal(r) <= 2 * off_orthonormal(msign(y, "svd"))
+    assert _rel(r.double(), msign(y.double(), "svd")) <= 1e-6
