@@ -12,6 +12,23 @@ from ..retractions.base import Retraction
 from .base import RetractionManifold, _random_normal, _size_tuple
 from .stiefel import check_tall_matrix
 
+
+def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
+    """Raise ``ValueError`` naming the rank when a tall ``(..., m, n)`` matrix is numerically rank
+    deficient (smallest singular value at most ``max(m, n)·eps`` of the largest)."""
+    work = x.detach().to(torch.float64)
+    sv = torch.linalg.svdvals(work)  # (..., n)
+    floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(x.dtype).eps
+    rank = (sv > floor).sum(-1)  # (...,)
+    n = x.shape[-1]
+    if bool((rank < n).any()):
+        zero_cols = (work.norm(dim=-2) == 0).nonzero()[:, -1].unique().tolist()
+        detail = f"; zero columns: {zero_cols}" if zero_cols else ""
+        raise ValueError(
+            f"{manifold} needs a matrix of full column rank {n} (nonzero, linearly independent "
+            f"columns), got rank {int(rank.min())}{detail}: no nearest {manifold} point exists"
+        )
+
 __all__ = ["DGram"]
 
 
@@ -60,8 +77,14 @@ class DGram(RetractionManifold):
         return (u * v).sum(dim=(-2, -1), keepdim=keepdim)
 
     def projx(self, x):
-        """Nearest DGram point (alternating minimization, exactly on DGram after any iteration)."""
+        """Nearest DGram point (alternating minimization, exactly on DGram after any iteration).
+
+        ``x`` must have full column rank: DGram points have nonzero, mutually orthogonal
+        columns, and for a rank-deficient ``x`` (a zero column, two parallel ones) no nearest
+        point exists — ever smaller columns come ever closer. That raises ``ValueError``.
+        """
         self._validate(x, "x")
+        check_full_column_rank(x, self.name)
         return dgram_metric_projection(x)
 
     def proju(self, x, u):

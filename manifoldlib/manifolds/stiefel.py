@@ -6,7 +6,6 @@ from typing import Union
 
 import torch
 
-from ..functional.msign import msign
 from ..functional.stiefel import stiefel_exp, stiefel_project_tangent, stiefel_qr
 from ..retractions.base import Retraction
 from .base import RetractionManifold, _random_normal, _size_tuple
@@ -62,9 +61,18 @@ class Stiefel(RetractionManifold):
         return (u * v).sum(dim=(-2, -1), keepdim=keepdim)
 
     def projx(self, x):
-        r"""Nearest Stiefel point: the polar factor :math:`\operatorname{msign}(X)` (exact SVD)."""
+        r"""Nearest Stiefel point: :math:`UV^\top` from the thin SVD :math:`X = U\Sigma V^\top`.
+
+        For full column rank this is the polar factor :math:`\operatorname{msign}(X)`. For a
+        rank-deficient ``X`` the nearest point is not unique and :math:`\operatorname{msign}`
+        (which maps zero singular values to 0) is *not* on the manifold; :math:`UV^\top` still
+        is — the SVD's orthonormal completion of the range fills the missing directions.
+        Computed in float64 and returned in ``x``'s dtype.
+        """
         self._validate(x, "x")
-        return msign(x, "svd")
+        # float64 SVD (a projection is rare: an initialization, a repair); cast back at the end
+        u, _, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)  # (..., m, n), (..., n, n)
+        return (u @ vh).to(x.dtype)
 
     def proju(self, x, u):
         self._validate_pair(x, u)

@@ -475,15 +475,32 @@ class ManifoldMuon(Optimizer):
 
     @torch.no_grad()
     def project_parameters(self) -> None:
-        """Move every parameter onto its group's manifold (no-op on Euclidean groups)."""
+        """Move every parameter onto its group's manifold (no-op on Euclidean groups).
+
+        Raises:
+            ValueError: naming the parameter, for an all-zero matrix (a zero-initialized layer:
+                every Stiefel point is equally near, and DGram has none) and for a DGram matrix
+                without full column rank.
+        """
         for group in self.param_groups:
             if group["manifold"] == "euclidean":
                 continue
             manifold = _group_manifold(group)
-            for p in group["params"]:
+            names = group.get("param_names") or [None] * len(group["params"])
+            for index, (p, name) in enumerate(zip(group["params"], names)):
+                label = repr(name) if name is not None else f"#{index} of its group"
+                if not bool(p.detach().ne(0).any()):
+                    raise ValueError(
+                        f"parameter {label} of shape {tuple(p.shape)} is all zeros and cannot be "
+                        f"projected onto {group['manifold']}: initialize it with nonzero values (e.g. "
+                        f"torch.nn.init.orthogonal_) or assign it to 'euclidean' / AdamW"
+                    )
                 w = _tall(p)
                 work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
-                w.copy_(manifold.projx(work))
+                try:
+                    w.copy_(manifold.projx(work))
+                except ValueError as err:
+                    raise ValueError(f"parameter {label} of shape {tuple(p.shape)}: {err}") from err
 
     def _init_group(
         self,

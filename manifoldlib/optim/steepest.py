@@ -51,6 +51,7 @@ Three ideas make the solve cheap and exact (MATH.md §4–5 give the plain dual 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -310,6 +311,12 @@ class _DualProblem:
         n = w.size(-1)
         if manifold == "dgram":
             self.d = w.norm(dim=-2)  # (n,) column norms
+            if not bool((self.d > 0).all()):
+                zero = (self.d == 0).nonzero().flatten().tolist()
+                raise ValueError(
+                    f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
+                    f"points have nonzero orthogonal columns (project W first)"
+                )
             self.q = w / self.d
         else:
             self.d = torch.ones(n, dtype=w.dtype, device=w.device)
@@ -497,8 +504,8 @@ def _anderson_solve(
         points, steps = points[-(memory + 1):], steps[-(memory + 1):]
         new = lam + delta
         if len(steps) > 1:
-            d_steps = torch.stack([(b - a).flatten() for a, b in zip(steps, steps[1:])], -1)  # (n², k)
-            d_points = torch.stack([(b - a).flatten() for a, b in zip(points, points[1:])], -1)
+            d_steps = torch.stack([(b - a).flatten() for a, b in itertools.pairwise(steps)], -1)  # (n², k)
+            d_points = torch.stack([(b - a).flatten() for a, b in itertools.pairwise(points)], -1)
             gram = d_steps.mT @ d_steps  # (k, k)
             ridge = 1e-10 * torch.diagonal(gram).sum() * torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
             gamma = torch.linalg.solve(gram + ridge, d_steps.mT @ delta.flatten())  # (k,)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_steepest import CASES, _dual_optimum, _instance
 
 from manifoldlib.optim import ManifoldMuon, steepest_direction, tangent_residual
 from manifoldlib.optim.steepest import DUAL_UPDATES
-
-from test_steepest import CASES, _dual_optimum, _instance
 
 
 @pytest.mark.parametrize("manifold,m,n", [c for c in CASES if c[1] > c[2]])
@@ -49,7 +48,7 @@ def test_anderson_needs_fewer_iterations_than_bb(manifold, seed):
 
 def test_auto_picks_anderson_on_the_eigen_path_and_bb_for_svd():
     w, g = _instance(24, 6, "stiefel", seed=3)
-    kw = dict(tol=1e-6, max_iter=300, return_info=True)
+    kw = {"tol": 1e-6, "max_iter": 300, "return_info": True}
     for method, expected in (("jordan5", "anderson"), ("svd", "bb")):
         _, auto = steepest_direction(w, g, "stiefel", msign_method=method, **kw)
         _, explicit = steepest_direction(w, g, "stiefel", msign_method=method, dual_update=expected, **kw)

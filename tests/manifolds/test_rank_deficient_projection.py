@@ -1,0 +1,88 @@
+"""Projections of rank-deficient matrices: Stiefel completes the range, DGram refuses.
+
+msign maps zero singular values to 0, so the polar factor of a rank-deficient matrix is *not*
+a Stiefel point; the projection used to return it (for a zero matrix: the zero matrix). A DGram
+point needs nonzero, independent columns, so there is no nearest one; ManifoldMuon turned such a
+matrix into NaNs on its first step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.functional import msign
+from manifoldlib.manifolds import DGram, Stiefel
+from manifoldlib.optim import ManifoldMuon, build_optimizer, constraint_residual, steepest_direction
+
+
+def _rank_deficient(m: int, n: int, rank: int, seed: int, dtype=torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, n, generator=g,
+                                                                               dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_stiefel_projection_of_a_rank_deficient_matrix_is_on_the_manifold(rank, dtype):
+    x = _rank_deficient(9, 5, rank, seed=rank, dtype=dtype)
+    y = Stiefel().projx(x)
+    assert y.dtype == dtype
+    eye = torch.eye(5, dtype=torch.float64)
+    tol = 1e-13 if dtype == torch.float64 else 1e-6
+    assert float(torch.linalg.matrix_norm(y.double().T @ y.double() - eye)) <= tol
+    if rank:  # on the row space of x it is still the polar factor: it agrees with msign there
+        rows = torch.linalg.svd(x.double(), full_matrices=False)[2][:rank].T  # (5, rank)
+        torch.testing.assert_close(y.double() @ rows, msign(x.double(), "svd") @ rows, rtol=0, atol=1e-5)
+
+
+def test_stiefel_projection_is_still_the_nearest_point_for_full_rank():
+    x = _rank_deficient(9, 5, 5, seed=7)
+    y = Stiefel().projx(x)
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    torch.testing.assert_close(y, u @ vh, rtol=0, atol=1e-13)
+    # nearer than any other sampled Stiefel point
+    others = [Stiefel().random(9, 5, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+              for k in range(20)]
+    assert all(float((x - y).norm()) <= float((x - o).norm()) for o in others)
+
+
+@pytest.mark.parametrize(
+    ("x", "message"),
+    [
+        (torch.zeros(8, 4), "got rank 0; zero columns: [0, 1, 2, 3]"),
+        (torch.ones(8, 4), "got rank 1: no nearest dgram point exists"),
+        (torch.cat([torch.eye(8)[:, :3], torch.zeros(8, 1)], 1), "got rank 3; zero columns: [3]"),
+    ],
+    ids=["zero", "rank-1", "zero-column"],
+)
+def test_dgram_projection_refuses_rank_deficient_input(x, message):
+    with pytest.raises(ValueError, match="dgram needs a matrix of full column rank 4") as caught:
+        DGram().projx(x)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_manifold_muon_refuses_a_zero_initialized_matrix_by_name(manifold):
+    model = torch.nn.Module()
+    model.attn = torch.nn.Linear(8, 8, bias=False)
+    torch.nn.init.zeros_(model.attn.weight)
+    policy = "all-stiefel" if manifold == "stiefel" else "all-dgram"
+    with pytest.raises(ValueError, match=rf"parameter 'attn.weight' of shape \(8, 8\) is all zeros and "
+                                         rf"cannot be projected onto {manifold}"):
+        build_optimizer(model, policy=policy)
+
+
+def test_manifold_muon_names_a_rank_deficient_dgram_matrix():
+    p = torch.nn.Parameter(torch.ones(8, 4))
+    with pytest.raises(ValueError, match=r"parameter #0 of its group of shape \(8, 4\): dgram needs a matrix"):
+        ManifoldMuon([p], manifold="dgram")
+    q = torch.nn.Parameter(torch.ones(8, 4))
+    ManifoldMuon([q], manifold="stiefel")  # Stiefel completes the range instead
+    assert float(constraint_residual(q.detach(), "stiefel")) <= 1e-6
+
+
+def test_dgram_dual_refuses_zero_columns_instead_of_returning_nan():
+    w = torch.cat([torch.eye(6)[:, :3], torch.zeros(6, 1)], 1)
+    with pytest.raises(ValueError, match=r"W is not a DGram point: columns \[3\] \(tall orientation\) are zero"):
+        steepest_direction(w, torch.randn(6, 4), "dgram")
