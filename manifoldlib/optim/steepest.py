@@ -400,6 +400,28 @@ class _DualProblem:
         return self.mask(ddk + ddk.mT)
 
 
+class _BestIterate:
+    """Book-keeping shared by the dual iterations: the best iterate so far (a NaN one is always
+    replaced) and the stall count behind ``patience`` (iterations in a row without a 10% cut of
+    the best-so-far residual mark)."""
+
+    def __init__(self, residual: float, lam: torch.Tensor, state: _State) -> None:
+        self.best = (residual, lam, state)
+        self.mark = residual
+        self.since_progress = 0
+
+    def record(self, residual: float, lam: torch.Tensor, state: _State) -> None:
+        if residual < self.best[0] or self.best[0] != self.best[0]:
+            self.best = (residual, lam, state)
+        if residual < 0.9 * self.mark:
+            self.mark, self.since_progress = residual, 0
+        else:
+            self.since_progress += 1
+
+    def stalled(self, patience: int | None) -> bool:
+        return patience is not None and self.since_progress >= patience
+
+
 def _dual_solve(
     problem: _DualProblem,
     lam: torch.Tensor,
@@ -416,11 +438,10 @@ def _dual_solve(
         # ~ sigma / 4 (the nuclear norm's curvature is ~ 1/sigma), sigma ~ ||X||_F / sqrt(n) <= 1/sqrt(n)
         step = 0.25 / math.sqrt(n)
     lam_prev = grad_prev = None
-    best = (residual, lam, state)
-    iterations = since_progress = 0
-    progress_mark = residual
+    tracker = _BestIterate(residual, lam, state)
+    iterations = 0
     while not residual <= tol and iterations < max_iter:  # a NaN residual keeps iterating
-        if patience is not None and since_progress >= patience:
+        if tracker.stalled(patience):
             break  # stalled (e.g. a rank-deficient dual optimum): keep the best iterate
         grad = h / problem.metric  # preconditioned dual gradient
         if lam_prev is not None:
@@ -438,13 +459,8 @@ def _dual_solve(
         iterations += 1
         h, residual, state = problem.evaluate(lam)
         history.append(residual)
-        if residual < best[0] or best[0] != best[0]:
-            best = (residual, lam, state)
-        if residual < 0.9 * progress_mark:
-            progress_mark, since_progress = residual, 0
-        else:
-            since_progress += 1
-    residual, lam, state = best
+        tracker.record(residual, lam, state)
+    residual, lam, state = tracker.best
     return lam, state, residual, iterations, step
 
 
@@ -488,15 +504,13 @@ def _anderson_solve(
     """
     h, residual, state = problem.evaluate(lam)
     history.append(residual)
-    best = (residual, lam, state)
+    tracker = _BestIterate(residual, lam, state)
     points: list[torch.Tensor] = []
     steps: list[torch.Tensor] = []
-    iterations = since_progress = 0
-    progress_mark = previous = residual
+    iterations = 0
+    previous = residual
     while not residual <= tol and iterations < max_iter:
-        if patience is not None and since_progress >= patience:
-            break
-        if math.isnan(residual):
+        if tracker.stalled(patience) or math.isnan(residual):
             break
         delta = _preconditioned_step(problem, h, state)
         points.append(lam)
@@ -514,16 +528,11 @@ def _anderson_solve(
         iterations += 1
         h, residual, state = problem.evaluate(lam)
         history.append(residual)
-        if residual < best[0] or best[0] != best[0]:
-            best = (residual, lam, state)
-        if residual < 0.9 * progress_mark:
-            progress_mark, since_progress = residual, 0
-        else:
-            since_progress += 1
+        tracker.record(residual, lam, state)
         if not residual < previous:
             points, steps = [], []  # the mixing overshot: restart from plain preconditioned steps
         previous = residual
-    residual, lam, state = best
+    residual, lam, state = tracker.best
     return lam, state, residual, iterations
 
 
@@ -569,13 +578,10 @@ def _newton_solve(
     """
     h, residual, state = problem.evaluate(lam)
     history.append(residual)
-    best = (residual, lam, state)
-    iterations = since_progress = 0
-    progress_mark = residual
+    tracker = _BestIterate(residual, lam, state)
+    iterations = 0
     while not residual <= tol and iterations < max_iter:
-        if patience is not None and since_progress >= patience:
-            break
-        if math.isnan(residual):
+        if tracker.stalled(patience) or math.isnan(residual):
             break
         hnorm = float(h.norm())
         direction = _conjugate_gradient(problem, state, -h, cg_iter, min(0.5, hnorm**0.5))
@@ -592,13 +598,8 @@ def _newton_solve(
         lam, h, residual, state = trial, h_t, res_t, state_t
         iterations += 1
         history.append(residual)
-        if residual < best[0] or best[0] != best[0]:
-            best = (residual, lam, state)
-        if residual < 0.9 * progress_mark:
-            progress_mark, since_progress = residual, 0
-        else:
-            since_progress += 1
-    residual, lam, state = best
+        tracker.record(residual, lam, state)
+    residual, lam, state = tracker.best
     return lam, state, residual, iterations, None
 
 
