@@ -357,7 +357,8 @@ class ManifoldMuon(Optimizer):
             module docstring; ``None`` is ``"original"`` on Euclidean groups, ``"spectral"`` else).
         manifold: ``"euclidean"`` (default), ``"stiefel"`` or ``"dgram"``.
         retraction: a registered retraction name of that manifold; ``None`` picks
-            :data:`DEFAULT_RETRACTIONS` (polar / alternating with convergent Newton–Schulz).
+            :data:`DEFAULT_RETRACTIONS` (Stiefel: polar from the Gram eigendecomposition; DGram:
+            alternating with convergent Newton–Schulz).
         retraction_options: plain-data options of the retraction (e.g. ``{"method": "svd"}``).
         msign_method: msign inside the dual solve: ``"ns"`` (the group's Newton–Schulz:
             ``ns_coefficients`` and ``ns_steps``), ``"jordan5"``, ``"polar-express"``,
