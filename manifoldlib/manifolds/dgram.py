@@ -12,6 +12,8 @@ from ..retractions.base import Retraction
 from .base import RetractionManifold, _random_normal, _size_tuple
 from .stiefel import check_tall_matrix
 
+__all__ = ["DGram"]
+
 
 def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
     """Raise ``ValueError`` naming the rank when a tall ``(..., m, n)`` matrix is numerically rank
@@ -28,8 +30,6 @@ def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
             f"{manifold} needs a matrix of full column rank {n} (nonzero, linearly independent "
             f"columns), got rank {int(rank.min())}{detail}: no nearest {manifold} point exists"
         )
-
-__all__ = ["DGram"]
 
 
 class DGram(RetractionManifold):

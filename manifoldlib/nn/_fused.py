@@ -137,6 +137,7 @@ class _SphereResidual(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, g):
         h, f, s, q, a, n, sigma, c, k = ctx.saved_tensors
+        want_h, want_f, want_s = ctx.needs_input_grad[:3]
         kernels = ctx.kernels
         if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
             kernels = None  # e.g. an expanded gradient: the ATen passes read it in place
@@ -148,7 +149,6 @@ class _SphereResidual(torch.autograd.Function):
             buf_h = torch.mul(g, f)  # (..., d), scratch for <g, f>, then grad_h
             g_f = buf_h.sum(-1, keepdim=True)  # <g, f>, (..., 1)
         else:  # the gradients' buffers first, as in the forward
-            want_h, want_f = ctx.needs_input_grad[:2]
             grad_f = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_f else None
             grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None
             dots = kernels.backward_dots(_rows(g), _rows(h), _rows(f))  # (N, 2)
@@ -158,7 +158,6 @@ class _SphereResidual(torch.autograd.Function):
         ks = k * s
         mu = 2.0 * g_sigma * s * s / q
         t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
-        want_h, want_f, want_s = ctx.needs_input_grad[:3]
         grad_s = None
         if want_h:  # grad_h = coef_g g - t f + coef_h h, (..., 1) each
             coef_g = c - ks * a / q
@@ -178,7 +177,7 @@ class _SphereResidual(torch.autograd.Function):
             of_h = [coef_g, coef_h, minus_t] if want_h else []
             kernels.backward_combine(
                 _rows(g), _rows(h), _rows(f),
-                [c.contiguous() for c in of_f], [c.contiguous() for c in of_h],
+                [coef.contiguous() for coef in of_f], [coef.contiguous() for coef in of_h],
                 None if grad_f is None else _rows(grad_f),
                 None if grad_h is None else _rows(grad_h),
             )

@@ -154,6 +154,13 @@ def _ns_schedule(method: str, coefficients) -> tuple[tuple[float, float, float],
     return (_CONVERGENT_QUINTIC,)
 
 
+def _ns_plan(method: str, steps: int | None, coefficients):
+    """``(steps, schedule, first-scaling safety factor)`` of a Newton–Schulz preset."""
+    n_steps = _DEFAULT_NS_STEPS.get(method, 5) if steps is None else steps
+    scale = _PE_SAFETY if (method == "polar-express" and coefficients is None) else 1.0
+    return n_steps, _ns_schedule(method, coefficients), scale
+
+
 def gram_msign_factor(
     s: torch.Tensor,
     method: str,
@@ -179,9 +186,7 @@ def gram_msign_factor(
     Returns:
         ``(n, n)`` factor ``R``.
     """
-    n_steps = _DEFAULT_NS_STEPS.get(method, 5) if steps is None else steps
-    schedule = _ns_schedule(method, coefficients)
-    scale = _PE_SAFETY if (method == "polar-express" and coefficients is None) else 1.0
+    n_steps, schedule, scale = _ns_plan(method, steps, coefficients)
     fro = torch.diagonal(s).sum().clamp_min(0).sqrt()  # ||X||_F
     eye = torch.eye(s.size(-1), dtype=s.dtype, device=s.device)
     r = eye / (scale * fro + eps)
@@ -217,9 +222,7 @@ def _polynomial_gain(lam: torch.Tensor, method: str, steps: int | None, coeffici
     :math:`y_{k+1} = y_k(a + b y_k^2 + c y_k^4)`; the gain is the product of the factors times the
     first scaling, so no division by :math:`\sigma` happens (finite at :math:`\sigma = 0`).
     """
-    n_steps = _DEFAULT_NS_STEPS.get(method, 5) if steps is None else steps
-    schedule = _ns_schedule(method, coefficients)
-    scale = _PE_SAFETY if (method == "polar-express" and coefficients is None) else 1.0
+    n_steps, schedule, scale = _ns_plan(method, steps, coefficients)
     s0 = 1.0 / (scale * float(lam.sum().clamp_min(0).sqrt()) + eps)
     gain = torch.full_like(lam, s0)
     t = lam * (s0 * s0)  # y_k^2

@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib.nn import _cpu_kernels, _fused, sphere_residual, sphere_residual_reference
 from manifoldlib.nn._cpu_kernels import loader
-from manifoldlib.retractions import AngleRetraction, PRetraction, get_retraction
+from manifoldlib.retractions import PRetraction, get_retraction
 
 pytestmark = pytest.mark.skipif(
     not _cpu_kernels.available(),
@@ -19,21 +20,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class _UserP3(AngleRetraction):
-    """A user's retraction defined only by its angle (the generic coefficient VJP)."""
-
-    order = 2
-
-    def angle(self, beta):
-        return 3.0 * torch.atan(beta / 3.0)
-
-
 RETRACTIONS = {
     "gnomonic": get_retraction("sphere", "gnomonic"),
     "cayley": get_retraction("sphere", "cayley"),
     "exp": get_retraction("sphere", "exp"),
     "p=1.5": PRetraction(1.5),
-    "user-p3": _UserP3(),
+    "user-p3": _UserP3(),  # a user's retraction defined only by its angle (the generic VJP)
 }
 KERNELS = ("forward_dots", "forward_combine", "backward_dots", "backward_combine")
 
