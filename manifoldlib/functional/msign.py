@@ -22,9 +22,13 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   products and one ``n × n`` eigh, against about ten ``m·n²`` products for the convergent
   Newton–Schulz iteration. Forming the Gram matrix squares the condition number, so the error
   is about :math:`\kappa(X)^2\epsilon`: exact to rounding for well-conditioned inputs (the
-  retraction of a small step, :math:`\kappa \approx 1`), not for ill-conditioned ones.
+  retraction of a small step, :math:`\kappa \approx 1`). The eigenvalues tell the method its
+  own error: above :math:`\kappa^2\epsilon = 10^{-6}` it repeats the pass on its result (which
+  is orthonormal to rounding afterwards, the answer within :math:`\kappa^2\epsilon`), above
+  :math:`10^{-4}` it computes the SVD instead (float32: :math:`\kappa` above 2.9 and 29).
   Eigenvalues below :math:`\max(m, n)\,\epsilon\,\lambda_{\max}` (singular values below
-  about :math:`\sqrt{\max(m, n)\epsilon}\,\sigma_{\max}`) count as zero and map to 0.
+  about :math:`\sqrt{\max(m, n)\epsilon}\,\sigma_{\max}`) count as zero, map to 0 and do not
+  enter :math:`\kappa`.
 """
 
 from __future__ import annotations
@@ -146,15 +150,39 @@ def _msign_svd(x: torch.Tensor) -> torch.Tensor:
     return (u * sign.unsqueeze(-2)) @ vh
 
 
+#: Largest :math:`\kappa^2\epsilon` for which one Gram-form pass is kept as it is.
+GRAM_EIGH_ONE_PASS = 1e-6
+#: Largest :math:`\kappa^2\epsilon` for which ``"gram-eigh"`` refines with a second pass; beyond
+#: it the Gram matrix cannot carry the answer and the SVD is used.
+GRAM_EIGH_REFINE = 1e-4
+
+
+def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""One Gram-form pass on a tall ``(..., m, n)`` input: the result and :math:`\kappa^2\epsilon`
+    (largest over the batch; eigenvalues under the zero floor are left out of :math:`\kappa`)."""
+    gram = y.mT @ y  # (..., n, n); eigh reads its lower triangle
+    lam, vec = torch.linalg.eigh(gram)  # (..., n), (..., n, n)
+    eps = torch.finfo(y.dtype).eps
+    top = lam.amax(dim=-1, keepdim=True)
+    floor = top * max(y.shape[-2:]) * eps
+    kept = lam > floor
+    gain = torch.where(kept, lam.clamp_min(torch.finfo(y.dtype).tiny).rsqrt(), torch.zeros_like(lam))
+    smallest = torch.where(kept, lam, top).amin(dim=-1, keepdim=True)
+    ratio = float((top / smallest.clamp_min(torch.finfo(y.dtype).tiny)).amax()) if lam.numel() else 1.0
+    return y @ ((vec * gain.unsqueeze(-2)) @ vec.mT), ratio * eps  # (..., m, n)
+
+
 def _msign_gram_eigh(x: torch.Tensor) -> torch.Tensor:
-    # X (X^T X)^{-1/2} on the tall orientation, from one n x n eigendecomposition
+    # X (X^T X)^{-1/2} on the tall orientation, from one n x n eigendecomposition; a second pass
+    # on the result when kappa^2 eps says the first lost orthogonality, the SVD when even that
+    # would leave an error above GRAM_EIGH_REFINE
     transposed = x.size(-2) < x.size(-1)
     y = x.mT if transposed else x  # (..., m, n), m >= n
-    gram = y.mT @ y  # (..., n, n)
-    lam, vec = torch.linalg.eigh(0.5 * (gram + gram.mT))  # (..., n), (..., n, n)
-    floor = lam.amax(dim=-1, keepdim=True) * max(y.shape[-2:]) * torch.finfo(y.dtype).eps
-    gain = torch.where(lam > floor, lam.clamp_min(torch.finfo(y.dtype).tiny).rsqrt(), torch.zeros_like(lam))
-    out = y @ ((vec * gain.unsqueeze(-2)) @ vec.mT)  # (..., m, n)
+    out, error = _gram_eigh_pass(y)
+    if error > GRAM_EIGH_REFINE:
+        out = _msign_svd(y)
+    elif error > GRAM_EIGH_ONE_PASS:
+        out = _gram_eigh_pass(out)[0]
     return out.mT if transposed else out
 
 

@@ -94,14 +94,16 @@ DUAL_PATIENCE = 6
 MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram")
 #: Learning-rate adjustments (None picks "original" on Euclidean groups, "spectral" otherwise).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
-#: Default retraction and its options per manifold. Stiefel: the polar factor from the
-#: eigendecomposition of the n x n Gram matrix (two m·n² products and one eigh; exact to rounding
-#: because W - ηA, ‖A‖₂ = 1, has condition number at most (1 + η)/(1 - η)). DGram: the
-#: alternating retraction with convergent Newton–Schulz, whose input Y·diag(‖y_j‖) is as badly
-#: conditioned as the squared spread of the column norms, too much for the Gram form.
+#: Default retraction and its options per manifold: both take their polar factor from the
+#: eigendecomposition of the n x n Gram matrix (two m·n² products and one eigh against about ten
+#: products for convergent Newton–Schulz). Stiefel: the polar retraction, whose input W - ηA,
+#: ‖A‖₂ ≈ 1, has condition number about (1 + η)/(1 - η). DGram: the alternating retraction, whose
+#: input Y·diag(‖y_j‖) is conditioned like the squared spread of the column norms; "gram-eigh"
+#: measures κ from its eigenvalues and refines (κ²ε > 1e-6) or falls back to the SVD (κ²ε > 1e-4)
+#: on its own, so a wide spread costs time, never accuracy.
 DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "stiefel": ("polar", {"method": "gram-eigh"}),
-    "dgram": ("alternating", {"method": "newton-schulz"}),
+    "dgram": ("alternating", {"method": "gram-eigh"}),
     "euclidean": ("add", {}),
 }
 #: Dual-solve msign methods; "ns" is the group's own Newton–Schulz (ns_coefficients, ns_steps).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import scipy.linalg
@@ -230,3 +232,68 @@ def test_gram_eigh_float32_retraction_of_a_small_step_is_orthonormal():
     # as orthonormal as float32 allows: within 2x of the float32 SVD's own answer (~1e-5 here)
     assert off_orthonormal(r) <= 2 * off_orthonormal(msign(y, "svd"))
     assert _rel(r.double(), msign(y.double(), "svd")) <= 1e-6
+
+
+def _off_orthonormal(z: torch.Tensor) -> float:
+    z = z.double()
+    k = z.size(-1)
+    return float(torch.linalg.matrix_norm(z.mT @ z - torch.eye(k, dtype=torch.float64)).max())
+
+
+def _count_passes(monkeypatch):
+    """Count Gram-form passes and SVD calls inside msign(..., "gram-eigh")."""
+    module = sys.modules["manifoldlib.functional.msign"]
+    calls = {"pass": 0, "svd": 0}
+    one_pass, svd = module._gram_eigh_pass, module._msign_svd
+
+    def counted_pass(y):
+        calls["pass"] += 1
+        return one_pass(y)
+
+    def counted_svd(y):
+        calls["svd"] += 1
+        return svd(y)
+
+    monkeypatch.setattr(module, "_gram_eigh_pass", counted_pass)
+    monkeypatch.setattr(module, "_msign_svd", counted_svd)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("cond", "passes", "svd_calls"),
+    [(1.5, 1, 0), (10.0, 2, 0), (1e3, 1, 1)],  # kappa^2 eps (float32): 2.7e-7, 1.2e-5, 0.12
+)
+def test_gram_eigh_float32_picks_its_pass_count_from_the_condition_number(monkeypatch, cond, passes, svd_calls):
+    s = torch.logspace(0, -np.log10(cond), 48, dtype=torch.float64)
+    x64 = _with_spectrum(160, 48, s, seed=5)
+    calls = _count_passes(monkeypatch)
+    y = msign(x64.float(), "gram-eigh")
+    assert (calls["pass"], calls["svd"]) == (passes, svd_calls)
+    ref = _scipy_polar(x64)
+    # as orthonormal as the float32 SVD's own answer whatever the conditioning ...
+    assert _off_orthonormal(y) <= 2 * _off_orthonormal(msign(x64.float(), "svd"))
+    # ... and the polar factor of the float32 input within the documented kappa^2 eps
+    assert _rel(y.double(), ref) <= max(1e-5, 10 * cond**2 * torch.finfo(torch.float32).eps)
+
+
+def test_gram_eigh_second_pass_restores_orthonormality_a_single_pass_loses():
+    from manifoldlib.functional.msign import _gram_eigh_pass
+
+    s = torch.logspace(0, -1.2, 48, dtype=torch.float64)  # kappa 16: kappa^2 eps = 3e-5
+    x = _with_spectrum(160, 48, s, seed=6).float()
+    single, error = _gram_eigh_pass(x)
+    assert 1e-6 < error <= 1e-4  # the refining branch
+    floor = _off_orthonormal(msign(x, "svd"))  # float32 rounding, about 8e-6 here
+    assert _off_orthonormal(single) > 3 * floor
+    assert _off_orthonormal(msign(x, "gram-eigh")) <= 2 * floor
+
+
+def test_gram_eigh_condition_number_ignores_zero_singular_values(monkeypatch):
+    # a rank-deficient but otherwise well-conditioned float32 input stays on the one-pass path
+    s = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.0, 0.0], dtype=torch.float64)
+    x = _with_spectrum(30, 6, s, seed=7).float()
+    calls = _count_passes(monkeypatch)
+    y = msign(x, "gram-eigh")
+    assert (calls["pass"], calls["svd"]) == (1, 0)
+    torch.testing.assert_close(torch.linalg.svdvals(y.double()), torch.tensor([1.0] * 4 + [0.0] * 2, dtype=torch.float64),
+                               rtol=0, atol=1e-5)

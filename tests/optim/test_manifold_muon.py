@@ -207,3 +207,33 @@ def test_square_dgram_dual_converges_only_with_smoothing():
         assert float(constraint_residual(params[0].detach(), "dgram")) <= 1e-4
     assert residuals["auto"] <= 1e-3 < residuals[None]
     assert opt.param_groups[0]["dual_smoothing"] is None
+
+
+def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(monkeypatch):
+    import sys
+
+    from manifoldlib.optim.manifold_muon import DEFAULT_RETRACTIONS
+
+    msign_module = sys.modules["manifoldlib.functional.msign"]
+    svd_calls = []
+    svd = msign_module._msign_svd
+    monkeypatch.setattr(msign_module, "_msign_svd", lambda y: svd_calls.append(y.shape) or svd(y))
+
+    assert DEFAULT_RETRACTIONS["dgram"] == ("alternating", {"method": "gram-eigh"})
+    # column norms spread over 1e-2 .. 1: Y diag(|y_j|) has kappa ~ 1e4, far beyond what the Gram
+    # form carries in float32; the retraction must notice (its SVD fallback) and stay on DGram
+    g = torch.Generator().manual_seed(4)
+    q = torch.linalg.qr(torch.randn(40, 12, generator=g))[0]
+    spread = torch.nn.Parameter(q * torch.logspace(-2, 0, 12))
+    plain = torch.nn.Parameter(q.clone())
+    opt = ManifoldMuon([spread, plain], lr=0.002, manifold="dgram", weight_decay=0.0)
+    target = torch.randn(40, 12, generator=g)
+    svd_calls.clear()  # the projection at construction uses the SVD too
+    for _ in range(5):
+        _quadratic_grads([spread, plain], [target, target])
+        opt.step()
+    for p in (spread, plain):
+        assert constraint_residual(p.detach(), "dgram") <= 1e-5
+    norms = spread.detach().norm(dim=0)
+    assert float(norms.max() / norms.min()) > 20  # the spread is still there ...
+    assert len(svd_calls) == 5  # ... and only its retractions fell back to the SVD
