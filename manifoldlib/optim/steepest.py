@@ -274,7 +274,7 @@ def gram_msign_factor_eigh(
 
 def _spectral_gain(s, method, steps, coefficients, eps, smoothing):
     r"""Eigenvalues (clamped at 0), eigenvectors and the gain :math:`\psi(\lambda)` of ``s``."""
-    lam, vec = torch.linalg.eigh(0.5 * (s + s.mT))  # (n,), (n, n)
+    lam, vec = torch.linalg.eigh(s)  # (n,), (n, n); reads the lower triangle only
     lam = lam.clamp_min(0)
     if smoothing is not None:
         gain = (lam + smoothing * smoothing).rsqrt()
@@ -288,13 +288,20 @@ class _State:
     """One evaluation of the dual: the multiplier and what rebuilds ``A`` (and its Hessian)."""
 
     lam: torch.Tensor
-    factor: torch.Tensor  # R (n, n) on the reduced path, A (m, n) itself on the SVD path
+    factor: torch.Tensor | None  # R (n, n) on the reduced path (built on demand), A (m, n) on the SVD path
     m: torch.Tensor | None = None
     eig: torch.Tensor | None = None
     vec: torch.Tensor | None = None
     gain: torch.Tensor | None = None
     value: float | None = None  # smoothed dual objective sum sqrt(lambda + mu^2)
     mv: torch.Tensor | None = None
+    rotated: torch.Tensor | None = None  # V^T (H / metric) V, when the evaluation formed it
+
+    def spectral_factor(self) -> torch.Tensor:
+        """:math:`R = V\operatorname{diag}(\psi)V^\top` ``(n, n)`` (reduced path), built once."""
+        if self.factor is None:
+            self.factor = (self.vec * self.gain) @ self.vec.mT
+        return self.factor
 
 
 class _DualProblem:
@@ -325,6 +332,8 @@ class _DualProblem:
             self.d = torch.ones(n, dtype=w.dtype, device=w.device)
             self.q = w
         self.w, self.g = w, g
+        self.unit = manifold == "stiefel"  # D = I, metric 1, no mask: skip the scalings
+        self.square = w.size(-2) == n
         d2 = self.d * self.d
         self.metric = 0.5 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))  # (n, n), (d_i^2 + d_j^2)/2
         self.mask = off_diagonal if manifold == "dgram" else (lambda x: x)
@@ -348,8 +357,13 @@ class _DualProblem:
         m = self.b + 2.0 * (self.d.unsqueeze(-1) * lam)
         return self.c + m.mT @ m
 
-    def evaluate(self, lam: torch.Tensor):
-        """``(H, residual, state)`` at the multiplier ``lam``; ``state`` rebuilds ``A``."""
+    def evaluate(self, lam: torch.Tensor, *, rotated: bool = False):
+        """``(H, residual, state)`` at the multiplier ``lam``; ``state`` rebuilds ``A``.
+
+        ``rotated=True`` (reduced Stiefel path only) skips ``H`` (returned as ``None``) and leaves
+        :math:`V^\top H V = N\Psi + \Psi N^\top`, :math:`N = V^\top M V`, in ``state.rotated``:
+        what the eigenbasis-preconditioned step needs, two ``n × n`` products cheaper.
+        """
         if not self.reduced:
             x = self.g + 2.0 * (self.w @ lam)  # (m, n)
             a = msign(x, "svd")
@@ -357,29 +371,35 @@ class _DualProblem:
             a_sq = (a * a).sum()
             state = _State(lam, a)
         else:
-            m = self.b + 2.0 * (self.d.unsqueeze(-1) * lam)  # (n, n) = B + 2 D Lambda
-            s = self.c + m.mT @ m  # (n, n) Gram matrix of X
-            if not bool(torch.isfinite(s).all()):
+            m = self.b + 2.0 * (lam if self.unit else self.d.unsqueeze(-1) * lam)  # (n, n) = B + 2 D Lambda
+            s = m.mT @ m if self.square else torch.addmm(self.c, m.mT, m)  # (n, n) Gram matrix of X
+            if not bool(torch.isfinite(s.sum())):
                 nan = torch.full_like(lam, float("nan"))
                 return nan, float("nan"), _State(lam, nan, value=float("nan"))
             eig, vec, gain = _spectral_gain(s, self.method, self.steps, self.coefficients, self.eps, self.smoothing)
-            r = (vec * gain) @ vec.mT  # (n, n), msign(X) = X R
-            k = m @ r  # Q^T A
             a_sq = (eig * gain * gain).sum()  # ||A||_F^2
             value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
-            state = _State(lam, r, m, eig, vec, gain, value)
-        dk = self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
+            state = _State(lam, None, m, eig, vec, gain, value)
+            state.mv = m @ vec  # (n, n) = M V
+            if rotated and self.unit and self.manifold == "stiefel":
+                nt = vec.mT @ state.mv  # (n, n) = V^T M V
+                state.rotated = nt * gain + (nt * gain).mT  # V^T H V (metric 1 on Stiefel)
+                tiny = torch.finfo(a_sq.dtype).tiny
+                residual = float(0.5 * state.rotated.norm() / a_sq.clamp_min(tiny).sqrt())
+                return None, residual, state
+            k = (state.mv * gain) @ vec.mT  # (n, n) = M R = Q^T A
+        dk = k if self.unit else self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
         h = self.mask(dk + dk.mT)  # dual gradient
         # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||D S||_F
-        normal = self.d.unsqueeze(-1) * (h / (2.0 * self.metric))
+        normal = 0.5 * h if self.unit else self.d.unsqueeze(-1) * (h / (2.0 * self.metric))
         residual = float(normal.norm() / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
         return h, residual, state
 
     def direction(self, state: _State) -> torch.Tensor:
         if not self.reduced:
             return state.factor  # the (m, n) direction itself
-        x = self.g + self.w @ (2.0 * state.lam)  # (m, n) = G + 2 W Lambda
-        return x @ state.factor  # msign(X) = X R, (m, n)
+        x = torch.addmm(self.g, self.w, state.lam, alpha=2.0)  # (m, n) = G + 2 W Lambda
+        return x @ state.spectral_factor()  # msign(X) = X R, (m, n)
 
     def hessian_vector(self, state: _State, delta: torch.Tensor) -> torch.Tensor:
         r"""Second derivative of the smoothed dual along the symmetric ``delta`` (reduced path).
@@ -481,7 +501,9 @@ def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) 
     :func:`_anderson_solve` recovers the rest.
     """
     vec, gain = state.vec, state.gain
-    rotated = vec.mT @ (h / problem.metric) @ vec  # (n, n), in the eigenbasis of S
+    rotated = state.rotated
+    if rotated is None:
+        rotated = vec.mT @ (h / problem.metric) @ vec  # (n, n), in the eigenbasis of S
     scale = 2.0 * (gain.unsqueeze(-1) + gain.unsqueeze(-2))
     step = vec @ (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)) @ vec.mT
     return -problem.mask(0.5 * (step + step.mT))
@@ -505,7 +527,7 @@ def _anderson_solve(
     (\Delta\Lambda + \Delta\delta)\gamma`) halves the iteration count against
     Barzilai–Borwein steps. The memory restarts whenever the residual grows.
     """
-    h, residual, state = problem.evaluate(lam)
+    h, residual, state = problem.evaluate(lam, rotated=True)
     history.append(residual)
     tracker = _BestIterate(residual, lam, state)
     points: list[torch.Tensor] = []
@@ -529,7 +551,7 @@ def _anderson_solve(
             new = new - ((d_points + d_steps) @ gamma).reshape(delta.shape)
         lam = new
         iterations += 1
-        h, residual, state = problem.evaluate(lam)
+        h, residual, state = problem.evaluate(lam, rotated=True)
         history.append(residual)
         tracker.record(residual, lam, state)
         if not residual < previous:
