@@ -65,7 +65,9 @@ from ..distributed import (
 )
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
-from .steepest import DUAL_UPDATES, steepest_direction
+from ..retractions.stiefel import StiefelPolarRetraction
+from .steepest import DUAL_UPDATES, DualSolution, solve_dual
+from .stiefel_polar_step import fusable, stiefel_polar_step
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -214,6 +216,13 @@ def _momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool)
     return grad.lerp(buf, momentum) if nesterov else buf
 
 
+def _fused_polar(manifold_obj, solution: DualSolution) -> bool:
+    """Whether the step is the Stiefel polar retraction with the Gram-form polar (the default) of a
+    square matrix's reduced dual: then :func:`stiefel_polar_step` takes it without an eigh."""
+    retraction = manifold_obj.retraction
+    return isinstance(retraction, StiefelPolarRetraction) and retraction.method == "gram-eigh" and fusable(solution)
+
+
 def _solve_one(
     param: Tensor,
     update: Tensor,
@@ -249,7 +258,7 @@ def _solve_one(
     coefficients = tuple(ns_coefficients) if msign_method == "ns" else None
     steps = ns_steps if msign_method in ("ns", "jordan5") else None
     w = _tall(param)
-    a, info = steepest_direction(
+    solution = solve_dual(
         w,
         _tall(update),
         manifold,
@@ -263,13 +272,16 @@ def _solve_one(
         patience=DUAL_PATIENCE,
         smoothing=dual_smoothing,
         dual_update=dual_update,
-        return_info=True,
     )
+    info = solution.info
     state["dual_correction"] = info.correction
     state["dual_iterations"] = int(info.iterations)
     state["dual_residual"] = float(info.residual)
-    base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
-    new = manifold_obj.retr(base, a.to(w.dtype).mul(-adjusted))  # tall orientation
+    if _fused_polar(manifold_obj, solution):
+        new = stiefel_polar_step(solution, adjusted).to(w.dtype)  # same point, no m x n direction
+    else:
+        base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
+        new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
     return new.mT if param.size(-2) < param.size(-1) else new
 
 

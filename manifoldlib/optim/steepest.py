@@ -71,9 +71,11 @@ __all__ = [
     "DEFAULT_TOL",
     "DUAL_UPDATES",
     "STEEPEST_MANIFOLDS",
+    "DualSolution",
     "SteepestInfo",
     "gram_msign_factor",
     "gram_msign_factor_eigh",
+    "solve_dual",
     "steepest_direction",
     "tangent_residual",
 ]
@@ -760,6 +762,74 @@ def steepest_direction(
         ValueError: unknown manifold or method, mismatched shapes, bad ``tol``/``max_iter``, or a
             multiplier of the wrong shape.
     """
+    solution = solve_dual(
+        W,
+        G,
+        manifold,
+        tol=tol,
+        max_iter=max_iter,
+        msign_method=msign_method,
+        ns_steps=ns_steps,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        multiplier=multiplier,
+        correction=correction,
+        step_size=step_size,
+        patience=patience,
+        smoothing=smoothing,
+        dual_update=dual_update,
+    )
+    a = solution.direction().to(G.dtype)
+    return (a, solution.info) if return_info else a
+
+
+@dataclass
+class DualSolution:
+    """A finished dual solve, before the ``m × n`` answer is formed (see :func:`solve_dual`).
+
+    Attributes:
+        info: what the solve did.
+        transposed: the problem was solved in the tall orientation of a wide input.
+        problem: the reduced dual (``None`` when no dual ran: Euclidean, or a zero gradient).
+        state: its final evaluation (``None`` likewise).
+        answer: the direction itself when no dual ran (tall orientation, work dtype).
+    """
+
+    info: SteepestInfo
+    transposed: bool
+    problem: _DualProblem | None = None
+    state: _State | None = None
+    answer: torch.Tensor | None = None
+
+    def direction(self) -> torch.Tensor:
+        """The steepest direction in the input's orientation (work dtype: float32 for 16-bit input)."""
+        a = self.answer if self.problem is None else self.problem.direction(self.state)
+        return a.mT if self.transposed else a
+
+
+def solve_dual(
+    W: torch.Tensor,
+    G: torch.Tensor,
+    manifold: str = "stiefel",
+    *,
+    tol: float = DEFAULT_TOL,
+    max_iter: int = DEFAULT_MAX_ITER,
+    msign_method: str = "svd",
+    ns_steps: int | None = None,
+    ns_coefficients=None,
+    eps: float = 1e-7,
+    multiplier: torch.Tensor | None = None,
+    correction: torch.Tensor | None = None,
+    step_size: float | None = None,
+    patience: int | None = None,
+    smoothing: float | str | None = "auto",
+    dual_update: str = "auto",
+) -> DualSolution:
+    """:func:`steepest_direction` without forming the answer: the solved reduced dual.
+
+    Same arguments and checks. What consumes the direction can use the reduced quantities
+    instead of the ``m × n`` matrix (the Stiefel polar step of :class:`ManifoldMuon` does).
+    """
     _check_inputs(W, G, manifold, tol, max_iter, patience)
     if msign_method not in MSIGN_METHODS or msign_method in ("newton", "gram-eigh"):
         valid = [m for m in MSIGN_METHODS if m not in ("newton", "gram-eigh")]
@@ -771,7 +841,6 @@ def steepest_direction(
             "dual_update='anderson' needs a Newton-Schulz msign_method (its steps use the eigenbasis "
             "of the n x n Gram matrix); msign_method='svd' runs the unreduced iteration: use 'bb' or 'auto'"
         )
-    out_dtype = G.dtype
     work_dtype = torch.float32 if G.dtype in (torch.float16, torch.bfloat16) else G.dtype
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(work_dtype)
@@ -782,9 +851,8 @@ def steepest_direction(
         else:
             r = gram_msign_factor(g.mT @ g, msign_method, ns_steps, coefficients=ns_coefficients, eps=eps)
             a = g @ r
-        a = a.mT if transposed else a
         info = SteepestInfo(0, 0.0, True, multiplier, correction, [0.0], step_size)
-        return (a.to(out_dtype), info) if return_info else a.to(out_dtype)
+        return DualSolution(info, transposed, answer=a)
     w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
     n = g.size(-1)
@@ -824,9 +892,5 @@ def steepest_direction(
             problem, lam, lam0, kappa, float(tol), max_iter, history, patience, cold=start is None
         )
         last_step = step_size
-    a = problem.direction(state)
-    a = a.mT if transposed else a
-    a = a.to(out_dtype)
-    if not return_info:
-        return a
-    return a, SteepestInfo(iterations, residual, residual <= tol, lam, lam - lam0, history, last_step)
+    info = SteepestInfo(iterations, residual, residual <= tol, lam, lam - lam0, history, last_step)
+    return DualSolution(info, transposed, problem, state)
