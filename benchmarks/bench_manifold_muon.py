@@ -43,6 +43,15 @@ def _params(seed: int = 1) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(0.02 * torch.randn(m, n, generator=g)) for m, n in SHAPES]
 
 
+def _hetero_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """The seed's HETERO policy on these shapes: square (attention) Stiefel, the rest (MLP) DGram."""
+    groups = [
+        {"params": [p for p in params if p.size(0) == p.size(1)], "manifold": "stiefel"},
+        {"params": [p for p in params if p.size(0) != p.size(1)], "manifold": "dgram"},
+    ]
+    return [group for group in groups if group["params"]]
+
+
 def _timed_step(opt, params, grads) -> float:
     for p, gr in zip(params, grads):
         p.grad = gr.clone()
@@ -106,6 +115,7 @@ def main() -> None:
             ps, manifold="stiefel", dual_update="bb", **kw, **mm
         ),
         "ManifoldMuon dgram": lambda ps: ManifoldMuon(ps, manifold="dgram", **kw, **mm),
+        "ManifoldMuon hetero (square stiefel, tall dgram)": lambda ps: ManifoldMuon(_hetero_groups(ps), **kw, **mm),
         "ManifoldMuon dgram (BB dual steps)": lambda ps: ManifoldMuon(
             ps, manifold="dgram", dual_update="bb", **kw, **mm
         ),
@@ -116,13 +126,13 @@ def main() -> None:
     print(f"shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
           f"cap {args.max_iter}, dual msign {args.msign}, load average {os.getloadavg()[0]:.2f}")
     anchor_make = runs["torch.optim.Muon (anchor)"]
-    print(f"{'optimizer':40s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
+    print(f"{'optimizer':48s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
     wanted = [w for w in args.only.split(",") if w]
     for name, make in runs.items():
         if wanted and "anchor" not in name and not any(w in name for w in wanted):
             continue
         r = _run(make, anchor_make, grads)
-        print(f"{name:40s} {r['time']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
+        print(f"{name:48s} {r['time']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
               f"{r['residual']:10.1e}", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

@@ -329,15 +329,15 @@ class _DualProblem:
                     f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
                     f"points have nonzero orthogonal columns (project W first)"
                 )
-            self.q = w / self.d
         else:
             self.d = torch.ones(n, dtype=w.dtype, device=w.device)
-            self.q = w
         self.w, self.g = w, g
         self.unit = manifold == "stiefel"  # D = I, metric 1, no mask: skip the scalings
         self.square = w.size(-2) == n
         d2 = self.d * self.d
         self.metric = 0.5 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))  # (n, n), (d_i^2 + d_j^2)/2
+        self.two_d = 2.0 * self.d.unsqueeze(-1)  # (n, 1)
+        self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (n, n): H -> D S
         self.mask = off_diagonal if manifold == "dgram" else (lambda x: x)
         self.wg = w.mT @ g  # (n, n) = W^T G = D B
         self.reduced = method != "svd" or smoothing is not None
@@ -369,11 +369,11 @@ class _DualProblem:
         if not self.reduced:
             x = self.g + 2.0 * (self.w @ lam)  # (m, n)
             a = msign(x, "svd")
-            k = self.q.mT @ a  # (n, n) = Q^T A
+            k = (self.w.mT @ a) / self.d.unsqueeze(-1)  # (n, n) = Q^T A
             a_sq = (a * a).sum()
             state = _State(lam, a)
         else:
-            m = self.b + 2.0 * (lam if self.unit else self.d.unsqueeze(-1) * lam)  # (n, n) = B + 2 D Lambda
+            m = torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, self.two_d, lam)  # B + 2 D Lambda
             s = m.mT @ m if self.square else torch.addmm(self.c, m.mT, m)  # (n, n) Gram matrix of X
             if not bool(torch.isfinite(s.sum())):
                 nan = torch.full_like(lam, float("nan"))
@@ -391,10 +391,12 @@ class _DualProblem:
                 return None, residual, state
             k = (state.mv * gain) @ vec.mT  # (n, n) = M R = Q^T A
         dk = k if self.unit else self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
-        h = self.mask(dk + dk.mT)  # dual gradient
+        h = dk + dk.mT  # dual gradient (fresh tensor: its diagonal is masked in place)
+        if self.manifold == "dgram":
+            h.diagonal().zero_()
         # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||D S||_F
-        normal = 0.5 * h if self.unit else self.d.unsqueeze(-1) * (h / (2.0 * self.metric))
-        residual = float(normal.norm() / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
+        normal_norm = 0.5 * h.norm() if self.unit else (h * self.normal_scale).norm()
+        residual = float(normal_norm / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
         return h, residual, state
 
     def direction(self, state: _State) -> torch.Tensor:
@@ -508,7 +510,10 @@ def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) 
         rotated = vec.mT @ (h / problem.metric) @ vec  # (n, n), in the eigenbasis of S
     scale = 2.0 * (gain.unsqueeze(-1) + gain.unsqueeze(-2))
     step = vec @ (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)) @ vec.mT
-    return -problem.mask(0.5 * (step + step.mT))
+    step = step + step.mT  # (fresh) symmetric part, times two
+    if problem.manifold == "dgram":
+        step.diagonal().zero_()
+    return step.mul_(-0.5)
 
 
 def _anderson_solve(
