@@ -305,7 +305,7 @@ def test_smoothed_factor_is_the_smoothed_nuclear_norm_gradient():
 
 @pytest.mark.parametrize("manifold,m,n", [("dgram", 7, 7), ("dgram", 11, 5), ("stiefel", 11, 5)])
 def test_smoothed_dual_hessian_matches_finite_differences(manifold, m, n):
-    from manifoldlib.optim.steepest import _DualProblem
+    from manifoldlib.optim.dual_problem import _DualProblem
 
     w, g = _instance(m, n, manifold, seed=14)
     g = g / g.norm()

@@ -1,0 +1,181 @@
+r"""The reduced dual of one steepest-direction problem, and the tangent residual it drives to zero.
+
+:class:`_DualProblem` holds the ``n × n`` data of a tall instance (:math:`B = Q^\top G`,
+:math:`C = G_\perp^\top G_\perp`, the column norms :math:`D` and the normal-space metric) and
+evaluates the dual at a multiplier: the Gram matrix :math:`S = C + M^\top M`, one
+eigendecomposition, the spectral factor, the dual gradient :math:`H` and the relative tangent
+residual. :class:`_State` keeps what one evaluation computed, so the solvers
+(:mod:`manifoldlib.optim.dual_solvers`) and the answer reuse it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..functional.dgram import off_diagonal
+from ..functional.msign import msign
+from .spectral_factors import _spectral_gain
+
+__all__ = ["tangent_residual"]
+
+
+def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold: str) -> torch.Tensor:
+    r"""Relative normal component :math:`\|A - P_W A\|_F / \|A\|_F` of ``a`` at ``w`` (tall, ``(m, n)``).
+
+    Stiefel: :math:`\|W\operatorname{sym}(W^\top A)\|_F`; DGram: :math:`\|WS\|_F` with
+    :math:`S_{ij} = (W^\top A + A^\top W)_{ij}/(d_i^2 + d_j^2)`, :math:`S_{ii} = 0`; Euclidean: 0.
+    """
+    if manifold == "euclidean":
+        return torch.zeros((), dtype=a.dtype, device=a.device)
+    wa = w.mT @ a  # (n, n)
+    h = wa + wa.mT
+    if manifold == "stiefel":
+        normal = 0.5 * (w @ h)
+    else:
+        d2 = (w * w).sum(-2)
+        normal = w @ (off_diagonal(h) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)))
+    return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
+
+
+@dataclass
+class _State:
+    """One evaluation of the dual: the multiplier and what rebuilds ``A`` (and its Hessian)."""
+
+    lam: torch.Tensor
+    factor: torch.Tensor | None  # R (n, n) on the reduced path (built on demand), A (m, n) on the SVD path
+    m: torch.Tensor | None = None
+    eig: torch.Tensor | None = None
+    vec: torch.Tensor | None = None
+    gain: torch.Tensor | None = None
+    value: float | None = None  # smoothed dual objective sum sqrt(lambda + mu^2)
+    mv: torch.Tensor | None = None
+    rotated: torch.Tensor | None = None  # V^T (H / metric) V, when the evaluation formed it
+
+    def spectral_factor(self) -> torch.Tensor:
+        r""":math:`R = V\operatorname{diag}(\psi)V^\top` ``(n, n)`` (reduced path), built once."""
+        if self.factor is None:
+            self.factor = (self.vec * self.gain) @ self.vec.mT
+        return self.factor
+
+
+class _DualProblem:
+    r"""The reduced dual of one tall instance: every iteration is ``n × n`` work only.
+
+    Setup: :math:`W^\top G` and :math:`G^\top G` (two ``m·n²`` products); the answer
+    :math:`A = (G + 2W\Lambda)R` costs two more. The Gram matrix of :math:`X = G + 2W\Lambda` is
+    :math:`S = C + M^\top M` with :math:`M = B + 2D\Lambda`, :math:`B = Q^\top G` and
+    :math:`C = G^\top G - B^\top B` (zero for square ``W``).
+    """
+
+    def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None):
+        self.manifold = manifold
+        self.method = method
+        self.steps, self.coefficients, self.eps = steps, coefficients, eps
+        self.smoothing = smoothing  # absolute mu of the smoothed nuclear norm, or None
+        n = w.size(-1)
+        if manifold == "dgram":
+            self.d = w.norm(dim=-2)  # (n,) column norms
+            if not bool((self.d > 0).all()):
+                zero = (self.d == 0).nonzero().flatten().tolist()
+                raise ValueError(
+                    f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
+                    f"points have nonzero orthogonal columns (project W first)"
+                )
+        else:
+            self.d = torch.ones(n, dtype=w.dtype, device=w.device)
+        self.w, self.g = w, g
+        self.unit = manifold == "stiefel"  # D = I, metric 1, no mask: skip the scalings
+        self.square = w.size(-2) == n
+        d2 = self.d * self.d
+        self.metric = 0.5 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))  # (n, n), (d_i^2 + d_j^2)/2
+        self.two_d = 2.0 * self.d.unsqueeze(-1)  # (n, 1)
+        self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (n, n): H -> D S
+        self.mask = off_diagonal if manifold == "dgram" else (lambda x: x)
+        self.wg = w.mT @ g  # (n, n) = W^T G = D B
+        self.reduced = method != "svd" or smoothing is not None
+        if self.reduced:
+            self.b = self.wg / self.d.unsqueeze(-1)  # (n, n) = Q^T G
+            if w.size(-2) == n:
+                self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
+            else:
+                gram = g.mT @ g  # (n, n)
+                self.c = gram - self.b.mT @ self.b  # G_perp^T G_perp
+                self.c = 0.5 * (self.c + self.c.mT)
+
+    def initial_multiplier(self) -> torch.Tensor:
+        # G + 2 W Lambda_0 = P_T(G): Lambda_0 = -(W^T G + G^T W) / (2 (d_i^2 + d_j^2))
+        return -self.mask(self.wg + self.wg.mT) / (4.0 * self.metric)
+
+    def gram(self, lam: torch.Tensor) -> torch.Tensor:
+        r"""``(n, n)`` Gram matrix :math:`S` of :math:`X = G + 2W\Lambda` (reduced path only)."""
+        m = self.b + 2.0 * (self.d.unsqueeze(-1) * lam)
+        return self.c + m.mT @ m
+
+    def evaluate(self, lam: torch.Tensor, *, rotated: bool = False):
+        r"""``(H, residual, state)`` at the multiplier ``lam``; ``state`` rebuilds ``A``.
+
+        ``rotated=True`` (reduced Stiefel path only) skips ``H`` (returned as ``None``) and leaves
+        :math:`V^\top H V = N\Psi + \Psi N^\top`, :math:`N = V^\top M V`, in ``state.rotated``:
+        what the eigenbasis-preconditioned step needs, two ``n × n`` products cheaper.
+        """
+        if not self.reduced:
+            x = self.g + 2.0 * (self.w @ lam)  # (m, n)
+            a = msign(x, "svd")
+            k = (self.w.mT @ a) / self.d.unsqueeze(-1)  # (n, n) = Q^T A
+            a_sq = (a * a).sum()
+            state = _State(lam, a)
+        else:
+            m = torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, self.two_d, lam)  # B + 2 D Lambda
+            s = m.mT @ m if self.square else torch.addmm(self.c, m.mT, m)  # (n, n) Gram matrix of X
+            if not bool(torch.isfinite(s.sum())):
+                nan = torch.full_like(lam, float("nan"))
+                return nan, float("nan"), _State(lam, nan, value=float("nan"))
+            eig, vec, gain = _spectral_gain(s, self.method, self.steps, self.coefficients, self.eps, self.smoothing)
+            a_sq = (eig * gain * gain).sum()  # ||A||_F^2
+            value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
+            state = _State(lam, None, m, eig, vec, gain, value)
+            state.mv = m @ vec  # (n, n) = M V
+            if rotated and self.unit and self.manifold == "stiefel":
+                nt = vec.mT @ state.mv  # (n, n) = V^T M V
+                state.rotated = nt * gain + (nt * gain).mT  # V^T H V (metric 1 on Stiefel)
+                tiny = torch.finfo(a_sq.dtype).tiny
+                residual = float(0.5 * state.rotated.norm() / a_sq.clamp_min(tiny).sqrt())
+                return None, residual, state
+            k = (state.mv * gain) @ vec.mT  # (n, n) = M R = Q^T A
+        dk = k if self.unit else self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
+        h = dk + dk.mT  # dual gradient (fresh tensor: its diagonal is masked in place)
+        if self.manifold == "dgram":
+            h.diagonal().zero_()
+        # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||D S||_F
+        normal_norm = 0.5 * h.norm() if self.unit else (h * self.normal_scale).norm()
+        residual = float(normal_norm / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
+        return h, residual, state
+
+    def direction(self, state: _State) -> torch.Tensor:
+        if not self.reduced:
+            return state.factor  # the (m, n) direction itself
+        x = torch.addmm(self.g, self.w, state.lam, alpha=2.0)  # (m, n) = G + 2 W Lambda
+        return x @ state.spectral_factor()  # msign(X) = X R, (m, n)
+
+    def hessian_vector(self, state: _State, delta: torch.Tensor) -> torch.Tensor:
+        r"""Second derivative of the smoothed dual along the symmetric ``delta`` (reduced path).
+
+        :math:`E = 2D\Delta`, :math:`dS = E^\top M + M^\top E`,
+        :math:`dR = V[(V^\top dS V)\circ\Phi]V^\top` with :math:`\Phi_{ij}` the divided difference of
+        :math:`\psi(\lambda) = (\lambda + \mu^2)^{-1/2}`, :math:`-1/(a_i a_j (a_i + a_j))`,
+        :math:`a = \psi^{-1}`; then :math:`dK = ER + M\,dR` and the answer is
+        :math:`\mathcal{N}(D\,dK + dK^\top D)`. Four ``n × n`` products.
+        """
+        vec, gain = state.vec, state.gain
+        root = gain.reciprocal()  # a_i = sqrt(lambda_i + mu^2)
+        phi = -1.0 / (root.unsqueeze(-1) * root.unsqueeze(-2) * (root.unsqueeze(-1) + root.unsqueeze(-2)))
+        if state.mv is None:
+            state.mv = state.m @ vec  # (n, n) = M V
+        ev = (2.0 * (self.d.unsqueeze(-1) * delta)) @ vec  # (n, n) = E V
+        t = ev.mT @ state.mv  # (n, n)
+        dr = (t + t.mT) * phi  # V^T dR V
+        dk = (ev * gain + state.mv @ dr) @ vec.mT  # (n, n) = dK
+        ddk = self.d.unsqueeze(-1) * dk
+        return self.mask(ddk + ddk.mT)
