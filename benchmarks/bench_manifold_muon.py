@@ -8,7 +8,7 @@ before on the same gradients), dual iterations per matrix per step, and the larg
 residual of the dual solutions.
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--threads 2] [--max-iter 30] [--tol 1e-3]
-        [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
+        [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072] [--device cuda]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from manifoldlib.optim import ManifoldMuon
 
 SHAPES = [(768, 768), (768, 768), (3072, 768), (768, 3072)]
+DEVICE = torch.device("cpu")  # --device
 
 
 def _gradients(steps: int, seed: int = 0) -> list[list[torch.Tensor]]:
@@ -34,13 +35,13 @@ def _gradients(steps: int, seed: int = 0) -> list[list[torch.Tensor]]:
         signal.append(u @ v)
     out = []
     for _ in range(steps):
-        out.append([s + 0.3 * torch.randn(s.shape, generator=g) / max(s.shape) ** 0.5 for s in signal])
+        out.append([(s + 0.3 * torch.randn(s.shape, generator=g) / max(s.shape) ** 0.5).to(DEVICE) for s in signal])
     return out
 
 
 def _params(seed: int = 1) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(0.02 * torch.randn(m, n, generator=g)) for m, n in SHAPES]
+    return [torch.nn.Parameter((0.02 * torch.randn(m, n, generator=g)).to(DEVICE)) for m, n in SHAPES]
 
 
 def _hetero_groups(params: list[torch.nn.Parameter]) -> list[dict]:
@@ -55,9 +56,16 @@ def _hetero_groups(params: list[torch.nn.Parameter]) -> list[dict]:
 def _timed_step(opt, params, grads) -> float:
     for p, gr in zip(params, grads):
         p.grad = gr.clone()
+    _synchronize()
     start = time.perf_counter()
     opt.step()
+    _synchronize()
     return time.perf_counter() - start
+
+
+def _synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def _run(make, anchor_make, grads) -> dict:
@@ -96,7 +104,12 @@ def main() -> None:
     parser.add_argument("--msign", default="ns", help="msign inside the dual solve (ManifoldMuon msign_method)")
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching optimizers")
     parser.add_argument("--shapes", default="", help="comma-separated MxN shapes (default: the GPT-small block)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     if args.shapes:
         SHAPES[:] = [tuple(int(k) for k in item.split("x")) for item in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
@@ -123,7 +136,7 @@ def main() -> None:
             ps, manifold="dgram", warm_start=False, **kw, **mm
         ),
     }
-    print(f"shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
+    print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
           f"cap {args.max_iter}, dual msign {args.msign}, load average {os.getloadavg()[0]:.2f}")
     anchor_make = runs["torch.optim.Muon (anchor)"]
     print(f"{'optimizer':48s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")

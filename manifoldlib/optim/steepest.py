@@ -202,8 +202,11 @@ def steepest_direction(
             Newton–CG. Its optimum is exactly tangent with :math:`\\|A\\|_2 < 1` and loses at
             most :math:`n\\mu` of the objective. ``"auto"`` (default) uses
             :data:`AUTO_SMOOTHING` from the start for square DGram matrices, whose plain dual has
-            a rank-deficient optimum that no :math:`\\operatorname{msign}` reaches; elsewhere it
-            runs the plain dual (BB steps, the ``msign_method`` map) and, only if that stops
+            a rank-deficient optimum that no :math:`\\operatorname{msign}` reaches, and, on the
+            eigen path, for tall matrices with ``m < 2.5 n`` except square Stiefel
+            (:data:`~manifoldlib.optim.dual_solvers.SMOOTH_BELOW_ASPECT`: there the optimum is
+            nearly rank deficient and the plain dual crawls); elsewhere it
+            runs the plain dual (the ``msign_method`` map) and, only if that stops
             above ``tol`` (a stall or the cap: tall DGram and Stiefel instances can have
             rank-deficient optima too), continues with the smoothed dual from the best iterate
             for up to ``max_iter`` more Newton steps. ``None`` never smooths (the plain dual's
@@ -317,7 +320,7 @@ def solve_dual(
     w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
     n = g.size(-1)
-    kappa, fallback = _resolve_smoothing(smoothing, manifold, w.shape)
+    kappa, fallback = _resolve_smoothing(smoothing, manifold, w.shape, exact=msign_method == "svd")
     problem = _DualProblem(w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa)
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")

@@ -1,0 +1,60 @@
+"""smoothing="auto": which shapes smooth from the start, and why (near-square tall matrices)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from manifoldlib.optim import steepest_direction, tangent_residual
+from manifoldlib.optim.dual_solvers import SMOOTH_BELOW_ASPECT, _resolve_smoothing
+
+
+def _instance(m: int, n: int, manifold: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.linalg.qr(torch.randn(m, n, generator=g, dtype=torch.float64))[0]
+    if manifold == "dgram":
+        w = w * torch.exp(0.3 * torch.randn(n, generator=g, dtype=torch.float64))
+    return w, torch.randn(m, n, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "manifold,shape,exact,expected",
+    [
+        ("dgram", (64, 64), False, (2e-2, None)),  # square DGram: always
+        ("dgram", (64, 64), True, (2e-2, None)),
+        ("stiefel", (64, 64), False, (None, 2e-2)),  # square Stiefel: closed form
+        ("stiefel", (96, 64), False, (2e-2, None)),  # aspect 1.5
+        ("dgram", (159, 64), False, (2e-2, None)),  # aspect 2.48
+        ("stiefel", (160, 64), False, (None, 2e-2)),  # aspect 2.5: plain first
+        ("stiefel", (96, 64), True, (None, 2e-2)),  # the exact SVD dual is left alone
+    ],
+)
+def test_which_shapes_smooth_from_the_start(manifold, shape, exact, expected):
+    assert SMOOTH_BELOW_ASPECT == 2.5
+    assert _resolve_smoothing("auto", manifold, shape, exact=exact) == expected
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_near_square_tall_matrices_converge_fast_with_auto_and_crawl_without(manifold):
+    # aspect 1.5: the Gram matrix of G's part outside span(W) has rank m - n < n, the dual optimum
+    # is close to rank deficient and the plain dual crawls
+    w, g = _instance(96, 64, manifold, seed=3)
+    kw = dict(msign_method="jordan5", ns_steps=5, tol=1e-3, patience=6, return_info=True)
+    a, info = steepest_direction(w, g, manifold, max_iter=30, **kw)
+    assert info.converged and info.iterations <= 20
+    assert float(tangent_residual(w, a, manifold)) <= 1e-3
+    _, plain = steepest_direction(w, g, manifold, max_iter=20, smoothing=None, **kw)
+    assert not plain.converged  # 20 plain iterations are not enough where the smoothed solve is done
+
+
+def test_auto_keeps_the_plain_dual_on_the_gpt_mlp_aspect(monkeypatch):
+    module = sys.modules["manifoldlib.optim.steepest"]
+    calls = []
+    smoothed = module._smoothed_solve
+    monkeypatch.setattr(module, "_smoothed_solve", lambda *a, **k: calls.append(1) or smoothed(*a, **k))
+    w, g = _instance(256, 64, "stiefel", seed=4)  # aspect 4
+    _, info = steepest_direction(w, g, "stiefel", msign_method="jordan5", ns_steps=5, tol=1e-3,
+                                 max_iter=30, return_info=True)
+    assert info.converged and calls == []
