@@ -82,9 +82,14 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int = 10, method: str =
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    # Y diag(d) is graded like the squared spread of the column norms; a float32 SVD resolves its
+    # singular values only down to ~1e-7 of the largest and would zero the smaller columns, so the
+    # iteration runs in float64 (the projection is not on a hot path)
+    out_dtype = y.dtype
+    y = y.to(torch.float64) if y.dtype in (torch.float16, torch.bfloat16, torch.float32) else y
     d = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(y.dtype).tiny
     for _ in range(iterations):
         q = msign(y * d, method)
         d = (q * y).sum(-2, keepdim=True).clamp_min(tiny)
-    return q * d
+    return (q * d).to(out_dtype)

@@ -25,10 +25,12 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   retraction of a small step, :math:`\kappa \approx 1`). The eigenvalues tell the method its
   own error: above :math:`\kappa^2\epsilon = 10^{-6}` it repeats the pass on its result (which
   is orthonormal to rounding afterwards, the answer within :math:`\kappa^2\epsilon`), above
-  :math:`10^{-4}` it computes the SVD instead (float32: :math:`\kappa` above 2.9 and 29).
-  Eigenvalues below :math:`\max(m, n)\,\epsilon\,\lambda_{\max}` (singular values below
-  about :math:`\sqrt{\max(m, n)\epsilon}\,\sigma_{\max}`) count as zero, map to 0 and do not
-  enter :math:`\kappa`.
+  :math:`10^{-4}` it computes the SVD instead (float32: :math:`\kappa` above 2.9 and 29). An
+  eigenvalue at or below :math:`\max(m, n)\,\epsilon\,\lambda_{\max}` (a singular value
+  below about :math:`\sqrt{\max(m, n)\epsilon}\,\sigma_{\max}`, 0.02 in float32 at
+  ``m = 3072``) cannot be told from zero in the Gram matrix, so such inputs — rank-deficient
+  ones included — take the SVD too. The SVD runs in float64 (it resolves singular values down to
+  about 1e-16 of the largest; zero singular values map to 0 there).
 """
 
 from __future__ import annotations
@@ -159,17 +161,20 @@ GRAM_EIGH_REFINE = 1e-4
 
 def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""One Gram-form pass on a tall ``(..., m, n)`` input: the result and :math:`\kappa^2\epsilon`
-    (largest over the batch; eigenvalues under the zero floor are left out of :math:`\kappa`)."""
+    (largest over the batch; infinite when an eigenvalue is at or under the resolution floor
+    :math:`\max(m, n)\,\epsilon\,\lambda_{\max}`, where the Gram matrix cannot tell a small
+    singular value from zero)."""
     gram = y.mT @ y  # (..., n, n); eigh reads its lower triangle
     lam, vec = torch.linalg.eigh(gram)  # (..., n), (..., n, n)
     eps = torch.finfo(y.dtype).eps
     top = lam.amax(dim=-1, keepdim=True)
     floor = top * max(y.shape[-2:]) * eps
-    kept = lam > floor
-    gain = torch.where(kept, lam.clamp_min(torch.finfo(y.dtype).tiny).rsqrt(), torch.zeros_like(lam))
-    smallest = torch.where(kept, lam, top).amin(dim=-1, keepdim=True)
-    ratio = float((top / smallest.clamp_min(torch.finfo(y.dtype).tiny)).amax()) if lam.numel() else 1.0
-    return y @ ((vec * gain.unsqueeze(-2)) @ vec.mT), ratio * eps  # (..., m, n)
+    if lam.numel() == 0:
+        return y.clone(), 0.0
+    if not bool((lam > floor).all()):
+        return y, float("inf")
+    ratio = float((top / lam.amin(dim=-1, keepdim=True)).amax())
+    return y @ ((vec * lam.rsqrt().unsqueeze(-2)) @ vec.mT), ratio * eps  # (..., m, n)
 
 
 def _msign_gram_eigh(x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +185,9 @@ def _msign_gram_eigh(x: torch.Tensor) -> torch.Tensor:
     y = x.mT if transposed else x  # (..., m, n), m >= n
     out, error = _gram_eigh_pass(y)
     if error > GRAM_EIGH_REFINE:
-        out = _msign_svd(y)
+        # the rare ill-conditioned case: an SVD in float64, which resolves singular values down to
+        # 1e-16 of the largest (float32's own SVD stops at about 1e-7 and would zero the rest)
+        out = _msign_svd(y.to(torch.float64)).to(y.dtype)
     elif error > GRAM_EIGH_ONE_PASS:
         out = _gram_eigh_pass(out)[0]
     return out.mT if transposed else out

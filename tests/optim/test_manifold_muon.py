@@ -257,3 +257,19 @@ def test_bfloat16_parameters_stay_at_their_rounding_floor(manifold):
         assert p.dtype == torch.bfloat16 and bool(torch.isfinite(p).all())
         assert float((p - p0).float().norm()) > 0.1  # it moved
         assert constraint_residual(p.detach(), manifold) <= 2 * f
+
+
+def test_dgram_columns_far_below_the_gram_resolution_survive_the_retraction():
+    # regression: column norms spread 1e-3 .. 1 put singular values of Y diag(|y_j|) under the
+    # float32 Gram form's resolution; gram-eigh used to map them to 0, which zeroed the column
+    # (hetero-inv training then stopped with "W is not a DGram point: columns [59] are zero")
+    g = torch.Generator().manual_seed(5)
+    q = torch.linalg.qr(torch.randn(16, 16, generator=g))[0]
+    p = torch.nn.Parameter(q * torch.logspace(-3, 0, 16))
+    opt = ManifoldMuon([p], lr=1e-4, manifold="dgram", weight_decay=0.0)
+    for _ in range(3):
+        p.grad = torch.randn(16, 16, generator=g)
+        opt.step()
+    norms = p.detach().norm(dim=0)
+    assert float(norms.min()) > 5e-4  # the smallest column is still there
+    assert constraint_residual(p.detach(), "dgram") <= 1e-5
