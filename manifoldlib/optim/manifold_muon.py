@@ -32,6 +32,11 @@ spectral norm 1, so :math:`\eta` is already the relative spectral size of the st
 ``"match_rms_adamw"`` apply Muon's shape factors when asked for. On Euclidean groups ``None`` means
 ``"original"``, as in torch.
 
+Retraction: by default the polar factor comes from the eigendecomposition of the ``n × n`` Gram
+matrix (:data:`DEFAULT_RETRACTIONS`); a square Stiefel matrix takes its step straight from the
+eigenbasis of its closed-form dual instead (:func:`~manifoldlib.optim.stiefel_polar_step.stiefel_polar_step`,
+the same point to first order in the dual residual, no eigh).
+
 Weight decay: decoupled, :math:`W \leftarrow (1 - \eta\lambda)W` before the retraction, on DGram
 (it shrinks column norms, the manifold's scale freedom) and Euclidean. Stiefel has no scale
 freedom, so decay there is skipped (with a polar retraction it would only rescale the step).
@@ -371,8 +376,11 @@ class ManifoldMuon(Optimizer):
             module docstring; ``None`` is ``"original"`` on Euclidean groups, ``"spectral"`` else).
         manifold: ``"euclidean"`` (default), ``"stiefel"`` or ``"dgram"``.
         retraction: a registered retraction name of that manifold; ``None`` picks
-            :data:`DEFAULT_RETRACTIONS` (Stiefel: polar from the Gram eigendecomposition; DGram:
-            alternating with convergent Newton–Schulz).
+            :data:`DEFAULT_RETRACTIONS` (Stiefel: polar from the Gram eigendecomposition — for a
+            square matrix fused with its closed-form dual, no eigh of its own
+            (:mod:`~manifoldlib.optim.stiefel_polar_step`); DGram: alternating, its polar factor
+            from the Gram eigendecomposition too, which checks its own error and falls back to a
+            float64 SVD for widely spread column norms).
         retraction_options: plain-data options of the retraction (e.g. ``{"method": "svd"}``).
         msign_method: msign inside the dual solve: ``"ns"`` (the group's Newton–Schulz:
             ``ns_coefficients`` and ``ns_steps``), ``"jordan5"``, ``"polar-express"``,
