@@ -35,7 +35,7 @@ spectral norm 1, so :math:`\eta` is already the relative spectral size of the st
 Retraction: by default the polar factor comes from the eigendecomposition of the ``n × n`` Gram
 matrix (:data:`DEFAULT_RETRACTIONS`); a square Stiefel matrix takes its step straight from the
 eigenbasis of its closed-form dual instead (:func:`~manifoldlib.optim.stiefel_polar_step.stiefel_polar_step`,
-the same point to first order in the dual residual, no eigh).
+the polar factor up to a second-order term in the dual residual and the rounding drift; no eigh).
 
 Weight decay: decoupled, :math:`W \leftarrow (1 - \eta\lambda)W` before the retraction, on DGram
 (it shrinks column norms, the manifold's scale freedom) and Euclidean. Stiefel has no scale
