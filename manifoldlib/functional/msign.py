@@ -159,18 +159,18 @@ GRAM_EIGH_ONE_PASS = 1e-6
 GRAM_EIGH_REFINE = 1e-4
 
 
-def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, float]:
     r"""One Gram-form pass on a tall ``(..., m, n)`` input: the result and :math:`\kappa^2\epsilon`
     (largest over the batch; infinite when an eigenvalue is at or under the resolution floor
     :math:`\max(m, n)\,\epsilon\,\lambda_{\max}`, where the Gram matrix cannot tell a small
     singular value from zero)."""
+    if y.numel() == 0:
+        return y.clone(), 0.0
     gram = y.mT @ y  # (..., n, n); eigh reads its lower triangle
     lam, vec = torch.linalg.eigh(gram)  # (..., n), (..., n, n)
     eps = torch.finfo(y.dtype).eps
     top = lam.amax(dim=-1, keepdim=True)
     floor = top * max(y.shape[-2:]) * eps
-    if lam.numel() == 0:
-        return y.clone(), 0.0
     if not bool((lam > floor).all()):
         return y, float("inf")
     ratio = float((top / lam.amin(dim=-1, keepdim=True)).amax())

@@ -16,7 +16,7 @@ import torch
 
 from ..functional.dgram import off_diagonal
 from ..functional.msign import msign
-from .spectral_factors import _spectral_gain
+from .spectral_factors import _rsqrt_divided_differences, _spectral_gain
 
 __all__ = ["tangent_residual"]
 
@@ -97,7 +97,7 @@ class _DualProblem:
         self.reduced = method != "svd" or smoothing is not None
         if self.reduced:
             self.b = self.wg / self.d.unsqueeze(-1)  # (n, n) = Q^T G
-            if w.size(-2) == n:
+            if self.square:
                 self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
             else:
                 gram = g.mT @ g  # (n, n)
@@ -110,8 +110,12 @@ class _DualProblem:
 
     def gram(self, lam: torch.Tensor) -> torch.Tensor:
         r"""``(n, n)`` Gram matrix :math:`S` of :math:`X = G + 2W\Lambda` (reduced path only)."""
-        m = self.b + 2.0 * (self.d.unsqueeze(-1) * lam)
+        m = self._m(lam)
         return self.c + m.mT @ m
+
+    def _m(self, lam: torch.Tensor) -> torch.Tensor:
+        """``(n, n)`` :math:`M = B + 2D\\Lambda`."""
+        return torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, self.two_d, lam)
 
     def evaluate(self, lam: torch.Tensor, *, rotated: bool = False):
         r"""``(H, residual, state)`` at the multiplier ``lam``; ``state`` rebuilds ``A``.
@@ -127,7 +131,7 @@ class _DualProblem:
             a_sq = (a * a).sum()
             state = _State(lam, a)
         else:
-            m = torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, self.two_d, lam)  # B + 2 D Lambda
+            m = self._m(lam)  # (n, n)
             s = m.mT @ m if self.square else torch.addmm(self.c, m.mT, m)  # (n, n) Gram matrix of X
             if not bool(torch.isfinite(s.sum())):
                 nan = torch.full_like(lam, float("nan"))
@@ -137,7 +141,7 @@ class _DualProblem:
             value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
             state = _State(lam, None, m, eig, vec, gain, value)
             state.mv = m @ vec  # (n, n) = M V
-            if rotated and self.unit and self.manifold == "stiefel":
+            if rotated and self.unit:
                 nt = vec.mT @ state.mv  # (n, n) = V^T M V
                 state.rotated = nt * gain + (nt * gain).mT  # V^T H V (metric 1 on Stiefel)
                 tiny = torch.finfo(a_sq.dtype).tiny
@@ -169,10 +173,7 @@ class _DualProblem:
         :math:`\mathcal{N}(D\,dK + dK^\top D)`. Four ``n × n`` products.
         """
         vec, gain = state.vec, state.gain
-        root = gain.reciprocal()  # a_i = sqrt(lambda_i + mu^2)
-        phi = -1.0 / (root.unsqueeze(-1) * root.unsqueeze(-2) * (root.unsqueeze(-1) + root.unsqueeze(-2)))
-        if state.mv is None:
-            state.mv = state.m @ vec  # (n, n) = M V
+        phi = _rsqrt_divided_differences(gain.reciprocal())  # at a_i^2, a_i = sqrt(lambda_i + mu^2)
         ev = (2.0 * (self.d.unsqueeze(-1) * delta)) @ vec  # (n, n) = E V
         t = ev.mT @ state.mv  # (n, n)
         dr = (t + t.mT) * phi  # V^T dR V

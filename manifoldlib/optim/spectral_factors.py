@@ -140,3 +140,13 @@ def _spectral_gain(s, method, steps, coefficients, eps, smoothing):
     else:
         gain = _polynomial_gain(lam, method, steps, coefficients, eps)
     return lam, vec, gain
+
+
+def _rsqrt_divided_differences(root: torch.Tensor) -> torch.Tensor:
+    r"""``(n, n)`` divided differences of :math:`f(x) = x^{-1/2}` at :math:`x_i = r_i^2`, given ``root`` :math:`= r`.
+
+    :math:`f[x_i, x_j] = -1/(r_ir_j(r_i + r_j))` exactly (no cancellation; the diagonal is
+    :math:`f'(x_i)`): the Daleckii–Krein kernel of the inverse square root.
+    """
+    ri, rj = root.unsqueeze(-1), root.unsqueeze(-2)
+    return -1.0 / (ri * rj * (ri + rj))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from .spectral_factors import _rsqrt_divided_differences
 from .steepest import DualSolution
 
 __all__ = ["FIRST_ORDER_LIMIT", "fusable", "stiefel_polar_step"]
@@ -50,8 +51,7 @@ def _inverse_sqrt_near_diagonal(t: torch.Tensor) -> torch.Tensor:
         tau, u = torch.linalg.eigh(t)
         return (u * tau.clamp_min(torch.finfo(t.dtype).tiny).rsqrt()) @ u.mT
     root = torch.diagonal(t).clamp_min(torch.finfo(t.dtype).tiny).sqrt()  # (n,)
-    f = -1.0 / (root.unsqueeze(-1) * root.unsqueeze(-2) * (root.unsqueeze(-1) + root.unsqueeze(-2)))
-    return torch.diag_embed(root.reciprocal()) + f * off
+    return torch.diag_embed(root.reciprocal()) + _rsqrt_divided_differences(root) * off
 
 
 def stiefel_polar_step(solution: DualSolution, eta: float) -> torch.Tensor:
@@ -69,8 +69,11 @@ def stiefel_polar_step(solution: DualSolution, eta: float) -> torch.Tensor:
         ValueError: the solution is not a reduced square Stiefel solve.
     """
     if not fusable(solution):
+        problem = solution.problem
+        got = ("no dual (Euclidean or a zero gradient)" if problem is None else
+               f"manifold {problem.manifold!r}, shape {tuple(problem.w.shape)}, reduced={problem.reduced}")
         raise ValueError("stiefel_polar_step needs a reduced dual solution of a square Stiefel matrix "
-                         "(solve_dual on 'stiefel' with a Newton-Schulz msign_method)")
+                         f"(solve_dual on 'stiefel' with a Newton-Schulz msign_method); got {got}")
     problem, state = solution.problem, solution.state
     w, vec = problem.w, state.vec  # (n, n), (n, n)
     pv = vec - eta * (state.mv * state.gain)  # (n, n) = P V
