@@ -30,12 +30,18 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   below about :math:`\sqrt{\max(m, n)\epsilon}\,\sigma_{\max}`, 0.02 in float32 at
   ``m = 3072``) cannot be told from zero in the Gram matrix, so such inputs — rank-deficient
   ones included — take the SVD too. The SVD runs in float64 (it resolves singular values down to
-  about 1e-16 of the largest; zero singular values map to 0 there).
+  about 1e-16 of the largest; zero singular values map to 0 there). A Gram matrix close to
+  diagonal — the retraction of a small tangent step, Stiefel or DGram — skips the eigh:
+  :mod:`~manifoldlib.functional.gram_rsqrt` gets the inverse square root from one to four
+  ``n × n`` products (a Taylor series, or chord iterations for a graded diagonal), with an error
+  bound or a computed residual at the dtype's rounding level.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .gram_rsqrt import near_diagonal_rsqrt, near_scalar_rsqrt
 
 __all__ = [
     "MSIGN_METHODS",
@@ -163,10 +169,17 @@ def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, float]:
     r"""One Gram-form pass on a tall ``(..., m, n)`` input: the result and :math:`\kappa^2\epsilon`
     (largest over the batch; infinite when an eigenvalue is at or under the resolution floor
     :math:`\max(m, n)\,\epsilon\,\lambda_{\max}`, where the Gram matrix cannot tell a small
-    singular value from zero)."""
+    singular value from zero). A Gram matrix close to diagonal (the retraction of a small step)
+    takes :mod:`~manifoldlib.functional.gram_rsqrt`'s product-only kernels instead of the eigh;
+    their error bound or residual stands in for :math:`\kappa^2\epsilon`."""
     if y.numel() == 0:
         return y.clone(), 0.0
     gram = y.mT @ y  # (..., n, n); eigh reads its lower triangle
+    gram_sym = 0.5 * (gram + gram.mT)
+    for kernel in (near_scalar_rsqrt, near_diagonal_rsqrt):  # no eigh near diagonal
+        found = kernel(gram_sym)
+        if found is not None:
+            return y @ found[0], found[1]
     lam, vec = torch.linalg.eigh(gram)  # (..., n), (..., n, n)
     eps = torch.finfo(y.dtype).eps
     top = lam.amax(dim=-1, keepdim=True)

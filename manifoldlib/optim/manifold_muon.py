@@ -32,10 +32,10 @@ spectral norm 1, so :math:`\eta` is already the relative spectral size of the st
 ``"match_rms_adamw"`` apply Muon's shape factors when asked for. On Euclidean groups ``None`` means
 ``"original"``, as in torch.
 
-Retraction: by default the polar factor comes from the eigendecomposition of the ``n × n`` Gram
-matrix (:data:`DEFAULT_RETRACTIONS`); a square Stiefel matrix takes its step straight from the
-eigenbasis of its closed-form dual instead (:func:`~manifoldlib.optim.stiefel_polar_step.stiefel_polar_step`,
-the polar factor up to a second-order term in the dual residual and the rounding drift; no eigh).
+Retraction: by default the polar factor comes from the ``n × n`` Gram matrix
+(:data:`DEFAULT_RETRACTIONS`, msign method ``"gram-eigh"``). The Gram matrix of a small step is
+diagonal up to second-order terms, and its inverse square root takes a few matrix products and no
+eigendecomposition (:mod:`~manifoldlib.functional.gram_rsqrt`); larger steps take the eigh.
 
 Weight decay: decoupled, :math:`W \leftarrow (1 - \eta\lambda)W` before the retraction, on DGram
 (it shrinks column norms, the manifold's scale freedom) and Euclidean. Stiefel has no scale
@@ -70,9 +70,7 @@ from ..distributed import (
 )
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
-from ..retractions.stiefel import StiefelPolarRetraction
-from .steepest import DUAL_UPDATES, DualSolution, solve_dual
-from .stiefel_polar_step import fusable, stiefel_polar_step
+from .steepest import DUAL_UPDATES, solve_dual
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -101,13 +99,13 @@ DUAL_PATIENCE = 6
 MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram")
 #: Learning-rate adjustments (None picks "original" on Euclidean groups, "spectral" otherwise).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
-#: Default retraction and its options per manifold: both take their polar factor from the
-#: eigendecomposition of the n x n Gram matrix (two m·n² products and one eigh against about ten
-#: products for convergent Newton–Schulz). Stiefel: the polar retraction, whose input W - ηA,
-#: ‖A‖₂ ≈ 1, has condition number about (1 + η)/(1 - η). DGram: the alternating retraction, whose
-#: input Y·diag(‖y_j‖) is conditioned like the squared spread of the column norms; "gram-eigh"
-#: measures κ from its eigenvalues and refines (κ²ε > 1e-6) or falls back to the SVD (κ²ε > 1e-4)
-#: on its own, so a wide spread costs time, never accuracy.
+#: Default retraction and its options per manifold: both take their polar factor from the n x n
+#: Gram matrix T (two m·n² products against about ten for convergent Newton–Schulz). For a small
+#: step T is diagonal up to O(η²) and T^{-1/2} costs one to four n x n products
+#: (functional.gram_rsqrt: a Taylor series when T is close to a multiple of I — Stiefel —, chord
+#: iterations when its diagonal is graded — DGram, whose input Y·diag(‖y_j‖) has the squared
+#: spread of the column norms); otherwise one eigh, whose eigenvalues give κ²ε and trigger a
+#: refining pass (> 1e-6) or a float64 SVD (> 1e-4). A wide spread costs time, never accuracy.
 DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "stiefel": ("polar", {"method": "gram-eigh"}),
     "dgram": ("alternating", {"method": "gram-eigh"}),
@@ -221,13 +219,6 @@ def _momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool)
     return grad.lerp(buf, momentum) if nesterov else buf
 
 
-def _fused_polar(manifold_obj, solution: DualSolution) -> bool:
-    """Whether the step is the Stiefel polar retraction with the Gram-form polar (the default) of a
-    square matrix's reduced dual: then :func:`stiefel_polar_step` takes it without an eigh."""
-    retraction = manifold_obj.retraction
-    return isinstance(retraction, StiefelPolarRetraction) and retraction.method == "gram-eigh" and fusable(solution)
-
-
 def _solve_one(
     param: Tensor,
     update: Tensor,
@@ -282,11 +273,8 @@ def _solve_one(
     state["dual_correction"] = info.correction
     state["dual_iterations"] = int(info.iterations)
     state["dual_residual"] = float(info.residual)
-    if _fused_polar(manifold_obj, solution):
-        new = stiefel_polar_step(solution, adjusted).to(w.dtype)  # same point, no m x n direction
-    else:
-        base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
-        new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
+    base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
+    new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
     return new.mT if param.size(-2) < param.size(-1) else new
 
 
@@ -376,11 +364,9 @@ class ManifoldMuon(Optimizer):
             module docstring; ``None`` is ``"original"`` on Euclidean groups, ``"spectral"`` else).
         manifold: ``"euclidean"`` (default), ``"stiefel"`` or ``"dgram"``.
         retraction: a registered retraction name of that manifold; ``None`` picks
-            :data:`DEFAULT_RETRACTIONS` (Stiefel: polar from the Gram eigendecomposition — for a
-            square matrix fused with its closed-form dual, no eigh of its own
-            (:mod:`~manifoldlib.optim.stiefel_polar_step`); DGram: alternating, its polar factor
-            from the Gram eigendecomposition too, which checks its own error and falls back to a
-            float64 SVD for widely spread column norms).
+            :data:`DEFAULT_RETRACTIONS` (Stiefel: polar; DGram: alternating; both take their polar
+            factor from the ``n × n`` Gram matrix — products only for a small step, else its
+            eigendecomposition, which checks its own error and falls back to a float64 SVD).
         retraction_options: plain-data options of the retraction (e.g. ``{"method": "svd"}``).
         msign_method: msign inside the dual solve: ``"ns"`` (the group's Newton–Schulz:
             ``ns_coefficients`` and ``ns_steps``), ``"jordan5"``, ``"polar-express"``,

@@ -215,20 +215,28 @@ def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(
     from manifoldlib.optim.manifold_muon import DEFAULT_RETRACTIONS
 
     msign_module = sys.modules["manifoldlib.functional.msign"]
-    svd_calls = []
-    svd = msign_module._msign_svd
-    monkeypatch.setattr(msign_module, "_msign_svd", lambda y: svd_calls.append(y.shape) or svd(y))
+    calls = {"svd": 0, "chord": 0}
+    svd, chord = msign_module._msign_svd, msign_module.near_diagonal_rsqrt
+
+    def counted_chord(t):
+        found = chord(t)
+        calls["chord"] += found is not None
+        return found
+
+    monkeypatch.setattr(msign_module, "_msign_svd", lambda y: calls.__setitem__("svd", calls["svd"] + 1) or svd(y))
+    monkeypatch.setattr(msign_module, "near_diagonal_rsqrt", counted_chord)
 
     assert DEFAULT_RETRACTIONS["dgram"] == ("alternating", {"method": "gram-eigh"})
-    # column norms spread over 1e-2 .. 1: Y diag(|y_j|) has kappa ~ 1e4, far beyond what the Gram
-    # form carries in float32; the retraction must notice (its SVD fallback) and stay on DGram
+    # column norms spread over 1e-2 .. 1: Y diag(|y_j|) has kappa ~ 1e4, far beyond what an eigh of
+    # its float32 Gram matrix carries (that path fell back to a float64 SVD); the Gram matrix is
+    # graded but close to diagonal, which the chord kernel resolves with products only
     g = torch.Generator().manual_seed(4)
     q = torch.linalg.qr(torch.randn(40, 12, generator=g))[0]
     spread = torch.nn.Parameter(q * torch.logspace(-2, 0, 12))
     plain = torch.nn.Parameter(q.clone())
     opt = ManifoldMuon([spread, plain], lr=0.002, manifold="dgram", weight_decay=0.0)
     target = torch.randn(40, 12, generator=g)
-    svd_calls.clear()  # the projection at construction uses the SVD too
+    calls.update(svd=0, chord=0)  # the projection at construction uses the SVD too
     for _ in range(5):
         _quadratic_grads([spread, plain], [target, target])
         opt.step()
@@ -236,7 +244,9 @@ def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(
         assert constraint_residual(p.detach(), "dgram") <= 1e-5
     norms = spread.detach().norm(dim=0)
     assert float(norms.max() / norms.min()) > 20  # the spread is still there ...
-    assert len(svd_calls) == 5  # ... and only its retractions fell back to the SVD
+    # ... no SVD, and the spread matrix's five retractions took the chord kernel (the plain one's
+    # Gram matrix is close to a multiple of the identity: the Taylor-series kernel)
+    assert (calls["svd"], calls["chord"]) == (0, 5)
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
