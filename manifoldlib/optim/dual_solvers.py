@@ -13,6 +13,7 @@ All keep the best iterate (:class:`_BestIterate`) and stop on ``tol``, ``max_ite
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -104,6 +105,27 @@ def _dual_solve(
     return lam, state, residual, iterations, step
 
 
+@functools.cache
+def _fast_bfloat16(device_type: str) -> bool:
+    """Whether bfloat16 matrix products run natively (faster than float32) on this device type."""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(probe()) if probe is not None else False
+    return False
+
+
+def _step_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of the preconditioned step's rotations: bfloat16 for a float32 solve where it is
+    native (the step is a search direction, and a relative error of 4e-3 in it leaves the
+    iteration count unchanged; the residual is always evaluated in the solve's own dtype), else
+    the solve's dtype."""
+    if t.dtype == torch.float32 and _fast_bfloat16(t.device.type):
+        return torch.bfloat16
+    return t.dtype
+
+
 def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) -> torch.Tensor:
     r"""Approximate Newton step :math:`-\mathcal{H}^{-1}H` of the reduced dual, from the eigenbasis in hand.
 
@@ -113,16 +135,20 @@ def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) 
     :math:`D^2` replaced by the normal-space metric :math:`(d_i^2 + d_j^2)/2` that operator is diagonal
     in the basis :math:`V`, with entries :math:`2(\psi_i + \psi_j)` after dividing by the metric.
     The step inverts it: :math:`\Delta = V\big[(V^\top (H \oslash \text{metric}) V) \oslash
-    2(\psi_i + \psi_j)\big]V^\top`, four ``n × n`` products. Freezing :math:`R` drops the (negative)
+    2(\psi_i + \psi_j)\big]V^\top`, four ``n × n`` products (two when the evaluation left
+    :math:`V^\top HV`), in bfloat16 for a float32 solve where that is native (:func:`_step_dtype`:
+    5–7% of a 3072×768 solve, the same iterations). Freezing :math:`R` drops the (negative)
     curvature of the spectral map, so the step is conservative; Anderson mixing in
     :func:`_anderson_solve` recovers the rest.
     """
     vec, gain = state.vec, state.gain
+    low = vec.to(_step_dtype(vec))
     rotated = state.rotated
     if rotated is None:
-        rotated = vec.mT @ (h / problem.metric) @ vec  # (n, n), in the eigenbasis of S
+        rotated = low.mT @ (h / problem.metric).to(low.dtype) @ low  # (n, n), in the eigenbasis of S
     scale = 2.0 * (gain.unsqueeze(-1) + gain.unsqueeze(-2))
-    step = vec @ (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)) @ vec.mT
+    inner = (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)).to(low.dtype)
+    step = (low @ inner @ low.mT).to(vec.dtype)
     step = step + step.mT  # (fresh) symmetric part, times two
     if problem.manifold == "dgram":
         step.diagonal().zero_()
