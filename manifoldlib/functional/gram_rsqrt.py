@@ -19,6 +19,8 @@ Both measure the distance from diagonal by :math:`\rho = \|E\|_1 \ge \|E\|_2` (`
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["near_diagonal_rsqrt", "near_scalar_rsqrt"]
@@ -116,7 +118,7 @@ def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         r = eye - u.mT @ (scaled @ u)  # (..., n, n)
         r = 0.5 * (r + r.mT)
         residual = float(r.abs().sum(-2).amax())
-        if not residual == residual:
+        if math.isnan(residual):
             return None
         if residual <= CHORD_TOL_EPS * eps:
             y = u / d.unsqueeze(-1)  # Y = D^{-1} U

@@ -16,6 +16,7 @@ import torch
 
 from ..functional.dgram import off_diagonal
 from ..functional.msign import msign
+from .search_precision import search_dtype
 from .spectral_factors import _rsqrt_divided_differences, _spectral_gain
 
 __all__ = ["tangent_residual"]
@@ -39,6 +40,23 @@ def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold: str) -> torch.T
     return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
 
 
+#: Largest deviation from 1 of a column norm that :class:`_DualProblem` accepts on Stiefel: a
+#: sanity check (one ``m·n`` pass) against points that were never projected — columns scaled by
+#: a DGram-like spread — not a substitute for the constraint residual.
+STIEFEL_COLUMN_TOLERANCE = 0.1
+
+
+def _check_stiefel_columns(w: torch.Tensor) -> None:
+    norms = w.norm(dim=-2)  # (n,)
+    deviation = (norms - 1).abs()
+    if not bool((deviation <= STIEFEL_COLUMN_TOLERANCE).all()):  # (NaN fails too)
+        j = int(torch.nan_to_num(deviation, nan=float("inf")).argmax())
+        raise ValueError(
+            f"W is not a Stiefel point: column {j} (tall orientation) has norm {float(norms[j]):.4g}, "
+            f"expected 1 (within {STIEFEL_COLUMN_TOLERANCE}); project W first (e.g. Stiefel().projx)"
+        )
+
+
 @dataclass
 class _State:
     """One evaluation of the dual: the multiplier and what rebuilds ``A`` (and its Hessian)."""
@@ -52,6 +70,7 @@ class _State:
     value: float | None = None  # smoothed dual objective sum sqrt(lambda + mu^2)
     mv: torch.Tensor | None = None
     rotated: torch.Tensor | None = None  # V^T (H / metric) V, when the evaluation formed it
+    hessian: tuple | None = None  # (V, M V, Phi) for Hessian-vector products, built on first use
 
     def spectral_factor(self) -> torch.Tensor:
         r""":math:`R = V\operatorname{diag}(\psi)V^\top` ``(n, n)`` (reduced path), built once."""
@@ -85,6 +104,8 @@ class _DualProblem:
                 )
         else:
             self.d = torch.ones(n, dtype=w.dtype, device=w.device)
+            if manifold == "stiefel":
+                _check_stiefel_columns(w)
         self.w, self.g = w, g
         self.unit = manifold == "stiefel"  # D = I, metric 1, no mask: skip the scalings
         self.square = w.size(-2) == n
@@ -170,13 +191,18 @@ class _DualProblem:
         :math:`dR = V[(V^\top dS V)\circ\Phi]V^\top` with :math:`\Phi_{ij}` the divided difference of
         :math:`\psi(\lambda) = (\lambda + \mu^2)^{-1/2}`, :math:`-1/(a_i a_j (a_i + a_j))`,
         :math:`a = \psi^{-1}`; then :math:`dK = ER + M\,dR` and the answer is
-        :math:`\mathcal{N}(D\,dK + dK^\top D)`. Four ``n × n`` products.
+        :math:`\mathcal{N}(D\,dK + dK^\top D)`. Four ``n × n`` products, in bfloat16 for a float32
+        solve where that is native (:mod:`~manifoldlib.optim.search_precision`: they only steer
+        conjugate gradients; the Newton iterates are evaluated in float32).
         """
-        vec, gain = state.vec, state.gain
-        phi = _rsqrt_divided_differences(gain.reciprocal())  # at a_i^2, a_i = sqrt(lambda_i + mu^2)
-        ev = (2.0 * (self.d.unsqueeze(-1) * delta)) @ vec  # (n, n) = E V
-        t = ev.mT @ state.mv  # (n, n)
-        dr = (t + t.mT) * phi  # V^T dR V
-        dk = (ev * gain + state.mv @ dr) @ vec.mT  # (n, n) = dK
-        ddk = self.d.unsqueeze(-1) * dk
+        if state.hessian is None:
+            low = search_dtype(state.vec)  # bfloat16 products where native: a CG search direction
+            phi = _rsqrt_divided_differences(state.gain.reciprocal())  # at a_i^2, a_i = sqrt(lambda_i + mu^2)
+            state.hessian = (state.vec.to(low), state.mv.to(low), phi)
+        vec, mv, phi = state.hessian
+        ev = (2.0 * (self.d.unsqueeze(-1) * delta)).to(vec.dtype) @ vec  # (n, n) = E V
+        t = (ev.mT @ mv).to(delta.dtype)  # (n, n)
+        dr = ((t + t.mT) * phi).to(vec.dtype)  # V^T dR V
+        dk = ((ev.to(delta.dtype) * state.gain).to(vec.dtype) + mv @ dr) @ vec.mT  # (n, n) = dK
+        ddk = self.d.unsqueeze(-1) * dk.to(delta.dtype)
         return self.mask(ddk + ddk.mT)

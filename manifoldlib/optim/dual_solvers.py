@@ -13,13 +13,13 @@ All keep the best iterate (:class:`_BestIterate`) and stop on ``tol``, ``max_ite
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
 import torch
 
 from .dual_problem import _DualProblem, _State
+from .search_precision import search_dtype
 
 __all__ = ["ANDERSON_MEMORY", "AUTO_SMOOTHING", "NEWTON_CG_ITER", "SMOOTHING_START", "SMOOTH_BELOW_ASPECT"]
 
@@ -105,27 +105,6 @@ def _dual_solve(
     return lam, state, residual, iterations, step
 
 
-@functools.cache
-def _fast_bfloat16(device_type: str) -> bool:
-    """Whether bfloat16 matrix products run natively (faster than float32) on this device type."""
-    if device_type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device_type == "cpu":
-        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-        return bool(probe()) if probe is not None else False
-    return False
-
-
-def _step_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype of the preconditioned step's rotations: bfloat16 for a float32 solve where it is
-    native (the step is a search direction, and a relative error of 4e-3 in it leaves the
-    iteration count unchanged; the residual is always evaluated in the solve's own dtype), else
-    the solve's dtype."""
-    if t.dtype == torch.float32 and _fast_bfloat16(t.device.type):
-        return torch.bfloat16
-    return t.dtype
-
-
 def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) -> torch.Tensor:
     r"""Approximate Newton step :math:`-\mathcal{H}^{-1}H` of the reduced dual, from the eigenbasis in hand.
 
@@ -136,13 +115,14 @@ def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) 
     in the basis :math:`V`, with entries :math:`2(\psi_i + \psi_j)` after dividing by the metric.
     The step inverts it: :math:`\Delta = V\big[(V^\top (H \oslash \text{metric}) V) \oslash
     2(\psi_i + \psi_j)\big]V^\top`, four ``n × n`` products (two when the evaluation left
-    :math:`V^\top HV`), in bfloat16 for a float32 solve where that is native (:func:`_step_dtype`:
+    :math:`V^\top HV`), in bfloat16 for a float32 solve where that is native
+    (:mod:`~manifoldlib.optim.search_precision`:
     5–7% of a 3072×768 solve, the same iterations). Freezing :math:`R` drops the (negative)
     curvature of the spectral map, so the step is conservative; Anderson mixing in
     :func:`_anderson_solve` recovers the rest.
     """
     vec, gain = state.vec, state.gain
-    low = vec.to(_step_dtype(vec))
+    low = vec.to(search_dtype(vec))
     rotated = state.rotated
     if rotated is None:
         rotated = low.mT @ (h / problem.metric).to(low.dtype) @ low  # (n, n), in the eigenbasis of S

@@ -12,7 +12,7 @@ import torch
 from test_steepest import CASES, _dual_optimum, _instance
 
 from manifoldlib.optim import ManifoldMuon, steepest_direction, tangent_residual
-from manifoldlib.optim.steepest import DUAL_UPDATES
+from manifoldlib.optim.steepest import DUAL_UPDATES, solve_dual
 
 
 @pytest.mark.parametrize("manifold,m,n", [c for c in CASES if c[1] > c[2]])
@@ -97,11 +97,11 @@ def test_bfloat16_step_rotations_keep_the_iterations_of_float32(monkeypatch, man
     # search direction with a 4e-3 relative error, checked by a residual evaluated in float32
     import sys
 
-    solvers = sys.modules["manifoldlib.optim.dual_solvers"]
+    precision = sys.modules["manifoldlib.optim.search_precision"]
     w, g = _instance(400, 100, manifold, seed=3)
     runs = {}
     for native in (False, True):
-        monkeypatch.setattr(solvers, "_fast_bfloat16", lambda device_type, native=native: native)
+        monkeypatch.setattr(precision, "_fast_bfloat16", lambda device_type, native=native: native)
         runs[native] = steepest_direction(w.float(), g.float(), manifold, tol=1e-5, max_iter=60,
                                           msign_method="jordan5", smoothing=None, dual_update="anderson",
                                           return_info=True)
@@ -111,5 +111,39 @@ def test_bfloat16_step_rotations_keep_the_iterations_of_float32(monkeypatch, man
     assert float(tangent_residual(w, a16.double(), manifold)) <= 2e-5
     assert 0 < float((a16 - a32).norm() / a32.norm()) <= 1e-3  # a different path to the same answer
     # float64 solves never take it
-    assert solvers._step_dtype(w) == torch.float64
-    assert solvers._step_dtype(w.float()) == torch.bfloat16  # (native, as patched)
+    assert precision.search_dtype(w) == torch.float64
+    assert precision.search_dtype(w.float()) == torch.bfloat16  # (native, as patched)
+
+
+@pytest.mark.parametrize("m", [48, 60])
+def test_bfloat16_hessian_products_reach_the_float32_answer(monkeypatch, m):
+    # square DGram (always smoothed) and a near-square tall DGram (smoothed by "auto"): the
+    # Hessian-vector products that steer CG run in bfloat16 where native; the Newton iterates
+    # are evaluated in float32 and must reach the same answer
+    import sys
+
+    from manifoldlib.optim.dual_problem import _DualProblem
+
+    precision = sys.modules["manifoldlib.optim.search_precision"]
+    product_dtypes = []
+    hessian_vector = _DualProblem.hessian_vector
+
+    def spy(self, state, delta):
+        out = hessian_vector(self, state, delta)
+        product_dtypes.append(state.hessian[0].dtype)
+        return out
+
+    monkeypatch.setattr(_DualProblem, "hessian_vector", spy)
+    w, g = _instance(m, 48, "dgram", seed=4)
+    runs = {}
+    for native in (False, True):
+        monkeypatch.setattr(precision, "_fast_bfloat16", lambda device_type, native=native: native)
+        product_dtypes.clear()
+        runs[native] = solve_dual(w.float(), g.float(), "dgram", tol=1e-3, max_iter=40, msign_method="jordan5")
+        assert runs[native].info.converged
+        assert len(product_dtypes) > 20  # the solve ran on Hessian-vector products ...
+        assert set(product_dtypes) == {torch.bfloat16 if native else torch.float32}  # ... in this dtype
+    a32, a16 = runs[False].direction(), runs[True].direction()
+    assert float(tangent_residual(w, a16.double(), "dgram")) <= 1.5e-3
+    value32, value16 = float((g.float() * a32).sum()), float((g.float() * a16).sum())
+    assert abs(value16 - value32) <= 1e-3 * abs(value32)

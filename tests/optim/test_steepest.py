@@ -210,6 +210,21 @@ def test_bad_input(kwargs, match):
         steepest_direction(w, g, **kwargs)
 
 
+def test_a_point_that_is_not_on_stiefel_is_refused():
+    # columns scaled like a DGram point: the dual would run its cap and return garbage silently
+    w, g = _instance(8, 3, "dgram", seed=0)
+    with pytest.raises(ValueError, match=r"not a Stiefel point: column \d \(tall orientation\) has norm"):
+        steepest_direction(w, g, "stiefel")
+    with pytest.raises(ValueError, match="not a Stiefel point"):
+        steepest_direction(w.mT, g.mT, "stiefel")  # wide: checked in the tall orientation
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="not a Stiefel point"):
+        steepest_direction(nan, g, "stiefel")
+    near = torch.linalg.qr(w)[0] * 1.05  # within the sanity tolerance: accepted
+    assert torch.isfinite(steepest_direction(near, g, "stiefel")).all()
+
+
 def test_shape_mismatch():
     w, g = _instance(8, 3, "stiefel", seed=0)
     with pytest.raises(ValueError, match="same shape"):

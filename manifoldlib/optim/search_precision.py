@@ -1,0 +1,37 @@
+"""The precision of the dual solvers' search directions.
+
+A dual solve checks every iterate by a residual evaluated in its own dtype; what only *proposes*
+the next iterate — the preconditioned step of the plain dual, the Hessian-vector products of the
+smoothed dual's conjugate gradients — tolerates a relative error of a few 1e-3. Where bfloat16
+matrix products are native (CPUs with AVX512-BF16 or AMX, CUDA devices that support bfloat16)
+those products run in bfloat16 for a float32 solve: two to three times faster per product on the
+development machine, the same iteration counts (measured in ``docs/guides/benchmarks_optim.rst``).
+Float64 solves always keep float64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["search_dtype"]
+
+
+@functools.cache
+def _fast_bfloat16(device_type: str) -> bool:
+    """Whether bfloat16 matrix products run natively (faster than float32) on this device type."""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(probe()) if probe is not None else False
+    return False
+
+
+def search_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype for search-direction products of a solve whose work tensors are like ``t``:
+    bfloat16 for float32 where bfloat16 is native, else ``t``'s own dtype."""
+    if t.dtype == torch.float32 and _fast_bfloat16(t.device.type):
+        return torch.bfloat16
+    return t.dtype
