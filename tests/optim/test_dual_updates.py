@@ -98,6 +98,7 @@ def test_bfloat16_step_rotations_keep_the_iterations_of_float32(monkeypatch, man
     import sys
 
     precision = sys.modules["manifoldlib.optim.search_precision"]
+    monkeypatch.setattr(precision, "BFLOAT16_MIN_SIZE", 32)  # small instances take it too
     w, g = _instance(400, 100, manifold, seed=3)
     runs = {}
     for native in (False, True):
@@ -113,6 +114,7 @@ def test_bfloat16_step_rotations_keep_the_iterations_of_float32(monkeypatch, man
     # float64 solves never take it
     assert precision.search_dtype(w) == torch.float64
     assert precision.search_dtype(w.float()) == torch.bfloat16  # (native, as patched)
+    assert precision.search_dtype(torch.zeros(31, 31)) == torch.float32  # under the size floor
 
 
 @pytest.mark.parametrize("m", [48, 60])
@@ -134,6 +136,7 @@ def test_bfloat16_hessian_products_reach_the_float32_answer(monkeypatch, m):
         return out
 
     monkeypatch.setattr(_DualProblem, "hessian_vector", spy)
+    monkeypatch.setattr(precision, "BFLOAT16_MIN_SIZE", 32)  # small instances take it too
     w, g = _instance(m, 48, "dgram", seed=4)
     runs = {}
     for native in (False, True):
@@ -147,3 +150,12 @@ def test_bfloat16_hessian_products_reach_the_float32_answer(monkeypatch, m):
     assert float(tangent_residual(w, a16.double(), "dgram")) <= 1.5e-3
     value32, value16 = float((g.float() * a32).sum()), float((g.float() * a16).sum())
     assert abs(value16 - value32) <= 1e-3 * abs(value32)
+
+
+def test_search_products_stay_float32_below_the_size_floor():
+    # bfloat16 products are no faster under ~128 columns (2.5x slower at 64): small solves keep float32
+    from manifoldlib.optim.search_precision import BFLOAT16_MIN_SIZE, search_dtype
+
+    assert search_dtype(torch.zeros(BFLOAT16_MIN_SIZE - 1, BFLOAT16_MIN_SIZE - 1)) == torch.float32
+    assert search_dtype(torch.zeros(8, 8, dtype=torch.float64)) == torch.float64
+    assert search_dtype(torch.zeros(8, 8, dtype=torch.bfloat16)) == torch.bfloat16  # never changes a dtype otherwise
