@@ -58,7 +58,7 @@ def near_scalar_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         return None
     eye = torch.eye(n, dtype=t.dtype, device=t.device)
     e = t / scale - eye  # (..., n, n)
-    rho = float(e.abs().sum(-2).amax())
+    rho = float(e.detach().abs().sum(-2).amax())
     if not rho < 0.5:  # (also catches NaN)
         return None
     for terms in range(2, len(RSQRT_TAYLOR)):
@@ -105,7 +105,7 @@ def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     d = diag.sqrt()
     eye = torch.eye(n, dtype=t.dtype, device=t.device)
     e = t / (d.unsqueeze(-1) * d.unsqueeze(-2)) - eye  # (..., n, n), zero diagonal up to rounding
-    rho = float(e.abs().sum(-2).amax())
+    rho = float(e.detach().abs().sum(-2).amax())
     if not rho < CHORD_START_LIMIT:  # (also catches NaN)
         return None
     # in the scaled variable U = D Y (D^{-1} U D^{-1} = Y, symmetric): U_1 = I - E d_i/(d_i + d_j)
@@ -117,7 +117,7 @@ def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         # with U = D Y row-scaled (U^T = Y D)
         r = eye - u.mT @ (scaled @ u)  # (..., n, n)
         r = 0.5 * (r + r.mT)
-        residual = float(r.abs().sum(-2).amax())
+        residual = float(r.detach().abs().sum(-2).amax())
         if math.isnan(residual):
             return None
         if residual <= CHORD_TOL_EPS * eps:

@@ -186,7 +186,7 @@ def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, float]:
     floor = top * max(y.shape[-2:]) * eps
     if not bool((lam > floor).all()):
         return y, float("inf")
-    ratio = float((top / lam.amin(dim=-1, keepdim=True)).amax())
+    ratio = float((top / lam.amin(dim=-1, keepdim=True)).detach().amax())
     return y @ ((vec * lam.rsqrt().unsqueeze(-2)) @ vec.mT), ratio * eps  # (..., m, n)
 
 

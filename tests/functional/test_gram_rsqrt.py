@@ -156,3 +156,43 @@ def test_gram_eigh_small_stiefel_step_is_more_orthonormal_than_the_eigh_path(mon
     ref = msign(y.double(), "svd")
     assert float((fast.double() - ref).norm() / ref.norm()) <= 1e-6
     assert defect(fast) < 0.5 * defect(slow)
+
+
+@pytest.mark.parametrize("kind", ["stiefel", "dgram"])
+def test_kernels_are_differentiable_like_the_polar_factor(monkeypatch, kind):
+    # the product-only kernels are smooth functions of the input: autograd through them gives the
+    # polar factor's derivative (checked against autograd through the float64 SVD)
+    import warnings
+
+    module = sys.modules["manifoldlib.functional.msign"]
+    used = []
+
+    def spied(name):
+        kernel = getattr(module, name)
+
+        def run(t):
+            found = kernel(t)
+            if found is not None:
+                used.append(name)
+            return found
+
+        return run
+
+    for name in ("near_scalar_rsqrt", "near_diagonal_rsqrt"):
+        monkeypatch.setattr(module, name, spied(name))
+    g = torch.Generator().manual_seed(8)
+    q = torch.linalg.qr(torch.randn(30, 8, generator=g, dtype=torch.float64))[0]
+    if kind == "dgram":
+        q = q * torch.logspace(0, -1, 8, dtype=torch.float64)
+    step = 1e-7 * torch.randn(30, 8, generator=g, dtype=torch.float64)
+    x = (q + step).requires_grad_(True)
+    weights = torch.randn(30, 8, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "tensor with requires_grad to a scalar" warnings
+        (msign(x, "gram-eigh") * weights).sum().backward()
+    assert used == ["near_scalar_rsqrt" if kind == "stiefel" else "near_diagonal_rsqrt"]
+    fast = x.grad.clone()
+    x.grad = None
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    ((u @ vh) * weights).sum().backward()
+    assert float((fast - x.grad).norm() / x.grad.norm()) <= 1e-8
