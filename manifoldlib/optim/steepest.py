@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
-from .dual_problem import _DualProblem, _State, tangent_residual
+from .dual_problem import SPECTRAL_PATHS, _DualProblem, _State, resolve_spectral, tangent_residual
 from .dual_solvers import (
     AUTO_SMOOTHING,
     _anderson_solve,
@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_MAX_ITER",
     "DEFAULT_TOL",
     "DUAL_UPDATES",
+    "SPECTRAL_PATHS",
     "STEEPEST_MANIFOLDS",
     "DualSolution",
     "SteepestInfo",
@@ -151,6 +152,7 @@ def steepest_direction(
     patience: int | None = None,
     smoothing: float | str | None = "auto",
     dual_update: str = "auto",
+    spectral: str = "auto",
     return_info: bool = False,
 ):
     r"""Steepest unit direction of ``G`` under the spectral norm in the tangent space at ``W``.
@@ -216,7 +218,15 @@ def steepest_direction(
             steps preconditioned in the eigenbasis the iteration already computes, with Anderson
             mixing (about half the iterations of BB; needs a Newton–Schulz ``msign_method``);
             ``"bb"``: Barzilai–Borwein gradient steps (``step_size`` is their first step);
-            ``"auto"`` (default): ``"anderson"`` on the eigen path, ``"bb"`` for ``"svd"``.
+            ``"auto"`` (default): ``"anderson"`` on the eigen path with ``spectral`` resolved to
+            ``"eigh"``, ``"bb"`` otherwise (``"svd"``, or the products path).
+        spectral: how a plain reduced evaluation gets its spectral factor :math:`R`: ``"eigh"``
+            (one ``n × n`` eigendecomposition; its eigenbasis also serves the Anderson step),
+            ``"products"`` (the Newton–Schulz preset in Gram form, about twenty ``n × n``
+            products and no factorization: what a GPU runs fast; dual updates by BB), or
+            ``"auto"`` (default): products on a CUDA device, the eigh elsewhere
+            (:func:`~manifoldlib.optim.dual_problem.resolve_spectral`). Smoothed solves always take
+            the eigh (their Newton steps need the eigenbasis).
         return_info: also return a :class:`SteepestInfo`.
 
     Returns:
@@ -242,6 +252,7 @@ def steepest_direction(
         patience=patience,
         smoothing=smoothing,
         dual_update=dual_update,
+        spectral=spectral,
     )
     a = solution.direction().to(G.dtype)
     return (a, solution.info) if return_info else a
@@ -288,6 +299,7 @@ def solve_dual(
     patience: int | None = None,
     smoothing: float | str | None = "auto",
     dual_update: str = "auto",
+    spectral: str = "auto",
 ) -> DualSolution:
     """:func:`steepest_direction` without forming the answer: the solved reduced dual.
 
@@ -305,6 +317,13 @@ def solve_dual(
             "dual_update='anderson' needs a Newton-Schulz msign_method (its steps use the eigenbasis "
             "of the n x n Gram matrix); msign_method='svd' runs the unreduced iteration: use 'bb' or 'auto'"
         )
+    path = resolve_spectral(spectral, G.device)
+    if dual_update == "anderson" and path == "products":
+        raise ValueError(
+            f"dual_update='anderson' needs the eigenbasis of the n x n Gram matrix, but spectral={spectral!r} "
+            f"resolved to 'products' on {G.device.type} (no eigendecomposition): use spectral='eigh', or "
+            f"dual_update='bb' / 'auto'"
+        )
     work_dtype = torch.float32 if G.dtype in (torch.float16, torch.bfloat16) else G.dtype
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(work_dtype)
@@ -321,7 +340,9 @@ def solve_dual(
     g = g / norm
     n = g.size(-1)
     kappa, fallback = _resolve_smoothing(smoothing, manifold, w.shape, exact=msign_method == "svd")
-    problem = _DualProblem(w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa)
+    problem = _DualProblem(
+        w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa, spectral=path
+    )
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")
     lam0 = problem.initial_multiplier()
@@ -335,7 +356,7 @@ def solve_dual(
         given = problem.mask(0.5 * (given + given.mT)).to(work_dtype)
         lam = given if label == "multiplier" else lam0 + given
     history: list[float] = []
-    if kappa is None and problem.reduced and dual_update != "bb":
+    if kappa is None and problem.reduced and path == "eigh" and dual_update != "bb":
         lam, state, residual, iterations = _anderson_solve(problem, lam, float(tol), max_iter, history, patience)
         last_step = step_size
     elif kappa is None:
