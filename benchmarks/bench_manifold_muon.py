@@ -9,6 +9,10 @@ residual of the dual solutions.
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--threads 2] [--max-iter 30] [--tol 1e-3]
         [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072] [--device cuda]
+        [--spectral auto|eigh|products]
+
+``--spectral`` is ManifoldMuon's ``dual_spectral``: ``auto`` (default) evaluates the plain dual
+with Gram-form Newton–Schulz products on CUDA and with one eigh per evaluation elsewhere.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching optimizers")
     parser.add_argument("--shapes", default="", help="comma-separated MxN shapes (default: the GPT-small block)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
+    parser.add_argument("--spectral", default="auto", help="dual spectral path: auto, eigh or products")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -115,7 +120,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + 1)
     kw = {"lr": 0.02, "weight_decay": 0.0}
-    mm = {"dual_tol": args.tol, "dual_max_iter": args.max_iter, "msign_method": args.msign}
+    mm = {"dual_tol": args.tol, "dual_max_iter": args.max_iter, "msign_method": args.msign,
+          "dual_spectral": args.spectral}
     runs = {
         "torch.optim.Muon (anchor)": lambda ps: torch.optim.Muon(ps, **kw),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
@@ -137,7 +143,7 @@ def main() -> None:
         ),
     }
     print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
-          f"cap {args.max_iter}, dual msign {args.msign}, load average {os.getloadavg()[0]:.2f}")
+          f"cap {args.max_iter}, dual msign {args.msign}, spectral {args.spectral}, load average {os.getloadavg()[0]:.2f}")
     anchor_make = runs["torch.optim.Muon (anchor)"]
     print(f"{'optimizer':48s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
     wanted = [w for w in args.only.split(",") if w]

@@ -11,7 +11,10 @@ script prints, for the device it is given, the median time of each primitive and
 one ``torch.optim.Muon`` step on an ``m × n`` parameter (the anchor, timed round robin with the
 rest), then the time, ratio and dual iterations of ``steepest_direction`` on Stiefel and DGram
 instances of the benchmark's shapes (tall and square), at the optimizer's settings
-(``jordan5`` dual msign, tol 1e-3, cap 30).
+(``jordan5`` dual msign, tol 1e-3, cap 30), for each ``--spectral`` path (one eigh per dual
+evaluation, or Gram-form Newton–Schulz products). ``resid`` is the solver's own relative tangent
+residual, ``f64 resid`` the same quantity recomputed in float64 from the returned direction (it
+shows what reduced-precision products, e.g. ``--tf32``, do to the solver's judgement).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 import torch
 from _timing import round_robin_ms, sync
 
-from manifoldlib.optim import steepest_direction
+from manifoldlib.optim import steepest_direction, tangent_residual
 from manifoldlib.optim.spectral_factors import gram_msign_factor, gram_msign_factor_eigh
 
 
@@ -63,28 +66,31 @@ def _instance(m: int, n: int, manifold: str, device: torch.device, seed: int):
     return w.to(device), grad.to(device)
 
 
-def _solve_times(shapes, device: torch.device, repeats: int, anchor_ms: dict) -> list[str]:
-    rows = [f"{'steepest_direction':34s} {'ms':>9s} {'x Muon':>7s} {'iters':>6s} {'resid':>8s}"]
+def _solve_times(shapes, device: torch.device, repeats: int, anchor_ms: dict, paths: list[str]) -> list[str]:
+    header = f"{'steepest_direction':34s} {'ms':>9s} {'x Muon':>7s} {'iters':>6s} {'resid':>8s} {'f64 resid':>9s}"
+    rows = [header]
     for m, n in shapes:
         for manifold in ("stiefel", "dgram"):
             w, grad = _instance(m, n, manifold, device, seed=m + n)
-            kw = {"msign_method": "jordan5", "tol": 1e-3, "max_iter": 30, "return_info": True}
-            steepest_direction(w, grad, manifold, **kw)  # warm-up
-            times, iters, resid = [], [], []
-            for _ in range(max(3, repeats // 4)):
-                sync(device)
-                start = time.perf_counter()
-                _, info = steepest_direction(w, grad, manifold, **kw)
-                sync(device)
-                times.append(time.perf_counter() - start)
-                iters.append(info.iterations)
-                resid.append(info.residual)
-            ms = 1e3 * statistics.median(times)
-            anchor = anchor_ms[(max(m, n), min(m, n))]
-            rows.append(
-                f"{f'{manifold} {m}x{n}':34s} {ms:7.2f}ms {ms / anchor:7.1f} {statistics.mean(iters):6.1f} "
-                f"{max(resid):8.1e}"
-            )
+            for path in paths:
+                kw = {"msign_method": "jordan5", "tol": 1e-3, "max_iter": 30, "return_info": True, "spectral": path}
+                steepest_direction(w, grad, manifold, **kw)  # warm-up
+                times, iters, resid = [], [], []
+                for _ in range(max(3, repeats // 4)):
+                    sync(device)
+                    start = time.perf_counter()
+                    a, info = steepest_direction(w, grad, manifold, **kw)
+                    sync(device)
+                    times.append(time.perf_counter() - start)
+                    iters.append(info.iterations)
+                    resid.append(info.residual)
+                exact = float(tangent_residual(w.double(), a.double(), manifold))
+                ms = 1e3 * statistics.median(times)
+                anchor = anchor_ms[(max(m, n), min(m, n))]
+                rows.append(
+                    f"{f'{manifold} {m}x{n} ({path})':34s} {ms:7.2f}ms {ms / anchor:7.1f} "
+                    f"{statistics.mean(iters):6.1f} {max(resid):8.1e} {exact:9.1e}"
+                )
     return rows
 
 
@@ -95,12 +101,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument("--spectral", default="eigh,products", help="comma-separated dual spectral paths")
+    parser.add_argument("--tf32", action="store_true", help="float32 products in TF32 (matmul precision 'high')")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     m, n = args.rows, args.cols
     torch.manual_seed(0)
     x = torch.randn(m, n, device=device) / m**0.5
@@ -128,7 +138,8 @@ def main() -> None:
             fns[f"eigh {n}^2 float32 ({library})"] = _eigh(s, library)
     results = round_robin_ms(fns, args.repeats, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"device {name}, torch {torch.__version__}, {args.repeats} rounds")
+    print(f"device {name}, torch {torch.__version__}, {args.repeats} rounds, "
+          f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
     print(f"{'primitive':42s} {'median':>10s} {'x Muon':>7s}")
     for label, (ms, ratio) in results.items():
         print(f"{label:42s} {ms:8.3f}ms {ratio:7.3f}")
@@ -137,7 +148,7 @@ def main() -> None:
     )
     anchor_ms = {(m, n): anchors[f"{m}x{n}"][0], (n, n): anchors[f"{n}x{n}"][0]}
     print()
-    for row in _solve_times([(m, n), (n, n)], device, args.repeats, anchor_ms):
+    for row in _solve_times([(m, n), (n, n)], device, args.repeats, anchor_ms, args.spectral.split(",")):
         print(row)
 
 

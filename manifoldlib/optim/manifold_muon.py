@@ -70,6 +70,7 @@ from ..distributed import (
 )
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
+from .matmul_precision import ieee_float32_matmul
 from .steepest import DUAL_UPDATES, SPECTRAL_PATHS, solve_dual
 
 __all__ = [
@@ -263,28 +264,30 @@ def _solve_one(
     coefficients = tuple(ns_coefficients) if msign_method == "ns" else None
     steps = ns_steps if msign_method in ("ns", "jordan5") else None
     w = _tall(param)
-    solution = solve_dual(
-        w,
-        _tall(update),
-        manifold,
-        tol=dual_tol,
-        max_iter=dual_max_iter,
-        msign_method=method,
-        ns_steps=steps,
-        ns_coefficients=coefficients,
-        eps=eps,
-        correction=state.get("dual_correction") if warm_start else None,
-        patience=DUAL_PATIENCE,
-        smoothing=dual_smoothing,
-        dual_update=dual_update,
-        spectral=dual_spectral,
-    )
-    info = solution.info
-    state["dual_correction"] = info.correction
-    state["dual_iterations"] = int(info.iterations)
-    state["dual_residual"] = float(info.residual)
-    base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
-    new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
+    # full float32 products: TF32 would blur a 1e-3 residual and the retraction's constraint
+    with ieee_float32_matmul():
+        solution = solve_dual(
+            w,
+            _tall(update),
+            manifold,
+            tol=dual_tol,
+            max_iter=dual_max_iter,
+            msign_method=method,
+            ns_steps=steps,
+            ns_coefficients=coefficients,
+            eps=eps,
+            correction=state.get("dual_correction") if warm_start else None,
+            patience=DUAL_PATIENCE,
+            smoothing=dual_smoothing,
+            dual_update=dual_update,
+            spectral=dual_spectral,
+        )
+        info = solution.info
+        state["dual_correction"] = info.correction
+        state["dual_iterations"] = int(info.iterations)
+        state["dual_residual"] = float(info.residual)
+        base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
+        new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
     return new.mT if param.size(-2) < param.size(-1) else new
 
 
@@ -528,7 +531,8 @@ class ManifoldMuon(Optimizer):
                 w = _tall(p)
                 work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
                 try:
-                    w.copy_(manifold.projx(work))
+                    with ieee_float32_matmul():
+                        w.copy_(manifold.projx(work))
                 except ValueError as err:
                     raise ValueError(f"parameter {label} of shape {tuple(p.shape)}: {err}") from err
 

@@ -57,6 +57,7 @@ import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
 from .dual_problem import SPECTRAL_PATHS, _DualProblem, _State, resolve_spectral, tangent_residual
+from .matmul_precision import ieee_float32_matmul
 from .dual_solvers import (
     AUTO_SMOOTHING,
     _anderson_solve,
@@ -282,6 +283,7 @@ class DualSolution:
         return a.mT if self.transposed else a
 
 
+@ieee_float32_matmul()
 def solve_dual(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -305,6 +307,8 @@ def solve_dual(
 
     Same arguments and checks. What consumes the direction can use the reduced quantities
     instead of the ``m × n`` matrix (the Stiefel polar step of :class:`ManifoldMuon` does).
+    Runs with IEEE float32 products whatever the process's TF32 setting
+    (:func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul`).
     """
     _check_inputs(W, G, manifold, tol, max_iter, patience)
     if msign_method not in MSIGN_METHODS or msign_method in ("newton", "gram-eigh"):
