@@ -21,7 +21,15 @@ import torch
 from .dual_problem import _DualProblem, _State
 from .search_precision import search_dtype
 
-__all__ = ["ANDERSON_MEMORY", "AUTO_SMOOTHING", "NEWTON_CG_ITER", "SMOOTHING_START", "SMOOTH_BELOW_ASPECT"]
+__all__ = [
+    "ANDERSON_MEMORY",
+    "AUTO_SMOOTHING",
+    "NEWTON_CG_ITER",
+    "SMOOTHED_CUDA_DTYPE",
+    "SMOOTHING_START",
+    "SMOOTH_BELOW_ASPECT",
+    "solve_dtype",
+]
 
 _LINE_SEARCH_STEPS = 20
 #: CG iterations per Newton step of the smoothed dual.
@@ -39,6 +47,22 @@ SMOOTHING_START = 1e-1
 #: gradients); smoothing from the start took 2–7x less time there, broke even at 2.25 and lost
 #: at 2.67 and above.
 SMOOTH_BELOW_ASPECT = 2.5
+#: Work dtype of a float32 solve that is smoothed from the start on a CUDA device. cuSOLVER's
+#: float32 eigh is not accurate enough for the smoothed Newton steps: on an H200 (torch 2.11) a
+#: 768² DGram solve stalled at a residual of 1.2–1.5e-3 and ran its cap of 30 steps (1.1–2.3 s),
+#: with float32 or bfloat16 search products alike; in float64 it converged in 17–18 steps
+#: (0.41–0.50 s; the float64 eigh costs the same 7.9 ms as the float32 one there).
+SMOOTHED_CUDA_DTYPE = torch.float64
+
+
+def solve_dtype(dtype: torch.dtype, device: torch.device, smoothed: bool) -> torch.dtype:
+    """Work dtype of a dual solve for input ``dtype`` on ``device``: float32 for 16-bit input,
+    :data:`SMOOTHED_CUDA_DTYPE` for a float32 solve smoothed from the start on CUDA, else ``dtype``."""
+    if dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    if smoothed and dtype == torch.float32 and device.type == "cuda":
+        return SMOOTHED_CUDA_DTYPE
+    return dtype
 
 
 class _BestIterate:

@@ -64,6 +64,7 @@ from .dual_solvers import (
     _dual_solve,
     _resolve_smoothing,
     _smoothed_solve,
+    solve_dtype,
 )
 from .spectral_factors import gram_msign_factor, gram_msign_factor_eigh
 
@@ -136,6 +137,7 @@ def _check_inputs(
         raise ValueError(f"patience must be None or an int >= 1, got {patience!r}")
 
 
+@ieee_float32_matmul()
 def steepest_direction(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -278,8 +280,11 @@ class DualSolution:
     answer: torch.Tensor | None = None
 
     def direction(self) -> torch.Tensor:
-        """The steepest direction in the input's orientation (work dtype: float32 for 16-bit input)."""
-        a = self.answer if self.problem is None else self.problem.direction(self.state)
+        """The steepest direction in the input's orientation, in the solve's work dtype
+        (:func:`~manifoldlib.optim.dual_solvers.solve_dtype`: float32 for 16-bit input, float64
+        for a smoothed float32 solve on CUDA); runs with IEEE float32 products."""
+        with ieee_float32_matmul():  # the m x n product X R: TF32 would blur the tangency
+            a = self.answer if self.problem is None else self.problem.direction(self.state)
         return a.mT if self.transposed else a
 
 
@@ -340,10 +345,11 @@ def solve_dual(
             a = g @ r
         info = SteepestInfo(0, 0.0, True, multiplier, correction, [0.0], step_size)
         return DualSolution(info, transposed, answer=a)
-    w = (W.mT if transposed else W).to(work_dtype)
     g = g / norm
     n = g.size(-1)
-    kappa, fallback = _resolve_smoothing(smoothing, manifold, w.shape, exact=msign_method == "svd")
+    kappa, fallback = _resolve_smoothing(smoothing, manifold, g.shape, exact=msign_method == "svd")
+    work_dtype = solve_dtype(work_dtype, g.device, smoothed=kappa is not None)
+    w, g = (W.mT if transposed else W).to(work_dtype), g.to(work_dtype)
     problem = _DualProblem(
         w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa, spectral=path
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from manifoldlib.optim import steepest_direction, tangent_residual
-from manifoldlib.optim.dual_solvers import SMOOTH_BELOW_ASPECT, _resolve_smoothing
+from manifoldlib.optim.dual_solvers import SMOOTH_BELOW_ASPECT, SMOOTHED_CUDA_DTYPE, _resolve_smoothing, solve_dtype
 
 
 def _instance(m: int, n: int, manifold: str, seed: int):
@@ -58,3 +58,20 @@ def test_auto_keeps_the_plain_dual_on_the_gpt_mlp_aspect(monkeypatch):
     _, info = steepest_direction(w, g, "stiefel", msign_method="jordan5", ns_steps=5, tol=1e-3,
                                  max_iter=30, return_info=True)
     assert info.converged and calls == []
+
+
+@pytest.mark.parametrize(
+    "dtype,device,smoothed,expected",
+    [
+        (torch.float32, "cuda", True, torch.float64),  # cuSOLVER's float32 eigh stalls the Newton steps
+        (torch.bfloat16, "cuda", True, torch.float64),
+        (torch.float32, "cuda", False, torch.float32),  # the plain dual keeps float32 (products path)
+        (torch.float32, "cpu", True, torch.float32),  # LAPACK's float32 eigh converges
+        (torch.bfloat16, "cpu", False, torch.float32),
+        (torch.float16, "cpu", True, torch.float32),
+        (torch.float64, "cuda", True, torch.float64),
+    ],
+)
+def test_solve_dtype_widens_only_smoothed_float32_solves_on_cuda(dtype, device, smoothed, expected):
+    assert solve_dtype(dtype, torch.device(device), smoothed) == expected
+    assert SMOOTHED_CUDA_DTYPE == torch.float64

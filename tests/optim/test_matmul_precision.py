@@ -125,3 +125,21 @@ def test_manifold_muon_steps_and_projects_in_ieee_float32(monkeypatch):
     for stage, flags in seen.items():
         assert flags and all(flags), stage
     assert _settings() == before
+
+
+def test_steepest_direction_forms_its_answer_in_ieee_float32(monkeypatch):
+    # the m x n product X R that makes the answer comes after the solve: it must not run in TF32
+    seen = []
+    real = dual_problem._DualProblem.direction
+
+    def direction(self, state):
+        seen.append(_full_precision_now())
+        return real(self, state)
+
+    monkeypatch.setattr(dual_problem._DualProblem, "direction", direction)
+    torch.set_float32_matmul_precision("high")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.linalg.qr(torch.randn(64, 16, generator=gen))[0]
+    steepest_direction(w, torch.randn(64, 16, generator=gen), "stiefel", msign_method="jordan5", tol=1e-3)
+    assert seen == [True]
+    assert torch.get_float32_matmul_precision() == "high"

@@ -1,0 +1,64 @@
+"""Iterations of a square DGram steepest-direction solve (the smoothed dual) under precision variants.
+
+    python benchmarks/probe_square_dgram.py [--n 768] [--seeds 2] [--device cuda]
+
+The smoothed Newton–CG solve of a square DGram matrix converged in 20–22 Newton steps on the
+development CPU but stopped at its cap of 30 above the tolerance on an H200. This probe separates
+the suspects on any device: ``default`` (bfloat16 Hessian-vector products where native),
+``f32 search`` (every search product in float32), and ``float64`` (the whole solve in float64).
+Prints per variant and seed: Newton steps, final residual, time, and the residual history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import manifoldlib.optim.dual_problem as dual_problem
+import manifoldlib.optim.dual_solvers as dual_solvers
+from manifoldlib.optim import steepest_direction
+
+
+def _instance(n: int, seed: int, device: torch.device):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.linalg.qr(torch.randn(n, n, generator=g))[0] * torch.exp(0.1 * torch.randn(n, generator=g))
+    grad = (torch.randn(n, 16, generator=g) @ torch.randn(16, n, generator=g)) / n + 0.3 * torch.randn(n, n, generator=g) / n**0.5
+    return w.to(device), grad.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=768)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    real = dual_problem.search_dtype
+    print(f"square DGram {args.n}x{args.n} on {device}, jordan5 dual msign, tol 1e-3, cap 30")
+    for variant in ("default", "f32 search", "float64"):
+        keep = (lambda t: t.dtype) if variant == "f32 search" else real
+        dual_problem.search_dtype = dual_solvers.search_dtype = keep
+        for seed in range(args.seeds):
+            w, g = _instance(args.n, seed, device)
+            if variant == "float64":
+                w, g = w.double(), g.double()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            _, info = steepest_direction(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30, return_info=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            history = " ".join(f"{h:.1e}" for h in info.history)
+            print(f"{variant:11s} seed {seed}: {info.iterations:3d} steps, residual {info.residual:.2e}, "
+                  f"{seconds:6.2f} s | {history}", flush=True)
+    dual_problem.search_dtype = dual_solvers.search_dtype = real
+
+
+if __name__ == "__main__":
+    main()
