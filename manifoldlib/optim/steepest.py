@@ -57,7 +57,6 @@ import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
 from .dual_problem import SPECTRAL_PATHS, _DualProblem, _State, resolve_spectral, tangent_residual
-from .matmul_precision import ieee_float32_matmul
 from .dual_solvers import (
     AUTO_SMOOTHING,
     _anderson_solve,
@@ -66,6 +65,7 @@ from .dual_solvers import (
     _smoothed_solve,
     solve_dtype,
 )
+from .matmul_precision import ieee_float32_matmul
 from .spectral_factors import gram_msign_factor, gram_msign_factor_eigh
 
 __all__ = [

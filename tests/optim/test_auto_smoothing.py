@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from manifoldlib.optim import steepest_direction, tangent_residual
-from manifoldlib.optim.dual_solvers import SMOOTH_BELOW_ASPECT, SMOOTHED_CUDA_DTYPE, _resolve_smoothing, solve_dtype
+from manifoldlib.optim.dual_solvers import (
+    SMOOTH_BELOW_ASPECT,
+    SMOOTHED_CUDA_DTYPE,
+    _resolve_smoothing,
+    solve_dtype,
+)
 
 
 def _instance(m: int, n: int, manifold: str, seed: int):

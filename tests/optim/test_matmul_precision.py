@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import manifoldlib.optim.dual_problem as dual_problem
-import manifoldlib.retractions.stiefel as stiefel_retractions
 from manifoldlib.manifolds.stiefel import Stiefel
-from manifoldlib.optim import ManifoldMuon, steepest_direction
+from manifoldlib.optim import ManifoldMuon, dual_problem, steepest_direction
 from manifoldlib.optim.matmul_precision import FULL_PRECISION, _matmul_backends, ieee_float32_matmul
+from manifoldlib.retractions import stiefel as stiefel_retractions
 
 
 @pytest.fixture(autouse=True)
@@ -71,9 +70,8 @@ def test_the_block_runs_in_ieee_and_the_setting_comes_back_unchanged(setup):
 def test_the_setting_comes_back_after_an_exception():
     torch.set_float32_matmul_precision("medium")
     before = _settings()
-    with pytest.raises(ZeroDivisionError):
-        with ieee_float32_matmul():
-            1 / 0
+    with pytest.raises(ZeroDivisionError), ieee_float32_matmul():
+        _ = 1 / 0
     assert _settings() == before
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
 
