@@ -8,8 +8,14 @@ development CPU but, in float32, stopped at its cap of 30 above the tolerance on
 converged in 17–18 steps. Since then a float32 solve smoothed from the start runs in float64 on
 CUDA (:func:`manifoldlib.optim.dual_solvers.solve_dtype`). Variants: ``float32`` (that widening
 switched off, bfloat16 Hessian-vector products where native), ``float32, f32 search`` (every
-search product in float32 too), ``library default`` (as shipped) and ``float64`` (float64 inputs).
+search product in float32 too), ``library default`` (as shipped), ``default, bf16 search`` (as
+shipped but bfloat16 search products for float64 solves too, i.e. for the widened CUDA solve) and
+``float64`` (float64 inputs).
 Prints per variant and seed: Newton steps, final residual, time, and the residual history.
+
+``--profile`` then profiles one solve of the shipped configuration (``torch.profiler``, the
+operators sorted by their own device time, CPU time on a CPU): where a solve's time goes.
+``--rows M`` (``M > n``) probes a tall ``M × n`` matrix instead (plain dual, no smoothing).
 """
 
 from __future__ import annotations
@@ -22,11 +28,23 @@ import torch
 from manifoldlib.optim import dual_problem, dual_solvers, steepest, steepest_direction
 
 
-def _instance(n: int, seed: int, device: torch.device):
+def _instance(m: int, n: int, seed: int, device: torch.device):
     g = torch.Generator().manual_seed(seed)
-    w = torch.linalg.qr(torch.randn(n, n, generator=g))[0] * torch.exp(0.1 * torch.randn(n, generator=g))
-    grad = (torch.randn(n, 16, generator=g) @ torch.randn(16, n, generator=g)) / n + 0.3 * torch.randn(n, n, generator=g) / n**0.5
-    return w.to(device), grad.to(device)
+    w = torch.linalg.qr(torch.randn(m, n, generator=g))[0] * torch.exp(0.1 * torch.randn(n, generator=g))
+    signal = torch.randn(m, 16, generator=g) @ torch.randn(16, n, generator=g) / (m * n) ** 0.5
+    return w.to(device), (signal + 0.3 * torch.randn(m, n, generator=g) / m**0.5).to(device)
+
+
+def _profile(w: torch.Tensor, g: torch.Tensor) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if w.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        steepest_direction(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30)
+        if w.device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if w.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=40))
 
 
 def main() -> None:
@@ -35,21 +53,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--rows", type=int, default=0, help="rows M of a tall M x n instance (default: square)")
+    parser.add_argument("--profile", action="store_true", help="profile one solve of the shipped configuration")
     args = parser.parse_args()
+    rows = max(args.rows, args.n)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     real_search, real_dtype = dual_problem.search_dtype, steepest.solve_dtype
-    print(f"square DGram {args.n}x{args.n} on {device}, jordan5 dual msign, tol 1e-3, cap 30")
-    for variant in ("float32", "float32, f32 search", "library default", "float64"):
-        keep_search = (lambda t: t.dtype) if variant == "float32, f32 search" else real_search
+    print(f"DGram {rows}x{args.n} on {device}, jordan5 dual msign, tol 1e-3, cap 30")
+    def bf16_search(t: torch.Tensor) -> torch.dtype:
+        return torch.bfloat16 if t.dtype == torch.float64 and t.size(-1) >= 256 else real_search(t)
+
+    searches = {"float32, f32 search": lambda t: t.dtype, "default, bf16 search": bf16_search}
+    for variant in ("float32", "float32, f32 search", "library default", "default, bf16 search", "float64"):
+        keep_search = searches.get(variant, real_search)
         dual_problem.search_dtype = dual_solvers.search_dtype = keep_search
         if variant.startswith("float32"):
             steepest.solve_dtype = lambda dtype, device, smoothed: torch.float32 if dtype != torch.float64 else dtype
         else:
             steepest.solve_dtype = real_dtype
         for seed in range(args.seeds):
-            w, g = _instance(args.n, seed, device)
+            w, g = _instance(rows, args.n, seed, device)
             if variant == "float64":
                 w, g = w.double(), g.double()
             if device.type == "cuda":
@@ -60,10 +85,12 @@ def main() -> None:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             history = " ".join(f"{h:.1e}" for h in info.history)
-            print(f"{variant:19s} seed {seed}: {info.iterations:3d} steps, residual {info.residual:.2e}, "
+            print(f"{variant:20s} seed {seed}: {info.iterations:3d} steps, residual {info.residual:.2e}, "
                   f"{seconds:6.2f} s | {history}", flush=True)
     dual_problem.search_dtype = dual_solvers.search_dtype = real_search
     steepest.solve_dtype = real_dtype
+    if args.profile:
+        _profile(*_instance(rows, args.n, 0, device))
 
 if __name__ == "__main__":
     main()
