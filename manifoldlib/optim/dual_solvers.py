@@ -28,10 +28,15 @@ __all__ = [
     "SMOOTHED_CUDA_DTYPE",
     "SMOOTHING_START",
     "SMOOTH_BELOW_ASPECT",
+    "VALUE_NOISE_ULPS",
     "solve_dtype",
 ]
 
 _LINE_SEARCH_STEPS = 20
+#: Rounding noise of the smoothed dual value, in units of ``eps · |value|``: below it the Armijo
+#: test cannot see a predicted decrease. Measured: float32 values of 12.4 (a 512² DGram solve)
+#: scattered by 1–6e-6 (1–6 ulps) between trial points whose predicted change was 1e-9.
+VALUE_NOISE_ULPS = 16
 #: CG iterations per Newton step of the smoothed dual.
 NEWTON_CG_ITER = 40
 #: Relative smoothing :math:`\kappa` that ``smoothing="auto"`` uses for square DGram matrices.
@@ -250,6 +255,14 @@ def _newton_solve(
     The smoothed dual is smooth and convex, so inexact Newton steps (CG on the Hessian from one
     eigendecomposition) with an Armijo line search on the dual value converge fast where BB
     crawls (its curvature spans :math:`1/\mu` to :math:`1/\sigma_{\max}`).
+
+    Near the optimum the predicted decrease :math:`t|\langle H, \Delta\rangle|` falls below the
+    rounding noise of the value (:data:`VALUE_NOISE_ULPS`); there a trial is accepted when it
+    lowers the residual (the dual gradient) instead. With the Armijo test alone, float32 solves
+    with bfloat16 search products backtracked 20 times on noise in 5 of 12 square DGram solves
+    (256² and 512², six seeds each) — 20 wasted eigendecompositions each, once rejecting a trial
+    already at the tolerance; the noise-aware test took 22% fewer evaluations over those
+    solves (408 against 526), all converged.
     """
     h, residual, state = problem.evaluate(lam)
     history.append(residual)
@@ -263,11 +276,12 @@ def _newton_solve(
         slope = float((h * direction).sum())
         if not slope < 0:
             direction, slope = -h / problem.metric, -float((h * h / problem.metric).sum())
+        noise = VALUE_NOISE_ULPS * torch.finfo(lam.dtype).eps * abs(state.value)
         t = 1.0
         for _ in range(_LINE_SEARCH_STEPS):
             trial = lam + t * direction
             h_t, res_t, state_t = problem.evaluate(trial)
-            if state_t.value is not None and state_t.value <= state.value + 1e-4 * t * slope:
+            if state_t.value is not None and _accept(state, state_t, residual, res_t, t * slope, noise):
                 break
             t *= 0.5
         lam, h, residual, state = trial, h_t, res_t, state_t
@@ -276,6 +290,14 @@ def _newton_solve(
         tracker.record(residual, lam, state)
     residual, lam, state = tracker.best
     return lam, state, residual, iterations, None
+
+
+def _accept(state: _State, trial: _State, residual: float, trial_residual: float, decrease: float, noise: float) -> bool:
+    """Line-search test: Armijo on the smoothed value where it can resolve the predicted
+    ``decrease`` (negative), else a lower residual."""
+    if -decrease > noise:
+        return trial.value <= state.value + 1e-4 * decrease
+    return trial_residual < residual
 
 
 def _resolve_smoothing(smoothing, manifold: str, shape, exact: bool = False) -> tuple[float | None, float | None]:
