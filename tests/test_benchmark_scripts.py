@@ -32,7 +32,7 @@ CASES = {
 def test_script_runs_and_prints_its_table(script):
     args, expected = CASES[script]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
     for text in expected:
