@@ -45,6 +45,12 @@ Three ideas make the solve cheap and exact (MATH.md §4–5 give the plain dual 
   same eigendecomposition, Daleckii–Krein divided differences) with a continuation in
   :math:`\mu`.
 
+* **Products instead of eigendecompositions on a GPU** (``spectral="products"``, the default on
+  CUDA): the same :math:`R` from the Newton–Schulz preset in Gram form, about twenty ``n × n``
+  products, with BB dual steps; on an H200 a 768² eigh costs as much as seven such evaluations.
+  Solves run with IEEE float32 products whatever the process's TF32 setting, and a float32 solve
+  smoothed from the start runs in float64 on CUDA (cuSOLVER's float32 eigh stalls it).
+
 ``msign_method="svd"`` without smoothing runs the exact, unreduced iteration (SVD of the
 ``m × n`` matrix :math:`X` every step): the reference used by the tests.
 """
@@ -186,7 +192,8 @@ def steepest_direction(
             is returned.
         msign_method: ``"svd"`` (exact, full-size; for tests), or a Newton–Schulz preset
             ``"jordan5"``, ``"polar-express"``, ``"newton-schulz"``, applied exactly to the
-            eigenvalues of the ``n × n`` Gram matrix (one eigh per dual iteration).
+            eigenvalues of the ``n × n`` Gram matrix (one eigh per dual iteration) or run in
+            Gram form (matrix products only), as ``spectral`` says.
         ns_steps: Newton–Schulz step count (preset default when ``None``).
         ns_coefficients: custom ``(a, b, c)`` (or a schedule) for the Newton–Schulz iteration.
         eps: added to the normalizing norm of Newton–Schulz.
