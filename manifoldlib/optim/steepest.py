@@ -47,7 +47,7 @@ Three ideas make the solve cheap and exact (MATH.md §4–5 give the plain dual 
 
 * **Products instead of eigendecompositions on a GPU** (``spectral="products"``, the default on
   CUDA): the same :math:`R` from the Newton–Schulz preset in Gram form, about twenty ``n × n``
-  products, with BB dual steps; on an H200 a 768² eigh costs as much as seven such evaluations.
+  products, with BB dual steps; on an H200 a 768² eigh costs about six such evaluations.
   Solves run with IEEE float32 products whatever the process's TF32 setting, and a float32 solve
   smoothed from the start runs in float64 on CUDA (cuSOLVER's float32 eigh stalls it).
 
