@@ -143,7 +143,6 @@ def _check_inputs(
         raise ValueError(f"patience must be None or an int >= 1, got {patience!r}")
 
 
-@ieee_float32_matmul()
 def steepest_direction(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -340,7 +339,7 @@ def solve_dual(
             f"resolved to 'products' on {G.device.type} (no eigendecomposition): use spectral='eigh', or "
             f"dual_update='bb' / 'auto'"
         )
-    work_dtype = torch.float32 if G.dtype in (torch.float16, torch.bfloat16) else G.dtype
+    work_dtype = solve_dtype(G.dtype, G.device, smoothed=False)  # float32 for 16-bit input
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(work_dtype)
     norm = g.norm()
