@@ -53,6 +53,7 @@ rank the parameters of a single process running the same steps, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import MutableMapping
 from typing import Any
@@ -70,6 +71,7 @@ from ..distributed import (
 )
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
+from .concurrent_solves import resolve_workers, run_concurrently
 from .matmul_precision import ieee_float32_matmul
 from .steepest import DUAL_UPDATES, SPECTRAL_PATHS, solve_dual
 
@@ -291,6 +293,11 @@ def _solve_one(
     return new.mT if param.size(-2) < param.size(-1) else new
 
 
+def _solve_into(param: Tensor, update: Tensor, state: dict, options: dict[str, Any]) -> None:
+    """:func:`_solve_one`, written into ``param`` (what a concurrent worker runs)."""
+    param.copy_(_solve_one(param, update, state, **options))
+
+
 def manifold_muon(
     params: list[Tensor],
     grads: list[Tensor],
@@ -415,6 +422,15 @@ class ManifoldMuon(Optimizer):
         process_group: the group to shard over (``None``: the default group).
         shard_strategy: owner assignment of :func:`~manifoldlib.distributed.assign_owners`,
             ``"size"`` (default, balances the solve cost) or ``"round-robin"``.
+        workers: how many Stiefel/DGram matrices to solve at once on CPU threads
+            (:mod:`~manifoldlib.optim.concurrent_solves`): ``"auto"`` (default: as many as
+            ``torch.get_num_threads()`` when there are that many and their estimated costs split
+            evenly, else one at a time), or an int ``>= 1`` (1: one at a time, the calling
+            thread's settings). With ``k > 1`` workers each matrix runs with
+            ``torch.get_num_threads() // k`` intra-op threads, so its result is that of a
+            one-at-a-time step at that thread count; Euclidean groups and non-CPU matrices
+            always run one at a time in the calling thread. On the 2-core development machine
+            the GPT-small benchmark set's Stiefel step took 0.80–0.85 s instead of 0.85–0.97 s.
 
     Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
     ``torch.load(weights_only=True)``. Wide matrices are handled in their tall orientation: a
@@ -422,8 +438,8 @@ class ManifoldMuon(Optimizer):
 
     Parameters must be whole tensors: DTensor (FSDP2, tensor parallel) and FSDP1-flattened
     parameters raise :class:`~manifoldlib.distributed.UnsupportedParameterError` here, since a
-    manifold step on a shard would be silently wrong. ``distributed``, ``process_group`` and
-    ``shard_strategy`` are attributes of the optimizer, not group options.
+    manifold step on a shard would be silently wrong. ``distributed``, ``process_group``,
+    ``shard_strategy`` and ``workers`` are attributes of the optimizer, not group options.
 
     Example:
         >>> opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}], lr=0.02)  # doctest: +SKIP
@@ -455,7 +471,9 @@ class ManifoldMuon(Optimizer):
         distributed: str = "replicated",
         process_group=None,
         shard_strategy: str = "size",
+        workers: int | str = "auto",
     ) -> None:
+        resolve_workers(workers, [])  # raises on a bad value
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(
                 f"distributed must be one of {', '.join(DISTRIBUTED_MODES)}, got {distributed!r}"
@@ -467,6 +485,7 @@ class ManifoldMuon(Optimizer):
         self.distributed = distributed
         self.process_group = process_group
         self.shard_strategy = shard_strategy
+        self.workers = workers
         self._owner_cache: tuple[tuple[int, ...], int, dict[int, int]] | None = None
         defaults = {
             "lr": lr,
@@ -574,6 +593,18 @@ class ManifoldMuon(Optimizer):
             self._owner_cache = (key, world_size, dict(zip(key, ranks)))
         return self._owner_cache[2]
 
+    def _resolved_workers(self, items: list) -> int:
+        """Solves to run at once this step (:func:`~manifoldlib.optim.concurrent_solves.resolve_workers`).
+
+        Decided from every Stiefel/DGram matrix of the step, not only this rank's, so all ranks
+        (and a single process) solve each matrix with the same intra-op thread count. CPU only:
+        with a matrix on another device every solve runs in the calling thread.
+        """
+        solved = [p for p, _, _, options in items if options["manifold"] != "euclidean"]
+        if any(p.device.type != "cpu" for p in solved):
+            return 1
+        return resolve_workers(self.workers, [tuple(p.shape) for p in solved])
+
     def _sharded(self) -> bool:
         return self.distributed == "sharded" and get_rank_world(self.process_group)[1] > 1
 
@@ -600,13 +631,31 @@ class ManifoldMuon(Optimizer):
             for p, grad, buf, state in zip(params_with_grad, grads, momentum_bufs, states):
                 update = _momentum_update(grad, buf, group["momentum"], group["nesterov"])
                 items.append((p, update, state, options))
+        workers = self._resolved_workers(items)
         if not self._sharded():
-            for p, update, state, options in items:
-                p.copy_(_solve_one(p, update, state, **options))
+            for p, update, state, options in items:  # Euclidean groups: torch.optim.Muon's step, here
+                if workers == 1 or options["manifold"] == "euclidean":
+                    p.copy_(_solve_one(p, update, state, **options))
+            if workers > 1:
+                solved = [item for item in items if item[3]["manifold"] != "euclidean"]
+                tasks = [functools.partial(_solve_into, *item) for item in solved]
+                with ieee_float32_matmul():  # held here: the workers' own contexts then write nothing
+                    run_concurrently(tasks, [tuple(p.shape) for p, _, _, _ in solved], workers)
             return loss
         owners = self.owners()
+        rank = get_rank_world(self.process_group)[0]
+        precomputed: dict[int, Tensor] = {}
+        if workers > 1:  # this rank's matrices, side by side, before the exchange
+            mine = [i for i, (p, _, _, options) in enumerate(items)
+                    if owners[id(p)] == rank and options["manifold"] != "euclidean"]
+            tasks = [functools.partial(_solve_one, items[i][0], items[i][1], items[i][2], **items[i][3]) for i in mine]
+            with ieee_float32_matmul():
+                values = run_concurrently(tasks, [tuple(items[i][0].shape) for i in mine], workers)
+            precomputed = dict(zip(mine, values))
 
         def solve(i: int, p: Tensor) -> Tensor:
+            if i in precomputed:
+                return precomputed.pop(i)
             _, update, state, options = items[i]
             return _solve_one(p, update, state, **options)
 

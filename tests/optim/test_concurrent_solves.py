@@ -1,0 +1,247 @@
+"""Per-matrix solves side by side on CPU threads: the schedule decision, the runner's guarantees,
+and ManifoldMuon steps that equal one-at-a-time steps at the workers' thread count, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import importlib
+
+import pytest
+import torch
+
+from manifoldlib.optim import ManifoldMuon
+from manifoldlib.optim.concurrent_solves import BALANCE_SLACK, resolve_workers, run_concurrently
+from manifoldlib.optim.matmul_precision import _matmul_backends
+
+TALL, SQUARE = (3072, 768), (768, 768)
+mm_module = importlib.import_module("manifoldlib.optim.manifold_muon")  # the package exports a function of that name
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "two", True, None])
+def test_bad_workers_name_the_value(bad):
+    with pytest.raises(ValueError, match=f"workers must be 'auto' or an int >= 1, got {bad!r}"):
+        resolve_workers(bad, [SQUARE, SQUARE])
+    with pytest.raises(ValueError, match="workers must be"):
+        ManifoldMuon([torch.nn.Parameter(torch.randn(4, 4))], manifold="stiefel", workers=bad)
+
+
+@pytest.mark.parametrize(
+    "shapes,threads,expected",
+    [
+        ([TALL, TALL, SQUARE, SQUARE], 2, 2),  # the GPT-small set: two equal halves
+        ([SQUARE, SQUARE], 2, 2),
+        ([TALL, SQUARE], 2, 1),  # the big one alone on one thread would set the pace
+        ([TALL], 2, 1),
+        ([], 2, 1),
+        ([TALL, TALL, SQUARE, SQUARE], 1, 1),  # one thread: nothing to share
+        ([SQUARE] * 8, 4, 4),
+        ([SQUARE] * 3, 8, 3),  # never more workers than matrices
+    ],
+)
+def test_auto_runs_side_by_side_only_when_the_split_is_even(shapes, threads, expected):
+    assert resolve_workers("auto", shapes, threads=threads) == expected
+
+
+def test_auto_threshold_is_the_balance_slack():
+    # loads 5 + 4 over two workers: makespan 5 against a mean of 4.5, 1.11 > 1.1
+    shapes = [(5, 1), (4, 1)]
+    assert 5 / 4.5 > BALANCE_SLACK
+    assert resolve_workers("auto", shapes, threads=2) == 1
+    assert resolve_workers("auto", [(21, 1), (20, 1)], threads=2) == 2  # 21 / 20.5 = 1.02
+
+
+def test_an_explicit_count_is_capped_at_the_number_of_solves():
+    assert resolve_workers(4, [TALL, SQUARE]) == 2
+    assert resolve_workers(3, [TALL]) == 1
+    assert resolve_workers(2, [TALL, SQUARE]) == 2  # explicit: no balance check
+
+
+def test_runner_returns_in_task_order_from_pool_threads_with_their_thread_share():
+    torch.set_num_threads(2)
+    seen = []
+    lock = threading.Lock()
+
+    def task(k):
+        def run():
+            with lock:
+                seen.append((threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+            return k * k
+        return run
+
+    out = run_concurrently([task(k) for k in range(5)], [(k + 1, 1) for k in range(5)], workers=2)
+    assert out == [0, 1, 4, 9, 16]
+    assert all(name.startswith("manifoldlib-solve2") for name, _, _ in seen)
+    assert all(threads == 1 for _, threads, _ in seen)  # 2 threads // 2 workers
+    assert not any(grad for _, _, grad in seen)
+    assert torch.get_num_threads() == 2  # the caller's count, restored
+
+
+def test_one_worker_runs_in_the_calling_thread_with_its_settings():
+    names = run_concurrently([lambda: threading.current_thread().name] * 2, [SQUARE] * 2, workers=1)
+    assert names == [threading.current_thread().name] * 2
+    assert run_concurrently([], [], workers=2) == []
+
+
+def test_a_lone_task_still_gets_the_workers_thread_share():
+    torch.set_num_threads(2)
+    assert run_concurrently([torch.get_num_threads], [TALL], workers=2) == [1]
+
+
+def test_never_more_than_workers_at_once():
+    active, peak = [0], [0]
+    lock = threading.Lock()
+
+    def task():
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.02)
+        with lock:
+            active[0] -= 1
+
+    run_concurrently([task] * 8, [SQUARE] * 8, workers=3)
+    assert peak[0] == 3
+
+
+def test_a_failure_is_raised_after_every_task_finished():
+    finished = []
+
+    def slow():
+        time.sleep(0.05)
+        finished.append("slow")
+
+    def bad():
+        raise RuntimeError("solve 1 failed")
+
+    with pytest.raises(RuntimeError, match="solve 1 failed"):
+        run_concurrently([slow, bad, slow], [SQUARE] * 3, workers=2)
+    assert finished == ["slow", "slow"]
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError, match="got 2 tasks but 1 shapes"):
+        run_concurrently([lambda: 0, lambda: 0], [SQUARE], workers=2)
+
+
+def _params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*shape, generator=g) / shape[0] ** 0.5) for shape in shapes]
+
+
+def _run(shapes, groups_of, steps, **kwargs):
+    params = _params(shapes)
+    opt = ManifoldMuon(groups_of(params), lr=0.05, weight_decay=0.01, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+SHAPES = [(96, 32), (32, 96), (48, 48), (48, 48), (64, 16)]
+
+
+def _mixed_groups(params):
+    return [
+        {"params": params[:2], "manifold": "dgram"},
+        {"params": params[2:4], "manifold": "stiefel"},
+        {"params": params[4:], "manifold": "euclidean"},
+    ]
+
+
+def test_side_by_side_steps_equal_one_at_a_time_steps_at_the_workers_thread_count(monkeypatch):
+    torch.set_num_threads(1)
+    reference, ref_opt = _run(SHAPES, _mixed_groups, 4, workers=1)
+    torch.set_num_threads(2)
+    counts = []
+    real = mm_module.run_concurrently
+
+    def spy(tasks, shapes, workers):
+        counts.append((len(tasks), workers))
+        return real(tasks, shapes, workers)
+
+    monkeypatch.setattr(mm_module, "run_concurrently", spy)
+    got, opt = _run(SHAPES, _mixed_groups, 4, workers=2)  # 2 workers x 1 thread
+    assert counts == [(4, 2)] * 4  # the four Stiefel/DGram matrices; the Euclidean one stays here
+    for a, b in zip(reference, got):
+        assert torch.equal(a, b)
+    for p_ref, p in zip(ref_opt.param_groups[0]["params"], opt.param_groups[0]["params"]):
+        assert ref_opt.state[p_ref]["dual_iterations"] == opt.state[p]["dual_iterations"]
+        assert torch.equal(ref_opt.state[p_ref]["dual_correction"], opt.state[p]["dual_correction"])
+    assert torch.get_num_threads() == 2
+
+
+def test_auto_is_the_default_and_leaves_grad_mode_and_precision_alone(monkeypatch):
+    torch.set_num_threads(2)
+    params = _params([(64, 32), (64, 32)])
+    opt = ManifoldMuon(params, manifold="stiefel", lr=0.05)
+    assert opt.workers == "auto"
+    calls = []
+    real = mm_module.run_concurrently
+
+    def spy(tasks, shapes, workers):
+        calls.append(workers)
+        return real(tasks, shapes, workers)
+
+    monkeypatch.setattr(mm_module, "run_concurrently", spy)
+    previous = [h.fp32_precision for h in _matmul_backends()]
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    finally:
+        for h, value in zip(_matmul_backends(), previous):
+            h.fp32_precision = value
+    assert calls == [2]
+    assert torch.is_grad_enabled()
+    assert all(p.grad_fn is None and p.requires_grad for p in params)
+
+
+def test_products_inside_the_workers_are_ieee_under_a_bfloat16_setting(monkeypatch):
+    seen = []
+    real = mm_module._solve_one
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.mkldnn.matmul.fp32_precision)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mm_module, "_solve_one", spy)
+    torch.set_num_threads(2)
+    params = _params([(64, 32), (64, 32)])
+    opt = ManifoldMuon(params, manifold="dgram", lr=0.05, workers=2)
+    previous = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = previous
+    assert seen == ["ieee", "ieee"]
+
+
+def test_a_failing_solve_names_its_error_and_leaves_the_threads_restored():
+    torch.set_num_threads(2)
+    params = _params([(64, 32), (64, 32)])
+    opt = ManifoldMuon(params, manifold="stiefel", lr=0.05, workers=2)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    with torch.no_grad():
+        params[1].mul_(3.0)  # moved off Stiefel behind the optimizer's back: its solve refuses it
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match="W is not a Stiefel point"):
+        opt.step()
+    assert torch.get_num_threads() == 2
+    assert not torch.equal(params[0], before)  # the other matrix's solve still finished
