@@ -7,11 +7,17 @@ ratio to torch.optim.Muon (median of per-step ratios, each against an anchor ste
 before on the same gradients), dual iterations per matrix per step, and the largest relative tangent
 residual of the dual solutions.
 
-    python benchmarks/bench_manifold_muon.py [--steps 3] [--threads 2] [--max-iter 30] [--tol 1e-3]
-        [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072] [--device cuda]
-        [--spectral auto|eigh|products]
+    python benchmarks/bench_manifold_muon.py [--steps 3] [--warmup 1] [--threads 2] [--max-iter 30]
+        [--tol 1e-3] [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
+        [--device cuda] [--spectral auto|eigh|products] [--workers auto|1|2...]
 
-``--spectral`` is ManifoldMuon's ``dual_spectral``: ``auto`` (default) evaluates the plain dual
+``--warmup`` untimed steps come first (default 1: allocation and the first multiplier). The
+momentum buffers take about 1/(1 - 0.95) = 20 steps to fill, and the dual solves of those first
+steps are easier than later ones (three Anderson steps instead of four on the tall matrices), so
+``--warmup 25`` measures the steady state of a training run.
+
+``--workers`` is ManifoldMuon's ``workers`` (default ``auto``: on a CPU the four matrices are
+solved two at a time, one thread each). ``--spectral`` is ManifoldMuon's ``dual_spectral``: ``auto`` (default) evaluates the plain dual
 with Gram-form Newton–Schulz products on CUDA and with one eigh per evaluation elsewhere.
 """
 
@@ -72,7 +78,7 @@ def _synchronize() -> None:
         torch.cuda.synchronize(DEVICE)
 
 
-def _run(make, anchor_make, grads) -> dict:
+def _run(make, anchor_make, grads, warmup: int = 1) -> dict:
     """Time ``make``'s optimizer; each step is paired with an anchor step run just before it on
     the same gradients, and the ratio is the median of the per-step ratios (robust to the load of
     a shared machine drifting during the run)."""
@@ -82,7 +88,7 @@ def _run(make, anchor_make, grads) -> dict:
     for k, step_grads in enumerate(grads):
         t_anchor = _timed_step(anchor, anchor_params, step_grads)
         t_opt = _timed_step(opt, params, step_grads)
-        if k == 0:  # warm-up step (allocation, first multiplier), not timed
+        if k < warmup:  # warm-up steps (allocation, first multiplier, momentum), not timed
             continue
         times.append(t_opt)
         ratios.append(t_opt / t_anchor)
@@ -102,6 +108,7 @@ def _run(make, anchor_make, grads) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones (>= 1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-iter", type=int, default=30, help="dual iteration cap")
     parser.add_argument("--tol", type=float, default=1e-3, help="dual tolerance (relative tangent residual)")
@@ -110,7 +117,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated MxN shapes (default: the GPT-small block)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
     parser.add_argument("--spectral", default="auto", help="dual spectral path: auto, eigh or products")
+    parser.add_argument("--workers", default="auto", help="ManifoldMuon workers: auto or an int >= 1")
     args = parser.parse_args()
+    if args.warmup < 1:
+        raise SystemExit(f"--warmup must be >= 1, got {args.warmup}")
+    workers = args.workers if args.workers == "auto" else int(args.workers)
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -118,10 +129,10 @@ def main() -> None:
     if args.shapes:
         SHAPES[:] = [tuple(int(k) for k in item.split("x")) for item in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
-    grads = _gradients(args.steps + 1)
+    grads = _gradients(args.steps + args.warmup)
     kw = {"lr": 0.02, "weight_decay": 0.0}
     mm = {"dual_tol": args.tol, "dual_max_iter": args.max_iter, "msign_method": args.msign,
-          "dual_spectral": args.spectral}
+          "dual_spectral": args.spectral, "workers": workers}
     runs = {
         "torch.optim.Muon (anchor)": lambda ps: torch.optim.Muon(ps, **kw),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
@@ -142,15 +153,16 @@ def main() -> None:
             ps, manifold="dgram", warm_start=False, **kw, **mm
         ),
     }
-    print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps, {args.threads} threads, dual tol {args.tol}, "
-          f"cap {args.max_iter}, dual msign {args.msign}, spectral {args.spectral}, load average {os.getloadavg()[0]:.2f}")
+    print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps after {args.warmup} untimed, {args.threads} "
+          f"threads, workers {args.workers}, dual tol {args.tol}, cap {args.max_iter}, dual msign {args.msign}, "
+          f"spectral {args.spectral}, load average {os.getloadavg()[0]:.2f}")
     anchor_make = runs["torch.optim.Muon (anchor)"]
     print(f"{'optimizer':48s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
     wanted = [w for w in args.only.split(",") if w]
     for name, make in runs.items():
         if wanted and "anchor" not in name and not any(w in name for w in wanted):
             continue
-        r = _run(make, anchor_make, grads)
+        r = _run(make, anchor_make, grads, args.warmup)
         print(f"{name:48s} {r['time']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
               f"{r['residual']:10.1e}", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
