@@ -29,6 +29,7 @@ The caller's thread count is restored afterwards.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -46,6 +47,18 @@ BALANCE_SLACK = 1.1
 
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}  # by size: a pool of k threads runs at most k solves at once
+
+
+def _forget_pools_in_child() -> None:
+    """A forked child (e.g. a fork-started DataLoader worker) has none of the pools' threads:
+    forget the executors so that a step there builds fresh ones instead of waiting forever."""
+    global _pool_lock
+    _pools.clear()
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def resolve_workers(workers: int | str, shapes: Sequence[Sequence[int]], threads: int | None = None) -> int:

@@ -159,8 +159,8 @@ def _preconditioned_step(problem: _DualProblem, h: torch.Tensor, state: _State) 
     after three steps fell from 0.95–1.1e-3 to 0.70–0.88e-3 (every solve then stops after three
     steps instead of four; 1.15–1.3 all do, 1.4 slows the first step), and the float64 random
     instances of ``benchmarks/bench_dual_iterations.py`` took the same or fewer steps. On DGram
-    the metric stands in for :math:`D^2` and the spectrum is not bounded by 1: with 1.25 a
-    low-rank 64×16 instance hit the iteration cap, so DGram keeps :math:`\omega = 1`. Anderson
+    the metric stands in for :math:`D^2` and the spectrum is not bounded by 1: with 1.1 as with
+    1.25 a low-rank 64×16 instance hit the iteration cap, so DGram keeps :math:`\omega = 1`. Anderson
     mixing in :func:`_anderson_solve` recovers the rest.
     """
     vec, gain = state.vec, state.gain

@@ -245,3 +245,23 @@ def test_a_failing_solve_names_its_error_and_leaves_the_threads_restored():
         opt.step()
     assert torch.get_num_threads() == 2
     assert not torch.equal(params[0], before)  # the other matrix's solve still finished
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_builds_its_own_pool():
+    import os
+
+    torch.set_num_threads(2)
+    run_concurrently([lambda: 1, lambda: 2], [SQUARE, SQUARE], workers=2)  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # child: the parent's pool threads are gone; the step must not wait on them
+        import signal
+
+        signal.alarm(30)  # a hang kills the child (exit by signal), not the test run
+        code = 1
+        try:
+            code = 0 if run_concurrently([lambda: 3, lambda: 4], [SQUARE, SQUARE], workers=2) == [3, 4] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
