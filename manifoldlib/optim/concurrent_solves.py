@@ -10,7 +10,8 @@ that: a whole 3072×768 Stiefel step takes 1.64x as long on one thread as on two
 matrices side by side finish in 0.82 of the time of one after the other.
 
 It pays only when the matrices split evenly over the workers: one 3072×768 and one 768×768
-Stiefel matrix took 1.55x *longer* side by side (the big one alone on one thread). ``"auto"``
+Stiefel matrix took 1.41–1.55x *longer* side by side (the big one alone on one thread).
+``benchmarks/bench_concurrent_solves.py`` measures both cases and more. ``"auto"``
 therefore runs matrices concurrently only when the longest-processing-time-first schedule of
 their estimated costs (:func:`~manifoldlib.distributed.matrix_cost`, :math:`mn\min(m, n)`; the
 schedule of :func:`~manifoldlib.distributed.assign_owners`) is within :data:`BALANCE_SLACK` of
