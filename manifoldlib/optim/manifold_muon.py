@@ -298,6 +298,20 @@ def _solve_into(param: Tensor, update: Tensor, state: dict, options: dict[str, A
     param.copy_(_solve_one(param, update, state, **options))
 
 
+def _side_by_side(items: list, indices, workers: int) -> list[int]:
+    """The ``indices`` whose items a step solves side by side: Stiefel/DGram ones when ``workers > 1``."""
+    return [i for i in indices if workers > 1 and items[i][3]["manifold"] != "euclidean"]
+
+
+def _run_side_by_side(tasks: list, items: list, indices: list[int], workers: int) -> list:
+    """``tasks`` (one per ``items[i]``, ``i`` in ``indices``) on the solve pool, IEEE float32 held
+    here so that the workers' own precision contexts write nothing."""
+    if not tasks:
+        return []
+    with ieee_float32_matmul():
+        return run_concurrently(tasks, [tuple(items[i][0].shape) for i in indices], workers)
+
+
 def manifold_muon(
     params: list[Tensor],
     grads: list[Tensor],
@@ -430,7 +444,8 @@ class ManifoldMuon(Optimizer):
             ``torch.get_num_threads() // k`` intra-op threads, so its result is that of a
             one-at-a-time step at that thread count; Euclidean groups and non-CPU matrices
             always run one at a time in the calling thread. On the 2-core development machine
-            the GPT-small benchmark set's Stiefel step took 0.80–0.85 s instead of 0.85–0.97 s.
+            a GPT-small block's Stiefel step took 0.82–0.86 of its one-at-a-time time
+            (``benchmarks/bench_concurrent_solves.py``).
 
     Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
     ``torch.load(weights_only=True)``. Wide matrices are handled in their tall orientation: a
@@ -633,25 +648,18 @@ class ManifoldMuon(Optimizer):
                 items.append((p, update, state, options))
         workers = self._resolved_workers(items)
         if not self._sharded():
-            for p, update, state, options in items:  # Euclidean groups: torch.optim.Muon's step, here
-                if workers == 1 or options["manifold"] == "euclidean":
+            side = _side_by_side(items, range(len(items)), workers)
+            here = set(range(len(items))) - set(side)
+            for i, (p, update, state, options) in enumerate(items):  # Euclidean: torch.optim.Muon's step
+                if i in here:
                     p.copy_(_solve_one(p, update, state, **options))
-            if workers > 1:
-                solved = [item for item in items if item[3]["manifold"] != "euclidean"]
-                tasks = [functools.partial(_solve_into, *item) for item in solved]
-                with ieee_float32_matmul():  # held here: the workers' own contexts then write nothing
-                    run_concurrently(tasks, [tuple(p.shape) for p, _, _, _ in solved], workers)
+            _run_side_by_side([functools.partial(_solve_into, *items[i]) for i in side], items, side, workers)
             return loss
         owners = self.owners()
         rank = get_rank_world(self.process_group)[0]
-        precomputed: dict[int, Tensor] = {}
-        if workers > 1:  # this rank's matrices, side by side, before the exchange
-            mine = [i for i, (p, _, _, options) in enumerate(items)
-                    if owners[id(p)] == rank and options["manifold"] != "euclidean"]
-            tasks = [functools.partial(_solve_one, items[i][0], items[i][1], items[i][2], **items[i][3]) for i in mine]
-            with ieee_float32_matmul():
-                values = run_concurrently(tasks, [tuple(items[i][0].shape) for i in mine], workers)
-            precomputed = dict(zip(mine, values))
+        mine = _side_by_side(items, [i for i, item in enumerate(items) if owners[id(item[0])] == rank], workers)
+        tasks = [functools.partial(_solve_one, items[i][0], items[i][1], items[i][2], **items[i][3]) for i in mine]
+        precomputed = dict(zip(mine, _run_side_by_side(tasks, items, mine, workers)))  # before the exchange
 
         def solve(i: int, p: Tensor) -> Tensor:
             if i in precomputed:

@@ -3,10 +3,9 @@ and ManifoldMuon steps that equal one-at-a-time steps at the workers' thread cou
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
-
-import importlib
 
 import pytest
 import torch

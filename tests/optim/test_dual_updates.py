@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_steepest import CASES, _dual_optimum, _instance
 
-from manifoldlib.optim import ManifoldMuon, steepest_direction, tangent_residual
+from manifoldlib.optim import ManifoldMuon, dual_solvers, steepest_direction, tangent_residual
 from manifoldlib.optim.steepest import DUAL_UPDATES, solve_dual
 
 
@@ -182,8 +182,6 @@ def _history(w, g, manifold, iterations):
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_over_relaxed_steps_reach_lower_residuals(monkeypatch, manifold, seed):
-    import manifoldlib.optim.dual_solvers as dual_solvers
-
     w, g = _gpt_like(512, 128, seed)
     if manifold == "dgram":
         w = w * torch.exp(0.02 * torch.randn(128, generator=torch.Generator().manual_seed(seed), dtype=w.dtype))
@@ -198,8 +196,6 @@ def test_over_relaxed_steps_reach_lower_residuals(monkeypatch, manifold, seed):
 def test_over_relaxation_stops_once_the_residual_grows(monkeypatch):
     # a low-rank DGram instance on which over-relaxed steps without the fallback ran into the
     # cap of 100 iterations (benchmarks/bench_dual_iterations.py, Muon's quintic)
-    import manifoldlib.optim.dual_solvers as dual_solvers
-
     used = []
     real = dual_solvers._preconditioned_step
 
