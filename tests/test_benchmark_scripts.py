@@ -23,7 +23,7 @@ CASES = {
         ["spectral products", "after 2 untimed", "workers 2", "ManifoldMuon stiefel", "max resid"],
     ),
     "bench_concurrent_solves.py": (
-        ["--steps", "1", "--threads", "2", "--scale", "16", "--size", "32", "--sets", "gpt,imbalanced"],
+        ["--steps", "1", "--threads", "2", "--scale", "4", "--size", "32", "--sets", "gpt,imbalanced"],
         ["eigh 32^2 float32", "set gpt: 4 stiefel matrices", "auto decides 2 worker(s)",
          "set imbalanced", "auto decides 1 worker(s)", "side by side (2)"],
     ),

@@ -10,8 +10,10 @@ that: a whole 3072×768 Stiefel step takes 1.64x as long on one thread as on two
 matrices side by side finish in 0.82 of the time of one after the other.
 
 It pays only when the matrices split evenly over the workers: one 3072×768 and one 768×768
-Stiefel matrix took 1.41–1.55x *longer* side by side (the big one alone on one thread).
-``benchmarks/bench_concurrent_solves.py`` measures both cases and more. ``"auto"``
+Stiefel matrix took 1.41–1.55x *longer* side by side (the big one alone on one thread). Nor does
+it pay for small matrices, whose solves are mostly Python (one interpreter lock for both
+threads): eight matrices of a 21-wide block took 1.33x longer. ``"auto"`` checks both
+(:func:`resolve_workers`); ``benchmarks/bench_concurrent_solves.py`` measures these cases and more. ``"auto"``
 therefore runs matrices concurrently only when the longest-processing-time-first schedule of
 their estimated costs (:func:`~manifoldlib.distributed.matrix_cost`, :math:`mn\min(m, n)`; the
 schedule of :func:`~manifoldlib.distributed.assign_owners`) is within :data:`BALANCE_SLACK` of
@@ -40,11 +42,17 @@ import torch
 
 from ..distributed.sharding import assign_owners, matrix_cost, rank_loads
 
-__all__ = ["BALANCE_SLACK", "resolve_workers", "run_concurrently"]
+__all__ = ["BALANCE_SLACK", "MIN_MEAN_COST", "resolve_workers", "run_concurrently"]
 
 #: ``"auto"`` runs solves concurrently when the schedule's longest worker is at most this factor
 #: above a perfect split (break-even on the development machine was about 1.22 for two workers).
 BALANCE_SLACK = 1.1
+#: ... and when the solves are large enough for BLAS and LAPACK to outweigh the Python of the
+#: solver loop, which two threads share under the GIL: mean :func:`~manifoldlib.distributed.matrix_cost`
+#: at least this. Measured with ``benchmarks/bench_concurrent_solves.py --scale k`` (Stiefel, 2
+#: threads): a 128-wide GPT block (mean cost 5.2e6) 0.91–0.92 of the one-at-a-time time, 96-wide
+#: (2.2e6) 1.00–1.01, 64-wide 0.87–1.21, 21- to 48-wide 1.00–1.35.
+MIN_MEAN_COST = 4_000_000
 
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}  # by size: a pool of k threads runs at most k solves at once
@@ -65,9 +73,10 @@ if hasattr(os, "register_at_fork"):
 def resolve_workers(workers: int | str, shapes: Sequence[Sequence[int]], threads: int | None = None) -> int:
     """How many solves to run at once: ``workers`` (an int ``>= 1``, or ``"auto"``) for matrices of these shapes.
 
-    ``"auto"``: ``min(threads, len(shapes))`` when there are at least two solves and two threads
-    and the schedule is balanced (:data:`BALANCE_SLACK`), else 1. An int is capped at the
-    number of solves. ``threads`` defaults to ``torch.get_num_threads()``.
+    ``"auto"``: ``min(threads, len(shapes))`` when there are at least two solves and two threads,
+    the solves are not tiny (:data:`MIN_MEAN_COST`) and the schedule is balanced
+    (:data:`BALANCE_SLACK`), else 1. An int is capped at the number of solves. ``threads``
+    defaults to ``torch.get_num_threads()``.
 
     Raises:
         ValueError: ``workers`` is neither ``"auto"`` nor an int ``>= 1``.
@@ -84,6 +93,8 @@ def resolve_workers(workers: int | str, shapes: Sequence[Sequence[int]], threads
     if k < 2:
         return 1
     loads = rank_loads(shapes, assign_owners(shapes, k), k)
+    if sum(loads) < MIN_MEAN_COST * count:
+        return 1
     balanced = max(loads) <= BALANCE_SLACK * sum(loads) / k
     return k if balanced else 1
 

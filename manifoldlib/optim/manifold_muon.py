@@ -438,8 +438,9 @@ class ManifoldMuon(Optimizer):
             ``"size"`` (default, balances the solve cost) or ``"round-robin"``.
         workers: how many Stiefel/DGram matrices to solve at once on CPU threads
             (:mod:`~manifoldlib.optim.concurrent_solves`): ``"auto"`` (default: as many as
-            ``torch.get_num_threads()`` when there are that many and their estimated costs split
-            evenly, else one at a time), or an int ``>= 1`` (1: one at a time, the calling
+            ``torch.get_num_threads()`` when there are that many, they are not small (about
+            128 wide and up) and their estimated costs split evenly, else one at a time), or an
+            int ``>= 1`` (1: one at a time, the calling
             thread's settings). With ``k > 1`` workers each matrix runs with
             ``torch.get_num_threads() // k`` intra-op threads, so its result is that of a
             one-at-a-time step at that thread count; Euclidean groups and non-CPU matrices

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from manifoldlib.optim import ManifoldMuon
-from manifoldlib.optim.concurrent_solves import BALANCE_SLACK, resolve_workers, run_concurrently
+from manifoldlib.optim.concurrent_solves import BALANCE_SLACK, MIN_MEAN_COST, resolve_workers, run_concurrently
 from manifoldlib.optim.matmul_precision import _matmul_backends
 
 TALL, SQUARE = (3072, 768), (768, 768)
@@ -44,18 +44,24 @@ def test_bad_workers_name_the_value(bad):
         ([TALL, TALL, SQUARE, SQUARE], 1, 1),  # one thread: nothing to share
         ([SQUARE] * 8, 4, 4),
         ([SQUARE] * 3, 8, 3),  # never more workers than matrices
+        ([(128, 128), (128, 128), (512, 128), (128, 512)], 2, 2),  # mean cost 5.2e6
+        ([(96, 96), (96, 96), (384, 96), (96, 384)], 2, 1),  # 2.2e6: Python-bound, one at a time
+        ([(21, 21)] * 8, 2, 1),
     ],
 )
 def test_auto_runs_side_by_side_only_when_the_split_is_even(shapes, threads, expected):
     assert resolve_workers("auto", shapes, threads=threads) == expected
 
 
-def test_auto_threshold_is_the_balance_slack():
+def test_auto_thresholds_are_the_balance_slack_and_the_size_floor():
     # loads 5 + 4 over two workers: makespan 5 against a mean of 4.5, 1.11 > 1.1
-    shapes = [(5, 1), (4, 1)]
+    shapes = [(5 * 256, 256), (4 * 256, 256)]
     assert 5 / 4.5 > BALANCE_SLACK
     assert resolve_workers("auto", shapes, threads=2) == 1
-    assert resolve_workers("auto", [(21, 1), (20, 1)], threads=2) == 2  # 21 / 20.5 = 1.02
+    assert resolve_workers("auto", [(21 * 256, 256), (20 * 256, 256)], threads=2) == 2  # 21 / 20.5 = 1.02
+    side = round(MIN_MEAN_COST ** (1 / 3))  # a square of about the floor's cost
+    assert resolve_workers("auto", [(side + 2, side + 2)] * 2, threads=2) == 2
+    assert resolve_workers("auto", [(side - 2, side - 2)] * 2, threads=2) == 1
 
 
 def test_an_explicit_count_is_capped_at_the_number_of_solves():
@@ -182,7 +188,7 @@ def test_side_by_side_steps_equal_one_at_a_time_steps_at_the_workers_thread_coun
 
 def test_auto_is_the_default_and_leaves_grad_mode_and_precision_alone(monkeypatch):
     torch.set_num_threads(2)
-    params = _params([(64, 32), (64, 32)])
+    params = _params([(512, 256), (512, 256)])  # above the size floor of "auto"
     opt = ManifoldMuon(params, manifold="stiefel", lr=0.05)
     assert opt.workers == "auto"
     calls = []
