@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from manifoldlib.optim import ManifoldMuon
-from manifoldlib.optim.concurrent_solves import BALANCE_SLACK, MIN_MEAN_COST, resolve_workers, run_concurrently
+from manifoldlib.optim.concurrent_solves import (
+    BALANCE_SLACK,
+    MIN_MEAN_COST,
+    resolve_workers,
+    run_concurrently,
+)
 from manifoldlib.optim.matmul_precision import _matmul_backends
 
 TALL, SQUARE = (3072, 768), (768, 768)
