@@ -12,12 +12,12 @@ matrices side by side finish in 0.82 of the time of one after the other.
 It pays only when the matrices split evenly over the workers: one 3072×768 and one 768×768
 Stiefel matrix took 1.41–1.55x *longer* side by side (the big one alone on one thread). Nor does
 it pay for small matrices, whose solves are mostly Python (one interpreter lock for both
-threads): eight matrices of a 21-wide block took 1.33x longer. ``"auto"`` checks both
-(:func:`resolve_workers`); ``benchmarks/bench_concurrent_solves.py`` measures these cases and more. ``"auto"``
-therefore runs matrices concurrently only when the longest-processing-time-first schedule of
-their estimated costs (:func:`~manifoldlib.distributed.matrix_cost`, :math:`mn\min(m, n)`; the
-schedule of :func:`~manifoldlib.distributed.assign_owners`) is within :data:`BALANCE_SLACK` of
-a perfect split (:func:`resolve_workers`).
+threads): eight matrices of a 21-wide block took 1.33x longer. ``"auto"`` therefore runs
+matrices concurrently only when their mean estimated cost (:func:`~manifoldlib.distributed.matrix_cost`,
+:math:`mn\min(m, n)`) reaches :data:`MIN_MEAN_COST` and the longest-processing-time-first
+schedule of those costs (that of :func:`~manifoldlib.distributed.assign_owners`) is within
+:data:`BALANCE_SLACK` of a perfect split (:func:`resolve_workers`).
+``benchmarks/bench_concurrent_solves.py`` measures these cases and more.
 
 Numerics: a matrix solved by a worker runs its products with ``intra = threads // workers``
 intra-op threads, and its result is what a sequential step with ``torch.set_num_threads(intra)``
@@ -92,11 +92,11 @@ def resolve_workers(workers: int | str, shapes: Sequence[Sequence[int]], threads
     k = min(threads, count)
     if k < 2:
         return 1
-    loads = rank_loads(shapes, assign_owners(shapes, k), k)
-    if sum(loads) < MIN_MEAN_COST * count:
+    total = sum(matrix_cost(shape) for shape in shapes)
+    if total < MIN_MEAN_COST * count:
         return 1
-    balanced = max(loads) <= BALANCE_SLACK * sum(loads) / k
-    return k if balanced else 1
+    loads = rank_loads(shapes, assign_owners(shapes, k), k)
+    return k if max(loads) <= BALANCE_SLACK * total / k else 1
 
 
 def _executor(size: int) -> ThreadPoolExecutor:

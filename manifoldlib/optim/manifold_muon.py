@@ -440,8 +440,8 @@ class ManifoldMuon(Optimizer):
             (:mod:`~manifoldlib.optim.concurrent_solves`): ``"auto"`` (default: as many as
             ``torch.get_num_threads()`` when there are that many, they are not small (about
             128 wide and up) and their estimated costs split evenly, else one at a time), or an
-            int ``>= 1`` (1: one at a time, the calling
-            thread's settings). With ``k > 1`` workers each matrix runs with
+            int ``>= 1`` (1: one at a time, the calling thread's settings). With ``k > 1``
+            workers each matrix runs with
             ``torch.get_num_threads() // k`` intra-op threads, so its result is that of a
             one-at-a-time step at that thread count; Euclidean groups and non-CPU matrices
             always run one at a time in the calling thread. On the 2-core development machine
@@ -650,9 +650,9 @@ class ManifoldMuon(Optimizer):
         workers = self._resolved_workers(items)
         if not self._sharded():
             side = _side_by_side(items, range(len(items)), workers)
-            here = set(range(len(items))) - set(side)
-            for i, (p, update, state, options) in enumerate(items):  # Euclidean: torch.optim.Muon's step
-                if i in here:
+            pooled = set(side)
+            for i, (p, update, state, options) in enumerate(items):  # the rest (Euclidean: Muon's step) here
+                if i not in pooled:
                     p.copy_(_solve_one(p, update, state, **options))
             _run_side_by_side([functools.partial(_solve_into, *items[i]) for i in side], items, side, workers)
             return loss
