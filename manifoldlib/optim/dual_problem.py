@@ -96,6 +96,7 @@ class _State:
     mv: torch.Tensor | None = None
     rotated: torch.Tensor | None = None  # V^T (H / metric) V, when the evaluation formed it
     hessian: tuple | None = None  # (V, M V, Phi) for Hessian-vector products, built on first use
+    k: torch.Tensor | None = None  # K = Q^T A = M R (n, n), when the evaluation formed it
 
     def spectral_factor(self) -> torch.Tensor:
         r""":math:`R = V\operatorname{diag}(\psi)V^\top` ``(n, n)`` (reduced path), built once."""
@@ -205,6 +206,7 @@ class _DualProblem:
 
     def _gradient(self, k: torch.Tensor, a_sq: torch.Tensor, state: _State):
         r"""``(H, residual, state)`` from :math:`K = Q^\top A` and :math:`\|A\|_F^2`."""
+        state.k = k
         dk = k if self.unit else self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
         h = dk + dk.mT  # dual gradient (fresh tensor: its diagonal is masked in place)
         if self.manifold == "dgram":

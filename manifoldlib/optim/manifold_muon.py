@@ -36,6 +36,9 @@ Retraction: by default the polar factor comes from the ``n × n`` Gram matrix
 (:data:`DEFAULT_RETRACTIONS`, msign method ``"gram-eigh"``). The Gram matrix of a small step is
 diagonal up to second-order terms, and its inverse square root takes a few matrix products and no
 eigendecomposition (:mod:`~manifoldlib.functional.gram_rsqrt`); larger steps take the eigh.
+With that default, tall matrices (``m >= 2n``) retract in the fused form of
+:mod:`~manifoldlib.optim.fused_retraction`: the Gram matrix of :math:`W - \eta A` is assembled
+from the solved dual's ``n × n`` pieces, two ``m·n²`` products instead of four.
 
 Weight decay: decoupled, :math:`W \leftarrow (1 - \eta\lambda)W` before the retraction, on DGram
 (it shrinks column norms, the manifold's scale freedom) and Euclidean. Stiefel has no scale
@@ -72,6 +75,7 @@ from ..distributed import (
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
 from .concurrent_solves import resolve_workers, run_concurrently
+from .fused_retraction import fused_retraction
 from .matmul_precision import ieee_float32_matmul
 from .steepest import DUAL_UPDATES, SPECTRAL_PATHS, solve_dual
 
@@ -250,8 +254,12 @@ def _solve_one(
     dual_smoothing: str | float | None = "auto",
     dual_update: str = "auto",
     dual_spectral: str = "auto",
+    fuse_retraction: bool = False,
 ) -> Tensor:
     """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
+
+    ``fuse_retraction``: the group retracts with its default Gram-form retraction, which
+    :func:`~manifoldlib.optim.fused_retraction.fused_retraction` can form from the solved dual.
 
     ``param`` is read, never written (in sharded mode it is also the owner's input to
     :func:`~manifoldlib.distributed.sharded_apply`).
@@ -288,8 +296,14 @@ def _solve_one(
         state["dual_correction"] = info.correction
         state["dual_iterations"] = int(info.iterations)
         state["dual_residual"] = float(info.residual)
-        base = w.mul(1 - lr * weight_decay) if (manifold == "dgram" and weight_decay) else w
-        new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
+        decay = 1 - lr * weight_decay if (manifold == "dgram" and weight_decay) else 1.0
+        new = None
+        if fuse_retraction and solution.problem is not None:  # the retraction from n x n pieces (tall matrices)
+            new = fused_retraction(solution.problem, solution.state, adjusted, decay)
+        if new is None:
+            base = w.mul(decay) if decay != 1.0 else w
+            new = manifold_obj.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
+        new = new.to(w.dtype)
     return new.mT if param.size(-2) < param.size(-1) else new
 
 
@@ -335,8 +349,14 @@ def manifold_muon(
     dual_smoothing: str | float | None = "auto",
     dual_update: str = "auto",
     dual_spectral: str = "auto",
+    fuse_retraction: bool = False,
 ) -> None:
     r"""Functional core of :class:`ManifoldMuon`: one step for a list of matrices of one group.
+
+    ``fuse_retraction=True`` declares ``manifold_obj`` to carry the default Gram-form retraction
+    (:data:`DEFAULT_RETRACTIONS`); tall matrices then take it in the fused form of
+    :mod:`~manifoldlib.optim.fused_retraction` (the same point to rounding, two ``m·n²`` products
+    fewer).
 
     ``states[i]`` is the optimizer state of ``params[i]``; the dual correction (``"dual_correction"``),
     the dual iterations (``"dual_iterations"``) and residual (``"dual_residual"``) of this step are
@@ -358,6 +378,7 @@ def manifold_muon(
         "dual_smoothing": dual_smoothing,
         "dual_update": dual_update,
         "dual_spectral": dual_spectral,
+        "fuse_retraction": fuse_retraction,
     }
     for param, grad, buf, state in zip(params, grads, momentum_bufs, states):
         update = _momentum_update(grad, buf, momentum, nesterov)
@@ -382,6 +403,7 @@ def _solve_options(group: MutableMapping) -> dict[str, Any]:
         "dual_smoothing": group.get("dual_smoothing", "auto"),
         "dual_update": group.get("dual_update", "auto"),
         "dual_spectral": group.get("dual_spectral", "auto"),
+        "fuse_retraction": group["retraction"] is None and not group.get("retraction_options"),
     }
 
 

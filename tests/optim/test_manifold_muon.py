@@ -225,6 +225,8 @@ def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(
 
     monkeypatch.setattr(msign_module, "_msign_svd", lambda y: calls.__setitem__("svd", calls["svd"] + 1) or svd(y))
     monkeypatch.setattr(msign_module, "near_diagonal_rsqrt", counted_chord)
+    # tall matrices take the same kernels in the fused form (manifoldlib.optim.fused_retraction)
+    monkeypatch.setattr(sys.modules["manifoldlib.optim.fused_retraction"], "near_diagonal_rsqrt", counted_chord)
 
     assert DEFAULT_RETRACTIONS["dgram"] == ("alternating", {"method": "gram-eigh"})
     # column norms spread over 1e-2 .. 1: Y diag(|y_j|) has kappa ~ 1e4, far beyond what an eigh of

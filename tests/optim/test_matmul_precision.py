@@ -8,7 +8,10 @@ the harm it prevents was measured on an H200 (see :mod:`manifoldlib.optim.matmul
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+
 import torch
 
 from manifoldlib.manifolds.stiefel import Stiefel
@@ -114,6 +117,14 @@ def test_manifold_muon_steps_and_projects_in_ieee_float32(monkeypatch):
     monkeypatch.setattr(Stiefel, "projx", projx)
     monkeypatch.setattr(dual_problem, "_spectral_gain", gain)
     monkeypatch.setattr(stiefel_retractions, "stiefel_polar", polar)
+    muon_module = sys.modules["manifoldlib.optim.manifold_muon"]
+    real_fused = muon_module.fused_retraction
+
+    def fused(*args, **kwargs):  # a tall matrix's retraction, formed from the solved dual
+        seen["retraction"].append(_full_precision_now())
+        return real_fused(*args, **kwargs)
+
+    monkeypatch.setattr(muon_module, "fused_retraction", fused)
     torch.set_float32_matmul_precision("high")
     before = _settings()
     p = torch.nn.Parameter(torch.randn(48, 12, generator=torch.Generator().manual_seed(1)))
