@@ -219,12 +219,7 @@ def _anderson_solve(
         points, steps = points[-(memory + 1):], steps[-(memory + 1):]
         new = lam + delta
         if len(steps) > 1:
-            d_steps = torch.stack([(b - a).flatten() for a, b in itertools.pairwise(steps)], -1)  # (n², k)
-            d_points = torch.stack([(b - a).flatten() for a, b in itertools.pairwise(points)], -1)
-            gram = d_steps.mT @ d_steps  # (k, k)
-            ridge = 1e-10 * torch.diagonal(gram).sum() * torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
-            gamma = torch.linalg.solve(gram + ridge, d_steps.mT @ delta.flatten())  # (k,)
-            new = new - ((d_points + d_steps) @ gamma).reshape(delta.shape)
+            new = new - _anderson_correction(points, steps, delta)
         lam = new
         iterations += 1
         h, residual, state = problem.evaluate(lam, rotated=True)
@@ -236,6 +231,30 @@ def _anderson_solve(
         previous = residual
     residual, lam, state = tracker.best
     return lam, state, residual, iterations
+
+
+def _anderson_correction(points: list[torch.Tensor], steps: list[torch.Tensor], delta: torch.Tensor) -> torch.Tensor:
+    r"""``(n, n)`` :math:`(\Delta\Lambda + \Delta\delta)\gamma`, :math:`\gamma = \arg\min\|\delta - \Delta\delta\,\gamma\|`.
+
+    From the ``k <= memory`` consecutive differences of the points and steps; the ``k × k``
+    normal equations (ridge 1e-10 of their trace) from inner products of the ``n × n``
+    differences themselves, without stacking them into ``n² × k`` copies.
+    """
+    d_steps = [b - a for a, b in itertools.pairwise(steps)]
+    d_points = [b - a for a, b in itertools.pairwise(points)]
+    k = len(d_steps)
+    gram = delta.new_empty(k, k)
+    rhs = delta.new_empty(k)
+    for i in range(k):
+        rhs[i] = torch.vdot(d_steps[i].flatten(), delta.flatten())
+        for j in range(i, k):
+            gram[i, j] = gram[j, i] = torch.vdot(d_steps[i].flatten(), d_steps[j].flatten())
+    ridge = 1e-10 * torch.diagonal(gram).sum() * torch.eye(k, dtype=gram.dtype, device=gram.device)
+    gamma = torch.linalg.solve(gram + ridge, rhs).tolist()  # (k,)
+    out = torch.zeros_like(delta)
+    for i in range(k):
+        out.add_(d_points[i], alpha=gamma[i]).add_(d_steps[i], alpha=gamma[i])
+    return out
 
 
 def _conjugate_gradient(problem: _DualProblem, state: _State, rhs: torch.Tensor, max_iter: int, rtol: float):
