@@ -23,7 +23,7 @@ import math
 
 import torch
 
-__all__ = ["near_diagonal_rsqrt", "near_scalar_rsqrt"]
+__all__ = ["near_diagonal_rsqrt", "near_scalar_rsqrt", "products_only_rsqrt"]
 
 #: Taylor coefficients :math:`\binom{-1/2}{k}` of :math:`(1 + x)^{-1/2}`, :math:`k = 0, 1, \dots`
 RSQRT_TAYLOR = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375)
@@ -124,4 +124,19 @@ def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
             y = u / d.unsqueeze(-1)  # Y = D^{-1} U
             return 0.5 * (y + y.mT), residual
         u = u + r * weight  # D (Y + R / (d_i + d_j))
+    return None
+
+
+def products_only_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    r"""``(T^{-1/2}, error)`` by the first kernel that resolves the symmetric ``t``:
+    :func:`near_scalar_rsqrt`, then :func:`near_diagonal_rsqrt`; ``None`` when neither does.
+
+    The one order every Gram-form polar factor of a small step uses (``msign(..., "gram-eigh")``
+    and :mod:`~manifoldlib.optim.fused_retraction`), so both take the same kernel on the same
+    Gram matrix.
+    """
+    for kernel in (near_scalar_rsqrt, near_diagonal_rsqrt):
+        found = kernel(t)
+        if found is not None:
+            return found
     return None

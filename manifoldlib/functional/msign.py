@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .gram_rsqrt import near_diagonal_rsqrt, near_scalar_rsqrt
+from .gram_rsqrt import products_only_rsqrt
 
 __all__ = [
     "MSIGN_METHODS",
@@ -176,10 +176,9 @@ def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, float]:
         return y.clone(), 0.0
     gram = y.mT @ y  # (..., n, n); eigh reads its lower triangle
     gram_sym = 0.5 * (gram + gram.mT)
-    for kernel in (near_scalar_rsqrt, near_diagonal_rsqrt):  # no eigh near diagonal
-        found = kernel(gram_sym)
-        if found is not None:
-            return y @ found[0], found[1]
+    found = products_only_rsqrt(gram_sym)  # no eigh near diagonal
+    if found is not None:
+        return y @ found[0], found[1]
     lam, vec = torch.linalg.eigh(gram)  # (..., n), (..., n, n)
     eps = torch.finfo(y.dtype).eps
     top = lam.amax(dim=-1, keepdim=True)

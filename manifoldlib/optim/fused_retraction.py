@@ -42,10 +42,11 @@ the direction and retracting it, new points equal to 4e-7 relative.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-from ..functional.gram_rsqrt import near_diagonal_rsqrt, near_scalar_rsqrt
+from ..functional.gram_rsqrt import products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from .dual_problem import _DualProblem, _State
 
@@ -107,14 +108,10 @@ def _factor(manifold: str, gram: torch.Tensor) -> torch.Tensor | None:
 
 
 def _rsqrt(t: torch.Tensor) -> torch.Tensor | None:
-    """:math:`T^{-1/2}` by the kernels of the Gram-form polar factor, in its order; ``None``
-    where neither applies or the result would need a refining pass."""
-    t = 0.5 * (t + t.mT)
-    for kernel in (near_scalar_rsqrt, near_diagonal_rsqrt):
-        found = kernel(t)
-        if found is not None:
-            return found[0] if found[1] <= GRAM_EIGH_ONE_PASS else None
-    return None
+    """:math:`T^{-1/2}` by the Gram-form polar factor's kernels; ``None`` where neither applies
+    or the result would need a refining pass."""
+    found = products_only_rsqrt(0.5 * (t + t.mT))
+    return found[0] if found is not None and found[1] <= GRAM_EIGH_ONE_PASS else None
 
 
 def fused_retraction(problem: _DualProblem, state: _State, eta: float, beta: float = 1.0) -> torch.Tensor | None:
@@ -131,6 +128,8 @@ def fused_retraction(problem: _DualProblem, state: _State, eta: float, beta: flo
         The new point in the tall orientation and the solve's work dtype, or ``None`` where the
         fused form does not apply (see the module docstring): take the plain step then.
     """
+    if not (math.isfinite(eta) and eta >= 0) or not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"fused_retraction needs a finite eta >= 0 and beta > 0, got eta={eta!r}, beta={beta!r}")
     w = problem.w
     rows, cols = w.shape[-2:]
     if problem.manifold not in ("stiefel", "dgram") or not problem.reduced or state.vec is None:

@@ -133,3 +133,11 @@ def test_a_group_with_its_own_retraction_is_not_fused(monkeypatch):
     default.grad, own.grad = torch.randn(64, 16, generator=g), torch.randn(64, 16, generator=g)
     opt.step()
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("eta", "beta"), [(-0.1, 1.0), (float("nan"), 1.0), (0.02, 0.0), (0.02, float("inf"))])
+def test_bad_step_or_decay_is_refused_by_name(eta, beta):
+    w, g = _point(96, 24, "dgram", torch.float64)
+    solution = _solve(w, g, "dgram")
+    with pytest.raises(ValueError, match="eta=.*beta="):
+        fused_retraction(solution.problem, solution.state, eta, beta)

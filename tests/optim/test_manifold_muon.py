@@ -216,7 +216,8 @@ def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(
 
     msign_module = sys.modules["manifoldlib.functional.msign"]
     calls = {"svd": 0, "chord": 0}
-    svd, chord = msign_module._msign_svd, msign_module.near_diagonal_rsqrt
+    kernels = sys.modules["manifoldlib.functional.gram_rsqrt"]  # shared by msign and the fused retraction
+    svd, chord = msign_module._msign_svd, kernels.near_diagonal_rsqrt
 
     def counted_chord(t):
         found = chord(t)
@@ -224,9 +225,7 @@ def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(
         return found
 
     monkeypatch.setattr(msign_module, "_msign_svd", lambda y: calls.__setitem__("svd", calls["svd"] + 1) or svd(y))
-    monkeypatch.setattr(msign_module, "near_diagonal_rsqrt", counted_chord)
-    # tall matrices take the same kernels in the fused form (manifoldlib.optim.fused_retraction)
-    monkeypatch.setattr(sys.modules["manifoldlib.optim.fused_retraction"], "near_diagonal_rsqrt", counted_chord)
+    monkeypatch.setattr(kernels, "near_diagonal_rsqrt", counted_chord)
 
     assert DEFAULT_RETRACTIONS["dgram"] == ("alternating", {"method": "gram-eigh"})
     # column norms spread over 1e-2 .. 1: Y diag(|y_j|) has kappa ~ 1e4, far beyond what an eigh of
