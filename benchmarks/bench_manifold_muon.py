@@ -2,14 +2,21 @@
 
 Matrices: GPT-small shapes, 768x768 (attention) and 768x3072 / 3072x768 (MLP). The gradients are
 a fixed low-rank signal plus fresh noise each step (consecutive steps are correlated, as in
-training, so the warm start has something to reuse). Prints, per optimizer: seconds per step, the
-ratio to torch.optim.Muon (median of per-step ratios, each against an anchor step run just
-before on the same gradients), dual iterations per matrix per step, and the largest relative tangent
-residual of the dual solutions.
+training, so the warm start has something to reuse). Prints, per optimizer: seconds per step,
+the anchor's seconds per step in the same run, the ratio to torch.optim.Muon (median of per-step
+ratios, each against an anchor step run just before on the same gradients), dual iterations per
+matrix per step, and the largest relative tangent residual of the dual solutions.
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--warmup 1] [--threads 2] [--max-iter 30]
         [--tol 1e-3] [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
         [--device cuda] [--spectral auto|eigh|products] [--workers auto|1|2...]
+        [--anchor auto|bfloat16|float32]
+
+``--anchor``: ``torch.optim.Muon`` runs its Newton–Schulz in bfloat16, which is emulated (20–40
+times slower per step) on CPUs without AVX512-BF16 or AMX; ``auto`` (default) times it where
+bfloat16 is native and ``torch.optim.Muon`` with a float32 Newton–Schulz elsewhere
+(``_anchors.py``); the second line says which. ``ManifoldMuon euclidean`` uses the same precision
+(``ns_dtype="auto"``).
 
 ``--warmup`` untimed steps come first (default 1: allocation and the first multiplier). The
 momentum buffers take about 1/(1 - 0.95) = 20 steps to fill, and the dual solves of those first
@@ -30,6 +37,7 @@ import time
 
 import torch
 
+from _anchors import ANCHORS, bfloat16_line, muon_anchor
 from manifoldlib.optim import ManifoldMuon
 
 SHAPES = [(768, 768), (768, 768), (3072, 768), (768, 3072)]
@@ -84,13 +92,14 @@ def _run(make, anchor_make, grads, warmup: int = 1) -> dict:
     a shared machine drifting during the run)."""
     params, anchor_params = _params(), _params()
     opt, anchor = make(params), anchor_make(anchor_params)
-    times, ratios, iters, residuals = [], [], [], []
+    times, anchor_times, ratios, iters, residuals = [], [], [], [], []
     for k, step_grads in enumerate(grads):
         t_anchor = _timed_step(anchor, anchor_params, step_grads)
         t_opt = _timed_step(opt, params, step_grads)
         if k < warmup:  # warm-up steps (allocation, first multiplier, momentum), not timed
             continue
         times.append(t_opt)
+        anchor_times.append(t_anchor)
         ratios.append(t_opt / t_anchor)
         for p in params:
             state = opt.state[p]
@@ -98,11 +107,18 @@ def _run(make, anchor_make, grads, warmup: int = 1) -> dict:
             residuals.append(state.get("dual_residual", 0.0))
     return {
         "time": statistics.median(times),
+        "anchor": statistics.median(anchor_times),
         "ratio": statistics.median(ratios),
         "iters": statistics.mean(iters) if iters else 0.0,
         "max_iters": max(iters) if iters else 0,
         "residual": max(residuals) if residuals else 0.0,
     }
+
+
+def _selects(wanted: str, name: str, names) -> bool:
+    """``--only`` entry ``wanted`` selects ``name``: the run of exactly that name if there is one,
+    else every run whose name contains it."""
+    return wanted == name if wanted in names else wanted in name
 
 
 def main() -> None:
@@ -113,11 +129,15 @@ def main() -> None:
     parser.add_argument("--max-iter", type=int, default=30, help="dual iteration cap")
     parser.add_argument("--tol", type=float, default=1e-3, help="dual tolerance (relative tangent residual)")
     parser.add_argument("--msign", default="ns", help="msign inside the dual solve (ManifoldMuon msign_method)")
-    parser.add_argument("--only", default="", help="comma-separated substrings: run only matching optimizers")
+    parser.add_argument("--only", default="",
+                        help="comma-separated names or substrings: run only those optimizers (a full name "
+                             "selects that run alone)")
     parser.add_argument("--shapes", default="", help="comma-separated MxN shapes (default: the GPT-small block)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
     parser.add_argument("--spectral", default="auto", help="dual spectral path: auto, eigh or products")
     parser.add_argument("--workers", default="auto", help="ManifoldMuon workers: auto or an int >= 1")
+    parser.add_argument("--anchor", default="auto", choices=ANCHORS,
+                        help="Muon anchor precision: auto (bfloat16 where native, else float32)")
     args = parser.parse_args()
     if args.warmup < 1:
         raise SystemExit(f"--warmup must be >= 1, got {args.warmup}")
@@ -133,10 +153,11 @@ def main() -> None:
     kw = {"lr": 0.02, "weight_decay": 0.0}
     mm = {"dual_tol": args.tol, "dual_max_iter": args.max_iter, "msign_method": args.msign,
           "dual_spectral": args.spectral, "workers": workers}
+    anchor_name, anchor_cls = muon_anchor(args.anchor, DEVICE)
     runs = {
-        "torch.optim.Muon (anchor)": lambda ps: torch.optim.Muon(ps, **kw),
+        anchor_name: lambda ps: anchor_cls(ps, **kw),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-        "ManifoldMuon euclidean": lambda ps: ManifoldMuon(ps, manifold="euclidean", **kw),
+        "ManifoldMuon euclidean": lambda ps: ManifoldMuon(ps, manifold="euclidean", ns_dtype="auto", **kw),
         "ManifoldMuon stiefel": lambda ps: ManifoldMuon(ps, manifold="stiefel", **kw, **mm),
         "ManifoldMuon stiefel (no warm start)": lambda ps: ManifoldMuon(
             ps, manifold="stiefel", warm_start=False, **kw, **mm
@@ -156,14 +177,16 @@ def main() -> None:
     print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps after {args.warmup} untimed, {args.threads} "
           f"threads, workers {args.workers}, dual tol {args.tol}, cap {args.max_iter}, dual msign {args.msign}, "
           f"spectral {args.spectral}, load average {os.getloadavg()[0]:.2f}")
-    anchor_make = runs["torch.optim.Muon (anchor)"]
-    print(f"{'optimizer':48s} {'s/step':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} {'max resid':>10s}")
+    print(f"{bfloat16_line(DEVICE)}; anchor: {anchor_name}")
+    anchor_make = runs[anchor_name]
+    print(f"{'optimizer':48s} {'s/step':>8s} {'anchor':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} "
+          f"{'max resid':>10s}")
     wanted = [w for w in args.only.split(",") if w]
     for name, make in runs.items():
-        if wanted and "anchor" not in name and not any(w in name for w in wanted):
+        if wanted and "anchor" not in name and not any(_selects(w, name, runs) for w in wanted):
             continue
         r = _run(make, anchor_make, grads, args.warmup)
-        print(f"{name:48s} {r['time']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
+        print(f"{name:48s} {r['time']:8.3f} {r['anchor']:8.3f} {r['ratio']:7.2f} {r['iters']:8.1f} {r['max_iters']:7d} "
               f"{r['residual']:10.1e}", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

@@ -1,7 +1,7 @@
 """What one Manifold Muon step is made of, timed against a torch.optim.Muon step in one process.
 
     python benchmarks/bench_spectral_primitives.py [--rows 3072] [--cols 768] [--repeats 20]
-        [--device cuda] [--threads 0]
+        [--device cuda] [--threads 0] [--anchor auto|bfloat16|float32]
 
 The dual solves of :mod:`manifoldlib.optim.steepest` are built from ``n × n`` eigendecompositions
 and matrix products (n = ``--cols``) plus a few ``m × n`` products. Their relative prices decide
@@ -15,6 +15,8 @@ instances of the benchmark's shapes (tall and square), at the optimizer's settin
 evaluation, or Gram-form Newton–Schulz products). ``resid`` is the solver's own relative tangent
 residual, ``f64 resid`` the same quantity recomputed in float64 from the returned direction (it
 shows what reduced-precision products, e.g. ``--tf32``, do to the solver's judgement).
+``--anchor`` as in ``bench_manifold_muon.py``: where bfloat16 products are emulated the Muon
+step's Newton–Schulz runs in float32 (``_anchors.py``), and the table says so.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ import statistics
 import time
 
 import torch
+from _anchors import ANCHORS, bfloat16_line, muon_anchor
 from _timing import round_robin_ms, sync
 
 from manifoldlib.optim import steepest_direction, tangent_residual
 from manifoldlib.optim.spectral_factors import gram_msign_factor, gram_msign_factor_eigh
 
 
-def _muon_step(m: int, n: int, device: torch.device):
+def _muon_step(m: int, n: int, device: torch.device, anchor=torch.optim.Muon):
     param = torch.nn.Parameter(torch.randn(m, n, device=device) / m**0.5)
-    opt = torch.optim.Muon([param], lr=0.02, weight_decay=0.0)
+    opt = anchor([param], lr=0.02, weight_decay=0.0)
     grad = torch.randn(m, n, device=device) / m**0.5
 
     def step():
@@ -103,6 +106,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     parser.add_argument("--spectral", default="eigh,products", help="comma-separated dual spectral paths")
     parser.add_argument("--tf32", action="store_true", help="float32 products in TF32 (matmul precision 'high')")
+    parser.add_argument("--anchor", default="auto", choices=ANCHORS,
+                        help="Muon anchor precision: auto (bfloat16 where native, else float32)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -117,9 +122,11 @@ def main() -> None:
     s = x.mT @ x  # (n, n) Gram matrix
     sq = torch.randn(n, n, device=device)
     sq16 = sq.bfloat16()
+    anchor_label, anchor = muon_anchor(args.anchor, device)
+    muon = anchor_label.removesuffix(" (anchor)")
     fns = {
-        f"torch.optim.Muon step {m}x{n} (anchor)": _muon_step(m, n, device),
-        f"torch.optim.Muon step {n}x{n}": _muon_step(n, n, device),
+        f"{muon} step {m}x{n} (anchor)": _muon_step(m, n, device, anchor),
+        f"{muon} step {n}x{n}": _muon_step(n, n, device, anchor),
         f"mm {n}^3 float32": lambda: sq @ sq,
         f"mm {n}^3 bfloat16": lambda: sq16 @ sq16,
         f"Gram X^T X ({m}x{n}) float32": lambda: x.mT @ x,
@@ -139,12 +146,14 @@ def main() -> None:
     results = round_robin_ms(fns, args.repeats, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"device {name}, torch {torch.__version__}, {args.repeats} rounds, "
-          f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
-    print(f"{'primitive':42s} {'median':>10s} {'x Muon':>7s}")
+          f"float32 matmul precision {torch.get_float32_matmul_precision()!r}; {bfloat16_line(device)}")
+    print(f"{'primitive':50s} {'median':>10s} {'x Muon':>7s}")
     for label, (ms, ratio) in results.items():
-        print(f"{label:42s} {ms:8.3f}ms {ratio:7.3f}")
+        print(f"{label:50s} {ms:8.3f}ms {ratio:7.3f}")
     anchors = round_robin_ms(
-        {f"{m}x{n}": _muon_step(m, n, device), f"{n}x{n}": _muon_step(n, n, device)}, args.repeats, device
+        {f"{m}x{n}": _muon_step(m, n, device, anchor), f"{n}x{n}": _muon_step(n, n, device, anchor)},
+        args.repeats,
+        device,
     )
     anchor_ms = {(m, n): anchors[f"{m}x{n}"][0], (n, n): anchors[f"{n}x{n}"][0]}
     print()

@@ -27,6 +27,7 @@ from .connections import CONNECTIONS as _CONNECTIONS
 
 __all__ = [
     "CONNECTIONS",
+    "LEGACY_MUON_NS_DTYPE",
     "PRESETS",
     "ConfigError",
     "TrainConfig",
@@ -41,6 +42,12 @@ SEL_VARIANTS = ("none", "mismatched", "congruent", "no-linear")
 SCHEDULES = ("cosine", "constant")
 #: ``muon_distributed`` values: each matrix solved on one rank, or on every rank.
 MUON_DISTRIBUTED = ("sharded", "replicated")
+#: ``muon_ns_dtype`` values (ManifoldMuon's ``ns_dtype``): ``auto`` runs Muon's Newton–Schulz in
+#: bfloat16 where bfloat16 products are native and in float32 elsewhere (on an AVX2-only CPU the
+#: bfloat16 iteration was half the default run's time).
+MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
+#: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
+LEGACY_MUON_NS_DTYPE = "bfloat16"
 
 
 #: Residual-connection names the reference GPT implements (defined once, in ``models.connections``).
@@ -84,6 +91,7 @@ class TrainConfig:
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
     policy: str = "hetero"            #: ManifoldMuon assignment policy (``manifold-muon`` only)
     muon_distributed: str = "sharded"  #: ManifoldMuon under torchrun: ``sharded``|``replicated``
+    muon_ns_dtype: str = "auto"       #: Euclidean Newton–Schulz dtype: auto|bfloat16|float32
     sel: str = "none"                 #: SEL chart on block linear maps: none|mismatched|...
     sel_scale_lr: float = 0.0         #: AdamW lr of SEL scale parameters; 0 = same as ``lr``
     sel_anneal_steps: int = 0         #: steps of SEL's scale-lr annealing; 0 = no annealing
@@ -120,6 +128,7 @@ class TrainConfig:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
         _check_choice("muon_distributed", self.muon_distributed, MUON_DISTRIBUTED)
+        _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
         for name in ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "steps",
                      "eval_interval", "eval_batches", "log_interval", "bpe_vocab_size"):
             if getattr(self, name) < 1:

@@ -51,7 +51,7 @@ from manifoldlib.distributed import (
     is_distributed,
 )
 
-from .config import ConfigError, TrainConfig, build_config, load_toml, parse_overrides
+from .config import LEGACY_MUON_NS_DTYPE, ConfigError, TrainConfig, build_config, load_toml, parse_overrides
 from .data import (
     BatchSampler,
     Corpus,
@@ -290,8 +290,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_size: int
     ``adamw``: AdamW with weight decay on matrices only; with SEL charts the groups come from
     ``manifoldlib.charts.sel_param_groups`` (scales at ``sel_scale_lr``) and, when
     ``sel_anneal_steps > 0``, the seed's scale annealing multipliers. ``manifold-muon``:
-    ``manifoldlib.optim.build_optimizer(model, policy=...)``. The warm-up / decay schedule of
-    :func:`lr_scale` multiplies all of them.
+    ``manifoldlib.optim.build_optimizer(model, policy=...)``, its Euclidean Newton–Schulz in
+    ``cfg.muon_ns_dtype`` (``auto``: bfloat16 only where it is native). The warm-up / decay
+    schedule of :func:`lr_scale` multiplies all of them.
 
     With ``world_size > 1`` ManifoldMuon runs in ``cfg.muon_distributed`` mode (``sharded``:
     each matrix's dual solve and retraction on one rank, results shared by ``all_gather``;
@@ -307,7 +308,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_size: int
         try:
             opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
                           adamw_betas=(cfg.beta1, cfg.beta2),
-                          adamw_weight_decay=cfg.weight_decay, **extra)
+                          adamw_weight_decay=cfg.weight_decay, ns_dtype=cfg.muon_ns_dtype, **extra)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return opt, [_constant] * len(opt.param_groups)
@@ -476,6 +477,12 @@ def _check_run_dir(out: Path, resume: bool) -> None:
                        f"choose another --out")
 
 
+def _with_legacy_defaults(saved: dict) -> dict:
+    """A saved configuration with the values that runs made before a field existed used
+    (``muon_ns_dtype``: bfloat16), so that resuming such a run repeats its computation."""
+    return {"muon_ns_dtype": LEGACY_MUON_NS_DTYPE, **saved}
+
+
 def _check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
     changed = [f"{k} ({getattr(saved, k)!r} -> {getattr(new, k)!r})"
                for k in saved.to_dict() if k not in RESUMABLE_FIELDS
@@ -547,7 +554,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
         _check_run_dir(out, resume)
         if resume:
             ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
-            _check_resumable(TrainConfig(**ckpt["config"]), cfg)
+            _check_resumable(TrainConfig(**_with_legacy_defaults(ckpt["config"])), cfg)
             if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
                 raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
                                f"is already at step {ckpt['step']}")
@@ -819,7 +826,7 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     """
     saved = out / "config.json"
     if args.resume and saved.is_file():
-        base = json.loads(saved.read_text())
+        base = _with_legacy_defaults(json.loads(saved.read_text()))
         base["stop_at"] = 0
         toml = load_toml(args.config) if args.config is not None else {}
         toml.pop("preset", None)

@@ -14,18 +14,26 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 CASES = {
     "bench_spectral_primitives.py": (
-        ["--rows", "48", "--cols", "12", "--repeats", "1", "--threads", "1"],
-        ["torch.optim.Muon step 48x12 (anchor)", "eigh 12^2 float32", "dgram 12x12 (products)"],
+        ["--rows", "48", "--cols", "12", "--repeats", "1", "--threads", "1", "--anchor", "float32"],
+        ["torch.optim.Muon, float32 NS step 48x12 (anchor)", "eigh 12^2 float32", "dgram 12x12 (products)",
+         "bfloat16 products"],
     ),
     "bench_manifold_muon.py": (
         ["--shapes", "48x12,12x12", "--steps", "1", "--warmup", "2", "--threads", "2", "--workers", "2",
-         "--only", "stiefel", "--spectral", "products"],
-        ["spectral products", "after 2 untimed", "workers 2", "ManifoldMuon stiefel", "max resid"],
+         "--only", "stiefel", "--spectral", "products", "--anchor", "float32"],
+        ["spectral products", "after 2 untimed", "workers 2", "ManifoldMuon stiefel", "max resid",
+         "bfloat16 products", "anchor: torch.optim.Muon, float32 NS (anchor)"],
     ),
     "bench_concurrent_solves.py": (
         ["--steps", "1", "--threads", "2", "--scale", "4", "--size", "32", "--sets", "gpt,imbalanced"],
         ["eigh 32^2 float32", "set gpt: 4 stiefel matrices", "auto decides 2 worker(s)",
          "set imbalanced", "auto decides 1 worker(s)", "side by side (2)"],
+    ),
+    "probe_square_dgram_optimum.py": (
+        ["--n", "12", "--steps", "3", "--hessian-n", "8", "--threads", "1"],
+        ["p* in [", "relative suboptimality in", "polar factor of the projected gradient",
+         "plain dual, 30 iterations", "step to step", "preconditioner normal-space metric",
+         "preconditioner frozen-factor eigenbasis", "preconditioner spectral Hessian inverse"],
     ),
     "probe_square_dgram.py": (
         ["--n", "12", "--seeds", "1", "--threads", "1"],
@@ -43,3 +51,31 @@ def test_script_runs_and_prints_its_table(script):
     assert done.returncode == 0, done.stderr[-2000:]
     for text in expected:
         assert text in done.stdout, (text, done.stdout[-2000:])
+
+
+def test_float32_anchor_is_torch_muon_with_a_float32_newton_schulz():
+    """The anchor used where bfloat16 is emulated: torch.optim.Muon's own step with only the
+    iteration's precision changed — it equals ManifoldMuon(ns_dtype="float32") on Euclidean
+    groups and differs from the bfloat16 torch.optim.Muon."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from _anchors import Float32Muon, muon_anchor
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from manifoldlib.optim import ManifoldMuon
+
+    start = torch.randn(40, 24, generator=torch.Generator().manual_seed(0))
+    params = [torch.nn.Parameter(start.clone()) for _ in range(3)]
+    opts = [Float32Muon([params[0]], lr=0.02), ManifoldMuon([params[1]], lr=0.02, ns_dtype="float32"),
+            torch.optim.Muon([params[2]], lr=0.02)]
+    for k in range(5):
+        grad = torch.randn(40, 24, generator=torch.Generator().manual_seed(k + 1))
+        for p, opt in zip(params, opts):
+            p.grad = grad.clone()
+            opt.step()
+    assert float((params[0] - params[1]).abs().max()) <= 1e-6
+    assert float((params[0] - params[2]).abs().max()) > 1e-5
+    assert muon_anchor("float32", torch.device("cpu"))[1] is Float32Muon
+    assert muon_anchor("bfloat16", torch.device("cpu"))[1] is torch.optim.Muon

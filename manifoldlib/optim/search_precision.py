@@ -13,9 +13,9 @@ DGram solve took 63 ms instead of 36).
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .bfloat16_support import native_bfloat16
 
 __all__ = ["BFLOAT16_MIN_SIZE", "search_dtype"]
 
@@ -25,21 +25,10 @@ __all__ = ["BFLOAT16_MIN_SIZE", "search_dtype"]
 BFLOAT16_MIN_SIZE = 256
 
 
-@functools.cache
-def _fast_bfloat16(device_type: str) -> bool:
-    """Whether bfloat16 matrix products run natively (faster than float32) on this device type."""
-    if device_type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device_type == "cpu":
-        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-        return bool(probe()) if probe is not None else False
-    return False
-
-
 def search_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype for search-direction products of a solve whose ``(..., n, n)`` work tensors are
     like ``t``: bfloat16 for float32 with ``n >=`` :data:`BFLOAT16_MIN_SIZE` where bfloat16 is
-    native, else ``t``'s own dtype."""
-    if t.dtype == torch.float32 and t.size(-1) >= BFLOAT16_MIN_SIZE and _fast_bfloat16(t.device.type):
+    native (:func:`~manifoldlib.optim.bfloat16_support.native_bfloat16`), else ``t``'s own dtype."""
+    if t.dtype == torch.float32 and t.size(-1) >= BFLOAT16_MIN_SIZE and native_bfloat16(t.device.type):
         return torch.bfloat16
     return t.dtype

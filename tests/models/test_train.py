@@ -12,7 +12,14 @@ import pytest
 import torch
 
 import models.train as train_mod
-from models.config import PRESETS, ConfigError, TrainConfig, build_config, parse_overrides
+from models.config import (
+    LEGACY_MUON_NS_DTYPE,
+    PRESETS,
+    ConfigError,
+    TrainConfig,
+    build_config,
+    parse_overrides,
+)
 from models.train import lr_scale, main, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +118,45 @@ def test_resume_is_exact_with_manifold_muon(tmp_path):
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
 
 
+@pytest.mark.skipif(not _has_build_optimizer(), reason="manifoldlib.optim not available")
+def test_muon_ns_dtype_reaches_the_euclidean_groups(tmp_path):
+    from models.train import build_model
+    from models.train import build_optimizer as build_train_optimizer
+
+    cfg = build_config("smoke", overrides={"optimizer": "manifold-muon", "policy": "unconstrained",
+                                           "muon_ns_dtype": "float32"})
+    model = build_model(cfg, vocab_size=256)
+    opt, _ = build_train_optimizer(model, cfg)
+    groups = [g for g in opt.param_groups if g.get("manifold") == "euclidean"]
+    assert groups and {g["ns_dtype"] for g in groups} == {"float32"}
+    assert TrainConfig().muon_ns_dtype == "auto"
+
+
+@pytest.mark.skipif(not _has_build_optimizer(), reason="manifoldlib.optim not available")
+def test_a_run_saved_before_muon_ns_dtype_resumes_in_bfloat16(tmp_path):
+    """Runs made before the field existed used bfloat16 Newton–Schulz: resuming one keeps it (an
+    exact resume), and asking for another dtype is refused as a configuration change."""
+    common = _quiet("--steps", "12", "--eval_interval", "4", "--log_interval", "2",
+                    "--optimizer", "manifold-muon", "--policy", "unconstrained", "--lr", "0.02",
+                    "--muon_ns_dtype", "bfloat16")
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--stop_at", "8", "--out", str(tmp_path / "b")]) == 0
+    path = tmp_path / "b" / "config.json"  # make run b look like an old run directory
+    saved = json.loads(path.read_text())
+    del saved["muon_ns_dtype"]
+    path.write_text(json.dumps(saved))
+    ckpt_path = tmp_path / "b" / "checkpoint.pt"
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    del ckpt["config"]["muon_ns_dtype"]
+    torch.save(ckpt, ckpt_path)
+    assert main(["--resume", "--muon_ns_dtype", "float32", "--out", str(tmp_path / "b")]) == 2
+    assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
+    resumed = json.loads((tmp_path / "b" / "config.json").read_text())["muon_ns_dtype"]
+    assert resumed == LEGACY_MUON_NS_DTYPE == "bfloat16"
+    _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
+               read_metrics(tmp_path / "b" / "metrics.jsonl"))
+
+
 def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
     common = _quiet("--schedule", "constant", "--eval_interval", "5")
     assert main([*common, "--steps", "20", "--out", str(tmp_path / "a")]) == 0
@@ -203,6 +249,7 @@ def test_missing_corpus_is_one_line_without_traceback(tmp_path):
     (["stray"], "unexpected argument 'stray'"),
     (["--batch_size", "4000"], "smaller than one batch"),
     (["--muon_distributed", "zero3"], "muon_distributed must be one of sharded, replicated"),
+    (["--muon_ns_dtype", "fp8"], "muon_ns_dtype must be one of auto, bfloat16, float32; got 'fp8'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     argv = ["--preset", "smoke", *args] if "--preset" not in args else args

@@ -107,7 +107,7 @@ def test_bfloat16_step_rotations_keep_the_iterations_of_float32(monkeypatch, man
     w, g = _instance(400, 100, manifold, seed=3)
     runs = {}
     for native in (False, True):
-        monkeypatch.setattr(precision, "_fast_bfloat16", lambda device_type, native=native: native)
+        monkeypatch.setattr(precision, "native_bfloat16", lambda device_type, native=native: native)
         runs[native] = steepest_direction(w.float(), g.float(), manifold, tol=1e-5, max_iter=60,
                                           msign_method="jordan5", smoothing=None, dual_update="anderson",
                                           return_info=True)
@@ -145,7 +145,7 @@ def test_bfloat16_hessian_products_reach_the_float32_answer(monkeypatch, m):
     w, g = _instance(m, 48, "dgram", seed=4)
     runs = {}
     for native in (False, True):
-        monkeypatch.setattr(precision, "_fast_bfloat16", lambda device_type, native=native: native)
+        monkeypatch.setattr(precision, "native_bfloat16", lambda device_type, native=native: native)
         product_dtypes.clear()
         runs[native] = solve_dual(w.float(), g.float(), "dgram", tol=1e-3, max_iter=40, msign_method="jordan5")
         assert runs[native].info.converged

@@ -40,6 +40,69 @@ def test_euclidean_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     assert any(float((p - t).norm()) < float((p0 - t).norm()) for p, t, p0 in zip(ours, targets, _matrices(shapes)))
 
 
+def _float32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by float32 (the reference
+    for ``ns_dtype="float32"``), written from the documented algorithm."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def _run_pair(ours_kw, monkeypatch=None, reference_ns=None, steps=10):
+    shapes = [(12, 5), (5, 12), (8, 8)]
+    ours = _matrices(shapes)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
+    kw = dict(lr=0.03, weight_decay=0.1, momentum=0.9)
+    opt = ManifoldMuon(ours, manifold="euclidean", **kw, **ours_kw)
+    ref_opt = torch.optim.Muon(ref, **kw)
+    if reference_ns is not None:
+        import sys
+
+        monkeypatch.setattr(sys.modules["torch.optim._muon"], "_zeropower_via_newtonschulz", reference_ns)
+    for _ in range(steps):
+        _quadratic_grads(ours, targets)
+        _quadratic_grads(ref, targets)
+        opt.step()
+        ref_opt.step()
+    return max(float((p - q).detach().abs().max()) for p, q in zip(ours, ref))
+
+
+def test_ns_dtype_float32_is_muons_iteration_in_float32(monkeypatch):
+    # a different computation from torch.optim.Muon's bfloat16 one (so the check below could fail)
+    assert _run_pair({"ns_dtype": "float32"}) > 1e-4
+    assert _run_pair({"ns_dtype": "float32"}, monkeypatch, _float32_newton_schulz) <= 1e-6
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_ns_dtype_auto_takes_bfloat16_only_where_it_is_native(monkeypatch, native):
+    import sys
+
+    support = sys.modules["manifoldlib.optim.bfloat16_support"]
+    monkeypatch.setattr(support, "native_bfloat16", lambda device_type: native)
+    if native:  # the default bfloat16 steps of torch.optim.Muon
+        assert _run_pair({"ns_dtype": "auto"}) <= 1e-6
+    else:
+        assert _run_pair({"ns_dtype": "auto"}, monkeypatch, _float32_newton_schulz) <= 1e-6
+
+
+def test_ns_dtype_is_a_plain_group_option():
+    params = _matrices([(6, 4), (4, 4)])
+    opt = ManifoldMuon([{"params": params[:1], "ns_dtype": "float32"}, {"params": params[1:]}])
+    assert [g["ns_dtype"] for g in opt.param_groups] == ["float32", "bfloat16"]
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert [g["ns_dtype"] for g in loaded["param_groups"]] == ["float32", "bfloat16"]
+
+
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 def test_stays_on_the_manifold_and_descends(manifold):
     shapes = [(16, 16), (24, 8), (8, 24)]
@@ -172,6 +235,7 @@ def test_state_dict_round_trips_with_weights_only():
         ({"dual_max_iter": -2}, "dual_max_iter must be an int >= 0"),
         ({"dual_smoothing": "always"}, "dual_smoothing must be 'auto', None or a number > 0, got 'always'"),
         ({"dual_smoothing": -0.1}, "dual_smoothing must be 'auto', None or a number > 0"),
+        ({"ns_dtype": "float16"}, "ns_dtype must be one of bfloat16, float32, auto, got 'float16'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
