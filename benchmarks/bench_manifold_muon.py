@@ -36,8 +36,8 @@ import statistics
 import time
 
 import torch
-
 from _anchors import ANCHORS, bfloat16_line, muon_anchor
+
 from manifoldlib.optim import ManifoldMuon
 
 SHAPES = [(768, 768), (768, 768), (3072, 768), (768, 3072)]

@@ -101,7 +101,7 @@ def _solve(w, g, **kwargs):
 
 
 def _closed_form_multiplier(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """:math:`\Lambda_0`, with :math:`G + 2W\Lambda_0 = P_W(G)`."""
+    r""":math:`\Lambda_0`, with :math:`G + 2W\Lambda_0 = P_W(G)`."""
     wg = w.T @ g
     d2 = (w * w).sum(0)
     lam = -(wg + wg.T) / (2.0 * (d2[:, None] + d2[None, :]))

@@ -51,7 +51,14 @@ from manifoldlib.distributed import (
     is_distributed,
 )
 
-from .config import LEGACY_MUON_NS_DTYPE, ConfigError, TrainConfig, build_config, load_toml, parse_overrides
+from .config import (
+    LEGACY_MUON_NS_DTYPE,
+    ConfigError,
+    TrainConfig,
+    build_config,
+    load_toml,
+    parse_overrides,
+)
 from .data import (
     BatchSampler,
     Corpus,

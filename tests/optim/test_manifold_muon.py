@@ -59,7 +59,7 @@ def _run_pair(ours_kw, monkeypatch=None, reference_ns=None, steps=10):
     ours = _matrices(shapes)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
-    kw = dict(lr=0.03, weight_decay=0.1, momentum=0.9)
+    kw = {"lr": 0.03, "weight_decay": 0.1, "momentum": 0.9}
     opt = ManifoldMuon(ours, manifold="euclidean", **kw, **ours_kw)
     ref_opt = torch.optim.Muon(ref, **kw)
     if reference_ns is not None:
