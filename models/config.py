@@ -14,6 +14,7 @@ field, the value and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from pathlib import Path
@@ -48,6 +49,8 @@ MUON_DISTRIBUTED = ("sharded", "replicated")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 #: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
 LEGACY_MUON_NS_DTYPE = "bfloat16"
+#: Largest ``seed``: numpy's global generator takes seeds in ``[0, 2**32 - 1]``.
+SEED_MAX = 2**32 - 1
 
 
 #: Residual-connection names the reference GPT implements (defined once, in ``models.connections``).
@@ -140,6 +143,14 @@ class TrainConfig:
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd must be divisible by n_head, got n_embd={self.n_embd}, "
                               f"n_head={self.n_head}")
+        for field in dataclasses.fields(self):  # inf/nan pass the range checks below
+            value = getattr(self, field.name)
+            if isinstance(value, float) and field.name != "p" and not math.isfinite(value):
+                raise ConfigError(f"{field.name} must be a finite number, got {value}")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise ConfigError(f"seed must be in [0, {SEED_MAX}] (numpy's seed range), got "
+                              f"{self.seed}")
+        _check_device(self.device)
         for name in ("lr", "adamw_lr", "p", "temperature"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -166,6 +177,21 @@ class TrainConfig:
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _check_device(name: str) -> None:
+    """``auto`` or a cpu / cuda[:N] / mps torch device (availability is checked at run time)."""
+    import torch
+
+    accepted = "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device must be {accepted}, got {name!r}") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device must be {accepted}, got {name!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -270,10 +296,14 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
 def load_toml(path: str | Path) -> dict:
     """Read a flat TOML config file; a ``preset`` key names the preset it starts from."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; --config takes a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
         data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     for key, value in data.items():

@@ -29,13 +29,19 @@ See ``docs/guides/distributed.rst``.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while the imports below load: one line, no traceback
+    signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write("interrupted\n"), os._exit(130)))
+
 import argparse
 import contextlib
 import json
 import math
-import os
 import random
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +65,20 @@ from .config import (
     load_toml,
     parse_overrides,
 )
+from .run_dir import (
+    CheckpointError,
+    RunError,
+    check_run_dir,
+    clear_stale_run,
+    describe_os_error,
+    load_checkpoint,
+    read_metrics,
+    rewrite_metrics,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    write_json,
+)
 from .data import (
     BatchSampler,
     Corpus,
@@ -73,18 +93,16 @@ __all__ = ["RESUMABLE_FIELDS", "MissingModuleError", "RunError", "build_model", 
            "evaluate", "load_optimizer_state", "lr_scale", "main", "resolve_device",
            "run_training", "save_checkpoint"]
 
+EXIT_ENVIRONMENT = 1
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
 
 #: Fields that may change when a run is resumed; all others must match the saved config.
 RESUMABLE_FIELDS = frozenset({
     "steps", "stop_at", "eval_interval", "eval_batches", "log_interval", "checkpoint",
     "device", "threads", "progress", "sample_tokens", "sample_prompt", "temperature", "top_k",
     "muon_distributed"})
-
-
-class RunError(Exception):
-    """A run that cannot start or continue (run directory, resume, environment)."""
 
 
 class MissingModuleError(RunError):
@@ -197,24 +215,6 @@ def perplexity(loss: float) -> float:
 def _json_float(x: float | None) -> float | None:
     """JSON has no NaN/inf: non-finite values are written as null."""
     return x if x is not None and math.isfinite(x) else None
-
-
-def write_json(path: Path, obj: dict, allow_nan: bool = False) -> None:
-    """Write JSON atomically (temporary file, then ``os.replace``).
-
-    ``allow_nan`` lets a config hold ``p = inf`` (written as ``Infinity``, which Python's
-    :mod:`json` reads back); metrics and summaries never contain non-finite numbers.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=allow_nan) + "\n")
-    os.replace(tmp, path)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` file (empty list if it does not exist)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def lr_scale(step: int, cfg: TrainConfig) -> float:
@@ -396,22 +396,6 @@ def generate_sample(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig,
 # --------------------------------------------------------------------------------------------
 
 
-def rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """``optimizer.load_state_dict(state)``, checked: every saved per-parameter state must arrive.
 
@@ -422,21 +406,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     if len(optimizer.state_dict()["state"]) != len(state["state"]):
         raise RunError("the optimizer lost its per-parameter state while loading the "
                        "checkpoint; cannot resume exactly")
-
-
-def save_checkpoint(path: Path, state: dict, previous_step: int) -> None:
-    """Write ``state`` atomically; never replace a checkpoint of a later step.
-
-    Args:
-        path: ``checkpoint.pt``.
-        state: the checkpoint dict (``step`` among its keys).
-        previous_step: the step of the checkpoint already on disk (-1 when none).
-    """
-    if state["step"] <= previous_step:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,20 +437,6 @@ def _make_bar(cfg: TrainConfig, start: int, enabled: bool):
         return None
     return tqdm(total=cfg.last_step, initial=start, unit="step", dynamic_ncols=True,
                 file=sys.stderr)
-
-
-def _check_run_dir(out: Path, resume: bool) -> None:
-    """Refuse a run directory that cannot be used (no writes: every rank checks the same)."""
-    if resume:
-        if not (out / "checkpoint.pt").is_file():
-            raise RunError(f"cannot resume: {out} has no checkpoint.pt "
-                           f"(start a fresh run without --resume)")
-        return
-    if out.exists() and not out.is_dir():
-        raise RunError(f"run directory {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
-        raise RunError(f"run directory {out} is not empty; pass --resume to continue it, or "
-                       f"choose another --out")
 
 
 def _with_legacy_defaults(saved: dict) -> dict:
@@ -554,14 +509,21 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
         torch.set_num_threads(cfg.threads)
 
     # ---- checks: every rank runs them, all fail together --------------------------------
-    ckpt, corpus, error = None, None, None
+    ckpt, corpus, error, stale = None, None, None, False
     tokenizer_path = out / "tokenizer.json"
     try:
         _check_world_size(cfg, world_size)
-        _check_run_dir(out, resume)
+        stale = check_run_dir(out, resume)
         if resume:
-            ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
-            _check_resumable(TrainConfig(**_with_legacy_defaults(ckpt["config"])), cfg)
+            ckpt, note = load_checkpoint(out)
+            if note is not None and echo and is_main:
+                print(f"warning: {note}", file=sys.stderr, flush=True)
+            try:
+                saved_cfg = TrainConfig(**_with_legacy_defaults(ckpt["config"]))
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"the configuration saved in {out}'s checkpoint is not "
+                                      f"valid: {exc}") from None
+            _check_resumable(saved_cfg, cfg)
             if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
                 raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
                                f"is already at step {ckpt['step']}")
@@ -592,6 +554,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
                        f"{cfg.corpus!r}")
     if is_main and not resume:
         out.mkdir(parents=True, exist_ok=True)
+        if stale:  # a run that stopped before its first checkpoint: start it again cleanly
+            clear_stale_run(out)
 
     # ---- model, optimizer, data: identical on every rank ---------------------------------
     torch.manual_seed(cfg.seed)
@@ -623,9 +587,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
         rows = []
     ctx.raise_together(None)  # every rank has read metrics.jsonl before rank 0 rewrites it
     if is_main and ckpt is not None:  # rows logged after the checkpoint will be produced again
-        tmp = metrics_path.with_name("metrics.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, metrics_path)
+        rewrite_metrics(metrics_path, rows)
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -665,8 +627,11 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
         def log(row: dict) -> None:
             rows.append(row)
             if is_main:
-                mf.write(json.dumps(row, allow_nan=False) + "\n")
-                mf.flush()
+                try:
+                    mf.write(json.dumps(row, allow_nan=False) + "\n")
+                    mf.flush()
+                except OSError as exc:
+                    raise OSError(exc.errno, exc.strerror, str(metrics_path)) from None
 
         def checkpoint(step: int) -> None:
             nonlocal saved_step
@@ -705,6 +670,12 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
             loss.backward()  # DDP averages the gradients over ranks
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            if not math.isfinite(grad_norm):  # before the step: parameters never see it
+                diverged = f"non-finite gradient norm ({grad_norm}) at step {step}"
+                optimizer.zero_grad(set_to_none=True)
+                log({"step": step, "train_loss": loss_value, "lr": cfg.lr * scale,
+                     "tokens": tokens, "grad_norm": None, "diverged": True})
+                break
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens += tokens_per_step
@@ -833,7 +804,13 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     """
     saved = out / "config.json"
     if args.resume and saved.is_file():
-        base = _with_legacy_defaults(json.loads(saved.read_text()))
+        try:
+            base = _with_legacy_defaults(json.loads(saved.read_text()))
+            if not isinstance(base, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RunError(f"cannot resume: {saved} is not a valid configuration ({exc}); "
+                           f"it is rewritten from the checkpoint if you delete it") from None
         base["stop_at"] = 0
         toml = load_toml(args.config) if args.config is not None else {}
         toml.pop("preset", None)
@@ -848,10 +825,15 @@ def _is_rank_zero() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (0 ok, 2 bad input, 3 diverged)."""
+    """CLI entry point; returns the exit status (0 ok, 1 file-system fault, 2 bad input,
+    3 diverged, 130 interrupted)."""
     argv = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on
     try:
         args, overrides = parse_args(argv)
+        if args.out is not None and not args.out.strip():
+            raise ConfigError("--out must name a run directory, got ''")
         out = Path(args.out) if args.out else Path("runs") / (args.preset or "default")
         cfg = config_from_args(args, overrides, out)
         summary = run_training(cfg, out, resume=args.resume)
@@ -859,9 +841,14 @@ def main(argv: list[str] | None = None) -> int:
         if _is_rank_zero():  # every rank failed with the same message (see _Dist.raise_together)
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OSError as exc:  # the environment: a full disk, a directory we may not write, ...
+        if _is_rank_zero():
+            print(f"error: {describe_os_error(exc)}; the last checkpoint is kept",
+                  file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print("interrupted; resume with --resume (from the last checkpoint)", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if summary.get("diverged"):
         if _is_rank_zero():
             print(f"error: training diverged: {summary.get('error')}", file=sys.stderr)

@@ -20,6 +20,7 @@ from models.config import (
     build_config,
     parse_overrides,
 )
+from models.run_dir import save_checkpoint
 from models.train import lr_scale, main, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,7 +149,7 @@ def test_a_run_saved_before_muon_ns_dtype_resumes_in_bfloat16(tmp_path):
     ckpt_path = tmp_path / "b" / "checkpoint.pt"
     ckpt = torch.load(ckpt_path, weights_only=False)
     del ckpt["config"]["muon_ns_dtype"]
-    torch.save(ckpt, ckpt_path)
+    save_checkpoint(ckpt_path, ckpt, previous_step=-1)  # re-sealed with its new checksum
     assert main(["--resume", "--muon_ns_dtype", "float32", "--out", str(tmp_path / "b")]) == 2
     assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
     resumed = json.loads((tmp_path / "b" / "config.json").read_text())["muon_ns_dtype"]

@@ -56,7 +56,9 @@ def test_save_checkpoint_is_atomic_and_never_goes_back(tmp_path):
     assert torch.load(path, weights_only=True)["x"] == 1
     save_checkpoint(path, {"step": 20, "x": 3}, previous_step=10)
     assert torch.load(path, weights_only=True)["x"] == 3
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left behind
+    assert torch.load(tmp_path / "checkpoint.prev.pt", weights_only=True)["x"] == 1
+    # no temporary left behind: the newest and the previous checkpoint only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]
 
 
 def test_load_optimizer_state_refuses_an_optimizer_that_drops_state():
