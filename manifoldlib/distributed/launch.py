@@ -16,6 +16,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -156,7 +157,8 @@ def run_workers(
 
     Args:
         fn: a module-level function (the workers import it by name); its return value must
-            be picklable by :func:`torch.save`.
+            be tensors or plain data (numbers, strings, lists, tuples, dicts of them): results
+            are loaded with ``torch.load(weights_only=True)``.
         world_size: number of processes, ``>= 1``.
         *args: passed to ``fn`` after the rank; picklable.
         timeout: seconds for the whole job (start-up included); past it every worker is
@@ -229,7 +231,20 @@ def run_workers(
             _kill(context)
         if failure is not None:
             raise _first_failure(workdir, world_size, fn, failure) from None
-        return [
-            torch.load(os.path.join(workdir, _RESULT_FILE.format(rank=r)), weights_only=False)
-            for r in range(world_size)
-        ]
+        return [_load_result(os.path.join(workdir, _RESULT_FILE.format(rank=r)), r)
+                for r in range(world_size)]
+
+
+def _load_result(path: str, rank: int) -> Any:
+    """One worker's return value, loaded with ``weights_only=True``: tensors and plain data
+    (numbers, strings, lists, tuples, dicts) only, so a result file runs no code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()
+        raise WorkerError(
+            f"refusing to load {path}: rank {rank}'s result holds objects other than tensors "
+            f"and plain data ({reason[-1] if reason else 'unpickling refused'}); return "
+            f"tensors, numbers, strings, lists, tuples or dicts",
+            rank,
+        ) from None

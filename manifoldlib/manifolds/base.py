@@ -18,7 +18,31 @@ import torch
 
 from ..retractions.base import Retraction, resolve_retraction
 
-__all__ = ["RetractionManifold", "default_tolerance"]
+__all__ = ["RetractionManifold", "check_tensor", "default_tolerance"]
+
+
+def check_tensor(t: torch.Tensor, name: str, where: str, *, finite: bool = False) -> None:
+    """The one input check of every manifold method: ``t`` must be a real floating-point tensor
+    (integer, boolean and complex tensors give wrong results silently) and, with ``finite``,
+    hold no nan or inf (which would otherwise surface as a misleading ``LinAlgError``).
+
+    ``finite`` costs a reduction (and a device sync), so it is used where a method is rare
+    (``projx``) or has already failed (``retr``), not on every step.
+
+    Raises:
+        ValueError: naming ``where`` (``"stiefel.projx"``), the argument and the bad dtype or
+            the count of non-finite entries.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{where}: '{name}' must be a real floating-point tensor (float16, "
+                         f"bfloat16, float32, float64), got dtype {t.dtype}")
+    if finite and t.device.type != "meta":
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{where}: '{name}' holds {bad} non-finite value(s) (nan or inf); "
+                             f"a manifold point or step must be finite")
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -60,7 +84,12 @@ class RetractionManifold(geoopt.manifolds.Manifold):
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Retraction :math:`R_x(u)` with the chosen retraction."""
         self._validate_pair(x, u)
-        return self._retraction.retract(x, u)
+        try:
+            return self._retraction.retract(x, u)
+        except torch.linalg.LinAlgError:  # nan/inf inputs fail inside a decomposition: say so
+            check_tensor(x, "x", f"{self.name}.retr", finite=True)
+            check_tensor(u, "u", f"{self.name}.retr", finite=True)
+            raise
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         y = self.retr(x, u)
@@ -79,7 +108,9 @@ class RetractionManifold(geoopt.manifolds.Manifold):
 
     # -- validation ---------------------------------------------------------------------
     def _validate(self, x: torch.Tensor, name: str) -> None:
-        """Raise ``ValueError`` when ``x`` has a shape the manifold cannot hold."""
+        """Raise ``ValueError`` when ``x`` is not a real floating-point tensor or has a shape the
+        manifold cannot hold."""
+        check_tensor(x, name, self.name)
         ok, reason = self._check_shape(tuple(x.shape), name)
         if not ok:
             raise ValueError(reason)
@@ -88,6 +119,7 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         """:meth:`_validate` ``x``, and require the vector ``u`` to have the point shape of ``x``
         (leading batch dimensions may broadcast)."""
         self._validate(x, "x")
+        check_tensor(u, "u", self.name)
         ndim = getattr(self, "ndim", 0)
         if ndim and tuple(u.shape[-ndim:]) != tuple(x.shape[-ndim:]):
             raise ValueError(

@@ -9,7 +9,7 @@ import torch
 from ..functional.dgram import dgram_metric_projection, dgram_project_tangent, off_diagonal
 from ..functional.stiefel import stiefel_qr
 from ..retractions.base import Retraction
-from .base import RetractionManifold, _random_normal, _size_tuple
+from .base import RetractionManifold, _random_normal, _size_tuple, check_tensor
 from .stiefel import check_tall_matrix
 
 __all__ = ["DGram"]
@@ -84,6 +84,7 @@ class DGram(RetractionManifold):
         point exists — ever smaller columns come ever closer. That raises ``ValueError``.
         """
         self._validate(x, "x")
+        check_tensor(x, "x", "dgram.projx", finite=True)
         check_full_column_rank(x, self.name)
         return dgram_metric_projection(x)
 

@@ -42,12 +42,15 @@ class Euclidean(RetractionManifold):
         return prod.sum(dim=tuple(range(-self.ndim, 0)), keepdim=keepdim)
 
     def projx(self, x):
+        self._validate(x, "x")
         return x
 
     def proju(self, x, u):
+        self._validate_pair(x, u)
         return u
 
     def expmap(self, x, u):
+        self._validate_pair(x, u)
         return x + u
 
     def logmap(self, x, y):

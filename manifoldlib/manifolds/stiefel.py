@@ -8,7 +8,7 @@ import torch
 
 from ..functional.stiefel import stiefel_exp, stiefel_project_tangent, stiefel_qr
 from ..retractions.base import Retraction
-from .base import RetractionManifold, _random_normal, _size_tuple
+from .base import RetractionManifold, _random_normal, _size_tuple, check_tensor
 
 __all__ = ["Stiefel", "check_tall_matrix"]
 
@@ -70,6 +70,7 @@ class Stiefel(RetractionManifold):
         Computed in float64 and returned in ``x``'s dtype.
         """
         self._validate(x, "x")
+        check_tensor(x, "x", "stiefel.projx", finite=True)
         # float64 SVD (a projection is rare: an initialization, a repair); cast back at the end
         u, _, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)  # (..., m, n), (..., n, n)
         return (u @ vh).to(x.dtype)

@@ -16,4 +16,9 @@ class AddRetraction(Retraction):
     order = 2
 
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``x + v``; ``v`` must have ``x``'s shape (a broadcast would change the point's shape,
+        or silently apply one step to many points)."""
+        if v.shape != x.shape:
+            raise ValueError(f"euclidean retraction: 'v' must have the shape {tuple(x.shape)} of "
+                             f"x, got shape {tuple(v.shape)}")
         return x + v
