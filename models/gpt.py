@@ -200,6 +200,15 @@ class Block(nn.Module):
         return self.conn2(x, self.mlp)  # (B, T, C)
 
 
+def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise ValueError(f"token ids must be an integer tensor, got dtype {idx.dtype}")
+    if idx.numel() and bool(((idx < 0) | (idx >= vocab_size)).any()):
+        lo, hi = int(idx.min()), int(idx.max())
+        raise ValueError(f"token ids must be in [0, {vocab_size}) (vocab_size), got ids from "
+                         f"{lo} to {hi}")
+
+
 class GPT(nn.Module):
     """Decoder-only transformer; ``logits, loss = model(idx, targets)``.
 
@@ -263,7 +272,12 @@ class GPT(nn.Module):
 
         Returns:
             ``(logits, loss)``: logits ``(B, T, vocab_size)``; loss a scalar or ``None``.
+
+        Raises:
+            ValueError: ``idx`` is not an integer tensor or holds an id outside
+                ``[0, vocab_size)`` (one reduction; torch would fail deep inside the embedding).
         """
+        _check_token_ids(idx, self.config.vocab_size)
         x = self._embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)

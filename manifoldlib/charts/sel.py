@@ -111,6 +111,8 @@ class SEL(Chart):
             raise ValueError(f"weight must be a floating-point tensor, got {type(weight).__name__}")
         if weight.dim() not in (1, 2):
             raise ValueError(f"SEL charts 1-D or 2-D tensors, got shape {tuple(weight.shape)}")
+        if weight.numel() == 0:
+            raise ValueError(f"SEL needs a non-empty weight, got shape {tuple(weight.shape)}")
         if init not in SEL_INITS:
             raise ValueError(f"init must be one of {SEL_INITS}, got {init!r}")
         if impl not in SEL_IMPLS:

@@ -9,6 +9,7 @@ group tagged with ``"kind"`` (``"muon"`` or ``"adamw"``) and ``"param_names"``. 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -49,7 +50,13 @@ def assign_parameters(
         qualified, module = owners[id(param)]
         if not param.requires_grad:
             continue
-        choice = resolved(qualified, module, param)
+        try:
+            choice = resolved(qualified, module, param)
+        except Exception as exc:  # a user policy's bug: say which parameter it failed on
+            raise ValueError(
+                f"policy {policy!r} raised {type(exc).__name__} on parameter {qualified!r} of shape "
+                f"{tuple(param.shape)}: {exc}"
+            ) from exc
         if choice is not None and choice not in MUON_MANIFOLDS:
             raise ValueError(
                 f"policy {policy!r} assigned parameter {qualified!r} to unknown manifold {choice!r}; "
@@ -127,6 +134,25 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return f"CombinedOptimizer({inner}; {len(self.param_groups)} groups)"
 
 
+def _check_arguments(*, lr, adamw_lr, weight_decay, adamw_betas, adamw_weight_decay) -> None:
+    """Refuse bad numbers at the door, naming the argument (not torch's inner parameter name)."""
+    for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    for name, value in (("weight_decay", weight_decay), ("adamw_weight_decay", adamw_weight_decay)):
+        if value is None and name == "adamw_weight_decay":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    betas = tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else None
+    if betas is None or len(betas) != 2 or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas
+    ):
+        raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
+
+
 def build_optimizer(
     model: nn.Module,
     policy: str | Policy = "hetero",
@@ -166,6 +192,8 @@ def build_optimizer(
     Returns:
         A :class:`CombinedOptimizer`.
     """
+    _check_arguments(lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_betas=adamw_betas,
+                     adamw_weight_decay=adamw_weight_decay)
     manifold_options = dict(manifold_options or {})
     for key in manifold_options:
         if key not in MUON_MANIFOLDS:
