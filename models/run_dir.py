@@ -40,6 +40,7 @@ __all__ = ["CHECKPOINT", "DAMAGED_CHECKPOINT", "PREVIOUS_CHECKPOINT", "RUN_FILES
            "rewrite_metrics", "rng_state", "save_checkpoint", "set_rng_state", "state_checksum",
            "write_json"]
 
+#: The newest checkpoint of a run directory.
 CHECKPOINT = "checkpoint.pt"
 #: The checkpoint before the newest, kept so that a damaged newest one has a fallback.
 PREVIOUS_CHECKPOINT = "checkpoint.prev.pt"
@@ -236,15 +237,14 @@ class _Refused(CheckpointError):
 
 def _read_verified(path: Path) -> dict:
     """Load ``path`` with ``weights_only=True`` and verify its checksum and keys."""
+    data = path.read_bytes()  # a real I/O fault (EACCES, EIO) propagates as an OSError
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "Unsupported global" in str(exc) or "Unsupported operand" in str(exc):
+        if "Unsupported global" in str(exc):
             raise _Refused(f"refusing to load {path}: it holds objects other than tensors and "
                            f"plain data, so it was not written by this program") from None
         raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
-    except OSError:
-        raise
     except Exception as exc:  # truncated or corrupted zip archive, EOF, bad record ...
         raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
     if not isinstance(state, dict) or "checksum" not in state:
@@ -305,6 +305,7 @@ def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KE
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds ``checkpoint.pt`` or ``checkpoint.prev.pt``."""
     run_dir = Path(run_dir)
     return (run_dir / CHECKPOINT).is_file() or (run_dir / PREVIOUS_CHECKPOINT).is_file()
 
@@ -326,11 +327,16 @@ def check_run_dir(out: str | Path, resume: bool) -> bool:
         raise RunError(f"run directory {out} exists and is not a directory")
     if not out.exists() or not any(out.iterdir()):
         return False
-    names = {p.name for p in out.iterdir()}
+    names = {p.name for p in out.iterdir() if not _is_temporary(p.name)}
     if names <= RUN_FILES and not _finished(out / "summary.json"):
         return True
     raise RunError(f"run directory {out} is not empty; pass --resume to continue it, or "
                    f"choose another --out")
+
+
+def _is_temporary(name: str) -> bool:
+    """A temporary file of :func:`atomic_write` or :func:`save_checkpoint` (a kill mid-write)."""
+    return name.startswith(".") and (name.endswith(".tmp") or name.endswith(".verify"))
 
 
 def _finished(summary: Path) -> bool:
@@ -343,8 +349,10 @@ def _finished(summary: Path) -> bool:
 def clear_stale_run(out: str | Path) -> None:
     """Remove the files of a run that stopped before its first checkpoint (see
     :func:`check_run_dir`), so that starting it again leaves no trace of the first attempt."""
-    for name in RUN_FILES:
-        _remove_stale(Path(out) / name)
+    out = Path(out)
+    for path in out.iterdir():
+        if path.name in RUN_FILES or _is_temporary(path.name):
+            _remove_stale(path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ PACKAGES = (
     "manifoldlib.optim",
     "models.data",
     "models.train",
+    "models.run_dir",
     "models.config",
     "models.compare",
 )

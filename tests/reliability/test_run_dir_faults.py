@@ -1,0 +1,305 @@
+"""The run directory under faults: crafted, truncated and bit-flipped checkpoints, a partial
+metrics line, planted symlinks, a full disk, and a kill -9 during a checkpoint write."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.run_dir import (
+    CHECKPOINT,
+    DAMAGED_CHECKPOINT,
+    PREVIOUS_CHECKPOINT,
+    RUN_FILES,
+    CheckpointError,
+    RunError,
+    atomic_write,
+    check_run_dir,
+    clear_stale_run,
+    describe_os_error,
+    has_checkpoint,
+    load_checkpoint,
+    read_metrics,
+    rewrite_metrics,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    state_checksum,
+    write_json,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("weights", "step")
+
+
+def _state(step: int, n: int = 1000) -> dict:
+    return {"weights": torch.arange(n, dtype=torch.float32) + step, "step": step,
+            "note": f"step {step}"}
+
+
+def _two_checkpoints(tmp_path: Path) -> Path:
+    save_checkpoint(tmp_path / CHECKPOINT, _state(10), previous_step=-1)
+    save_checkpoint(tmp_path / CHECKPOINT, _state(20), previous_step=10)
+    return tmp_path / CHECKPOINT
+
+
+def _flip_tensor_byte(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit inside ``tensor``'s stored bytes (torch stores records uncompressed)."""
+    raw = bytearray(path.read_bytes())
+    needle = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    at = raw.find(needle)
+    assert at >= 0, "tensor bytes not found in the file"
+    raw[at + len(needle) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+# ---- checksums and fallbacks ----------------------------------------------------------------
+
+
+def test_checkpoint_round_trips_with_weights_only_and_its_checksum(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    loaded = torch.load(path, weights_only=True)
+    checksum = loaded.pop("checksum")
+    assert checksum == state_checksum(_state(20)) and len(checksum) == 64
+    state, note = load_checkpoint(tmp_path, required=KEYS)
+    assert note is None and state["step"] == 20 and torch.equal(state["weights"],
+                                                                _state(20)["weights"])
+    assert torch.load(tmp_path / PREVIOUS_CHECKPOINT, weights_only=True)["step"] == 10
+    assert has_checkpoint(tmp_path)
+
+
+def test_checksum_sees_one_changed_value_dtype_or_key():
+    base = _state(1)
+    assert state_checksum(base) == state_checksum(_state(1))
+    changed = _state(1)
+    changed["weights"][3] += 1
+    assert state_checksum(changed) != state_checksum(base)
+    assert state_checksum({**base, "weights": base["weights"].double()}) != state_checksum(base)
+    assert state_checksum({**base, "extra": 0}) != state_checksum(base)
+
+
+def test_a_bit_flip_inside_tensor_data_falls_back_to_the_previous_checkpoint(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    _flip_tensor_byte(path, _state(20)["weights"])
+    state, note = load_checkpoint(tmp_path, required=KEYS)
+    assert state["step"] == 10
+    assert "does not match its checksum" in note and PREVIOUS_CHECKPOINT in note
+    assert (tmp_path / DAMAGED_CHECKPOINT).is_file() and not path.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "half", "garbage"])
+def test_an_unreadable_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    path = _two_checkpoints(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes({"truncated": raw[:-100], "emptied": b"", "half": raw[:len(raw) // 2],
+                      "garbage": os.urandom(len(raw))}[damage])
+    state, note = load_checkpoint(tmp_path, required=KEYS)
+    assert state["step"] == 10 and f"{path} is damaged (unreadable" in note
+
+
+def test_a_damaged_checkpoint_without_a_previous_one_is_one_clear_error(tmp_path):
+    save_checkpoint(tmp_path / CHECKPOINT, _state(10), previous_step=-1)
+    (tmp_path / CHECKPOINT).write_bytes((tmp_path / CHECKPOINT).read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="is damaged .* no previous good checkpoint"):
+        load_checkpoint(tmp_path, required=KEYS)
+
+
+def test_a_checkpoint_missing_a_key_or_the_checksum_is_damaged(tmp_path):
+    save_checkpoint(tmp_path / CHECKPOINT, {"step": 3}, previous_step=-1)
+    with pytest.raises(CheckpointError, match=r"is damaged \(missing weights\)"):
+        load_checkpoint(tmp_path, required=KEYS)
+    torch.save({"step": 3, "weights": torch.zeros(2)}, tmp_path / CHECKPOINT)  # unsealed
+    with pytest.raises(CheckpointError, match="has no checksum"):
+        load_checkpoint(tmp_path, required=KEYS)
+
+
+def test_a_missing_newest_checkpoint_uses_the_previous_one(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    path.unlink()  # a crash between the two renames of save_checkpoint
+    state, note = load_checkpoint(tmp_path, required=KEYS)
+    assert state["step"] == 10 and "is missing" in note
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    with pytest.raises(CheckpointError, match="has no checkpoint.pt"):
+        load_checkpoint(tmp_path)
+    assert not has_checkpoint(tmp_path)
+
+
+class _Exec:
+    """An object whose unpickling runs code (what a crafted checkpoint carries)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
+
+
+def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned.txt"
+    _two_checkpoints(tmp_path)
+    torch.save({"step": 30, "weights": _Exec(marker)}, tmp_path / CHECKPOINT)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path, required=KEYS)
+    message = str(info.value)
+    assert message.startswith(f"refusing to load {tmp_path / CHECKPOINT}") and "\n" not in message
+    assert not marker.exists()
+    assert (tmp_path / CHECKPOINT).exists()  # refused, not treated as damage: nothing moved
+
+
+def test_save_never_goes_back_and_leaves_no_temporary(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    save_checkpoint(path, _state(5), previous_step=20)
+    assert load_checkpoint(tmp_path, required=KEYS)[0]["step"] == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CHECKPOINT, PREVIOUS_CHECKPOINT])
+
+
+def test_rng_state_is_plain_data_and_restores_every_generator(tmp_path):
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    state = rng_state(torch.device("cpu"))
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.save(state, tmp_path / "rng.pt")
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+
+
+# ---- atomic, exclusive writes ---------------------------------------------------------------
+
+
+def test_a_planted_symlink_at_a_temporary_name_is_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for name in ("config.json.tmp", ".config.json.tmp", "checkpoint.pt.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    write_json(tmp_path / "config.json", {"a": 1})
+    save_checkpoint(tmp_path / CHECKPOINT, _state(1), previous_step=-1)
+    assert victim.read_text() == "keep me"
+    assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1}
+
+
+def test_a_symlink_at_the_target_is_replaced_not_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "summary.json").symlink_to(victim)
+    write_json(tmp_path / "summary.json", {"ok": True})
+    assert victim.read_text() == "keep me" and not (tmp_path / "summary.json").is_symlink()
+
+
+def test_atomic_write_names_the_path_of_a_failure(tmp_path):
+    target = tmp_path / "missing-dir" / "config.json"
+    with pytest.raises(OSError) as info:
+        atomic_write(target, b"{}")
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(target)
+    assert describe_os_error(info.value) == f"{target}: No such file or directory (ENOENT)"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 256 KiB tmpfs (skipped where mounting is not allowed)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_is_one_enospc_error_and_the_checkpoint_stays_intact(tiny_disk):
+    path = tiny_disk / CHECKPOINT
+    save_checkpoint(path, _state(1, n=1000), previous_step=-1)
+    with pytest.raises(OSError) as info:
+        save_checkpoint(path, _state(2, n=200_000), previous_step=1)  # 800 KB > 256 KiB
+    assert info.value.errno == errno.ENOSPC and info.value.filename is not None
+    assert "No space left on device (ENOSPC)" in describe_os_error(info.value)
+    assert load_checkpoint(tiny_disk, required=KEYS)[0]["step"] == 1
+    assert [p.name for p in tiny_disk.iterdir()] == [CHECKPOINT]  # no temporary left
+
+
+# ---- metrics.jsonl --------------------------------------------------------------------------
+
+
+def test_a_partial_last_metrics_line_is_dropped_and_rewritten(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 5, "train_loss": 1.0}\n{"step": 10, "train_loss": 0.9}\n{"step": 1')
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [5, 10]
+    rewrite_metrics(path, rows[:1])
+    assert path.read_text() == '{"step": 5, "train_loss": 1.0}\n'
+
+
+@pytest.mark.parametrize("bad", ["not json", "[1, 2]", '{"loss": 1.0}', '{"step": "5"}'])
+def test_a_garbage_metrics_line_is_an_error_naming_the_line(tmp_path, bad):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f'{{"step": 5}}\n{bad}\n{{"step": 10}}\n')
+    with pytest.raises(RunError, match=f"{path} line 2 is not a metrics row"):
+        read_metrics(path)
+
+
+# ---- run directory rules --------------------------------------------------------------------
+
+
+def test_a_directory_without_a_checkpoint_can_be_started_again(tmp_path):
+    for name in RUN_FILES - {"summary.json"}:
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".checkpoint.pt.verify").write_text("half")  # a kill mid-write
+    (tmp_path / "summary.json").write_text('{"finished": false, "diverged": true}')
+    assert check_run_dir(tmp_path, resume=False) is True
+    clear_stale_run(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_finished_run_without_a_checkpoint_or_a_foreign_file_is_refused(tmp_path):
+    (tmp_path / "summary.json").write_text('{"finished": true}')
+    with pytest.raises(RunError, match="is not empty; pass --resume"):
+        check_run_dir(tmp_path, resume=False)
+    (tmp_path / "summary.json").unlink()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunError, match="is not empty"):
+        check_run_dir(tmp_path, resume=False)
+
+
+# ---- kill -9 during a checkpoint write -------------------------------------------------------
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from models.run_dir import save_checkpoint
+    out = sys.argv[1]
+    for step in range(1, 10_000):
+        state = {"weights": torch.full((500_000,), float(step)), "step": step}
+        save_checkpoint(out + "/checkpoint.pt", state, previous_step=step - 1)
+        print(step, flush=True)
+""")
+
+
+@pytest.mark.parametrize("writes_seen", [2, 5])
+def test_kill_9_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path, writes_seen):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(writes_seen):
+            last = int(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGKILL)  # somewhere inside the next save (or between saves)
+        proc.wait(timeout=60)
+    state, _ = load_checkpoint(tmp_path, required=KEYS)
+    assert state["step"] >= last - 1
+    assert torch.equal(state["weights"], torch.full((500_000,), float(state["step"])))
+    assert check_run_dir(tmp_path, resume=True) is False
