@@ -1,0 +1,273 @@
+"""Bad input across the API and the CLI: each case asserts the exception type (or the exit
+status and one ``error:`` line) and that the message names the bad value."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from manifoldlib.charts import SEL
+from manifoldlib.manifolds import DGram, Euclidean, Sphere, Stiefel
+from manifoldlib.manifolds.base import check_tensor
+from manifoldlib.optim import build_optimizer
+from models.config import ConfigError, build_config, load_toml
+from models.gpt import GPT, GPTConfig
+from models.train import main
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _point(manifold, m=6, n=3):
+    return manifold.random(m, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+def _poisoned(t: torch.Tensor, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[0, 0] = value
+    return t
+
+
+# ---- manifolds: non-finite input -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Stiefel, DGram])
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_projx_of_a_non_finite_matrix_is_a_value_error(cls, value):
+    m = cls()
+    with pytest.raises(ValueError, match=rf"{m.name}\.projx: 'x' holds 1 non-finite value"):
+        m.projx(_poisoned(_point(m), value))
+
+
+@pytest.mark.parametrize("cls", [Stiefel, DGram])
+def test_retr_from_a_nan_point_is_a_value_error(cls):
+    m = cls()
+    x = _poisoned(_point(m), NAN)
+    with pytest.raises(ValueError, match=rf"{m.name}\.retr: 'x' holds 1 non-finite value"):
+        m.retr(x, torch.zeros_like(x))
+
+
+def test_dgram_retr_of_an_infinite_step_is_a_value_error():
+    m = DGram()
+    x = _point(m)
+    with pytest.raises(ValueError, match=r"dgram\.retr: 'u' holds 1 non-finite value"):
+        m.retr(x, _poisoned(torch.randn_like(x), INF))
+
+
+# ---- manifolds: dtypes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Stiefel, DGram, Sphere, Euclidean])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_manifolds_refuse_non_real_floating_tensors(cls, dtype):
+    m = cls()
+    x = torch.ones(4, 2).to(dtype)
+    with pytest.raises(ValueError, match=rf"'x' must be a real floating-point tensor .* got "
+                                         rf"dtype {dtype}"):
+        m.projx(x)
+
+
+@pytest.mark.parametrize("cls", [Stiefel, Sphere])
+def test_a_tangent_vector_of_integer_dtype_is_refused(cls):
+    m = cls()
+    x = m.random(4, 2, dtype=torch.float64) if cls is Stiefel else m.random(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'u' must be a real floating-point tensor .* got dtype torch.int64"):
+        m.proju(x, torch.ones_like(x, dtype=torch.int64))
+
+
+def test_check_tensor_refuses_a_non_tensor():
+    with pytest.raises(ValueError, match="'x' must be a torch.Tensor, got list"):
+        check_tensor([1.0], "x", "stiefel.projx")
+
+
+@pytest.mark.parametrize("x_shape, u_shape", [((3, 4), (4,)), ((4,), (3, 4)), ((2, 3), (3, 2))])
+def test_euclidean_retr_refuses_a_step_of_another_shape(x_shape, u_shape):
+    with pytest.raises(ValueError, match=rf"'v' must have the shape {x_shape} of x, got shape "
+                                         rf"{u_shape}".replace("(", r"\(").replace(")", r"\)")):
+        Euclidean().retr(torch.zeros(x_shape), torch.ones(u_shape))
+
+
+@pytest.mark.parametrize("ndim", [-1, 1.5])
+def test_euclidean_ndim(ndim):
+    with pytest.raises(ValueError, match=f"ndim must be an int >= 0, got {ndim}"):
+        Euclidean(ndim=ndim)
+
+
+# ---- build_optimizer -------------------------------------------------------------------------
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8, bias=False)
+        self.norm = nn.LayerNorm(8)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
+    ({"lr": 0.0}, "lr must be a finite number > 0, got 0.0"),
+    ({"lr": NAN}, "lr must be a finite number > 0, got nan"),
+    ({"lr": "fast"}, "lr must be a finite number > 0, got 'fast'"),
+    ({"adamw_lr": -1}, "adamw_lr must be a finite number > 0, got -1"),
+    ({"adamw_lr": INF}, "adamw_lr must be a finite number > 0, got inf"),
+    ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0, got -0.1"),
+    ({"adamw_weight_decay": NAN}, "adamw_weight_decay must be a finite number >= 0, got nan"),
+    ({"adamw_betas": (1.0, 0.9)}, r"adamw_betas must be two numbers in \[0, 1\), got \(1.0, 0.9\)"),
+    ({"adamw_betas": (0.9,)}, r"adamw_betas must be two numbers in \[0, 1\), got \(0.9,\)"),
+])
+def test_build_optimizer_names_the_bad_argument(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        build_optimizer(_Tiny(), policy="unconstrained", **kwargs)
+
+
+def test_a_policy_that_raises_is_reported_with_the_parameter_name():
+    def policy(name, module, param):
+        raise KeyError("boom")
+
+    with pytest.raises(ValueError, match=r"raised KeyError on parameter 'attn.weight' of shape "
+                                         r"\(8, 8\): 'boom'"):
+        build_optimizer(_Tiny(), policy=policy)
+
+
+def test_a_policy_returning_an_unknown_manifold_names_it():
+    with pytest.raises(ValueError, match="to unknown manifold 'torus'"):
+        build_optimizer(_Tiny(), policy=lambda name, module, p: "torus" if p.dim() == 2 else None)
+
+
+# ---- the GPT and SEL -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=16))
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (50, r"token ids must be in \[0, 50\) \(vocab_size\), got ids from 0 to 50"),
+    (999, "got ids from 0 to 999"),
+    (-1, "got ids from -1 to"),
+])
+def test_token_ids_outside_the_vocabulary(gpt, bad, needle):
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    idx[0, 2] = bad
+    with pytest.raises(ValueError, match=needle):
+        gpt(idx)
+
+
+def test_float_token_ids(gpt):
+    with pytest.raises(ValueError, match="token ids must be an integer tensor, got dtype "
+                                         "torch.float32"):
+        gpt(torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0,)])
+def test_sel_on_an_empty_weight(shape):
+    with pytest.raises(ValueError, match=rf"SEL needs a non-empty weight, got shape "
+                                         rf"{shape}".replace("(", r"\(").replace(")", r"\)")):
+        SEL(torch.empty(shape))
+
+
+def test_sel_on_an_integer_weight():
+    with pytest.raises(ValueError, match="weight must be a floating-point tensor"):
+        SEL(torch.ones(3, 3, dtype=torch.int64))
+
+
+# ---- configuration values --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("lr", "inf", "lr must be a finite number, got inf"),
+    ("lr", "nan", "lr must be a finite number, got nan"),
+    ("adamw_lr", "-inf", "adamw_lr must be a finite number, got -inf"),
+    ("weight_decay", "inf", "weight_decay must be a finite number, got inf"),
+    ("grad_clip", "nan", "grad_clip must be a finite number, got nan"),
+    ("temperature", "inf", "temperature must be a finite number, got inf"),
+    ("sel_scale_lr", "inf", "sel_scale_lr must be a finite number, got inf"),
+    ("beta1", "nan", "beta1 must be a finite number, got nan"),
+    ("p", "nan", "p must be > 0, got nan"),
+    ("seed", "-1", r"seed must be in \[0, 4294967295\] \(numpy's seed range\), got -1"),
+    ("seed", str(2**70), f"got {2**70}"),
+    ("seed", "2**70", r"--seed expects an integer, got '2\*\*70'"),
+    ("device", "meta", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got 'meta'"),
+    ("device", "gpu", "got 'gpu'"),
+    ("device", "cuda:x", "got 'cuda:x'"),
+    ("steps", "0", "steps must be >= 1, got 0"),
+    ("top_k", "-3", "top_k must be >= 0, got -3"),
+])
+def test_config_values_are_checked_at_the_door(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_config("smoke", overrides={key: value})
+
+
+def test_p_may_be_infinite():
+    assert build_config("smoke", overrides={"p": "inf"}).p == math.inf
+
+
+def test_a_config_directory_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        load_toml(tmp_path)
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("lr = = 3\n")
+    with pytest.raises(ConfigError, match=f"config file {path} is not valid TOML"):
+        load_toml(path)
+
+
+# ---- the command line: exit 2, one error line ------------------------------------------------
+
+
+def _one_error_line(capsys, needle: str) -> None:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--lr", "inf"], "lr must be a finite number, got inf"),
+    (["--seed", "-1"], "seed must be in [0, 4294967295]"),
+    (["--seed", str(2**70)], f"got {2**70}"),
+    (["--device", "meta"], "got 'meta'"),
+    (["--steps", "many"], "--steps expects an integer, got 'many'"),
+    (["--out", ""], "--out must name a run directory, got ''"),
+    (["--out", "   "], "--out must name a run directory, got ''"),
+    (["--resume", "--out", "{tmp}/nothing"], "has no checkpoint.pt"),
+])
+def test_cli_bad_values_exit_2(tmp_path, capsys, args, needle):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    argv = ["--preset", "smoke", *args] if "--resume" not in args else args
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    _one_error_line(capsys, needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_config_naming_a_directory_exits_2(tmp_path, capsys):
+    assert main(["--config", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    _one_error_line(capsys, f"config file {tmp_path} is a directory")
+
+
+def test_cli_resume_with_a_malformed_config_json_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert main(["--resume", "--out", str(tmp_path)]) == 2
+    _one_error_line(capsys, f"cannot resume: {tmp_path / 'config.json'} is not a valid "
+                            f"configuration")
+
+
+def test_cli_resume_of_an_unsealed_checkpoint_exits_2(tmp_path, capsys):
+    torch.save({"step": 1}, tmp_path / "checkpoint.pt")
+    (tmp_path / "config.json").write_text(json.dumps(build_config("smoke").to_dict()))
+    assert main(["--resume", "--out", str(tmp_path)]) == 2
+    _one_error_line(capsys, "has no checksum")
+
+
+def test_cli_out_below_a_regular_file_is_an_environment_fault(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["--preset", "smoke", "--out", str(blocker / "run")]) == 1
+    _one_error_line(capsys, f"{blocker / 'run'}: Not a directory (ENOTDIR)")
