@@ -208,20 +208,8 @@ def test_atomic_write_names_the_path_of_a_failure(tmp_path):
     assert describe_os_error(info.value) == f"{target}: No such file or directory (ENOENT)"
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 256 KiB tmpfs (skipped where mounting is not allowed)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
-def test_a_full_disk_is_one_enospc_error_and_the_checkpoint_stays_intact(tiny_disk):
+def test_a_full_disk_is_one_enospc_error_and_the_checkpoint_stays_intact(small_tmpfs):
+    tiny_disk = small_tmpfs(256)
     path = tiny_disk / CHECKPOINT
     save_checkpoint(path, _state(1, n=1000), previous_step=-1)
     with pytest.raises(OSError) as info:

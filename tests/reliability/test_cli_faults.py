@@ -1,0 +1,183 @@
+"""The training CLI under faults: non-finite gradients, damaged run directories, a crafted
+checkpoint, a full disk, Ctrl-C. Every run is the smoke preset with a few steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models.train as train_mod
+from models.run_dir import DAMAGED_CHECKPOINT, load_checkpoint, read_metrics
+from models.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+COMPARED = ("step", "train_loss", "val_loss", "lr", "tokens", "grad_norm")
+
+
+def _quiet(*args: str) -> list[str]:
+    return ["--preset", "smoke", "--sample_tokens", "0", "--schedule", "constant",
+            "--eval_interval", "5", *args]
+
+
+def _same_rows(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in COMPARED} == {k: rb.get(k) for k in COMPARED}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 20-step run: the rows every resumed run must reproduce exactly."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main([*_quiet("--steps", "20"), "--out", str(out)]) == 0
+    return read_metrics(out / "metrics.jsonl")
+
+
+def _poison_gradients_from(monkeypatch, step: int) -> list:
+    """Make the gradient of one weight infinite from training step ``step`` on (the loss stays
+    finite); returns a list that receives the model."""
+    build, models = train_mod.build_model, []
+
+    def poisoned(cfg, vocab_size):
+        model = build(cfg, vocab_size)
+        calls = {"n": 0}
+
+        def hook(grad):
+            calls["n"] += 1
+            return grad * math.inf if calls["n"] >= step else grad
+
+        next(p for p in model.parameters() if p.dim() == 2).register_hook(hook)
+        models.append(model)
+        return model
+
+    monkeypatch.setattr(train_mod, "build_model", poisoned)
+    return models
+
+
+# ---- non-finite gradients --------------------------------------------------------------------
+
+
+def test_a_non_finite_gradient_norm_stops_before_the_step_with_status_3(tmp_path, monkeypatch,
+                                                                         capsys):
+    models = _poison_gradients_from(monkeypatch, 13)
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "20", "--grad_clip", "0"), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "training diverged: non-finite gradient norm (inf) at step 13" in err
+    assert "last good checkpoint (step 10)" in err
+    assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())  # never stepped
+    assert load_checkpoint(out)[0]["step"] == 10
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged"] and summary["steps"] == 12 and not summary["finished"]
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    assert last["step"] == 13 and last["grad_norm"] is None and last["diverged"] is True
+
+
+def test_a_run_that_diverges_before_its_first_checkpoint_can_be_run_again(
+        tmp_path, monkeypatch, capsys, reference):
+    out = tmp_path / "run"
+    argv = [*_quiet("--steps", "20"), "--out", str(out)]
+    _poison_gradients_from(monkeypatch, 3)
+    assert main(argv) == 3
+    assert "no checkpoint had been written yet" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(argv) == 0  # the same command, on the same directory
+    _same_rows(read_metrics(out / "metrics.jsonl"), reference)
+
+
+# ---- damaged run directories -----------------------------------------------------------------
+
+
+def _stopped_at(tmp_path: Path, step: int) -> Path:
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "20", "--stop_at", str(step)), "--out", str(out)]) == 0
+    return out
+
+
+def test_a_bit_flipped_checkpoint_resumes_exactly_from_the_previous_one(tmp_path, capsys,
+                                                                        reference):
+    out = _stopped_at(tmp_path, 15)  # checkpoint.pt at step 15, checkpoint.prev.pt at 10
+    path = out / "checkpoint.pt"
+    weight = torch.load(path, weights_only=True)["model"]["lm_head.weight"]
+    raw = bytearray(path.read_bytes())
+    at = raw.find(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    raw[at + 7] ^= 0x01
+    path.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "does not match its checksum); resuming from the previous checkpoint" in err
+    assert (out / DAMAGED_CHECKPOINT).is_file()
+    _same_rows(read_metrics(out / "metrics.jsonl"), reference)
+
+
+def test_a_partial_last_metrics_line_is_repaired_on_resume(tmp_path, reference):
+    out = _stopped_at(tmp_path, 10)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "train_lo')  # a kill during the append
+    assert main(["--resume", "--out", str(out)]) == 0
+    _same_rows(read_metrics(out / "metrics.jsonl"), reference)
+
+
+def test_a_garbage_metrics_line_stops_the_resume_naming_the_line(tmp_path, capsys):
+    out = _stopped_at(tmp_path, 10)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines.insert(1, "%%% garbage %%%\n")
+    (out / "metrics.jsonl").write_text("".join(lines))
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.jsonl line 2 is not a metrics row" in err
+
+
+def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
+    out = _stopped_at(tmp_path, 10)
+    marker = tmp_path / "pwned.txt"
+
+    class Exec:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('pwned')",)
+
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    state["sampler"] = Exec()
+    torch.save(state, out / "checkpoint.pt")
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: refusing to load {out / 'checkpoint.pt'}: it holds objects other "
+                   f"than tensors and plain data, so it was not written by this program\n")
+    assert not marker.exists()
+
+
+# ---- the environment -------------------------------------------------------------------------
+
+
+def test_a_full_disk_exits_1_naming_the_path_and_enospc(small_tmpfs, capsys):
+    out = small_tmpfs(96) / "run"  # room for the small files, not for a checkpoint
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}") and "No space left on device (ENOSPC)" in err
+    assert err.count("\n") == 1
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "models.train", *_quiet("--steps", "100000"), "--out",
+         str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        assert proc.stdout.readline().startswith("corpus ")  # training has started
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["interrupted; resume with --resume (from the last "
+                                        "checkpoint)"]
