@@ -245,7 +245,7 @@ def _read_verified(path: Path) -> dict:
             raise _Refused(f"refusing to load {path}: it holds objects other than tensors and "
                            f"plain data, so it was not written by this program") from None
         raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
-    except Exception as exc:  # truncated or corrupted zip archive, EOF, bad record ...
+    except Exception as exc:  # noqa: BLE001 - truncated or corrupted zip, EOF, bad record
         raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
     if not isinstance(state, dict) or "checksum" not in state:
         raise CheckpointError(f"{path} has no checksum (not a checkpoint of this program, or "
@@ -336,7 +336,7 @@ def check_run_dir(out: str | Path, resume: bool) -> bool:
 
 def _is_temporary(name: str) -> bool:
     """A temporary file of :func:`atomic_write` or :func:`save_checkpoint` (a kill mid-write)."""
-    return name.startswith(".") and (name.endswith(".tmp") or name.endswith(".verify"))
+    return name.startswith(".") and name.endswith((".tmp", ".verify"))
 
 
 def _finished(summary: Path) -> bool:

@@ -65,6 +65,15 @@ from .config import (
     load_toml,
     parse_overrides,
 )
+from .data import (
+    BatchSampler,
+    Corpus,
+    CorpusError,
+    check_size,
+    eval_batches,
+    load_corpus,
+    unigram_entropy,
+)
 from .run_dir import (
     CheckpointError,
     RunError,
@@ -78,15 +87,6 @@ from .run_dir import (
     save_checkpoint,
     set_rng_state,
     write_json,
-)
-from .data import (
-    BatchSampler,
-    Corpus,
-    CorpusError,
-    check_size,
-    eval_batches,
-    load_corpus,
-    unigram_entropy,
 )
 
 __all__ = ["RESUMABLE_FIELDS", "MissingModuleError", "RunError", "build_model", "build_optimizer",

@@ -179,5 +179,5 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130
-    assert err.strip().splitlines() == ["interrupted; resume with --resume (from the last "
-                                        "checkpoint)"]
+    assert err.strip().splitlines() == [
+        "interrupted; resume with --resume (from the last checkpoint)"]
