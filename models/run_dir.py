@@ -243,7 +243,8 @@ def _read_verified(path: Path) -> dict:
     except pickle.UnpicklingError as exc:
         if "Unsupported global" in str(exc):
             raise _Refused(f"refusing to load {path}: it holds objects other than tensors and "
-                           f"plain data, so it was not written by this program") from None
+                           f"plain data (a crafted file, or a checkpoint of a version that "
+                           f"pickled them); nothing in it was run") from None
         raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
     except Exception as exc:  # noqa: BLE001 - truncated or corrupted zip, EOF, bad record
         raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
@@ -261,13 +262,14 @@ def _first_line(exc: Exception) -> str:
     return text[0][:160] if text else type(exc).__name__
 
 
-def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KEYS
-                    ) -> tuple[dict, str | None]:
+def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KEYS, *,
+                    move_damaged: bool = True) -> tuple[dict, str | None]:
     """The newest good checkpoint of ``run_dir`` and a note when it is not ``checkpoint.pt``.
 
     A damaged ``checkpoint.pt`` (unreadable, checksum mismatch, a required key missing) is moved
     aside to ``checkpoint.damaged.pt`` and ``checkpoint.prev.pt`` is used instead; the note says
-    so. A file holding anything but tensors and plain data is refused outright.
+    so. A file holding anything but tensors and plain data is refused outright. Under
+    ``torchrun`` every rank loads and only rank 0 passes ``move_damaged=True``.
 
     Raises:
         CheckpointError: no usable checkpoint (the message names every file tried and why).
@@ -293,7 +295,7 @@ def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KE
             why = "; ".join(problems) if problems else f"{newest} is missing"
             note = f"{why}; resuming from the previous checkpoint {path.name} " \
                 f"(step {state['step']})"
-            if newest.exists():
+            if move_damaged and newest.exists():
                 os.replace(newest, run_dir / DAMAGED_CHECKPOINT)
                 note += f"; the damaged file is kept as {DAMAGED_CHECKPOINT}"
         return state, note

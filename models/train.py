@@ -9,14 +9,18 @@ A run directory holds
   diagnostics (largest q/k spectral norm, maximum attention logit);
 - ``loss.png`` — the curves; ``sample.txt`` — text generated at the end;
 - ``checkpoint.pt`` — model, optimizer, RNG states (torch, numpy, python; under torchrun also
-  every rank's, ``rng_per_rank``), the data sampler's position and ``world_size``, written
-  atomically; ``--resume`` continues it exactly, so the losses equal an uninterrupted run's;
+  every rank's, ``rng_per_rank``), the data sampler's position and ``world_size``, as tensors
+  and plain data sealed with a checksum, written atomically (:mod:`models.run_dir`), with the
+  one before it kept as ``checkpoint.prev.pt``; ``--resume`` continues it exactly, so the
+  losses equal an uninterrupted run's;
 - ``summary.json`` — ``val_loss``, ``val_ppl``, ``steps``, ``tokens``, ``world_size``,
   ``wall_time_s``, ``corpus_fingerprint`` and more.
 
-Problems with the user's input (a bad corpus path, a non-empty run directory, a bad override)
-print one ``error:`` line and exit with status 2; a non-finite loss stops the run with status 3
-and keeps the last good checkpoint.
+Problems with the user's input (a bad corpus path, a non-empty run directory, a bad override,
+a damaged or foreign checkpoint) print one ``error:`` line and exit with status 2; a file-system
+fault (a full disk, an unwritable directory) prints one line naming the path and the cause and
+exits with status 1; a non-finite loss or gradient norm stops the run with status 3 and keeps
+the last good checkpoint; Ctrl-C exits with status 130. None of them prints a traceback.
 
 Distributed data parallel: ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
 models.train ...`` trains one model with :class:`~torch.nn.parallel.DistributedDataParallel`
@@ -77,6 +81,7 @@ from .data import (
 from .run_dir import (
     CheckpointError,
     RunError,
+    atomic_write,
     check_run_dir,
     clear_stale_run,
     describe_os_error,
@@ -515,7 +520,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
         _check_world_size(cfg, world_size)
         stale = check_run_dir(out, resume)
         if resume:
-            ckpt, note = load_checkpoint(out)
+            ckpt, note = load_checkpoint(out, move_damaged=is_main)
             if note is not None and echo and is_main:
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             try:
@@ -733,7 +738,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, ctx: _Dist,
         say(f"stopped: {summary['error']}")
     elif finished and cfg.sample_tokens > 0 and is_main:
         sample = generate_sample(model, corpus, cfg, device)
-        (out / "sample.txt").write_text(sample)
+        atomic_write(out / "sample.txt", sample.encode())
         say("--- sample ---\n" + sample + "\n--------------")
     if is_main:
         write_json(out / "summary.json", summary)

@@ -151,8 +151,9 @@ def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: refusing to load {out / 'checkpoint.pt'}: it holds objects other "
-                   f"than tensors and plain data, so it was not written by this program\n")
+    assert err.startswith(f"error: refusing to load {out / 'checkpoint.pt'}: it holds objects "
+                          f"other than tensors and plain data") and err.count("\n") == 1
+    assert "nothing in it was run" in err
     assert not marker.exists()
 
 
