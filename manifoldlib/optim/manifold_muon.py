@@ -302,6 +302,7 @@ def _solve_one(
             smoothing=dual_smoothing,
             dual_update=dual_update,
             spectral=dual_spectral,
+            gap_tol=None,  # the first smoothing that meets dual_tol: a training step needs no certificate
         )
         info = solution.info
         state["dual_correction"] = info.correction
