@@ -45,7 +45,6 @@ def test_default_arguments_reach_the_optimum(case, seed):
     _assert_optimal(w, g, manifold, a, info)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", _LARGE, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("method", ["svd", "polar-express"])
