@@ -39,14 +39,19 @@ Methods (all batched over leading dimensions, tall and wide inputs):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .gram_rsqrt import products_only_rsqrt
 
 __all__ = [
-    "MSIGN_METHODS",
+    "CONVERGENT_NS_CAP",
     "JORDAN5_COEFFICIENTS",
+    "MSIGN_METHODS",
+    "NEWTON_SCHULZ_PRESETS",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "NewtonSchulzPreset",
     "msign",
     "newton_schulz",
 ]
@@ -73,10 +78,45 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = tuple(
 
 _CONVERGENT_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
 
+
+@dataclass(frozen=True)
+class NewtonSchulzPreset:
+    r"""A fixed-count Newton–Schulz map :math:`y \mapsto y(a + by^2 + cy^4)`, step by step.
+
+    Attributes:
+        schedule: the ``(a, b, c)`` triples of the steps (the last one repeats).
+        steps: the fixed step count of the preset (what the dual solves and
+            :func:`~manifoldlib.optim.gram_msign_factor` run when ``steps`` is ``None``).
+        scale: the first normalization is by ``scale · ||X||_F`` (Polar Express: 1.01).
+    """
+
+    schedule: tuple[tuple[float, float, float], ...]
+    steps: int
+    scale: float = 1.0
+
+
+#: The single source of the Newton–Schulz presets, used by :func:`msign` and by the dual
+#: solves of :mod:`manifoldlib.optim`. ``"newton-schulz"`` is the convergent quintic: the dual
+#: runs it a fixed 30 steps (enough from a Frobenius-normalized start for singular values
+#: down to about 1e-2 of the largest), while :func:`msign` runs it to a tolerance with
+#: :data:`CONVERGENT_NS_CAP` steps at most.
+NEWTON_SCHULZ_PRESETS: dict[str, NewtonSchulzPreset] = {
+    "jordan5": NewtonSchulzPreset((JORDAN5_COEFFICIENTS,), 5),
+    "polar-express": NewtonSchulzPreset(POLAR_EXPRESS_COEFFICIENTS, 8, _PE_SAFETY),
+    "newton-schulz": NewtonSchulzPreset((_CONVERGENT_QUINTIC,), 30),
+}
+#: Iteration cap of the tolerance-stopped convergent quintic in :func:`msign`.
+CONVERGENT_NS_CAP = 60
+
 #: Valid ``method`` names of :func:`msign`.
 MSIGN_METHODS = ("svd", "newton", "newton-schulz", "jordan5", "polar-express", "gram-eigh")
 
-_DEFAULT_STEPS = {"jordan5": 5, "polar-express": 8, "newton-schulz": 60, "newton": 40}
+_DEFAULT_STEPS = {
+    "jordan5": NEWTON_SCHULZ_PRESETS["jordan5"].steps,
+    "polar-express": NEWTON_SCHULZ_PRESETS["polar-express"].steps,
+    "newton-schulz": CONVERGENT_NS_CAP,
+    "newton": 40,
+}
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -7,9 +7,9 @@ AMX) and very slow where it does not: on a 2-core AMD EPYC with AVX2 only (torch
 against 0.053 ms, and one ``torch.optim.Muon`` step on a 768² matrix 7.8 s. There the default
 training run spent half its time in bfloat16 Newton–Schulz.
 
-:class:`~manifoldlib.optim.ManifoldMuon` keeps Muon's bfloat16 by default (so that its Euclidean
-steps equal ``torch.optim.Muon``'s) and takes ``ns_dtype`` (:data:`NS_DTYPES`): ``"float32"``,
-or ``"auto"`` — bfloat16 where it is native, float32 elsewhere.
+:class:`~manifoldlib.optim.ManifoldMuon` takes ``ns_dtype`` (:data:`NS_DTYPES`): ``"auto"``
+(default) — bfloat16 where it is native, float32 elsewhere — ``"bfloat16"`` (always: its
+Euclidean steps then equal ``torch.optim.Muon``'s on every device) or ``"float32"``.
 """
 
 from __future__ import annotations

@@ -142,15 +142,24 @@ class _DualProblem:
         self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (n, n): H -> D S
         self.mask = off_diagonal if manifold == "dgram" else (lambda x: x)
         self.wg = w.mT @ g  # (n, n) = W^T G = D B
-        self.reduced = method != "svd" or smoothing is not None
+        self.reduced = False
+        if method != "svd" or smoothing is not None:
+            self.enable_reduced()
+
+    def enable_reduced(self) -> None:
+        r"""Switch to the reduced (``n × n``) evaluations: form :math:`B = Q^\top G` and
+        :math:`C = G_\perp^\top G_\perp` (one more ``m·n²`` product). An exact-SVD solve that
+        stalls continues this way with the smoothed dual."""
         if self.reduced:
-            self.b = self.wg / self.d.unsqueeze(-1)  # (n, n) = Q^T G
-            if self.square:
-                self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
-            else:
-                gram = g.mT @ g  # (n, n)
-                self.c = gram - self.b.mT @ self.b  # G_perp^T G_perp
-                self.c = 0.5 * (self.c + self.c.mT)
+            return
+        self.reduced = True
+        self.b = self.wg / self.d.unsqueeze(-1)  # (n, n) = Q^T G
+        if self.square:
+            self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
+        else:
+            gram = self.g.mT @ self.g  # (n, n)
+            self.c = gram - self.b.mT @ self.b  # G_perp^T G_perp
+            self.c = 0.5 * (self.c + self.c.mT)
 
     def initial_multiplier(self) -> torch.Tensor:
         # G + 2 W Lambda_0 = P_T(G): Lambda_0 = -(W^T G + G^T W) / (2 (d_i^2 + d_j^2))
@@ -174,6 +183,9 @@ class _DualProblem:
         """
         if not self.reduced:
             x = self.g + 2.0 * (self.w @ lam)  # (m, n)
+            if not bool(torch.isfinite(x.sum())):  # a diverged step: no SVD of non-finite input
+                nan = torch.full_like(lam, float("nan"))
+                return nan, float("nan"), _State(lam, torch.full_like(x, float("nan")))
             a = msign(x, "svd")
             k = (self.w.mT @ a) / self.d.unsqueeze(-1)  # (n, n) = Q^T A
             a_sq = (a * a).sum()
@@ -215,6 +227,23 @@ class _DualProblem:
         normal_norm = 0.5 * h.norm() if self.unit else (h * self.normal_scale).norm()
         residual = float(normal_norm / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
         return h, residual, state
+
+    def relative_gap(self, state: _State) -> float:
+        r"""Certified relative duality gap :math:`(\|X\|_* - \langle G, A\rangle)/\|X\|_*` of a
+        reduced eigen evaluation (``nan`` without its eigenvalues).
+
+        Any multiplier gives the upper bound :math:`\|X(\Lambda)\|_* = \sum_i\sqrt{\lambda_i}` on the
+        optimum, and :math:`\langle G, A\rangle = \langle X, A\rangle - 2\langle\Lambda, W^\top A\rangle
+        = \sum_i \lambda_i\psi_i - 2\langle\Lambda, DK\rangle` is the value of the answer, so the
+        gap bounds how far :math:`\langle G, A\rangle` is below the optimum (up to the tangent
+        residual of ``A``). ``n × n`` work only.
+        """
+        if state.eig is None or state.k is None:
+            return float("nan")
+        nuclear = state.eig.sqrt().sum()
+        dk = state.k if self.unit else self.d.unsqueeze(-1) * state.k  # W^T A
+        value = (state.eig * state.gain).sum() - 2.0 * (state.lam * dk).sum()
+        return float((nuclear - value) / nuclear.clamp_min(torch.finfo(nuclear.dtype).tiny))
 
     def direction(self, state: _State) -> torch.Tensor:
         if not self.reduced:

@@ -22,12 +22,12 @@ processes with all-reduced gradients then disagree). Each solve starts from the 
 :math:`1/(4\sqrt n)`; the iteration counts are the same (measured on 384- and 1536-row matrices),
 and 10 warm-started steps now move by ~1e-10 under such a change.
 
-With ``manifold="euclidean"`` the step is :class:`torch.optim.Muon`'s, operation for operation
-(bfloat16 Newton–Schulz, the same learning-rate adjustment and decoupled weight decay). Where
-bfloat16 products are not native (CPUs without AVX512-BF16 or AMX) that Newton–Schulz is slow —
-one 768² step took 7.8 s on an AVX2 EPYC, where the same iteration in float32 takes about
-0.2 s — and ``ns_dtype="auto"`` (bfloat16 where native, else float32) or ``"float32"`` runs
-it in float32 (:mod:`~manifoldlib.optim.bfloat16_support`).
+With ``manifold="euclidean"`` and ``ns_dtype="bfloat16"`` the step is :class:`torch.optim.Muon`'s,
+operation for operation (bfloat16 Newton–Schulz, the same learning-rate adjustment and decoupled
+weight decay). Where bfloat16 products are not native (CPUs without AVX512-BF16 or AMX) that
+Newton–Schulz is slow (emulated bfloat16), so the default ``ns_dtype="auto"`` takes bfloat16 only
+where it is native — there it equals ``torch.optim.Muon`` too — and float32 elsewhere
+(:mod:`~manifoldlib.optim.bfloat16_support`).
 
 Learning rate for non-square matrices: on Stiefel and DGram ``adjust_lr_fn=None`` means
 ``"spectral"`` (no adjustment). The update has spectral norm :math:`\eta` and a Stiefel point has
@@ -208,7 +208,7 @@ def _validate_group_options(group: MutableMapping) -> None:
         raise ValueError(f"dual_update must be one of {', '.join(DUAL_UPDATES)}, got {update!r}")
     if update == "anderson" and method == "svd":
         raise ValueError("dual_update='anderson' needs a Newton-Schulz msign_method, got msign_method='svd'")
-    ns_dtype = group.get("ns_dtype", "bfloat16")
+    ns_dtype = group.get("ns_dtype", "auto")
     if ns_dtype not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
     spectral = group.get("dual_spectral", "auto")
@@ -234,6 +234,28 @@ def _group_manifold(group: MutableMapping):
 
 def _tall(t: Tensor) -> Tensor:
     return t.mT if t.size(-2) < t.size(-1) else t
+
+
+def _check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: list[Tensor]) -> None:
+    """Raise ``ValueError`` naming the first parameter of ``group`` whose gradient has a NaN or inf.
+
+    One reduction per gradient, stacked, and one host synchronization per group: the sum of a
+    tensor is finite exactly when its entries are (short of a float32 overflow of finite sums,
+    which would also break the step). Called before any momentum buffer or parameter changes.
+    """
+    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+    if bool(torch.isfinite(sums).all()):
+        return
+    bad = int((~torch.isfinite(sums)).nonzero()[0])
+    p = params[bad]
+    index = next(i for i, q in enumerate(group["params"]) if q is p)
+    names = group.get("param_names")
+    name = f" {names[index]!r}" if names is not None and index < len(names) else ""
+    raise ValueError(
+        f"ManifoldMuon: the gradient of parameter{name} (index {index} in its group, shape "
+        f"{tuple(p.shape)}, manifold {group['manifold']!r}) has non-finite entries (NaN or inf); "
+        f"no parameter or momentum buffer was changed this step"
+    )
 
 
 def _momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -265,7 +287,7 @@ def _solve_one(
     dual_update: str = "auto",
     dual_spectral: str = "auto",
     fuse_retraction: bool = False,
-    ns_dtype: str = "bfloat16",
+    ns_dtype: str = "auto",
 ) -> Tensor:
     """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
 
@@ -302,6 +324,7 @@ def _solve_one(
             smoothing=dual_smoothing,
             dual_update=dual_update,
             spectral=dual_spectral,
+            gap_tol=None,  # the first smoothing that meets dual_tol: a training step needs no certificate
         )
         info = solution.info
         state["dual_correction"] = info.correction
@@ -361,7 +384,7 @@ def manifold_muon(
     dual_update: str = "auto",
     dual_spectral: str = "auto",
     fuse_retraction: bool = False,
-    ns_dtype: str = "bfloat16",
+    ns_dtype: str = "auto",
 ) -> None:
     r"""Functional core of :class:`ManifoldMuon`: one step for a list of matrices of one group.
 
@@ -417,7 +440,7 @@ def _solve_options(group: MutableMapping) -> dict[str, Any]:
         "dual_update": group.get("dual_update", "auto"),
         "dual_spectral": group.get("dual_spectral", "auto"),
         "fuse_retraction": group["retraction"] is None and not group.get("retraction_options"),
-        "ns_dtype": group.get("ns_dtype", "bfloat16"),
+        "ns_dtype": group.get("ns_dtype", "auto"),
     }
 
 
@@ -462,10 +485,11 @@ class ManifoldMuon(Optimizer):
             eigendecomposition per evaluation) or ``"products"`` (Newton–Schulz in Gram form,
             about twenty ``n × n`` products: on an H200 a 768² eigh costs 8 ms, the products
             1.1 ms). Smoothed solves (square DGram) take the eigh either way.
-        ns_dtype: the dtype of the Euclidean groups' Newton–Schulz: ``"bfloat16"`` (default, as
-            :class:`torch.optim.Muon`, whose steps it then equals), ``"float32"``, or ``"auto"``
-            (bfloat16 where bfloat16 products are native, float32 elsewhere:
-            :func:`~manifoldlib.optim.bfloat16_support.native_bfloat16`). On a CPU without
+        ns_dtype: the dtype of the Euclidean groups' Newton–Schulz: ``"auto"`` (default:
+            bfloat16 where bfloat16 products are native, float32 elsewhere:
+            :func:`~manifoldlib.optim.bfloat16_support.native_bfloat16`), ``"bfloat16"``
+            (always, as :class:`torch.optim.Muon`: with it the Euclidean steps equal
+            ``torch.optim.Muon``'s to 1e-6 on any device), or ``"float32"``. On a CPU without
             AVX512-BF16 or AMX bfloat16 products are emulated, 40–80 times slower than float32
             at 768 columns. Stiefel and DGram solves do not use it (they run in the parameter's
             dtype, float32 for 16-bit parameters).
@@ -526,7 +550,7 @@ class ManifoldMuon(Optimizer):
         dual_smoothing: str | float | None = "auto",
         dual_update: str = "auto",
         dual_spectral: str = "auto",
-        ns_dtype: str = "bfloat16",
+        ns_dtype: str = "auto",
         project_init: bool = True,
         distributed: str = "replicated",
         process_group=None,
@@ -680,14 +704,17 @@ class ManifoldMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         items: list[tuple[Tensor, Tensor, dict, dict[str, Any]]] = []
+        gathered = []
         for group in self.param_groups:
             params_with_grad: list[Tensor] = []
             grads: list[Tensor] = []
             momentum_bufs: list[Tensor] = []
             states: list[dict] = []
             self._init_group(group, params_with_grad, grads, momentum_bufs, states)
-            if not params_with_grad:
-                continue
+            if params_with_grad:
+                _check_finite_gradients(group, params_with_grad, grads)  # before any buffer moves
+                gathered.append((group, params_with_grad, grads, momentum_bufs, states))
+        for group, params_with_grad, grads, momentum_bufs, states in gathered:
             options = _solve_options(group)
             for p, grad, buf, state in zip(params_with_grad, grads, momentum_bufs, states):
                 update = _momentum_update(grad, buf, group["momentum"], group["nesterov"])

@@ -12,30 +12,23 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.msign import JORDAN5_COEFFICIENTS, POLAR_EXPRESS_COEFFICIENTS
+from ..functional.msign import NEWTON_SCHULZ_PRESETS
 
 __all__ = ["gram_msign_factor", "gram_msign_factor_eigh"]
 
-_PE_SAFETY = 1.01
-_DEFAULT_NS_STEPS = {"jordan5": 5, "polar-express": 8, "newton-schulz": 30}
-_CONVERGENT_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
-
-
-def _ns_schedule(method: str, coefficients) -> tuple[tuple[float, float, float], ...]:
-    if coefficients is not None:
-        return (tuple(coefficients),) if isinstance(coefficients[0], (int, float)) else tuple(coefficients)
-    if method == "jordan5":
-        return (JORDAN5_COEFFICIENTS,)
-    if method == "polar-express":
-        return POLAR_EXPRESS_COEFFICIENTS
-    return (_CONVERGENT_QUINTIC,)
-
 
 def _ns_plan(method: str, steps: int | None, coefficients):
-    """``(steps, schedule, first-scaling safety factor)`` of a Newton–Schulz preset."""
-    n_steps = _DEFAULT_NS_STEPS.get(method, 5) if steps is None else steps
-    scale = _PE_SAFETY if (method == "polar-express" and coefficients is None) else 1.0
-    return n_steps, _ns_schedule(method, coefficients), scale
+    """``(steps, schedule, first-scaling safety factor)`` of a Newton–Schulz preset
+    (:data:`~manifoldlib.functional.msign.NEWTON_SCHULZ_PRESETS`); custom ``coefficients``
+    (one triple or a schedule) replace the preset's schedule and its safety factor."""
+    if method not in NEWTON_SCHULZ_PRESETS:
+        raise ValueError(f"unknown Newton-Schulz preset {method!r}; valid: {', '.join(NEWTON_SCHULZ_PRESETS)}")
+    preset = NEWTON_SCHULZ_PRESETS[method]
+    n_steps = preset.steps if steps is None else steps
+    if coefficients is None:
+        return n_steps, preset.schedule, preset.scale
+    schedule = (tuple(coefficients),) if isinstance(coefficients[0], (int, float)) else tuple(coefficients)
+    return n_steps, schedule, 1.0
 
 
 def gram_msign_factor(

@@ -65,6 +65,7 @@ from ..functional.msign import MSIGN_METHODS, msign
 from .dual_problem import SPECTRAL_PATHS, _DualProblem, _State, resolve_spectral, tangent_residual
 from .dual_solvers import (
     AUTO_SMOOTHING,
+    GAP_TOL,
     _anderson_solve,
     _dual_solve,
     _resolve_smoothing,
@@ -115,6 +116,10 @@ class SteepestInfo:
         history: residual after each dual iteration (starting with the initial one).
         step_size: the last Barzilai–Borwein dual step; pass it back as ``step_size`` to start
             the next solve with the curvature this one learned.
+        gap: certified relative duality gap :math:`(\|G + 2W\Lambda\|_* - \langle G, A\rangle)
+            / \|G + 2W\Lambda\|_*` of a smoothed answer (``None`` when no smoothing ran). With
+            ``smoothing="auto"`` a solve counts as converged only if this is at most
+            :data:`~manifoldlib.optim.dual_solvers.GAP_TOL`.
     """
 
     iterations: int
@@ -124,6 +129,7 @@ class SteepestInfo:
     correction: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
     step_size: float | None = None
+    gap: float | None = None
 
 
 def _check_inputs(
@@ -141,6 +147,9 @@ def _check_inputs(
         raise ValueError(f"max_iter must be an int >= 0, got {max_iter!r}")
     if patience is not None and not (isinstance(patience, int) and patience >= 1):
         raise ValueError(f"patience must be None or an int >= 1, got {patience!r}")
+    for label, t in (("G", g),):  # a non-finite W fails the point checks
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t.sum())):
+            raise ValueError(f"{label} has non-finite entries (NaN or inf); the dual needs a finite input")
 
 
 def steepest_direction(
@@ -161,6 +170,7 @@ def steepest_direction(
     smoothing: float | str | None = "auto",
     dual_update: str = "auto",
     spectral: str = "auto",
+    gap_tol: float | None = GAP_TOL,
     return_info: bool = False,
 ):
     r"""Steepest unit direction of ``G`` under the spectral norm in the tangent space at ``W``.
@@ -236,6 +246,12 @@ def steepest_direction(
             ``"auto"`` (default): products on a CUDA device, the eigh elsewhere
             (:func:`~manifoldlib.optim.dual_problem.resolve_spectral`). Smoothed solves always take
             the eigh (their Newton steps need the eigenbasis).
+        gap_tol: with ``smoothing="auto"``, the largest certified relative duality gap
+            (:attr:`SteepestInfo.gap`) of a smoothed answer: the smoothing is shrunk tenfold a stage
+            (down to :data:`~manifoldlib.optim.dual_solvers.SMOOTHING_FLOOR`) until the gap is
+            below it, and a solve above it is not reported converged. ``None``: keep the first
+            smoothing that meets ``tol`` (what :class:`ManifoldMuon` does: a training step does not
+            need the last 1% of the objective). Unused with an explicit ``smoothing`` float.
         return_info: also return a :class:`SteepestInfo`.
 
     Returns:
@@ -262,6 +278,7 @@ def steepest_direction(
         smoothing=smoothing,
         dual_update=dual_update,
         spectral=spectral,
+        gap_tol=gap_tol,
     )
     a = solution.direction().to(G.dtype)
     return (a, solution.info) if return_info else a
@@ -313,6 +330,7 @@ def solve_dual(
     smoothing: float | str | None = "auto",
     dual_update: str = "auto",
     spectral: str = "auto",
+    gap_tol: float | None = GAP_TOL,
 ) -> DualSolution:
     """:func:`steepest_direction` without forming the answer: the solved reduced dual.
 
@@ -322,6 +340,8 @@ def solve_dual(
     (:func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul`).
     """
     _check_inputs(W, G, manifold, tol, max_iter, patience)
+    if gap_tol is not None and not (isinstance(gap_tol, (int, float)) and gap_tol > 0):
+        raise ValueError(f"gap_tol must be None or a number > 0, got {gap_tol!r}")
     if msign_method not in MSIGN_METHODS or msign_method in ("newton", "gram-eigh"):
         valid = [m for m in MSIGN_METHODS if m not in ("newton", "gram-eigh")]
         raise ValueError(f"unknown msign_method {msign_method!r}; valid: {', '.join(valid)}")
@@ -355,6 +375,10 @@ def solve_dual(
     n = g.size(-1)
     kappa, fallback = _resolve_smoothing(smoothing, manifold, g.shape, exact=msign_method == "svd")
     work_dtype = solve_dtype(work_dtype, g.device, smoothed=kappa is not None)
+    if smoothing == "auto" and gap_tol is not None and work_dtype == torch.float32:
+        # a certified solve may drive the smoothing down to where a float32 eigh cannot follow
+        # (24x24 DGram: stuck at a residual of 4e-3 at kappa = 2e-3): run it in float64
+        work_dtype = torch.float64
     w, g = (W.mT if transposed else W).to(work_dtype), g.to(work_dtype)
     problem = _DualProblem(
         w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa, spectral=path
@@ -372,6 +396,8 @@ def solve_dual(
         given = problem.mask(0.5 * (given + given.mT)).to(work_dtype)
         lam = given if label == "multiplier" else lam0 + given
     history: list[float] = []
+    certify = smoothing == "auto" and gap_tol is not None
+    gap = None
     if kappa is None and problem.reduced and path == "eigh" and dual_update != "bb":
         lam, state, residual, iterations = _anderson_solve(problem, lam, float(tol), max_iter, history, patience)
         last_step = step_size
@@ -380,18 +406,24 @@ def solve_dual(
             problem, lam, float(tol), max_iter, history, step_size, patience
         )
     if kappa is None:
-        if fallback is not None and problem.reduced and not residual <= tol:
-            # the plain dual stalled: its optimum is (near) rank deficient, no msign of a dual
-            # iterate is tangent; the smoothed dual, started from the best iterate, has a unique
-            # smooth optimum and gets there in a few Newton steps
-            lam, state, residual, more = _smoothed_solve(
-                problem, lam, lam0, fallback, float(tol), max_iter, history, patience, cold=False
+        if fallback is not None and not residual <= tol:
+            # the plain dual stalled (or diverged): its optimum is (near) rank deficient, no msign
+            # of a dual iterate is tangent; the smoothed dual, started from the best iterate (the
+            # closed-form start if that is not finite), has a unique smooth optimum and gets
+            # there in a few Newton steps
+            problem.enable_reduced()
+            lam = lam if bool(torch.isfinite(lam).all()) else lam0
+            lam, state, residual, more, gap = _smoothed_solve(
+                problem, lam, lam0, fallback, float(tol), max_iter, history, patience, cold=False,
+                gap_tol=gap_tol if certify else None,
             )
             iterations += more
     else:
-        lam, state, residual, iterations = _smoothed_solve(
-            problem, lam, lam0, kappa, float(tol), max_iter, history, patience, cold=start is None
+        lam, state, residual, iterations, gap = _smoothed_solve(
+            problem, lam, lam0, kappa, float(tol), max_iter, history, patience, cold=start is None,
+            gap_tol=gap_tol if certify else None,
         )
         last_step = step_size
-    info = SteepestInfo(iterations, residual, residual <= tol, lam, lam - lam0, history, last_step)
+    converged = residual <= tol and (gap is None or not certify or gap <= gap_tol)
+    info = SteepestInfo(iterations, residual, converged, lam, lam - lam0, history, last_step, gap)
     return DualSolution(info, transposed, problem, state)

@@ -15,6 +15,7 @@ on first use so the order checks work without it.
 from __future__ import annotations
 
 from .cases import registered_manifolds
+from .hard_instances import HARD_INSTANCES, hard_instance, nuclear_dual_optimum
 from .order import (
     DEFAULT_TS,
     ORDER_TOLERANCE,
@@ -27,10 +28,13 @@ from .sampling import default_shape, point_norm, random_point, random_tangent
 
 __all__ = [
     "DEFAULT_TS",
+    "HARD_INSTANCES",
     "ORDER_TOLERANCE",
     "assert_retraction",
     "central_difference_error",
     "default_shape",
+    "hard_instance",
+    "nuclear_dual_optimum",
     "point_norm",
     "random_point",
     "random_tangent",

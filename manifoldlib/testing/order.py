@@ -160,6 +160,12 @@ def _fail(manifold: RetractionManifold, what: str) -> None:
     raise AssertionError(f"retraction {manifold.retraction!r} on {manifold.name}: {what}")
 
 
+def _claimed_order(manifold: RetractionManifold, x: torch.Tensor) -> int:
+    """The order the retraction claims at points of ``x``'s shape (``order_at`` if it has one)."""
+    order_at = getattr(manifold.retraction, "order_at", None)
+    return int(order_at(tuple(x.shape))) if callable(order_at) else manifold.retraction.order
+
+
 def assert_retraction(
     manifold: RetractionManifold,
     order: int | None = None,
@@ -191,7 +197,8 @@ def assert_retraction(
 
     Args:
         manifold: the manifold carrying the retraction (``Sphere(retraction="my-p3")``).
-        order: claimed order, 1 or 2; ``None`` reads ``manifold.retraction.order``.
+        order: claimed order, 1 or 2; ``None`` reads the retraction's ``order_at(x.shape)`` where
+            it has one (an order that depends on the shape: Stiefel Cayley), else its ``order``.
         x, v: optional base points and tangent directions (random when ``None``).
         generator: torch generator for the random draws (seed 0 when ``None``).
 
@@ -199,10 +206,10 @@ def assert_retraction(
         AssertionError: naming the failed check and the measured numbers.
         ValueError: ``order`` not 1 or 2.
     """
-    claim = manifold.retraction.order if order is None else order
+    x, v = _sample(manifold, x, v, generator, torch.float64)
+    claim = _claimed_order(manifold, x) if order is None else order
     if claim not in (1, 2):
         raise ValueError(f"order must be 1 or 2, got {claim!r}")
-    x, v = _sample(manifold, x, v, generator, torch.float64)
     ok, reason = manifold.check_point_on_manifold(x, explain=True)
     if not ok:
         raise ValueError(f"the base point x is not on {manifold.name}: {reason}")

@@ -32,7 +32,8 @@ def _plain_step(solution, w, manifold, eta, beta):
 
 
 def _solve(w, g, manifold):
-    return solve_dual(w, g, manifold, tol=1e-6, max_iter=60, msign_method="jordan5", patience=None)
+    return solve_dual(w, g, manifold, tol=1e-6, max_iter=60, msign_method="jordan5", patience=None,
+                      gap_tol=None)  # the optimizer's solve (its work dtype)
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
@@ -54,7 +55,8 @@ def test_fused_declines_below_its_aspect_the_products_path_and_large_steps():
     solution = _solve(w, g, "stiefel")
     assert fused_retraction(solution.problem, solution.state, 0.05) is None
     w, g = _point(96, 24, "dgram", torch.float64)
-    products = solve_dual(w, g, "dgram", tol=1e-6, max_iter=60, msign_method="jordan5", spectral="products")
+    products = solve_dual(w, g, "dgram", tol=1e-6, max_iter=60, msign_method="jordan5", spectral="products",
+                          gap_tol=None)
     assert products.state.vec is None and fused_retraction(products.problem, products.state, 0.05) is None
     eigh = _solve(w, g, "dgram")
     # a step as long as the point: the Gram matrix of W - eta A is far from diagonal, the products-only

@@ -28,7 +28,7 @@ def test_euclidean_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
     kw = dict(lr=0.03, weight_decay=weight_decay, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    opt = ManifoldMuon(ours, manifold="euclidean", **kw)
+    opt = ManifoldMuon(ours, manifold="euclidean", ns_dtype="bfloat16", **kw)  # Muon's own dtype
     ref_opt = torch.optim.Muon(ref, **kw)
     for _ in range(10):
         _quadratic_grads(ours, targets)
@@ -92,15 +92,20 @@ def test_ns_dtype_auto_takes_bfloat16_only_where_it_is_native(monkeypatch, nativ
         assert _run_pair({"ns_dtype": "auto"}, monkeypatch, _float32_newton_schulz) <= 1e-6
 
 
+def test_ns_dtype_defaults_to_auto():
+    opt = ManifoldMuon(_matrices([(6, 4)]), manifold="euclidean")
+    assert opt.param_groups[0]["ns_dtype"] == "auto"
+
+
 def test_ns_dtype_is_a_plain_group_option():
     params = _matrices([(6, 4), (4, 4)])
     opt = ManifoldMuon([{"params": params[:1], "ns_dtype": "float32"}, {"params": params[1:]}])
-    assert [g["ns_dtype"] for g in opt.param_groups] == ["float32", "bfloat16"]
+    assert [g["ns_dtype"] for g in opt.param_groups] == ["float32", "auto"]
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
-    assert [g["ns_dtype"] for g in loaded["param_groups"]] == ["float32", "bfloat16"]
+    assert [g["ns_dtype"] for g in loaded["param_groups"]] == ["float32", "auto"]
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])

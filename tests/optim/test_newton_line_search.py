@@ -60,7 +60,7 @@ def test_float32_newton_steps_past_the_noise_floor_stop_wasting_evaluations(monk
     evaluations = {"armijo": 0, "noise-aware": 0}
     for seed in range(3):
         w, g = _instance(64, seed)
-        solution = solve_dual(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30)
+        solution = solve_dual(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30, gap_tol=None)
         assert solution.info.converged
         residuals = {}
         for name, rule in (("armijo", armijo_only), ("noise-aware", noise_aware)):
@@ -78,6 +78,7 @@ def test_float32_newton_steps_past_the_noise_floor_stop_wasting_evaluations(monk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_square_dgram_solves_still_converge(dtype):
     w, g = _instance(48, seed=4)
-    solution = solve_dual(w.to(dtype), g.to(dtype), "dgram", msign_method="jordan5", tol=1e-3, max_iter=30)
+    solution = solve_dual(w.to(dtype), g.to(dtype), "dgram", msign_method="jordan5", tol=1e-3, max_iter=30,
+                          gap_tol=None)  # the optimizer's budget; the certified default is tested elsewhere
     assert solution.info.converged
     assert dual_solvers.VALUE_NOISE_ULPS == 16

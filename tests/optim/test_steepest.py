@@ -15,6 +15,7 @@ import torch
 from manifoldlib.functional import msign
 from manifoldlib.optim import steepest_direction, tangent_residual
 from manifoldlib.optim.steepest import gram_msign_factor
+from manifoldlib.testing import nuclear_dual_optimum
 
 
 def _instance(m, n, manifold, seed, dtype=torch.float64, lowrank=False):
@@ -32,29 +33,8 @@ def _instance(m, n, manifold, seed, dtype=torch.float64, lowrank=False):
 
 
 def _dual_optimum(w: np.ndarray, g: np.ndarray, zero_diag: bool) -> float:
-    """min over symmetric S (zero diagonal if asked) of the nuclear norm of G + W S."""
-    n = w.shape[1]
-    iu = np.triu_indices(n, k=1 if zero_diag else 0)
-
-    def unpack(z):
-        s = np.zeros((n, n))
-        s[iu] = z
-        return s + np.triu(s, 1).T
-
-    def fun(z):
-        s = unpack(z)
-        u, sig, vt = np.linalg.svd(g + w @ s, full_matrices=False)
-        grad_full = w.T @ (u @ vt)  # d||X||_* / dS before symmetrization
-        sym = grad_full + grad_full.T
-        if not zero_diag:
-            sym[np.diag_indices(n)] /= 2.0
-        return sig.sum(), sym[iu]
-
-    wg = w.T @ g
-    d2 = (w * w).sum(0)
-    s0 = -(wg + wg.T) / (d2[:, None] + d2[None, :])  # the projected-gradient start
-    best = scipy.optimize.minimize(fun, s0[iu], jac=True, method="L-BFGS-B", options={"maxiter": 5000, "gtol": 1e-12, "ftol": 1e-15})
-    return float(best.fun)
+    """min over symmetric S (zero diagonal if asked) of the nuclear norm of G + W S (scipy L-BFGS)."""
+    return nuclear_dual_optimum(torch.from_numpy(w), torch.from_numpy(g), zero_diagonal=zero_diag)
 
 
 CASES = [

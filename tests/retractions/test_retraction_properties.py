@@ -170,3 +170,17 @@ def test_order_tolerates_float32_inputs_by_measuring_in_float64():
     x, v = _sample(sphere, 8, dtype=torch.float32)
     x = sphere.projx(x.double())
     assert abs(retraction_order(sphere, x, v) - 2.0) < 0.05
+
+
+@pytest.mark.parametrize("shape,expected", [((6, 6), 2), ((10, 10), 2), ((8, 4), 1), ((7, 6), 1)])
+def test_stiefel_cayley_order_depends_on_the_shape(shape, expected):
+    from manifoldlib import Stiefel
+    from manifoldlib.testing import retraction_order
+
+    manifold = Stiefel(retraction="cayley")
+    gen = torch.Generator().manual_seed(1)
+    x = manifold.random(*shape, generator=gen, dtype=torch.float64)
+    assert manifold.retraction.order_at(shape) == expected
+    assert abs(retraction_order(manifold, x, generator=gen) - expected) < 0.1
+    measured = assert_retraction(manifold, x=x, generator=gen)  # checks against order_at
+    assert abs(measured - expected) < 0.1

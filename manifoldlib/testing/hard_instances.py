@@ -1,0 +1,89 @@
+r"""Fixed-seed hard instances of the steepest-direction dual, shared by tests and benchmarks.
+
+A *hard* instance is a tall point :math:`W` with a low-rank-plus-noise gradient
+:math:`G = UV^\top + \nu N` (``U`` ``(m, r)``, ``V`` ``(n, r)``, ``N`` all standard normal): the
+dual optimum :math:`\min_\Lambda \|G + 2W\Lambda\|_*` is then close to rank deficient, where a plain
+dual ascent stalls and a smoothed dual loses a visible part of the objective unless its smoothing
+is driven down. :func:`nuclear_dual_optimum` gives the optimum independently (scipy L-BFGS on the
+unreduced dual, SVD of the ``m × n`` matrix every evaluation), to compare
+:func:`~manifoldlib.optim.steepest_direction` against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HARD_INSTANCES", "hard_instance", "nuclear_dual_optimum"]
+
+#: ``(manifold, m, n, rank, noise)`` of the shared hard instances (tall, low-rank gradients).
+HARD_INSTANCES = (
+    ("stiefel", 128, 32, 4, 0.1),
+    ("dgram", 128, 32, 4, 0.1),
+    ("stiefel", 64, 16, 2, 0.05),
+    ("dgram", 64, 16, 2, 0.05),
+)
+
+
+def hard_instance(
+    manifold: str, m: int, n: int, rank: int, noise: float, seed: int, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(W, G)``, both ``(m, n)``: a point and a rank-``rank``-plus-``noise`` gradient.
+
+    ``W`` is the Q factor of a Gaussian matrix (Stiefel), with columns scaled by
+    :math:`e^{z_j/2}`, :math:`z_j \sim N(0, 1)`, on DGram; :math:`G = UV^\top + \nu N`. Generated in
+    float64 from ``seed`` (reproducible across machines), then cast to ``dtype``.
+
+    Raises:
+        ValueError: a manifold other than ``"stiefel"``/``"dgram"``, a wide shape, or a rank
+            outside ``1..n``.
+    """
+    if manifold not in ("stiefel", "dgram"):
+        raise ValueError(f"manifold must be 'stiefel' or 'dgram', got {manifold!r}")
+    if not m >= n >= 1:
+        raise ValueError(f"need a tall shape m >= n >= 1, got ({m}, {n})")
+    if not 1 <= rank <= n:
+        raise ValueError(f"rank must be in 1..{n}, got {rank}")
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    w = torch.linalg.qr(torch.randn(m, n, generator=gen, dtype=f64))[0]
+    if manifold == "dgram":
+        w = w * torch.exp(0.5 * torch.randn(n, generator=gen, dtype=f64))
+    g = torch.randn(m, rank, generator=gen, dtype=f64) @ torch.randn(rank, n, generator=gen, dtype=f64)
+    g = g + noise * torch.randn(m, n, generator=gen, dtype=f64)
+    return w.to(dtype), g.to(dtype)
+
+
+def nuclear_dual_optimum(w: torch.Tensor, g: torch.Tensor, zero_diagonal: bool) -> float:
+    r""":math:`\min_S \|G + WS\|_*` over symmetric ``S`` (zero diagonal if asked), by scipy L-BFGS.
+
+    Equals :math:`\max\langle G, A\rangle` over :math:`\|A\|_2 \le 1`, :math:`A \in T_W` (Stiefel:
+    symmetric ``S``; DGram: zero diagonal) by strong duality. Independent of the library's
+    solvers: the SVD of the full ``m × n`` matrix each evaluation, started at the projected
+    gradient. Needs ``scipy`` (a test dependency). The value is an upper bound on the optimum
+    (any ``S`` gives one); on an *exactly* low-rank gradient L-BFGS can stop well above it.
+    """
+    import numpy as np
+    import scipy.optimize
+
+    wn, gn = w.double().cpu().numpy(), g.double().cpu().numpy()
+    n = wn.shape[1]
+    iu = np.triu_indices(n, k=1 if zero_diagonal else 0)
+
+    def unpack(z):
+        s = np.zeros((n, n))
+        s[iu] = z
+        return s + np.triu(s, 1).T
+
+    def fun(z):
+        u, sig, vt = np.linalg.svd(gn + wn @ unpack(z), full_matrices=False)
+        sym = wn.T @ (u @ vt)
+        sym = sym + sym.T
+        if not zero_diagonal:
+            sym[np.diag_indices(n)] /= 2.0
+        return sig.sum(), sym[iu]
+
+    wg = wn.T @ gn
+    d2 = (wn * wn).sum(0)
+    s0 = -(wg + wg.T) / (d2[:, None] + d2[None, :])
+    options = {"maxiter": 5000, "gtol": 1e-12, "ftol": 1e-15}
+    return float(scipy.optimize.minimize(fun, s0[iu], jac=True, method="L-BFGS-B", options=options).fun)
