@@ -41,6 +41,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+
+from ..charts.base import Chart
 
 __all__ = [
     "ATTN_NAMES",
@@ -151,9 +154,23 @@ def default_classifier(name: str, module: nn.Module) -> str | None:
     return None
 
 
+def _belongs_to_chart(module: nn.Module) -> bool:
+    """A chart's own scale, or the raw coordinates of a charted tensor (a ParametrizationList)."""
+    if isinstance(module, Chart):
+        return True
+    return isinstance(module, parametrize.ParametrizationList) and any(isinstance(p, Chart) for p in module)
+
+
 def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
-    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector."""
+    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector, not a chart's.
+
+    Raw chart coordinates and chart scales (:mod:`manifoldlib.charts`) are Euclidean coordinates of
+    a curved map, never points of a matrix manifold, so every built-in policy sends them to AdamW
+    (see :func:`~manifoldlib.charts.assert_chart_compatible`).
+    """
     if param.dim() != 2 or isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    if _belongs_to_chart(module):
         return False
     parts = name.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
@@ -231,8 +248,9 @@ def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torc
     if names:
         shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
         warnings.warn(
-            f"{len(names)} hidden matrices matched no attention or MLP name rule and go to the "
-            f"fallback {policy.other!r} ({policy!r}): {shown}. Pass classifier=... "
+            f"{len(names)} hidden {'matrix' if len(names) == 1 else 'matrices'} matched no "
+            f"attention or MLP name rule and went to the fallback {policy.other!r} "
+            f"({policy!r}): {shown}. Pass classifier=... "
             f"(name, module) -> 'attn' | 'mlp' | None to classify them.",
             UserWarning,
             stacklevel=3,
