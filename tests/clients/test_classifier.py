@@ -196,3 +196,19 @@ def test_apply_chart_warns_when_it_charts_nothing():
     with pytest.warns(UserWarning, match=r"charted 0 tensors.*Linear \(9\)"):
         names = apply_chart(model, SEL, include=lambda n, m: isinstance(m, nn.Conv1d))
     assert names == []
+
+
+def test_split_blocks_parametrization_and_its_errors():
+    from manifoldlib.charts import FUSED_NAMES, SplitBlocks
+
+    assert "c_attn" in FUSED_NAMES and "qkv" in FUSED_NAMES
+    split = SplitBlocks([2, 1, 1], dim=0)
+    w = torch.arange(8.0).view(4, 2)
+    q, k, v = split.right_inverse(w)
+    assert q.shape == (2, 2) and torch.equal(split(q, k, v), w)
+    with pytest.raises(ValueError, match=r"at least two block sizes > 0, got \[4\]"):
+        SplitBlocks([4], dim=0)
+    with pytest.raises(ValueError, match="the blocks \\[2, 1, 1\\] need 4"):
+        split.right_inverse(torch.zeros(5, 2))
+    with pytest.raises(ValueError, match="blocks=5 must be >= 2 and divide"):
+        split_blocks(NanoGPT(), blocks=5)
