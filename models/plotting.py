@@ -17,6 +17,14 @@ def _pyplot():
     return plt
 
 
+def _step_axis(ax) -> None:
+    """Label the x axis in optimizer steps, with integer ticks only (no 2.5 steps on short runs)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step (optimizer updates)")
+
+
 def _finite(xs: list, ys: list) -> tuple[list, list]:
     pairs = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -41,7 +49,7 @@ def plot_run(rows: list[dict], path: str | Path, title: str = "",
     ax.plot(steps, val, "o-", ms=3, label="validation")
     if reference is not None:
         ax.axhline(reference, color="gray", ls="--", lw=1, label="unigram entropy")
-    ax.set_xlabel("step")
+    _step_axis(ax)
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -73,7 +81,7 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, ti
                 else plt.cm.tab20(len(colours) % 20)
         xs, ys = _finite([p[0] for p in points], [p[1] for p in points])
         ax.plot(xs, ys, color=colours[arm], lw=1.2, alpha=0.85, label=arm if new else None)
-    ax.set_xlabel("step")
+    _step_axis(ax)
     ax.set_ylabel("validation loss (nats / token)")
     if ylim is not None:
         ax.set_ylim(*ylim)

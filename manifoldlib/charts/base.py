@@ -13,6 +13,8 @@ a manifold-constrained optimizer (Stiefel, DGram, sphere) on them has no meaning
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -131,7 +133,11 @@ def apply_chart(
         tensor_name: the parameter to chart on each selected module.
 
     Returns:
-        Qualified names of the charted tensors, e.g. ``["blocks.0.attn.q.weight", ...]``.
+        Qualified names of the charted tensors, e.g. ``["blocks.0.attn.q.weight", ...]``; its
+        length is the number of charted tensors. When it is empty a :class:`UserWarning` says so
+        and names the module types that do hold a matrix ``tensor_name`` (a Hugging Face GPT-2's
+        layers are ``Conv1D``, not :class:`torch.nn.Linear`, so an ``isinstance(m, nn.Linear)``
+        filter selects none of them).
 
     Raises:
         ValueError: if a selected tensor is a manifold-constrained parameter, is tied to (shared
@@ -177,7 +183,26 @@ def apply_chart(
         _own_parametrized_class(module)
         parametrize.register_parametrization(module, tensor_name, built)
         names.append(qname)
+    if not names:
+        _warn_nothing_charted(model, tensor_name)
     return names
+
+
+def _warn_nothing_charted(model: nn.Module, tensor_name: str) -> None:
+    holders = Counter(
+        type(module).__name__
+        for _, module in model.named_modules()
+        if isinstance(module._parameters.get(tensor_name), torch.Tensor)
+        and module._parameters[tensor_name].dim() == 2
+    )
+    found = ", ".join(f"{cls} ({n})" for cls, n in sorted(holders.items())) or "none"
+    warnings.warn(
+        f"apply_chart charted 0 tensors: include selected no module with a {tensor_name!r} "
+        f"parameter. Modules holding a 2-D {tensor_name!r}: {found}; widen include=... "
+        f"(name, module) -> bool to chart them.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:

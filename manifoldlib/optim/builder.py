@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
-from .policies import Classifier, Policy, get_policy
+from .policies import Classifier, Policy, get_policy, warn_unclassified
 
 __all__ = ["CombinedOptimizer", "assign_parameters", "build_optimizer"]
 
@@ -68,6 +68,8 @@ def assign_parameters(
                 f"{choice!r}; Manifold Muon takes 2-D matrices only (return None for AdamW)"
             )
         assignment[qualified] = choice
+    # one warning naming every hidden matrix the role policy sent to its fallback
+    warn_unclassified(resolved, [(*owners[id(p)], p) for p in model.parameters() if p.requires_grad])
     return assignment
 
 

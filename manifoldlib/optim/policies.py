@@ -18,20 +18,37 @@ hetero-inv      dgram                       stiefel                     euclidea
 =============== =========================== =========================== =====================
 
 Embeddings, the output head, gains, biases and every non-matrix go to AdamW under every
-built-in policy. Attention and MLP are recognized by the naming rule of :mod:`models.gpt`: a
-path component ``attn`` or ``mlp`` in the qualified name. A model that names its blocks
-differently passes a *classifier* ``classifier(name, module) -> "attn" | "mlp" | None``.
+built-in policy. Attention and MLP are recognized by :func:`default_classifier` from the parameter's
+qualified name, innermost component first: a block name (``attn``, ``self_attn``, ``attention``,
+``mlp``, ``ffn``, ...; :data:`ATTN_NAMES`, :data:`MLP_NAMES`) or a projection name
+(``q_proj`` ... ``o_proj``, ``c_attn``, ``gate_proj`` / ``up_proj`` / ``down_proj``, ``c_fc``,
+``linear1`` / ``linear2``, ...; generic names such as ``out_proj`` or ``wo`` count only inside a
+recognized block), and :class:`torch.nn.MultiheadAttention`'s own matrices. That covers
+:mod:`models.gpt`, nanoGPT, Hugging Face GPT-2 (``Conv1D``), LLaMA/Mistral-style models and
+:class:`torch.nn.TransformerEncoderLayer`. A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
+on the attention manifold; to constrain q, k and v as separate blocks, split it first with
+:func:`manifoldlib.charts.split_blocks`. A hidden matrix that no rule recognizes goes to the
+policy's ``other`` manifold (the *fallback*), and :func:`warn_unclassified` (called by
+:func:`~manifoldlib.optim.assign_parameters`) names every such matrix in one warning when the
+fallback differs from the attention or MLP choice. A model that names its blocks differently passes
+a *classifier* ``classifier(name, module) -> "attn" | "mlp" | None``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+
+from ..charts.base import Chart
 
 __all__ = [
+    "ATTN_NAMES",
     "HEAD_NAMES",
+    "MLP_NAMES",
     "Classifier",
     "Policy",
     "RolePolicy",
@@ -40,6 +57,8 @@ __all__ = [
     "get_policy",
     "is_hidden_matrix",
     "register_policy",
+    "unclassified_matrices",
+    "warn_unclassified",
 ]
 
 Policy = Callable[[str, nn.Module, torch.Tensor], str | None]
@@ -47,6 +66,20 @@ Classifier = Callable[[str, nn.Module], str | None]
 
 #: Module names treated as the output head (never a hidden matrix).
 HEAD_NAMES = ("lm_head", "head")
+
+#: Name components (blocks or projections, lower case) that mark an attention matrix.
+ATTN_NAMES = frozenset({
+    "attn", "attention", "self_attn", "self_attention", "selfattention", "cross_attn",
+    "cross_attention", "crossattention", "encoder_attn",
+    "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "wqkv", "query_key_value",
+})
+
+#: Name components (blocks or projections, lower case) that mark an MLP matrix.
+MLP_NAMES = frozenset({
+    "mlp", "ffn", "feed_forward", "feedforward",
+    "gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "fc1", "fc2",
+    "linear1", "linear2", "dense_h_to_4h", "dense_4h_to_h",
+})
 
 _POLICIES: dict[str, Policy] = {}
 
@@ -103,18 +136,41 @@ def get_policy(policy: str | Policy, *, classifier: Classifier | None = None) ->
 
 
 def default_classifier(name: str, module: nn.Module) -> str | None:
-    """``"attn"`` / ``"mlp"`` when the qualified name has such a path component, else ``None``."""
-    parts = name.split(".")
-    if "attn" in parts:
+    """``"attn"`` / ``"mlp"`` from the innermost recognized name component, else ``None``.
+
+    Components are whole path parts (``"blocks.0.attnx.q"`` is not attention), compared in lower
+    case against :data:`ATTN_NAMES` and :data:`MLP_NAMES` from the end of the name, so a projection
+    name decides before its block name and ``blocks.0.attn.c_proj`` is attention while
+    ``blocks.0.mlp.c_proj`` is MLP. The matrices of a :class:`torch.nn.MultiheadAttention` are
+    attention whatever it is called.
+    """
+    if isinstance(module, nn.MultiheadAttention):
         return "attn"
-    if "mlp" in parts:
-        return "mlp"
+    for part in reversed(name.lower().split(".")):
+        if part in ATTN_NAMES:
+            return "attn"
+        if part in MLP_NAMES:
+            return "mlp"
     return None
 
 
+def _belongs_to_chart(module: nn.Module) -> bool:
+    """A chart's own scale, or the raw coordinates of a charted tensor (a ParametrizationList)."""
+    if isinstance(module, Chart):
+        return True
+    return isinstance(module, parametrize.ParametrizationList) and any(isinstance(p, Chart) for p in module)
+
+
 def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
-    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector."""
+    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector, not a chart's.
+
+    Raw chart coordinates and chart scales (:mod:`manifoldlib.charts`) are Euclidean coordinates of
+    a curved map, never points of a matrix manifold, so every built-in policy sends them to AdamW
+    (see :func:`~manifoldlib.charts.assert_chart_compatible`).
+    """
     if param.dim() != 2 or isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    if _belongs_to_chart(module):
         return False
     parts = name.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
@@ -154,6 +210,10 @@ class RolePolicy:
             raise ValueError(f"classifier returned {role!r} for parameter {name!r}; expected 'attn', 'mlp' or None")
         return self.other
 
+    def unclassified(self, name: str, module: nn.Module, param: torch.Tensor) -> bool:
+        """True for a hidden matrix the classifier leaves unrecognized (it goes to ``other``)."""
+        return is_hidden_matrix(name, module, param) and self.classifier(name, module) is None
+
     def __repr__(self) -> str:
         return f"RolePolicy(attn={self.attn!r}, mlp={self.mlp!r}, other={self.other!r})"
 
@@ -163,3 +223,36 @@ register_policy("all-stiefel")(RolePolicy("stiefel", "stiefel", "stiefel"))
 register_policy("all-dgram")(RolePolicy("dgram", "dgram", "dgram"))
 register_policy("hetero")(RolePolicy("stiefel", "dgram", "euclidean"))
 register_policy("hetero-inv")(RolePolicy("dgram", "stiefel", "euclidean"))
+
+
+def unclassified_matrices(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
+    """Names of the hidden matrices a role policy sends to its fallback ``other``.
+
+    Empty for a policy that is not a :class:`RolePolicy` (a plain function decides by itself) and
+    for a role policy whose fallback equals both role choices (``unconstrained``, ``all-*``: the
+    classification changes nothing there).
+    """
+    if not isinstance(policy, RolePolicy) or policy.attn == policy.mlp == policy.other:
+        return []
+    return [name for name, module, param in named if policy.unclassified(name, module, param)]
+
+
+def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
+    """Warn once, naming every hidden matrix that went to the fallback; return those names.
+
+    ``named`` yields ``(qualified name, owning module, parameter)``. Nothing is mis-assigned
+    silently: a LLaMA block whose ``self_attn`` a name rule did not know would otherwise train on
+    the fallback manifold without a word.
+    """
+    names = unclassified_matrices(policy, named)
+    if names:
+        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
+        warnings.warn(
+            f"{len(names)} hidden {'matrix' if len(names) == 1 else 'matrices'} matched no "
+            f"attention or MLP name rule and went to the fallback {policy.other!r} "
+            f"({policy!r}): {shown}. Pass classifier=... "
+            f"(name, module) -> 'attn' | 'mlp' | None to classify them.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return names

@@ -1,0 +1,143 @@
+r"""Fused projections as separate blocks: q, k and v of one ``c_attn`` as three matrices.
+
+A fused attention input projection stacks three maps, :math:`W = [W_q\ W_k\ W_v]` along its output
+dimension (``(d, 3d)`` for a Hugging Face ``Conv1D``, ``(3d, d)`` for :class:`torch.nn.Linear` and
+:class:`torch.nn.MultiheadAttention`'s ``in_proj_weight``). An optimizer sees it as *one* matrix, so
+a Stiefel constraint makes the rows (or columns) of the whole stack orthonormal. The layer-wise
+manifolds seed constrains each projection by itself, :math:`W_q^\top W_q = W_k^\top W_k =
+W_v^\top W_v = I`. :func:`split_blocks` gives that choice: it installs an exact linear
+parametrization
+
+.. math::
+    \phi(B_1, \dots, B_k) = \operatorname{cat}(B_1, \dots, B_k), \qquad
+    \phi^{-1}(W) = \operatorname{split}(W),
+
+so the module keeps its forward and its outputs, while its parameters become the blocks
+``<module>.parametrizations.<tensor>.original0`` ... ``original{k-1}``, each a matrix that
+:func:`~manifoldlib.optim.build_optimizer` assigns by the same name rules (the path still contains
+``attn``). :func:`merge_blocks` stores the concatenation back into one plain tensor, e.g. before
+saving a checkpoint in the original layout. Without :func:`split_blocks` the fused matrix stays one
+block; both are valid choices, and the difference is the constraint set, not the model.
+
+Unlike a :class:`~manifoldlib.charts.Chart`, the blocks are the weight's own entries, so a
+manifold-constrained optimizer on them is meaningful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = ["FUSED_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
+
+#: Leaf module names (lower case) of fused q/k/v projections selected by default.
+FUSED_NAMES = ("c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value")
+
+
+class SplitBlocks(nn.Module):
+    """Parametrization ``(B_1, ..., B_k) -> cat(B_1, ..., B_k, dim)``; ``right_inverse`` splits.
+
+    Args:
+        sizes: the block sizes along ``dim``, all > 0.
+        dim: the dimension that stacks the blocks (the output dimension of the fused map).
+    """
+
+    def __init__(self, sizes: Sequence[int], dim: int):
+        super().__init__()
+        sizes = [int(s) for s in sizes]
+        if len(sizes) < 2 or min(sizes) < 1:
+            raise ValueError(f"sizes must list at least two block sizes > 0, got {list(sizes)}")
+        self.sizes, self.dim = sizes, dim
+
+    def forward(self, *blocks: torch.Tensor) -> torch.Tensor:
+        return torch.cat(blocks, dim=self.dim)
+
+    def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if weight.size(self.dim) != sum(self.sizes):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} has {weight.size(self.dim)} entries along "
+                f"dim {self.dim}; the blocks {self.sizes} need {sum(self.sizes)}"
+            )
+        return tuple(b.clone() for b in torch.split(weight, self.sizes, dim=self.dim))
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}, dim={self.dim}"
+
+
+def _default_include(name: str, module: nn.Module) -> bool:
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return leaf in FUSED_NAMES or isinstance(module, nn.MultiheadAttention)
+
+
+def _output_dim(module: nn.Module) -> int:
+    # Hugging Face's Conv1D stores (in, out) and computes x @ W; every torch layer stores (out, in)
+    return 1 if type(module).__name__ == "Conv1D" else 0
+
+
+def split_blocks(
+    model: nn.Module,
+    blocks: int | Sequence[int] = 3,
+    include: Callable[[str, nn.Module], bool] | None = None,
+    tensor_name: str = "weight",
+) -> list[str]:
+    """Split every selected fused matrix into blocks along its output dimension, in place.
+
+    Args:
+        model: the model, modified in place (forward and outputs unchanged).
+        blocks: the number of equal blocks (3: q, k, v) or the list of block sizes (grouped-query
+            layouts with fewer k/v heads).
+        include: ``include(name, module) -> bool`` (default: a leaf name in :data:`FUSED_NAMES`
+            or a :class:`torch.nn.MultiheadAttention`). A selected
+            :class:`~torch.nn.MultiheadAttention` is split on ``in_proj_weight`` whatever
+            ``tensor_name`` says.
+        tensor_name: the fused parameter of the selected modules.
+
+    Returns:
+        Qualified names of the split tensors.
+
+    Raises:
+        ValueError: a block count that does not divide the output dimension, sizes that do not
+            add up to it, or a selected tensor that is already parametrized.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    include = _default_include if include is None else include
+    names = []
+    for mname, module in list(model.named_modules()):
+        if not include(mname, module):
+            continue
+        tname = "in_proj_weight" if isinstance(module, nn.MultiheadAttention) else tensor_name
+        param = module._parameters.get(tname)
+        if param is None or param.dim() != 2:
+            continue
+        if parametrize.is_parametrized(module, tname):
+            raise ValueError(f"{mname}.{tname} is already parametrized; merge it before splitting")
+        dim = _output_dim(module)
+        total = param.size(dim)
+        if isinstance(blocks, int):
+            if blocks < 2 or total % blocks:
+                raise ValueError(
+                    f"blocks={blocks} must be >= 2 and divide {mname}.{tname}'s output size {total}"
+                )
+            sizes = [total // blocks] * blocks
+        else:
+            sizes = list(blocks)
+        parametrize.register_parametrization(module, tname, SplitBlocks(sizes, dim))
+        names.append(f"{mname}.{tname}" if mname else tname)
+    return names
+
+
+def merge_blocks(model: nn.Module) -> list[str]:
+    """Store every split tensor back as one plain tensor (the concatenation); return the names."""
+    names = []
+    for mname, module in list(model.named_modules()):
+        if not parametrize.is_parametrized(module):
+            continue
+        for tname in list(module.parametrizations.keys()):
+            if any(isinstance(p, SplitBlocks) for p in module.parametrizations[tname]):
+                parametrize.remove_parametrizations(module, tname, leave_parametrized=True)
+                names.append(f"{mname}.{tname}" if mname else tname)
+    return names

@@ -1,0 +1,52 @@
+"""Every Python block of README.md runs alone, verbatim, in a fresh interpreter, and prints what it says.
+
+A reader copies one block at a time, so each block is run as ``python -c <block>`` in a new process
+from the repository root. A comment ``# -> text`` (at the end of a line or on a line of its own)
+promises an output line: the block's stdout lines must be exactly those texts, in order. Blocks
+that import ``transformers`` are skipped when it is not installed (the ``test`` extra has it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.MULTILINE | re.DOTALL)
+PROMISE = re.compile(r"#\s*->\s*(.+?)\s*$")
+
+
+def promised_lines(block: str) -> list[str]:
+    """The ``# -> text`` promises of a block, in order."""
+    return [m.group(1) for line in block.splitlines() if (m := PROMISE.search(line))]
+
+
+def test_readme_has_python_blocks_and_each_promises_output():
+    assert len(BLOCKS) >= 4
+    for block in BLOCKS:
+        assert promised_lines(block), f"a README block prints nothing it promises:\n{block}"
+
+
+def test_promise_parsing():
+    assert promised_lines("print(1)  # -> 1\nx = 2  # a comment\n# -> (True, None)\n") == ["1", "(True, None)"]
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: f"block{i}")
+def test_readme_block_runs_alone_and_prints_its_promises(index):
+    block = BLOCKS[index]
+    if "transformers" in block and importlib.util.find_spec("transformers") is None:
+        pytest.skip("this README block needs transformers (pip install -e '.[test]')")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env.pop("PYTHONSTARTUP", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"README block {index} failed alone:\n{block}\n--- stderr ---\n{proc.stderr}"
+    assert proc.stdout.splitlines() == promised_lines(block), proc.stdout
