@@ -70,7 +70,8 @@ def test_gpt_assignment(policy, attn, mlp):
 
 
 def test_user_model_naming_rule_and_head():
-    assignment = assign_parameters(_UserModel(), "hetero")
+    with pytest.warns(UserWarning, match="mixer.weight"):  # the fallback is reported by name
+        assignment = assign_parameters(_UserModel(), "hetero")
     assert assignment["layers.0.attn.q.weight"] == "stiefel"
     assert assignment["layers.0.mlp.0.weight"] == "dgram"
     assert assignment["layers.0.mlp.2.weight"] == "dgram"
@@ -83,7 +84,8 @@ def test_classifier_argument():
     def classifier(name, module):
         return "attn" if name.startswith("mixer") else None
 
-    assignment = assign_parameters(_UserModel(), "hetero", classifier=classifier)
+    with pytest.warns(UserWarning, match="layers.0.attn.q.weight"):
+        assignment = assign_parameters(_UserModel(), "hetero", classifier=classifier)
     assert assignment["mixer.weight"] == "stiefel"
     assert assignment["layers.0.attn.q.weight"] == "euclidean"  # no longer recognized
 
@@ -179,7 +181,7 @@ def test_gpt_training_short_stays_on_manifolds():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0]
     for group in opt.param_groups:
         if group.get("manifold") in ("stiefel", "dgram"):
