@@ -85,8 +85,12 @@ class TrainConfig:
     retraction: str = "p"             #: sphere retraction of ``spheret`` (any registered name)
     p: float = 1.0                    #: p of the ``p`` retraction (1 = Proj-SpheretNorm)
     damping: str = "sqrt"             #: step damping of sphere residuals: sqrt|linear|none
-    alpha_init: float = 1.0           #: initial learnable step alpha_l of sphere residuals
-    dyt_alpha_init: float = 0.5       #: initial alpha of DyT (``pre-dyt``)
+    sphere_step: str = "normalized"   #: sphere residual step: normalized|literal (the seed's)
+    alpha_init: float = 0.5           #: initial learnable step alpha_l > 0 of sphere residuals
+    damping_depth: str = "sublayer"   #: what l of the damping counts: sublayer|block
+    dyt_alpha_init: float = 0.2       #: initial alpha of DyT before MLPs and at the end (``pre-dyt``)
+    dyt_alpha_attn: float = 0.8       #: initial alpha of DyT before attention (``pre-dyt``)
+    dyt_embed_scale: bool = True      #: learnable scalar after the embedding (``pre-dyt``)
     tie_weights: bool = True          #: share the token embedding with the LM head
     norm_eps: float = 1e-6            #: epsilon of the ScaleNorm that puts embeddings on the sphere
     fused: bool = True                #: analytic-backward sphere residual (False: plain autograd)

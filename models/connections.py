@@ -9,6 +9,7 @@ scale on the sphere).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,8 @@ from manifoldlib.nn import DyT, ScaleNorm, SphereResidual
 
 __all__ = [
     "CONNECTIONS",
+    "DAMPING_DEPTHS",
+    "EmbeddingScale",
     "SPHERE_CONNECTIONS",
     "Keel",
     "PeriLN",
@@ -33,6 +36,10 @@ __all__ = [
 
 #: Valid ``GPTConfig.connection`` names.
 CONNECTIONS = ("pre-ln", "post-ln", "peri-ln", "pre-dyt", "keel", "geonorm", "spheret")
+#: What the depth ``l`` of a sphere residual's damping counts (``GPTConfig.damping_depth``).
+DAMPING_DEPTHS = ("sublayer", "block")
+#: Standard deviation of the reference GPT's embedding initialization (GPT-2's).
+EMBEDDING_INIT_STD = 0.02
 #: Connections whose hidden states live on a sphere.
 SPHERE_CONNECTIONS = ("geonorm", "spheret")
 
@@ -80,11 +87,16 @@ class PeriLN(nn.Module):
 
 class PreDyT(nn.Module):
     r"""Pre-DyT: Pre-LN with Dynamic Tanh in place of LayerNorm,
-    :math:`x' = x + F(\gamma\tanh(\alpha x) + \beta)`."""
+    :math:`x' = x + F(\gamma\tanh(\alpha x) + \beta)`.
+
+    The DyT paper's LLM recipe: :math:`\alpha_0` = ``dyt_alpha_attn`` before attention (odd
+    sub-layers), ``dyt_alpha_init`` before the MLP and in the final DyT, and a learnable scalar
+    after the embedding (:class:`EmbeddingScale`, see :func:`make_entry`)."""
 
     def __init__(self, config, layer: int):
         super().__init__()
-        self.norm = DyT(config.n_embd, alpha_init=config.dyt_alpha_init)
+        alpha = config.dyt_alpha_attn if layer % 2 == 1 else config.dyt_alpha_init
+        self.norm = DyT(config.n_embd, alpha_init=alpha)
 
     def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
         return x + sublayer(self.norm(x))
@@ -110,16 +122,20 @@ class Spheret(nn.Module):
 
     ``retraction`` is any registered sphere retraction (``"p"`` uses ``config.p``: 1 =
     Proj-SpheretNorm, 2 = Cay-SpheretNorm, inf = GeoNorm); ``geonorm`` is this connection with the
-    exponential map. ``layer`` is the 1-based sub-layer index (attention and MLP count
-    separately), the :math:`l` of the damping :math:`\lambda_l`.
+    exponential map. ``layer`` is the 1-based sub-layer index; the :math:`l` of the damping
+    :math:`\lambda_l` is that index (``damping_depth="sublayer"``, attention and MLP counted
+    separately) or the 1-based block index (``"block"``). ``config.sphere_step`` picks the
+    literal or the normalized step.
     """
 
     def __init__(self, config, layer: int):
         super().__init__()
         retraction = "exp" if config.connection == "geonorm" else config.retraction
+        depth = layer if config.damping_depth == "sublayer" else (layer + 1) // 2
         self.residual = SphereResidual(
-            config.n_embd, layer=layer, retraction=retraction, p=config.p,
-            damping=config.damping, alpha_init=config.alpha_init, fused=config.fused,
+            config.n_embd, layer=depth, retraction=retraction, p=config.p,
+            damping=config.damping, step=config.sphere_step, alpha_init=config.alpha_init,
+            fused=config.fused,
         )
 
     def forward(self, h: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
@@ -162,10 +178,28 @@ def make_connection(config, layer: int) -> nn.Module:
     return cls(config, layer)
 
 
+class EmbeddingScale(nn.Module):
+    r""":math:`s\,x` with one learnable scalar :math:`s`: the DyT paper's scalar after the
+    embedding. Initialized to :math:`1/\mathrm{RMS}` of the initial token + position
+    embeddings (:math:`1/(0.02\sqrt 2)`), so the stream starts at unit scale — the DyT paper's
+    LLaMA code initializes embeddings at std :math:`d^{-1/2}` and this scalar at :math:`\sqrt d`,
+    the same unit scale; DyT, unlike LayerNorm, does not undo a small input scale."""
+
+    def __init__(self, init: float = 1.0 / (EMBEDDING_INIT_STD * math.sqrt(2.0))):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.to(x.dtype)  # (..., d)
+
+
 def make_entry(config) -> nn.Module:
-    """Applied to the embeddings: ScaleNorm onto the sphere for sphere connections, else identity."""
+    """Applied to the embeddings: ScaleNorm onto the sphere for sphere connections,
+    :class:`EmbeddingScale` for ``pre-dyt`` (``dyt_embed_scale``), else identity."""
     if config.connection in SPHERE_CONNECTIONS:
         return ScaleNorm(config.n_embd, eps=config.norm_eps)
+    if config.connection == "pre-dyt" and config.dyt_embed_scale:
+        return EmbeddingScale()
     return nn.Identity()
 
 

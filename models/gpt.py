@@ -28,10 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from manifoldlib.nn import DAMPINGS
+from manifoldlib.nn import DAMPINGS, STEP_FORMS
 from manifoldlib.retractions import available_retractions
 
-from .connections import CONNECTIONS, SPHERE_CONNECTIONS, make_connection, make_entry, make_exit
+from .connections import (
+    CONNECTIONS,
+    DAMPING_DEPTHS,
+    EMBEDDING_INIT_STD,
+    SPHERE_CONNECTIONS,
+    make_connection,
+    make_entry,
+    make_exit,
+)
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
 
@@ -60,8 +68,22 @@ class GPTConfig:
             2 = Cay-SpheretNorm (Cayley), ``inf`` = GeoNorm (exponential map).
         damping: sphere step damping :math:`\\lambda_l`: ``sqrt`` (:math:`1/\\sqrt l`), ``linear``
             (:math:`1/l`) or ``none``.
-        alpha_init: initial learnable step :math:`\\alpha_l` of every sphere residual.
-        dyt_alpha_init: initial :math:`\\alpha` of DyT (``pre-dyt``).
+        sphere_step: what each sphere residual feeds its retraction: ``normalized`` (the direction
+            of :math:`P_h F` at the radius, so the angle is :math:`\\theta_R(\\alpha_l\\lambda_l)`)
+            or ``literal`` (the seed's :math:`\\alpha_l\\lambda_l P_h F`); see
+            :class:`~manifoldlib.nn.SphereResidual`.
+        alpha_init: initial learnable step :math:`\\alpha_l > 0` of every sphere residual (0.5 suits
+            the normalized step; the seed's literal step starts at 1).
+        damping_depth: what the :math:`l` of :math:`\\lambda_l` counts: ``sublayer`` (attention and
+            MLP separately, :math:`l = 1 \\ldots 2L`) or ``block`` (both sub-layers of block
+            :math:`i` share :math:`l = i`).
+        dyt_alpha_init: initial :math:`\\alpha` of the DyT before every MLP and the final DyT
+            (``pre-dyt``; the DyT paper's :math:`\\alpha_0` for "other" positions in LLMs).
+        dyt_alpha_attn: initial :math:`\\alpha` of the DyT before every attention (the DyT paper
+            initializes it higher than the others in LLMs).
+        dyt_embed_scale: ``pre-dyt`` multiplies the embeddings by a learnable scalar that starts
+            at :math:`1/\\mathrm{RMS}` of the initial embeddings, so the stream enters the first DyT
+            at unit scale (the DyT paper's LLM recipe: a learnable scalar after the embedding).
         norm_eps: :math:`\\varepsilon` of the ScaleNorm that puts embeddings on the sphere.
         tie_weights: share the token embedding with the LM head.
         fused: use the analytic-backward sphere residual (``False``: plain autograd reference).
@@ -78,8 +100,12 @@ class GPTConfig:
     retraction: str = "p"
     p: float = 1.0
     damping: str = "sqrt"
-    alpha_init: float = 1.0
-    dyt_alpha_init: float = 0.5
+    sphere_step: str = "normalized"
+    alpha_init: float = 0.5
+    damping_depth: str = "sublayer"
+    dyt_alpha_init: float = 0.2
+    dyt_alpha_attn: float = 0.8
+    dyt_embed_scale: bool = True
     norm_eps: float = 1e-6
     tie_weights: bool = True
     fused: bool = True
@@ -89,7 +115,7 @@ class GPTConfig:
             _positive_int(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        for name in ("bias", "tie_weights", "fused"):
+        for name in ("bias", "tie_weights", "fused", "dyt_embed_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
@@ -108,10 +134,19 @@ class GPTConfig:
             raise ValueError(f"p must be a number in (0, inf], got {self.p!r}")
         if self.damping not in DAMPINGS:
             raise ValueError(f"unknown damping {self.damping!r}; valid dampings: {', '.join(DAMPINGS)}")
-        for name in ("alpha_init", "dyt_alpha_init"):
+        for name in ("dyt_alpha_init", "dyt_alpha_attn"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not (isinstance(self.alpha_init, (int, float)) and math.isfinite(self.alpha_init)
+                and self.alpha_init > 0):
+            raise ValueError(f"alpha_init must be a finite number > 0, got {self.alpha_init!r}")
+        if self.sphere_step not in STEP_FORMS:
+            raise ValueError(f"unknown sphere_step {self.sphere_step!r}; valid step forms: "
+                             f"{', '.join(STEP_FORMS)}")
+        if self.damping_depth not in DAMPING_DEPTHS:
+            raise ValueError(f"unknown damping_depth {self.damping_depth!r}; valid: "
+                             f"{', '.join(DAMPING_DEPTHS)}")
         if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
             raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
 
@@ -128,9 +163,12 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate ``q``, ``k``, ``v``, ``o`` maps (SDPA kernel).
 
-    Set :attr:`record_max_logit` to ``True`` to store :math:`\\max |q\\cdot k|/\\sqrt{d_h}` over the
-    causal pairs of the next forward in :attr:`max_logit` (costs one explicit score matrix; the
-    normal path never computes it).
+    Set :attr:`record_statistics` to ``True`` to store statistics of the next forward's attention
+    in :attr:`statistics` (costs one explicit score matrix; the normal path never computes it):
+    ``max_logit`` :math:`\\max |q\\cdot k|/\\sqrt{d_h}` over the causal pairs, ``entropy`` the
+    mean over batch, heads and queries of the attention distribution's entropy (nats; a query at
+    position :math:`t` has at most :math:`\\log(t+1)`), ``max_prob`` the mean of each query's
+    largest attention probability (1 = a saturated softmax), all 0-dim tensors.
     """
 
     def __init__(self, config: GPTConfig):
@@ -144,27 +182,31 @@ class CausalSelfAttention(nn.Module):
         self.o = nn.Linear(d, d, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.record_max_logit = False
-        self.max_logit: torch.Tensor | None = None
+        self.record_statistics = False
+        self.statistics: dict[str, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         v = self.v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        if self.record_max_logit:
-            self.max_logit = self._max_logit(q, k)
+        if self.record_statistics:
+            self.statistics = self._statistics(q, k)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.o(y))
 
-    def _max_logit(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def _statistics(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
         T = q.shape[-2]
-        scores = (q @ k.transpose(-2, -1)).abs() / math.sqrt(self.head_dim)  # (B, nh, T, T)
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        return scores.masked_fill(~causal, 0.0).amax().detach()
+        probs = scores.masked_fill(~causal, -math.inf).softmax(dim=-1)  # (B, nh, T, T)
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
+        return {"max_logit": scores.abs().masked_fill(~causal, 0.0).amax(),
+                "entropy": entropy.mean(), "max_prob": probs.amax(-1).mean()}
 
 
 class MLP(nn.Module):
@@ -244,7 +286,7 @@ class GPT(nn.Module):
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=EMBEDDING_INIT_STD)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; ``non_embedding`` leaves out the position embedding (nanoGPT)."""
@@ -301,28 +343,53 @@ class GPT(nn.Module):
         return states
 
     @torch.no_grad()
-    def max_attention_logit(self, idx: torch.Tensor) -> torch.Tensor:
-        """:math:`\\max |q\\cdot k|/\\sqrt{d_h}` over heads, batch and causal pairs, per layer.
-
-        Runs one forward in eval mode (no dropout) and restores the training flag.
+    def attention_statistics(self, idx: torch.Tensor) -> list[dict[str, float]]:
+        """Per layer, the statistics :class:`CausalSelfAttention` records (``max_logit``,
+        ``entropy``, ``max_prob``) over one forward of ``idx`` in eval mode (no dropout; the
+        training flag is restored).
 
         Args:
             idx: ``(B, T)`` token ids.
 
         Returns:
-            ``(n_layer,)`` tensor of maxima.
+            ``n_layer`` dicts of floats.
         """
         was_training = self.training
         self.eval()
         try:
             for block in self.blocks:
-                block.attn.record_max_logit = True
+                block.attn.record_statistics = True
             self(idx)
-            return torch.stack([block.attn.max_logit for block in self.blocks])
+            return [{k: float(v) for k, v in block.attn.statistics.items()} for block in self.blocks]
         finally:
             for block in self.blocks:
-                block.attn.record_max_logit = False
-                block.attn.max_logit = None
+                block.attn.record_statistics = False
+                block.attn.statistics = None
+            self.train(was_training)
+
+    @torch.no_grad()
+    def max_attention_logit(self, idx: torch.Tensor) -> torch.Tensor:
+        """:math:`\\max |q\\cdot k|/\\sqrt{d_h}` over heads, batch and causal pairs: ``(n_layer,)``."""
+        return torch.tensor([layer["max_logit"] for layer in self.attention_statistics(idx)])
+
+    @torch.no_grad()
+    def step_angles(self, idx: torch.Tensor) -> list[float]:
+        """Mean rotation angle (radians) of every sphere residual over one eval-mode forward of
+        ``idx``, in sub-layer order (``2 * n_layer`` values; empty off the sphere)."""
+        if not self.config.on_sphere:
+            return []
+        was_training = self.training
+        self.eval()
+        try:
+            x = self._embed(idx)
+            angles = []
+            for block in self.blocks:
+                for conn, sub in ((block.conn1, block.attn), (block.conn2, block.mlp)):
+                    f = sub(x)
+                    angles.append(float(conn.residual.angle(x, f).mean()))
+                    x = conn.residual(x, f)
+            return angles
+        finally:
             self.train(was_training)
 
     @torch.no_grad()

@@ -366,7 +366,9 @@ def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: t
 @torch.no_grad()
 def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device
                 ) -> dict:
-    """Largest spectral norm of the attention ``q`` / ``k`` maps and the max attention logit."""
+    """Largest spectral norm of the attention ``q`` / ``k`` maps; over the layers, the largest
+    attention logit, the smallest mean attention entropy and the largest mean max-probability;
+    the mean and largest rotation angle of the sphere residuals (radians)."""
     out: dict[str, float] = {}
     qk = {"q": [], "k": []}
     for name, module in model.named_modules():
@@ -376,9 +378,20 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
     for key, values in qk.items():
         if values:
             out[f"{key}_spectral_norm_max"] = max(values)
-    if hasattr(model, "max_attention_logit"):
+    x = None
+    if hasattr(model, "attention_statistics") or hasattr(model, "step_angles"):
         x, _ = next(eval_batches(corpus.val, min(cfg.batch_size, 4), cfg.block_size, 1))
-        out["max_attention_logit"] = float(model.max_attention_logit(x.to(device)).max())
+        x = x.to(device)
+    if hasattr(model, "attention_statistics"):
+        layers = model.attention_statistics(x)
+        out["max_attention_logit"] = max(layer["max_logit"] for layer in layers)
+        out["attention_entropy_min"] = min(layer["entropy"] for layer in layers)
+        out["attention_max_prob"] = max(layer["max_prob"] for layer in layers)
+    if hasattr(model, "step_angles"):
+        angles = model.step_angles(x)
+        if angles:
+            out["step_angle_mean"] = sum(angles) / len(angles)
+            out["step_angle_max"] = max(angles)
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 

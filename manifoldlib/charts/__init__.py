@@ -11,12 +11,13 @@ from .blocks import FUSED_NAMES, SplitBlocks, merge_blocks, split_blocks
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
 from .kernel import SEL_IMPLS, sel_forward_rule
 from .schedule import SEL_ROLES, SELLRMultiplier, sel_lr_lambdas, sel_lr_scheduler, sel_param_groups
-from .sel import SEL, SEL_INITS
+from .sel import SEL, SEL_CALIBRATIONS, SEL_INITS
 
 __all__ = [
     "FUSED_NAMES",
     "SEL",
     "SEL_IMPLS",
+    "SEL_CALIBRATIONS",
     "SEL_INITS",
     "SEL_ROLES",
     "Chart",

@@ -24,11 +24,14 @@ the chart holds a row vector ``(out, 1)`` and a column vector ``(1, in)`` of log
 :math:`s_{ij} = \exp(u_i + v_j)`; the offset is additive, :math:`n_{ij} = p_i + q_j`, so that
 :math:`e^{-n}` is again a positive rank-1 factor. That is :math:`4(\text{out} + \text{in})` scale
 parameters (:math:`3(\text{out}+\text{in})` with ``linear=False``); for a 1-D tensor each scale is
-one scalar. :math:`\beta` is a fixed buffer, set from the width:
-:math:`\beta = \kappa\sqrt{\text{fan\_in}}/(\text{gain}\cdot m_0)` so that
-:math:`b\sigma_0 = \kappa`
-at the typical initial magnitude :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}`, and
-:math:`a = s_0 / b` keeps the slope :math:`E'(0) = s_0` fixed across widths.
+one scalar. :math:`\beta` is a fixed buffer, :math:`\beta = \kappa/(\sigma_0 m_0)`, so that
+:math:`b\sigma_0 = \kappa` at the typical initial magnitude :math:`\sigma_0` — the exponential
+regime starts where the weights are (the seed's curvature calibration). By default
+(``calibration="weight"``) :math:`\sigma_0` is the RMS of the weight the chart is built on, its
+actual initialization scale; ``calibration="width"`` uses the width rule
+:math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}` instead (the two agree for a
+:math:`1/\sqrt{\text{fan\_in}}` initialization; a GPT-2 initialization at std 0.02 is 2.5–5x
+smaller at widths 100–600). :math:`a = s_0 / b` keeps the slope :math:`E'(0) = s_0` fixed.
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ from .base import Chart
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
 from .kernel import SEL_IMPLS, sel_forward_rule
 
-__all__ = ["SEL", "SEL_INITS"]
+__all__ = ["SEL", "SEL_CALIBRATIONS", "SEL_INITS"]
 
 #: Valid ``init`` names of :class:`SEL` (which rule :meth:`SEL.right_inverse` inverts).
 SEL_INITS = ("mismatched", "congruent")
+#: Valid ``calibration`` names of :class:`SEL` (where the typical magnitude :math:`\sigma_0` of
+#: the curvature calibration comes from).
+SEL_CALIBRATIONS = ("weight", "width")
 DEFAULT_SLOPE = 0.75  # E'(0); with l_w = 0.25 the congruent rule has slope 1 at 0
 DEFAULT_SCALE_INIT = {"l_w": 0.25, "m": 1.0, "n": 0.0}
 _SCALE_KEYS = ("e_w", "l_w", "m", "n")
@@ -71,7 +77,12 @@ class SEL(Chart):
             inverts (see the module docstring).
         linear: keep the linear path :math:`l_w w` (False: ablation without it).
         kappa: curvature at the typical initial magnitude, :math:`b\sigma_0 = \kappa` (> 0).
-        gain: initialization gain in :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}` (> 0).
+        calibration: where :math:`\sigma_0` comes from: ``"weight"`` (default; the RMS of
+            ``weight`` — an all-zero tensor has no scale of its own and gets the width rule,
+            recorded in :attr:`calibration`) or ``"width"``
+            (:math:`\text{gain}/\sqrt{\text{fan\_in}}`). :attr:`sigma0` holds the value used.
+        gain: initialization gain in :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}` (> 0),
+            used with ``calibration="width"``.
         rank: rank of the optional LoRA-style residual :math:`\Delta = BA` (``B`` zero-initialized);
             0 disables it. Only for 2-D weights.
         slope: :math:`s_0 = E'(0) = ab` at initialization (> 0); default 0.75. Mutually exclusive
@@ -98,6 +109,7 @@ class SEL(Chart):
         init: str = "mismatched",
         linear: bool = True,
         kappa: float = 1.0,
+        calibration: str = "weight",
         gain: float = 1.0,
         rank: int = 0,
         slope: float | None = None,
@@ -123,6 +135,8 @@ class SEL(Chart):
             raise ValueError(f"rank must be <= min(weight.shape) = {min(weight.shape)}, got {rank}")
         kappa = _positive("kappa", kappa)
         gain = _positive("gain", gain)
+        if calibration not in SEL_CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {SEL_CALIBRATIONS}, got {calibration!r}")
         scale_init = dict(scale_init or {})
         unknown = sorted(set(scale_init) - set(_SCALE_KEYS))
         if unknown:
@@ -155,7 +169,11 @@ class SEL(Chart):
         self.exact_inverse = init == "congruent" or not self.linear  # without l_w both rules agree
         self.kappa, self.gain, self.rank, self.fan_in = kappa, gain, rank, fan_in
 
-        b0 = kappa * math.sqrt(fan_in) / gain  # b * sigma_0 = kappa
+        sigma0 = float(weight.detach().double().square().mean().sqrt())
+        if calibration == "width" or sigma0 == 0.0:  # an all-zero tensor has no scale of its own
+            calibration, sigma0 = "width", gain / math.sqrt(fan_in)
+        self.calibration, self.sigma0 = calibration, sigma0
+        b0 = kappa / sigma0  # b * sigma_0 = kappa
         m0 = values["m"]
         if "e_w" in values:
             e_w0 = values["e_w"]
@@ -292,5 +310,6 @@ class SEL(Chart):
     def extra_repr(self) -> str:
         return (
             f"init={self.init!r}, linear={self.linear}, kappa={self.kappa}, gain={self.gain}, "
-            f"rank={self.rank}, fan_in={self.fan_in}, impl={self.impl!r}"
+            f"rank={self.rank}, fan_in={self.fan_in}, sigma0={self.sigma0:.3g} "
+            f"({self.calibration}), impl={self.impl!r}"
         )

@@ -22,6 +22,7 @@ from .sphere import (
     p_coefficients,
     rotate,
     sphere_normalized_sq_step,
+    sphere_unit_tangent,
     sphere_project_tangent,
 )
 from .stiefel import (
@@ -51,6 +52,7 @@ __all__ = [
     "p_coefficients",
     "rotate",
     "sphere_normalized_sq_step",
+    "sphere_unit_tangent",
     "sphere_project_tangent",
     "stiefel_cayley",
     "stiefel_exp",

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "sphere_project_tangent",
     "sphere_normalized_sq_step",
+    "sphere_unit_tangent",
     "gnomonic_coefficients",
     "cayley_coefficients",
     "exponential_coefficients",
@@ -66,6 +67,35 @@ def sphere_project_tangent(x: torch.Tensor, z: torch.Tensor, radius_sq: torch.Te
 def sphere_normalized_sq_step(v: torch.Tensor, radius_sq: torch.Tensor | float) -> torch.Tensor:
     r""":math:`\sigma = \|v\|^2 / r^2`, shape ``(..., 1)``."""
     return (v * v).sum(-1, keepdim=True) / radius_sq
+
+
+def sphere_unit_tangent(x: torch.Tensor, z: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    r"""The *normalized* tangent update: :math:`P_x z` rescaled to the radius,
+
+    .. math::
+        \hat z = \frac{r\,P_x z}{\sqrt{\|P_x z\|^2 + \varepsilon^2 r^2}}, \qquad
+        P_x z = z - \frac{\langle x, z\rangle}{r^2} x, \quad r = \|x\|,
+
+    so that a retraction of :math:`s\hat z` has the normalized step :math:`\beta = s` (up to the
+    relative floor :math:`\varepsilon`) whatever the scale of :math:`z`: the direction of
+    :math:`P_x z` is kept, its length is the radius. :math:`P_x z` is formed explicitly before
+    its norm is taken (not as :math:`\|z\|^2 - \langle x,z\rangle^2/r^2`, which cancels when
+    :math:`z` is nearly parallel to :math:`x` and would turn rounding into a full step), and the
+    floor keeps the value and every derivative finite where :math:`P_x z = 0` (there
+    :math:`\hat z = 0`, so the retraction is the identity).
+
+    Args:
+        x: ``(..., d)`` nonzero points.
+        z: ``(..., d)`` updates.
+        eps: relative floor :math:`\varepsilon > 0` on :math:`\|P_x z\| / r`.
+
+    Returns:
+        ``(..., d)`` tangent vectors at ``x`` of norm :math:`\le r`.
+    """
+    q = (x * x).sum(-1, keepdim=True)  # r², (..., 1)
+    u = z - ((x * z).sum(-1, keepdim=True) / q) * x  # P_x z, (..., d)
+    n = (u * u).sum(-1, keepdim=True)  # ||P_x z||², (..., 1)
+    return u * torch.sqrt(q / (n + (eps * eps) * q))
 
 
 def gnomonic_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

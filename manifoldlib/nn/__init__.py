@@ -8,12 +8,13 @@
 
 from ._fused import sphere_residual, sphere_residual_reference
 from .dyt import DyT
-from .residual import DAMPINGS, SphereResidual, damping_factor
+from .residual import DAMPINGS, STEP_FORMS, SphereResidual, damping_factor
 from .scalenorm import ScaleNorm
 
 __all__ = [
     "DAMPINGS",
     "DyT",
+    "STEP_FORMS",
     "ScaleNorm",
     "SphereResidual",
     "damping_factor",

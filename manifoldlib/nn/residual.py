@@ -1,12 +1,26 @@
 r"""SphereResidual: a residual connection that stays on the hidden-state sphere.
 
 .. math::
-    h_l = R_{h_{l-1}}\big(\alpha_l\,\lambda_l\,P_{h_{l-1}}(F_l(h_{l-1}))\big)
+    h_l = R_{h_{l-1}}\big(\alpha_l\,\lambda_l\,\hat F_l\big), \qquad
+    \hat F_l = \begin{cases}
+        P_{h}(F_l(h)) & \text{step="literal" (the seed's update)} \\
+        r\,P_{h}(F_l(h)) / \|P_{h}(F_l(h))\| & \text{step="normalized"}
+    \end{cases}
 
 :math:`R` is any registered sphere retraction (gnomonic = Proj-SpheretNorm, Cayley =
 Cay-SpheretNorm, the p-family, the exponential map = GeoNorm, or a user's own
 :class:`~manifoldlib.retractions.AngleRetraction`), :math:`P_h` the tangent projection,
-:math:`\alpha_l` a learnable scalar and :math:`\lambda_l` a fixed depth damping.
+:math:`r = \|h\|`, :math:`\alpha_l > 0` a learnable scalar and :math:`\lambda_l` a fixed depth
+damping. The rotation angle is :math:`\theta = \theta_R(\beta)` with the normalized step
+
+.. math::
+    \beta = \alpha_l\lambda_l\,\|P_h F\|/r \ \text{(literal)}, \qquad
+    \beta = \alpha_l\lambda_l \ \text{(normalized)}.
+
+In the literal form the angle carries the scale of the sub-layer output, hence of its weights'
+initialization and of the width; in the normalized form (nGPT's choice of normalizing the update
+before it enters the stream) :math:`\alpha_l\lambda_l` alone sets it and the sub-layer only
+chooses the direction.
 """
 
 from __future__ import annotations
@@ -16,13 +30,20 @@ import math
 import torch
 from torch import nn
 
+from ..functional.sphere import sphere_unit_tangent
 from ..retractions.base import Retraction, resolve_retraction
 from ._fused import sphere_residual, sphere_residual_reference
 
-__all__ = ["DAMPINGS", "SphereResidual", "damping_factor"]
+__all__ = ["DAMPINGS", "STEP_FORMS", "SphereResidual", "damping_factor"]
 
 #: Depth-damping schedules :math:`\lambda_l` by name.
 DAMPINGS = ("sqrt", "linear", "none")
+#: Step forms of :class:`SphereResidual`: what the retraction is fed.
+STEP_FORMS = ("normalized", "literal")
+#: Default :math:`\alpha_0` per step form: the normalized step's angle is :math:`\alpha\lambda`
+#: itself (0.5 rad of step at the first sub-layer); the literal step multiplies the sub-layer's
+#: own scale, so it starts at 1 (the seed's plain residual scale).
+DEFAULT_ALPHA = {"normalized": 0.5, "literal": 1.0}
 
 
 def damping_factor(damping: str, layer: int) -> float:
@@ -43,19 +64,23 @@ def damping_factor(damping: str, layer: int) -> float:
 
 
 class SphereResidual(nn.Module):
-    r"""Residual update on the sphere: :math:`h \mapsto R_h(\alpha\lambda\,P_h(f))`.
+    r"""Residual update on the sphere: :math:`h \mapsto R_h(\alpha\lambda\,\hat F)`.
 
     The radius is **read from** :math:`\|h\|` row by row, so the layer works on whatever sphere
     the network put its hidden states on (in :class:`models.GPT`, the one set by the
     :class:`~manifoldlib.nn.ScaleNorm` after the embedding) and keeps it: every retraction of
     the family preserves the norm exactly in exact arithmetic.
 
-    :math:`\alpha` is one learnable **scalar per layer**, as in the SpheretNorm paper: it scales
-    the step length only, so the update stays a rotation in :math:`\operatorname{span}(h, F)` and
-    the direction is the sub-layer's own :math:`P_h F`. A per-channel :math:`\alpha` would
-    re-weight coordinates *before* the tangent projection (changing the direction, which the
-    sub-layer's output projection can already do) and would put ``d`` more parameters in front
-    of every optimizer policy.
+    :math:`\alpha` is one learnable **scalar per layer**, as in the SpheretNorm paper, and
+    positive by construction: the parameter is :math:`\rho = \log\alpha` (:attr:`log_alpha`), so
+    an optimizer step on it is a *relative* change of the step length and no step can flip the
+    update's direction. It scales the step length only, so the update stays a rotation in
+    :math:`\operatorname{span}(h, F)` in the direction of the sub-layer's own :math:`P_h F`.
+
+    ``step`` chooses what the retraction is fed (module docstring): ``"normalized"`` (default)
+    rotates by :math:`\theta_R(\alpha\lambda)` whatever the scale of :math:`F`; ``"literal"`` is
+    the seed's :math:`\alpha\lambda P_h F`, whose angle is proportional to
+    :math:`\|P_h F\|/r` (small at a GPT-2 initialization, growing with the width).
 
     Args:
         dim: feature size :math:`d`.
@@ -65,13 +90,17 @@ class SphereResidual(nn.Module):
         p: the ``p`` of the p-family, used only when ``retraction == "p"``; ``p = inf`` is the
             exponential map.
         damping: ``"sqrt"`` (:math:`1/\sqrt l`), ``"linear"`` (:math:`1/l`) or ``"none"``.
-        alpha_init: initial :math:`\alpha`.
+        step: ``"normalized"`` or ``"literal"``.
+        alpha_init: initial :math:`\alpha > 0` (default: 0.5 normalized, 1 literal).
+        eps: relative floor of the normalized step (see
+            :func:`~manifoldlib.functional.sphere_unit_tangent`).
         fused: use the analytic-backward function (``True``) or the plain-autograd reference
             (``False``; e.g. to let ``torch.compile`` fuse it). On contiguous float32/float64
             CPU tensors (bf16 runs in float32) the fused path does its full-tensor passes in
             small C++ kernels, compiled on first use into torch's extension cache
             (``TORCH_EXTENSIONS_DIR``); ``MANIFOLDLIB_CPU_KERNELS=0`` switches them off, and
             if they cannot be built it warns once and uses ATen, as on every other device.
+            The normalized step's per-row factor is plain autograd in both cases.
 
     Shapes: ``h`` and ``f`` are ``(..., d)``; the output is ``(..., d)`` in ``h``'s dtype.
     """
@@ -83,31 +112,70 @@ class SphereResidual(nn.Module):
         retraction: str | Retraction = "p",
         p: float = 1.0,
         damping: str = "sqrt",
-        alpha_init: float = 1.0,
+        step: str = "normalized",
+        alpha_init: float | None = None,
+        eps: float = 1e-6,
         fused: bool = True,
     ):
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        if step not in STEP_FORMS:
+            raise ValueError(f"unknown step {step!r}; valid step forms: {', '.join(STEP_FORMS)}")
         self.damping = damping
         self.layer = layer
         self.damping_factor = damping_factor(damping, layer)  # validates layer and damping
-        if not (isinstance(alpha_init, (int, float)) and math.isfinite(alpha_init)):
-            raise ValueError(f"alpha_init must be a finite number, got {alpha_init!r}")
+        alpha_init = DEFAULT_ALPHA[step] if alpha_init is None else alpha_init
+        if not (isinstance(alpha_init, (int, float)) and not isinstance(alpha_init, bool)
+                and math.isfinite(alpha_init) and alpha_init > 0):
+            raise ValueError(f"alpha_init must be a finite number > 0, got {alpha_init!r}")
+        if not (isinstance(eps, (int, float)) and 0 < eps < 1):
+            raise ValueError(f"eps must be in (0, 1), got {eps!r}")
         options = {"p": p} if retraction == "p" else {}
         self.retraction = resolve_retraction("sphere", retraction, **options)
         self.dim = dim
+        self.step = step
+        self.eps = float(eps)
         self.fused = bool(fused)
-        self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.log_alpha = nn.Parameter(torch.tensor(math.log(alpha_init)))
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        r""":math:`\alpha = e^\rho > 0`, a 0-dim tensor (differentiable in :attr:`log_alpha`)."""
+        return self.log_alpha.exp()
 
     def step_size(self) -> torch.Tensor:
         r""":math:`\alpha_l \lambda_l`, a 0-dim tensor."""
         return self.alpha * self.damping_factor
 
+    def update(self, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        r"""What is projected and scaled by :math:`\alpha\lambda`: ``f`` itself (literal) or the
+        tangent :math:`r P_h f/\|P_h f\|` (normalized); ``(..., d)``."""
+        if self.step == "literal":
+            return f
+        return sphere_unit_tangent(h, f, self.eps)  # (..., d), already tangent at h
+
+    @torch.no_grad()
+    def angle(self, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        r"""The angle of every row's rotation, ``(..., 1)`` radians in :math:`[0, \pi]` (diagnostics;
+        an exponential-map step past :math:`\pi` reads back as its wrapped angle).
+
+        Read from the output :math:`h'` itself, :math:`\theta = \operatorname{atan2}(\|P_h h'\|,
+        \langle h, h'\rangle / r)`, so it holds for any retraction, a user's own included.
+        """
+        out = self(h, f)
+        r = torch.linalg.vector_norm(h, dim=-1, keepdim=True)  # (..., 1)
+        along = (h * out).sum(-1, keepdim=True) / r  # (..., 1)
+        across = torch.linalg.vector_norm(out - along * h / r, dim=-1, keepdim=True)
+        return torch.atan2(across, along)
+
     def forward(self, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.dim:
             raise ValueError(f"SphereResidual expects h of shape (..., {self.dim}), got {tuple(h.shape)}")
         f = f.to(h.dtype)  # under autocast the sub-layer may return bf16; the stream keeps h's dtype
+        if h.shape != f.shape:
+            raise ValueError(f"h and f must have the same shape (..., d), got {tuple(h.shape)} and {tuple(f.shape)}")
+        f = self.update(h, f)
         scale = self.step_size().to(h.dtype)
         if self.fused:
             return sphere_residual(h, f, scale, self.retraction)
@@ -115,4 +183,4 @@ class SphereResidual(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, layer={self.layer}, retraction={self.retraction!r}, "
-                f"damping={self.damping!r}, fused={self.fused}")
+                f"damping={self.damping!r}, step={self.step!r}, fused={self.fused}")

@@ -67,8 +67,8 @@ def test_congruent_round_trip_is_exact_on_heavy_tailed_weights(dtype, structured
 
 def test_round_trip_covers_both_regimes():
     W = heavy_tailed((96, 64), torch.float64)
-    _, b, _ = SEL(W).coefficients()
-    raw = SEL(W, init="congruent").right_inverse(W)
+    _, b, _ = SEL(W, calibration="width").coefficients()
+    raw = SEL(W, init="congruent", calibration="width").right_inverse(W)
     bx = (b * raw.abs()).max().item()
     assert bx > 3.0  # the exponential regime is exercised, not only the near-linear one
     assert (b * raw.abs()).min().item() < 1e-3
@@ -94,7 +94,7 @@ def test_mismatched_init_realizes_positives_and_shrinks_negatives(dtype):
 
 def test_mismatched_ratio_in_the_linear_regime():
     W = heavy_tailed((64, 32), torch.float64, seed=4) * 1e-7  # b|w| ~ 1e-7: linear regime
-    chart = SEL(W)
+    chart = SEL(W, calibration="width")  # (calibrated from W itself, b|w| would be ~1)
     perturb_scales(chart, seed=5)
     out = chart(chart.right_inverse(W))
     a, b, c = chart.coefficients()
@@ -108,7 +108,7 @@ def test_mismatched_ratio_in_the_linear_regime():
 
 def test_default_ratio_is_one_half():
     W = torch.full((4, 16), -1e-9, dtype=torch.float64)
-    chart = SEL(W)
+    chart = SEL(W, calibration="width")
     ratio = chart(chart.right_inverse(W)).detach() / W
     assert torch.allclose(ratio, torch.full_like(W, 0.5), rtol=1e-6, atol=0)
 
@@ -126,12 +126,29 @@ def test_without_linear_path_both_inits_agree():
 @pytest.mark.parametrize("kappa, gain, slope", [(1.0, 1.0, 0.75), (0.5, 2.0, 1.5)])
 def test_curvature_from_width(fan_in, kappa, gain, slope):
     W = torch.zeros(8, fan_in, dtype=torch.float64)
-    chart = SEL(W, kappa=kappa, gain=gain, slope=slope, scale_init={"m": 0.3, "n": 0.7})
+    chart = SEL(W, kappa=kappa, gain=gain, slope=slope, scale_init={"m": 0.3, "n": 0.7},
+                calibration="width")
     a, b, _ = chart.coefficients()
     sigma0 = gain / math.sqrt(fan_in)
     assert torch.allclose(b * sigma0, torch.full_like(b, kappa), rtol=1e-14, atol=0)
     assert torch.allclose(a * b, torch.full_like(a * b, slope), rtol=1e-14, atol=0)  # E'(0) fixed
     assert chart.beta.item() == pytest.approx(kappa * math.sqrt(fan_in) / (gain * 0.3), rel=1e-14)
+
+
+@pytest.mark.parametrize("std", [0.02, 0.3])
+def test_curvature_from_the_weight_it_is_built_on(std):
+    # a GPT-2-style init (std 0.02) and a wider one: b * RMS(W) = kappa either way, so the
+    # exponential regime starts at the weights' own scale rather than at 1/sqrt(fan_in)
+    W = std * torch.randn(48, 256, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    chart = SEL(W, kappa=1.5, scale_init={"m": 0.3})
+    _, b, _ = chart.coefficients()
+    rms = float(W.square().mean().sqrt())
+    assert chart.sigma0 == pytest.approx(rms, rel=1e-14) and chart.calibration == "weight"
+    assert torch.allclose(b * rms, torch.full_like(b, 1.5), rtol=1e-14, atol=0)
+    zero = SEL(torch.zeros(4, 16))  # no scale of its own: the width rule, and it says so
+    assert zero.calibration == "width" and zero.sigma0 == pytest.approx(0.25, rel=1e-15)
+    with pytest.raises(ValueError, match=r"calibration must be one of \('weight', 'width'\), got 'rms'"):
+        SEL(W, calibration="rms")
 
 
 def test_scale_parameter_count_and_structure():

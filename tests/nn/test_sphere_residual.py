@@ -136,7 +136,8 @@ def test_output_keeps_the_norm_of_h(name, seed, radius):
 @pytest.mark.parametrize("fused", [True, False])
 def test_jacobian_at_zero_update_is_scaled_tangent_projection(name, fused):
     layer, alpha = 3, 0.8
-    res = SphereResidual(6, layer=layer, retraction=RETRACTIONS[name], alpha_init=alpha, fused=fused).double()
+    res = SphereResidual(6, layer=layer, retraction=RETRACTIONS[name], step="literal", alpha_init=alpha,
+                         fused=fused).double()
     h, _ = _case(5, 1, 6, radius=2.2, f_scale=0.0)
     h = h[0]
     jac = torch.autograd.functional.jacobian(lambda f: res(h, f), torch.zeros(6, dtype=torch.float64))
@@ -199,11 +200,13 @@ def test_damping_schedules():
 
 
 def test_learnable_alpha_is_a_scalar_and_gets_gradients():
-    res = SphereResidual(8, alpha_init=0.5)
-    assert [name for name, _ in res.named_parameters()] == ["alpha"] and res.alpha.dim() == 0
-    h, f = _case(1, 5, 8, radius=2.0, f_scale=1.0, dtype=torch.float32)
-    res(h, f).square().mul(torch.arange(8.0)).sum().backward()
-    assert torch.isfinite(res.alpha.grad) and float(res.alpha.grad.abs()) > 0
+    for step in ("normalized", "literal"):
+        res = SphereResidual(8, alpha_init=0.5, step=step)
+        assert [name for name, _ in res.named_parameters()] == ["log_alpha"]
+        assert res.log_alpha.dim() == 0 and float(res.alpha) == pytest.approx(0.5, rel=1e-7)
+        h, f = _case(1, 5, 8, radius=2.0, f_scale=1.0, dtype=torch.float32)
+        res(h, f).square().mul(torch.arange(8.0)).sum().backward()
+        assert torch.isfinite(res.log_alpha.grad) and float(res.log_alpha.grad.abs()) > 0
 
 
 @pytest.mark.parametrize(
@@ -218,7 +221,11 @@ def test_learnable_alpha_is_a_scalar_and_gets_gradients():
         ({"p": float("nan")}, "p must be in"),
         ({"retraction": "nope"}, "valid names:"),
         ({"retraction": "polar"}, "valid names:"),
-        ({"alpha_init": float("inf")}, "alpha_init must be a finite number"),
+        ({"alpha_init": float("inf")}, "alpha_init must be a finite number > 0, got inf"),
+        ({"alpha_init": 0.0}, "alpha_init must be a finite number > 0, got 0.0"),
+        ({"alpha_init": -0.5}, "alpha_init must be a finite number > 0, got -0.5"),
+        ({"step": "scaled"}, "unknown step 'scaled'; valid step forms: normalized, literal"),
+        ({"eps": 0.0}, r"eps must be in \(0, 1\), got 0.0"),
     ],
 )
 def test_bad_arguments_raise_value_errors(kwargs, message):
@@ -263,7 +270,7 @@ def test_torch_compile_matches_eager(fused):
     res = SphereResidual(24, layer=2, retraction="gnomonic", alpha_init=0.9, fused=fused)
     compiled = torch.compile(res)
     eager = _values_and_grads(lambda a, b, s, r: res(a, b), h, f, 0.0, None)
-    res.alpha.grad = None
+    res.log_alpha.grad = None
     comp = _values_and_grads(lambda a, b, s, r: compiled(a, b), h, f, 0.0, None)
     for a, b in zip(eager[:3], comp[:3]):
         assert _rel(b, a) <= 1e-6
