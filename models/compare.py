@@ -1,15 +1,19 @@
-"""Comparison suites: ``python -m models.compare --suite spheret|manifolds|sel [--quick]
-[--out DIR] [--seeds 0 1 2] [--key value ...]``.
+"""Comparison suites: ``python -m models.compare --suite NAME [--quick] [--out DIR]
+[--seeds 0 1 2 3 4] [--jobs N] [--key value ...]``.
 
 Each suite trains the reference GPT several times — a set of *arms* (configurations) times a
-set of seeds — with :func:`models.train.run_training`, one run directory per arm and seed, and
-writes to ``--out``:
+set of seeds — with :func:`models.train.run_training`, one run directory per arm and seed
+(``--jobs N`` trains N at a time, one process each), and writes to ``--out``:
 
 - ``results.csv`` — one row per run: final validation loss and perplexity, diverged or not,
   learned or not (final validation loss below the corpus's unigram entropy), steps to reach the
-  target, wall time, tokens/s and the last diagnostics;
-- ``results.md`` — the same aggregated per arm (mean ± std over seeds) with the exact command;
-- ``curves.png`` — the validation curves of every run.
+  target, wall time, tokens/s, the last evaluation's diagnostics (q/k spectral norms, attention
+  logit, entropy and max probability, sphere step angles, weight kurtosis and max|w|/std) and
+  their extremes over the run;
+- ``results.md`` — the same aggregated per arm (mean ± std over seeds, the distance to the
+  baseline in standard errors) with the exact command, and the sweep table of a swept suite;
+- ``sweep.csv`` — a swept suite's first-seed runs at every value;
+- ``curves.png`` — the validation curves of every reported run.
 
 The *target* of "steps to target" is the mean final validation loss of the suite's baseline
 arm; the steps are the first evaluation at or below it (evaluations every ``eval_interval``
@@ -18,29 +22,37 @@ steps, so the resolution is ``eval_interval``).
 Suites:
 
 ``spheret``
-    The hidden-state connections at a shared learning rate: pre-ln (baseline), peri-ln,
-    pre-dyt, keel, geonorm and p-SpheretNorm with :math:`p \\in \\{0.5, 1, 2, 4\\}`, then a
-    high-learning-rate stress setting for a subset (the seed reports Pre-LN diverging where
-    SpheretNorms converge).
+    The hidden-state connections at one shared AdamW learning rate (the seed's protocol):
+    pre-ln (baseline), peri-ln, pre-dyt (with the DyT paper's LLM recipe), keel, geonorm,
+    1- and 2-SpheretNorm with the normalized step, and 1-SpheretNorm with the seed's literal step.
+``spheret-stress``
+    A high-learning-rate, no-warmup, no-clipping setting for a subset (the seed reports Pre-LN
+    and Keel diverging where SpheretNorms converge).
 ``manifolds``
-    ManifoldMuon assignment policies: unconstrained (baseline), all-stiefel, all-dgram, hetero,
-    hetero-inv; logs the largest q/k spectral norm and the maximum attention logit.
+    ManifoldMuon assignment policies on seed 002's base, a Pre-LN GPT: unconstrained
+    (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
+    arm (each policy reported at its own best); logs the q/k spectral norms, the attention logit,
+    entropy and max probability at every evaluation.
 ``sel``
-    AdamW baseline against SEL mismatched, SEL congruent and SEL without the linear path;
-    reports the steps each needs to reach the baseline's final validation loss.
+    AdamW baseline against SEL mismatched, SEL congruent and SEL without the linear path, with
+    the curvature calibrated from the weights' own initialization and the seed's scale-lr
+    annealing; steps to reach the baseline's final loss and the effective weights' heavy-tail
+    statistics.
 
-Full suites are sized for about 30 minutes on a 2-core CPU (measured on a loaded one: sel 22
-minutes with three seeds, manifolds 20 with three, spheret 32 with its default two);
-``--quick`` is a tiny version (synthetic corpus, one seed, a few dozen steps) for tests.
+Full suites are sized for about 30 minutes each on a 2-core CPU with ``--jobs 2`` (timings in
+``docs/results``); ``--quick`` is a tiny version (synthetic corpus, one seed, a few dozen steps)
+for tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
 import json
 import math
+import multiprocessing
 import shlex
 import shutil
 import statistics
@@ -80,6 +92,10 @@ class Suite:
         full: base overrides of the full suite (on top of :data:`FULL_BASE`).
         quick: base overrides of ``--quick`` (on top of :data:`QUICK_BASE`).
         seeds: default seeds of the full suite (``--quick`` uses the first one).
+        sweep: ``(config key, values)`` swept per arm on the first seed; each arm's remaining
+            seeds run at its best value (lowest final validation loss, diverged runs last), so
+            arms are compared each at its own tuned setting. ``()``: no sweep.
+        quick_sweep: the values of the sweep under ``--quick``.
     """
 
     name: str
@@ -88,7 +104,9 @@ class Suite:
     requires: tuple[tuple[str, str], ...] = ()
     full: dict = dataclasses.field(default_factory=dict)
     quick: dict = dataclasses.field(default_factory=dict)
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    sweep: tuple = ()
+    quick_sweep: tuple = ()
 
 
 def _spheret_arms() -> tuple[tuple[str, dict], ...]:
@@ -96,38 +114,51 @@ def _spheret_arms() -> tuple[tuple[str, dict], ...]:
         (name, {"connection": name}) for name in ("pre-ln", "peri-ln", "pre-dyt", "keel",
                                                   "geonorm")]
     arms += [(f"spheret-p{p:g}", {"connection": "spheret", "retraction": "p", "p": p})
-             for p in (0.5, 1.0, 2.0, 4.0)]
-    stress = {"lr": 3e-2, "warmup_steps": 0, "grad_clip": 0.0}
-    arms += [(f"{name} @stress", {**cfg, **stress}) for name, cfg in arms
-             if name in ("pre-ln", "keel", "geonorm", "spheret-p1", "spheret-p2")]
+             for p in (1.0, 2.0)]
+    arms += [("spheret-p1-literal", {"connection": "spheret", "retraction": "p", "p": 1.0,
+                                     "sphere_step": "literal", "alpha_init": 1.0})]
     return tuple(arms)
 
 
+def _stress_arms() -> tuple[tuple[str, dict], ...]:
+    stress = {"lr": 3e-2, "warmup_steps": 0, "grad_clip": 0.0}
+    return tuple((f"{name} @stress", {**cfg, **stress}) for name, cfg in _spheret_arms()
+                 if name in ("pre-ln", "keel", "geonorm", "spheret-p1", "spheret-p2"))
+
+
+#: ManifoldMuon policies of the manifolds suite, baseline first.
+MANIFOLD_POLICIES = ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv")
+
 #: The comparison suites by ``--suite`` name.
 SUITES: dict[str, Suite] = {
-    # 14 arms: two seeds by default keep it near 30 minutes on a loaded 2-core CPU (measured
-    # 32 min); pass --seeds 0 1 2 for a third
-    "spheret": Suite(
-        name="spheret", arms=_spheret_arms(), baseline="pre-ln", seeds=(0, 1)),
+    # hidden-state connections at one shared AdamW lr (the seed's protocol), 5 seeds each
+    "spheret": Suite(name="spheret", arms=_spheret_arms(), baseline="pre-ln"),
+    # the seed's stability claim: Pre-LN / Keel diverge at a high lr where SpheretNorms converge
+    "spheret-stress": Suite(name="spheret-stress", arms=_stress_arms(), baseline="pre-ln @stress",
+                            seeds=(0, 1, 2)),
+    # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
+    # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep: each policy is reported
+    # at its own best lr, so no arm is compared at a step size that suits only another
     "manifolds": Suite(
         name="manifolds",
         arms=tuple((policy, {"optimizer": "manifold-muon", "policy": policy})
-                   for policy in ("unconstrained", "all-stiefel", "all-dgram", "hetero",
-                                  "hetero-inv")),
+                   for policy in MANIFOLD_POLICIES),
         baseline="unconstrained",
         requires=(("manifoldlib.optim", "build_optimizer"),),
-        # the dual solves of Stiefel / DGram cost ~10x an AdamW step on a CPU: half the depth
-        # and 200 steps keep the suite within 30 minutes on 2 cores
-        full={"lr": 0.02, "adamw_lr": 3e-3, "n_layer": 2, "steps": 200, "eval_interval": 20,
-              "log_interval": 20},
-        quick={"lr": 0.02, "adamw_lr": 1e-2}),
+        full={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 3e-3, "n_layer": 2,
+              "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20},
+        quick={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 1e-2},
+        seeds=(0, 1, 2, 3, 4), sweep=("lr", (0.01, 0.03, 0.1)), quick_sweep=("lr", (0.02, 0.1))),
+    # seed 004: SEL on every block linear map, curvature calibrated from the weights' own
+    # init scale, the seed's scale-lr annealing on (first third of the run)
     "sel": Suite(
         name="sel",
         arms=(("baseline", {"sel": "none"}), ("sel-mismatched", {"sel": "mismatched"}),
               ("sel-congruent", {"sel": "congruent"}), ("sel-no-linear", {"sel": "no-linear"})),
         baseline="baseline",
         requires=(("manifoldlib.charts", "SEL"), ("manifoldlib.charts", "apply_chart")),
-        full={"connection": "pre-ln"}, quick={"connection": "pre-ln"}),
+        full={"connection": "pre-ln", "sel_anneal_steps": 100},
+        quick={"connection": "pre-ln", "sel_anneal_steps": 10}),
 }
 
 
@@ -162,10 +193,89 @@ def _reusable(run_dir: Path, cfg_dict: dict) -> dict | None:
     return summary if saved == cfg_dict and finished else None
 
 
+def _run_dir(out: Path, arm: str, seed: int, swept: str | None) -> Path:
+    name = arm.replace(" @", "-").replace("@", "")
+    return out / (f"{name}/{swept}" if swept else name) / f"seed{seed}"
+
+
+def _train_one(cfg, run_dir: Path) -> dict:
+    """One run, reusing a finished run of the same config (a process-pool worker)."""
+    summary = _reusable(run_dir, cfg.to_dict())
+    if summary is None:
+        if run_dir.exists():  # a partial run of an interrupted suite: start it again
+            shutil.rmtree(run_dir)
+        summary = run_training(cfg, run_dir, echo=False)
+    return summary
+
+
+def _diagnostic_peaks(rows: list[dict]) -> dict:
+    """Largest attention logit and q/k spectral norm, smallest entropy over every evaluation."""
+    def over(keys: tuple[str, ...], pick):
+        values = [r[k] for r in rows for k in keys if r.get(k) is not None]
+        return pick(values) if values else None
+    return {"peak_attention_logit": over(("max_attention_logit",), max),
+            "peak_qk_spectral_norm": over(("q_spectral_norm_max", "k_spectral_norm_max"), max),
+            "min_attention_entropy": over(("attention_entropy_min",), min)}
+
+
+def _result(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: list[dict]) -> dict:
+    last_eval = next((r for r in reversed(rows) if r.get("val_loss") is not None), {})
+    val = summary.get("val_loss")
+    diverged = bool(summary.get("diverged"))
+    result = {
+        "suite": suite.name, "arm": arm, "seed": seed,
+        "swept": swept, "val_loss": val if not diverged else None,
+        "val_ppl": summary.get("val_ppl") if not diverged else None, "diverged": diverged,
+        "learned": bool(val is not None and not diverged and val < summary["unigram_entropy"]),
+        "steps": summary["steps"], "wall_time_s": round(summary["wall_time_s"], 2),
+        "tokens_per_s": round(summary["tokens_per_s"], 1),
+        "unigram_entropy": summary["unigram_entropy"], "_rows": rows}
+    result.update({k: last_eval.get(k) for k in DIAGNOSTIC_FIELDS})
+    result.update(_diagnostic_peaks(rows))
+    return result
+
+
+def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str) -> list[dict]:
+    """Run ``[(cfg, run_dir)]`` (``n_jobs`` processes at a time) and return their summaries."""
+    started = time.perf_counter()
+    summaries: list[dict | None] = [None] * len(jobs)
+
+    def report(i: int) -> None:
+        if echo:
+            s, (cfg, run_dir) = summaries[i], jobs[i]
+            shown = "diverged" if s.get("diverged") else f"val {s['val_loss']:.4f}"
+            print(f"[{i + 1}/{len(jobs)}] {label}: {run_dir.parent.relative_to(run_dir.parents[2])}"
+                  f" seed {cfg.seed}: {shown} ({s['wall_time_s']:.1f} s; "
+                  f"{time.perf_counter() - started:.0f} s so far)", flush=True)
+
+    if n_jobs <= 1:
+        for i, (cfg, run_dir) in enumerate(jobs):
+            summaries[i] = _train_one(cfg, run_dir)
+            report(i)
+        return summaries
+    context = multiprocessing.get_context("spawn")  # no forked torch thread pools
+    with concurrent.futures.ProcessPoolExecutor(n_jobs, mp_context=context) as pool:
+        futures = {pool.submit(_train_one, cfg, run_dir): i for i, (cfg, run_dir) in enumerate(jobs)}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            summaries[i] = future.result()
+            report(i)
+    return summaries
+
+
+def _best_value(results: list[dict]) -> object:
+    """The swept value with the lowest final validation loss (diverged runs rank last)."""
+    return min(results, key=lambda r: (r["val_loss"] is None, r["val_loss"] or 0.0))["swept"]
+
+
 def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
               seeds: tuple[int, ...] | None = None, overrides: dict | None = None,
-              command: str = "", echo: bool = True) -> list[dict]:
+              command: str = "", echo: bool = True, jobs: int = 1) -> list[dict]:
     """Run every arm and seed of ``suite`` into ``out`` and write the reports.
+
+    With a sweep (:attr:`Suite.sweep`), every arm first runs each swept value on the first seed
+    (``out/<arm>/<key>=<value>/seed<k>``); the remaining seeds then run at the arm's best value,
+    and the reports aggregate each arm at that value.
 
     Args:
         suite: the suite.
@@ -175,68 +285,81 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         overrides: config overrides applied to every arm (``--key value``).
         command: the command line, recorded in ``results.md``.
         echo: print one line per run.
+        jobs: runs trained at the same time, each in its own process (``threads`` per run
+            stays as configured: 1 in the suites).
 
     Returns:
-        One result dict per run (the rows of ``results.csv``).
+        One result dict per run at the reported settings (the rows of ``results.csv``).
     """
     check_requirements(suite)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base = {**(QUICK_BASE if quick else FULL_BASE), **(suite.quick if quick else suite.full)}
     seeds = tuple(seeds) if seeds else (suite.seeds[:1] if quick else suite.seeds)
-    configs = []
-    for arm, arm_overrides in suite.arms:
-        for seed in seeds:
-            cfg = build_config(base={**base, **arm_overrides, "seed": seed},
-                               overrides=overrides or {})
-            configs.append((arm, seed, cfg))
-    results, curves = [], {}
+    key, values = (suite.quick_sweep if quick else suite.sweep) or (None, (None,))
     started = time.perf_counter()
-    for i, (arm, seed, cfg) in enumerate(configs, 1):
-        run_dir = out / arm.replace(" @", "-").replace("@", "") / f"seed{seed}"
-        summary = _reusable(run_dir, cfg.to_dict())
-        if summary is None:
-            if run_dir.exists():  # a partial run of an interrupted suite: start it again
-                shutil.rmtree(run_dir)
-            summary = run_training(cfg, run_dir, echo=False)
-        rows = read_metrics(run_dir / "metrics.jsonl")
+
+    def configs(arm_overrides: dict, seed: int, value) -> object:
+        swept = {key: value} if key else {}
+        return build_config(base={**base, **arm_overrides, **swept, "seed": seed},
+                            overrides=overrides or {})
+
+    def label(value) -> str | None:
+        return f"{key}={value:g}" if key else None
+
+    # phase 1: every arm at every swept value on the first seed (the only phase without a sweep)
+    first = [(arm, arm_cfg, value) for arm, arm_cfg in suite.arms for value in values]
+    first_seeds = seeds[:1] if key else seeds
+    plan = [(arm, seed, value, configs(arm_cfg, seed, value))
+            for arm, arm_cfg, value in first for seed in first_seeds]
+    done = _execute([(cfg, _run_dir(out, arm, seed, label(value))) for arm, seed, value, cfg in plan],
+                    jobs, echo, suite.name)
+    runs = [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
+    sweep_rows: list[dict] = []
+    if key:
+        for arm, seed, value, summary in runs:
+            rows = read_metrics(_run_dir(out, arm, seed, label(value)) / "metrics.jsonl")
+            sweep_rows.append(_result(suite, arm, seed, value, summary, rows))
+        best = {arm: _best_value([r for r in sweep_rows if r["arm"] == arm]) for arm, _ in suite.arms}
+        plan = [(arm, seed, best[arm], configs(arm_cfg, seed, best[arm]))
+                for arm, arm_cfg in suite.arms for seed in seeds[1:]]
+        done = _execute([(cfg, _run_dir(out, arm, seed, label(value)))
+                         for arm, seed, value, cfg in plan], jobs, echo, suite.name)
+        runs = [r for r in runs if r[2] == best[r[0]]]
+        runs += [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
+        order = {arm: i for i, (arm, _) in enumerate(suite.arms)}
+        runs.sort(key=lambda r: (order[r[0]], seeds.index(r[1])))
+    results, curves = [], {}
+    for arm, seed, value, summary in runs:
+        rows = read_metrics(_run_dir(out, arm, seed, label(value)) / "metrics.jsonl")
         curves[f"{arm}/{seed}"] = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        last_eval = next((r for r in reversed(rows) if r.get("val_loss") is not None), {})
-        val = summary.get("val_loss")
-        result = {
-            "suite": suite.name, "arm": arm, "seed": seed,
-            "val_loss": val if not summary.get("diverged") else None,
-            "val_ppl": summary.get("val_ppl") if not summary.get("diverged") else None,
-            "diverged": bool(summary.get("diverged")),
-            "learned": bool(val is not None and not summary.get("diverged")
-                            and val < summary["unigram_entropy"]),
-            "steps": summary["steps"], "wall_time_s": round(summary["wall_time_s"], 2),
-            "tokens_per_s": round(summary["tokens_per_s"], 1),
-            "max_attention_logit": last_eval.get("max_attention_logit"),
-            "q_spectral_norm_max": last_eval.get("q_spectral_norm_max"),
-            "k_spectral_norm_max": last_eval.get("k_spectral_norm_max"),
-            "unigram_entropy": summary["unigram_entropy"], "_rows": rows}
-        results.append(result)
-        if echo:
-            shown = "diverged" if result["diverged"] else f"val {val:.4f}"
-            print(f"[{i}/{len(configs)}] {suite.name}: {arm} seed {seed}: {shown} "
-                  f"({summary['wall_time_s']:.1f} s; {time.perf_counter() - started:.0f} s so far)",
-                  flush=True)
+        results.append(_result(suite, arm, seed, value, summary, rows))
     base_vals = [r["val_loss"] for r in results if r["arm"] == suite.baseline
                  and r["val_loss"] is not None]
     target = statistics.fmean(base_vals) if base_vals else None
     for r in results:
         r["target"] = target
         r["steps_to_target"] = _steps_to(r.pop("_rows"), target) if target is not None else None
+    for r in sweep_rows:
+        r.pop("_rows")
     write_reports(suite, out, results, curves, quick=quick, command=command,
-                  elapsed=time.perf_counter() - started, base=base, overrides=overrides or {})
+                  elapsed=time.perf_counter() - started, base=base, overrides=overrides or {},
+                  sweep=(key, sweep_rows))
     return results
 
 
-CSV_FIELDS = ("suite", "arm", "seed", "val_loss", "val_ppl", "diverged", "learned",
+#: Last-evaluation diagnostics carried into every result row (see ``models.train.diagnostics``).
+DIAGNOSTIC_FIELDS = ("max_attention_logit", "q_spectral_norm_max", "k_spectral_norm_max",
+                     "attention_entropy_min", "attention_max_prob", "step_angle_mean",
+                     "step_angle_max", "weight_kurtosis_mean", "weight_max_over_std")
+
+
+CSV_FIELDS = ("suite", "arm", "seed", "swept", "val_loss", "val_ppl", "diverged", "learned",
               "steps_to_target", "target", "steps", "wall_time_s", "tokens_per_s",
-              "max_attention_logit", "q_spectral_norm_max", "k_spectral_norm_max",
-              "unigram_entropy")
+              *DIAGNOSTIC_FIELDS, "peak_attention_logit", "peak_qk_spectral_norm",
+              "min_attention_entropy", "unigram_entropy")
 
 
 def _fmt(x, digits: int = 4) -> str:
@@ -245,40 +368,86 @@ def _fmt(x, digits: int = 4) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+#: Extra report columns by suite: ``(header, result key)``, shown as the mean over seeds.
+REPORT_COLUMNS = {
+    "spheret": (("step angle (rad)", "step_angle_mean"), ("max step angle", "step_angle_max"),
+                ("min attn entropy", "attention_entropy_min")),
+    "manifolds": (("peak q/k σ_max", "peak_qk_spectral_norm"),
+                  ("peak attn logit", "peak_attention_logit"),
+                  ("min attn entropy", "min_attention_entropy"),
+                  ("final max attn prob", "attention_max_prob")),
+    "sel": (("kurtosis", "weight_kurtosis_mean"), ("max|w|/std", "weight_max_over_std")),
+}
+
+
+def _welch(a: list[float], b: list[float]) -> float | None:
+    """``(mean(a) - mean(b)) / sqrt(s_a²/n_a + s_b²/n_b)``: how many standard errors apart."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    return (statistics.fmean(a) - statistics.fmean(b)) / se if se > 0 else None
+
+
+def _arm_row(arm: str, rs: list[dict], base_vals: list[float], columns, swept: bool) -> str:
+    vals = [r["val_loss"] for r in rs if r["val_loss"] is not None]
+    mean, std = _mean_std(vals)
+    steps = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
+    welch = _welch(vals, base_vals)
+    cells = [arm] + ([_fmt(rs[0]["swept"], 4) if rs else "—"] if swept else []) + [
+        f"{_fmt(mean)} ± {_fmt(std)}" if len(vals) > 1 else _fmt(mean),
+        _fmt(math.exp(mean) if vals else None, 2),
+        f"{sum(r['diverged'] for r in rs)}/{len(rs)}", f"{sum(r['learned'] for r in rs)}/{len(rs)}",
+        f"{_fmt(statistics.fmean(steps), 0) if steps else '—'} ({len(steps)}/{len(rs)})",
+        _fmt(welch, 1) if welch is not None else "—",
+        _fmt(statistics.fmean(r["wall_time_s"] for r in rs), 1) if rs else "—"]
+    for _, key in columns:
+        xs = [r[key] for r in rs if r.get(key) is not None]
+        cells.append(_fmt(statistics.fmean(xs), 3) if xs else "—")
+    return "| " + " | ".join(cells) + " |"
+
+
 def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *, quick: bool,
-                  command: str, elapsed: float, base: dict, overrides: dict) -> None:
-    """Write ``results.csv``, ``results.md`` and ``curves.png`` into ``out``."""
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for r in results:
-            writer.writerow({k: r.get(k) for k in CSV_FIELDS})
-    arms = [a for a, _ in suite.arms]
+                  command: str, elapsed: float, base: dict, overrides: dict,
+                  sweep: tuple = (None, [])) -> None:
+    """Write ``results.csv``, ``results.md`` (and ``sweep.csv`` for a swept suite) and
+    ``curves.png`` into ``out``."""
+    key, sweep_rows = sweep
+    for name, rows in (("results.csv", results), ("sweep.csv", sweep_rows)):
+        if rows or name == "results.csv":
+            with open(out / name, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+                writer.writeheader()
+                for r in rows:
+                    writer.writerow({k: r.get(k) for k in CSV_FIELDS})
+    columns = REPORT_COLUMNS.get(suite.name, ())
+    base_vals = [r["val_loss"] for r in results if r["arm"] == suite.baseline
+                 and r["val_loss"] is not None]
+    header = (["arm"] + ([f"best {key}"] if key else []) +
+              ["val loss (mean ± std)", "val ppl", "diverged", "learned", "steps to target",
+               "Δ vs baseline (SE)", "wall s"] + [h for h, _ in columns])
     lines = [f"# Suite `{suite.name}`{' (quick)' if quick else ''}", "",
              f"Command: `{command}`" if command else "", "",
              f"Base config: `{json.dumps({**base, **overrides}, sort_keys=True)}`", "",
              (f"Target (steps to target): mean final validation loss of `{suite.baseline}` = "
-              f"{_fmt(results[0]['target']) if results else '—'}. Total time {elapsed:.0f} s."),
-             "",
-             ("| arm | val loss (mean ± std) | val ppl | diverged | learned | steps to target "
-              "| wall s | max attn logit | q/k spectral norm |"),
-             "|---|---|---|---|---|---|---|---|---|"]
-    for arm in arms:
-        rs = [r for r in results if r["arm"] == arm]
-        vals = [r["val_loss"] for r in rs if r["val_loss"] is not None]
-        mean, std = _mean_std(vals)
-        steps = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
-        logit = [r["max_attention_logit"] for r in rs if r["max_attention_logit"] is not None]
-        qk = [max(r["q_spectral_norm_max"] or 0, r["k_spectral_norm_max"] or 0) for r in rs
-              if r["q_spectral_norm_max"] is not None]
-        lines.append(
-            f"| {arm} | {_fmt(mean)} ± {_fmt(std)} | {_fmt(math.exp(mean) if vals else None, 2)} "
-            f"| {sum(r['diverged'] for r in rs)}/{len(rs)} | {sum(r['learned'] for r in rs)}/"
-            f"{len(rs)} | {_fmt(statistics.fmean(steps), 0) if steps else '—'} "
-            f"({len(steps)}/{len(rs)}) | {_fmt(statistics.fmean(r['wall_time_s'] for r in rs), 1)}"
-            f" | {_fmt(statistics.fmean(logit), 2) if logit else '—'} "
-            f"| {_fmt(statistics.fmean(qk), 2) if qk else '—'} |")
-    lines += ["", "Per-run rows: `results.csv`; curves: `curves.png`.", ""]
+              f"{_fmt(results[0]['target']) if results else '—'}. Δ vs baseline: difference of "
+              f"the mean final validation losses in standard errors (Welch). Total time "
+              f"{elapsed:.0f} s."), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for arm, _ in suite.arms:
+        lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_vals, columns,
+                              bool(key)))
+    if key:
+        values = sorted({r["swept"] for r in sweep_rows})
+        lines += ["", f"Sweep of `{key}` (first seed; final validation loss, or diverged):", "",
+                  "| arm | " + " | ".join(f"{key}={v:g}" for v in values) + " |",
+                  "|---|" + "---|" * len(values)]
+        for arm, _ in suite.arms:
+            by_value = {r["swept"]: r for r in sweep_rows if r["arm"] == arm}
+            lines.append(f"| {arm} | " + " | ".join(
+                "—" if v not in by_value else "diverged" if by_value[v]["diverged"]
+                else _fmt(by_value[v]["val_loss"]) for v in values) + " |")
+    lines += ["", "Per-run rows: `results.csv`" + (", sweep: `sweep.csv`" if key else "") +
+              "; curves: `curves.png`.", ""]
     (out / "results.md").write_text("\n".join(lines))
     from .plotting import plot_curves
 
@@ -297,7 +466,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", required=True, choices=sorted(SUITES))
     p.add_argument("--quick", action="store_true", help="tiny version (seconds per run)")
     p.add_argument("--out", help="output directory (default: runs/compare-<suite>[-quick])")
-    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; quick: 0)")
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help="seeds (default: the suite's, 0-4 for most; quick: the first)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at the same time, one process each (default 1)")
     return p
 
 
@@ -314,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             Path("runs") / f"compare-{suite.name}{'-quick' if args.quick else ''}"
         command = "python -m models.compare " + " ".join(shlex.quote(a) for a in argv)
         run_suite(suite, out, quick=args.quick, seeds=tuple(args.seeds or ()),
-                  overrides=overrides, command=command)
+                  overrides=overrides, command=command, jobs=args.jobs)
     except (_ArgumentError, ConfigError, CorpusError, RunError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

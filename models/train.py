@@ -368,7 +368,9 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
                 ) -> dict:
     """Largest spectral norm of the attention ``q`` / ``k`` maps; over the layers, the largest
     attention logit, the smallest mean attention entropy and the largest mean max-probability;
-    the mean and largest rotation angle of the sphere residuals (radians)."""
+    the mean and largest rotation angle of the sphere residuals (radians); the heavy-tail
+    statistics of the (effective) block weights: mean kurtosis (3 for a Gaussian) and the largest
+    max|w|/std."""
     out: dict[str, float] = {}
     qk = {"q": [], "k": []}
     for name, module in model.named_modules():
@@ -387,6 +389,18 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
         out["max_attention_logit"] = max(layer["max_logit"] for layer in layers)
         out["attention_entropy_min"] = min(layer["entropy"] for layer in layers)
         out["attention_max_prob"] = max(layer["max_prob"] for layer in layers)
+    kurtosis, ratios = [], []
+    for name, module in model.named_modules():
+        if name.startswith("blocks.") and isinstance(module, torch.nn.Linear):
+            w = module.weight.detach().double().flatten()  # the effective weight under a chart
+            centered = w - w.mean()
+            var = float(centered.square().mean())
+            if var > 0:
+                kurtosis.append(float(centered.pow(4).mean()) / var**2)
+                ratios.append(float(w.abs().max()) / math.sqrt(var))
+    if kurtosis:
+        out["weight_kurtosis_mean"] = sum(kurtosis) / len(kurtosis)
+        out["weight_max_over_std"] = max(ratios)
     if hasattr(model, "step_angles"):
         angles = model.step_angles(x)
         if angles:

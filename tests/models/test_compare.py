@@ -13,7 +13,7 @@ import pytest
 
 from models import compare
 from models.compare import SUITES, Suite, run_suite
-from models.config import build_config
+from models.config import ConfigError, build_config
 from models.train import MissingModuleError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,19 +23,55 @@ def test_suites_cover_the_arms_of_the_issue():
     spheret = dict(SUITES["spheret"].arms)
     for name in ("pre-ln", "peri-ln", "pre-dyt", "keel", "geonorm"):
         assert spheret[name] == {"connection": name}
-    assert sorted(a["p"] for n, a in spheret.items()
-                  if a.get("retraction") == "p" and "@stress" not in n) == [0.5, 1.0, 2.0, 4.0]
-    stress = {n: a for n, a in spheret.items() if "@stress" in n}
+    assert sorted(a["p"] for n, a in spheret.items() if a.get("retraction") == "p") == [1.0, 1.0, 2.0]
+    assert spheret["spheret-p1-literal"]["sphere_step"] == "literal"  # the seed's own update
+    stress = dict(SUITES["spheret-stress"].arms)
     assert "pre-ln @stress" in stress and "spheret-p1 @stress" in stress
     assert all(a["lr"] > compare.FULL_BASE["lr"] for a in stress.values())
-    assert [a["policy"] for _, a in SUITES["manifolds"].arms] == [
+    manifolds = SUITES["manifolds"]
+    assert [a["policy"] for _, a in manifolds.arms] == [
         "unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv"]
+    # seed 002's base and an lr budget in which singular values can grow far past 1
+    assert manifolds.full["connection"] == "pre-ln" and manifolds.full["schedule"] == "constant"
+    key, lrs = manifolds.sweep
+    assert key == "lr" and max(lrs) * manifolds.full["steps"] >= 10
     assert [a["sel"] for _, a in SUITES["sel"].arms] == [
         "none", "mismatched", "congruent", "no-linear"]
+    assert SUITES["sel"].full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on
     for suite in SUITES.values():           # every arm is a valid configuration
         assert suite.baseline in dict(suite.arms)
+        assert len(suite.seeds) >= 3
         for _, arm in suite.arms:
             build_config(base={**compare.FULL_BASE, **suite.full, **arm})
+
+
+def test_sweep_runs_each_arm_at_its_best_value_and_jobs_do_not_change_results(tmp_path):
+    suite = Suite(name="mini", baseline="pre-ln", seeds=(0, 1), sweep=("lr", (1e-5, 2e-2)),
+                  quick_sweep=("lr", (1e-5, 2e-2)),
+                  arms=(("pre-ln", {"connection": "pre-ln"}), ("spheret", {"connection": "spheret"})))
+    overrides = {"steps": "12", "eval_interval": "6", "n_layer": "1"}
+    results = run_suite(suite, tmp_path / "a", quick=True, seeds=(0, 1), echo=False,
+                        overrides=overrides)
+    # 1e-5 barely moves in 12 steps: both arms pick 2e-2, and both seeds are reported at it
+    assert [(r["arm"], r["seed"], r["swept"]) for r in results] == [
+        ("pre-ln", 0, 2e-2), ("pre-ln", 1, 2e-2), ("spheret", 0, 2e-2), ("spheret", 1, 2e-2)]
+    with open(tmp_path / "a" / "sweep.csv") as f:
+        sweep = list(csv.DictReader(f))
+    assert sorted((r["arm"], float(r["swept"])) for r in sweep) == [
+        ("pre-ln", 1e-5), ("pre-ln", 2e-2), ("spheret", 1e-5), ("spheret", 2e-2)]
+    assert not (tmp_path / "a" / "pre-ln" / "lr=1e-05" / "seed1").exists()  # losers: one seed
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert "Sweep of `lr`" in md and "| best lr |" in md
+    # diagnostics of every evaluation reach the rows
+    for r in results:
+        assert r["weight_kurtosis_mean"] > 0 and r["weight_max_over_std"] > 1
+        assert 0 < r["attention_entropy_min"] and 0 < r["attention_max_prob"] <= 1
+    assert results[2]["step_angle_mean"] > 0 and results[0]["step_angle_mean"] is None
+    parallel = run_suite(suite, tmp_path / "b", quick=True, seeds=(0, 1), echo=False,
+                         overrides=overrides, jobs=2)
+    assert [r["val_loss"] for r in parallel] == [r["val_loss"] for r in results]
+    with pytest.raises(ConfigError, match="jobs must be an integer >= 1, got 0"):
+        run_suite(suite, tmp_path / "c", quick=True, jobs=0)
 
 
 def test_missing_module_fails_before_running_anything(tmp_path, capsys, monkeypatch):
@@ -103,7 +139,7 @@ def test_quick_suite_end_to_end(tmp_path, name):
     assert proc.returncode == 0, proc.stderr
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["arm"] for r in rows] == [a for a, _ in suite.arms]
+    assert [r["arm"] for r in rows] == [a for a, _ in suite.arms for _ in suite.seeds[:1]]
     baseline = next(r for r in rows if r["arm"] == suite.baseline)
     assert baseline["diverged"] == "False" and baseline["learned"] == "True"
     md = (out / "results.md").read_text()
