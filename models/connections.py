@@ -180,12 +180,12 @@ def make_connection(config, layer: int) -> nn.Module:
 
 class EmbeddingScale(nn.Module):
     r""":math:`s\,x` with one learnable scalar :math:`s`: the DyT paper's scalar after the
-    embedding. Initialized to :math:`1/\mathrm{RMS}` of the initial token + position
-    embeddings (:math:`1/(0.02\sqrt 2)`), so the stream starts at unit scale — the DyT paper's
-    LLaMA code initializes embeddings at std :math:`d^{-1/2}` and this scalar at :math:`\sqrt d`,
-    the same unit scale; DyT, unlike LayerNorm, does not undo a small input scale."""
+    embedding, initialized at :math:`\sqrt d`. With ``pre-dyt``, :class:`models.GPT` also
+    initializes the embeddings at std :math:`d^{-1/2}` (as LLaMA code of that lineage does), so the stream starts at unit
+    RMS per token and position embedding — DyT, unlike LayerNorm, does not undo a small input
+    scale — while an AdamW step on the embeddings stays small relative to them."""
 
-    def __init__(self, init: float = 1.0 / (EMBEDDING_INIT_STD * math.sqrt(2.0))):
+    def __init__(self, init: float):
         super().__init__()
         self.scale = nn.Parameter(torch.tensor(float(init)))
 
@@ -199,7 +199,7 @@ def make_entry(config) -> nn.Module:
     if config.connection in SPHERE_CONNECTIONS:
         return ScaleNorm(config.n_embd, eps=config.norm_eps)
     if config.connection == "pre-dyt" and config.dyt_embed_scale:
-        return EmbeddingScale()
+        return EmbeddingScale(math.sqrt(config.n_embd))
     return nn.Identity()
 
 

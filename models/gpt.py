@@ -81,9 +81,9 @@ class GPTConfig:
             (``pre-dyt``; the DyT paper's :math:`\\alpha_0` for "other" positions in LLMs).
         dyt_alpha_attn: initial :math:`\\alpha` of the DyT before every attention (the DyT paper
             initializes it higher than the others in LLMs).
-        dyt_embed_scale: ``pre-dyt`` multiplies the embeddings by a learnable scalar that starts
-            at :math:`1/\\mathrm{RMS}` of the initial embeddings, so the stream enters the first DyT
-            at unit scale (the DyT paper's LLM recipe: a learnable scalar after the embedding).
+        dyt_embed_scale: ``pre-dyt`` initializes the embeddings at std :math:`d^{-1/2}` and
+            multiplies them by a learnable scalar starting at :math:`\\sqrt d` (the DyT paper's LLM
+            recipe), so the stream enters the first DyT at unit scale.
         norm_eps: :math:`\\varepsilon` of the ScaleNorm that puts embeddings on the sphere.
         tie_weights: share the token embedding with the LM head.
         fused: use the analytic-backward sphere residual (``False``: plain autograd reference).
@@ -279,6 +279,10 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(("attn.o.weight", "mlp.proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
+        if config.connection == "pre-dyt" and config.dyt_embed_scale:
+            # the DyT paper's LLM recipe: embeddings at std d^(-1/2), a learnable sqrt(d) after them
+            for emb in (self.wte, self.wpe):
+                nn.init.normal_(emb.weight, mean=0.0, std=config.n_embd ** -0.5)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
