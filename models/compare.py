@@ -235,7 +235,7 @@ def _result(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: list[
     return result
 
 
-def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str) -> list[dict]:
+def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str, out: Path) -> list[dict]:
     """Run ``[(cfg, run_dir)]`` (``n_jobs`` processes at a time) and return their summaries."""
     started = time.perf_counter()
     summaries: list[dict | None] = [None] * len(jobs)
@@ -244,7 +244,7 @@ def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str) -> list[dic
         if echo:
             s, (cfg, run_dir) = summaries[i], jobs[i]
             shown = "diverged" if s.get("diverged") else f"val {s['val_loss']:.4f}"
-            print(f"[{i + 1}/{len(jobs)}] {label}: {run_dir.parent.relative_to(run_dir.parents[2])}"
+            print(f"[{i + 1}/{len(jobs)}] {label}: {run_dir.parent.relative_to(out)}"
                   f" seed {cfg.seed}: {shown} ({s['wall_time_s']:.1f} s; "
                   f"{time.perf_counter() - started:.0f} s so far)", flush=True)
 
@@ -315,7 +315,7 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
     plan = [(arm, seed, value, configs(arm_cfg, seed, value))
             for arm, arm_cfg, value in first for seed in first_seeds]
     done = _execute([(cfg, _run_dir(out, arm, seed, label(value))) for arm, seed, value, cfg in plan],
-                    jobs, echo, suite.name)
+                    jobs, echo, suite.name, out)
     runs = [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
     sweep_rows: list[dict] = []
     if key:
@@ -326,7 +326,7 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         plan = [(arm, seed, best[arm], configs(arm_cfg, seed, best[arm]))
                 for arm, arm_cfg in suite.arms for seed in seeds[1:]]
         done = _execute([(cfg, _run_dir(out, arm, seed, label(value)))
-                         for arm, seed, value, cfg in plan], jobs, echo, suite.name)
+                         for arm, seed, value, cfg in plan], jobs, echo, suite.name, out)
         runs = [r for r in runs if r[2] == best[r[0]]]
         runs += [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
         order = {arm: i for i, (arm, _) in enumerate(suite.arms)}

@@ -238,6 +238,21 @@ def test_step_angles_of_the_two_sphere_step_forms_at_init():
     assert _model(connection="pre-ln").step_angles(idx) == []
 
 
+def test_pre_dyt_follows_the_dyt_llm_recipe():
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**TINY, "vocab_size": 256}, connection="pre-dyt")
+    model = GPT(cfg)
+    d = cfg.n_embd
+    assert float(model.embed_norm.scale) == pytest.approx(math.sqrt(d))
+    assert float(model.wte.weight.std()) == pytest.approx(d ** -0.5, rel=0.05)
+    alphas = [float(conn.norm.alpha) for block in model.blocks for conn in (block.conn1, block.conn2)]
+    assert alphas == pytest.approx([0.8, 0.2, 0.8, 0.2])  # attention, MLP, ...
+    assert float(model.norm_f.alpha) == pytest.approx(0.2)
+    plain = GPT(GPTConfig(**{**TINY, "vocab_size": 256}, connection="pre-dyt", dyt_embed_scale=False))
+    assert isinstance(plain.embed_norm, torch.nn.Identity)
+    assert float(plain.wte.weight.std()) == pytest.approx(0.02, rel=0.05)  # GPT-2's init
+
+
 @pytest.mark.parametrize("connection", CONNECTIONS)
 def test_every_connection_learns_a_periodic_sequence_from_the_gpt2_init(connection):
     # GPT-2's init (std 0.02), not the enlarged weights of _model's other tests: a period-7
