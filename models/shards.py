@@ -108,9 +108,9 @@ def _read_meta(folder: Path) -> dict | None:
 
 def _count_tokens(path: Path, dtype: np.dtype) -> int:
     if not path.is_file():
-        raise CorpusError(f"token shards {path.parent} have no {path.name} (a bin: folder "
-                          f"holds train.bin and val.bin, as python -m models.prepare or "
-                          f"nanoGPT's prepare.py writes them)")
+        raise CorpusError(f"token shard {path} does not exist (a bin: folder holds train.bin "
+                          f"and val.bin, as python -m models.prepare or nanoGPT's prepare.py "
+                          f"writes them)")
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
         raise CorpusError(f"token shard {path} is {size} bytes, not a positive whole number of "
