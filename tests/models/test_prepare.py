@@ -24,6 +24,7 @@ from models.data import (
     unigram_entropy,
 )
 from models.prepare import main, prepare
+from models.train import main as train
 
 needs_tokenizers = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                                       reason="needs the optional tokenizers package")
@@ -179,15 +180,14 @@ def test_python_dash_m_runs(tmp_path):
 
 
 def test_training_on_shards_equals_training_on_the_text(tmp_path):
-    from models.train import main as train, read_metrics
-
     prepare("synthetic:60000", tmp_path / "shards")
     args = ["--preset", "smoke", "--sample_tokens", "0", "--steps", "10", "--eval_interval", "5",
             "--log_interval", "5", "--progress", "false", "--connection", "pre-ln"]
     assert train([*args, "--out", str(tmp_path / "text"), "--corpus", "synthetic:60000"]) == 0
     assert train([*args, "--out", str(tmp_path / "bin"),
                   "--corpus", f"bin:{tmp_path / 'shards'}"]) == 0
-    text, shards = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("text", "bin"))
+    text, shards = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+                    for name in ("text", "bin"))
     assert [r["step"] for r in text] == [r["step"] for r in shards] and len(text) >= 2
     for a, b in zip(text, shards):
         assert (a["train_loss"], a.get("val_loss")) == (b["train_loss"], b.get("val_loss"))
