@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import META_FILE, SCAN_TOKENS, TokenFile, open_shards, shard_dtype
-from .sources import (
+from .shards import META_FILE, SCAN_TOKENS, TokenFile, open_shards, shard_dtype  # noqa: F401
+from .sources import (  # noqa: F401
     EXCLUDED_DIRS,
     CorpusError,
     Documents,
@@ -39,30 +39,22 @@ from .sources import (
     stdlib_files,
     synthetic_documents,
 )
-from .tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer, encode_pieces, padded_vocab
+from .tokenizer import (  # noqa: F401
+    BPETokenizer,
+    ByteTokenizer,
+    IdTokenizer,
+    encode_pieces,
+    padded_vocab,
+)
 
+#: The interface of the training loop (defined here). The names imported above from
+#: ``models.sources``, ``models.tokenizer`` and ``models.shards`` stay importable from here.
 __all__ = [
-    "EXCLUDED_DIRS",
-    "META_FILE",
-    "BPETokenizer",
     "BatchSampler",
-    "ByteTokenizer",
     "Corpus",
-    "CorpusError",
-    "Documents",
-    "Fingerprint",
-    "IdTokenizer",
-    "TokenFile",
     "check_size",
-    "check_split",
-    "encode_pieces",
     "eval_batches",
-    "list_documents",
     "load_corpus",
-    "shard_dtype",
-    "split_pieces",
-    "stdlib_files",
-    "synthetic_documents",
     "unigram_entropy",
 ]
 

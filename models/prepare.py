@@ -11,7 +11,8 @@ a time, splits it exactly as ``models.data.load_corpus`` does and writes
 - ``DIR/meta.json``: ``format``, ``tokenizer``, ``vocab_size``, ``dtype``, ``train_tokens``,
   ``val_tokens``, each file's ``sha256`` and the ``source`` (spec, fingerprint, bytes, files);
 - ``DIR/tokenizer.json`` for BPE: trained locally with the ``tokenizers`` package (on the
-  training split, ``--vocab_size`` ids, default 1024) or the user's ``--tokenizer_file``.
+  training split, ``--vocab_size`` ids, default 1024) or the user's ``--tokenizer_file``
+  (which implies ``--tokenizer bpe``).
   Nothing is downloaded.
 
 The tokens equal those ``load_corpus(SPEC)`` holds in memory (the same :func:`encode_pieces`),
@@ -224,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab_size", type=int, default=None,
                         help=f"BPE vocabulary to train (default {DEFAULT_BPE_VOCAB})")
     parser.add_argument("--tokenizer_file", default=None,
-                        help="encode with this tokenizer.json instead of training a BPE")
+                        help="encode with this tokenizer.json instead of training a BPE "
+                             "(implies --tokenizer bpe)")
     parser.add_argument("--val_fraction", type=float, default=0.1,
                         help="share of files held out for validation (default 0.1)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing shards")

@@ -45,8 +45,9 @@ class TokenFile:
     """One split of token shards read through ``numpy.memmap``: never loaded whole.
 
     Offers what the training code asks of a token tensor: ``numel()``, ``len()``, ``t[i]`` (an
-    ``int``) and ``t[a:b]`` (an ``int64`` tensor); :class:`BatchSampler`, :func:`eval_batches`
-    and :func:`unigram_entropy` read it window by window or chunk by chunk.
+    ``int``) and ``t[a:b]`` (an ``int64`` tensor); :class:`models.data.BatchSampler`,
+    :func:`models.data.eval_batches` and :func:`models.data.unigram_entropy` read it window by
+    window or chunk by chunk.
 
     Args:
         path: the ``.bin`` file, a flat array of token ids.

@@ -18,8 +18,7 @@ import numpy as np
 
 from .sources import CorpusError
 
-__all__ = ["BPETokenizer", "ByteTokenizer", "IdTokenizer", "Tokenizer", "encode_pieces",
-           "padded_vocab"]
+__all__ = ["BPETokenizer", "ByteTokenizer", "IdTokenizer", "encode_pieces", "padded_vocab"]
 
 _DOC_SEPARATOR = b"\n"
 

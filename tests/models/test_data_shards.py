@@ -57,6 +57,11 @@ def test_a_padded_vocabulary_over_prepared_shards(tmp_path):
         load_corpus(f"bin:{tmp_path}", vocab_size=100)
     with pytest.raises(CorpusError, match="made with the 'byte' tokenizer"):
         load_corpus(f"bin:{tmp_path}", tokenizer="bpe")
+    text = load_corpus("synthetic:20000", vocab_size=300)             # text corpora pad too
+    assert text.vocab_size == 300 and text.train.dtype == torch.int32
+    assert torch.equal(text.train.long(), load_corpus("synthetic:20000").train.long())
+    with pytest.raises(CorpusError, match="vocab_size must be a positive integer, got 0"):
+        load_corpus("synthetic:20000", vocab_size=0)
 
 
 def test_entropy_of_a_shard_larger_than_one_chunk_equals_the_in_memory_one(tmp_path):
