@@ -179,15 +179,19 @@ def test_python_dash_m_runs(tmp_path):
     assert len(load_corpus(f"bin:{tmp_path}").val) > 0
 
 
-def test_training_on_shards_equals_training_on_the_text(tmp_path):
+def _rows(run: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    return [(r["step"], r["train_loss"], r.get("val_loss")) for r in rows]
+
+
+def test_training_on_shards_equals_training_on_the_text_and_resumes_exactly(tmp_path):
     prepare("synthetic:60000", tmp_path / "shards")
     args = ["--preset", "smoke", "--sample_tokens", "0", "--steps", "10", "--eval_interval", "5",
             "--log_interval", "5", "--progress", "false", "--connection", "pre-ln"]
+    shards = ["--corpus", f"bin:{tmp_path / 'shards'}"]
     assert train([*args, "--out", str(tmp_path / "text"), "--corpus", "synthetic:60000"]) == 0
-    assert train([*args, "--out", str(tmp_path / "bin"),
-                  "--corpus", f"bin:{tmp_path / 'shards'}"]) == 0
-    text, shards = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
-                    for name in ("text", "bin"))
-    assert [r["step"] for r in text] == [r["step"] for r in shards] and len(text) >= 2
-    for a, b in zip(text, shards):
-        assert (a["train_loss"], a.get("val_loss")) == (b["train_loss"], b.get("val_loss"))
+    assert train([*args, *shards, "--out", str(tmp_path / "bin")]) == 0
+    assert train([*args, *shards, "--stop_at", "5", "--out", str(tmp_path / "cut")]) == 0
+    assert train(["--resume", "--out", str(tmp_path / "cut")]) == 0
+    text = _rows(tmp_path / "text")
+    assert len(text) >= 2 and text == _rows(tmp_path / "bin") == _rows(tmp_path / "cut")
