@@ -207,6 +207,8 @@ def prepare(spec: str, out: str | os.PathLike, *, tokenizer: str = "byte",
     if tok.name == "bpe":
         tok.save(out / "tokenizer.json")
         meta["tokenizer_file"] = "tokenizer.json"
+    else:  # an overwritten BPE folder's tokenizer would no longer describe the shards
+        (out / "tokenizer.json").unlink(missing_ok=True)
     _write_json(out / META_FILE, meta)
     return meta
 

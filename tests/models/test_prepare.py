@@ -114,6 +114,10 @@ def test_bpe_shards_round_trip_and_a_users_tokenizer_file(tmp_path):
     with pytest.raises(CorpusError, match=r"--vocab_size 512 disagrees with .*tokenizer\.json"):
         prepare(SPEC, tmp_path / "c", tokenizer="bpe", vocab_size=512,
                 tokenizer_file=tmp_path / "a" / "tokenizer.json")
+    prepare(SPEC, tmp_path / "b", overwrite=True)                   # bytes over a BPE folder
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["meta.json", "train.bin",
+                                                                  "val.bin"]
+    assert load_corpus(f"bin:{tmp_path / 'b'}").tokenizer.name == "byte"
 
 
 def test_uint32_shards_read_like_uint16(tmp_path):
