@@ -1,0 +1,194 @@
+"""Tokenizers of the reference GPT's corpora, and the one way documents become a token sequence.
+
+``ByteTokenizer`` (vocabulary 256), ``BPETokenizer`` (byte-level BPE trained locally with the
+optional ``tokenizers`` package, or a user's ``tokenizer.json``; nothing is downloaded) and
+``IdTokenizer`` (ids whose text is unknown: nanoGPT shards). :func:`encode_pieces` turns a
+split's documents into its tokens: each document encoded on its own, consecutive documents
+joined by the tokens of a newline. Both the in-memory path (``models.data.load_corpus``) and
+``models.prepare`` use it, so prepared shards hold exactly the in-memory tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from .sources import CorpusError
+
+__all__ = ["BPETokenizer", "ByteTokenizer", "IdTokenizer", "encode_pieces", "padded_vocab"]
+
+_DOC_SEPARATOR = b"\n"
+
+
+
+
+class Tokenizer(Protocol):
+    """What the training loop and ``models.prepare`` need from a tokenizer."""
+
+    name: str
+    vocab_size: int
+
+    def encode(self, data: bytes) -> list[int]: ...
+
+    def encode_many(self, docs: list[bytes]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Bytes as tokens: ``vocab_size = 256``, lossless, nothing to train or save."""
+
+    name = "byte"
+    vocab_size = 256
+
+    def encode(self, data: bytes) -> list[int]:
+        return list(data)
+
+    def encode_many(self, docs: list[bytes]) -> list[np.ndarray]:
+        """Each document's bytes as a ``uint8`` array (no copy through Python lists)."""
+        return [np.frombuffer(d, dtype=np.uint8) for d in docs]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, path: Path) -> None:
+        """Nothing to save for bytes."""
+
+
+class IdTokenizer:
+    """Token ids whose text is unknown: a nanoGPT shard folder without ``meta.json``.
+
+    nanoGPT keeps its vocabulary in a pickle, which is never loaded, so text cannot be encoded
+    (:meth:`encode` returns no ids) and :meth:`decode` prints the ids.
+    """
+
+    name = "ids"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = int(vocab_size)
+
+    def encode(self, data: bytes) -> list[int]:
+        return []
+
+    def encode_many(self, docs: list[bytes]) -> list[np.ndarray]:
+        raise CorpusError("token shards without meta.json have no tokenizer to encode text with")
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def save(self, path: Path) -> None:
+        """Nothing to save: the vocabulary is unknown."""
+
+
+class BPETokenizer:
+    """A byte-level BPE trained locally with the optional ``tokenizers`` package (extra ``bpe``).
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+    """
+
+    name = "bpe"
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size())
+
+    @staticmethod
+    def _module():
+        try:
+            import tokenizers
+        except ImportError as exc:
+            raise CorpusError(
+                "tokenizer='bpe' needs the optional 'tokenizers' package, which is not installed "
+                f"({exc}); install it with: pip install -e '.[bpe]'") from None
+        return tokenizers
+
+    @classmethod
+    def train(cls, documents: Iterable[bytes], vocab_size: int, progress: bool = False
+              ) -> BPETokenizer:
+        """Train on ``documents`` (decoded as UTF-8, invalid bytes replaced), locally."""
+        tk = cls._module()
+        tok = tk.Tokenizer(tk.models.BPE())
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=progress,
+            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator((d.decode("utf-8", errors="replace") for d in documents),
+                                trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, path: Path) -> BPETokenizer:
+        """A saved ``tokenizer.json`` (ours or any ``tokenizers`` file); missing or bad: error."""
+        tk = cls._module()
+        path = Path(path)
+        if not path.is_file():
+            raise CorpusError(f"tokenizer file {path} does not exist")
+        try:
+            return cls(tk.Tokenizer.from_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CorpusError(f"tokenizer file {path} cannot be read: {first}") from None
+
+    def encode(self, data: bytes) -> list[int]:
+        return self._tok.encode(data.decode("utf-8", errors="replace")).ids
+
+    def encode_many(self, docs: list[bytes]) -> list[np.ndarray]:
+        """Each document encoded on its own (in parallel by ``tokenizers``), as ``int64`` arrays."""
+        texts = [d.decode("utf-8", errors="replace") for d in docs]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def save(self, path: Path) -> None:
+        self._tok.save(str(path))
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: Iterable[tuple[bool, bytes]],
+                  batch_bytes: int = 1 << 22) -> Iterator[tuple[bool, np.ndarray]]:
+    """Token ids of each split, in order: the pieces of a split joined by a newline's tokens.
+
+    Every piece is encoded on its own (``tokenizer.encode_many`` over batches of about
+    ``batch_bytes``), and the separator's ids come before each piece but the first of its
+    split. For bytes this is exactly the bytes of ``b"\\n".join(pieces)``.
+
+    Yields:
+        ``(is_validation, ids)``: consecutive parts of each split's token sequence.
+    """
+    sep = tokenizer.encode_many([_DOC_SEPARATOR])[0]
+    started = {False: False, True: False}  # has the split received a piece yet?
+    batch: list[tuple[bool, bytes]] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece[1])
+        if size >= batch_bytes:
+            yield from _encode_batch(tokenizer, batch, sep, started)
+            batch, size = [], 0
+    yield from _encode_batch(tokenizer, batch, sep, started)
+
+
+def _encode_batch(tokenizer: Tokenizer, batch: list[tuple[bool, bytes]], sep: np.ndarray,
+                  started: dict[bool, bool]) -> Iterator[tuple[bool, np.ndarray]]:
+    for (is_val, _), ids in zip(batch, tokenizer.encode_many([p for _, p in batch])):
+        if started[is_val]:
+            yield is_val, sep
+        started[is_val] = True
+        yield is_val, ids
+
+
+def padded_vocab(tokenizer_vocab: int, vocab_size: int | None, where: str) -> int:
+    """The tokenizer's vocabulary, or ``vocab_size`` when it pads it."""
+    if vocab_size is None:
+        return tokenizer_vocab
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise CorpusError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if vocab_size < tokenizer_vocab:
+        raise CorpusError(f"vocab_size {vocab_size} is smaller than the vocabulary of {where}'s "
+                          f"tokenizer ({tokenizer_vocab})")
+    return vocab_size
