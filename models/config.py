@@ -31,14 +31,13 @@ else:  # pragma: no cover - Python 3.10
 
 from .connections import CONNECTIONS as _CONNECTIONS
 from .gpt import GPTConfig
-from .presets import PRESETS
+from .presets import PRESETS  # noqa: F401 - importable from here too
 
 __all__ = [
     "CONNECTIONS",
     "DTYPES",
     "LEGACY_MUON_NS_DTYPE",
     "MODEL_KEYS",
-    "PRESETS",
     "RESUMABLE_FIELDS",
     "ConfigError",
     "TrainConfig",

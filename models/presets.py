@@ -6,7 +6,7 @@
   ``docs/results``);
 - ``gpt2-small`` is the seeds' model for GPUs: 12 layers, width 768, 12 heads, context 1024 —
   124M parameters with GPT-2's 50257-token vocabulary (a ``bin:DIR`` corpus of GPT-2 tokens),
-  85M with bytes. The recipe is nanoGPT's GPT-2 one: a global batch of 480 sequences
+  86M with bytes. The recipe is nanoGPT's GPT-2 one: a global batch of 480 sequences
   (491,520 tokens) per step, linear warm-up then cosine decay to a tenth, weight decay 0.1,
   betas (0.9, 0.95), clipping at 1; with 1-SpheretNorm and ManifoldMuon's ``hetero`` policy
   (the seeds' pairing; pass ``--connection pre-ln --optimizer adamw --lr 6e-4`` for the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __all__ = ["PRESETS"]
 
+#: Preset name -> flat config values (applied over the dataclass defaults).
 PRESETS: dict[str, dict] = {
     "smoke": dict(
         corpus="synthetic:60000", block_size=32, n_layer=2, n_head=2, n_embd=32,

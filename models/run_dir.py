@@ -22,7 +22,7 @@ from manifoldlib.distributed import all_gather_objects
 
 from .config import LEGACY_MUON_NS_DTYPE, RESUMABLE_FIELDS, ConfigError, TrainConfig
 from .data import Corpus, check_size, load_corpus, unigram_entropy
-from .storage import (
+from .storage import (  # noqa: F401 - the storage names are importable from here too
     CHECKPOINT,
     DAMAGED_CHECKPOINT,
     PREVIOUS_CHECKPOINT,
@@ -45,39 +45,9 @@ from .storage import (
     write_json,
 )
 
-__all__ = [
-    "CHECKPOINT",
-    "DAMAGED_CHECKPOINT",
-    "PREVIOUS_CHECKPOINT",
-    "REQUIRED_KEYS",
-    "RUN_FILES",
-    "CheckpointError",
-    "MetricsLog",
-    "RunError",
-    "atomic_write",
-    "check_corpus",
-    "check_resumable",
-    "check_run_dir",
-    "clear_stale_run",
-    "describe_os_error", "describe_start", "finished_summary",
-    "has_checkpoint",
-    "load_checkpoint",
-    "load_optimizer_state",
-    "prepare_run",
-    "read_metrics",
-    "read_saved_config",
-    "restore_state",
-    "resumed_rows",
-    "rewrite_metrics",
-    "rng_state",
-    "save_checkpoint",
-    "set_rng_state",
-    "state_checksum",
-    "summary_of",
-    "with_legacy_defaults",
-    "write_json",
-    "write_run_files",
-]
+__all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
+           "finished_summary", "load_optimizer_state", "prepare_run", "read_saved_config",
+           "resumed_rows", "with_legacy_defaults"]
 
 
 def with_legacy_defaults(saved: dict) -> dict:

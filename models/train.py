@@ -45,21 +45,20 @@ from manifoldlib.distributed import all_mean, batch_shard, destroy_process_group
 from manifoldlib.distributed import raise_together
 
 from . import cli, run_dir
-from .build import MissingModuleError, _import  # noqa: F401 - imported from here by compare
+# imported from here by models.compare, the tests and users' scripts:
+from .build import MissingModuleError, _import  # noqa: F401
 from .build import build_model, build_train_optimizer, lr_scale, resolve_device
-from .cli import _ArgumentError, _Parser  # noqa: F401 - imported from here by compare
-from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig
+from .cli import _ArgumentError, _Parser  # noqa: F401
+from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
 from .data import BatchSampler, Corpus, CorpusError
 from .evaluation import diagnostics, evaluate, generate_sample, perplexity
 from .job import Job, set_rank_rng, start_job
 from .precision import Precision
 from .progress import Progress
-from .run_dir import MetricsLog, RunError, load_optimizer_state, read_metrics, save_checkpoint
+from .run_dir import MetricsLog, RunError, load_optimizer_state, read_metrics, save_checkpoint  # noqa: F401, E501
 from .throughput import Throughput, device_time, flops_per_token, peak_flops
 
-__all__ = ["RESUMABLE_FIELDS", "MissingModuleError", "RunError", "build_model",
-           "build_train_optimizer", "evaluate", "load_optimizer_state", "lr_scale", "main",
-           "read_metrics", "resolve_device", "run_training", "save_checkpoint", "train_step"]
+__all__ = ["Run", "main", "run_training", "train_step"]
 
 
 @dataclasses.dataclass
