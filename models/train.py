@@ -2,24 +2,14 @@
 [--out DIR] [--steps N] [--corpus SPEC] [--resume] [--key value ...]``.
 
 The loop, top to bottom: check the run directory and load the corpus (:mod:`models.run_dir`),
-build the model and optimizer (:mod:`models.build`), restore a checkpoint, then for every step
-set the learning rate, draw the global batch, run :func:`train_step` (``grad_accum_steps``
-micro-steps under autocast, clip, step), log, and at evaluations measure the validation loss
-(:mod:`models.evaluation`) and write a checkpoint. A run directory holds ``config.json``,
-``corpus.json``, ``metrics.jsonl`` (``step``, ``train_loss``, ``lr``, ``tokens``,
-``grad_norm``, ``tokens_per_s``, ``optimizer_share``, ``mfu`` where the device's peak is known,
-and at evaluations ``val_loss``, ``val_ppl`` and diagnostics), ``checkpoint.pt`` (and the one
-before it, ``checkpoint.prev.pt``), ``summary.json``, ``loss.png`` and ``sample.txt``;
-``--resume`` continues it exactly.
-
-Problems with the user's input print one ``error:`` line and exit with status 2; a file-system
-fault exits with status 1; a non-finite loss or gradient norm stops the run with status 3 and
-keeps the last good checkpoint; Ctrl-C exits with status 130. None of them prints a traceback.
-
-Under ``torchrun`` every rank draws the same global batch of ``batch_size`` sequences and
-trains on its share of each micro-batch (:func:`manifoldlib.distributed.batch_shard`), so the
-steps are those of one process up to rounding, whatever the world size and
-``grad_accum_steps``. See ``docs/guides/training.rst``.
+build model and optimizer (:mod:`models.build`), restore a checkpoint; then every step sets the
+learning rate, draws the global batch and runs :func:`train_step` (``grad_accum_steps``
+micro-steps under autocast, clipping, the step); logged steps go to ``metrics.jsonl`` with their
+throughput (:mod:`models.throughput`), evaluations (:mod:`models.evaluation`) also write a
+checkpoint; the end writes ``summary.json``, the plot and a sample. Under ``torchrun`` every rank
+draws the same global batch and trains on its share of each micro-batch, so the steps are one
+process's up to rounding. Exit statuses (:mod:`models.cli`): 0 done, 1 a file-system fault,
+2 bad input, 3 diverged, 130 interrupted. See ``docs/guides/training.rst``.
 """
 
 from __future__ import annotations
@@ -97,21 +87,12 @@ def _json_float(x: float | None) -> float | None:
 
 def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
                  echo: bool = True) -> dict:
-    """Train (or resume) one run in the directory ``out`` and return its summary.
+    """Train (or resume, from ``out/checkpoint.pt``) one run in ``out``; its summary.
 
-    Under ``torchrun`` (or inside an initialized default process group) every rank calls this;
-    only rank 0 writes files.
-
-    Args:
-        cfg: the configuration (on resume it must match the saved one except
-            :data:`~models.config.RESUMABLE_FIELDS`).
-        out: run directory (on a filesystem every rank sees).
-        resume: continue from ``out/checkpoint.pt``.
-        echo: print progress lines and the final sample (rank 0 only).
-
-    Returns:
-        The summary written to ``summary.json`` (``diverged`` True when the loss became
-        non-finite: the run stopped early and the last good checkpoint was kept).
+    Under ``torchrun`` (or in an initialized process group) every rank calls this; only rank 0
+    writes files and, with ``echo``, prints. On resume ``cfg`` may differ from the saved
+    configuration only in :data:`~models.config.RESUMABLE_FIELDS`. The summary's ``diverged``
+    is True when the loss became non-finite (the last good checkpoint is kept).
 
     Raises:
         CorpusError, ConfigError, RunError: bad input; nothing was trained (on every rank).

@@ -291,3 +291,16 @@ def test_diagnostics_log_every_attention_statistic_the_model_returns():
     out = diagnostics(model, corpus, cfg, CPU)
     assert out["attention_entropy_min"] == 0.5 and "nonfinite" not in out
     assert "max_attention_logit" in out and "q_spectral_norm_max" in out
+
+
+@pytest.mark.slow
+def test_compiled_training_through_the_cli_matches_eager(tmp_path):
+    common = _quiet("--steps", "4", "--eval_interval", "4", "--log_interval", "1")
+    assert main([*common, "--out", str(tmp_path / "eager")]) == 0
+    assert main([*common, "--compile", "true", "--out", str(tmp_path / "compiled")]) == 0
+    eager = read_metrics(tmp_path / "eager" / "metrics.jsonl")
+    compiled = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["compile"] is True
+    for a, b in zip(eager, compiled, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
+    assert compiled[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], abs=1e-4)
