@@ -231,6 +231,12 @@ class TrainConfig:
         return TrainConfig.from_dict({**self.to_dict(), **changes})
 
 
+_CLASH = set(MODEL_KEYS) & {f.name for f in dataclasses.fields(TrainConfig)}
+if _CLASH:  # a flat key must name one field: rename one side
+    raise ImportError(f"GPTConfig and TrainConfig both define {sorted(_CLASH)}; flat config "
+                      f"keys route by name, so each name may belong to one of them only")
+
+
 def _check_device(name: str) -> None:
     """``auto`` or a cpu / cuda[:N] / mps torch device (availability is checked at run time)."""
     import torch
