@@ -31,7 +31,7 @@ else:  # pragma: no cover - Python 3.10
 
 from .connections import CONNECTIONS as _CONNECTIONS
 from .gpt import GPTConfig
-from .presets import PRESETS  # noqa: F401 - importable from here too
+from .presets import PRESETS
 
 __all__ = [
     "CONNECTIONS",

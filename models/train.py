@@ -45,7 +45,8 @@ from .evaluation import diagnostics, evaluate, generate_sample, perplexity
 from .job import Job, set_rank_rng, start_job
 from .precision import Precision
 from .progress import Progress
-from .run_dir import MetricsLog, RunError, load_optimizer_state, read_metrics, save_checkpoint  # noqa: F401, E501
+from .run_dir import MetricsLog, RunError
+from .run_dir import load_optimizer_state, read_metrics, save_checkpoint  # noqa: F401
 from .throughput import Throughput, device_time, flops_per_token, peak_flops
 
 __all__ = ["Run", "main", "run_training", "train_step"]
@@ -171,8 +172,9 @@ def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corp
     start = ckpt["step"] if ckpt is not None else 0
     progress = Progress(echo and job.is_main, cfg.progress, cfg.progress_interval, start,
                         cfg.last_step)
+    log = MetricsLog(out, rows, job.is_main, cfg.log)
     run = Run(cfg, out, job, corpus, model, trained, evaluator, optimizer, multipliers,
-              base_lrs, sampler, precision, MetricsLog(out, rows, job.is_main, cfg.log), progress, meter)
+              base_lrs, sampler, precision, log, progress, meter)
     if ckpt is not None:
         run.step, run.tokens = ckpt["step"], ckpt["tokens"]
         run.wall_before, run.saved_step = ckpt["wall_time_s"], ckpt["step"]
