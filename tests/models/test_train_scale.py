@@ -304,3 +304,14 @@ def test_compiled_training_through_the_cli_matches_eager(tmp_path):
     for a, b in zip(eager, compiled, strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
     assert compiled[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_compile(tmp_path):
+    common = _quiet("--steps", "6", "--eval_interval", "3", "--log_interval", "1",
+                    "--compile", "true", "--dropout", "0.1")
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--stop_at", "3", "--out", str(tmp_path / "b")]) == 0
+    assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
+    _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
+               read_metrics(tmp_path / "b" / "metrics.jsonl"))
