@@ -1,9 +1,10 @@
 """What a training run prints while it runs (rank 0 only).
 
-On a terminal (stderr is a tty) with ``progress`` on: a tqdm bar, with messages written above
-it. Otherwise — a log file, a batch job, CI — one line every ``progress_interval`` seconds
-(``step 120/600: train 1.9134, 5,432 tok/s, MFU 41.0%, optimizer 12%``), so that a job that
-runs for hours shows it is alive. Messages (evaluations, the end) are printed in both cases.
+With ``progress`` on: a tqdm bar on stderr when stderr is a terminal, with messages written
+above it; and when stdout is not a terminal — a log file, a batch job, CI — one line on stdout
+every ``progress_interval`` seconds (``step 120/600: train 1.9134, 5,432 tok/s, MFU 41.0%,
+optimizer 12%``), so that the log of a job that runs for hours shows it is alive. Messages
+(evaluations, the end) are printed in every case.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Progress:
     Args:
         enabled: print at all (rank 0 and ``echo``).
         bar: show progress (``TrainConfig.progress``).
-        interval: seconds between lines when there is no bar (``0``: every step).
+        interval: seconds between lines when stdout is not a terminal (``0``: every step).
         start, total: the first and the last step of this invocation.
     """
 
@@ -38,7 +39,7 @@ class Progress:
                  ) -> None:
         self.enabled, self.interval, self.total = enabled, interval, total
         self.bar = _make_bar(start, total) if enabled and bar and sys.stderr.isatty() else None
-        self.lines = enabled and bar and self.bar is None
+        self.lines = enabled and bar and not sys.stdout.isatty()
         self.last_line = time.perf_counter()
 
     def say(self, text: str) -> None:
@@ -51,7 +52,7 @@ class Progress:
             print(text, flush=True)
 
     def update(self, step: int, loss: float, rates: dict) -> None:
-        """After every step: advance the bar, or print a line when ``interval`` has passed.
+        """After every step: advance the bar; print a line when ``interval`` has passed.
 
         Args:
             step: the step just taken.
@@ -62,7 +63,6 @@ class Progress:
             self.bar.update(1)
             if "tokens_per_s" in rates:
                 self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
-            return
         now = time.perf_counter()
         if self.lines and now - self.last_line >= self.interval:
             self.last_line = now
