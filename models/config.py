@@ -1,14 +1,19 @@
-"""Training configuration: one frozen dataclass, named presets, TOML files, typed overrides.
+"""Training configuration: one frozen dataclass with the model's ``GPTConfig`` nested in it,
+named presets, TOML files, typed overrides.
 
 A configuration is built in layers, later ones winning:
 
-1. the dataclass defaults of :class:`TrainConfig`;
-2. a preset (:data:`PRESETS`: ``smoke``, ``default``, ...), or the ``preset`` key of a TOML file;
+1. the dataclass defaults of :class:`TrainConfig` (and of its nested ``model``);
+2. a preset (:data:`~models.presets.PRESETS`), or the ``preset`` key of a TOML file;
 3. a TOML file (flat ``key = value`` pairs, read with :mod:`tomllib`);
 4. command-line overrides ``--key value`` for any field, converted to the field's type.
 
-Every field is validated in ``__post_init__``; bad values raise :class:`ConfigError` naming the
-field, the value and what was expected.
+Keys are flat everywhere (``--n_layer 4``, ``lr = 3e-3``, ``config.json``): a key that names a
+field of :class:`models.gpt.GPTConfig` (any field but the corpus-given ``vocab_size``) goes to
+``TrainConfig.model``, every other key is a training field. ``cfg.n_layer`` reads
+``cfg.model.n_layer``. Training fields are validated in ``__post_init__``, model fields by
+``GPTConfig``; a bad value raises :class:`ConfigError` naming the field, the value and what
+was expected.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from .connections import CONNECTIONS as _CONNECTIONS
+from .gpt import GPTConfig
+from .presets import PRESETS
 
 __all__ = [
     "CONNECTIONS",
+    "DTYPES",
     "LEGACY_MUON_NS_DTYPE",
-    "PRESETS",
+    "MODEL_KEYS",
+    "RESUMABLE_FIELDS",
     "ConfigError",
     "TrainConfig",
     "build_config",
@@ -47,14 +56,29 @@ MUON_DISTRIBUTED = ("sharded", "replicated")
 #: bfloat16 where bfloat16 products are native and in float32 elsewhere (on an AVX2-only CPU the
 #: bfloat16 iteration was half the default run's time).
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
+#: ``dtype`` values: the autocast dtype of forward and loss (float16 adds a GradScaler).
+DTYPES = ("float32", "bfloat16", "float16")
+#: ``log`` values: extra metric sinks besides ``metrics.jsonl``.
+LOGS = ("none", "tensorboard")
 #: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
 LEGACY_MUON_NS_DTYPE = "bfloat16"
 #: Largest ``seed``: numpy's global generator takes seeds in ``[0, 2**32 - 1]``.
 SEED_MAX = 2**32 - 1
 
-
 #: Residual-connection names the reference GPT implements (defined once, in ``models.connections``).
 CONNECTIONS = _CONNECTIONS
+
+#: Flat keys that belong to the nested ``GPTConfig`` (``vocab_size`` comes from the corpus).
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
+
+#: Fields that may change when a run is resumed; all others must match the saved config.
+RESUMABLE_FIELDS = frozenset({
+    "steps", "stop_at", "eval_interval", "eval_batches", "log_interval", "checkpoint",
+    "device", "threads", "progress", "progress_interval", "sample_tokens", "sample_prompt",
+    "temperature", "top_k", "muon_distributed", "peak_flops", "log", "grad_accum_steps"})
+
+#: The model of :class:`TrainConfig`'s defaults (``GPTConfig``'s own, but 4 layers of 128).
+DEFAULT_MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128)
 
 
 class ConfigError(ValueError):
@@ -63,37 +87,19 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run depends on; saved as ``config.json`` in the run directory.
+    """Everything a training run depends on; saved (flat) as ``config.json`` in the run directory.
 
-    Model fields carry the names of ``models.gpt.GPTConfig`` and are passed through to it
-    (``vocab_size`` comes from the corpus).
+    ``model`` is the :class:`~models.gpt.GPTConfig` of the network (its ``vocab_size`` is
+    replaced by the corpus's when the model is built); its fields read through:
+    ``cfg.n_layer is cfg.model.n_layer``.
     """
 
+    model: GPTConfig = DEFAULT_MODEL
     # data
-    corpus: str = "stdlib"            #: ``stdlib``, ``file:PATH`` or ``synthetic[:NBYTES]``
+    corpus: str = "stdlib"            #: ``stdlib``, ``file:PATH``, ``synthetic[:NBYTES]``, ...
     tokenizer: str = "byte"           #: ``byte`` (vocabulary 256) or ``bpe`` (extra ``bpe``)
     bpe_vocab_size: int = 1024
     val_fraction: float = 0.1
-    # model (GPTConfig fields)
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-    connection: str = "spheret"
-    retraction: str = "p"             #: sphere retraction of ``spheret`` (any registered name)
-    p: float = 1.0                    #: p of the ``p`` retraction (1 = Proj-SpheretNorm)
-    damping: str = "sqrt"             #: step damping of sphere residuals: sqrt|linear|none
-    sphere_step: str = "normalized"   #: sphere residual step: normalized|literal (the seed's)
-    alpha_init: float = 0.5           #: initial learnable step alpha_l > 0 of sphere residuals
-    damping_depth: str = "sublayer"   #: what l of the damping counts: sublayer|block
-    dyt_alpha_init: float = 0.2       #: initial alpha of DyT before MLPs and at the end (``pre-dyt``)
-    dyt_alpha_attn: float = 0.8       #: initial alpha of DyT before attention (``pre-dyt``)
-    dyt_embed_scale: bool = True      #: learnable scalar after the embedding (``pre-dyt``)
-    tie_weights: bool = True          #: share the token embedding with the LM head
-    norm_eps: float = 1e-6            #: epsilon of the ScaleNorm that puts embeddings on the sphere
-    fused: bool = True                #: analytic-backward sphere residual (False: plain autograd)
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
     policy: str = "hetero"            #: ManifoldMuon assignment policy (``manifold-muon`` only)
@@ -111,57 +117,65 @@ class TrainConfig:
     schedule: str = "cosine"          #: ``cosine`` (to ``min_lr_ratio``) or ``constant``
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
-    batch_size: int = 16
+    batch_size: int = 16              #: sequences per optimizer step, over all ranks and micro-steps
+    grad_accum_steps: int = 1         #: micro-steps per optimizer step (batch_size / K each)
     steps: int = 1000                 #: total optimizer steps (the schedule's length)
     stop_at: int = 0                  #: stop early at this step, resumable; 0 = run to ``steps``
+    # precision and speed
+    dtype: str = "float32"            #: autocast dtype: float32 (off) | bfloat16 | float16
+    compile: bool = False             #: ``torch.compile`` the model
+    peak_flops: float = 0.0           #: per-device peak FLOP/s for MFU; 0 = look the device up
     # bookkeeping
     eval_interval: int = 100
     eval_batches: int = 8
     log_interval: int = 10
+    log: str = "none"                 #: extra metric sink: none | tensorboard (offline)
     checkpoint: bool = True           #: write ``checkpoint.pt`` (at each evaluation and the end)
     seed: int = 0
     device: str = "auto"              #: ``auto`` (cuda, then mps, then cpu), or a torch device
     threads: int = 1                  #: torch threads; 1 is fastest on a shared CPU, 0 = default
-    progress: bool = True             #: tqdm bar (only shown when stderr is a terminal)
+    progress: bool = True             #: tqdm bar on a terminal, else a line every progress_interval
+    progress_interval: float = 30.0   #: seconds between progress lines when not on a terminal
     sample_tokens: int = 300          #: tokens generated at the end (0 = no sample)
     sample_prompt: str = "def "
     temperature: float = 0.8
     top_k: int = 40
 
     def __post_init__(self) -> None:
-        _check_choice("connection", self.connection, CONNECTIONS)
+        if not isinstance(self.model, GPTConfig):
+            raise ConfigError(f"model must be a GPTConfig, got {type(self.model).__name__}")
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("sel", self.sel, SEL_VARIANTS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
         _check_choice("muon_distributed", self.muon_distributed, MUON_DISTRIBUTED)
         _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
-        for name in ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "steps",
-                     "eval_interval", "eval_batches", "log_interval", "bpe_vocab_size"):
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("log", self.log, LOGS)
+        for name in ("batch_size", "grad_accum_steps", "steps", "eval_interval", "eval_batches",
+                     "log_interval", "bpe_vocab_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "stop_at", "sel_anneal_steps", "threads", "sample_tokens",
                      "top_k"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd must be divisible by n_head, got n_embd={self.n_embd}, "
-                              f"n_head={self.n_head}")
         for field in dataclasses.fields(self):  # inf/nan pass the range checks below
             value = getattr(self, field.name)
-            if isinstance(value, float) and field.name != "p" and not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{field.name} must be a finite number, got {value}")
         if not 0 <= self.seed <= SEED_MAX:
             raise ConfigError(f"seed must be in [0, {SEED_MAX}] (numpy's seed range), got "
                               f"{self.seed}")
         _check_device(self.device)
-        for name in ("lr", "adamw_lr", "p", "temperature"):
+        for name in ("lr", "adamw_lr", "temperature"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "sel_scale_lr"):
+        for name in ("weight_decay", "grad_clip", "sel_scale_lr", "peak_flops",
+                     "progress_interval"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("dropout", "beta1", "beta2"):
+        for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.val_fraction < 1.0:
@@ -170,6 +184,16 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.stop_at > self.steps:
             raise ConfigError(f"stop_at must be <= steps ({self.steps}), got {self.stop_at}")
+        if self.batch_size % self.grad_accum_steps:
+            raise ConfigError(f"batch_size {self.batch_size} is not divisible by "
+                              f"grad_accum_steps {self.grad_accum_steps}; every micro-step "
+                              f"takes batch_size / grad_accum_steps sequences")
+
+    def __getattr__(self, name: str):
+        """A model field read through: ``cfg.n_layer`` is ``cfg.model.n_layer``."""
+        if name in MODEL_KEYS:
+            return getattr(object.__getattribute__(self, "model"), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def last_step(self) -> int:
@@ -177,10 +201,40 @@ class TrainConfig:
         return self.stop_at or self.steps
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Flat plain data: the training fields and the model's (without ``vocab_size``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        out.update({k: getattr(self.model, k) for k in MODEL_KEYS})
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """The configuration of flat ``values`` (what :meth:`to_dict` and ``config.json`` hold);
+        missing keys take the defaults.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value (model values included).
+        """
+        train_names = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        unknown = sorted(set(values) - train_names - set(MODEL_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown config key {unknown[0]!r}; valid keys: "
+                              f"{', '.join(sorted(train_names | set(MODEL_KEYS)))}")
+        model_values = {k: v for k, v in values.items() if k in MODEL_KEYS}
+        try:
+            model = dataclasses.replace(DEFAULT_MODEL, **model_values)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return cls(model=model, **{k: v for k, v in values.items() if k in train_names})
 
     def replace(self, **changes) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with flat ``changes`` (training or model fields)."""
+        return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+
+_CLASH = set(MODEL_KEYS) & {f.name for f in dataclasses.fields(TrainConfig)}
+if _CLASH:  # a flat key must name one field: rename one side
+    raise ImportError(f"GPTConfig and TrainConfig both define {sorted(_CLASH)}; flat config "
+                      f"keys route by name, so each name may belong to one of them only")
 
 
 def _check_device(name: str) -> None:
@@ -203,33 +257,13 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-# --------------------------------------------------------------------------------------------
-# Presets
-# --------------------------------------------------------------------------------------------
-
-#: Named starting points. ``smoke`` runs in seconds (tests use it); ``default`` is the README's
-#: main job, a few minutes on a 2-core CPU. The method choices of ``default`` (connection,
-#: optimizer/policy, sel) follow what ``python -m models.compare`` measured; see
-#: ``docs/results``.
-PRESETS: dict[str, dict] = {
-    "smoke": dict(
-        corpus="synthetic:60000", block_size=32, n_layer=2, n_head=2, n_embd=32,
-        batch_size=8, steps=30, warmup_steps=5, lr=1e-2, adamw_lr=1e-2, eval_interval=10,
-        eval_batches=2, log_interval=5, sample_tokens=40),
-    # 1-SpheretNorm with plain (unconstrained) ManifoldMuon: the best policy of the manifolds
-    # suite; it reached 1.44 nats against AdamW's 2.26 in the same 600 steps (docs/results)
-    "default": dict(
-        corpus="stdlib", block_size=128, n_layer=4, n_head=4, n_embd=128,
-        connection="spheret", retraction="p", p=1.0,
-        optimizer="manifold-muon", policy="unconstrained", sel="none",
-        batch_size=16, steps=600, warmup_steps=30, lr=0.02, adamw_lr=3e-3,
-        eval_interval=100, eval_batches=8, log_interval=10),
-}
-
-
 def _field_types() -> dict[str, type]:
+    """Flat key -> type: the training fields and the model's (:data:`MODEL_KEYS`)."""
     hints = typing.get_type_hints(TrainConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+    types = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    model_hints = typing.get_type_hints(GPTConfig)
+    types.update({k: model_hints[k] for k in MODEL_KEYS})
+    return types
 
 
 def _convert(key: str, value, typ: type):
@@ -340,7 +374,4 @@ def build_config(preset: str | None = None, toml_path: str | Path | None = None,
         values = _apply(values, PRESETS[name], f"preset {name!r}")
     values = _apply(values, toml, f"config file {toml_path}")
     values = _apply(values, overrides or {}, "the command line")
-    try:
-        return TrainConfig(**values)
-    except TypeError as exc:  # e.g. a stale config.json key
-        raise ConfigError(f"bad configuration: {exc}") from None
+    return TrainConfig.from_dict(values)

@@ -1,397 +1,321 @@
-"""The run directory's files: atomic writes, sealed checkpoints, RNG state, metrics repair.
+"""The run directory of ``python -m models.train``: what a run checks before it starts, and
+the files it writes — ``config.json``, ``corpus.json``, ``metrics.jsonl`` (and an optional
+TensorBoard log), ``summary.json``; checkpoints go through :mod:`models.storage`.
 
-Guarantees (see ``docs/guides/training.rst``, "What happens when things go wrong"):
-
-- **Atomic, exclusive writes.** :func:`atomic_write` writes a fresh temporary file beside the
-  target, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a unique name (so a planted
-  symlink is never followed and two writers never share a file), flushes it to disk and then
-  ``os.replace``-s the target. A crash leaves either the old file or the new one.
-- **Sealed checkpoints.** :func:`save_checkpoint` stores a SHA-256 ``checksum`` of the state's
-  content (every tensor's dtype, shape and bytes; every plain value) inside ``checkpoint.pt``,
-  reads the temporary file back and verifies it *before* it replaces anything, and keeps the
-  previous checkpoint as ``checkpoint.prev.pt``. :func:`load_checkpoint` loads with
-  ``torch.load(weights_only=True)`` (tensors and plain data only: a crafted pickle is refused,
-  nothing in it runs), verifies the checksum, and falls back to the previous checkpoint when the
-  newest is truncated, bit-flipped or incomplete.
-- **Plain-data RNG state.** :func:`rng_state` stores torch's, numpy's and Python's generators as
-  tensors, numbers and tuples, so a checkpoint needs no pickled numpy objects.
-- **metrics.jsonl repair.** :func:`read_metrics` drops a partial last line (what a kill during an
-  append leaves) and names the line of any other unreadable row.
+Resume rules: the saved configuration may change only in
+:data:`~models.config.RESUMABLE_FIELDS`; the corpus must have the fingerprint it had; the
+checkpoint must be behind the step asked for. The storage guarantees (atomic writes, sealed
+checkpoints read with ``weights_only``, the previous checkpoint as a fallback, metrics repair)
+are :mod:`models.storage`'s, whose names are importable from here too.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import io
 import json
-import os
-import pickle
-import random
-import tempfile
+import math
+import sys
+import time
+import warnings
 from pathlib import Path
 
-import numpy as np
-import torch
+from manifoldlib.distributed import all_gather_objects
 
-__all__ = ["CHECKPOINT", "DAMAGED_CHECKPOINT", "PREVIOUS_CHECKPOINT", "RUN_FILES",
-           "CheckpointError", "RunError", "atomic_write", "check_run_dir", "clear_stale_run",
-           "describe_os_error", "has_checkpoint", "load_checkpoint", "read_metrics",
-           "rewrite_metrics", "rng_state", "save_checkpoint", "set_rng_state", "state_checksum",
-           "write_json"]
+from .config import LEGACY_MUON_NS_DTYPE, RESUMABLE_FIELDS, ConfigError, TrainConfig
+from .data import Corpus, check_size, load_corpus, unigram_entropy
+from .storage import (  # noqa: F401 - the storage names are importable from here too
+    CHECKPOINT,
+    DAMAGED_CHECKPOINT,
+    PREVIOUS_CHECKPOINT,
+    REQUIRED_KEYS,
+    RUN_FILES,
+    CheckpointError,
+    RunError,
+    atomic_write,
+    check_run_dir,
+    clear_stale_run,
+    describe_os_error,
+    has_checkpoint,
+    load_checkpoint,
+    read_metrics,
+    rewrite_metrics,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    state_checksum,
+    write_json,
+)
 
-#: The newest checkpoint of a run directory.
-CHECKPOINT = "checkpoint.pt"
-#: The checkpoint before the newest, kept so that a damaged newest one has a fallback.
-PREVIOUS_CHECKPOINT = "checkpoint.prev.pt"
-#: Where a damaged ``checkpoint.pt`` is moved when the previous one is used instead.
-DAMAGED_CHECKPOINT = "checkpoint.damaged.pt"
-#: Files a run writes besides its checkpoints; a directory holding only these (and no
-#: checkpoint) is a run that stopped before its first checkpoint, and may be started again.
-RUN_FILES = frozenset({"config.json", "corpus.json", "metrics.jsonl", "summary.json", "loss.png",
-                       "sample.txt", "tokenizer.json"})
-#: Keys every checkpoint written by :mod:`models.train` holds.
-REQUIRED_KEYS = ("model", "optimizer", "sampler", "rng", "step", "tokens", "config",
-                 "wall_time_s", "corpus_fingerprint")
-
-
-class RunError(Exception):
-    """A run that cannot start or continue (run directory, resume, environment)."""
-
-
-class CheckpointError(RunError):
-    """A checkpoint that cannot be used: damaged, crafted, or missing."""
-
-
-def describe_os_error(exc: OSError) -> str:
-    """``"PATH: No space left on device (ENOSPC)"`` — the path and the cause, one line."""
-    name = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
-    cause = exc.strerror or str(exc)
-    where = f"{exc.filename}: " if exc.filename else ""
-    return f"{where}{cause}" + (f" ({name})" if name else "")
+__all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
+           "finished_summary", "load_optimizer_state", "prepare_run", "read_saved_config",
+           "resumed_rows", "with_legacy_defaults"]
 
 
-# --------------------------------------------------------------------------------------------
-# Atomic writes
-# --------------------------------------------------------------------------------------------
+def with_legacy_defaults(saved: dict) -> dict:
+    """A saved configuration with the values that runs made before a field existed used
+    (``muon_ns_dtype``: bfloat16), so that resuming such a run repeats its computation."""
+    return {"muon_ns_dtype": LEGACY_MUON_NS_DTYPE, **saved}
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically.
-
-    The temporary file is created exclusively (``tempfile.mkstemp``: ``O_CREAT | O_EXCL |
-    O_NOFOLLOW``, a unique hidden name) in the target's directory, written, ``fsync``-ed and
-    renamed over ``path``; on any failure it is removed and ``path`` is untouched. ``os.replace``
-    replaces a symlink at ``path`` itself, never the file it points to.
+def read_saved_config(out: str | Path) -> dict:
+    """The flat configuration in ``out/config.json`` (the base of a ``--resume``).
 
     Raises:
-        OSError: with ``filename`` set to ``path`` (ENOSPC, EACCES, ...).
+        RunError: the file is not a JSON object.
     """
-    path = Path(path)
+    saved = Path(out) / "config.json"
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        base = with_legacy_defaults(json.loads(saved.read_text()))
+        if not isinstance(base, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        raise RunError(f"cannot resume: {saved} is not a valid configuration ({exc}); "
+                       f"it is rewritten from the checkpoint if you delete it") from None
+    return base
+
+
+def check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
+    """Refuse a change of any field outside :data:`RESUMABLE_FIELDS`."""
+    old_values, new_values = saved.to_dict(), new.to_dict()
+    changed = [f"{k} ({old_values[k]!r} -> {new_values[k]!r})" for k in old_values
+               if k not in RESUMABLE_FIELDS and old_values[k] != new_values[k]]
+    if changed:
+        raise RunError("cannot resume with a different configuration: " + ", ".join(changed)
+                       + f"; only {', '.join(sorted(RESUMABLE_FIELDS))} may change")
+
+
+def _check_world_size(cfg: TrainConfig, world_size: int) -> None:
+    parts = world_size * cfg.grad_accum_steps
+    if cfg.batch_size % parts:
+        times = f" times grad_accum_steps {cfg.grad_accum_steps}" if cfg.grad_accum_steps > 1 \
+            else ""
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by the {world_size} "
+                          f"processes of this job{times}; the global batch is split evenly "
+                          f"across micro-steps and ranks, so choose a multiple of {parts}")
+
+
+def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool) -> dict:
+    ckpt, note = load_checkpoint(out, move_damaged=is_main)
+    if note is not None and echo and is_main:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with _suppress_os_error():
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
-        raise
+        saved_cfg = TrainConfig.from_dict(with_legacy_defaults(ckpt["config"]))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the configuration saved in {out}'s checkpoint is not "
+                              f"valid: {exc}") from None
+    check_resumable(saved_cfg, cfg)
+    if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
+        raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
+                       f"is already at step {ckpt['step']}")
+    return ckpt
 
 
-class _suppress_os_error:
-    def __enter__(self):
-        return self
+def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig) -> None:
+    """Refuse to resume on a corpus whose fingerprint changed (the data order would differ)."""
+    if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
+        raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run "
+                       f"started (fingerprint {corpus.fingerprint[:12]} != "
+                       f"{ckpt['corpus_fingerprint'][:12]}), so the data order would differ")
 
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, OSError)
 
+def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
+                is_main: bool, echo: bool) -> tuple[dict | None, Corpus | None, bool]:
+    """Every check before training, with no writes: ``(checkpoint, corpus, stale)``.
 
-def write_json(path: str | Path, obj: dict, allow_nan: bool = False) -> None:
-    """Write JSON atomically (:func:`atomic_write`).
+    ``checkpoint`` is ``None`` for a fresh run; ``corpus`` is ``None`` when the checkpoint is
+    already at ``steps`` (nothing to do); ``stale`` says the directory holds a run that stopped
+    before its first checkpoint (:func:`~models.storage.check_run_dir`).
 
-    ``allow_nan`` lets a config hold ``p = inf`` (written as ``Infinity``, which Python's
-    :mod:`json` reads back); metrics and summaries never contain non-finite numbers.
+    Raises:
+        ConfigError, CorpusError, RunError: the run cannot start.
     """
-    text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=allow_nan) + "\n"
-    atomic_write(path, text.encode())
+    _check_world_size(cfg, world_size)
+    stale = check_run_dir(out, resume)
+    ckpt = _open_checkpoint(out, cfg, is_main, echo) if resume else None
+    if ckpt is not None and ckpt["step"] >= cfg.steps:
+        return ckpt, None, stale
+    corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
+                         bpe_vocab_size=cfg.bpe_vocab_size,
+                         tokenizer_path=out / "tokenizer.json"
+                         if resume and cfg.tokenizer == "bpe" else None)
+    check_size(corpus, cfg.batch_size, cfg.block_size)
+    check_corpus(ckpt, corpus, cfg)
+    return ckpt, corpus, stale
 
 
-# --------------------------------------------------------------------------------------------
-# RNG state as plain data
-# --------------------------------------------------------------------------------------------
+def check_same_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
+    """Refuse a job whose ranks loaded different corpora (a collective: every rank calls it)."""
+    fingerprints = all_gather_objects(corpus.fingerprint)
+    if len(set(fingerprints)) != 1:
+        raise RunError(f"the ranks loaded different corpora (fingerprints "
+                       f"{[f[:12] for f in fingerprints]}); every rank must see the same "
+                       f"{cfg.corpus!r}")
 
 
-def rng_state(device: torch.device) -> dict:
-    """torch, numpy and Python generator states as tensors and plain data (``weights_only``)."""
-    kind, key, pos, has_gauss, cached = np.random.get_state()
-    version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)),
-                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
-             "python": (int(version), tuple(int(v) for v in internal), gauss)}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def finished_summary(out: Path, step: int, steps: int, echo: bool) -> dict:
+    """What resuming a run already at ``steps`` returns: its ``summary.json``, unchanged."""
+    if echo:
+        print(f"run in {out} already finished at step {step} (steps={steps}); nothing to do",
+              flush=True)
+    summary = out / "summary.json"
+    return json.loads(summary.read_text()) if summary.exists() else {}
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` captured."""
-    torch.set_rng_state(state["torch"])
-    npy = state["numpy"]
-    np.random.set_state((npy["kind"], npy["key"].numpy().astype(np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def write_run_files(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> None:
+    """``config.json``, ``corpus.json`` and (a fresh BPE run) ``tokenizer.json``."""
+    write_json(out / "config.json", cfg.to_dict(), allow_nan=True)
+    write_json(out / "corpus.json", corpus.describe())
+    if cfg.tokenizer == "bpe" and not resume:
+        corpus.tokenizer.save(out / "tokenizer.json")
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def state_checksum(state) -> str:
-    """SHA-256 over the content of ``state``: dict keys in order, every tensor's dtype, shape
-    and bytes, every plain value's ``repr``. Independent of how ``torch.save`` lays it out."""
-    digest = hashlib.sha256()
-    _feed(digest, state)
-    return digest.hexdigest()
-
-
-def _feed(digest, obj) -> None:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, dict):
-        digest.update(f"D{len(obj)}".encode())
-        for key in sorted(obj, key=repr):
-            digest.update(f"K{key!r}".encode())
-            _feed(digest, obj[key])
-    elif isinstance(obj, (list, tuple)):
-        digest.update(f"{type(obj).__name__[0]}{len(obj)}".encode())
-        for item in obj:
-            _feed(digest, item)
-    else:
-        digest.update(f"V{obj!r}".encode())
-
-
-def save_checkpoint(path: str | Path, state: dict, previous_step: int) -> None:
-    """Seal ``state`` with its checksum and write it atomically; never go back in steps.
-
-    The new file is read back and verified before it replaces ``path``; the replaced checkpoint
-    is kept as ``checkpoint.prev.pt`` beside it.
+class MetricsLog:
+    """``metrics.jsonl`` (one JSON object per row, appended and flushed) and, with
+    ``log="tensorboard"``, the same numbers as TensorBoard scalars in ``out/tensorboard``.
 
     Args:
-        path: ``checkpoint.pt``.
-        state: the checkpoint dict (``step`` among its keys; tensors and plain data only).
-        previous_step: the step of the checkpoint already on disk (-1 when none).
-
-    Raises:
-        OSError: the file system refused (its ``filename`` names the path); the checkpoint
-            already on disk is intact.
-        CheckpointError: the written file did not verify (it is removed).
+        out: the run directory.
+        rows: the rows already there (kept, and extended by :meth:`append`).
+        write: whether this process writes (rank 0).
+        log: ``none`` or ``tensorboard`` (skipped with a warning if it is not installed).
     """
-    if state["step"] <= previous_step:
+
+    def __init__(self, out: Path, rows: list[dict], write: bool, log: str = "none") -> None:
+        self.path, self.rows, self.tensorboard = out / "metrics.jsonl", rows, None
+        self.file = open(self.path, "a") if write else None
+        if write and log == "tensorboard":
+            self.tensorboard = _tensorboard_writer(out / "tensorboard")
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(row, allow_nan=False) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _tensorboard_writer(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn("log='tensorboard' needs the tensorboard package (pip install "
+                      "tensorboard); training without it, metrics.jsonl has every number",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return SummaryWriter(log_dir=str(path))
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, checked: every saved per-parameter state must arrive.
+
+    An optimizer that silently drops state (as an early ``CombinedOptimizer`` did) would make a
+    resumed run differ from an uninterrupted one; that is refused instead.
+    """
+    optimizer.load_state_dict(state)
+    if len(optimizer.state_dict()["state"]) != len(state["state"]):
+        raise RunError("the optimizer lost its per-parameter state while loading the "
+                       "checkpoint; cannot resume exactly")
+
+
+def restore_state(ckpt: dict, model, optimizer, sampler, precision, rank: int,
+                  world_size: int, seed: int) -> None:
+    """Load a checkpoint's model, optimizer, sampler, loss scale and RNG state.
+
+    Every rank takes its own saved RNG stream when the world size is the one the checkpoint
+    was written with; otherwise rank 0's, with fresh streams for the other ranks.
+    """
+    from .job import set_rank_rng
+
+    model.load_state_dict(ckpt["model"])
+    load_optimizer_state(optimizer, ckpt["optimizer"])
+    sampler.load_state_dict(ckpt["sampler"])
+    precision.load_state_dict(ckpt.get("scaler", {}))
+    per_rank = ckpt.get("rng_per_rank")
+    same_world = per_rank is not None and len(per_rank) == world_size
+    set_rng_state(per_rank[rank] if same_world else ckpt["rng"])
+    if not same_world and world_size > 1:
+        set_rank_rng(seed, rank)
+
+
+def resumed_rows(out: Path, step: int) -> list[dict]:
+    """The rows of ``out/metrics.jsonl`` up to ``step`` (later ones will be produced again)."""
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["step"] <= step]
+
+
+def summary_of(run, ckpt: dict | None, wall: float, seconds: float) -> dict:
+    """The content of ``summary.json`` for ``run`` (a :class:`models.train.Run`)."""
+    from .evaluation import perplexity
+
+    cfg, job = run.cfg, run.job
+    last_train = next((r["train_loss"] for r in reversed(run.log.rows)
+                       if r.get("train_loss") is not None), None)
+    val = run.last_val if run.last_val is not None and math.isfinite(run.last_val) else None
+    ppl = perplexity(val) if val is not None else None
+    return {
+        "val_loss": val, "val_ppl": ppl if ppl is not None and math.isfinite(ppl) else None,
+        "steps": run.step, "tokens": run.tokens, "world_size": job.world_size,
+        "wall_time_s": wall, "train_loss": last_train,
+        "corpus_fingerprint": run.corpus.fingerprint, "corpus": cfg.corpus,
+        "unigram_entropy": unigram_entropy(run.corpus.train, run.corpus.vocab_size),
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "finished": run.diverged is None and run.step >= cfg.steps,
+        "diverged": run.diverged is not None, "device": str(job.device), "dtype": cfg.dtype,
+        "compile": cfg.compile, "grad_accum_steps": cfg.grad_accum_steps,
+        "batch_size_per_rank": cfg.batch_size // job.world_size,
+        "tokens_per_s": (run.tokens - (ckpt["tokens"] if ckpt else 0)) / max(seconds, 1e-9)}
+
+
+def save_run_checkpoint(run) -> None:
+    """Write ``checkpoint.pt`` of ``run`` (a :class:`models.train.Run`) at ``run.step``.
+
+    Collectives first, on every rank (owner-only optimizer state is consolidated, every rank's
+    RNG state gathered); then rank 0 writes model, optimizer, sampler, loss scale, RNG states,
+    step, tokens, configuration and corpus fingerprint, sealed (:func:`save_checkpoint`).
+    """
+    if not run.cfg.checkpoint:
         return
-    path = Path(path)
-    state = {k: v for k, v in state.items() if k != "checksum"}  # a loaded one, re-saved
-    sealed = {**state, "checksum": state_checksum(state)}
-    buffer = io.BytesIO()
-    torch.save(sealed, buffer)
-    tmp = path.with_name(f".{path.name}.verify")
-    _remove_stale(tmp)
-    atomic_write(tmp, buffer.getvalue())
-    try:
-        _read_verified(tmp)
-    except CheckpointError:
-        _remove_stale(tmp)
-        raise CheckpointError(f"the checkpoint written to {path} did not verify on disk; "
-                              f"the previous checkpoint is kept") from None
-    try:
-        if path.exists():
-            os.replace(path, path.with_name(PREVIOUS_CHECKPOINT))
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    consolidate = getattr(run.optimizer, "consolidate_state_dict", None)
+    if consolidate is not None:
+        consolidate()
+    rngs = all_gather_objects(rng_state(run.job.device))
+    if not run.job.is_main:
+        return
+    state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+             "sampler": run.sampler.state_dict(), "rng": rngs[0], "step": run.step,
+             "tokens": run.tokens, "config": run.cfg.to_dict(),
+             "world_size": run.job.world_size, "scaler": run.precision.state_dict(),
+             "wall_time_s": run.wall_before + time.perf_counter() - run.t_start,
+             "corpus_fingerprint": run.corpus.fingerprint, "finished": run.step >= run.cfg.steps}
+    if run.job.world_size > 1:
+        state["rng_per_rank"] = rngs
+    save_checkpoint(run.out / CHECKPOINT, state, run.saved_step)
+    run.saved_step = max(run.saved_step, run.step)
 
 
-def _remove_stale(path: Path) -> None:
-    with _suppress_os_error():
-        os.unlink(path)
-
-
-class _Refused(CheckpointError):
-    """A file holding objects other than tensors and plain data (never a fallback case)."""
-
-
-def _read_verified(path: Path) -> dict:
-    """Load ``path`` with ``weights_only=True`` and verify its checksum and keys."""
-    data = path.read_bytes()  # a real I/O fault (EACCES, EIO) propagates as an OSError
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "Unsupported global" in str(exc):
-            raise _Refused(f"refusing to load {path}: it holds objects other than tensors and "
-                           f"plain data (a crafted file, or a checkpoint of a version that "
-                           f"pickled them); nothing in it was run") from None
-        raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
-    except Exception as exc:  # noqa: BLE001 - truncated or corrupted zip, EOF, bad record
-        raise CheckpointError(f"{path} is damaged (unreadable: {_first_line(exc)})") from None
-    if not isinstance(state, dict) or "checksum" not in state:
-        raise CheckpointError(f"{path} has no checksum (not a checkpoint of this program, or "
-                              f"written by an older version)")
-    checksum = state.pop("checksum")
-    if state_checksum(state) != checksum:
-        raise CheckpointError(f"{path} is damaged (its content does not match its checksum)")
-    return state
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:160] if text else type(exc).__name__
-
-
-def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KEYS, *,
-                    move_damaged: bool = True) -> tuple[dict, str | None]:
-    """The newest good checkpoint of ``run_dir`` and a note when it is not ``checkpoint.pt``.
-
-    A damaged ``checkpoint.pt`` (unreadable, checksum mismatch, a required key missing) is moved
-    aside to ``checkpoint.damaged.pt`` and ``checkpoint.prev.pt`` is used instead; the note says
-    so. A file holding anything but tensors and plain data is refused outright. Under
-    ``torchrun`` every rank loads and only rank 0 passes ``move_damaged=True``.
-
-    Raises:
-        CheckpointError: no usable checkpoint (the message names every file tried and why).
-    """
-    run_dir = Path(run_dir)
-    newest, previous = run_dir / CHECKPOINT, run_dir / PREVIOUS_CHECKPOINT
-    problems = []
-    for path in (newest, previous):
-        if not path.is_file():
-            continue
-        try:
-            state = _read_verified(path)
-            missing = [k for k in required if k not in state]
-            if missing:
-                raise CheckpointError(f"{path} is damaged (missing {', '.join(missing)})")
-        except _Refused:
-            raise
-        except CheckpointError as exc:
-            problems.append(str(exc))
-            continue
-        note = None
-        if path == previous:
-            why = "; ".join(problems) if problems else f"{newest} is missing"
-            note = f"{why}; resuming from the previous checkpoint {path.name} " \
-                f"(step {state['step']})"
-            if move_damaged and newest.exists():
-                os.replace(newest, run_dir / DAMAGED_CHECKPOINT)
-                note += f"; the damaged file is kept as {DAMAGED_CHECKPOINT}"
-        return state, note
-    if not problems:
-        raise CheckpointError(f"cannot resume: {run_dir} has no {CHECKPOINT} (start a fresh run "
-                              f"without --resume)")
-    raise CheckpointError("cannot resume: " + "; ".join(problems) + " and no previous good "
-                          "checkpoint is left")
-
-
-def has_checkpoint(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` holds ``checkpoint.pt`` or ``checkpoint.prev.pt``."""
-    run_dir = Path(run_dir)
-    return (run_dir / CHECKPOINT).is_file() or (run_dir / PREVIOUS_CHECKPOINT).is_file()
-
-
-def check_run_dir(out: str | Path, resume: bool) -> bool:
-    """Refuse a run directory that cannot be used; no writes (every rank checks the same).
-
-    Returns:
-        True when ``out`` holds a run that stopped before its first checkpoint (only
-        :data:`RUN_FILES`, no checkpoint, not finished): a fresh run may clear and reuse it.
-    """
-    out = Path(out)
-    if resume:
-        if not has_checkpoint(out):
-            raise RunError(f"cannot resume: {out} has no {CHECKPOINT} (start a fresh run "
-                           f"without --resume)")
-        return False
-    if out.exists() and not out.is_dir():
-        raise RunError(f"run directory {out} exists and is not a directory")
-    if not out.exists() or not any(out.iterdir()):
-        return False
-    names = {p.name for p in out.iterdir() if not _is_temporary(p.name)}
-    if names <= RUN_FILES and not _finished(out / "summary.json"):
-        return True
-    raise RunError(f"run directory {out} is not empty; pass --resume to continue it, or "
-                   f"choose another --out")
-
-
-def _is_temporary(name: str) -> bool:
-    """A temporary file of :func:`atomic_write` or :func:`save_checkpoint` (a kill mid-write)."""
-    return name.startswith(".") and name.endswith((".tmp", ".verify"))
-
-
-def _finished(summary: Path) -> bool:
-    try:
-        return bool(json.loads(summary.read_text()).get("finished"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def clear_stale_run(out: str | Path) -> None:
-    """Remove the files of a run that stopped before its first checkpoint (see
-    :func:`check_run_dir`), so that starting it again leaves no trace of the first attempt."""
-    out = Path(out)
-    for path in out.iterdir():
-        if path.name in RUN_FILES or _is_temporary(path.name):
-            _remove_stale(path)
-
-
-# --------------------------------------------------------------------------------------------
-# metrics.jsonl
-# --------------------------------------------------------------------------------------------
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` file (empty list if it does not exist).
-
-    A last line without its newline that does not parse is a row cut short by a kill during the
-    append: it is dropped. Any other line that is not a JSON object with a ``step`` is an error.
-
-    Raises:
-        RunError: naming the file and the line number of an unreadable row.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    lines = text.split("\n")
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("not a row with a step")
-        except ValueError:
-            if number == len(lines):  # the last line has no newline: a partial append
-                break
-            raise RunError(f"{path} line {number} is not a metrics row: {line[:80]!r}") from None
-        rows.append(row)
-    return rows
-
-
-def rewrite_metrics(path: str | Path, rows: list[dict]) -> None:
-    """Replace ``metrics.jsonl`` by ``rows`` atomically (after a repair or on resume)."""
-    atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+def describe_start(run) -> str:
+    """The first line a run prints: corpus, model, method, where and how it trains."""
+    cfg, job, corpus = run.cfg, run.job, run.corpus
+    where = f"{job.world_size} processes ({job.device.type})" if job.world_size > 1 \
+        else str(job.device)
+    how = f"{cfg.dtype}{', compiled' if cfg.compile else ''}" + \
+        (f", {cfg.grad_accum_steps} micro-steps" if cfg.grad_accum_steps > 1 else "")
+    if run.step:
+        return f"resuming {run.out} at step {run.step} on {where} ({how})"
+    n_params = sum(p.numel() for p in run.model.parameters())
+    policy = "/" + cfg.policy if cfg.optimizer == "manifold-muon" else ""
+    return (f"corpus {cfg.corpus}: {corpus.train.numel():,} train / {corpus.val.numel():,} "
+            f"val tokens, fingerprint {corpus.fingerprint[:12]}; model {n_params:,} parameters "
+            f"({cfg.connection}, {cfg.optimizer}{policy}, sel={cfg.sel}) on {where} ({how})")

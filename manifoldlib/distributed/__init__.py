@@ -9,11 +9,21 @@
   and FSDP-flattened parameters, which a per-matrix manifold step would get wrong.
 - :mod:`~manifoldlib.distributed.batching`: :func:`batch_shard`, the rows of a global batch a
   rank trains on, so DDP keeps single-process batch semantics.
+- :mod:`~manifoldlib.distributed.collectives`: :func:`all_mean`, :func:`from_rank0`,
+  :func:`all_gather_objects` and :func:`raise_together`, the few collectives of a training loop
+  (the identity in a single process).
 - :mod:`~manifoldlib.distributed.launch`: :func:`run_workers`, the spawn + file-store harness
   used by the tests and benchmarks.
 """
 
 from .batching import batch_shard
+from .collectives import (
+    RankFailedError,
+    all_gather_objects,
+    all_mean,
+    from_rank0,
+    raise_together,
+)
 from .env import (
     BACKENDS,
     destroy_process_group,
@@ -29,17 +39,22 @@ from .sharding import STRATEGIES, assign_owners, matrix_cost, rank_loads, sharde
 __all__ = [
     "BACKENDS",
     "STRATEGIES",
+    "RankFailedError",
     "UnsupportedParameterError",
     "WorkerError",
     "WorkerTimeoutError",
+    "all_gather_objects",
+    "all_mean",
     "assign_owners",
     "batch_shard",
     "destroy_process_group",
+    "from_rank0",
     "get_rank_world",
     "import_before_init",
     "init_from_env",
     "is_distributed",
     "matrix_cost",
+    "raise_together",
     "rank_loads",
     "reject_unsupported_parameter",
     "run_workers",

@@ -19,7 +19,7 @@ from torch import nn
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
 from .policies import Classifier, Policy, get_policy, warn_unclassified
 
-__all__ = ["CombinedOptimizer", "assign_parameters", "build_optimizer"]
+__all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
 
 DEFAULT_ADAMW_BETAS = (0.9, 0.95)
 
@@ -155,6 +155,28 @@ def _check_arguments(*, lr, adamw_lr, weight_decay, adamw_betas, adamw_weight_de
         raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
 
 
+def adamw_param_groups(named_params, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: matrices (``dim >= 2``: embeddings, heads, linear maps) decayed by
+    ``weight_decay``, everything else (gains, biases, scalar steps) not decayed.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
+        weight_decay: decay of the matrix group.
+
+    Returns:
+        Up to two groups ``{"params", "param_names", "weight_decay"}``, decayed first; an empty
+        one is left out.
+    """
+    decay, no_decay = [], []
+    for name, param in named_params:
+        (decay if param.dim() >= 2 else no_decay).append((name, param))
+    return [
+        {"params": [p for _, p in items], "param_names": [n for n, _ in items], "weight_decay": wd}
+        for items, wd in ((decay, weight_decay), (no_decay, 0.0))
+        if items
+    ]
+
+
 def build_optimizer(
     model: nn.Module,
     policy: str | Policy = "hetero",
@@ -205,15 +227,9 @@ def build_optimizer(
     assignment = assign_parameters(model, policy, classifier=classifier)
     params = {name: p for name, p in model.named_parameters()}
     by_manifold: dict[str, list[str]] = {}
-    adamw_decay: list[str] = []
-    adamw_no_decay: list[str] = []
     for name, choice in assignment.items():
         if choice is not None:
             by_manifold.setdefault(choice, []).append(name)
-        elif params[name].dim() >= 2:
-            adamw_decay.append(name)
-        else:
-            adamw_no_decay.append(name)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if by_manifold:
         groups = [
@@ -226,14 +242,10 @@ def build_optimizer(
             for manifold, names in by_manifold.items()
         ]
         optimizers["muon"] = ManifoldMuon(groups, lr=lr, weight_decay=weight_decay, **muon_kw)
-    adamw_groups = [
-        {"params": [params[n] for n in names], "param_names": list(names), "weight_decay": wd}
-        for names, wd in (
-            (adamw_decay, weight_decay if adamw_weight_decay is None else adamw_weight_decay),
-            (adamw_no_decay, 0.0),
-        )
-        if names
-    ]
+    adamw_groups = adamw_param_groups(
+        [(n, params[n]) for n, choice in assignment.items() if choice is None],
+        weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+    )
     if adamw_groups:
         optimizers["adamw"] = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=tuple(adamw_betas))
     return CombinedOptimizer(optimizers)

@@ -38,7 +38,8 @@ CLOSE = ("train_loss", "val_loss", "grad_norm")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("ddp")
     dirs = {name: str(root / name)
-            for name in ("plain", "full", "part", "odd", "muon", "muon-rep", "muon-part")}
+            for name in ("plain", "full", "part", "odd", "muon", "muon-rep", "muon-part",
+                         "accum")}
     muon = {**QUIET, "steps": "12", "eval_interval": "4", "log_interval": "2",
             "optimizer": "manifold-muon", "policy": "hetero", "lr": "0.02"}
     dropout = {**QUIET, "steps": "20", "dropout": "0.1", "eval_interval": "5"}
@@ -52,6 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ({**muon, "muon_distributed": "replicated"}, dirs["muon-rep"], False),
         ({**muon, "stop_at": "8"}, dirs["muon-part"], False),
         (muon, dirs["muon-part"], True),
+        ({**QUIET, "grad_accum_steps": "2"}, dirs["accum"], False),  # 2 micro-steps x 2 ranks
     ]
     reports = run_workers(
         workers.train_job, WORLD_SIZE, jobs, timeout=JOB_TIMEOUT_S, collective_timeout=120.0
@@ -106,7 +108,7 @@ def test_each_rank_trains_on_its_slice_of_the_global_batch(runs: dict) -> None:
     x, _ = BatchSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed).next_batch()
     half = cfg.batch_size // WORLD_SIZE
     for rank, report in enumerate(runs["reports"]):
-        assert report["input_rows"] == [half]
+        assert report["input_rows"] == [half // 2, half]  # the accum run's micro-shards, the rest
         assert torch.equal(report["first_inputs"][0], x[rank * half : (rank + 1) * half])
 
 
@@ -140,3 +142,12 @@ def test_indivisible_batch_size_fails_on_every_rank_with_a_clear_error(runs: dic
         message = report["summaries"][4]["error"]
         assert message.startswith("ConfigError: batch_size 7 is not divisible by the 2 "), message
     assert not Path(runs["dirs"]["odd"]).exists()  # refused before anything was written
+
+
+def test_grad_accumulation_under_ddp_takes_the_single_process_steps(runs: dict) -> None:
+    """2 micro-steps x 2 ranks (DDP synchronizing on the last micro-step only) train on the
+    same global batch as one process with one step: the same losses up to rounding."""
+    accum = Path(runs["dirs"]["accum"])
+    _close_rows(read_metrics(runs["single"] / "metrics.jsonl"),
+                read_metrics(accum / "metrics.jsonl"), LOSS_ATOL)
+    assert json.loads((accum / "summary.json").read_text())["grad_accum_steps"] == 2

@@ -243,7 +243,7 @@ def test_pre_dyt_follows_the_dyt_llm_recipe():
     cfg = GPTConfig(**{**TINY, "vocab_size": 256}, connection="pre-dyt")
     model = GPT(cfg)
     d = cfg.n_embd
-    assert float(model.embed_norm.scale) == pytest.approx(math.sqrt(d))
+    assert model.embed_norm.scale.item() == pytest.approx(math.sqrt(d))
     assert float(model.wte.weight.std()) == pytest.approx(d ** -0.5, rel=0.05)
     alphas = [float(conn.norm.alpha) for block in model.blocks for conn in (block.conn1, block.conn2)]
     assert alphas == pytest.approx([0.8, 0.2, 0.8, 0.2])  # attention, MLP, ...

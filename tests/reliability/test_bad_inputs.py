@@ -187,7 +187,7 @@ def test_sel_on_an_integer_weight():
     ("temperature", "inf", "temperature must be a finite number, got inf"),
     ("sel_scale_lr", "inf", "sel_scale_lr must be a finite number, got inf"),
     ("beta1", "nan", "beta1 must be a finite number, got nan"),
-    ("p", "nan", "p must be > 0, got nan"),
+    ("p", "nan", r"p must be a number in \(0, inf\], got nan"),
     ("seed", "-1", r"seed must be in \[0, 4294967295\] \(numpy's seed range\), got -1"),
     ("seed", str(2**70), f"got {2**70}"),
     ("seed", "2**70", r"--seed expects an integer, got '2\*\*70'"),

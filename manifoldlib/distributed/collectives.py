@@ -1,0 +1,77 @@
+"""The few collectives a training loop needs, as plain functions of Python values.
+
+Each works on the default process group and is the identity in a single process (nothing
+initialized, or a world of one), so a loop calls them unconditionally:
+
+- :func:`all_mean` — the mean of a number over ranks (``sum / W``; gloo has no ``AVG``);
+- :func:`from_rank0` — rank 0's number on every rank, so that decisions (stop, diverge) are
+  taken together;
+- :func:`all_gather_objects` — ``[obj_0, ..., obj_{W-1}]`` on every rank (picklable objects);
+- :func:`raise_together` — raise on *every* rank when any rank failed its checks, instead of
+  leaving the others waiting in a collective until the timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .env import get_rank_world
+
+__all__ = ["RankFailedError", "all_gather_objects", "all_mean", "from_rank0", "raise_together"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed: ``"rank R failed (KIND): MESSAGE"``."""
+
+
+def _world() -> int:
+    return get_rank_world()[1]
+
+
+def all_mean(value: float, device: torch.device | str = "cpu") -> float:
+    """The mean of ``value`` over the ranks (a float64 ``all_reduce`` on ``device``)."""
+    world = _world()
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t) / world
+
+
+def from_rank0(value: float, device: torch.device | str = "cpu") -> float:
+    """Rank 0's ``value`` on every rank (a float64 ``broadcast`` on ``device``)."""
+    if _world() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t)
+
+
+def all_gather_objects(obj) -> list:
+    """``[obj_rank0, obj_rank1, ...]`` on every rank."""
+    world = _world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def raise_together(error: BaseException | None,
+                   wrap: type[Exception] = RankFailedError) -> None:
+    """Raise ``error`` on this rank, or ``wrap("rank R failed (KIND): MESSAGE")`` where another
+    rank passed one; return on every rank when none did. Also a barrier.
+
+    Args:
+        error: this rank's failure, or ``None``.
+        wrap: the exception type raised for another rank's failure (a caller's own, so that
+            its handlers treat both alike).
+    """
+    reports = all_gather_objects(None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+    if failed:
+        r, (kind, message) = failed[0]
+        raise wrap(f"rank {r} failed ({kind}): {message}")

@@ -1,0 +1,146 @@
+"""What a training run is made of: the device, the model (with its SEL charts), the optimizer
+and the learning-rate schedule of a :class:`~models.config.TrainConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+
+import torch
+
+from manifoldlib.optim.builder import adamw_param_groups
+
+from .config import ConfigError, TrainConfig
+from .storage import RunError
+
+__all__ = ["SEL_OPTIONS", "MissingModuleError", "apply_sel", "build_model",
+           "build_train_optimizer", "lr_scale", "resolve_device"]
+
+#: SEL variants of ``TrainConfig.sel`` -> keyword options of ``manifoldlib.charts.SEL``.
+SEL_OPTIONS = {
+    "mismatched": {"init": "mismatched"},
+    "congruent": {"init": "congruent"},
+    "no-linear": {"linear": False},
+}
+
+
+class MissingModuleError(RunError):
+    """A configuration needs a module of the project that does not exist (yet)."""
+
+
+def _import(module: str, what: str, why: str):
+    """``module.what``, or :class:`MissingModuleError` saying that ``why`` needs it."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingModuleError(f"{why} needs {module}.{what}, which is not available yet "
+                                 f"({exc})") from None
+    if not hasattr(mod, what):
+        raise MissingModuleError(f"{why} needs {module}.{what}, which is not available yet")
+    return getattr(mod, what)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda if available, else mps, else cpu; anything else is a torch device."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda[:N]' or 'mps', got {name!r}") \
+            from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The reference GPT of ``cfg.model`` with the corpus's ``vocab_size`` (and SEL charts)."""
+    gpt_cls = _import("models.gpt", "GPT", "training")
+    try:
+        gpt_config = dataclasses.replace(cfg.model, vocab_size=vocab_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    model = gpt_cls(gpt_config)
+    if cfg.sel != "none":
+        apply_sel(model, cfg.sel)
+    return model
+
+
+def _is_block_linear(name: str, module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) and (".attn." in f".{name}." or
+                                                   ".mlp." in f".{name}.")
+
+
+def apply_sel(model: torch.nn.Module, variant: str) -> None:
+    """Put a SEL chart on every attention and MLP linear map of ``model``."""
+    sel = _import("manifoldlib.charts", "SEL", f"sel={variant!r}")
+    apply_chart = _import("manifoldlib.charts", "apply_chart", f"sel={variant!r}")
+    apply_chart(model, functools.partial(sel, **SEL_OPTIONS[variant]), include=_is_block_linear)
+
+
+def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_size: int = 1
+                          ) -> tuple[torch.optim.Optimizer, list]:
+    """The run's optimizer and one learning-rate multiplier ``mult(step) -> float`` per group.
+
+    ``adamw``: AdamW with weight decay on matrices only (the groups of
+    :func:`manifoldlib.optim.builder.adamw_param_groups`); with SEL charts the groups come from
+    ``manifoldlib.charts.sel_param_groups`` (scales at ``sel_scale_lr``) and, when
+    ``sel_anneal_steps > 0``, the seed's scale annealing multipliers. ``manifold-muon``:
+    ``manifoldlib.optim.build_optimizer(model, policy=...)``, its Euclidean Newton–Schulz in
+    ``cfg.muon_ns_dtype``. The schedule of :func:`lr_scale` multiplies all of them.
+
+    With ``world_size > 1`` ManifoldMuon runs in ``cfg.muon_distributed`` mode (``sharded``:
+    each matrix's dual solve and retraction on one rank, results shared by ``all_gather``;
+    ``replicated``: every rank solves every matrix). Build it on the unwrapped model, before
+    the DDP wrap, so the parameter names carry no ``module.`` prefix.
+    """
+    if cfg.optimizer == "manifold-muon":
+        if cfg.sel != "none":
+            raise ConfigError(f"sel={cfg.sel!r} with optimizer='manifold-muon' is not supported: "
+                              f"the policy would constrain SEL's raw coordinates; use adamw")
+        builder = _import("manifoldlib.optim", "build_optimizer", "optimizer='manifold-muon'")
+        extra = {"distributed": cfg.muon_distributed} if world_size > 1 else {}
+        try:
+            opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
+                          adamw_betas=(cfg.beta1, cfg.beta2),
+                          adamw_weight_decay=cfg.weight_decay, ns_dtype=cfg.muon_ns_dtype, **extra)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return opt, [_constant] * len(opt.param_groups)
+    if cfg.sel != "none":
+        sel_param_groups = _import("manifoldlib.charts", "sel_param_groups", f"sel={cfg.sel!r}")
+        groups = sel_param_groups(model, lr=cfg.lr, scale_lr=cfg.sel_scale_lr or cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    else:
+        groups = adamw_param_groups(
+            ((n, p) for n, p in model.named_parameters() if p.requires_grad), cfg.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    if cfg.sel != "none" and cfg.sel_anneal_steps > 0:
+        sel_lr_lambdas = _import("manifoldlib.charts", "sel_lr_lambdas", f"sel={cfg.sel!r}")
+        return opt, sel_lr_lambdas(opt, cfg.sel_anneal_steps)
+    return opt, [_constant] * len(opt.param_groups)
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
+def lr_scale(step: int, cfg: TrainConfig) -> float:
+    """Learning-rate multiplier for the update that produces step ``step + 1``.
+
+    Linear warm-up over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio``.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

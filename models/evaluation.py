@@ -1,0 +1,111 @@
+"""Evaluation of a training run: validation loss, eval-time diagnostics, the final sample."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from .config import TrainConfig
+from .data import Corpus, eval_batches
+
+__all__ = ["diagnostics", "evaluate", "generate_sample", "perplexity"]
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, ``inf`` on overflow."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device,
+             autocast=contextlib.nullcontext) -> float:
+    """Mean validation loss over ``eval_batches`` fixed batches (no random state is touched).
+
+    Each batch of ``batch_size`` sequences runs in ``grad_accum_steps`` equal chunks (the
+    training micro-batch, so that memory stays bounded); the mean of the chunks' mean losses
+    is the batch's mean loss.
+    """
+    was_training = model.training
+    model.eval()
+    chunk = cfg.batch_size // cfg.grad_accum_steps
+    losses = []
+    for x, y in eval_batches(corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches):
+        for start in range(0, len(x), chunk):
+            with autocast():
+                _, loss = model(x[start:start + chunk].to(device),
+                                y[start:start + chunk].to(device))
+            losses.append(float(loss))
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def _weight_tails(model: torch.nn.Module) -> dict[str, float]:
+    """Heavy-tail statistics of the (effective, under a chart) block weights: the mean kurtosis
+    :math:`E[(w-\\mu)^4]/\\sigma^4` (3 for a Gaussian) and the largest max|w|/std."""
+    kurtosis, ratios = [], []
+    for name, module in model.named_modules():
+        if name.startswith("blocks.") and isinstance(module, torch.nn.Linear):
+            w = module.weight.detach().double().flatten()
+            centered = w - w.mean()
+            var = float(centered.square().mean())
+            if var > 0:
+                kurtosis.append(float(centered.pow(4).mean()) / var**2)
+                ratios.append(float(w.abs().max()) / math.sqrt(var))
+    if not kurtosis:
+        return {}
+    return {"weight_kurtosis_mean": sum(kurtosis) / len(kurtosis),
+            "weight_max_over_std": max(ratios)}
+
+
+@torch.no_grad()
+def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device
+                ) -> dict:
+    """Eval-time statistics of the model, finite values only (on up to 4 validation sequences).
+
+    The largest spectral norm of the attention ``q`` / ``k`` maps; over the layers of
+    ``model.attention_statistics(x)`` (where the model has it) the largest attention logit, the
+    smallest mean attention entropy and the largest mean max-probability; the mean and largest
+    rotation angle of the sphere residuals (``model.step_angles``, radians); the heavy-tail
+    statistics of the block weights.
+    """
+    out: dict[str, float] = {}
+    qk = {"q": [], "k": []}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in qk and ".attn" in f".{name}" and isinstance(module, torch.nn.Linear):
+            qk[last].append(float(torch.linalg.matrix_norm(module.weight.float(), ord=2)))
+    for key, values in qk.items():
+        if values:
+            out[f"{key}_spectral_norm_max"] = max(values)
+    x, _ = next(eval_batches(corpus.val, min(cfg.batch_size, 4), cfg.block_size, 1))
+    x = x.to(device)
+    if hasattr(model, "attention_statistics"):
+        layers = model.attention_statistics(x)
+        out["max_attention_logit"] = max(layer["max_logit"] for layer in layers)
+        out["attention_entropy_min"] = min(layer["entropy"] for layer in layers)
+        out["attention_max_prob"] = max(layer["max_prob"] for layer in layers)
+    angles = model.step_angles(x) if hasattr(model, "step_angles") else []
+    if angles:
+        out["step_angle_mean"] = sum(angles) / len(angles)
+        out["step_angle_max"] = max(angles)
+    out.update(_weight_tails(model))
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def generate_sample(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig,
+                    device: torch.device) -> str:
+    """``sample_tokens`` tokens after ``sample_prompt``, decoded (reproducible: own generator)."""
+    prompt = corpus.tokenizer.encode(cfg.sample_prompt.encode()) or [int(corpus.train[0])]
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T0)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(idx, cfg.sample_tokens, temperature=cfg.temperature,
+                         top_k=cfg.top_k or None, generator=gen)  # (1, T0 + n)
+    model.train(was_training)
+    return corpus.tokenizer.decode(out[0].tolist())
