@@ -33,6 +33,10 @@ Suites:
     (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
     arm (each policy reported at its own best); logs the q/k spectral norms, the attention logit,
     entropy and max probability at every evaluation.
+``manifolds-high-lr``
+    The same policies at one large constant learning rate (0.1, three seeds): the regime in which
+    the seed's mechanism — DGram lets the attention maps' singular values, hence the logits,
+    grow until the softmax saturates — can act.
 ``sel``
     AdamW baseline against SEL mismatched, SEL congruent and SEL without the linear path, with
     the curvature calibrated from the weights' own initialization and the seed's scale-lr
@@ -149,6 +153,19 @@ SUITES: dict[str, Suite] = {
               "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20},
         quick={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 1e-2},
         seeds=(0, 1, 2, 3, 4), sweep=("lr", (0.01, 0.03, 0.1)), quick_sweep=("lr", (0.02, 0.1))),
+    # the same at one large constant lr (sum of lr_t = 20): the regime where the seed's DGram
+    # mechanism (singular values -> attention logits -> saturated softmax) can act
+    "manifolds-high-lr": Suite(
+        name="manifolds-high-lr",
+        arms=tuple((policy, {"optimizer": "manifold-muon", "policy": policy})
+                   for policy in MANIFOLD_POLICIES),
+        baseline="unconstrained",
+        requires=(("manifoldlib.optim", "build_optimizer"),),
+        full={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 3e-3, "n_layer": 2,
+              "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20,
+              "lr": 0.1},
+        quick={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 1e-2, "lr": 0.1},
+        seeds=(0, 1, 2)),
     # seed 004: SEL on every block linear map, curvature calibrated from the weights' own
     # init scale, the seed's scale-lr annealing on (first third of the run)
     "sel": Suite(
@@ -368,7 +385,8 @@ def _fmt(x, digits: int = 4) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-#: Extra report columns by suite: ``(header, result key)``, shown as the mean over seeds.
+#: Extra report columns by suite family (the name before any ``-``): ``(header, result key)``,
+#: shown as the mean over seeds.
 REPORT_COLUMNS = {
     "spheret": (("step angle (rad)", "step_angle_mean"), ("max step angle", "step_angle_max"),
                 ("min attn entropy", "attention_entropy_min")),
@@ -419,7 +437,7 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
                 writer.writeheader()
                 for r in rows:
                     writer.writerow({k: r.get(k) for k in CSV_FIELDS})
-    columns = REPORT_COLUMNS.get(suite.name, ())
+    columns = REPORT_COLUMNS.get(suite.name.split("-")[0], ())  # spheret-stress: spheret's
     base_vals = [r["val_loss"] for r in results if r["arm"] == suite.baseline
                  and r["val_loss"] is not None]
     header = (["arm"] + ([f"best {key}"] if key else []) +

@@ -35,6 +35,8 @@ def test_suites_cover_the_arms_of_the_issue():
     assert manifolds.full["connection"] == "pre-ln" and manifolds.full["schedule"] == "constant"
     key, lrs = manifolds.sweep
     assert key == "lr" and max(lrs) * manifolds.full["steps"] >= 10
+    high = SUITES["manifolds-high-lr"]
+    assert high.full["lr"] * high.full["steps"] >= 10 and high.arms == manifolds.arms
     assert [a["sel"] for _, a in SUITES["sel"].arms] == [
         "none", "mismatched", "congruent", "no-linear"]
     assert SUITES["sel"].full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on
