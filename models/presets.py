@@ -24,11 +24,11 @@ PRESETS: dict[str, dict] = {
         corpus="synthetic:60000", block_size=32, n_layer=2, n_head=2, n_embd=32,
         batch_size=8, steps=30, warmup_steps=5, lr=1e-2, adamw_lr=1e-2, eval_interval=10,
         eval_batches=2, log_interval=5, sample_tokens=40),
-    # 1-SpheretNorm with plain (unconstrained) ManifoldMuon: the best policy of the manifolds
-    # suite; it reached 1.44 nats against AdamW's 2.26 in the same 600 steps (docs/results)
+    # 1-SpheretNorm (normalized step) with plain (unconstrained) ManifoldMuon: the best policy of
+    # the manifolds suite; 1.37 nats in 600 steps (docs/results/training.rst)
     "default": dict(
         corpus="stdlib", block_size=128, n_layer=4, n_head=4, n_embd=128,
-        connection="spheret", retraction="p", p=1.0,
+        connection="spheret", retraction="p", p=1.0, sphere_step="normalized",
         optimizer="manifold-muon", policy="unconstrained", sel="none",
         batch_size=16, steps=600, warmup_steps=30, lr=0.02, adamw_lr=3e-3,
         eval_interval=100, eval_batches=8, log_interval=10),
