@@ -82,6 +82,7 @@ from .bfloat16_support import NS_DTYPES, resolve_ns_dtype
 from .concurrent_solves import resolve_workers, run_concurrently
 from .fused_retraction import fused_retraction
 from .matmul_precision import ieee_float32_matmul
+from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
 from .steepest import DUAL_UPDATES, SPECTRAL_PATHS, solve_dual
 
 __all__ = [
@@ -108,7 +109,7 @@ DEFAULT_DUAL_MAX_ITER = 30
 DUAL_PATIENCE = 6
 
 #: Manifold names a ManifoldMuon group may use.
-MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram")
+MUON_MANIFOLDS = ("euclidean",) + tuple(name for name in STEEPEST_MANIFOLDS if name != "euclidean")
 #: Learning-rate adjustments (None picks "original" on Euclidean groups, "spectral" otherwise).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
 #: Default retraction and its options per manifold: both take their polar factor from the n x n
@@ -118,10 +119,9 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
 #: iterations when its diagonal is graded — DGram, whose input Y·diag(‖y_j‖) has the squared
 #: spread of the column norms); otherwise one eigh, whose eigenvalues give κ²ε and trigger a
 #: refining pass (> 1e-6) or a float64 SVD (> 1e-4). A wide spread costs time, never accuracy.
+#: (Each manifold class names its own: ``muon_retraction``; Oblique: column normalization.)
 DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "stiefel": ("polar", {"method": "gram-eigh"}),
-    "dgram": ("alternating", {"method": "gram-eigh"}),
-    "euclidean": ("add", {}),
+    name: dual_manifold(name).muon_retraction for name in MUON_MANIFOLDS
 }
 #: Dual-solve msign methods; "ns" is the group's own Newton–Schulz (ns_coefficients, ns_steps).
 DUAL_MSIGN_METHODS = ("ns", "jordan5", "polar-express", "newton-schulz", "svd")
@@ -148,9 +148,9 @@ def _zeropower(
     return x.T if tall else x
 
 
-def _adjusted_lr(lr: float, adjust_lr_fn: str | None, manifold: str, shape: torch.Size) -> float:
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, flat: bool, shape: torch.Size) -> float:
     rows, cols = shape[0], shape[1]
-    fn = adjust_lr_fn if adjust_lr_fn is not None else ("original" if manifold == "euclidean" else "spectral")
+    fn = adjust_lr_fn if adjust_lr_fn is not None else ("original" if flat else "spectral")
     if fn == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     if fn == "match_rms_adamw":
@@ -222,14 +222,22 @@ def _validate_group_options(group: MutableMapping) -> None:
 
 
 def _group_manifold(group: MutableMapping):
-    """The manifold object of a group, built from its plain-data options."""
+    """The manifold object of a group, built from its plain-data options (once per distinct options)."""
     name = group["manifold"]
     default_name, default_opts = DEFAULT_RETRACTIONS[name]
     retraction = group["retraction"] or default_name
     options = dict(group.get("retraction_options") or {})
     if group["retraction"] is None:
         options = {**default_opts, **options}
-    return get_manifold(name, retraction=retraction, **options)
+    try:
+        return _manifold_for(name, retraction, tuple(sorted(options.items())))
+    except TypeError:  # an unhashable option value: build it afresh
+        return get_manifold(name, retraction=retraction, **options)
+
+
+@functools.lru_cache(maxsize=64)
+def _manifold_for(name: str, retraction: str, options: tuple):
+    return get_manifold(name, retraction=retraction, **dict(options))
 
 
 def _tall(t: Tensor) -> Tensor:
@@ -297,8 +305,8 @@ def _solve_one(
     ``param`` is read, never written (in sharded mode it is also the owner's input to
     :func:`~manifoldlib.distributed.sharded_apply`).
     """
-    adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold, param.shape)
-    if manifold == "euclidean":
+    adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold_obj.flat, param.shape)
+    if manifold_obj.flat:
         direction = _zeropower(update, ns_coefficients, ns_steps, eps, resolve_ns_dtype(ns_dtype, update.device))
         state["dual_iterations"] = 0
         state["dual_residual"] = 0.0
@@ -312,7 +320,7 @@ def _solve_one(
         solution = solve_dual(
             w,
             _tall(update),
-            manifold,
+            manifold_obj,
             tol=dual_tol,
             max_iter=dual_max_iter,
             msign_method=method,
@@ -330,7 +338,7 @@ def _solve_one(
         state["dual_correction"] = info.correction
         state["dual_iterations"] = int(info.iterations)
         state["dual_residual"] = float(info.residual)
-        decay = 1 - lr * weight_decay if (manifold == "dgram" and weight_decay) else 1.0
+        decay = 1 - lr * weight_decay if (manifold_obj.decays and weight_decay) else 1.0
         new = None
         if fuse_retraction and solution.problem is not None:  # the retraction from n x n pieces (tall matrices)
             new = fused_retraction(solution.problem, solution.state, adjusted, decay)
@@ -348,7 +356,7 @@ def _solve_into(param: Tensor, update: Tensor, state: dict, options: dict[str, A
 
 def _side_by_side(items: list, indices, workers: int) -> list[int]:
     """The ``indices`` whose items a step solves side by side: Stiefel/DGram ones when ``workers > 1``."""
-    return [i for i in indices if workers > 1 and items[i][3]["manifold"] != "euclidean"]
+    return [i for i in indices if workers > 1 and not items[i][3]["manifold_obj"].flat]
 
 
 def _run_side_by_side(tasks: list, items: list, indices: list[int], workers: int) -> list:
@@ -458,7 +466,7 @@ class ManifoldMuon(Optimizer):
         ns_steps: Newton–Schulz steps (default 5).
         adjust_lr_fn: ``None``, ``"original"``, ``"match_rms_adamw"`` or ``"spectral"`` (see the
             module docstring; ``None`` is ``"original"`` on Euclidean groups, ``"spectral"`` else).
-        manifold: ``"euclidean"`` (default), ``"stiefel"`` or ``"dgram"``.
+        manifold: ``"euclidean"`` (default), ``"stiefel"``, ``"dgram"`` or ``"oblique"``.
         retraction: a registered retraction name of that manifold; ``None`` picks
             :data:`DEFAULT_RETRACTIONS` (Stiefel: polar; DGram: alternating; both take their polar
             factor from the ``n × n`` Gram matrix — products only for a small step, else its
@@ -620,9 +628,9 @@ class ManifoldMuon(Optimizer):
                 without full column rank.
         """
         for group in self.param_groups:
-            if group["manifold"] == "euclidean":
-                continue
             manifold = _group_manifold(group)
+            if manifold.flat:
+                continue
             names = group.get("param_names") or [None] * len(group["params"])
             for index, (p, name) in enumerate(zip(group["params"], names)):
                 label = repr(name) if name is not None else f"#{index} of its group"
@@ -685,7 +693,7 @@ class ManifoldMuon(Optimizer):
         (and a single process) solve each matrix with the same intra-op thread count. CPU only:
         with a matrix on another device every solve runs in the calling thread.
         """
-        solved = [p for p, _, _, options in items if options["manifold"] != "euclidean"]
+        solved = [p for p, _, _, options in items if not options["manifold_obj"].flat]
         if any(p.device.type != "cpu" for p in solved):
             return 1
         return resolve_workers(self.workers, [tuple(p.shape) for p in solved])
@@ -799,7 +807,7 @@ class ManifoldMuon(Optimizer):
             scalars, owned_scalars, process_group=self.process_group, owners=ranks
         )
         euclidean = {
-            id(p) for group in self.param_groups if group["manifold"] == "euclidean"
+            id(p) for group in self.param_groups if _group_manifold(group).flat
             for p in group["params"]
         }
         for p, correction, values in zip(params, shared_corrections, shared_scalars):

@@ -10,7 +10,8 @@ For a gradient :math:`G` at a point :math:`W` the *steepest direction* is
 and the optimizer steps :math:`W \leftarrow R_W(-\eta A^\star)`; equivalently :math:`-A^\star`
 minimizes :math:`\langle G, A\rangle` (the convention of Muon, whose Euclidean answer is
 :math:`\operatorname{msign}(G)`). The normal space is :math:`\{W\Lambda\}` with :math:`\Lambda`
-symmetric (Stiefel) or symmetric with zero diagonal (DGram), so the Lagrangian dual is
+symmetric (Stiefel), symmetric with zero diagonal (DGram) or diagonal (Oblique): the
+manifold's :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.multiplier_mask`, so the Lagrangian dual is
 
 .. math::
 
@@ -62,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
+from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
 from .dual_problem import SPECTRAL_PATHS, _DualProblem, _State, resolve_spectral, tangent_residual
 from .dual_solvers import (
     AUTO_SMOOTHING,
@@ -91,8 +93,6 @@ __all__ = [
     "tangent_residual",
 ]
 
-#: Manifolds :func:`steepest_direction` knows.
-STEEPEST_MANIFOLDS = ("stiefel", "dgram", "euclidean")
 #: Default relative tangent residual at which the dual solve stops.
 DEFAULT_TOL = 1e-4
 #: Default cap on dual iterations.
@@ -132,14 +132,10 @@ class SteepestInfo:
     gap: float | None = None
 
 
-def _check_inputs(
-    w: torch.Tensor, g: torch.Tensor, manifold: str, tol: float, max_iter: int, patience: int | None
-) -> None:
-    if manifold not in STEEPEST_MANIFOLDS:
-        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(STEEPEST_MANIFOLDS)}")
+def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold, tol: float, max_iter: int, patience: int | None) -> None:
     if g.dim() != 2:
         raise ValueError(f"the gradient must be a matrix (m, n), got shape {tuple(g.shape)}")
-    if manifold != "euclidean" and w.shape != g.shape:
+    if not manifold.flat and w.shape != g.shape:
         raise ValueError(f"W and G must have the same shape, got {tuple(w.shape)} and {tuple(g.shape)}")
     if not (isinstance(tol, (int, float)) and tol > 0):
         raise ValueError(f"tol must be > 0, got {tol!r}")
@@ -155,7 +151,7 @@ def _check_inputs(
 def steepest_direction(
     W: torch.Tensor,
     G: torch.Tensor,
-    manifold: str = "stiefel",
+    manifold="stiefel",
     *,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
@@ -187,6 +183,10 @@ def steepest_direction(
       diagonal, :math:`H = \operatorname{Off}(W^\top A + A^\top W)`,
       :math:`\Lambda_{0,ij} = -(W^\top G + G^\top W)_{ij}/(2(d_i^2 + d_j^2))`, steps scaled by
       :math:`2/(d_i^2+d_j^2)`.
+    * ``"oblique"`` (:math:`\operatorname{Diag}(W^\top W) = I`): :math:`\Lambda` diagonal,
+      :math:`H = \operatorname{Diag}(W^\top A + A^\top W)`.
+    * a :class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold` instance: the same dual
+      with that manifold's mask, factor and metric (the three above are such instances).
 
     ``G`` is normalized by its Frobenius norm first (the dual is not scale invariant); the
     multiplier refers to the normalized problem. A wide ``(m < n)`` input is solved transposed and
@@ -195,7 +195,8 @@ def steepest_direction(
     Args:
         W: ``(m, n)`` point on the manifold (ignored for ``"euclidean"``).
         G: ``(m, n)`` gradient (or momentum).
-        manifold: ``"stiefel"``, ``"dgram"`` or ``"euclidean"``.
+        manifold: ``"stiefel"``, ``"dgram"``, ``"oblique"``, ``"euclidean"`` or a manifold object
+            (:func:`~manifoldlib.optim.dual_manifolds.dual_manifold`).
         tol: stop once the relative tangent residual :math:`\|A - P_W A\|_F/\|A\|_F \le` ``tol``.
         max_iter: cap on dual iterations (Newton steps for a smoothed solve); the best iterate seen
             is returned.
@@ -315,7 +316,7 @@ class DualSolution:
 def solve_dual(
     W: torch.Tensor,
     G: torch.Tensor,
-    manifold: str = "stiefel",
+    manifold="stiefel",
     *,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
@@ -339,6 +340,7 @@ def solve_dual(
     Runs with IEEE float32 products whatever the process's TF32 setting
     (:func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul`).
     """
+    manifold = dual_manifold(manifold)  # raises on an unknown name
     _check_inputs(W, G, manifold, tol, max_iter, patience)
     if gap_tol is not None and not (isinstance(gap_tol, (int, float)) and gap_tol > 0):
         raise ValueError(f"gap_tol must be None or a number > 0, got {gap_tol!r}")
@@ -363,7 +365,7 @@ def solve_dual(
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(work_dtype)
     norm = g.norm()
-    if manifold == "euclidean" or not bool(norm > 0):
+    if manifold.flat or not bool(norm > 0):
         if msign_method == "svd":
             a = msign(g, "svd")
         else:

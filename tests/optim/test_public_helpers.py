@@ -18,7 +18,7 @@ from manifoldlib.optim import (
 
 
 def test_muon_manifolds_are_exactly_the_accepted_group_manifolds():
-    assert set(MUON_MANIFOLDS) == {"euclidean", "stiefel", "dgram"}
+    assert set(MUON_MANIFOLDS) == {"euclidean", "stiefel", "dgram", "oblique"}
     for name in MUON_MANIFOLDS:
         ManifoldMuon([nn.Parameter(torch.randn(6, 4))], manifold=name)
 
