@@ -8,14 +8,19 @@ from .dgram import (
     dgram_project_tangent,
     off_diagonal,
 )
-from .normal_space import diagonal_part, normal_metric, normal_multiplier
-from .oblique import oblique_constraint_deviation, oblique_exp, oblique_normalize, oblique_project_tangent
 from .msign import (
     JORDAN5_COEFFICIENTS,
     MSIGN_METHODS,
     POLAR_EXPRESS_COEFFICIENTS,
     msign,
     newton_schulz,
+)
+from .normal_space import diagonal_part, normal_metric, normal_multiplier
+from .oblique import (
+    oblique_constraint_deviation,
+    oblique_exp,
+    oblique_normalize,
+    oblique_project_tangent,
 )
 from .sphere import (
     cayley_coefficients,

@@ -266,3 +266,25 @@ class _DualProblem:
         dk = ((ev.to(delta.dtype) * state.gain).to(vec.dtype) + mv @ dr) @ vec.mT  # (n, n) = dK
         ddk = self.factor_transposed_times(dk.to(delta.dtype))
         return self.mask(ddk + ddk.mT)
+
+
+class _BestIterate:
+    """Book-keeping shared by the dual iterations: the best iterate so far (a NaN one is always
+    replaced) and the stall count behind ``patience`` (iterations in a row without a 10% cut of
+    the best-so-far residual mark)."""
+
+    def __init__(self, residual: float, lam: torch.Tensor, state: _State) -> None:
+        self.best = (residual, lam, state)
+        self.mark = residual
+        self.since_progress = 0
+
+    def record(self, residual: float, lam: torch.Tensor, state: _State) -> None:
+        if residual < self.best[0] or self.best[0] != self.best[0]:
+            self.best = (residual, lam, state)
+        if residual < 0.9 * self.mark:
+            self.mark, self.since_progress = residual, 0
+        else:
+            self.since_progress += 1
+
+    def stalled(self, patience: int | None) -> bool:
+        return patience is not None and self.since_progress >= patience

@@ -19,7 +19,7 @@ import math
 import torch
 
 from .dual_manifolds import dual_manifold
-from .dual_problem import _DualProblem, _State
+from .dual_problem import _BestIterate, _DualProblem, _State
 from .search_precision import search_dtype
 
 __all__ = [
@@ -83,28 +83,6 @@ def solve_dtype(dtype: torch.dtype, device: torch.device, smoothed: bool) -> tor
     if smoothed and dtype == torch.float32 and device.type == "cuda":
         return SMOOTHED_CUDA_DTYPE
     return dtype
-
-
-class _BestIterate:
-    """Book-keeping shared by the dual iterations: the best iterate so far (a NaN one is always
-    replaced) and the stall count behind ``patience`` (iterations in a row without a 10% cut of
-    the best-so-far residual mark)."""
-
-    def __init__(self, residual: float, lam: torch.Tensor, state: _State) -> None:
-        self.best = (residual, lam, state)
-        self.mark = residual
-        self.since_progress = 0
-
-    def record(self, residual: float, lam: torch.Tensor, state: _State) -> None:
-        if residual < self.best[0] or self.best[0] != self.best[0]:
-            self.best = (residual, lam, state)
-        if residual < 0.9 * self.mark:
-            self.mark, self.since_progress = residual, 0
-        else:
-            self.since_progress += 1
-
-    def stalled(self, patience: int | None) -> bool:
-        return patience is not None and self.since_progress >= patience
 
 
 def _dual_solve(

@@ -18,7 +18,6 @@ rank the parameters of a single process running the same steps, bit for bit.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -26,15 +25,19 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from ..distributed import STRATEGIES, assign_owners, get_rank_world, reject_unsupported_parameter, sharded_apply
-from ..manifolds import get_manifold
-from ..retractions.base import available_retractions
-from .bfloat16_support import NS_DTYPES
+from ..distributed import STRATEGIES, assign_owners, get_rank_world, reject_unsupported_parameter
 from .concurrent_solves import resolve_workers
-from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
-from .dual_options import REPLACED_KWARGS, DualOptions, reject_replaced_kwargs
+from .dual_options import DualOptions, reject_replaced_kwargs
 from .matmul_precision import ieee_float32_matmul
+from .muon_groups import (
+    DEFAULT_RETRACTIONS,
+    MUON_MANIFOLDS,
+    group_dual,
+    group_manifold,
+    validate_group_options,
+)
 from .muon_step import ADJUST_LR_FNS, _tall, manifold_muon
+from .owner_state import share_owner_state
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -56,85 +59,10 @@ DEFAULT_LR = 1e-3
 DEFAULT_WEIGHT_DECAY = 0.1
 DEFAULT_MOMENTUM = 0.95
 
-#: Manifold names a ManifoldMuon group may use.
-MUON_MANIFOLDS = ("euclidean",) + tuple(name for name in STEEPEST_MANIFOLDS if name != "euclidean")
-#: Default retraction and its options per manifold (each manifold class names its own,
-#: ``muon_retraction``): Stiefel and DGram take their polar factor from the n x n Gram matrix T
-#: (two m·n² products against about ten for convergent Newton–Schulz). For a small step T is
-#: diagonal up to O(η²) and T^{-1/2} costs one to four n x n products (functional.gram_rsqrt);
-#: otherwise one eigh, whose eigenvalues give κ²ε and trigger a refining pass (> 1e-6) or a
-#: float64 SVD (> 1e-4). Oblique normalizes the columns.
-DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    name: dual_manifold(name).muon_retraction for name in MUON_MANIFOLDS
-}
 #: ``distributed`` modes: every rank solves every matrix, or each matrix on its owner rank.
 DISTRIBUTED_MODES = ("replicated", "sharded")
 #: Per-matrix state that only the owner keeps in sharded mode.
 OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual")
-
-
-def _validate_group_options(group: MutableMapping) -> None:
-    """Raise ``ValueError`` naming the option and the accepted values; store ``group["dual"]`` as a
-    validated plain dict."""
-    reject_replaced_kwargs(group, "ManifoldMuon parameter group")
-    lr = group["lr"]
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
-    if not 0.0 <= float(lr):
-        raise ValueError(f"lr must be >= 0, got {float(lr)}")
-    if not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
-    if not 0.0 <= group["weight_decay"]:
-        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
-    if not group["eps"] > 0.0:
-        raise ValueError(f"eps must be > 0, got {group['eps']}")
-    steps = group["ns_steps"]
-    if not (isinstance(steps, int) and 0 <= steps < 100):
-        raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
-    coeffs = group["ns_coefficients"]
-    if len(tuple(coeffs)) != 3:
-        raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {coeffs!r}")
-    fn = group["adjust_lr_fn"]
-    if fn is not None and fn not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn must be None or one of {', '.join(ADJUST_LR_FNS)}, got {fn!r}")
-    manifold = group["manifold"]
-    if manifold not in MUON_MANIFOLDS:
-        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(MUON_MANIFOLDS)}")
-    retraction = group["retraction"]
-    if retraction is not None and retraction not in available_retractions(manifold):
-        raise ValueError(
-            f"unknown {manifold} retraction {retraction!r}; valid: {', '.join(available_retractions(manifold))}"
-        )
-    ns_dtype = group.get("ns_dtype", "auto")
-    if ns_dtype not in NS_DTYPES:
-        raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
-    group["dual"] = DualOptions.coerce(group.get("dual")).as_dict()
-
-
-def _group_dual(group: MutableMapping) -> DualOptions:
-    """The group's :class:`DualOptions`; a group saved before they existed (separate keys) reads those."""
-    if "dual" in group:
-        return DualOptions.coerce(group["dual"])
-    return DualOptions(**{field: group[old] for old, field in REPLACED_KWARGS.items() if old in group})
-
-
-def _group_manifold(group: MutableMapping):
-    """The manifold object of a group, built from its plain-data options (once per distinct options)."""
-    name = group["manifold"]
-    default_name, default_opts = DEFAULT_RETRACTIONS[name]
-    retraction = group["retraction"] or default_name
-    options = dict(group.get("retraction_options") or {})
-    if group["retraction"] is None:
-        options = {**default_opts, **options}
-    try:
-        return _manifold_for(name, retraction, tuple(sorted(options.items())))
-    except TypeError:  # an unhashable option value: build it afresh
-        return get_manifold(name, retraction=retraction, **options)
-
-
-@functools.lru_cache(maxsize=64)
-def _manifold_for(name: str, retraction: str, options: tuple):
-    return get_manifold(name, retraction=retraction, **dict(options))
 
 
 def _check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -288,14 +216,14 @@ class ManifoldMuon(Optimizer):
             "dual": DualOptions.coerce(dual).as_dict(),
             "ns_dtype": ns_dtype,
         }
-        _validate_group_options(defaults)
+        validate_group_options(defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
             own = group["dual"]
             if isinstance(own, dict) and own is not defaults["dual"]:  # a group's own fields, over the defaults
                 group["dual"] = {**defaults["dual"], **own}
-            _validate_group_options(group)
-            _group_manifold(group)  # fails early on bad retraction options
+            validate_group_options(group)
+            group_manifold(group)  # fails early on bad retraction options
             names = group.get("param_names") or [None] * len(group["params"])
             for p, name in zip(group["params"], names):
                 reject_unsupported_parameter(p, name)
@@ -319,7 +247,7 @@ class ManifoldMuon(Optimizer):
                 without full column rank.
         """
         for group in self.param_groups:
-            manifold = _group_manifold(group)
+            manifold = group_manifold(group)
             if manifold.flat:
                 continue
             names = group.get("param_names") or [None] * len(group["params"])
@@ -411,7 +339,7 @@ class ManifoldMuon(Optimizer):
             if params:
                 _check_finite_gradients(group, params, grads)  # before any buffer moves
                 gathered.append((group, params, grads, bufs, states))
-        workers = self._resolved_workers([(_group_manifold(g), p) for g, ps, _, _, _ in gathered for p in ps])
+        workers = self._resolved_workers([(group_manifold(g), p) for g, ps, _, _, _ in gathered for p in ps])
         owners = self.owners() if self._sharded() else None
         for group, params, grads, bufs, states in gathered:
             manifold_muon(
@@ -427,8 +355,8 @@ class ManifoldMuon(Optimizer):
                 ns_steps=group["ns_steps"],
                 eps=group["eps"],
                 adjust_lr_fn=group["adjust_lr_fn"],
-                manifold=_group_manifold(group),
-                dual=_group_dual(group),
+                manifold=group_manifold(group),
+                dual=group_dual(group),
                 ns_dtype=group.get("ns_dtype", "auto"),
                 fuse_retraction=group["retraction"] is None and not group.get("retraction_options"),
                 workers=workers,
@@ -447,54 +375,5 @@ class ManifoldMuon(Optimizer):
         receive; only the owner's copy is updated by later steps, and a later
         :meth:`load_state_dict` on every rank restores every matrix's state everywhere.
         """
-        if not self._sharded():
-            return
-        params = self._all_params()
-        owners = self.owners()
-        ranks = [owners[id(p)] for p in params]
-        corrections = []  # (k, k) per matrix, k = min(m, n), in the dual solve's dtype
-        for p in params:
-            k = min(p.shape)
-            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-            corrections.append(torch.zeros(k, k, dtype=dtype, device=p.device))
-        # [has state, has correction, iterations, residual] per matrix
-        scalars = [torch.zeros(4, dtype=torch.float64, device=p.device) for p in params]
-
-        def owned_correction(i: int, template: Tensor) -> Tensor:
-            value = self.state.get(params[i], {}).get("dual_correction")
-            return template if value is None else value.to(template.dtype)
-
-        def owned_scalars(i: int, template: Tensor) -> Tensor:
-            state = self.state.get(params[i], {})
-            if "dual_iterations" not in state:
-                return template
-            return torch.tensor(
-                [
-                    1.0,
-                    float(state.get("dual_correction") is not None),
-                    float(state["dual_iterations"]),
-                    float(state["dual_residual"]),
-                ],
-                dtype=torch.float64,
-                device=template.device,
-            )
-
-        shared_corrections = sharded_apply(
-            corrections, owned_correction, process_group=self.process_group, owners=ranks
-        )
-        shared_scalars = sharded_apply(
-            scalars, owned_scalars, process_group=self.process_group, owners=ranks
-        )
-        euclidean = {
-            id(p) for group in self.param_groups if _group_manifold(group).flat
-            for p in group["params"]
-        }
-        for p, correction, values in zip(params, shared_corrections, shared_scalars):
-            has_state, has_correction, iterations, residual = values.tolist()
-            if not has_state:
-                continue
-            state = self.state[p]
-            state["dual_iterations"] = int(iterations)
-            state["dual_residual"] = residual
-            if id(p) not in euclidean:  # a dual solve writes the correction, possibly None
-                state["dual_correction"] = correction.clone() if has_correction else None
+        if self._sharded():
+            share_owner_state(self)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 import torch
 
 from manifoldlib.manifolds.stiefel import Stiefel

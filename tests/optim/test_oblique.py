@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from manifoldlib.manifolds import Oblique
-from manifoldlib.optim import ManifoldMuon, constraint_residual, steepest_direction, tangent_residual
+from manifoldlib.optim import (
+    ManifoldMuon,
+    constraint_residual,
+    steepest_direction,
+    tangent_residual,
+)
 from manifoldlib.testing import nuclear_dual_optimum
 
 F64 = torch.float64
