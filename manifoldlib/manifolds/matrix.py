@@ -34,7 +34,7 @@ __all__ = ["MatrixConstraintManifold"]
 class MatrixConstraintManifold(RetractionManifold):
     r"""Base of the tall matrix manifolds :math:`\mathcal{P}(W^\top W) = \mathcal{P}(I)` (points ``(..., m, n)``, ``m >= n``).
 
-    Class attributes:
+    Attributes:
         muon_retraction: ``(name, options)`` of the retraction :class:`~manifoldlib.optim.ManifoldMuon`
             uses by default; :meth:`gram_retraction_factor` is its Gram form.
         decays: decoupled weight decay applies (the manifold has a scale freedom: DGram).

@@ -18,7 +18,8 @@ from .diagnostics import (
     spectral_norm,
 )
 from .dual_options import DualOptions
-from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
+from .manifold_muon import ManifoldMuon, manifold_muon
+from .muon_groups import MUON_MANIFOLDS
 from .policies import (
     RolePolicy,
     available_policies,

@@ -30,20 +30,18 @@ from .concurrent_solves import resolve_workers
 from .dual_options import DualOptions, reject_replaced_kwargs
 from .matmul_precision import ieee_float32_matmul
 from .muon_groups import (
-    DEFAULT_RETRACTIONS,
-    MUON_MANIFOLDS,
+    DEFAULT_RETRACTIONS,  # noqa: F401  (re-exported: its public home before the split)
+    MUON_MANIFOLDS,  # noqa: F401
     group_dual,
     group_manifold,
     validate_group_options,
 )
-from .muon_step import ADJUST_LR_FNS, _tall, manifold_muon
+from .muon_step import ADJUST_LR_FNS, manifold_muon, tall
 from .owner_state import share_owner_state
 
 __all__ = [
     "ADJUST_LR_FNS",
-    "DEFAULT_RETRACTIONS",
     "DISTRIBUTED_MODES",
-    "MUON_MANIFOLDS",
     "DualOptions",
     "ManifoldMuon",
     "manifold_muon",
@@ -103,7 +101,7 @@ class ManifoldMuon(Optimizer):
             module docstring; ``None`` is ``"original"`` on Euclidean groups, ``"spectral"`` else).
         manifold: ``"euclidean"`` (default), ``"stiefel"``, ``"dgram"`` or ``"oblique"``.
         retraction: a registered retraction name of that manifold; ``None`` picks
-            :data:`DEFAULT_RETRACTIONS` (Stiefel: polar; DGram: alternating; both take their polar
+            :data:`~manifoldlib.optim.muon_groups.DEFAULT_RETRACTIONS` (Stiefel: polar; DGram: alternating; both take their polar
             factor from the ``n × n`` Gram matrix — products only for a small step, else its
             eigendecomposition, which checks its own error and falls back to a float64 SVD;
             Oblique: column normalization).
@@ -259,7 +257,7 @@ class ManifoldMuon(Optimizer):
                         f"projected onto {group['manifold']}: initialize it with nonzero values (e.g. "
                         f"torch.nn.init.orthogonal_) or assign it to 'euclidean' / AdamW"
                     )
-                w = _tall(p)
+                w = tall(p)
                 work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
                 try:
                     with ieee_float32_matmul():

@@ -105,7 +105,7 @@ def _adjusted_lr(lr: float, adjust_lr_fn: str | None, flat: bool, shape: torch.S
     return lr
 
 
-def _tall(t: Tensor) -> Tensor:
+def tall(t: Tensor) -> Tensor:
     return t.mT if t.size(-2) < t.size(-1) else t
 
 
@@ -147,12 +147,12 @@ def _solve_one(
     own_ns = dual.msign_method == "ns"
     method = "jordan5" if own_ns else dual.msign_method
     steps = ns_steps if dual.msign_method in ("ns", "jordan5") else None
-    w = _tall(param)
+    w = tall(param)
     # full float32 products: TF32 would blur a 1e-3 residual and the retraction's constraint
     with ieee_float32_matmul():
         solution = solve_dual(
             w,
-            _tall(update),
+            tall(update),
             manifold,
             tol=dual.tol,
             max_iter=dual.max_iter,
