@@ -151,8 +151,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + args.warmup)
     kw = {"lr": 0.02, "weight_decay": 0.0}
-    mm = {"dual_tol": args.tol, "dual_max_iter": args.max_iter, "msign_method": args.msign,
-          "dual_spectral": args.spectral, "workers": workers}
+    dual = {"tol": args.tol, "max_iter": args.max_iter, "msign_method": args.msign, "spectral": args.spectral}
+    mm = {"dual": dual, "workers": workers}
     anchor_name, anchor_cls = muon_anchor(args.anchor, DEVICE)
     runs = {
         anchor_name: lambda ps: anchor_cls(ps, **kw),
@@ -160,18 +160,18 @@ def main() -> None:
         "ManifoldMuon euclidean": lambda ps: ManifoldMuon(ps, manifold="euclidean", ns_dtype="auto", **kw),
         "ManifoldMuon stiefel": lambda ps: ManifoldMuon(ps, manifold="stiefel", **kw, **mm),
         "ManifoldMuon stiefel (no warm start)": lambda ps: ManifoldMuon(
-            ps, manifold="stiefel", warm_start=False, **kw, **mm
+            ps, manifold="stiefel", dual={**dual, "warm_start": False}, workers=workers, **kw
         ),
         "ManifoldMuon stiefel (BB dual steps)": lambda ps: ManifoldMuon(
-            ps, manifold="stiefel", dual_update="bb", **kw, **mm
+            ps, manifold="stiefel", dual={**dual, "update": "bb"}, workers=workers, **kw
         ),
         "ManifoldMuon dgram": lambda ps: ManifoldMuon(ps, manifold="dgram", **kw, **mm),
         "ManifoldMuon hetero (square stiefel, tall dgram)": lambda ps: ManifoldMuon(_hetero_groups(ps), **kw, **mm),
         "ManifoldMuon dgram (BB dual steps)": lambda ps: ManifoldMuon(
-            ps, manifold="dgram", dual_update="bb", **kw, **mm
+            ps, manifold="dgram", dual={**dual, "update": "bb"}, workers=workers, **kw
         ),
         "ManifoldMuon dgram (no warm start)": lambda ps: ManifoldMuon(
-            ps, manifold="dgram", warm_start=False, **kw, **mm
+            ps, manifold="dgram", dual={**dual, "warm_start": False}, workers=workers, **kw
         ),
     }
     print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps after {args.warmup} untimed, {args.threads} "

@@ -34,7 +34,8 @@ def _steps(manifold: str, grads, old_rule: bool, anchor_cls=torch.optim.Muon) ->
     dual_solvers.SMOOTH_BELOW_ASPECT = 0.0 if old_rule else saved
     try:
         params = bench._params()
-        opt = ManifoldMuon(params, lr=0.02, weight_decay=0.0, manifold=manifold, dual_tol=1e-3, dual_max_iter=30)
+        opt = ManifoldMuon(params, lr=0.02, weight_decay=0.0, manifold=manifold,
+                           dual={"tol": 1e-3, "max_iter": 30})
         anchor_params = bench._params()
         anchor = anchor_cls(anchor_params, lr=0.02)
         times, anchors, iterations, residuals = [], [], [], []

@@ -46,7 +46,7 @@ from manifoldlib.optim import ManifoldMuon, steepest_direction
 from manifoldlib.optim.dual_problem import _DualProblem
 from manifoldlib.optim.dual_solvers import AUTO_SMOOTHING
 
-_muon_module = importlib.import_module("manifoldlib.optim.manifold_muon")
+_muon_module = importlib.import_module("manifoldlib.optim.muon_step")  # where the step calls solve_dual
 
 
 def _steady_state_pairs(n: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

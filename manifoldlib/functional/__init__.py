@@ -15,6 +15,13 @@ from .msign import (
     msign,
     newton_schulz,
 )
+from .normal_space import diagonal_part, normal_metric, normal_multiplier
+from .oblique import (
+    oblique_constraint_deviation,
+    oblique_exp,
+    oblique_normalize,
+    oblique_project_tangent,
+)
 from .sphere import (
     cayley_coefficients,
     exponential_coefficients,
@@ -44,10 +51,17 @@ __all__ = [
     "dgram_metric_projection",
     "dgram_normal_multiplier",
     "dgram_project_tangent",
+    "diagonal_part",
     "exponential_coefficients",
     "gnomonic_coefficients",
     "msign",
     "newton_schulz",
+    "normal_metric",
+    "normal_multiplier",
+    "oblique_constraint_deviation",
+    "oblique_exp",
+    "oblique_normalize",
+    "oblique_project_tangent",
     "off_diagonal",
     "p_coefficients",
     "rotate",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .msign import msign
+from .normal_space import normal_multiplier, off_diagonal
 from .stiefel import _check_tall_pair
 
 __all__ = [
@@ -22,20 +23,12 @@ __all__ = [
 ]
 
 
-def off_diagonal(a: torch.Tensor) -> torch.Tensor:
-    r""":math:`\operatorname{Off}(A)`: ``a`` with its diagonal zeroed, ``(..., n, n)``."""
-    return a - torch.diag_embed(torch.diagonal(a, dim1=-2, dim2=-1))
-
-
 def dgram_normal_multiplier(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     r""":math:`S_{ij} = (w_i^\top z_j + z_i^\top w_j)/(d_i^2 + d_j^2)` for :math:`i \ne j`, :math:`S_{ii} = 0`.
 
     ``WS`` is the normal component of ``Z`` at ``W``: ``(..., n, n)``.
     """
-    wz = w.mT @ z  # (..., n, n)
-    d2 = (w * w).sum(-2)  # (..., n)
-    denom = d2.unsqueeze(-1) + d2.unsqueeze(-2)  # (..., n, n)
-    return off_diagonal(wz + wz.mT) / denom
+    return normal_multiplier(w, z, off_diagonal)
 
 
 def dgram_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

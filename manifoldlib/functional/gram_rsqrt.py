@@ -23,7 +23,14 @@ import math
 
 import torch
 
-__all__ = ["near_diagonal_rsqrt", "near_scalar_rsqrt", "products_only_rsqrt"]
+__all__ = [
+    "alternating_gram_factor",
+    "near_diagonal_rsqrt",
+    "near_scalar_rsqrt",
+    "normalize_gram_factor",
+    "polar_gram_factor",
+    "products_only_rsqrt",
+]
 
 #: Taylor coefficients :math:`\binom{-1/2}{k}` of :math:`(1 + x)^{-1/2}`, :math:`k = 0, 1, \dots`
 RSQRT_TAYLOR = (1.0, -0.5, 0.375, -0.3125, 0.2734375, -0.24609375)
@@ -140,3 +147,30 @@ def products_only_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         if found is not None:
             return found
     return None
+
+
+# -- Gram-form retraction factors -----------------------------------------------------------
+# The retraction of Y is Y Φ with Φ an n x n function of T = Y^T Y; a manifold names its own
+# (manifoldlib.manifolds.*.gram_retraction_factor), and the fused Manifold Muon step forms Y^T Y
+# without Y. ``rsqrt`` maps a symmetric T to T^{-1/2} or None (then the factor is None too).
+
+
+def polar_gram_factor(gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
+    r"""Polar retraction (Stiefel): :math:`\Phi = T^{-1/2}`."""
+    return rsqrt(gram)
+
+
+def alternating_gram_factor(gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
+    r"""Alternating retraction (DGram): with :math:`c_j = \|y_j\|` and :math:`F = (cTc)^{-1/2}`,
+    :math:`d'_j = (FcT)_{jj}` and :math:`\Phi = cFd'`."""
+    c = torch.diagonal(gram, dim1=-2, dim2=-1).clamp_min(0).sqrt()  # (..., n) column norms of Y
+    f = rsqrt(c.unsqueeze(-1) * gram * c.unsqueeze(-2))  # (cY^T Y c)^{-1/2}
+    if f is None:
+        return None
+    d = ((f * c.unsqueeze(-2)) * gram).sum(-1).clamp_min(torch.finfo(gram.dtype).tiny)  # diag(F c Y^T Y)
+    return (c.unsqueeze(-1) * f) * d.unsqueeze(-2)
+
+
+def normalize_gram_factor(gram: torch.Tensor, rsqrt=None) -> torch.Tensor:
+    r"""Column normalization (Oblique): :math:`\Phi = \operatorname{diag}(T_{jj}^{-1/2})`."""
+    return torch.diag_embed(torch.diagonal(gram, dim1=-2, dim2=-1).rsqrt())

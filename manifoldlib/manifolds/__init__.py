@@ -7,12 +7,16 @@ from typing import Union
 from .base import RetractionManifold, default_tolerance
 from .dgram import DGram
 from .euclidean import Euclidean
+from .matrix import MatrixConstraintManifold
+from .oblique import Oblique
 from .sphere import Sphere
 from .stiefel import Stiefel
 
 __all__ = [
     "DGram",
     "Euclidean",
+    "MatrixConstraintManifold",
+    "Oblique",
     "RetractionManifold",
     "Sphere",
     "Stiefel",
@@ -21,7 +25,7 @@ __all__ = [
     "get_manifold",
 ]
 
-_MANIFOLDS = {"sphere": Sphere, "stiefel": Stiefel, "dgram": DGram, "euclidean": Euclidean}
+_MANIFOLDS = {"sphere": Sphere, "stiefel": Stiefel, "dgram": DGram, "oblique": Oblique, "euclidean": Euclidean}
 
 
 def available_manifolds() -> list[str]:
@@ -30,7 +34,7 @@ def available_manifolds() -> list[str]:
 
 
 def get_manifold(name: Union[str, RetractionManifold], **kwargs) -> RetractionManifold:
-    """Build a manifold by name (``"sphere"``, ``"stiefel"``, ``"dgram"``, ``"euclidean"``).
+    """Build a manifold by name (``"sphere"``, ``"stiefel"``, ``"dgram"``, ``"oblique"``, ``"euclidean"``).
 
     Keyword arguments go to the constructor (``radius``, ``retraction``, retraction options).
     A manifold instance is returned unchanged (then ``kwargs`` must be empty).

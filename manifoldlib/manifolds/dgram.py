@@ -6,10 +6,12 @@ from typing import Union
 
 import torch
 
-from ..functional.dgram import dgram_metric_projection, dgram_project_tangent, off_diagonal
+from ..functional.dgram import dgram_metric_projection, dgram_normal_multiplier, off_diagonal
+from ..functional.gram_rsqrt import alternating_gram_factor
 from ..functional.stiefel import stiefel_qr
 from ..retractions.base import Retraction
-from .base import RetractionManifold, _random_normal, _size_tuple, check_tensor
+from .base import _random_normal, _size_tuple, check_tensor
+from .matrix import MatrixConstraintManifold
 from .stiefel import check_tall_matrix
 
 __all__ = ["DGram"]
@@ -32,7 +34,7 @@ def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
         )
 
 
-class DGram(RetractionManifold):
+class DGram(MatrixConstraintManifold):
     r"""Matrices with orthogonal, non-zero columns: :math:`W = QD`, :math:`Q` Stiefel, :math:`D > 0` diagonal.
 
     Dimension :math:`mn - n(n-1)/2`. Tangent projection :math:`P_W(Z) = Z - WS` with
@@ -40,17 +42,48 @@ class DGram(RetractionManifold):
     Singular values equal the column norms and may grow: the scale freedom studied for
     Manifold Muon. Retractions: ``alternating`` (default, second order), ``colnorm-polar``
     (first order). There is no closed-form geodesic: :meth:`expmap` raises.
+
+    Dual geometry (:class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold`): symmetric
+    multipliers with zero diagonal, :math:`F = \operatorname{diag}(d)`; weight decay applies
+    (the column norms are free); on square matrices the dual optimum is rank deficient.
     """
 
     name = "dgram"
-    ndim = 2
     default_retraction = "alternating"
+    decays = True
+    square_dual = "rank-deficient"
+    muon_retraction = ("alternating", {"method": "gram-eigh"})
 
     def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):
         super().__init__(retraction, **retraction_options)
 
     def _check_shape(self, shape, name):
         return check_tall_matrix(shape, name, "DGram")
+
+    @staticmethod
+    def multiplier_mask(a):
+        return off_diagonal(a)
+
+    def normal_multiplier(self, w, z):
+        return dgram_normal_multiplier(w, z)
+
+    def constraint_deviation(self, w):
+        r""":math:`\operatorname{Off}(W^\top W)/\|W^\top W\|_F` (scale free), ``(..., n, n)``."""
+        gram = w.mT @ w
+        return off_diagonal(gram) / gram.norm(dim=(-2, -1), keepdim=True)
+
+    def dual_factor(self, w):
+        d = w.norm(dim=-2)  # (n,) column norms
+        if not bool((d > 0).all()):
+            zero = (d == 0).nonzero().flatten().tolist()
+            raise ValueError(
+                f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
+                f"points have nonzero orthogonal columns (project W first)"
+            )
+        return d
+
+    def gram_retraction_factor(self, gram, rsqrt):
+        return alternating_gram_factor(gram, rsqrt)
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         gram = x.mT @ x
@@ -72,10 +105,6 @@ class DGram(RetractionManifold):
         ok = bool(err <= bound)
         return ok, None if ok else f"max |Off(W^T U + U^T W)| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
-    def inner(self, x, u, v=None, *, keepdim=False):
-        v = u if v is None else v
-        return (u * v).sum(dim=(-2, -1), keepdim=keepdim)
-
     def projx(self, x):
         """Nearest DGram point (alternating minimization, exactly on DGram after any iteration).
 
@@ -87,10 +116,6 @@ class DGram(RetractionManifold):
         check_tensor(x, "x", "dgram.projx", finite=True)
         check_full_column_rank(x, self.name)
         return dgram_metric_projection(x)
-
-    def proju(self, x, u):
-        self._validate_pair(x, u)
-        return dgram_project_tangent(x, u)
 
     def expmap(self, x, u):
         raise NotImplementedError(

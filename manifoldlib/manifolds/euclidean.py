@@ -18,6 +18,18 @@ class Euclidean(RetractionManifold):
     name = "euclidean"
     default_retraction = "add"
     reversible = True
+    #: No constraint: Manifold Muon takes Muon's step (no dual) and applies weight decay.
+    flat = True
+    decays = True
+    muon_retraction = ("add", {})
+
+    def constraint_residual(self, w: torch.Tensor) -> torch.Tensor:
+        """Zero: every tensor is a point."""
+        return torch.zeros((), dtype=w.dtype, device=w.device)
+
+    def tangent_residual(self, w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Zero: every vector is tangent."""
+        return torch.zeros((), dtype=a.dtype, device=a.device)
 
     def __init__(self, ndim: int = 0, retraction: Union[str, Retraction, None] = None, **retraction_options):
         if not isinstance(ndim, int) or ndim < 0:

@@ -7,7 +7,12 @@ from typing import Union
 
 import torch
 
-from ..functional.sphere import exponential_coefficients, rotate, sphere_normalized_sq_step, sphere_project_tangent
+from ..functional.sphere import (
+    exponential_coefficients,
+    rotate,
+    sphere_normalized_sq_step,
+    sphere_project_tangent,
+)
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction
 from .base import RetractionManifold, _random_normal, _size_tuple

@@ -6,11 +6,18 @@ from typing import Union
 
 import torch
 
-from ..functional.stiefel import stiefel_exp, stiefel_project_tangent, stiefel_qr
+from ..functional.gram_rsqrt import polar_gram_factor
+from ..functional.stiefel import stiefel_exp, stiefel_qr, sym
 from ..retractions.base import Retraction
-from .base import RetractionManifold, _random_normal, _size_tuple, check_tensor
+from .base import _random_normal, _size_tuple, check_tensor
+from .matrix import MatrixConstraintManifold
 
-__all__ = ["Stiefel", "check_tall_matrix"]
+__all__ = ["STIEFEL_COLUMN_TOLERANCE", "Stiefel", "check_tall_matrix"]
+
+#: Largest deviation from 1 of a column norm that :meth:`Stiefel.dual_factor` accepts: a sanity
+#: check (one ``m·n`` pass) against points that were never projected — columns scaled by a
+#: DGram-like spread — not a substitute for the constraint residual.
+STIEFEL_COLUMN_TOLERANCE = 0.1
 
 
 def check_tall_matrix(shape, name: str, manifold: str):
@@ -26,17 +33,21 @@ def check_tall_matrix(shape, name: str, manifold: str):
     return True, None
 
 
-class Stiefel(RetractionManifold):
+class Stiefel(MatrixConstraintManifold):
     r"""Stiefel manifold, points ``(..., m, n)`` with :math:`X^\top X = I`.
 
     Tangent space :math:`\{V: X^\top V + V^\top X = 0\}`, projection
     :math:`P_X(Z) = Z - X\operatorname{sym}(X^\top Z)`. Retractions: ``polar`` (default, second
     order), ``qr`` and ``cayley`` (first order), ``exp`` (the geodesic).
+
+    Dual geometry (:class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold`): every
+    symmetric multiplier, :math:`F = I`; on square matrices :math:`\Lambda_0` is optimal.
     """
 
     name = "stiefel"
-    ndim = 2
     default_retraction = "polar"
+    square_dual = "closed-form"
+    muon_retraction = ("polar", {"method": "gram-eigh"})
 
     def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):
         super().__init__(retraction, **retraction_options)
@@ -44,9 +55,33 @@ class Stiefel(RetractionManifold):
     def _check_shape(self, shape, name):
         return check_tall_matrix(shape, name, "Stiefel")
 
+    @staticmethod
+    def multiplier_mask(a):
+        return a
+
+    def normal_multiplier(self, w, z):
+        return sym(w.mT @ z)
+
+    def constraint_deviation(self, w):
+        r""":math:`W^\top W - I`, ``(..., n, n)``."""
+        return w.mT @ w - torch.eye(w.size(-1), dtype=w.dtype, device=w.device)
+
+    def dual_factor(self, w):
+        norms = w.norm(dim=-2)  # (n,)
+        deviation = (norms - 1).abs()
+        if not bool((deviation <= STIEFEL_COLUMN_TOLERANCE).all()):  # (NaN fails too)
+            j = int(torch.nan_to_num(deviation, nan=float("inf")).argmax())
+            raise ValueError(
+                f"W is not a Stiefel point: column {j} (tall orientation) has norm {float(norms[j]):.4g}, "
+                f"expected 1 (within {STIEFEL_COLUMN_TOLERANCE}); project W first (e.g. Stiefel().projx)"
+            )
+        return None
+
+    def gram_retraction_factor(self, gram, rsqrt):
+        return polar_gram_factor(gram, rsqrt)
+
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        eye = torch.eye(x.size(-1), dtype=x.dtype, device=x.device)
-        err = (x.mT @ x - eye).abs().amax()
+        err = self.constraint_deviation(x).abs().amax()
         ok = bool(err <= atol + rtol)
         return ok, None if ok else f"max |X^T X - I| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
@@ -55,10 +90,6 @@ class Stiefel(RetractionManifold):
         err = (s + s.mT).abs().amax()
         ok = bool(err <= atol + rtol * u.abs().amax())
         return ok, None if ok else f"max |X^T U + U^T X| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
-
-    def inner(self, x, u, v=None, *, keepdim=False):
-        v = u if v is None else v
-        return (u * v).sum(dim=(-2, -1), keepdim=keepdim)
 
     def projx(self, x):
         r"""Nearest Stiefel point: :math:`UV^\top` from the thin SVD :math:`X = U\Sigma V^\top`.
@@ -74,10 +105,6 @@ class Stiefel(RetractionManifold):
         # float64 SVD (a projection is rare: an initialization, a repair); cast back at the end
         u, _, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)  # (..., m, n), (..., n, n)
         return (u @ vh).to(x.dtype)
-
-    def proju(self, x, u):
-        self._validate_pair(x, u)
-        return stiefel_project_tangent(x, u)
 
     def expmap(self, x, u):
         self._validate_pair(x, u)

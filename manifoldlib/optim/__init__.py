@@ -1,7 +1,9 @@
-"""Manifold Muon: steepest descent under the spectral norm on Stiefel / DGram, with policies.
+"""Manifold Muon: steepest descent under the spectral norm on Stiefel / DGram / Oblique, with policies.
 
 - :func:`steepest_direction`: the dual solvers (:mod:`.steepest`);
-- :class:`ManifoldMuon`: the optimizer and its functional core (:mod:`.manifold_muon`);
+- :class:`ManifoldMuon`: the optimizer (:mod:`.manifold_muon`), its dual-solver options
+  :class:`DualOptions` (:mod:`.dual_options`) and its functional core :func:`manifold_muon`
+  (:mod:`.muon_step`);
 - :func:`register_policy`, :func:`get_policy`, :func:`available_policies`: which matrix goes
   to which manifold (:mod:`.policies`);
 - :func:`build_optimizer`: one combined optimizer for a model (:mod:`.builder`);
@@ -15,7 +17,9 @@ from .diagnostics import (
     optimizer_diagnostics,
     spectral_norm,
 )
-from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
+from .dual_options import DualOptions
+from .manifold_muon import ManifoldMuon, manifold_muon
+from .muon_groups import MUON_MANIFOLDS
 from .policies import (
     RolePolicy,
     available_policies,
@@ -29,6 +33,7 @@ from .steepest import SteepestInfo, steepest_direction, tangent_residual
 __all__ = [
     "MUON_MANIFOLDS",
     "CombinedOptimizer",
+    "DualOptions",
     "ManifoldMuon",
     "RolePolicy",
     "SteepestInfo",

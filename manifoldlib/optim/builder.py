@@ -208,7 +208,7 @@ def build_optimizer(
         manifold_options: per-manifold ManifoldMuon options, e.g.
             ``{"dgram": {"retraction": "colnorm-polar"}}``.
         **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
-            ``msign_method``, ``dual_tol``, ...), including the distributed ones
+            ``dual={"tol": ...}``, ...), including the distributed ones
             (``distributed="sharded"``, ``process_group``, ``shard_strategy``) and ``workers``
             (matrices solved side by side on CPU threads). Build the
             optimizer on the unwrapped model, before wrapping it in DDP.

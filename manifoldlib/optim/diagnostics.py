@@ -1,8 +1,8 @@
 r"""Numbers worth logging while training with Manifold Muon.
 
 - :func:`constraint_residual`: how far a matrix is from its manifold, Stiefel
-  :math:`\|W^\top W - I\|_F`, DGram :math:`\|\operatorname{Off}(W^\top W)\|_F / \|W^\top W\|_F`
-  (tall orientation);
+  :math:`\|W^\top W - I\|_F`, DGram :math:`\|\operatorname{Off}(W^\top W)\|_F / \|W^\top W\|_F`,
+  Oblique :math:`\|\operatorname{diag}(W^\top W) - 1\|` (tall orientation; the manifolds' own checks);
 - :func:`spectral_norm`: :math:`\|W\|_2`;
 - :func:`optimizer_diagnostics`: both per Muon matrix, plus the dual iterations and residual of
   the last step (recorded in the optimizer state);
@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from ..functional.dgram import off_diagonal
+from .dual_manifolds import dual_manifold
 
 __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
 
@@ -28,23 +28,18 @@ def _tall(w: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def constraint_residual(w: torch.Tensor, manifold: str) -> float:
-    """Distance of ``w`` (``(m, n)``, either orientation) from ``manifold``; 0 for Euclidean.
+def constraint_residual(w: torch.Tensor, manifold) -> float:
+    """Distance of ``w`` (``(m, n)``, either orientation) from ``manifold`` (a name or a manifold
+    object): the manifold's own :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.constraint_residual`
+    in float64, tall orientation; 0 for Euclidean.
 
     Raises:
         ValueError: unknown manifold or a non-matrix ``w``.
     """
+    geometry = dual_manifold(manifold)
     if w.dim() != 2:
         raise ValueError(f"constraint_residual needs a matrix, got shape {tuple(w.shape)}")
-    x = _tall(w).to(torch.float64)
-    if manifold == "euclidean":
-        return 0.0
-    gram = x.mT @ x  # (n, n)
-    if manifold == "stiefel":
-        return float((gram - torch.eye(gram.size(-1), dtype=gram.dtype)).norm())
-    if manifold == "dgram":
-        return float(off_diagonal(gram).norm() / gram.norm())
-    raise ValueError(f"unknown manifold {manifold!r}; valid: euclidean, stiefel, dgram")
+    return float(geometry.constraint_residual(_tall(w).to(torch.float64)))
 
 
 @torch.no_grad()

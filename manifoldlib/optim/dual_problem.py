@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..functional.dgram import off_diagonal
 from ..functional.msign import msign
+from ..functional.normal_space import normal_metric
+from .dual_manifolds import dual_manifold
 from .search_precision import search_dtype
 from .spectral_factors import _rsqrt_divided_differences, _spectral_gain, gram_msign_factor
 
@@ -47,39 +48,15 @@ def resolve_spectral(spectral: str, device: torch.device) -> str:
     return spectral
 
 
-def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold: str) -> torch.Tensor:
+def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold) -> torch.Tensor:
     r"""Relative normal component :math:`\|A - P_W A\|_F / \|A\|_F` of ``a`` at ``w`` (tall, ``(m, n)``).
 
-    Stiefel: :math:`\|W\operatorname{sym}(W^\top A)\|_F`; DGram: :math:`\|WS\|_F` with
-    :math:`S_{ij} = (W^\top A + A^\top W)_{ij}/(d_i^2 + d_j^2)`, :math:`S_{ii} = 0`; Euclidean: 0.
+    ``manifold``: a name or a manifold object; the formula is the manifold's
+    (:meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.tangent_residual`: Stiefel
+    :math:`\|W\operatorname{sym}(W^\top A)\|_F`, DGram and Oblique :math:`\|WS\|_F` with
+    :math:`S = \mathcal{P}(W^\top A + A^\top W)/(d_i^2 + d_j^2)`; Euclidean 0).
     """
-    if manifold == "euclidean":
-        return torch.zeros((), dtype=a.dtype, device=a.device)
-    wa = w.mT @ a  # (n, n)
-    h = wa + wa.mT
-    if manifold == "stiefel":
-        normal = 0.5 * (w @ h)
-    else:
-        d2 = (w * w).sum(-2)
-        normal = w @ (off_diagonal(h) / (d2.unsqueeze(-1) + d2.unsqueeze(-2)))
-    return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
-
-
-#: Largest deviation from 1 of a column norm that :class:`_DualProblem` accepts on Stiefel: a
-#: sanity check (one ``m·n`` pass) against points that were never projected — columns scaled by
-#: a DGram-like spread — not a substitute for the constraint residual.
-STIEFEL_COLUMN_TOLERANCE = 0.1
-
-
-def _check_stiefel_columns(w: torch.Tensor) -> None:
-    norms = w.norm(dim=-2)  # (n,)
-    deviation = (norms - 1).abs()
-    if not bool((deviation <= STIEFEL_COLUMN_TOLERANCE).all()):  # (NaN fails too)
-        j = int(torch.nan_to_num(deviation, nan=float("inf")).argmax())
-        raise ValueError(
-            f"W is not a Stiefel point: column {j} (tall orientation) has norm {float(norms[j]):.4g}, "
-            f"expected 1 (within {STIEFEL_COLUMN_TOLERANCE}); project W first (e.g. Stiefel().projx)"
-        )
+    return dual_manifold(manifold).tangent_residual(w, a)
 
 
 @dataclass
@@ -109,42 +86,52 @@ class _DualProblem:
     r"""The reduced dual of one tall instance: every iteration is ``n × n`` work only.
 
     Setup: :math:`W^\top G` and :math:`G^\top G` (two ``m·n²`` products); the answer
-    :math:`A = (G + 2W\Lambda)R` costs two more. The Gram matrix of :math:`X = G + 2W\Lambda` is
-    :math:`S = C + M^\top M` with :math:`M = B + 2D\Lambda`, :math:`B = Q^\top G` and
-    :math:`C = G^\top G - B^\top B` (zero for square ``W``).
+    :math:`A = (G + 2W\Lambda)R` costs two more. With :math:`W = QF` (the manifold's
+    :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.dual_factor`: :math:`F = I` on
+    Stiefel, :math:`D` on DGram, triangular on Oblique) the Gram matrix of
+    :math:`X = G + 2W\Lambda` is :math:`S = C + M^\top M` with :math:`M = B + 2F\Lambda`,
+    :math:`B = Q^\top G` and :math:`C = G^\top G - B^\top B` (zero for square ``W``); the dual
+    gradient is :math:`H = \mathcal{P}(F^\top K + K^\top F)`, :math:`K = Q^\top A`, with the
+    manifold's mask :math:`\mathcal{P}`.
     """
 
     def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None, spectral="eigh"):
-        self.manifold = manifold
+        manifold = dual_manifold(manifold)  # a MatrixConstraintManifold (or its name)
+        self.manifold = manifold  # the constraint's geometry
         self.method = method
         self.spectral = spectral  # "eigh" or "products" (plain evaluations; smoothed ones take the eigh)
         self.steps, self.coefficients, self.eps = steps, coefficients, eps
         self.smoothing = smoothing  # absolute mu of the smoothed nuclear norm, or None
         n = w.size(-1)
-        if manifold == "dgram":
-            self.d = w.norm(dim=-2)  # (n,) column norms
-            if not bool((self.d > 0).all()):
-                zero = (self.d == 0).nonzero().flatten().tolist()
-                raise ValueError(
-                    f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
-                    f"points have nonzero orthogonal columns (project W first)"
-                )
-        else:
+        self.f = manifold.dual_factor(w)  # W = Q F: None (F = I), (n,) diagonal or (n, n) triangular
+        self.unit = self.f is None  # D = I, metric 1, no mask: skip the scalings
+        self.full = self.f is not None and self.f.dim() == 2
+        if self.unit:
             self.d = torch.ones(n, dtype=w.dtype, device=w.device)
-            if manifold == "stiefel":
-                _check_stiefel_columns(w)
+        else:
+            self.d = self.f.norm(dim=-2) if self.full else self.f  # (n,) column norms of W
         self.w, self.g = w, g
-        self.unit = manifold == "stiefel"  # D = I, metric 1, no mask: skip the scalings
         self.square = w.size(-2) == n
-        d2 = self.d * self.d
-        self.metric = 0.5 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))  # (n, n), (d_i^2 + d_j^2)/2
+        self.metric = normal_metric(self.d * self.d)  # (n, n), (d_i^2 + d_j^2)/2
         self.two_d = 2.0 * self.d.unsqueeze(-1)  # (n, 1)
         self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (n, n): H -> D S
-        self.mask = off_diagonal if manifold == "dgram" else (lambda x: x)
-        self.wg = w.mT @ g  # (n, n) = W^T G = D B
+        self.mask = manifold.multiplier_mask
+        self.wg = w.mT @ g  # (n, n) = W^T G = F^T B
         self.reduced = False
         if method != "svd" or smoothing is not None:
             self.enable_reduced()
+
+    def times_factor(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n, n)`` :math:`Fx`."""
+        if self.unit:
+            return x
+        return self.f @ x if self.full else self.d.unsqueeze(-1) * x
+
+    def factor_transposed_times(self, x: torch.Tensor) -> torch.Tensor:
+        r"""``(n, n)`` :math:`F^\top x` (:math:`W^\top A` from :math:`K = Q^\top A`)."""
+        if self.unit:
+            return x
+        return self.f.mT @ x if self.full else self.d.unsqueeze(-1) * x
 
     def enable_reduced(self) -> None:
         r"""Switch to the reduced (``n × n``) evaluations: form :math:`B = Q^\top G` and
@@ -153,7 +140,10 @@ class _DualProblem:
         if self.reduced:
             return
         self.reduced = True
-        self.b = self.wg / self.d.unsqueeze(-1)  # (n, n) = Q^T G
+        if self.full:  # (n, n) = Q^T G = F^{-T} W^T G
+            self.b = torch.linalg.solve_triangular(self.f.mT, self.wg, upper=False)
+        else:
+            self.b = self.wg / self.d.unsqueeze(-1)
         if self.square:
             self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
         else:
@@ -172,6 +162,8 @@ class _DualProblem:
 
     def _m(self, lam: torch.Tensor) -> torch.Tensor:
         """``(n, n)`` :math:`M = B + 2D\\Lambda`."""
+        if self.full:
+            return torch.addmm(self.b, self.f, lam, alpha=2.0)
         return torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, self.two_d, lam)
 
     def evaluate(self, lam: torch.Tensor, *, rotated: bool = False):
@@ -187,9 +179,8 @@ class _DualProblem:
                 nan = torch.full_like(lam, float("nan"))
                 return nan, float("nan"), _State(lam, torch.full_like(x, float("nan")))
             a = msign(x, "svd")
-            k = (self.w.mT @ a) / self.d.unsqueeze(-1)  # (n, n) = Q^T A
             a_sq = (a * a).sum()
-            state = _State(lam, a)
+            return self._gradient(None, a_sq, _State(lam, a), wa=self.w.mT @ a)
         else:
             m = self._m(lam)  # (n, n)
             s = m.mT @ m if self.square else torch.addmm(self.c, m.mT, m)  # (n, n) Gram matrix of X
@@ -216,15 +207,17 @@ class _DualProblem:
             k = (state.mv * gain) @ vec.mT  # (n, n) = M R = Q^T A
         return self._gradient(k, a_sq, state)
 
-    def _gradient(self, k: torch.Tensor, a_sq: torch.Tensor, state: _State):
-        r"""``(H, residual, state)`` from :math:`K = Q^\top A` and :math:`\|A\|_F^2`."""
+    def _gradient(self, k, a_sq: torch.Tensor, state: _State, wa: torch.Tensor | None = None):
+        r"""``(H, residual, state)`` from :math:`K = Q^\top A` (or ``wa`` :math:`= W^\top A`) and :math:`\|A\|_F^2`."""
         state.k = k
-        dk = k if self.unit else self.d.unsqueeze(-1) * k  # D Q^T A = W^T A
-        h = dk + dk.mT  # dual gradient (fresh tensor: its diagonal is masked in place)
-        if self.manifold == "dgram":
-            h.diagonal().zero_()
-        # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||D S||_F
-        normal_norm = 0.5 * h.norm() if self.unit else (h * self.normal_scale).norm()
+        dk = self.factor_transposed_times(k) if wa is None else wa  # F^T Q^T A = W^T A
+        h = self.mask(dk + dk.mT)  # dual gradient
+        # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||F S||_F
+        if self.full:
+            normal_norm = self.f @ (h / (2.0 * self.metric))
+            normal_norm = normal_norm.norm()
+        else:
+            normal_norm = 0.5 * h.norm() if self.unit else (h * self.normal_scale).norm()
         residual = float(normal_norm / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
         return h, residual, state
 
@@ -241,7 +234,7 @@ class _DualProblem:
         if state.eig is None or state.k is None:
             return float("nan")
         nuclear = state.eig.sqrt().sum()
-        dk = state.k if self.unit else self.d.unsqueeze(-1) * state.k  # W^T A
+        dk = self.factor_transposed_times(state.k)  # W^T A
         value = (state.eig * state.gain).sum() - 2.0 * (state.lam * dk).sum()
         return float((nuclear - value) / nuclear.clamp_min(torch.finfo(nuclear.dtype).tiny))
 
@@ -254,11 +247,11 @@ class _DualProblem:
     def hessian_vector(self, state: _State, delta: torch.Tensor) -> torch.Tensor:
         r"""Second derivative of the smoothed dual along the symmetric ``delta`` (reduced path).
 
-        :math:`E = 2D\Delta`, :math:`dS = E^\top M + M^\top E`,
+        :math:`E = 2F\Delta`, :math:`dS = E^\top M + M^\top E`,
         :math:`dR = V[(V^\top dS V)\circ\Phi]V^\top` with :math:`\Phi_{ij}` the divided difference of
         :math:`\psi(\lambda) = (\lambda + \mu^2)^{-1/2}`, :math:`-1/(a_i a_j (a_i + a_j))`,
         :math:`a = \psi^{-1}`; then :math:`dK = ER + M\,dR` and the answer is
-        :math:`\mathcal{N}(D\,dK + dK^\top D)`. Four ``n × n`` products, in bfloat16 for a float32
+        :math:`\mathcal{P}(F^\top dK + dK^\top F)`. Four ``n × n`` products, in bfloat16 for a float32
         solve where that is native (:mod:`~manifoldlib.optim.search_precision`: they only steer
         conjugate gradients; the Newton iterates are evaluated in float32).
         """
@@ -267,9 +260,31 @@ class _DualProblem:
             phi = _rsqrt_divided_differences(state.gain.reciprocal())  # at a_i^2, a_i = sqrt(lambda_i + mu^2)
             state.hessian = (state.vec.to(low), state.mv.to(low), phi)
         vec, mv, phi = state.hessian
-        ev = (2.0 * (self.d.unsqueeze(-1) * delta)).to(vec.dtype) @ vec  # (n, n) = E V
+        ev = (2.0 * self.times_factor(delta)).to(vec.dtype) @ vec  # (n, n) = E V
         t = (ev.mT @ mv).to(delta.dtype)  # (n, n)
         dr = ((t + t.mT) * phi).to(vec.dtype)  # V^T dR V
         dk = ((ev.to(delta.dtype) * state.gain).to(vec.dtype) + mv @ dr) @ vec.mT  # (n, n) = dK
-        ddk = self.d.unsqueeze(-1) * dk.to(delta.dtype)
+        ddk = self.factor_transposed_times(dk.to(delta.dtype))
         return self.mask(ddk + ddk.mT)
+
+
+class _BestIterate:
+    """Book-keeping shared by the dual iterations: the best iterate so far (a NaN one is always
+    replaced) and the stall count behind ``patience`` (iterations in a row without a 10% cut of
+    the best-so-far residual mark)."""
+
+    def __init__(self, residual: float, lam: torch.Tensor, state: _State) -> None:
+        self.best = (residual, lam, state)
+        self.mark = residual
+        self.since_progress = 0
+
+    def record(self, residual: float, lam: torch.Tensor, state: _State) -> None:
+        if residual < self.best[0] or self.best[0] != self.best[0]:
+            self.best = (residual, lam, state)
+        if residual < 0.9 * self.mark:
+            self.mark, self.since_progress = residual, 0
+        else:
+            self.since_progress += 1
+
+    def stalled(self, patience: int | None) -> bool:
+        return patience is not None and self.since_progress >= patience

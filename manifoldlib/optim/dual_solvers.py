@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from .dual_problem import _DualProblem, _State
+from .dual_manifolds import dual_manifold
+from .dual_problem import _BestIterate, _DualProblem, _State
 from .search_precision import search_dtype
 
 __all__ = [
@@ -82,28 +83,6 @@ def solve_dtype(dtype: torch.dtype, device: torch.device, smoothed: bool) -> tor
     if smoothed and dtype == torch.float32 and device.type == "cuda":
         return SMOOTHED_CUDA_DTYPE
     return dtype
-
-
-class _BestIterate:
-    """Book-keeping shared by the dual iterations: the best iterate so far (a NaN one is always
-    replaced) and the stall count behind ``patience`` (iterations in a row without a 10% cut of
-    the best-so-far residual mark)."""
-
-    def __init__(self, residual: float, lam: torch.Tensor, state: _State) -> None:
-        self.best = (residual, lam, state)
-        self.mark = residual
-        self.since_progress = 0
-
-    def record(self, residual: float, lam: torch.Tensor, state: _State) -> None:
-        if residual < self.best[0] or self.best[0] != self.best[0]:
-            self.best = (residual, lam, state)
-        if residual < 0.9 * self.mark:
-            self.mark, self.since_progress = residual, 0
-        else:
-            self.since_progress += 1
-
-    def stalled(self, patience: int | None) -> bool:
-        return patience is not None and self.since_progress >= patience
 
 
 def _dual_solve(
@@ -181,9 +160,7 @@ def _preconditioned_step(
     scale = 2.0 * (gain.unsqueeze(-1) + gain.unsqueeze(-2))
     inner = (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)).to(low.dtype)
     step = (low @ inner @ low.mT).to(vec.dtype)
-    step = step + step.mT  # (fresh) symmetric part, times two
-    if problem.manifold == "dgram":
-        step.diagonal().zero_()
+    step = problem.mask(step + step.mT)  # symmetric part, times two, on the multipliers
     return step.mul_(-0.5 * relaxation)
 
 
@@ -351,17 +328,20 @@ def _accept(state: _State, trial: _State, residual: float, trial_residual: float
     return trial_residual < residual
 
 
-def _resolve_smoothing(smoothing, manifold: str, shape, exact: bool = False) -> tuple[float | None, float | None]:
+def _resolve_smoothing(smoothing, manifold, shape, exact: bool = False) -> tuple[float | None, float | None]:
     """``(kappa, fallback)``: the relative smoothing :math:`\\kappa` to solve with from the start
     (``None``: the plain dual), and the one to continue with when the plain dual stalls (``None``:
     keep the plain dual's best iterate). ``exact``: the exact-SVD plain dual was asked for, which
-    smooths from the start only where it cannot converge (square DGram)."""
+    smooths from the start only where it cannot converge (square DGram). ``manifold``: the
+    manifold object, whose ``square_dual`` says what the plain dual does on square matrices."""
     if smoothing == "auto":
+        manifold = dual_manifold(manifold)
         rows, cols = shape[-2], shape[-1]  # tall orientation, rows >= cols
-        if manifold == "dgram" and rows == cols:
+        square = rows == cols
+        if square and manifold.square_dual == "rank-deficient":
             return AUTO_SMOOTHING, None
-        square_stiefel = manifold == "stiefel" and rows == cols  # closed form: the plain dual is exact
-        if not exact and rows < SMOOTH_BELOW_ASPECT * cols and not square_stiefel:
+        closed_form = square and manifold.square_dual == "closed-form"  # the plain dual is exact
+        if not exact and rows < SMOOTH_BELOW_ASPECT * cols and not closed_form:
             return AUTO_SMOOTHING, None
         return None, AUTO_SMOOTHING
     if smoothing is None:

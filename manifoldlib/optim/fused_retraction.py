@@ -16,10 +16,15 @@ own factor, from the same products-only kernels (:mod:`~manifoldlib.functional.g
 
 * Stiefel (``polar``): :math:`\Phi = (Y^\top Y)^{-1/2}`;
 * DGram (``alternating``): with :math:`c_j = \|y_j\|` and :math:`T = cY^\top Yc`,
-  :math:`F = T^{-1/2}`, :math:`d'_j = (FcY^\top Y)_{jj}`, :math:`\Phi = cFd'`.
+  :math:`F = T^{-1/2}`, :math:`d'_j = (FcY^\top Y)_{jj}`, :math:`\Phi = cFd'`;
+* Oblique (``normalize``): :math:`\Phi = \operatorname{diag}((Y^\top Y)_{jj}^{-1/2})`;
+
+each from the manifold's
+:meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.gram_retraction_factor`.
 
 **The Gram matrix of W.** :math:`W^\top W` is taken as :math:`D^2` (DGram, ``D`` the current column
-norms) or :math:`I` (Stiefel): what the point satisfies up to its constraint residual. That
+norms) or :math:`I` (Stiefel), and as :math:`F^\top F` from the QR factor on Oblique (exact, the
+columns are not orthogonal): what the point satisfies up to its constraint residual. That
 residual is then not corrected by the step, and rounding lets it walk: float32, 512×128 DGram,
 fused steps only, :math:`\|\mathrm{Off}(W^\top W)\|_F/\|\mathrm{diag}(W^\top W)\|` grew as
 :math:`\sqrt{t}` from 2.3e-7 to 6.5e-6 over 3,000 steps. So every step estimates the residual
@@ -70,7 +75,10 @@ def _probe(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _point_gram(problem: _DualProblem) -> torch.Tensor | None:
     r"""The exact ``(n, n)`` :math:`W^\top W` when the point's estimated constraint residual is
-    above :data:`GRAM_DRIFT_EPS`, else ``None`` (take :math:`D^2`)."""
+    above :data:`GRAM_DRIFT_EPS`, else ``None`` (take :math:`D^2`). A triangular factor
+    (Oblique: the columns are not orthogonal) gives :math:`F^\top F` itself."""
+    if problem.full:
+        return problem.f.mT @ problem.f
     w = problem.w
     n = w.size(-1)
     z = _probe(n, w.dtype, w.device)
@@ -94,19 +102,6 @@ def _exact_pieces(problem: _DualProblem, lam: torch.Tensor, r: torch.Tensor, poi
     return wtx @ r, r.mT @ xtx @ r
 
 
-def _factor(manifold: str, gram: torch.Tensor) -> torch.Tensor | None:
-    r"""The retraction's ``(n, n)`` factor :math:`\Phi` (new point :math:`Y\Phi`) from
-    :math:`Y^\top Y`, or ``None`` when the products-only kernels cannot resolve it."""
-    if manifold == "stiefel":
-        return _rsqrt(gram)
-    c = torch.diagonal(gram).clamp_min(0).sqrt()  # (n,) column norms of Y
-    f = _rsqrt(c.unsqueeze(-1) * gram * c)  # (cY^T Y c)^{-1/2}
-    if f is None:
-        return None
-    d = ((f * c) * gram).sum(-1).clamp_min(torch.finfo(gram.dtype).tiny)  # (n,) = diag(F c Y^T Y)
-    return (c.unsqueeze(-1) * f) * d
-
-
 def _rsqrt(t: torch.Tensor) -> torch.Tensor | None:
     """:math:`T^{-1/2}` by the Gram-form polar factor's kernels; ``None`` where neither applies
     or the result would need a refining pass."""
@@ -118,8 +113,9 @@ def fused_retraction(problem: _DualProblem, state: _State, eta: float, beta: flo
     r"""The retracted point :math:`R_{\beta W}(-\eta A)` of a solved reduced dual, tall ``(m, n)``.
 
     Args:
-        problem: the solved dual (:attr:`~manifoldlib.optim.steepest.DualSolution.problem`),
-            Stiefel or DGram.
+        problem: the solved dual (:attr:`~manifoldlib.optim.steepest.DualSolution.problem`) of a
+            manifold whose :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.gram_retraction_factor`
+            is its default Muon retraction.
         state: its final evaluation (eigh path: eigenvalues, eigenvectors and gain).
         eta: step length (the adjusted learning rate).
         beta: decoupled weight-decay factor applied to ``W`` first (DGram).
@@ -132,7 +128,7 @@ def fused_retraction(problem: _DualProblem, state: _State, eta: float, beta: flo
         raise ValueError(f"fused_retraction needs a finite eta >= 0 and beta > 0, got eta={eta!r}, beta={beta!r}")
     w = problem.w
     rows, cols = w.shape[-2:]
-    if problem.manifold not in ("stiefel", "dgram") or not problem.reduced or state.vec is None:
+    if not problem.reduced or state.vec is None:
         return None
     if rows < FUSED_MIN_ASPECT * cols:
         return None
@@ -140,7 +136,7 @@ def fused_retraction(problem: _DualProblem, state: _State, eta: float, beta: flo
     point = _point_gram(problem)
     if point is None:  # W^T W = D^2: the solve's own pieces
         k = state.k if state.k is not None else state.m @ r  # (n, n) = Q^T A
-        wta = k if problem.unit else problem.d.unsqueeze(-1) * k  # W^T A
+        wta = problem.factor_transposed_times(k)  # W^T A
         ata = (state.vec * (state.eig * state.gain * state.gain)) @ state.vec.mT  # A^T A = R S R
     else:
         wta, ata = _exact_pieces(problem, state.lam, r, point)
@@ -149,7 +145,7 @@ def fused_retraction(problem: _DualProblem, state: _State, eta: float, beta: flo
         gram.diagonal().add_(problem.d * problem.d, alpha=beta * beta)
     else:
         gram.add_(point, alpha=beta * beta)
-    phi = _factor(problem.manifold, gram)
+    phi = problem.manifold.gram_retraction_factor(gram, _rsqrt)  # the manifold's retraction, Gram form
     if phi is None or not bool(torch.isfinite(phi).all()):
         return None
     r_phi = r @ phi  # (n, n)

@@ -10,7 +10,8 @@ For a gradient :math:`G` at a point :math:`W` the *steepest direction* is
 and the optimizer steps :math:`W \leftarrow R_W(-\eta A^\star)`; equivalently :math:`-A^\star`
 minimizes :math:`\langle G, A\rangle` (the convention of Muon, whose Euclidean answer is
 :math:`\operatorname{msign}(G)`). The normal space is :math:`\{W\Lambda\}` with :math:`\Lambda`
-symmetric (Stiefel) or symmetric with zero diagonal (DGram), so the Lagrangian dual is
+symmetric (Stiefel), symmetric with zero diagonal (DGram) or diagonal (Oblique): the
+manifold's :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.multiplier_mask`, so the Lagrangian dual is
 
 .. math::
 
@@ -57,12 +58,12 @@ Three ideas make the solve cheap and exact (MATH.md §4–5 give the plain dual 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
-from .dual_problem import SPECTRAL_PATHS, _DualProblem, _State, resolve_spectral, tangent_residual
+from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
+from .dual_problem import SPECTRAL_PATHS, _DualProblem, resolve_spectral, tangent_residual
+from .dual_solution import DualSolution, SteepestInfo
 from .dual_solvers import (
     AUTO_SMOOTHING,
     GAP_TOL,
@@ -91,8 +92,6 @@ __all__ = [
     "tangent_residual",
 ]
 
-#: Manifolds :func:`steepest_direction` knows.
-STEEPEST_MANIFOLDS = ("stiefel", "dgram", "euclidean")
 #: Default relative tangent residual at which the dual solve stops.
 DEFAULT_TOL = 1e-4
 #: Default cap on dual iterations.
@@ -101,45 +100,10 @@ DEFAULT_MAX_ITER = 100
 DUAL_UPDATES = ("auto", "anderson", "bb")
 
 
-@dataclass
-class SteepestInfo:
-    r"""What one dual solve did.
-
-    Attributes:
-        iterations: dual updates taken (0 when the initial multiplier already met ``tol``).
-        residual: relative tangent residual :math:`\|A - P_W A\|_F / \|A\|_F` of the returned ``A``.
-        converged: ``residual <= tol``.
-        multiplier: the final :math:`\Lambda` ``(n, n)`` for the *normalized* gradient
-            :math:`G/\|G\|_F`, in the tall orientation; pass it back as ``multiplier`` to warm-start.
-        correction: :math:`\Lambda - \Lambda_0` (what the dual iterations added to the closed-form
-            start); pass it back as ``correction`` to warm-start at a *new* point.
-        history: residual after each dual iteration (starting with the initial one).
-        step_size: the last Barzilai–Borwein dual step; pass it back as ``step_size`` to start
-            the next solve with the curvature this one learned.
-        gap: certified relative duality gap :math:`(\|G + 2W\Lambda\|_* - \langle G, A\rangle)
-            / \|G + 2W\Lambda\|_*` of a smoothed answer (``None`` when no smoothing ran). With
-            ``smoothing="auto"`` a solve counts as converged only if this is at most
-            :data:`~manifoldlib.optim.dual_solvers.GAP_TOL`.
-    """
-
-    iterations: int
-    residual: float
-    converged: bool
-    multiplier: torch.Tensor | None
-    correction: torch.Tensor | None = None
-    history: list[float] = field(default_factory=list)
-    step_size: float | None = None
-    gap: float | None = None
-
-
-def _check_inputs(
-    w: torch.Tensor, g: torch.Tensor, manifold: str, tol: float, max_iter: int, patience: int | None
-) -> None:
-    if manifold not in STEEPEST_MANIFOLDS:
-        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(STEEPEST_MANIFOLDS)}")
+def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold, tol: float, max_iter: int, patience: int | None) -> None:
     if g.dim() != 2:
         raise ValueError(f"the gradient must be a matrix (m, n), got shape {tuple(g.shape)}")
-    if manifold != "euclidean" and w.shape != g.shape:
+    if not manifold.flat and w.shape != g.shape:
         raise ValueError(f"W and G must have the same shape, got {tuple(w.shape)} and {tuple(g.shape)}")
     if not (isinstance(tol, (int, float)) and tol > 0):
         raise ValueError(f"tol must be > 0, got {tol!r}")
@@ -155,7 +119,7 @@ def _check_inputs(
 def steepest_direction(
     W: torch.Tensor,
     G: torch.Tensor,
-    manifold: str = "stiefel",
+    manifold="stiefel",
     *,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
@@ -187,6 +151,10 @@ def steepest_direction(
       diagonal, :math:`H = \operatorname{Off}(W^\top A + A^\top W)`,
       :math:`\Lambda_{0,ij} = -(W^\top G + G^\top W)_{ij}/(2(d_i^2 + d_j^2))`, steps scaled by
       :math:`2/(d_i^2+d_j^2)`.
+    * ``"oblique"`` (:math:`\operatorname{Diag}(W^\top W) = I`): :math:`\Lambda` diagonal,
+      :math:`H = \operatorname{Diag}(W^\top A + A^\top W)`.
+    * a :class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold` instance: the same dual
+      with that manifold's mask, factor and metric (the three above are such instances).
 
     ``G`` is normalized by its Frobenius norm first (the dual is not scale invariant); the
     multiplier refers to the normalized problem. A wide ``(m < n)`` input is solved transposed and
@@ -195,7 +163,8 @@ def steepest_direction(
     Args:
         W: ``(m, n)`` point on the manifold (ignored for ``"euclidean"``).
         G: ``(m, n)`` gradient (or momentum).
-        manifold: ``"stiefel"``, ``"dgram"`` or ``"euclidean"``.
+        manifold: ``"stiefel"``, ``"dgram"``, ``"oblique"``, ``"euclidean"`` or a manifold object
+            (:func:`~manifoldlib.optim.dual_manifolds.dual_manifold`).
         tol: stop once the relative tangent residual :math:`\|A - P_W A\|_F/\|A\|_F \le` ``tol``.
         max_iter: cap on dual iterations (Newton steps for a smoothed solve); the best iterate seen
             is returned.
@@ -284,38 +253,11 @@ def steepest_direction(
     return (a, solution.info) if return_info else a
 
 
-@dataclass
-class DualSolution:
-    """A finished dual solve, before the ``m × n`` answer is formed (see :func:`solve_dual`).
-
-    Attributes:
-        info: what the solve did.
-        transposed: the problem was solved in the tall orientation of a wide input.
-        problem: the reduced dual (``None`` when no dual ran: Euclidean, or a zero gradient).
-        state: its final evaluation (``None`` likewise).
-        answer: the direction itself when no dual ran (tall orientation, work dtype).
-    """
-
-    info: SteepestInfo
-    transposed: bool
-    problem: _DualProblem | None = None
-    state: _State | None = None
-    answer: torch.Tensor | None = None
-
-    def direction(self) -> torch.Tensor:
-        """The steepest direction in the input's orientation, in the solve's work dtype
-        (:func:`~manifoldlib.optim.dual_solvers.solve_dtype`: float32 for 16-bit input, float64
-        for a smoothed float32 solve on CUDA); runs with IEEE float32 products."""
-        with ieee_float32_matmul():  # the m x n product X R: TF32 would blur the tangency
-            a = self.answer if self.problem is None else self.problem.direction(self.state)
-        return a.mT if self.transposed else a
-
-
 @ieee_float32_matmul()
 def solve_dual(
     W: torch.Tensor,
     G: torch.Tensor,
-    manifold: str = "stiefel",
+    manifold="stiefel",
     *,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
@@ -339,6 +281,7 @@ def solve_dual(
     Runs with IEEE float32 products whatever the process's TF32 setting
     (:func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul`).
     """
+    manifold = dual_manifold(manifold)  # raises on an unknown name
     _check_inputs(W, G, manifold, tol, max_iter, patience)
     if gap_tol is not None and not (isinstance(gap_tol, (int, float)) and gap_tol > 0):
         raise ValueError(f"gap_tol must be None or a number > 0, got {gap_tol!r}")
@@ -363,7 +306,7 @@ def solve_dual(
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(work_dtype)
     norm = g.norm()
-    if manifold == "euclidean" or not bool(norm > 0):
+    if manifold.flat or not bool(norm > 0):
         if msign_method == "svd":
             a = msign(g, "svd")
         else:

@@ -2,7 +2,7 @@
 
 Registered names — sphere: ``exp``, ``gnomonic`` (alias ``projection``), ``cayley`` (alias
 ``stereographic``), ``p``; stiefel: ``polar``, ``qr``, ``cayley``, ``exp``; dgram: ``alternating``,
-``colnorm-polar``; euclidean: ``add``.
+``colnorm-polar``; oblique: ``normalize``; euclidean: ``add``.
 """
 
 from .base import (
@@ -15,6 +15,7 @@ from .base import (
 )
 from .dgram import DGramAlternatingRetraction, DGramColnormPolarRetraction
 from .euclidean import AddRetraction
+from .oblique import ObliqueNormalizeRetraction
 from .sphere import (
     AngleRetraction,
     CayleyRetraction,
@@ -38,6 +39,7 @@ __all__ = [
     "DGramColnormPolarRetraction",
     "ExponentialRetraction",
     "GnomonicRetraction",
+    "ObliqueNormalizeRetraction",
     "PRetraction",
     "Retraction",
     "StiefelCayleyRetraction",

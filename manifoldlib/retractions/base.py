@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 #: Manifold registries that exist; a retraction registers under one of these.
-MANIFOLD_NAMES = ("sphere", "stiefel", "dgram", "euclidean")
+MANIFOLD_NAMES = ("sphere", "stiefel", "dgram", "oblique", "euclidean")
 
 _REGISTRY: dict[str, dict[str, type["Retraction"]]] = {name: {} for name in MANIFOLD_NAMES}
 _ALIASES: dict[str, dict[str, str]] = {name: {} for name in MANIFOLD_NAMES}

@@ -15,7 +15,7 @@ from ..retractions.base import MANIFOLD_NAMES, available_retractions
 __all__ = ["registered_manifolds"]
 
 #: Geometry keyword arguments used for each family (a non-unit radius catches r/r² mix-ups).
-_GEOMETRY = {"sphere": {"radius": 2.5}, "stiefel": {}, "dgram": {}, "euclidean": {"ndim": 1}}
+_GEOMETRY = {"sphere": {"radius": 2.5}, "stiefel": {}, "dgram": {}, "oblique": {}, "euclidean": {"ndim": 1}}
 
 
 def registered_manifolds(

@@ -21,6 +21,8 @@ HARD_INSTANCES = (
     ("dgram", 128, 32, 4, 0.1),
     ("stiefel", 64, 16, 2, 0.05),
     ("dgram", 64, 16, 2, 0.05),
+    ("oblique", 128, 32, 4, 0.1),
+    ("oblique", 64, 16, 2, 0.05),
 )
 
 
@@ -30,22 +32,24 @@ def hard_instance(
     r"""``(W, G)``, both ``(m, n)``: a point and a rank-``rank``-plus-``noise`` gradient.
 
     ``W`` is the Q factor of a Gaussian matrix (Stiefel), with columns scaled by
-    :math:`e^{z_j/2}`, :math:`z_j \sim N(0, 1)`, on DGram; :math:`G = UV^\top + \nu N`. Generated in
+    :math:`e^{z_j/2}`, :math:`z_j \sim N(0, 1)`, on DGram, and a Gaussian matrix with normalized
+    columns on Oblique; :math:`G = UV^\top + \nu N`. Generated in
     float64 from ``seed`` (reproducible across machines), then cast to ``dtype``.
 
     Raises:
-        ValueError: a manifold other than ``"stiefel"``/``"dgram"``, a wide shape, or a rank
-            outside ``1..n``.
+        ValueError: a manifold other than ``"stiefel"``/``"dgram"``/``"oblique"``, a wide shape,
+            or a rank outside ``1..n``.
     """
-    if manifold not in ("stiefel", "dgram"):
-        raise ValueError(f"manifold must be 'stiefel' or 'dgram', got {manifold!r}")
+    if manifold not in ("stiefel", "dgram", "oblique"):
+        raise ValueError(f"manifold must be 'stiefel', 'dgram' or 'oblique', got {manifold!r}")
     if not m >= n >= 1:
         raise ValueError(f"need a tall shape m >= n >= 1, got ({m}, {n})")
     if not 1 <= rank <= n:
         raise ValueError(f"rank must be in 1..{n}, got {rank}")
     gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-    w = torch.linalg.qr(torch.randn(m, n, generator=gen, dtype=f64))[0]
+    w = torch.randn(m, n, generator=gen, dtype=f64)
+    w = w / w.norm(dim=0) if manifold == "oblique" else torch.linalg.qr(w)[0]
     if manifold == "dgram":
         w = w * torch.exp(0.5 * torch.randn(n, generator=gen, dtype=f64))
     g = torch.randn(m, rank, generator=gen, dtype=f64) @ torch.randn(rank, n, generator=gen, dtype=f64)
@@ -53,11 +57,12 @@ def hard_instance(
     return w.to(dtype), g.to(dtype)
 
 
-def nuclear_dual_optimum(w: torch.Tensor, g: torch.Tensor, zero_diagonal: bool) -> float:
-    r""":math:`\min_S \|G + WS\|_*` over symmetric ``S`` (zero diagonal if asked), by scipy L-BFGS.
+def nuclear_dual_optimum(w: torch.Tensor, g: torch.Tensor, zero_diagonal: bool, *, diagonal: bool = False) -> float:
+    r""":math:`\min_S \|G + WS\|_*` over symmetric ``S`` (zero diagonal if asked; ``diagonal``:
+    diagonal ``S`` only), by scipy L-BFGS.
 
     Equals :math:`\max\langle G, A\rangle` over :math:`\|A\|_2 \le 1`, :math:`A \in T_W` (Stiefel:
-    symmetric ``S``; DGram: zero diagonal) by strong duality. Independent of the library's
+    symmetric ``S``; DGram: zero diagonal; Oblique: diagonal) by strong duality. Independent of the library's
     solvers: the SVD of the full ``m × n`` matrix each evaluation, started at the projected
     gradient. Needs ``scipy`` (a test dependency). The value is an upper bound on the optimum
     (any ``S`` gives one); on an *exactly* low-rank gradient L-BFGS can stop well above it.
@@ -67,12 +72,14 @@ def nuclear_dual_optimum(w: torch.Tensor, g: torch.Tensor, zero_diagonal: bool) 
 
     wn, gn = w.double().cpu().numpy(), g.double().cpu().numpy()
     n = wn.shape[1]
-    iu = np.triu_indices(n, k=1 if zero_diagonal else 0)
+    if diagonal and zero_diagonal:
+        raise ValueError("diagonal and zero_diagonal exclude each other (S would be 0)")
+    iu = np.diag_indices(n) if diagonal else np.triu_indices(n, k=1 if zero_diagonal else 0)
 
     def unpack(z):
         s = np.zeros((n, n))
         s[iu] = z
-        return s + np.triu(s, 1).T
+        return s + np.triu(s, 1).T  # (diagonal S: the strict upper triangle is empty)
 
     def fun(z):
         u, sig, vt = np.linalg.svd(gn + wn @ unpack(z), full_matrices=False)

@@ -27,7 +27,7 @@ def default_shape(manifold: RetractionManifold, batch: int | None = 2) -> tuple[
     lead = () if batch is None else (int(batch),)
     if manifold.name == "sphere":
         return lead + (5,)
-    if manifold.name in ("stiefel", "dgram"):
+    if manifold.name in ("stiefel", "dgram", "oblique"):
         return lead + (5, 3)
     return lead + (4,) + (3,) * max(0, manifold.ndim - 1)
 

@@ -90,7 +90,7 @@ def shapes(
     """
     lead = st.just(()) if batch is None else _int_range(batch, "batch").map(lambda b: (b,))
     dims = _int_range(dim, "dim")
-    if manifold.name in ("stiefel", "dgram"):
+    if manifold.name in ("stiefel", "dgram", "oblique"):
 
         @st.composite
         def matrix(draw):

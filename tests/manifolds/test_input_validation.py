@@ -106,7 +106,7 @@ def test_euclidean_ndim_must_be_non_negative_int():
 def test_unknown_manifold_name_lists_valid():
     with pytest.raises(
         ValueError,
-        match="unknown manifold 'poincare'; valid names: dgram, euclidean, sphere, stiefel",
+        match="unknown manifold 'poincare'; valid names: dgram, euclidean, oblique, sphere, stiefel",
     ):
         get_manifold("poincare")
     with pytest.raises(ValueError, match="cannot be applied to the instance"):

@@ -133,7 +133,7 @@ def test_sphere_logmap_inverts_expmap_and_dist_is_arc_length(data):
 
 
 def test_get_manifold_builds_every_family():
-    assert available_manifolds() == ["dgram", "euclidean", "sphere", "stiefel"]
+    assert available_manifolds() == ["dgram", "euclidean", "oblique", "sphere", "stiefel"]
     s = get_manifold("sphere", radius=2.0, retraction="p", p=1.5)
     assert isinstance(s, Sphere) and s.radius == 2.0 and s.retraction.options() == {"p": 1.5}
     assert get_manifold(s) is s

@@ -27,7 +27,7 @@ JOB_TIMEOUT_S = 180.0
 #: "warm": the defaults (warm-started dual solves); "cold": warm_start=False; "concurrent": two
 #: matrices solved at once on pool threads (sharded: each rank's own, before the exchange). All
 #: are compared with a single process, whose gradients differ from DDP's by all-reduce rounding.
-OPTION_SETS = {"warm": {}, "cold": {"warm_start": False}, "concurrent": {"workers": 2}}
+OPTION_SETS = {"warm": {}, "cold": {"dual": {"warm_start": False}}, "concurrent": {"workers": 2}}
 MODES = ("sharded", "replicated")
 
 

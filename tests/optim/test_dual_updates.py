@@ -67,10 +67,10 @@ def test_unknown_or_impossible_dual_update_is_refused():
     with pytest.raises(ValueError, match="dual_update='anderson' needs a Newton-Schulz msign_method"):
         steepest_direction(w, g, msign_method="svd", dual_update="anderson")
     p = torch.nn.Parameter(w.clone())
-    with pytest.raises(ValueError, match="dual_update must be one of auto, anderson, bb, got 'lbfgs'"):
-        ManifoldMuon([p], manifold="stiefel", dual_update="lbfgs")
+    with pytest.raises(ValueError, match="dual update must be one of auto, anderson, bb, got 'lbfgs'"):
+        ManifoldMuon([p], manifold="stiefel", dual={"update": "lbfgs"})
     with pytest.raises(ValueError, match="needs a Newton-Schulz msign_method, got msign_method='svd'"):
-        ManifoldMuon([p], manifold="stiefel", dual_update="anderson", msign_method="svd")
+        ManifoldMuon([p], manifold="stiefel", dual={"update": "anderson", "msign_method": "svd"})
     assert DUAL_UPDATES == ("auto", "anderson", "bb")
 
 
@@ -80,7 +80,7 @@ def _tall_dgram_trajectory(smoothing):
     gen = torch.Generator().manual_seed(4)
     p = torch.nn.Parameter(0.1 * torch.randn(12, 8, generator=gen, dtype=torch.float64))
     target = torch.randn(12, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    opt = ManifoldMuon([p], lr=0.05, momentum=0.9, manifold="dgram", dual_smoothing=smoothing)
+    opt = ManifoldMuon([p], lr=0.05, momentum=0.9, manifold="dgram", dual={"smoothing": smoothing})
     residuals = []
     for _ in range(10):
         p.grad = (p.detach() - target) + 0.01 * torch.sin(p.detach() * 7.0)

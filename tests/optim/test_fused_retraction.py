@@ -123,7 +123,7 @@ def test_manifold_muon_keeps_tall_points_on_the_manifold_over_many_fused_steps(m
 
 def test_a_group_with_its_own_retraction_is_not_fused(monkeypatch):
     calls = []
-    muon_module = sys.modules["manifoldlib.optim.manifold_muon"]
+    muon_module = sys.modules["manifoldlib.optim.muon_step"]
     real = muon_module.fused_retraction
     monkeypatch.setattr(muon_module, "fused_retraction", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(2)

@@ -20,7 +20,8 @@ def _upper_bound(w, g, info, manifold) -> float:
     norm = g.norm()
     x = g / norm + 2.0 * w @ info.multiplier
     own = float(torch.linalg.matrix_norm(x, "nuc")) * float(norm)
-    return min(own, nuclear_dual_optimum(w, g, zero_diagonal=manifold == "dgram"))
+    scipy_optimum = nuclear_dual_optimum(w, g, zero_diagonal=manifold == "dgram", diagonal=manifold == "oblique")
+    return min(own, scipy_optimum)
 
 
 def _assert_optimal(w, g, manifold, a, info):
@@ -62,18 +63,19 @@ def test_square_dgram_is_certified_within_the_gap():
     _assert_optimal(w, g, "dgram", a, info)
 
 
-@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
 def test_never_reported_converged_outside_the_tolerances(manifold):
     w, g = hard_instance(manifold, 64, 16, 2, 0.05, seed=0)
     _, capped = steepest_direction(w, g, manifold, max_iter=2, return_info=True)
     assert not capped.converged and capped.residual > 1e-4
-    # a gap tolerance no smoothing reaches: the answer is returned, not claimed converged
+    # a gap tolerance the smoothing floor rarely reaches (on Stiefel and DGram it does not; the
+    # diagonal multipliers of Oblique get there): an answer above it is returned, not claimed converged
     _, strict = steepest_direction(w, g, manifold, msign_method="polar-express", gap_tol=1e-14, return_info=True)
     if strict.gap is not None:
-        assert not strict.converged
+        assert strict.converged == (strict.gap <= 1e-14 and strict.residual <= 1e-4)
 
 
-@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_float32_hard_instances_raise_no_linalg_error(manifold, seed):
     # these instances sent the exact-SVD dual to non-finite iterates (torch _LinAlgError) before

@@ -140,8 +140,8 @@ def test_wide_stiefel_has_orthonormal_rows():
 def test_stiefel_step_has_spectral_size_lr():
     # one step from W with lr eta moves W by a spectral distance of about eta (no shape factor)
     (p,) = _matrices([(32, 8)], seed=6)
-    opt = ManifoldMuon([p], lr=0.01, manifold="stiefel", momentum=0.0, msign_method="svd", dual_tol=1e-8,
-                       dual_max_iter=500)
+    opt = ManifoldMuon([p], lr=0.01, manifold="stiefel", momentum=0.0,
+                       dual={"msign_method": "svd", "tol": 1e-8, "max_iter": 500})
     before = p.detach().clone()
     p.grad = torch.randn(32, 8, generator=torch.Generator().manual_seed(7))
     opt.step()
@@ -152,7 +152,8 @@ def test_stiefel_step_has_spectral_size_lr():
 def test_warm_start_reduces_dual_iterations():
     def total(warm):
         (p,) = _matrices([(48, 16)], seed=8)
-        opt = ManifoldMuon([p], lr=0.01, manifold="stiefel", dual_tol=1e-4, dual_max_iter=200, warm_start=warm)
+        opt = ManifoldMuon([p], lr=0.01, manifold="stiefel",
+                           dual={"tol": 1e-4, "max_iter": 200, "warm_start": warm})
         target = torch.randn(48, 16, generator=torch.Generator().manual_seed(9))
         count = 0
         for _ in range(12):
@@ -235,11 +236,12 @@ def test_state_dict_round_trips_with_weights_only():
         ({"adjust_lr_fn": "bogus"}, "adjust_lr_fn must be None or one of"),
         ({"manifold": "sphere"}, "unknown manifold 'sphere'"),
         ({"manifold": "stiefel", "retraction": "alternating"}, "unknown stiefel retraction 'alternating'"),
-        ({"msign_method": "qr"}, "msign_method must be one of"),
-        ({"dual_tol": 0}, "dual_tol must be > 0"),
-        ({"dual_max_iter": -2}, "dual_max_iter must be an int >= 0"),
-        ({"dual_smoothing": "always"}, "dual_smoothing must be 'auto', None or a number > 0, got 'always'"),
-        ({"dual_smoothing": -0.1}, "dual_smoothing must be 'auto', None or a number > 0"),
+        ({"dual": {"msign_method": "qr"}}, "dual msign_method must be one of"),
+        ({"dual": {"tol": 0}}, "dual tol must be > 0"),
+        ({"dual": {"max_iter": -2}}, "dual max_iter must be an int >= 0"),
+        ({"dual": {"smoothing": "always"}}, "dual smoothing must be 'auto', None or a number > 0, got 'always'"),
+        ({"dual": {"smoothing": -0.1}}, "dual smoothing must be 'auto', None or a number > 0"),
+        ({"dual": {"warm_start": 1}}, "dual warm_start must be True or False, got 1"),
         ({"ns_dtype": "float16"}, "ns_dtype must be one of bfloat16, float32, auto, got 'float16'"),
     ],
 )
@@ -269,13 +271,14 @@ def test_square_dgram_dual_converges_only_with_smoothing():
     residuals = {}
     for smoothing in ("auto", None):
         params = _matrices([(16, 16)], seed=21)
-        opt = ManifoldMuon(params, lr=0.02, manifold="dgram", dual_smoothing=smoothing, dual_max_iter=60)
+        opt = ManifoldMuon(params, lr=0.02, manifold="dgram",
+                           dual={"smoothing": smoothing, "max_iter": 60})
         params[0].grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(22))
         opt.step()
         residuals[smoothing] = opt.state[params[0]]["dual_residual"]
         assert float(constraint_residual(params[0].detach(), "dgram")) <= 1e-4
     assert residuals["auto"] <= 1e-3 < residuals[None]
-    assert opt.param_groups[0]["dual_smoothing"] is None
+    assert opt.param_groups[0]["dual"]["smoothing"] is None
 
 
 def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms(monkeypatch):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 import torch
 
 from manifoldlib.manifolds.stiefel import Stiefel
@@ -117,7 +116,7 @@ def test_manifold_muon_steps_and_projects_in_ieee_float32(monkeypatch):
     monkeypatch.setattr(Stiefel, "projx", projx)
     monkeypatch.setattr(dual_problem, "_spectral_gain", gain)
     monkeypatch.setattr(stiefel_retractions, "stiefel_polar", polar)
-    muon_module = sys.modules["manifoldlib.optim.manifold_muon"]
+    muon_module = sys.modules["manifoldlib.optim.muon_step"]
     real_fused = muon_module.fused_retraction
 
     def fused(*args, **kwargs):  # a tall matrix's retraction, formed from the solved dual

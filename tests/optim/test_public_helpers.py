@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from manifoldlib.manifolds import Stiefel
 from manifoldlib.optim import (
     MUON_MANIFOLDS,
     ManifoldMuon,
@@ -18,7 +19,7 @@ from manifoldlib.optim import (
 
 
 def test_muon_manifolds_are_exactly_the_accepted_group_manifolds():
-    assert set(MUON_MANIFOLDS) == {"euclidean", "stiefel", "dgram"}
+    assert set(MUON_MANIFOLDS) == {"euclidean", "stiefel", "dgram", "oblique"}
     for name in MUON_MANIFOLDS:
         ManifoldMuon([nn.Parameter(torch.randn(6, 4))], manifold=name)
 
@@ -68,7 +69,6 @@ def test_functional_core_equals_the_optimizer_step():
     param.grad = grad.clone()
     opt.step()
     group = opt.param_groups[0]
-    from manifoldlib.optim.manifold_muon import _group_manifold
 
     w = w0.clone()
     manifold_muon(
@@ -76,9 +76,35 @@ def test_functional_core_equals_the_optimizer_step():
         lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
         nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
         ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
-        manifold="stiefel", manifold_obj=_group_manifold(group), msign_method=group["msign_method"],
-        dual_tol=group["dual_tol"], dual_max_iter=group["dual_max_iter"], warm_start=group["warm_start"],
+        manifold=Stiefel(retraction="polar", method="gram-eigh"), dual=group["dual"],
         fuse_retraction=True,  # the group keeps its default retraction (ManifoldMuon fuses it then)
     )
     torch.testing.assert_close(w, param.detach(), rtol=0, atol=0)
     assert float((w - w0).abs().max()) > 0
+
+
+def test_dual_options_round_trip_through_a_weights_only_load(tmp_path):
+    p = nn.Parameter(torch.linalg.qr(torch.randn(12, 4, generator=torch.Generator().manual_seed(1))).Q)
+    opt = ManifoldMuon([{"params": [p], "dual": {"tol": 1e-5}}], manifold="stiefel", dual={"max_iter": 40})
+    assert opt.param_groups[0]["dual"]["tol"] == 1e-5 and opt.param_groups[0]["dual"]["max_iter"] == 40
+    p.grad = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    fresh = ManifoldMuon([p], manifold="stiefel")
+    fresh.load_state_dict(loaded)
+    assert fresh.param_groups[0]["dual"] == opt.param_groups[0]["dual"]
+
+
+def test_replaced_keywords_name_their_dual_field():
+    import pytest
+
+    p = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(TypeError, match=r"dual_tol=\.\.\. -> dual=\{'tol': \.\.\.\}"):
+        ManifoldMuon([p], manifold="stiefel", dual_tol=1e-4)
+    with pytest.raises(TypeError, match="ManifoldMuon parameter group: warm_start"):
+        ManifoldMuon([{"params": [p], "warm_start": False}], manifold="stiefel")
+    with pytest.raises(TypeError, match="unknown dual option"):
+        ManifoldMuon([p], manifold="stiefel", dual={"tolerance": 1e-4})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ManifoldMuon([p], manifold="stiefel", bogus=1)

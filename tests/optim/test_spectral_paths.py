@@ -80,17 +80,17 @@ def test_bad_spectral_options_are_refused():
     with pytest.raises(ValueError, match="dual_update='anderson' needs the eigenbasis .* resolved to 'products' on cpu"):
         steepest_direction(w, g, msign_method="jordan5", spectral="products", dual_update="anderson")
     p = torch.nn.Parameter(w.clone())
-    with pytest.raises(ValueError, match="dual_spectral must be one of auto, eigh, products, got 'qr'"):
-        ManifoldMuon([p], manifold="stiefel", dual_spectral="qr")
-    with pytest.raises(ValueError, match="got dual_spectral='products'"):
-        ManifoldMuon([p], manifold="stiefel", dual_spectral="products", dual_update="anderson")
+    with pytest.raises(ValueError, match="dual spectral must be one of auto, eigh, products, got 'qr'"):
+        ManifoldMuon([p], manifold="stiefel", dual={"spectral": "qr"})
+    with pytest.raises(ValueError, match="got spectral='products'"):
+        ManifoldMuon([p], manifold="stiefel", dual={"spectral": "products", "update": "anderson"})
 
 
 def _trajectory(manifold: str, **options) -> tuple[torch.Tensor, list[int]]:
     gen = torch.Generator().manual_seed(7)
     p = torch.nn.Parameter(torch.randn(48, 12, generator=gen, dtype=torch.float64))
     target = torch.randn(48, 12, generator=gen, dtype=torch.float64)
-    opt = ManifoldMuon([p], lr=0.05, manifold=manifold, dual_tol=1e-6, dual_max_iter=200, **options)
+    opt = ManifoldMuon([p], lr=0.05, manifold=manifold, dual={"tol": 1e-6, "max_iter": 200, **options})
     iterations = []
     for _ in range(5):
         p.grad = p.detach() - target
@@ -101,7 +101,7 @@ def _trajectory(manifold: str, **options) -> tuple[torch.Tensor, list[int]]:
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 def test_manifold_muon_on_the_products_path_takes_the_bb_steps(manifold):
-    w_prod, it_prod = _trajectory(manifold, dual_spectral="products")
-    w_eigh, it_eigh = _trajectory(manifold, dual_spectral="eigh", dual_update="bb")
+    w_prod, it_prod = _trajectory(manifold, spectral="products")
+    w_eigh, it_eigh = _trajectory(manifold, spectral="eigh", update="bb")
     assert it_prod == it_eigh and sum(it_prod) > 0
     assert torch.allclose(w_prod, w_eigh, rtol=0, atol=1e-9)

@@ -31,6 +31,7 @@ DESIGN_NAMES = {
     "sphere": {"exp", "gnomonic", "projection", "cayley", "stereographic", "p"},
     "stiefel": {"polar", "qr", "cayley", "exp"},
     "dgram": {"alternating", "colnorm-polar"},
+    "oblique": {"normalize"},
     "euclidean": {"add"},
 }
 

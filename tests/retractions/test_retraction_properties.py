@@ -41,7 +41,7 @@ def _sample(manifold, seed, dtype=torch.float64, scale=1.0, batch=3):
 
 def test_registry_cases_cover_every_family():
     families = {case_id.split("-")[0] for case_id in IDS}
-    assert families == {"sphere", "stiefel", "dgram", "euclidean"}
+    assert families == {"sphere", "stiefel", "dgram", "oblique", "euclidean"}
     assert FIRST_ORDER <= set(IDS)
 
 

@@ -1,0 +1,43 @@
+r"""Oblique kernels: :math:`\mathrm{OB}(m, n) = \{W \in \mathbb{R}^{m\times n}: \operatorname{Diag}(W^\top W) = I\}`.
+
+Unit-norm columns: a product of ``n`` spheres :math:`S^{m-1}`. Tangent space
+:math:`\{V: w_j^\top v_j = 0\}`; normal space :math:`\{W\operatorname{diag}(s)\}`, the
+multipliers of :mod:`~manifoldlib.functional.normal_space` with the projector
+:math:`\operatorname{Diag}` (MATH.md §5), so the projection is
+:math:`P_W(Z) = Z - W\operatorname{diag}(w_j^\top z_j / \|w_j\|^2)`. Its retraction normalizes
+the columns of :math:`Y = W + V` (the metric projection, second order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .normal_space import diagonal_part, normal_multiplier
+from .stiefel import _check_tall_pair
+
+__all__ = ["oblique_constraint_deviation", "oblique_exp", "oblique_normalize", "oblique_project_tangent"]
+
+
+def oblique_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    r""":math:`P_W(Z) = Z - W\operatorname{diag}(w_j^\top z_j/\|w_j\|^2)`, shapes ``(..., m, n)``."""
+    return z - w @ normal_multiplier(w, z, diagonal_part)
+
+
+def oblique_normalize(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""Column-normalizing retraction :math:`y_j/\|y_j\|`, :math:`Y = W + V` (second order)."""
+    _check_tall_pair(w, v, "oblique_normalize")
+    y = w + v
+    return y / y.norm(dim=-2, keepdim=True)
+
+
+def oblique_constraint_deviation(w: torch.Tensor) -> torch.Tensor:
+    r"""``(..., n)`` :math:`\|w_j\|^2 - 1`: the constraint of a point, entry by entry."""
+    return (w * w).sum(-2) - 1.0
+
+
+def oblique_exp(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    r"""Exponential map, column by column on the unit sphere:
+    :math:`\cos(\|v_j\|)\,w_j + \operatorname{sinc}(\|v_j\|)\,v_j` (``v`` tangent)."""
+    _check_tall_pair(w, v, "oblique_exp")
+    theta = v.norm(dim=-2, keepdim=True)  # (..., 1, n)
+    return torch.cos(theta) * w + torch.sinc(theta / torch.pi) * v

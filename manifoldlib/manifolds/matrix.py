@@ -1,0 +1,90 @@
+r"""What a matrix constraint gives the steepest-direction dual: :class:`MatrixConstraintManifold`.
+
+Stiefel, DGram and Oblique are :math:`\{W \in \mathbb{R}^{m\times n}: \mathcal{P}(W^\top W) =
+\mathcal{P}(I)\}` (DGram: :math:`\operatorname{Off}(W^\top W) = 0`) for a projector
+:math:`\mathcal{P}` onto symmetric ``n × n`` matrices (MATH.md §4–5). Everything the dual of
+:func:`~manifoldlib.optim.steepest_direction` needs of one of them follows from
+
+* :meth:`~MatrixConstraintManifold.multiplier_mask`: :math:`\mathcal{P}` (identity, ``Off``,
+  ``Diag``; :mod:`~manifoldlib.functional.normal_space`), the space of multipliers
+  :math:`\Lambda`;
+* :meth:`~MatrixConstraintManifold.dual_factor`: a factor :math:`F` with :math:`W = QF`,
+  :math:`Q^\top Q = I` — ``None`` for :math:`F = I` (Stiefel), the column norms ``d`` for
+  :math:`F = \operatorname{diag}(d)` (DGram), or an upper-triangular ``(n, n)`` matrix (Oblique);
+  the reduced dual works with :math:`Q^\top G` and :math:`F`;
+* :meth:`~MatrixConstraintManifold.normal_multiplier` and the normal-space metric
+  :math:`(d_i^2 + d_j^2)/2` (:func:`~manifoldlib.functional.normal_space.normal_metric`), which
+  give the initial multiplier :math:`\Lambda_0 = -\mathcal{P}(W^\top G + G^\top W)/(4\cdot\text{metric})`
+  and the tangent residual;
+* :meth:`~MatrixConstraintManifold.gram_retraction_factor`: the default Muon retraction as an
+  ``n × n`` factor of :math:`Y^\top Y`.
+
+A new matrix manifold of this family is one subclass: the optimizer has no branch on names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import RetractionManifold
+
+__all__ = ["MatrixConstraintManifold"]
+
+
+class MatrixConstraintManifold(RetractionManifold):
+    r"""Base of the tall matrix manifolds :math:`\mathcal{P}(W^\top W) = \mathcal{P}(I)` (points ``(..., m, n)``, ``m >= n``).
+
+    Attributes:
+        muon_retraction: ``(name, options)`` of the retraction :class:`~manifoldlib.optim.ManifoldMuon`
+            uses by default; :meth:`gram_retraction_factor` is its Gram form.
+        decays: decoupled weight decay applies (the manifold has a scale freedom: DGram).
+        square_dual: what the plain dual does on square matrices: ``"closed-form"`` (Stiefel:
+            :math:`\Lambda_0` is optimal), ``"rank-deficient"`` (DGram: the optimum is rank
+            deficient, smooth from the start) or ``None``.
+    """
+
+    ndim = 2
+    flat = False
+    decays = False
+    square_dual: str | None = None
+    muon_retraction: tuple[str, dict] = ("", {})
+
+    @staticmethod
+    def multiplier_mask(a: torch.Tensor) -> torch.Tensor:
+        r""":math:`\mathcal{P}(A)`: the projector onto the multipliers, ``(..., n, n)``."""
+        raise NotImplementedError
+
+    def normal_multiplier(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        r"""``(..., n, n)`` ``S`` with ``WS`` the normal component of ``z`` at ``w``."""
+        raise NotImplementedError
+
+    def dual_factor(self, w: torch.Tensor) -> torch.Tensor | None:
+        r""":math:`F` with :math:`W = QF` of a tall ``(m, n)`` point (``None``: :math:`F = I`; ``(n,)``:
+        diagonal; ``(n, n)``: upper triangular). Raises ``ValueError`` for a point the dual cannot use."""
+        raise NotImplementedError
+
+    def constraint_deviation(self, w: torch.Tensor) -> torch.Tensor:
+        """The constraint's violation at ``w`` (a tensor, zero exactly on the manifold)."""
+        raise NotImplementedError
+
+    def constraint_residual(self, w: torch.Tensor) -> torch.Tensor:
+        r"""Scalar distance of ``w`` (``(m, n)``, tall) from the manifold: :math:`\|\text{deviation}\|_F`."""
+        return self.constraint_deviation(w).norm()
+
+    def tangent_residual(self, w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        r"""Relative normal component :math:`\|A - P_W A\|_F / \|A\|_F` of ``a`` at ``w`` (tall ``(m, n)``)."""
+        normal = w @ self.normal_multiplier(w, a)  # (m, n)
+        return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
+
+    def proju(self, x, u):
+        self._validate_pair(x, u)
+        return u - x @ self.normal_multiplier(x, u)
+
+    def gram_retraction_factor(self, gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
+        r""":math:`\Phi` with :math:`R(Y) = Y\Phi` for the :attr:`muon_retraction`, from :math:`T = Y^\top Y`;
+        ``rsqrt`` maps a symmetric ``T`` to :math:`T^{-1/2}` or ``None`` (then ``None``)."""
+        return None
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        v = u if v is None else v
+        return (u * v).sum(dim=(-2, -1), keepdim=keepdim)

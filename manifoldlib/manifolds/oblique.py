@@ -1,0 +1,96 @@
+r"""The oblique manifold :math:`\mathrm{OB}(m, n) = \{W \in \mathbb{R}^{m\times n}: \operatorname{Diag}(W^\top W) = I\}`."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..functional.gram_rsqrt import normalize_gram_factor
+from ..functional.normal_space import diagonal_part, normal_multiplier
+from ..functional.oblique import oblique_constraint_deviation, oblique_exp
+from ..retractions.base import Retraction
+from .base import _random_normal, _size_tuple, check_tensor
+from .matrix import MatrixConstraintManifold
+from .stiefel import check_tall_matrix
+
+__all__ = ["Oblique"]
+
+
+class Oblique(MatrixConstraintManifold):
+    r"""Matrices with unit-norm columns, points ``(..., m, n)``, ``m >= n`` (store a wide one transposed).
+
+    A product of ``n`` unit spheres. Tangent space :math:`\{V: w_j^\top v_j = 0\}`, projection
+    :math:`P_W(Z) = Z - W\operatorname{diag}(w_j^\top z_j)`. Retraction ``normalize`` (column
+    normalization, second order); :meth:`expmap` rotates each column on its great circle.
+
+    Dual geometry (:class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold`): diagonal
+    multipliers (MATH.md §5: ``Diag`` in place of ``Off``), :math:`F` the triangular factor of
+    :math:`W = QF` (the columns need not be orthogonal).
+    """
+
+    name = "oblique"
+    default_retraction = "normalize"
+    muon_retraction = ("normalize", {})
+
+    def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):
+        super().__init__(retraction, **retraction_options)
+
+    def _check_shape(self, shape, name):
+        return check_tall_matrix(shape, name, "Oblique")
+
+    @staticmethod
+    def multiplier_mask(a):
+        return diagonal_part(a)
+
+    def normal_multiplier(self, w, z):
+        return normal_multiplier(w, z, diagonal_part)
+
+    def constraint_deviation(self, w):
+        r""":math:`\|w_j\|^2 - 1`, ``(..., n)``."""
+        return oblique_constraint_deviation(w)
+
+    def dual_factor(self, w):
+        q, r = torch.linalg.qr(w)  # W = QR, R upper triangular (n, n)
+        sign = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(r.dtype)
+        r = sign.unsqueeze(-1) * r  # positive diagonal: W = (Q diag(sign)) (diag(sign) R)
+        if not bool((torch.diagonal(r) > 0).all()):
+            raise ValueError(
+                "W is not usable by the Oblique dual: its columns are linearly dependent (tall "
+                "orientation); the reduced dual needs full column rank"
+            )
+        return r
+
+    def gram_retraction_factor(self, gram, rsqrt):
+        return normalize_gram_factor(gram)
+
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        err = self.constraint_deviation(x).abs().amax()
+        ok = bool(err <= atol + rtol)
+        return ok, None if ok else f"max | ||w_j||^2 - 1 | = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        err = (x * u).sum(-2).abs().amax()
+        ok = bool(err <= atol + rtol * u.abs().amax())
+        return ok, None if ok else f"max |w_j^T u_j| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+
+    def projx(self, x):
+        """Nearest Oblique point: every column normalized. A zero column has no nearest point: ``ValueError``."""
+        self._validate(x, "x")
+        check_tensor(x, "x", "oblique.projx", finite=True)
+        norms = x.norm(dim=-2, keepdim=True)  # (..., 1, n)
+        if not bool((norms > 0).all()):
+            zero = (norms == 0).nonzero()[:, -1].unique().tolist()
+            raise ValueError(f"oblique needs nonzero columns, got zero columns {zero}: no nearest point exists")
+        return x / norms
+
+    def expmap(self, x, u):
+        self._validate_pair(x, u)
+        return oblique_exp(x, u)
+
+    def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
+        """Uniform points (normalized Gaussian columns): ``random(m, n)``."""
+        shape = _size_tuple(size)
+        self._validate(torch.empty(shape, device="meta"), "size")
+        z, dtype = _random_normal(shape, generator, dtype, device)
+        return (z / z.norm(dim=-2, keepdim=True)).to(dtype)

@@ -1,0 +1,70 @@
+"""What a dual solve returns: :class:`SteepestInfo` (what it did) and :class:`DualSolution` (the solved reduced dual)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .dual_problem import _DualProblem, _State
+from .matmul_precision import ieee_float32_matmul
+
+__all__ = ["DualSolution", "SteepestInfo"]
+
+
+@dataclass
+class SteepestInfo:
+    r"""What one dual solve did.
+
+    Attributes:
+        iterations: dual updates taken (0 when the initial multiplier already met ``tol``).
+        residual: relative tangent residual :math:`\|A - P_W A\|_F / \|A\|_F` of the returned ``A``.
+        converged: ``residual <= tol``.
+        multiplier: the final :math:`\Lambda` ``(n, n)`` for the *normalized* gradient
+            :math:`G/\|G\|_F`, in the tall orientation; pass it back as ``multiplier`` to warm-start.
+        correction: :math:`\Lambda - \Lambda_0` (what the dual iterations added to the closed-form
+            start); pass it back as ``correction`` to warm-start at a *new* point.
+        history: residual after each dual iteration (starting with the initial one).
+        step_size: the last Barzilai–Borwein dual step; pass it back as ``step_size`` to start
+            the next solve with the curvature this one learned.
+        gap: certified relative duality gap :math:`(\|G + 2W\Lambda\|_* - \langle G, A\rangle)
+            / \|G + 2W\Lambda\|_*` of a smoothed answer (``None`` when no smoothing ran). With
+            ``smoothing="auto"`` a solve counts as converged only if this is at most
+            :data:`~manifoldlib.optim.dual_solvers.GAP_TOL`.
+    """
+
+    iterations: int
+    residual: float
+    converged: bool
+    multiplier: torch.Tensor | None
+    correction: torch.Tensor | None = None
+    history: list[float] = field(default_factory=list)
+    step_size: float | None = None
+    gap: float | None = None
+
+
+@dataclass
+class DualSolution:
+    """A finished dual solve, before the ``m × n`` answer is formed (see :func:`solve_dual`).
+
+    Attributes:
+        info: what the solve did.
+        transposed: the problem was solved in the tall orientation of a wide input.
+        problem: the reduced dual (``None`` when no dual ran: Euclidean, or a zero gradient).
+        state: its final evaluation (``None`` likewise).
+        answer: the direction itself when no dual ran (tall orientation, work dtype).
+    """
+
+    info: SteepestInfo
+    transposed: bool
+    problem: _DualProblem | None = None
+    state: _State | None = None
+    answer: torch.Tensor | None = None
+
+    def direction(self) -> torch.Tensor:
+        """The steepest direction in the input's orientation, in the solve's work dtype
+        (:func:`~manifoldlib.optim.dual_solvers.solve_dtype`: float32 for 16-bit input, float64
+        for a smoothed float32 solve on CUDA); runs with IEEE float32 products."""
+        with ieee_float32_matmul():  # the m x n product X R: TF32 would blur the tangency
+            a = self.answer if self.problem is None else self.problem.direction(self.state)
+        return a.mT if self.transposed else a

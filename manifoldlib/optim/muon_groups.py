@@ -1,0 +1,97 @@
+"""The parameter groups of :class:`~manifoldlib.optim.ManifoldMuon`: their options, validated once, and their manifolds.
+
+Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
+``torch.load(weights_only=True)``; :func:`group_manifold` builds (and caches) the manifold object
+a group's options name, and :func:`group_dual` its :class:`~manifoldlib.optim.dual_options.DualOptions`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import MutableMapping
+from typing import Any
+
+from torch import Tensor
+
+from ..manifolds import get_manifold
+from ..retractions.base import available_retractions
+from .bfloat16_support import NS_DTYPES
+from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
+from .dual_options import REPLACED_KWARGS, DualOptions, reject_replaced_kwargs
+from .muon_step import ADJUST_LR_FNS
+
+__all__ = ["DEFAULT_RETRACTIONS", "MUON_MANIFOLDS", "group_dual", "group_manifold", "validate_group_options"]
+
+#: Manifold names a ManifoldMuon group may use.
+MUON_MANIFOLDS = ("euclidean",) + tuple(name for name in STEEPEST_MANIFOLDS if name != "euclidean")
+#: Default retraction and its options per manifold (each manifold class names its own,
+#: ``muon_retraction``): Stiefel and DGram take their polar factor from the n x n Gram matrix T
+#: (two m·n² products against about ten for convergent Newton–Schulz). For a small step T is
+#: diagonal up to O(η²) and T^{-1/2} costs one to four n x n products (functional.gram_rsqrt);
+#: otherwise one eigh, whose eigenvalues give κ²ε and trigger a refining pass (> 1e-6) or a
+#: float64 SVD (> 1e-4). Oblique normalizes the columns.
+DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    name: dual_manifold(name).muon_retraction for name in MUON_MANIFOLDS
+}
+def validate_group_options(group: MutableMapping) -> None:
+    """Raise ``ValueError`` naming the option and the accepted values; store ``group["dual"]`` as a
+    validated plain dict."""
+    reject_replaced_kwargs(group, "ManifoldMuon parameter group")
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"lr must be >= 0, got {float(lr)}")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+    if not group["eps"] > 0.0:
+        raise ValueError(f"eps must be > 0, got {group['eps']}")
+    steps = group["ns_steps"]
+    if not (isinstance(steps, int) and 0 <= steps < 100):
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
+    coeffs = group["ns_coefficients"]
+    if len(tuple(coeffs)) != 3:
+        raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {coeffs!r}")
+    fn = group["adjust_lr_fn"]
+    if fn is not None and fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be None or one of {', '.join(ADJUST_LR_FNS)}, got {fn!r}")
+    manifold = group["manifold"]
+    if manifold not in MUON_MANIFOLDS:
+        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(MUON_MANIFOLDS)}")
+    retraction = group["retraction"]
+    if retraction is not None and retraction not in available_retractions(manifold):
+        raise ValueError(
+            f"unknown {manifold} retraction {retraction!r}; valid: {', '.join(available_retractions(manifold))}"
+        )
+    ns_dtype = group.get("ns_dtype", "auto")
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
+    group["dual"] = DualOptions.coerce(group.get("dual")).as_dict()
+
+
+def group_dual(group: MutableMapping) -> DualOptions:
+    """The group's :class:`DualOptions`; a group saved before they existed (separate keys) reads those."""
+    if "dual" in group:
+        return DualOptions.coerce(group["dual"])
+    return DualOptions(**{field: group[old] for old, field in REPLACED_KWARGS.items() if old in group})
+
+
+def group_manifold(group: MutableMapping):
+    """The manifold object of a group, built from its plain-data options (once per distinct options)."""
+    name = group["manifold"]
+    default_name, default_opts = DEFAULT_RETRACTIONS[name]
+    retraction = group["retraction"] or default_name
+    options = dict(group.get("retraction_options") or {})
+    if group["retraction"] is None:
+        options = {**default_opts, **options}
+    try:
+        return _manifold_for(name, retraction, tuple(sorted(options.items())))
+    except TypeError:  # an unhashable option value: build it afresh
+        return get_manifold(name, retraction=retraction, **options)
+
+
+@functools.lru_cache(maxsize=64)
+def _manifold_for(name: str, retraction: str, options: tuple):
+    return get_manifold(name, retraction=retraction, **dict(options))

@@ -1,0 +1,89 @@
+"""The normal-space formulas kept once in manifoldlib.functional, against direct constructions (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.functional import (
+    diagonal_part,
+    normal_metric,
+    normal_multiplier,
+    oblique_constraint_deviation,
+    oblique_exp,
+    oblique_normalize,
+    oblique_project_tangent,
+    off_diagonal,
+)
+from manifoldlib.manifolds import DGram, MatrixConstraintManifold, Oblique, Stiefel
+from manifoldlib.optim import DualOptions
+from manifoldlib.retractions import ObliqueNormalizeRetraction
+
+F64 = torch.float64
+
+
+def _oblique_point(m, n, seed):
+    z = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    return z / z.norm(dim=0)
+
+
+def test_masks_split_a_matrix():
+    a = torch.randn(5, 5, generator=torch.Generator().manual_seed(0), dtype=F64)
+    torch.testing.assert_close(diagonal_part(a) + off_diagonal(a), a, atol=0, rtol=0)
+    assert torch.equal(diagonal_part(a), torch.diag(torch.diagonal(a)))
+
+
+def test_normal_metric_is_the_mean_of_squared_norms():
+    d2 = torch.tensor([1.0, 4.0, 9.0], dtype=F64)
+    expected = torch.tensor([[1.0, 2.5, 5.0], [2.5, 4.0, 6.5], [5.0, 6.5, 9.0]], dtype=F64)
+    torch.testing.assert_close(normal_metric(d2), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mask", [diagonal_part, off_diagonal], ids=["diag", "off"])
+def test_normal_multiplier_is_the_least_squares_normal_component(mask):
+    # W S is the orthogonal projection of Z onto {W S : S = mask(S) symmetric}: Z - W S is
+    # orthogonal to every normal direction W E, E = mask(E) symmetric
+    gen = torch.Generator().manual_seed(1)
+    q = torch.linalg.qr(torch.randn(9, 4, generator=gen, dtype=F64)).Q
+    w = q * torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=F64)  # orthogonal columns (DGram-like)
+    if mask is diagonal_part:
+        w = _oblique_point(9, 4, seed=2)  # the diagonal constraint needs no orthogonal columns
+    z = torch.randn(9, 4, generator=gen, dtype=F64)
+    s = normal_multiplier(w, z, mask)
+    torch.testing.assert_close(s, s.mT, atol=0, rtol=0)
+    torch.testing.assert_close(mask(s), s, atol=0, rtol=0)
+    rest = z - w @ s
+    for i in range(4):
+        for j in range(4):
+            e = torch.zeros(4, 4, dtype=F64)
+            e[i, j] = e[j, i] = 1.0
+            if torch.equal(mask(e), e):
+                assert abs(float((rest * (w @ e)).sum())) <= 1e-12
+
+
+def test_oblique_kernels():
+    gen = torch.Generator().manual_seed(3)
+    w = _oblique_point(7, 3, seed=4)
+    v = oblique_project_tangent(w, torch.randn(7, 3, generator=gen, dtype=F64))
+    assert float((w * v).sum(0).abs().max()) <= 1e-14
+    for y in (oblique_normalize(w, v), oblique_exp(w, v)):
+        assert float(oblique_constraint_deviation(y).abs().max()) <= 1e-14
+    # the exponential map moves each column by the angle ||v_j|| on its great circle
+    angles = torch.arccos((w * oblique_exp(w, 0.3 * v / v.norm(dim=0))).sum(0).clamp(-1, 1))
+    torch.testing.assert_close(angles, torch.full((3,), 0.3, dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_matrix_manifolds_share_one_base_and_the_oblique_retraction_is_registered():
+    assert all(isinstance(m, MatrixConstraintManifold) for m in (Stiefel(), DGram(), Oblique()))
+    assert isinstance(Oblique().retraction, ObliqueNormalizeRetraction)
+    assert ObliqueNormalizeRetraction.order == 2
+
+
+def test_dual_options_validate_once_and_are_plain_data():
+    options = DualOptions.coerce({"tol": 1e-4, "update": "bb"})
+    assert options.as_dict()["tol"] == 1e-4 and DualOptions.coerce(options.as_dict()) == options
+    assert DualOptions.coerce(None) == DualOptions()
+    with pytest.raises(ValueError, match="dual max_iter must be an int >= 0, got 1.5"):
+        DualOptions(max_iter=1.5)
+    with pytest.raises(TypeError, match="dual must be None, a dict or a DualOptions, got list"):
+        DualOptions.coerce([1])
