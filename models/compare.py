@@ -133,6 +133,20 @@ def _stress_arms() -> tuple[tuple[str, dict], ...]:
 #: ManifoldMuon policies of the manifolds suite, baseline first.
 MANIFOLD_POLICIES = ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv")
 
+def _manifolds_suite(name: str, *, lr: float | None = None, **options) -> Suite:
+    """The ManifoldMuon policies on a 2-layer Pre-LN GPT at a constant lr (``lr``, or swept)."""
+    fixed = {} if lr is None else {"lr": lr}
+    return Suite(
+        name=name,
+        arms=tuple((policy, {"optimizer": "manifold-muon", "policy": policy})
+                   for policy in MANIFOLD_POLICIES),
+        baseline="unconstrained", requires=(("manifoldlib.optim", "build_optimizer"),),
+        full={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 3e-3, "n_layer": 2,
+              "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20, **fixed},
+        quick={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 1e-2, **fixed},
+        **options)
+
+
 #: The comparison suites by ``--suite`` name.
 SUITES: dict[str, Suite] = {
     # hidden-state connections at one shared AdamW lr (the seed's protocol), 5 seeds each
@@ -143,29 +157,12 @@ SUITES: dict[str, Suite] = {
     # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
     # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep: each policy is reported
     # at its own best lr, so no arm is compared at a step size that suits only another
-    "manifolds": Suite(
-        name="manifolds",
-        arms=tuple((policy, {"optimizer": "manifold-muon", "policy": policy})
-                   for policy in MANIFOLD_POLICIES),
-        baseline="unconstrained",
-        requires=(("manifoldlib.optim", "build_optimizer"),),
-        full={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 3e-3, "n_layer": 2,
-              "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20},
-        quick={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 1e-2},
-        seeds=(0, 1, 2, 3, 4), sweep=("lr", (0.01, 0.03, 0.1)), quick_sweep=("lr", (0.02, 0.1))),
+    "manifolds": _manifolds_suite("manifolds", seeds=(0, 1, 2, 3, 4),
+                                  sweep=("lr", (0.01, 0.03, 0.1)),
+                                  quick_sweep=("lr", (0.02, 0.1))),
     # the same at one large constant lr (sum of lr_t = 20): the regime where the seed's DGram
     # mechanism (singular values -> attention logits -> saturated softmax) can act
-    "manifolds-high-lr": Suite(
-        name="manifolds-high-lr",
-        arms=tuple((policy, {"optimizer": "manifold-muon", "policy": policy})
-                   for policy in MANIFOLD_POLICIES),
-        baseline="unconstrained",
-        requires=(("manifoldlib.optim", "build_optimizer"),),
-        full={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 3e-3, "n_layer": 2,
-              "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20,
-              "lr": 0.1},
-        quick={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 1e-2, "lr": 0.1},
-        seeds=(0, 1, 2)),
+    "manifolds-high-lr": _manifolds_suite("manifolds-high-lr", lr=0.1, seeds=(0, 1, 2)),
     # seed 004: SEL on every block linear map, curvature calibrated from the weights' own
     # init scale, the seed's scale-lr annealing on (first third of the run)
     "sel": Suite(
