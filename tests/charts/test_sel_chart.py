@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from manifoldlib.charts import SEL, SEL_IMPLS, SEL_INITS, Chart
+from manifoldlib.charts import SEL, SEL_CALIBRATIONS, SEL_IMPLS, SEL_INITS, Chart
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 
@@ -147,6 +147,7 @@ def test_curvature_from_the_weight_it_is_built_on(std):
     assert torch.allclose(b * rms, torch.full_like(b, 1.5), rtol=1e-14, atol=0)
     zero = SEL(torch.zeros(4, 16))  # no scale of its own: the width rule, and it says so
     assert zero.calibration == "width" and zero.sigma0 == pytest.approx(0.25, rel=1e-15)
+    assert SEL_CALIBRATIONS == ("weight", "width")
     with pytest.raises(ValueError, match=r"calibration must be one of \('weight', 'width'\), got 'rms'"):
         SEL(W, calibration="rms")
 

@@ -11,7 +11,9 @@ from manifoldlib.nn import ScaleNorm
 from models import GPT, GPTConfig
 from models.connections import (
     CONNECTIONS,
+    DAMPING_DEPTHS,
     SPHERE_CONNECTIONS,
+    EmbeddingScale,
     Keel,
     PeriLN,
     PostLN,
@@ -231,6 +233,7 @@ def test_step_angles_of_the_two_sphere_step_forms_at_init():
     angles = normalized.step_angles(idx)
     expected = [math.atan(0.5 / math.sqrt(layer)) for layer in range(1, 5)]  # gnomonic, sub-layer l
     assert angles == pytest.approx(expected, rel=1e-4)
+    assert DAMPING_DEPTHS == ("sublayer", "block")
     by_block = _model(connection="spheret", damping_depth="block").step_angles(idx)
     assert by_block == pytest.approx([math.atan(0.5 / math.sqrt(b)) for b in (1, 1, 2, 2)], rel=1e-4)
     literal = _model(connection="spheret", sphere_step="literal", alpha_init=1.0).step_angles(idx)
@@ -243,6 +246,7 @@ def test_pre_dyt_follows_the_dyt_llm_recipe():
     cfg = GPTConfig(**{**TINY, "vocab_size": 256}, connection="pre-dyt")
     model = GPT(cfg)
     d = cfg.n_embd
+    assert isinstance(model.embed_norm, EmbeddingScale)
     assert model.embed_norm.scale.item() == pytest.approx(math.sqrt(d))
     assert float(model.wte.weight.std()) == pytest.approx(d ** -0.5, rel=0.05)
     alphas = [float(conn.norm.alpha) for block in model.blocks for conn in (block.conn1, block.conn2)]
