@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import sys
 import threading
 import time
 import warnings
@@ -64,8 +65,13 @@ def _build():
 
     isa, isa_flags = _isa()
     flags = _BASE_FLAGS + isa_flags
+    # keyed by the source, flags, torch build and environment, and the source's *path*: torch
+    # rebuilds a cached extension whose recorded source path differs, so two checkouts or two
+    # environments on one machine sharing one folder would rebuild over each other
+    environment = "\0".join((str(_SOURCE.resolve()), sys.prefix, sys.version, torch.__file__))
     digest = hashlib.sha256(
         _SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
+        + environment.encode()
     ).hexdigest()[:12]
     name = f"{_NAMESPACE}_{isa}_{digest}"
     build_dir = _build_directory(name)
@@ -83,9 +89,12 @@ def _build():
         is_python_module=False,
         verbose=False,
     )
+    elapsed = time.perf_counter() - start
     if not cached:
-        _log.warning("manifoldlib: compiled the SphereResidual CPU kernels in %.1f s",
-                     time.perf_counter() - start)
+        _log.warning("manifoldlib: compiled the SphereResidual CPU kernels in %.1f s", elapsed)
+    elif elapsed > 2.0:  # a cached library loads in milliseconds: torch rebuilt it
+        _log.warning("manifoldlib: the cached SphereResidual CPU kernels in %s were rebuilt "
+                     "(%.1f s)", build_dir, elapsed)
     return getattr(torch.ops, _NAMESPACE)
 
 
