@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from manifoldlib.nn import DAMPINGS, STEP_FORMS
+from manifoldlib.nn.residual import rotation_angle
 from manifoldlib.retractions import available_retractions
 
 from .connections import (
@@ -389,9 +390,9 @@ class GPT(nn.Module):
             angles = []
             for block in self.blocks:
                 for conn, sub in ((block.conn1, block.attn), (block.conn2, block.mlp)):
-                    f = sub(x)
-                    angles.append(float(conn.residual.angle(x, f).mean()))
-                    x = conn.residual(x, f)
+                    out = conn.residual(x, sub(x))  # one residual pass per sub-layer
+                    angles.append(float(rotation_angle(x, out).mean()))
+                    x = out
             return angles
         finally:
             self.train(was_training)

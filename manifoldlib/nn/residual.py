@@ -34,7 +34,7 @@ from ..functional.sphere import sphere_unit_tangent
 from ..retractions.base import Retraction, resolve_retraction
 from ._fused import sphere_residual, sphere_residual_reference
 
-__all__ = ["DAMPINGS", "STEP_FORMS", "SphereResidual", "damping_factor"]
+__all__ = ["DAMPINGS", "STEP_FORMS", "SphereResidual", "damping_factor", "rotation_angle"]
 
 #: Depth-damping schedules :math:`\lambda_l` by name.
 DAMPINGS = ("sqrt", "linear", "none")
@@ -44,6 +44,16 @@ STEP_FORMS = ("normalized", "literal")
 #: itself (0.5 rad of step at the first sub-layer); the literal step multiplies the sub-layer's
 #: own scale, so it starts at 1 (the seed's plain residual scale).
 DEFAULT_ALPHA = {"normalized": 0.5, "literal": 1.0}
+
+
+@torch.no_grad()
+def rotation_angle(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    r"""The angle from ``h`` to ``out`` (same radius) row by row, ``(..., 1)`` radians in
+    :math:`[0, \pi]`: :math:`\operatorname{atan2}(\|P_h\,\mathrm{out}\|, \langle h, \mathrm{out}\rangle / r)`."""
+    r = torch.linalg.vector_norm(h, dim=-1, keepdim=True)  # (..., 1)
+    along = (h * out).sum(-1, keepdim=True) / r  # (..., 1)
+    across = torch.linalg.vector_norm(out - along * h / r, dim=-1, keepdim=True)
+    return torch.atan2(across, along)
 
 
 def damping_factor(damping: str, layer: int) -> float:
@@ -163,11 +173,7 @@ class SphereResidual(nn.Module):
         Read from the output :math:`h'` itself, :math:`\theta = \operatorname{atan2}(\|P_h h'\|,
         \langle h, h'\rangle / r)`, so it holds for any retraction, a user's own included.
         """
-        out = self(h, f)
-        r = torch.linalg.vector_norm(h, dim=-1, keepdim=True)  # (..., 1)
-        along = (h * out).sum(-1, keepdim=True) / r  # (..., 1)
-        across = torch.linalg.vector_norm(out - along * h / r, dim=-1, keepdim=True)
-        return torch.atan2(across, along)
+        return rotation_angle(h, self(h, f))
 
     def forward(self, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.dim:
