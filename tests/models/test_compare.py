@@ -142,8 +142,12 @@ def test_quick_suite_end_to_end(tmp_path, name):
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["arm"] for r in rows] == [a for a, _ in suite.arms for _ in suite.seeds[:1]]
-    baseline = next(r for r in rows if r["arm"] == suite.baseline)
-    assert baseline["diverged"] == "False" and baseline["learned"] == "True"
+    # the arm that must learn even in the tiny run: the baseline, except in the stress suite,
+    # whose baseline (Pre-LN at lr 3e-2, no warmup, no clipping) is built to struggle and where
+    # the seed's claim is that a SpheretNorm still converges
+    must_learn = "spheret-p1 @stress" if name == "spheret-stress" else suite.baseline
+    reference = next(r for r in rows if r["arm"] == must_learn)
+    assert reference["diverged"] == "False" and reference["learned"] == "True"
     md = (out / "results.md").read_text()
     assert all(f"| {arm} |" in md for arm, _ in suite.arms)
     assert (out / "curves.png").is_file()

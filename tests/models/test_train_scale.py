@@ -159,7 +159,7 @@ def test_the_compiled_model_agrees_with_the_eager_one():
     loss.backward()
     _, loss_c = compiled(x, x)
     loss_c.backward()
-    assert float(loss_c) == pytest.approx(float(loss), rel=1e-5)
+    assert loss_c.item() == pytest.approx(loss.item(), rel=1e-5)
     for (name, p), pc in zip(model.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(pc.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
