@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from manifoldlib.optim.bfloat16_support import native_bfloat16
+from manifoldlib.optim.execution import native_bfloat16
 
 ANCHORS = ("auto", "bfloat16", "float32")
 

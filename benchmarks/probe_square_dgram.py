@@ -6,11 +6,10 @@ The smoothed Newton–CG solve of a square DGram matrix converged in 20–22 New
 development CPU but, in float32, stopped at its cap of 30 above the tolerance on an H200 (torch
 2.11, 2026-11-29): 1.2–1.5e-3 with bfloat16 or float32 search products, while the float64 solve
 converged in 17–18 steps. Since then a float32 solve smoothed from the start runs in float64 on
-CUDA (:func:`manifoldlib.optim.dual_solvers.solve_dtype`). Variants: ``float32`` (that widening
-switched off, bfloat16 Hessian-vector products where native), ``float32, f32 search`` (every
-search product in float32 too), ``library default`` (as shipped), ``default, bf16 search`` (as
-shipped but bfloat16 search products for float64 solves too, i.e. for the widened CUDA solve) and
-``float64`` (float64 inputs).
+CUDA (:attr:`manifoldlib.optim.ExecutionPolicy.smoothed_dtype`). Variants, each an explicit
+:class:`~manifoldlib.optim.ExecutionPolicy`: ``float32`` (that widening switched off, bfloat16
+Hessian-vector products where native), ``float32, f32 search`` (every search product in float32
+too), ``library default`` (the policy resolved for the device) and ``float64`` (float64 inputs).
 Prints per variant and seed: Newton steps, final residual, time, and the residual history.
 
 ``--profile`` then profiles one solve of the shipped configuration (``torch.profiler``, the
@@ -21,11 +20,12 @@ operators sorted by their own device time, CPU time on a CPU): where a solve's t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
-from manifoldlib.optim import dual_problem, dual_solvers, steepest, steepest_direction
+from manifoldlib.optim import ExecutionPolicy, steepest_direction
 
 
 def _instance(m: int, n: int, seed: int, device: torch.device):
@@ -60,19 +60,15 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    real_search, real_dtype = dual_problem.search_dtype, steepest.solve_dtype
     print(f"DGram {rows}x{args.n} on {device}, jordan5 dual msign, tol 1e-3, cap 30")
-    def bf16_search(t: torch.Tensor) -> torch.dtype:
-        return torch.bfloat16 if t.dtype == torch.float64 and t.size(-1) >= 256 else real_search(t)
-
-    searches = {"float32, f32 search": lambda t: t.dtype, "default, bf16 search": bf16_search}
-    for variant in ("float32", "float32, f32 search", "library default", "default, bf16 search", "float64"):
-        keep_search = searches.get(variant, real_search)
-        dual_problem.search_dtype = dual_solvers.search_dtype = keep_search
-        if variant.startswith("float32"):
-            steepest.solve_dtype = lambda dtype, device, smoothed: torch.float32 if dtype != torch.float64 else dtype
-        else:
-            steepest.solve_dtype = real_dtype
+    default = ExecutionPolicy.resolve(device)
+    policies = {
+        "float32": dataclasses.replace(default, smoothed_dtype=None),
+        "float32, f32 search": dataclasses.replace(default, smoothed_dtype=None, search_dtype=None),
+        "library default": default,
+        "float64": default,
+    }
+    for variant, policy in policies.items():
         for seed in range(args.seeds):
             w, g = _instance(rows, args.n, seed, device)
             if variant == "float64":
@@ -80,15 +76,14 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            _, info = steepest_direction(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30, return_info=True)
+            _, info = steepest_direction(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30,
+                                         execution=policy, return_info=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             history = " ".join(f"{h:.1e}" for h in info.history)
             print(f"{variant:20s} seed {seed}: {info.iterations:3d} steps, residual {info.residual:.2e}, "
                   f"{seconds:6.2f} s | {history}", flush=True)
-    dual_problem.search_dtype = dual_solvers.search_dtype = real_search
-    steepest.solve_dtype = real_dtype
     if args.profile:
         _profile(*_instance(rows, args.n, 0, device))
 

@@ -1,6 +1,7 @@
 """Manifold Muon: steepest descent under the spectral norm on Stiefel / DGram / Oblique, with policies.
 
 - :func:`steepest_direction`: the dual solvers (:mod:`.steepest`);
+- :class:`ExecutionPolicy`: the device-dependent choices of a step (:mod:`.execution`);
 - :class:`ManifoldMuon`: the optimizer (:mod:`.manifold_muon`), its dual-solver options
   :class:`DualOptions` (:mod:`.dual_options`) and its functional core :func:`manifold_muon`
   (:mod:`.muon_step`);
@@ -18,6 +19,7 @@ from .diagnostics import (
     spectral_norm,
 )
 from .dual_options import DualOptions
+from .execution import ExecutionPolicy
 from .manifold_muon import ManifoldMuon, manifold_muon
 from .muon_groups import MUON_MANIFOLDS
 from .policies import (
@@ -34,6 +36,7 @@ __all__ = [
     "MUON_MANIFOLDS",
     "CombinedOptimizer",
     "DualOptions",
+    "ExecutionPolicy",
     "ManifoldMuon",
     "RolePolicy",
     "SteepestInfo",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .dual_problem import SPECTRAL_PATHS
+from .execution import SPECTRAL_PATHS
 from .steepest import DUAL_UPDATES
 
 __all__ = ["DUAL_MSIGN_METHODS", "REPLACED_KWARGS", "DualOptions", "reject_replaced_kwargs"]

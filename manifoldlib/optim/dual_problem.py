@@ -7,7 +7,8 @@ eigendecomposition, the spectral factor, the dual gradient :math:`H` and the rel
 residual. :class:`_State` keeps what one evaluation computed, so the solvers
 (:mod:`manifoldlib.optim.dual_solvers`) and the answer reuse it.
 
-Two ways to the spectral factor of a plain (unsmoothed) evaluation (``spectral``): ``"eigh"``, one
+Two ways to the spectral factor of a plain (unsmoothed) evaluation (the execution policy's
+``spectral``, :mod:`~manifoldlib.optim.execution`): ``"eigh"``, one
 ``n × n`` eigendecomposition (cheap on a CPU, and the eigenbasis the Anderson step and the
 smoothed Newton solve need), or ``"products"``, the Newton–Schulz preset in Gram form
 (:func:`~manifoldlib.optim.spectral_factors.gram_msign_factor`: about twenty ``n × n`` products,
@@ -24,28 +25,10 @@ import torch
 from ..functional.msign import msign
 from ..functional.normal_space import normal_metric
 from .dual_manifolds import dual_manifold
-from .search_precision import search_dtype
+from .execution import ExecutionPolicy
 from .spectral_factors import _rsqrt_divided_differences, _spectral_gain, gram_msign_factor
 
-__all__ = ["SPECTRAL_PATHS", "resolve_spectral", "tangent_residual"]
-
-#: How a plain dual evaluation gets its spectral factor: ``"auto"`` (products on a CUDA device,
-#: the eigh elsewhere), ``"eigh"`` or ``"products"``.
-SPECTRAL_PATHS = ("auto", "eigh", "products")
-
-
-def resolve_spectral(spectral: str, device: torch.device) -> str:
-    """``"eigh"`` or ``"products"`` for ``spectral`` (one of :data:`SPECTRAL_PATHS`) on ``device``.
-
-    ``"auto"`` takes the products on CUDA devices, where a 768² float32 eigh measured 8.0 ms
-    against 1.1 ms for the twenty products of a Gram-form Newton–Schulz (H200, torch 2.11), and
-    the eigh elsewhere (a 2-core CPU: ~35 ms for the eigh, ~180 ms for the products).
-    """
-    if spectral not in SPECTRAL_PATHS:
-        raise ValueError(f"unknown spectral {spectral!r}; valid: {', '.join(SPECTRAL_PATHS)}")
-    if spectral == "auto":
-        return "products" if device.type == "cuda" else "eigh"
-    return spectral
+__all__ = ["tangent_residual"]
 
 
 def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold) -> torch.Tensor:
@@ -95,11 +78,13 @@ class _DualProblem:
     manifold's mask :math:`\mathcal{P}`.
     """
 
-    def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None, spectral="eigh"):
+    def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None,
+                 policy: ExecutionPolicy | None = None):
         manifold = dual_manifold(manifold)  # a MatrixConstraintManifold (or its name)
         self.manifold = manifold  # the constraint's geometry
         self.method = method
-        self.spectral = spectral  # "eigh" or "products" (plain evaluations; smoothed ones take the eigh)
+        self.policy = ExecutionPolicy() if policy is None else policy  # dtypes and spectral path
+        self.spectral = self.policy.spectral  # plain evaluations; smoothed ones take the eigh
         self.steps, self.coefficients, self.eps = steps, coefficients, eps
         self.smoothing = smoothing  # absolute mu of the smoothed nuclear norm, or None
         n = w.size(-1)
@@ -118,6 +103,8 @@ class _DualProblem:
         self.mask = manifold.multiplier_mask
         self.wg = w.mT @ g  # (n, n) = W^T G = F^T B
         self.reduced = False
+        self.evaluations = 0  # what the solve cost, read into SteepestInfo
+        self.hessian_products = 0
         if method != "svd" or smoothing is not None:
             self.enable_reduced()
 
@@ -173,6 +160,7 @@ class _DualProblem:
         :math:`V^\top H V = N\Psi + \Psi N^\top`, :math:`N = V^\top M V`, in ``state.rotated``:
         what the eigenbasis-preconditioned step needs, two ``n × n`` products cheaper.
         """
+        self.evaluations += 1
         if not self.reduced:
             x = self.g + 2.0 * (self.w @ lam)  # (m, n)
             if not bool(torch.isfinite(x.sum())):  # a diverged step: no SVD of non-finite input
@@ -252,11 +240,12 @@ class _DualProblem:
         :math:`\psi(\lambda) = (\lambda + \mu^2)^{-1/2}`, :math:`-1/(a_i a_j (a_i + a_j))`,
         :math:`a = \psi^{-1}`; then :math:`dK = ER + M\,dR` and the answer is
         :math:`\mathcal{P}(F^\top dK + dK^\top F)`. Four ``n × n`` products, in bfloat16 for a float32
-        solve where that is native (:mod:`~manifoldlib.optim.search_precision`: they only steer
+        solve where the policy says so (:mod:`~manifoldlib.optim.execution`: they only steer
         conjugate gradients; the Newton iterates are evaluated in float32).
         """
+        self.hessian_products += 1
         if state.hessian is None:
-            low = search_dtype(state.vec)  # bfloat16 products where native: a CG search direction
+            low = self.policy.search_dtype_for(state.vec)  # bfloat16 where native: a CG search direction
             phi = _rsqrt_divided_differences(state.gain.reciprocal())  # at a_i^2, a_i = sqrt(lambda_i + mu^2)
             state.hessian = (state.vec.to(low), state.mv.to(low), phi)
         vec, mv, phi = state.hessian

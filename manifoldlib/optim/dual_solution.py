@@ -31,6 +31,14 @@ class SteepestInfo:
             / \|G + 2W\Lambda\|_*` of a smoothed answer (``None`` when no smoothing ran). With
             ``smoothing="auto"`` a solve counts as converged only if this is at most
             :data:`~manifoldlib.optim.dual_solvers.GAP_TOL`.
+        stages: the solvers that ran, in order: ``"anderson"`` (eigenbasis-preconditioned steps),
+            ``"bb"`` (Barzilai–Borwein steps; also the exact SVD path), ``"smoothed"`` (Newton–CG
+            on the smoothed dual, from the start or after a stalled plain stage); ``()`` when no
+            dual ran (Euclidean, zero gradient).
+        evaluations: dual evaluations (one ``n × n`` eigendecomposition or Gram-form
+            Newton–Schulz each; an SVD of the ``m × n`` matrix on the exact path).
+        hessian_products: Hessian-vector products of the smoothed dual's conjugate gradients
+            (four ``n × n`` products each).
     """
 
     iterations: int
@@ -41,6 +49,9 @@ class SteepestInfo:
     history: list[float] = field(default_factory=list)
     step_size: float | None = None
     gap: float | None = None
+    stages: tuple[str, ...] = ()
+    evaluations: int = 0
+    hessian_products: int = 0
 
 
 @dataclass
@@ -63,8 +74,8 @@ class DualSolution:
 
     def direction(self) -> torch.Tensor:
         """The steepest direction in the input's orientation, in the solve's work dtype
-        (:func:`~manifoldlib.optim.dual_solvers.solve_dtype`: float32 for 16-bit input, float64
-        for a smoothed float32 solve on CUDA); runs with IEEE float32 products."""
+        (:meth:`~manifoldlib.optim.execution.ExecutionPolicy.work_dtype`: float32 for 16-bit
+        input, float64 for a smoothed float32 solve on CUDA); runs with IEEE float32 products."""
         with ieee_float32_matmul():  # the m x n product X R: TF32 would blur the tangency
             a = self.answer if self.problem is None else self.problem.direction(self.state)
         return a.mT if self.transposed else a

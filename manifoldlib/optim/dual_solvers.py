@@ -20,7 +20,6 @@ import torch
 
 from .dual_manifolds import dual_manifold
 from .dual_problem import _BestIterate, _DualProblem, _State
-from .search_precision import search_dtype
 
 __all__ = [
     "ANDERSON_MEMORY",
@@ -28,12 +27,10 @@ __all__ = [
     "GAP_TOL",
     "NEWTON_CG_ITER",
     "PRECONDITIONED_RELAXATION",
-    "SMOOTHED_CUDA_DTYPE",
     "SMOOTHING_FLOOR",
     "SMOOTHING_START",
     "SMOOTH_BELOW_ASPECT",
     "VALUE_NOISE_ULPS",
-    "solve_dtype",
 ]
 
 _LINE_SEARCH_STEPS = 20
@@ -67,22 +64,6 @@ SMOOTH_BELOW_ASPECT = 2.5
 GAP_TOL = 1e-3
 #: Smallest relative smoothing the gap-driven continuation goes down to.
 SMOOTHING_FLOOR = 2e-5
-#: Work dtype of a float32 solve that is smoothed from the start on a CUDA device. cuSOLVER's
-#: float32 eigh is not accurate enough for the smoothed Newton steps: on an H200 (torch 2.11) a
-#: 768² DGram solve stalled at a residual of 1.2–1.5e-3 and ran its cap of 30 steps (1.1–2.3 s),
-#: with float32 or bfloat16 search products alike; in float64 it converged in 17–18 steps
-#: (0.41–0.50 s; the float64 eigh costs the same 7.9 ms as the float32 one there).
-SMOOTHED_CUDA_DTYPE = torch.float64
-
-
-def solve_dtype(dtype: torch.dtype, device: torch.device, smoothed: bool) -> torch.dtype:
-    """Work dtype of a dual solve for input ``dtype`` on ``device``: float32 for 16-bit input,
-    :data:`SMOOTHED_CUDA_DTYPE` for a float32 solve smoothed from the start on CUDA, else ``dtype``."""
-    if dtype in (torch.float16, torch.bfloat16):
-        dtype = torch.float32
-    if smoothed and dtype == torch.float32 and device.type == "cuda":
-        return SMOOTHED_CUDA_DTYPE
-    return dtype
 
 
 def _dual_solve(
@@ -140,7 +121,7 @@ def _preconditioned_step(
     The step inverts it: :math:`\Delta = V\big[(V^\top (H \oslash \text{metric}) V) \oslash
     2(\psi_i + \psi_j)\big]V^\top`, four ``n × n`` products (two when the evaluation left
     :math:`V^\top HV`), in bfloat16 for a float32 solve where that is native
-    (:mod:`~manifoldlib.optim.search_precision`:
+    (the execution policy's :attr:`~manifoldlib.optim.execution.ExecutionPolicy.search_dtype`:
     5–7% of a 3072×768 solve, the same iterations). Freezing :math:`R` drops the curvature of
     the spectral map, :math:`\langle\Delta, \mathcal{N}(\Delta)\rangle \le 0` where the gain
     :math:`\psi` decreases (its divided differences :math:`\Phi \le 0`; exactly so for the polar
@@ -153,7 +134,7 @@ def _preconditioned_step(
     mixing recovers the rest.
     """
     vec, gain = state.vec, state.gain
-    low = vec.to(search_dtype(vec))
+    low = vec.to(problem.policy.search_dtype_for(vec))
     rotated = state.rotated
     if rotated is None:
         rotated = low.mT @ (h / problem.metric).to(low.dtype) @ low  # (n, n), in the eigenbasis of S

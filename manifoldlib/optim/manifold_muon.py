@@ -28,6 +28,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from ..distributed import STRATEGIES, assign_owners, get_rank_world, reject_unsupported_parameter
 from .concurrent_solves import resolve_workers
 from .dual_options import DualOptions, reject_replaced_kwargs
+from .execution import ExecutionPolicy
 from .matmul_precision import ieee_float32_matmul
 from .muon_groups import (
     DEFAULT_RETRACTIONS,  # noqa: F401  (re-exported: its public home before the split)
@@ -117,7 +118,7 @@ class ManifoldMuon(Optimizer):
             the field that replaced them.
         ns_dtype: the dtype of the Euclidean groups' Newton–Schulz: ``"auto"`` (default:
             bfloat16 where bfloat16 products are native, float32 elsewhere:
-            :func:`~manifoldlib.optim.bfloat16_support.native_bfloat16`), ``"bfloat16"``
+            :func:`~manifoldlib.optim.execution.native_bfloat16`), ``"bfloat16"``
             (always, as :class:`torch.optim.Muon`: with it the Euclidean steps equal
             ``torch.optim.Muon``'s to 1e-6 on any device), or ``"float32"``. On a CPU without
             AVX512-BF16 or AMX bfloat16 products are emulated, 40–80 times slower than float32
@@ -323,7 +324,9 @@ class ManifoldMuon(Optimizer):
         """Perform one optimization step; ``closure`` re-evaluates the loss (optional).
 
         Gathers each group (:meth:`_init_group`), checks every gradient before any buffer moves,
-        and calls :func:`~manifoldlib.optim.muon_step.manifold_muon` per group. In sharded mode
+        resolves each group's :class:`~manifoldlib.optim.execution.ExecutionPolicy` once (the
+        solve concurrency from every constrained matrix of the step), and calls
+        :func:`~manifoldlib.optim.muon_step.manifold_muon` per group. In sharded mode
         this is a collective: every rank of the group must call it.
         """
         loss = None
@@ -340,6 +343,10 @@ class ManifoldMuon(Optimizer):
         workers = self._resolved_workers([(group_manifold(g), p) for g, ps, _, _, _ in gathered for p in ps])
         owners = self.owners() if self._sharded() else None
         for group, params, grads, bufs, states in gathered:
+            dual = group_dual(group)
+            execution = ExecutionPolicy.resolve(
+                params[0].device, ns_dtype=group.get("ns_dtype", "auto"), spectral=dual.spectral, workers=workers
+            )
             manifold_muon(
                 params,
                 grads,
@@ -354,10 +361,9 @@ class ManifoldMuon(Optimizer):
                 eps=group["eps"],
                 adjust_lr_fn=group["adjust_lr_fn"],
                 manifold=group_manifold(group),
-                dual=group_dual(group),
-                ns_dtype=group.get("ns_dtype", "auto"),
+                dual=dual,
                 fuse_retraction=group["retraction"] is None and not group.get("retraction_options"),
-                workers=workers,
+                execution=execution,
                 owners=None if owners is None else [owners[id(p)] for p in params],
                 process_group=self.process_group,
             )

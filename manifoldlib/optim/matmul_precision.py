@@ -15,7 +15,7 @@ and restores exactly what was set before, through the per-backend ``fp32_precisi
 (torch >= 2.9), so a process that uses either the legacy or the new precision API finds its
 setting unchanged afterwards. Backends already at full precision are not touched. Explicit
 lower-precision products (the bfloat16 search directions of
-:mod:`~manifoldlib.optim.search_precision`) are unaffected: their operands are bfloat16 tensors.
+:attr:`~manifoldlib.optim.execution.ExecutionPolicy.search_dtype`) are unaffected: their operands are bfloat16 tensors.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
-from .bfloat16_support import NS_DTYPES
+from .execution import NS_DTYPES
 from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
 from .dual_options import REPLACED_KWARGS, DualOptions, reject_replaced_kwargs
 from .muon_step import ADJUST_LR_FNS

@@ -29,8 +29,11 @@ With ``manifold="euclidean"`` and ``ns_dtype="bfloat16"`` the step is :class:`to
 operation for operation (bfloat16 Newton–Schulz, the same learning-rate adjustment and decoupled
 weight decay). Where bfloat16 products are not native (CPUs without AVX512-BF16 or AMX) that
 Newton–Schulz is slow (emulated bfloat16), so the default ``ns_dtype="auto"`` takes bfloat16 only
-where it is native — there it equals ``torch.optim.Muon`` too — and float32 elsewhere
-(:mod:`~manifoldlib.optim.bfloat16_support`).
+where it is native — there it equals ``torch.optim.Muon`` too — and float32 elsewhere.
+
+Device-dependent choices (that dtype, the dual's spectral path and search precision, CPU solve
+concurrency) come in one :class:`~manifoldlib.optim.execution.ExecutionPolicy`, resolved once per
+step by the caller; nothing below asks the device again.
 
 Learning rate for non-square matrices: on Stiefel and DGram ``adjust_lr_fn=None`` means
 ``"spectral"`` (no adjustment). The update has spectral norm :math:`\eta` and a Stiefel point has
@@ -62,10 +65,10 @@ import torch
 from torch import Tensor
 
 from ..distributed import get_rank_world, sharded_apply
-from .bfloat16_support import resolve_ns_dtype
 from .concurrent_solves import run_concurrently
 from .dual_manifolds import dual_manifold
 from .dual_options import DualOptions
+from .execution import ExecutionPolicy
 from .fused_retraction import fused_retraction
 from .matmul_precision import ieee_float32_matmul
 from .steepest import solve_dual
@@ -131,7 +134,7 @@ def _solve_one(
     manifold,
     dual: DualOptions,
     fuse_retraction: bool,
-    ns_dtype: str,
+    execution: ExecutionPolicy,
 ) -> Tensor:
     """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
 
@@ -140,7 +143,7 @@ def _solve_one(
     """
     adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold.flat, param.shape)
     if manifold.flat:
-        direction = _zeropower(update, ns_coefficients, ns_steps, eps, resolve_ns_dtype(ns_dtype, update.device))
+        direction = _zeropower(update, ns_coefficients, ns_steps, eps, execution.ns_dtype)
         state["dual_iterations"] = 0
         state["dual_residual"] = 0.0
         return param.mul(1 - lr * weight_decay).add_(direction, alpha=-adjusted)
@@ -164,8 +167,8 @@ def _solve_one(
             patience=DUAL_PATIENCE,
             smoothing=dual.smoothing,
             dual_update=dual.update,
-            spectral=dual.spectral,
             gap_tol=None,  # the first smoothing that meets tol: a training step needs no certificate
+            execution=execution,
         )
         info = solution.info
         state["dual_correction"] = info.correction
@@ -198,9 +201,8 @@ def manifold_muon(
     adjust_lr_fn: str | None,
     manifold,
     dual: DualOptions | dict | None = None,
-    ns_dtype: str = "auto",
     fuse_retraction: bool = False,
-    workers: int = 1,
+    execution: ExecutionPolicy | None = None,
     owners: list[int] | None = None,
     process_group=None,
 ) -> None:
@@ -217,18 +219,23 @@ def manifold_muon(
             (:func:`~manifoldlib.optim.dual_manifolds.dual_manifold`).
         dual: the dual-solver options (:class:`~manifoldlib.optim.dual_options.DualOptions`, a
             dict of its fields, or ``None`` for the defaults).
-        ns_dtype: the Newton–Schulz dtype of a flat (Euclidean) manifold.
         fuse_retraction: ``manifold`` carries its default Gram-form retraction
             (``muon_retraction``); tall matrices then take it in the fused form of
             :mod:`~manifoldlib.optim.fused_retraction` (the same point to rounding, two ``m·n²``
             products fewer).
-        workers: constrained matrices solved at once on CPU threads
-            (:func:`~manifoldlib.optim.concurrent_solves.run_concurrently`; 1: one at a time).
+        execution: the device-dependent choices (:class:`~manifoldlib.optim.execution.ExecutionPolicy`:
+            the Euclidean Newton–Schulz dtype, the dual's spectral path and precisions, how many
+            constrained matrices are solved at once on CPU threads); ``None`` resolves the
+            defaults for the parameters' device (``ns_dtype="auto"``, ``dual.spectral``, one
+            solve at a time).
         owners: sharded mode: the owner rank of each matrix; the owners solve, and the new
             matrices are shared by :func:`~manifoldlib.distributed.sharded_apply` (a collective
             over ``process_group``). ``None``: every matrix is solved here.
     """
     manifold = dual_manifold(manifold)
+    dual = DualOptions.coerce(dual)
+    if execution is None:
+        execution = ExecutionPolicy.resolve(params[0].device if params else "cpu", spectral=dual.spectral)
     options: dict[str, Any] = {
         "lr": float(lr),
         "weight_decay": weight_decay,
@@ -237,20 +244,20 @@ def manifold_muon(
         "eps": eps,
         "adjust_lr_fn": adjust_lr_fn,
         "manifold": manifold,
-        "dual": DualOptions.coerce(dual),
+        "dual": dual,
         "fuse_retraction": fuse_retraction,
-        "ns_dtype": ns_dtype,
+        "execution": execution,
     }
     updates = [_momentum_update(g, b, momentum, nesterov) for g, b in zip(grads, momentum_bufs)]
-    pooled = workers > 1 and not manifold.flat
+    workers = execution.workers if not manifold.flat else 1
     if owners is None:  # each new matrix is written as soon as it is solved
         _run([functools.partial(_solve_into, p, u, s, options) for p, u, s in zip(params, updates, states)],
-             params, workers if pooled else 1)
+             params, workers)
         return
     rank = get_rank_world(process_group)[0]
     mine = [i for i, owner in enumerate(owners) if owner == rank]
     tasks = [functools.partial(_solve_one, params[i], updates[i], states[i], **options) for i in mine]
-    precomputed = dict(zip(mine, _run(tasks, [params[i] for i in mine], workers if pooled else 1)))
+    precomputed = dict(zip(mine, _run(tasks, [params[i] for i in mine], workers)))
 
     def solve(i: int, p: Tensor) -> Tensor:
         return precomputed.pop(i) if i in precomputed else _solve_one(p, updates[i], states[i], **options)

@@ -62,7 +62,7 @@ import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
 from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
-from .dual_problem import SPECTRAL_PATHS, _DualProblem, resolve_spectral, tangent_residual
+from .dual_problem import _DualProblem, tangent_residual
 from .dual_solution import DualSolution, SteepestInfo
 from .dual_solvers import (
     AUTO_SMOOTHING,
@@ -71,8 +71,8 @@ from .dual_solvers import (
     _dual_solve,
     _resolve_smoothing,
     _smoothed_solve,
-    solve_dtype,
 )
+from .execution import SPECTRAL_PATHS, ExecutionPolicy
 from .matmul_precision import ieee_float32_matmul
 from .spectral_factors import gram_msign_factor, gram_msign_factor_eigh
 
@@ -84,6 +84,7 @@ __all__ = [
     "SPECTRAL_PATHS",
     "STEEPEST_MANIFOLDS",
     "DualSolution",
+    "ExecutionPolicy",
     "SteepestInfo",
     "gram_msign_factor",
     "gram_msign_factor_eigh",
@@ -135,6 +136,7 @@ def steepest_direction(
     dual_update: str = "auto",
     spectral: str = "auto",
     gap_tol: float | None = GAP_TOL,
+    execution: ExecutionPolicy | None = None,
     return_info: bool = False,
 ):
     r"""Steepest unit direction of ``G`` under the spectral norm in the tangent space at ``W``.
@@ -213,14 +215,18 @@ def steepest_direction(
             ``"products"`` (the Newton–Schulz preset in Gram form, about twenty ``n × n``
             products and no factorization: what a GPU runs fast; dual updates by BB), or
             ``"auto"`` (default): products on a CUDA device, the eigh elsewhere
-            (:func:`~manifoldlib.optim.dual_problem.resolve_spectral`). Smoothed solves always take
-            the eigh (their Newton steps need the eigenbasis).
+            (:meth:`~manifoldlib.optim.execution.ExecutionPolicy.resolve`). Smoothed solves always
+            take the eigh (their Newton steps need the eigenbasis).
         gap_tol: with ``smoothing="auto"``, the largest certified relative duality gap
             (:attr:`SteepestInfo.gap`) of a smoothed answer: the smoothing is shrunk tenfold a stage
             (down to :data:`~manifoldlib.optim.dual_solvers.SMOOTHING_FLOOR`) until the gap is
             below it, and a solve above it is not reported converged. ``None``: keep the first
             smoothing that meets ``tol`` (what :class:`ManifoldMuon` does: a training step does not
             need the last 1% of the objective). Unused with an explicit ``smoothing`` float.
+        execution: the device-dependent choices (:class:`~manifoldlib.optim.execution.ExecutionPolicy`:
+            spectral path, work and search dtypes); ``None`` resolves them for ``G``'s device and
+            ``spectral``. Given, it decides the spectral path, and ``spectral`` must be ``"auto"``
+            or agree with it.
         return_info: also return a :class:`SteepestInfo`.
 
     Returns:
@@ -248,6 +254,7 @@ def steepest_direction(
         dual_update=dual_update,
         spectral=spectral,
         gap_tol=gap_tol,
+        execution=execution,
     )
     a = solution.direction().to(G.dtype)
     return (a, solution.info) if return_info else a
@@ -273,6 +280,7 @@ def solve_dual(
     dual_update: str = "auto",
     spectral: str = "auto",
     gap_tol: float | None = GAP_TOL,
+    execution: ExecutionPolicy | None = None,
 ) -> DualSolution:
     """:func:`steepest_direction` without forming the answer: the solved reduced dual.
 
@@ -295,14 +303,21 @@ def solve_dual(
             "dual_update='anderson' needs a Newton-Schulz msign_method (its steps use the eigenbasis "
             "of the n x n Gram matrix); msign_method='svd' runs the unreduced iteration: use 'bb' or 'auto'"
         )
-    path = resolve_spectral(spectral, G.device)
+    if execution is None:
+        execution = ExecutionPolicy.resolve(G.device, spectral=spectral)
+    elif spectral not in ("auto", execution.spectral):
+        raise ValueError(
+            f"spectral={spectral!r} disagrees with the execution policy's {execution.spectral!r}: "
+            f"give the spectral path in one place"
+        )
+    path = execution.spectral
     if dual_update == "anderson" and path == "products":
         raise ValueError(
             f"dual_update='anderson' needs the eigenbasis of the n x n Gram matrix, but spectral={spectral!r} "
             f"resolved to 'products' on {G.device.type} (no eigendecomposition): use spectral='eigh', or "
             f"dual_update='bb' / 'auto'"
         )
-    work_dtype = solve_dtype(G.dtype, G.device, smoothed=False)  # float32 for 16-bit input
+    work_dtype = execution.work_dtype(G.dtype, smoothed=False)  # float32 for 16-bit input
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(work_dtype)
     norm = g.norm()
@@ -317,14 +332,14 @@ def solve_dual(
     g = g / norm
     n = g.size(-1)
     kappa, fallback = _resolve_smoothing(smoothing, manifold, g.shape, exact=msign_method == "svd")
-    work_dtype = solve_dtype(work_dtype, g.device, smoothed=kappa is not None)
+    work_dtype = execution.work_dtype(work_dtype, smoothed=kappa is not None)
     if smoothing == "auto" and gap_tol is not None and work_dtype == torch.float32:
         # a certified solve may drive the smoothing down to where a float32 eigh cannot follow
         # (24x24 DGram: stuck at a residual of 4e-3 at kappa = 2e-3): run it in float64
         work_dtype = torch.float64
     w, g = (W.mT if transposed else W).to(work_dtype), g.to(work_dtype)
     problem = _DualProblem(
-        w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa, spectral=path
+        w, g, manifold, msign_method, ns_steps, ns_coefficients, eps, smoothing=kappa, policy=execution
     )
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")
@@ -341,10 +356,13 @@ def solve_dual(
     history: list[float] = []
     certify = smoothing == "auto" and gap_tol is not None
     gap = None
+    stages: list[str] = []
     if kappa is None and problem.reduced and path == "eigh" and dual_update != "bb":
+        stages.append("anderson")
         lam, state, residual, iterations = _anderson_solve(problem, lam, float(tol), max_iter, history, patience)
         last_step = step_size
     elif kappa is None:
+        stages.append("bb")
         lam, state, residual, iterations, last_step = _dual_solve(
             problem, lam, float(tol), max_iter, history, step_size, patience
         )
@@ -356,17 +374,21 @@ def solve_dual(
             # there in a few Newton steps
             problem.enable_reduced()
             lam = lam if bool(torch.isfinite(lam).all()) else lam0
+            stages.append("smoothed")
             lam, state, residual, more, gap = _smoothed_solve(
                 problem, lam, lam0, fallback, float(tol), max_iter, history, patience, cold=False,
                 gap_tol=gap_tol if certify else None,
             )
             iterations += more
     else:
+        stages.append("smoothed")
         lam, state, residual, iterations, gap = _smoothed_solve(
             problem, lam, lam0, kappa, float(tol), max_iter, history, patience, cold=start is None,
             gap_tol=gap_tol if certify else None,
         )
         last_step = step_size
     converged = residual <= tol and (gap is None or not certify or gap <= gap_tol)
-    info = SteepestInfo(iterations, residual, converged, lam, lam - lam0, history, last_step, gap)
+    info = SteepestInfo(iterations, residual, converged, lam, lam - lam0, history, last_step, gap,
+                        stages=tuple(stages), evaluations=problem.evaluations,
+                        hessian_products=problem.hessian_products)
     return DualSolution(info, transposed, problem, state)

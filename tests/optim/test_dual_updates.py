@@ -8,11 +8,13 @@ and hand a stalled solve to the smoothed dual.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_steepest import CASES, _dual_optimum, _instance
 
-from manifoldlib.optim import ManifoldMuon, dual_solvers, steepest_direction, tangent_residual
+from manifoldlib.optim import ExecutionPolicy, ManifoldMuon, dual_solvers, steepest_direction, tangent_residual
 from manifoldlib.optim.steepest import DUAL_UPDATES, solve_dual
 
 
@@ -97,62 +99,46 @@ def test_a_stalled_tall_dual_continues_on_the_smoothed_dual():
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
-def test_bfloat16_step_rotations_keep_the_iterations_of_float32(monkeypatch, manifold):
+def test_bfloat16_step_rotations_keep_the_iterations_of_float32(manifold):
     # the preconditioned step of a float32 solve is rotated in bfloat16 where that is native: a
     # search direction with a 4e-3 relative error, checked by a residual evaluated in float32
-    import sys
-
-    precision = sys.modules["manifoldlib.optim.search_precision"]
-    monkeypatch.setattr(precision, "BFLOAT16_MIN_SIZE", 32)  # small instances take it too
     w, g = _instance(400, 100, manifold, seed=3)
     runs = {}
     for native in (False, True):
-        monkeypatch.setattr(precision, "native_bfloat16", lambda device_type, native=native: native)
+        # the policy of a CPU with native bfloat16; small instances take it too (min size 32)
+        policy = ExecutionPolicy.resolve("cpu", bfloat16_native=native)
+        policy = dataclasses.replace(policy, search_min_size=32)
         runs[native] = steepest_direction(w.float(), g.float(), manifold, tol=1e-5, max_iter=60,
                                           msign_method="jordan5", smoothing=None, dual_update="anderson",
-                                          return_info=True)
+                                          execution=policy, return_info=True)
     (a32, info32), (a16, info16) = runs[False], runs[True]
     assert info32.converged and info16.converged
     assert abs(info16.iterations - info32.iterations) <= 1
     assert float(tangent_residual(w, a16.double(), manifold)) <= 2e-5
     assert 0 < float((a16 - a32).norm() / a32.norm()) <= 1e-3  # a different path to the same answer
     # float64 solves never take it
-    assert precision.search_dtype(w) == torch.float64
-    assert precision.search_dtype(w.float()) == torch.bfloat16  # (native, as patched)
-    assert precision.search_dtype(torch.zeros(31, 31)) == torch.float32  # under the size floor
+    assert policy.search_dtype_for(w) == torch.float64
+    assert policy.search_dtype_for(w.float()) == torch.bfloat16
+    assert policy.search_dtype_for(torch.zeros(31, 31)) == torch.float32  # under the size floor
 
 
 @pytest.mark.parametrize("m", [48, 60])
-def test_bfloat16_hessian_products_reach_the_float32_answer(monkeypatch, m):
+def test_bfloat16_hessian_products_reach_the_float32_answer(m):
     # square DGram (always smoothed) and a near-square tall DGram (smoothed by "auto"): the
     # Hessian-vector products that steer CG run in bfloat16 where native; the Newton iterates
     # are evaluated in float32 and must reach the same answer
-    import sys
-
-    from manifoldlib.optim.dual_problem import _DualProblem
-
-    precision = sys.modules["manifoldlib.optim.search_precision"]
-    product_dtypes = []
-    hessian_vector = _DualProblem.hessian_vector
-
-    def spy(self, state, delta):
-        out = hessian_vector(self, state, delta)
-        product_dtypes.append(state.hessian[0].dtype)
-        return out
-
-    monkeypatch.setattr(_DualProblem, "hessian_vector", spy)
-    monkeypatch.setattr(precision, "BFLOAT16_MIN_SIZE", 32)  # small instances take it too
     w, g = _instance(m, 48, "dgram", seed=4)
     runs = {}
     for native in (False, True):
-        monkeypatch.setattr(precision, "native_bfloat16", lambda device_type, native=native: native)
-        product_dtypes.clear()
+        policy = dataclasses.replace(ExecutionPolicy.resolve("cpu", bfloat16_native=native), search_min_size=32)
+        assert policy.search_dtype_for(w.float()) == (torch.bfloat16 if native else torch.float32)
         runs[native] = solve_dual(w.float(), g.float(), "dgram", tol=1e-3, max_iter=40, msign_method="jordan5",
-                                  gap_tol=None)  # the optimizer's float32 solve
-        assert runs[native].info.converged
-        assert len(product_dtypes) > 20  # the solve ran on Hessian-vector products ...
-        assert set(product_dtypes) == {torch.bfloat16 if native else torch.float32}  # ... in this dtype
+                                  gap_tol=None, execution=policy)  # the optimizer's float32 solve
+        info = runs[native].info
+        assert info.converged and info.stages[-1] == "smoothed"
+        assert info.hessian_products > 20  # the solve ran on Hessian-vector products
     a32, a16 = runs[False].direction(), runs[True].direction()
+    assert not torch.equal(a32, a16)  # the bfloat16 products took another path ...
     assert float(tangent_residual(w, a16.double(), "dgram")) <= 1.5e-3
     value32, value16 = float((g.float() * a32).sum()), float((g.float() * a16).sum())
     assert abs(value16 - value32) <= 1e-3 * abs(value32)
@@ -160,11 +146,16 @@ def test_bfloat16_hessian_products_reach_the_float32_answer(monkeypatch, m):
 
 def test_search_products_stay_float32_below_the_size_floor():
     # bfloat16 products are no faster under ~128 columns (2.5x slower at 64): small solves keep float32
-    from manifoldlib.optim.search_precision import BFLOAT16_MIN_SIZE, search_dtype
+    from manifoldlib.optim.execution import BFLOAT16_MIN_SIZE
 
-    assert search_dtype(torch.zeros(BFLOAT16_MIN_SIZE - 1, BFLOAT16_MIN_SIZE - 1)) == torch.float32
-    assert search_dtype(torch.zeros(8, 8, dtype=torch.float64)) == torch.float64
-    assert search_dtype(torch.zeros(8, 8, dtype=torch.bfloat16)) == torch.bfloat16  # never changes a dtype otherwise
+    policy = ExecutionPolicy.resolve("cpu", bfloat16_native=True)
+    assert policy.search_min_size == BFLOAT16_MIN_SIZE == 256
+    assert policy.search_dtype_for(torch.zeros(BFLOAT16_MIN_SIZE, BFLOAT16_MIN_SIZE)) == torch.bfloat16
+    assert policy.search_dtype_for(torch.zeros(BFLOAT16_MIN_SIZE - 1, BFLOAT16_MIN_SIZE - 1)) == torch.float32
+    assert policy.search_dtype_for(torch.zeros(8, 8, dtype=torch.float64)) == torch.float64
+    assert policy.search_dtype_for(torch.zeros(8, 8, dtype=torch.bfloat16)) == torch.bfloat16  # never changes a dtype otherwise
+    plain = ExecutionPolicy.resolve("cpu", bfloat16_native=False)  # no native bfloat16: never
+    assert plain.search_dtype_for(torch.zeros(BFLOAT16_MIN_SIZE, BFLOAT16_MIN_SIZE)) == torch.float32
 
 
 def _gpt_like(m, n, seed, dtype=torch.float64):

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from manifoldlib.optim import ManifoldMuon, constraint_residual
+from manifoldlib.optim import ExecutionPolicy, ManifoldMuon, constraint_residual
 
 
 def _matrices(shapes, seed=0, dtype=torch.float32):
@@ -37,7 +37,7 @@ def test_euclidean_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
         ref_opt.step()
     for p, q in zip(ours, ref):
         assert float((p - q).detach().abs().max()) <= 1e-6
-    assert any(float((p - t).norm()) < float((p0 - t).norm()) for p, t, p0 in zip(ours, targets, _matrices(shapes)))
+    assert any(float((p - t).detach().norm()) < float((p0 - t).norm()) for p, t, p0 in zip(ours, targets, _matrices(shapes)))
 
 
 def _float32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
@@ -54,18 +54,33 @@ def _float32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
     return x.T if grad.size(0) > grad.size(1) else x
 
 
-def _run_pair(ours_kw, monkeypatch=None, reference_ns=None, steps=10):
+class _Float32Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's documented step (momentum, Nesterov, the "original" lr adjustment,
+    decoupled weight decay) with its Newton–Schulz in float32: the reference for ``ns_dtype="float32"``."""
+
+    def __init__(self, params, lr, weight_decay, momentum, nesterov=True):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                direction = _float32_newton_schulz(update, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+                adjusted = group["lr"] * max(1.0, p.size(0) / p.size(1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(direction, alpha=-adjusted)
+
+
+def _run_pair(ours_kw, reference=torch.optim.Muon, steps=10):
     shapes = [(12, 5), (5, 12), (8, 8)]
     ours = _matrices(shapes)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
     kw = {"lr": 0.03, "weight_decay": 0.1, "momentum": 0.9}
     opt = ManifoldMuon(ours, manifold="euclidean", **kw, **ours_kw)
-    ref_opt = torch.optim.Muon(ref, **kw)
-    if reference_ns is not None:
-        import sys
-
-        monkeypatch.setattr(sys.modules["torch.optim._muon"], "_zeropower_via_newtonschulz", reference_ns)
+    ref_opt = reference(ref, **kw)
     for _ in range(steps):
         _quadratic_grads(ours, targets)
         _quadratic_grads(ref, targets)
@@ -74,22 +89,36 @@ def _run_pair(ours_kw, monkeypatch=None, reference_ns=None, steps=10):
     return max(float((p - q).detach().abs().max()) for p, q in zip(ours, ref))
 
 
-def test_ns_dtype_float32_is_muons_iteration_in_float32(monkeypatch):
+def test_ns_dtype_float32_is_muons_iteration_in_float32():
     # a different computation from torch.optim.Muon's bfloat16 one (so the check below could fail)
     assert _run_pair({"ns_dtype": "float32"}) > 1e-4
-    assert _run_pair({"ns_dtype": "float32"}, monkeypatch, _float32_newton_schulz) <= 1e-6
+    assert _run_pair({"ns_dtype": "float32"}, _Float32Muon) <= 1e-6
+    assert _run_pair({"ns_dtype": "bfloat16"}, _Float32Muon) > 1e-4  # and the reference is not bfloat16's
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_ns_dtype_auto_takes_bfloat16_only_where_it_is_native(monkeypatch, native):
-    import sys
+def test_ns_dtype_auto_takes_bfloat16_only_where_it_is_native(native):
+    policy = ExecutionPolicy.resolve("cpu", ns_dtype="auto", bfloat16_native=native)
+    assert policy.ns_dtype == (torch.bfloat16 if native else torch.float32)
+    for explicit in ("bfloat16", "float32"):  # explicit values ignore the hardware
+        assert ExecutionPolicy.resolve("cpu", ns_dtype=explicit, bfloat16_native=native).ns_dtype == getattr(torch, explicit)
 
-    support = sys.modules["manifoldlib.optim.bfloat16_support"]
-    monkeypatch.setattr(support, "native_bfloat16", lambda device_type: native)
-    if native:  # the default bfloat16 steps of torch.optim.Muon
-        assert _run_pair({"ns_dtype": "auto"}) <= 1e-6
-    else:
-        assert _run_pair({"ns_dtype": "auto"}, monkeypatch, _float32_newton_schulz) <= 1e-6
+
+def test_the_optimizer_runs_auto_as_this_machine_resolves_it():
+    # "auto" steps equal the explicit dtype the policy resolves to here (bit for bit)
+    resolved = ExecutionPolicy.resolve("cpu").ns_dtype
+    shapes = [(12, 5), (5, 12), (8, 8)]
+    targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
+    finals = []
+    for ns_dtype in ("auto", str(resolved).removeprefix("torch.")):
+        params = _matrices(shapes)
+        opt = ManifoldMuon(params, manifold="euclidean", lr=0.03, ns_dtype=ns_dtype)
+        for _ in range(3):
+            _quadratic_grads(params, targets)
+            opt.step()
+        finals.append([p.detach().clone() for p in params])
+    for auto, explicit in zip(*finals):
+        torch.testing.assert_close(auto, explicit, rtol=0, atol=0)
 
 
 def test_ns_dtype_defaults_to_auto():

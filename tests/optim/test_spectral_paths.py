@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_steepest import _instance
 
-from manifoldlib.optim import ManifoldMuon, steepest_direction, tangent_residual
-from manifoldlib.optim.dual_problem import SPECTRAL_PATHS, resolve_spectral
+from manifoldlib.optim import ExecutionPolicy, ManifoldMuon, steepest_direction, tangent_residual
+from manifoldlib.optim.execution import SPECTRAL_PATHS
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
@@ -44,7 +44,7 @@ def test_products_path_factorizes_nothing(monkeypatch, manifold):
         monkeypatch.setattr(torch.linalg, name, refuse)
     a, info = steepest_direction(w, g, manifold, tol=1e-3, max_iter=60, msign_method="jordan5",
                                  spectral="products", return_info=True)
-    assert info.converged and info.iterations > 0
+    assert info.converged and info.iterations > 0 and info.stages == ("bb",)
     monkeypatch.undo()
     assert float(tangent_residual(w, a, manifold)) <= 1e-3  # checked independently, in float32
 
@@ -61,10 +61,13 @@ def test_a_stalled_products_solve_continues_on_the_smoothed_dual():
 
 
 def test_auto_takes_products_on_cuda_and_the_eigh_elsewhere():
-    assert resolve_spectral("auto", torch.device("cpu")) == "eigh"
-    assert resolve_spectral("auto", torch.device("cuda", 0)) == "products"
+    def resolved(spectral, device):
+        return ExecutionPolicy.resolve(device, spectral=spectral, bfloat16_native=False).spectral
+
+    assert resolved("auto", torch.device("cpu")) == "eigh"
+    assert resolved("auto", torch.device("cuda", 0)) == "products"
     for path in ("eigh", "products"):
-        assert resolve_spectral(path, torch.device("cpu")) == path
+        assert resolved(path, torch.device("cpu")) == path
     assert SPECTRAL_PATHS == ("auto", "eigh", "products")
     w, g = _instance(24, 6, "stiefel", seed=3)
     kw = {"tol": 1e-6, "max_iter": 300, "msign_method": "jordan5", "return_info": True}
@@ -84,6 +87,15 @@ def test_bad_spectral_options_are_refused():
         ManifoldMuon([p], manifold="stiefel", dual={"spectral": "qr"})
     with pytest.raises(ValueError, match="got spectral='products'"):
         ManifoldMuon([p], manifold="stiefel", dual={"spectral": "products", "update": "anderson"})
+    with pytest.raises(ValueError, match="spectral='eigh' disagrees with the execution policy's 'products'"):
+        steepest_direction(w, g, msign_method="jordan5", spectral="eigh",
+                           execution=ExecutionPolicy(spectral="products"))
+    with pytest.raises(ValueError, match="ExecutionPolicy.spectral must be 'eigh' or 'products', got 'auto'"):
+        ExecutionPolicy(spectral="auto")
+    with pytest.raises(ValueError, match="ns_dtype must be one of bfloat16, float32, auto, got 'fp8'"):
+        ExecutionPolicy.resolve("cpu", ns_dtype="fp8")
+    with pytest.raises(ValueError, match="workers must be 'auto' or an int >= 1, got 0"):
+        ExecutionPolicy.resolve("cpu", workers=0)
 
 
 def _trajectory(manifold: str, **options) -> tuple[torch.Tensor, list[int]]:
