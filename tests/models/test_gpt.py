@@ -248,13 +248,13 @@ def test_pre_dyt_follows_the_dyt_llm_recipe():
     d = cfg.n_embd
     assert isinstance(model.embed_norm, EmbeddingScale)
     assert model.embed_norm.scale.item() == pytest.approx(math.sqrt(d))
-    assert float(model.wte.weight.std()) == pytest.approx(d ** -0.5, rel=0.05)
-    alphas = [float(conn.norm.alpha) for block in model.blocks for conn in (block.conn1, block.conn2)]
+    assert model.wte.weight.std().item() == pytest.approx(d ** -0.5, rel=0.05)
+    alphas = [conn.norm.alpha.item() for block in model.blocks for conn in (block.conn1, block.conn2)]
     assert alphas == pytest.approx([0.8, 0.2, 0.8, 0.2])  # attention, MLP, ...
-    assert float(model.norm_f.alpha) == pytest.approx(0.2)
+    assert model.norm_f.alpha.item() == pytest.approx(0.2)
     plain = GPT(GPTConfig(**{**TINY, "vocab_size": 256}, connection="pre-dyt", dyt_embed_scale=False))
     assert isinstance(plain.embed_norm, torch.nn.Identity)
-    assert float(plain.wte.weight.std()) == pytest.approx(0.02, rel=0.05)  # GPT-2's init
+    assert plain.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)  # GPT-2's init
 
 
 @pytest.mark.parametrize("connection", CONNECTIONS)

@@ -9,9 +9,10 @@ import torch
 
 from manifoldlib.functional.dgram import off_diagonal
 from manifoldlib.manifolds import get_manifold
-from manifoldlib.optim import ManifoldMuon
+from manifoldlib.optim import ManifoldMuon, manifold_muon
 from manifoldlib.optim.fused_retraction import FUSED_MIN_ASPECT, GRAM_DRIFT_EPS, fused_retraction
 from manifoldlib.optim.manifold_muon import DEFAULT_RETRACTIONS
+from manifoldlib.optim.muon_groups import group_manifold
 from manifoldlib.optim.steepest import solve_dual
 
 fused_module = sys.modules["manifoldlib.optim.fused_retraction"]
@@ -121,20 +122,35 @@ def test_manifold_muon_keeps_tall_points_on_the_manifold_over_many_fused_steps(m
     assert float(residual.norm() / gram.diagonal().norm()) <= 2 * GRAM_DRIFT_EPS * torch.finfo(torch.float32).eps
 
 
-def test_a_group_with_its_own_retraction_is_not_fused(monkeypatch):
-    calls = []
-    muon_module = sys.modules["manifoldlib.optim.muon_step"]
-    real = muon_module.fused_retraction
-    monkeypatch.setattr(muon_module, "fused_retraction", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_a_group_with_its_own_retraction_is_not_fused():
+    # the optimizer's step of each group equals the functional core with fuse_retraction as the
+    # group's retraction says: fused for the default one, plain for its own (bit for bit)
     g = torch.Generator().manual_seed(2)
-    default = torch.nn.Parameter(torch.randn(64, 16, generator=g))
-    own = torch.nn.Parameter(torch.randn(64, 16, generator=g))
+    w0 = [torch.randn(64, 16, generator=g) for _ in range(2)]
+    grads = [torch.randn(64, 16, generator=g) for _ in range(2)]
+    default, own = (torch.nn.Parameter(w.clone()) for w in w0)
     opt = ManifoldMuon(
         [{"params": [default]}, {"params": [own], "retraction_options": {"method": "svd"}}], lr=0.02, manifold="dgram"
     )
-    default.grad, own.grad = torch.randn(64, 16, generator=g), torch.randn(64, 16, generator=g)
+    starts = [p.detach().clone() for p in (default, own)]  # projected onto DGram
+    default.grad, own.grad = grads[0].clone(), grads[1].clone()
     opt.step()
-    assert len(calls) == 1
+
+    def core(start, grad, group, fuse):
+        w = start.clone()
+        manifold_muon(
+            [w], [grad.clone()], [torch.zeros_like(w)], [{}],
+            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+            nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
+            ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
+            manifold=group_manifold(group), dual=group["dual"], fuse_retraction=fuse,
+        )
+        return w
+
+    first, second = opt.param_groups
+    torch.testing.assert_close(default.detach(), core(starts[0], grads[0], first, True), rtol=0, atol=0)
+    assert not torch.equal(default.detach(), core(starts[0], grads[0], first, False))  # fusing changed rounding
+    torch.testing.assert_close(own.detach(), core(starts[1], grads[1], second, False), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("eta", "beta"), [(-0.1, 1.0), (float("nan"), 1.0), (0.02, 0.0), (0.02, float("inf"))])
