@@ -4,7 +4,9 @@ Copies of one GPT (same initial weights) are timed in the same process, interlea
 machine load hits all of them alike:
 
 * ``plain``  — the model as built (the anchor, ratio 1.00);
-* ``sel``    — SEL (mismatched init) on every block linear map (``attn.q/k/v/o``, ``mlp.fc/proj``);
+* ``sel``    — SEL (mismatched init) on every block linear map (``attn.q/k/v/o``, ``mlp.fc/proj``),
+  its forward rule on the C++ CPU kernels where they are built (:mod:`manifoldlib._cpu_kernels`);
+* ``sel-aten`` — the same model with the kernels switched off (the ATen autograd function);
 * ``merged`` — the SEL model after :func:`manifoldlib.charts.merge_charts` (plain linears again);
 * ``sel-compile`` (with ``--compile``) — SEL with ``impl="compile"`` (:func:`torch.compile`).
 
@@ -23,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import statistics
@@ -36,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
 from _timing import sync
+from manifoldlib import _cpu_kernels
 from manifoldlib.charts import SEL, apply_chart, merge_charts
 from models import GPT, GPTConfig
 
@@ -59,7 +63,7 @@ def build(args) -> dict[str, nn.Module]:
     apply_chart(sel, SEL, include=in_blocks)
     merged = copy.deepcopy(sel)
     merge_charts(merged)
-    models = {"plain": plain, "sel": sel, "merged": merged}
+    models = {"plain": plain, "sel": sel, "sel-aten": copy.deepcopy(sel), "merged": merged}
     if args.compile:
         compiled = copy.deepcopy(plain)
         apply_chart(compiled, functools.partial(SEL, impl="compile"), include=in_blocks)
@@ -77,20 +81,22 @@ def timed(fn, steps: int, device: str) -> tuple[float, float]:
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
-def train_step(model, opt, idx, targets):
+def train_step(model, opt, idx, targets, aten=False):
     def step():
-        _, loss = model(idx, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with _cpu_kernels.disabled() if aten else contextlib.nullcontext():
+            _, loss = model(idx, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
 
     return step
 
 
-def infer_step(model, idx):
+def infer_step(model, idx, aten=False):
     @torch.no_grad()
     def step():
-        model(idx)
+        with _cpu_kernels.disabled() if aten else contextlib.nullcontext():
+            model(idx)
 
     return step
 
@@ -121,9 +127,11 @@ def main() -> None:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     kinds = {
         "train step (fwd+bwd+AdamW)": {
-            k: train_step(m, opts[k], idx, targets) for k, m in models.items()
+            k: train_step(m, opts[k], idx, targets, aten=k == "sel-aten") for k, m in models.items()
         },
-        "inference forward (eval, no_grad)": {k: infer_step(m, idx) for k, m in models.items()},
+        "inference forward (eval, no_grad)": {
+            k: infer_step(m, idx, aten=k == "sel-aten") for k, m in models.items()
+        },
     }
     for k in models:  # warm-up: allocator, kernels, AdamW state, torch.compile
         for steps in kinds.values():

@@ -22,7 +22,8 @@ import statistics
 import torch
 from _timing import median_min_table, round_robin
 
-from manifoldlib.nn import SphereResidual, _cpu_kernels
+from manifoldlib import _cpu_kernels
+from manifoldlib.nn import SphereResidual
 
 
 def _fwd_bwd(fn, h, f, g):

@@ -20,6 +20,21 @@ using :math:`s\,t = w`. The gradient of a rank-1 factor is a matrix–vector pro
 :math:`\partial L/\partial a_r = (sGe)\,a_c^\top`. Autograd of the plain expression needs about
 twice the memory passes (every broadcast product and its reduction is a separate kernel); these are
 memory-bound elementwise passes, so the pass count is the cost.
+
+``impl="fused"`` runs, per device:
+
+- **CPU** (contiguous float32/float64 raw coordinates, outside ``torch.compile`` tracing, the C++
+  kernels built and not switched off): :mod:`manifoldlib._cpu_kernels` — one pass over ``raw``
+  for :math:`W` and one over ``raw`` and :math:`G` for :math:`\partial L/\partial w` together with
+  the six row and column reductions of the factor gradients (``sel_chart.cpp``; :math:`e` is
+  recomputed in the backward instead of stored);
+- **CUDA**: the plain expression through :func:`torch.compile` (inductor fuses each pass into one
+  generated kernel);
+- elsewhere, and as the fallback (no compiler, a non-contiguous or 16-bit weight, inside
+  :func:`manifoldlib._cpu_kernels.disabled`): the ATen autograd function below. All give the
+  same values and gradients up to rounding (tested against the plain expression in float64).
+
+The sign convention is :math:`s = +1` for :math:`w \ge 0`, ``-0.0`` included.
 """
 
 from __future__ import annotations
@@ -27,11 +42,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import _cpu_kernels
+
 __all__ = ["SEL_IMPLS", "sel_forward_rule"]
 
-#: ``fused``: the autograd function below; ``autograd``: the plain expression (reference);
-#: ``compile``: the plain expression through :func:`torch.compile` (one fused loop per pass on CPU,
-#: compiled once per weight shape on first use, then dynamic in the shape).
+#: ``fused``: the C++ kernels on CPU, the compiled expression on CUDA, the autograd function below
+#: elsewhere (module docstring); ``autograd``: the plain expression (reference); ``compile``: the
+#: plain expression through :func:`torch.compile` (one fused loop per pass, compiled on first use,
+#: dynamic in the shape).
 SEL_IMPLS = ("fused", "autograd", "compile")
 _compiled = None
 
@@ -56,7 +74,7 @@ class _SELForwardRule(torch.autograd.Function):
         raw, e, a_r, a_c, b_r, b_c, c_r, c_c = ctx.saved_tensors
         need = ctx.needs_input_grad
         g_raw = g_ar = g_ac = g_br = g_bc = g_cr = g_cc = None
-        grad_s = torch.ones_like(raw).copysign_(raw).mul_(grad)  # s G (a where() is 10x slower)
+        grad_s = (raw >= 0).to(raw.dtype).mul_(2.0).sub_(1.0).mul_(grad)  # s G, s = +1 at -0.0 too
         if need[1] or need[2]:
             p = grad_s * e  # dL/da (full)
             g_ar = p @ a_c.mT if need[1] else None
@@ -79,6 +97,48 @@ class _SELForwardRule(torch.autograd.Function):
             if c_r is not None:
                 g_raw.addcmul_(grad_s.mul_(c_r), c_c)
         return g_raw, g_ar, g_ac, g_br, g_bc, g_cr, g_cc, None
+
+
+class _SELKernelRule(torch.autograd.Function):
+    """The forward rule on the C++ CPU kernels (``ops``: their ``torch.ops`` namespace)."""
+
+    @staticmethod
+    def forward(ctx, raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float, ops):
+        factors = [t.contiguous() for t in (a_r, a_c, b_r, b_c)]
+        linear = [None, None] if c_r is None else [c_r.contiguous(), c_c.contiguous()]
+        ctx.max_exponent, ctx.ops, ctx.linear = max_exponent, ops, c_r is not None
+        ctx.save_for_backward(raw, *factors, *(t for t in linear if t is not None))
+        return ops.sel_forward(raw, *factors, *linear, max_exponent)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        raw, a_r, a_c, b_r, b_c, *linear = ctx.saved_tensors
+        c_r, c_c = linear if ctx.linear else (None, None)
+        grads = ctx.ops.sel_backward(grad, raw, a_r, a_c, b_r, b_c, c_r, c_c, ctx.max_exponent)
+        grads = list(grads) + [None] * (7 - len(grads))  # no linear path: no c gradients
+        return (*grads, None, None)
+
+
+def _cpu_kernels_for(raw: torch.Tensor):
+    """The C++ kernels' namespace when they apply to ``raw``, else ``None`` (cheap checks first,
+    so only a call that could use them ever triggers the build)."""
+    if (
+        raw.device.type != "cpu"
+        or raw.dtype not in (torch.float32, torch.float64)
+        or raw.dim() != 2
+        or not raw.is_contiguous()
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return _cpu_kernels.enabled()
+
+
+def _compiled_rule():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_plain_rule, dynamic=True)
+    return _compiled
 
 
 def _plain_rule(raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
@@ -111,15 +171,17 @@ def sel_forward_rule(
     Returns:
         ``(out, in)`` the effective weight.
     """
-    global _compiled
     c_r, c_c = (None, None) if c is None else c
     args = (raw, a[0], a[1], b[0], b[1], c_r, c_c, float(max_exponent))
     if impl == "fused":
+        ops = _cpu_kernels_for(raw) if all(t.dtype == raw.dtype for t in args[1:7] if t is not None) else None
+        if ops is not None:
+            return _SELKernelRule.apply(*args, ops)
+        if raw.device.type == "cuda" and not torch.compiler.is_compiling():
+            return _compiled_rule()(*args)
         return _SELForwardRule.apply(*args)
     if impl == "autograd":
         return _plain_rule(*args)
     if impl == "compile":
-        if _compiled is None:
-            _compiled = torch.compile(_plain_rule)
-        return _compiled(*args)
+        return _compiled_rule()(*args)
     raise ValueError(f"impl must be one of {SEL_IMPLS}, got {impl!r}")

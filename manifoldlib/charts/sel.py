@@ -211,13 +211,24 @@ class SEL(Chart):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # exp(sum_k sign_k (u_k,i + v_k,j)) as a row factor (out, 1) and a column factor (1, in);
         # a 1-D tensor is handled as one row, (1, n), with a constant column of ones.
-        row = torch.exp(sum(sgn * getattr(self, f"{p}_row") for sgn, p in pairs))
+        row = torch.exp(self._signed_sum(pairs, "row"))
         if scale is not None:
             row = row * scale
         if self._is_vector:
             return row.view(1, 1), torch.ones(1, self._numel, dtype=row.dtype, device=row.device)
-        col = torch.exp(sum(sgn * getattr(self, f"{p}_col") for sgn, p in pairs))
+        col = torch.exp(self._signed_sum(pairs, "col"))
         return row, col
+
+    def _signed_sum(self, pairs: tuple[tuple[float, str], ...], side: str) -> torch.Tensor:
+        # sum_k sign_k p_k, one op per extra term (no Python-scalar products: on small vectors the
+        # chart's cost is op dispatch, counted per training step for every charted matrix)
+        (first_sign, first), *rest = pairs
+        total = getattr(self, f"{first}_{side}")
+        total = total if first_sign > 0 else -total
+        for sign, name in rest:
+            term = getattr(self, f"{name}_{side}")
+            total = total + term if sign > 0 else total - term
+        return total
 
     def factors(self):
         """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b`, :math:`l_w`.

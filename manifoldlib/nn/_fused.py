@@ -29,7 +29,7 @@ members (also as ``PRetraction(p=1)`` / ``(p=2)``) give closed-form derivatives;
 product through its coefficients on the small ``(..., 1)`` tensor :math:`\sigma`.
 
 On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ kernels of
-:mod:`manifoldlib.nn._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
+:mod:`manifoldlib._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
 :math:`A h + B f` (4 reads, 1 write); backward: one pass for :math:`\langle g,h\rangle,
 \langle g,f\rangle` and one writing both gradients (6 reads, 2 writes) — while the per-row
 coefficient math above stays here. Everywhere else (CUDA, other layouts, ``torch.compile``
@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 from ..functional.sphere import sphere_project_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction
-from . import _cpu_kernels
+from .. import _cpu_kernels
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 
-from manifoldlib.nn import _cpu_kernels, _fused, sphere_residual, sphere_residual_reference
-from manifoldlib.nn._cpu_kernels import loader
+from manifoldlib import _cpu_kernels
+from manifoldlib.nn import _fused, sphere_residual, sphere_residual_reference
+from manifoldlib._cpu_kernels import loader
 from manifoldlib.retractions import PRetraction, get_retraction
 
 pytestmark = pytest.mark.skipif(

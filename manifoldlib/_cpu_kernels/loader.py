@@ -1,6 +1,9 @@
-"""Build (once, into torch's extension cache) and load the C++ sphere-residual kernels.
+"""Build (once, into torch's extension cache) and load the C++ CPU kernels.
 
-The source is compiled on first use with :func:`torch.utils.cpp_extension.load` into
+One library holds the kernels of the fused sphere residual (``sphere_residual.cpp``, used by
+:mod:`manifoldlib.nn._fused`) and of the SEL chart's forward rule (``sel_chart.cpp``, used by
+:mod:`manifoldlib.charts.kernel`), all in the ``torch.ops.manifoldlib_cpu`` namespace.
+The sources are compiled on first use with :func:`torch.utils.cpp_extension.load` into
 ``$TORCH_EXTENSIONS_DIR`` (default: torch's ``~/.cache/torch_extensions``), in a folder whose
 name carries the instruction set and a hash of the source, the flags and the torch version — so
 a cache shared between machines or torch versions never hands one the other's binary. Later
@@ -31,9 +34,9 @@ __all__ = ["ENV_VAR", "available", "disabled", "enabled", "load"]
 #: Environment variable that switches the kernels off when set to 0 / false / off / no.
 ENV_VAR = "MANIFOLDLIB_CPU_KERNELS"
 
-_NAMESPACE = "manifoldlib_sphere_residual"  # the TORCH_LIBRARY namespace of the source
-_SOURCE = pathlib.Path(__file__).with_name("sphere_residual.cpp")
-_BASE_FLAGS = ["-O3"]  # torch adds its own -std
+_NAMESPACE = "manifoldlib_cpu"  # the TORCH_LIBRARY namespace of the sources
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("sphere_residual.cpp", "sel_chart.cpp"))
+_BASE_FLAGS = ["-O3", "-fno-trapping-math"]  # torch adds its own -std; no-trapping: if-conversion (vectorized selects), same results
 _AVX2_FLAGS = ["-mavx2", "-mfma"]
 _OFF_VALUES = ("0", "false", "off", "no")
 
@@ -68,9 +71,9 @@ def _build():
     # keyed by the source, flags, torch build and environment, and the source's *path*: torch
     # rebuilds a cached extension whose recorded source path differs, so two checkouts or two
     # environments on one machine sharing one folder would rebuild over each other
-    environment = "\0".join((str(_SOURCE.resolve()), sys.prefix, sys.version, torch.__file__))
+    environment = "\0".join((*(str(s.resolve()) for s in _SOURCES), sys.prefix, sys.version, torch.__file__))
     digest = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
+        b"".join(s.read_bytes() for s in _SOURCES) + " ".join(flags).encode() + torch.__version__.encode()
         + environment.encode()
     ).hexdigest()[:12]
     name = f"{_NAMESPACE}_{isa}_{digest}"
@@ -78,12 +81,12 @@ def _build():
     build_dir.mkdir(parents=True, exist_ok=True)
     cached = (build_dir / f"{name}.so").exists()
     if not cached:
-        _log.warning("manifoldlib: compiling the C++ CPU kernels of SphereResidual into %s "
+        _log.warning("manifoldlib: compiling the C++ CPU kernels (SphereResidual, SEL) into %s "
                      "(once; set %s=0 to skip)", build_dir, ENV_VAR)
     start = time.perf_counter()
     cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(s) for s in _SOURCES],
         extra_cflags=flags,
         build_directory=str(build_dir),
         is_python_module=False,
@@ -91,9 +94,9 @@ def _build():
     )
     elapsed = time.perf_counter() - start
     if not cached:
-        _log.warning("manifoldlib: compiled the SphereResidual CPU kernels in %.1f s", elapsed)
+        _log.warning("manifoldlib: compiled the C++ CPU kernels in %.1f s", elapsed)
     elif elapsed > 2.0:  # a cached library loads in milliseconds: torch rebuilt it
-        _log.warning("manifoldlib: the cached SphereResidual CPU kernels in %s were rebuilt "
+        _log.warning("manifoldlib: the cached C++ CPU kernels in %s were rebuilt "
                      "(%.1f s)", build_dir, elapsed)
     return getattr(torch.ops, _NAMESPACE)
 
@@ -111,8 +114,8 @@ def load():
                     except Exception as err:  # noqa: BLE001 - any build failure means the ATen path
                         first = (str(err).strip().splitlines() or [""])[0][:300]
                         warnings.warn(
-                            f"manifoldlib: the C++ CPU kernels of SphereResidual could not be "
-                            f"built ({type(err).__name__}: {first}); using the ATen path instead",
+                            f"manifoldlib: the C++ CPU kernels (SphereResidual, SEL) could not be "
+                            f"built ({type(err).__name__}: {first}); using the ATen paths instead",
                             RuntimeWarning,
                             stacklevel=2,
                         )
@@ -137,8 +140,9 @@ def enabled():
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block, the fused sphere residual uses its ATen path (the decision is taken in
-    the forward, so a backward runs on the path its forward took). Process-wide, not per thread."""
+    """Within the block, the fused sphere residual and the SEL chart use their ATen paths (the
+    decision is taken in the forward, so a backward runs on the path its forward took).
+    Process-wide, not per thread."""
     global _disabled_depth
     _disabled_depth += 1
     try:

@@ -262,7 +262,7 @@ void backward_combine(const at::Tensor& g, const at::Tensor& h, const at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY(manifoldlib_sphere_residual, m) {
+TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
   m.def("forward_dots(Tensor h, Tensor f) -> Tensor");
   m.def("forward_combine(Tensor h, Tensor f, Tensor[] coef, Tensor(a!) out) -> ()");
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
@@ -270,7 +270,7 @@ TORCH_LIBRARY(manifoldlib_sphere_residual, m) {
         "Tensor(a!)? grad_f, Tensor(b!)? grad_h) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(manifoldlib_sphere_residual, CPU, m) {
+TORCH_LIBRARY_IMPL(manifoldlib_cpu, CPU, m) {
   m.impl("forward_dots", &forward_dots);
   m.impl("forward_combine", &forward_combine);
   m.impl("backward_dots", &backward_dots);

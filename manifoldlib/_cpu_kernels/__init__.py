@@ -1,0 +1,11 @@
+"""Optional C++ CPU kernels for the full-tensor passes of the fused sphere residual and the SEL chart.
+
+Private: :mod:`manifoldlib.nn._fused` and :mod:`manifoldlib.charts.kernel` call them when they
+are built and their tensors are contiguous float32/float64 CPU tensors, and fall back to ATen
+otherwise. See ``sphere_residual.cpp`` and ``sel_chart.cpp`` for what each kernel reads and
+writes, and :mod:`.loader` for the build, the cache and the ``MANIFOLDLIB_CPU_KERNELS`` switch.
+"""
+
+from .loader import ENV_VAR, available, disabled, enabled, load
+
+__all__ = ["ENV_VAR", "available", "disabled", "enabled", "load"]

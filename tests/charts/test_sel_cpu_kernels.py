@@ -1,0 +1,129 @@
+"""The SEL forward rule on the C++ CPU kernels: the same values and gradients as the plain
+expression, and the ATen fallback wherever the kernels do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib import _cpu_kernels
+from manifoldlib.charts import SEL
+from manifoldlib.charts.kernel import sel_forward_rule
+
+pytestmark = pytest.mark.skipif(
+    not _cpu_kernels.available(),
+    reason=f"the C++ CPU kernels are not built here (no compiler, or {_cpu_kernels.ENV_VAR}=0)",
+)
+
+
+def _inputs(out=7, inn=11, dtype=torch.float64, seed=0, linear=True, spread=0.6):
+    g = torch.Generator().manual_seed(seed)
+    raw = (spread * torch.randn(out, inn, generator=g)).to(dtype)
+
+    def positive(*shape):
+        return (0.5 + torch.rand(*shape, generator=g)).to(dtype)
+
+    factors = [positive(out, 1), positive(1, inn), 2 * positive(out, 1), positive(1, inn)]
+    factors += [positive(out, 1), positive(1, inn)] if linear else [None, None]
+    return raw, factors
+
+
+def _rule(raw, factors, max_exponent, impl="fused"):
+    a_r, a_c, b_r, b_c, c_r, c_c = factors
+    return sel_forward_rule(raw, (a_r, a_c), (b_r, b_c), None if c_r is None else (c_r, c_c), max_exponent, impl)
+
+
+def _values_and_grads(raw, factors, max_exponent, probe, impl):
+    leaves = [raw.clone().requires_grad_()] + [None if f is None else f.clone().requires_grad_() for f in factors]
+    out = _rule(leaves[0], leaves[1:], max_exponent, impl)
+    (out * probe).sum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves if leaf is not None], out.grad_fn
+
+
+@pytest.mark.parametrize("linear", [True, False])
+def test_the_kernel_path_runs_and_passes_gradcheck_in_float64(linear):
+    raw, factors = _inputs(linear=linear)
+    out = _rule(raw.requires_grad_(), factors, 50.0)
+    assert type(out.grad_fn).__name__ == "_SELKernelRuleBackward"  # the C++ kernels, not ATen
+    leaves = [raw] + [f.requires_grad_() for f in factors if f is not None]
+
+    def fn(raw, *given):
+        it = iter(given)
+        full = [next(it) if f is not None else None for f in factors]
+        return _rule(raw, full, 50.0)
+
+    assert torch.autograd.gradcheck(fn, tuple(leaves))
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+def test_kernels_agree_with_the_plain_expression(dtype, rtol):
+    # 96 x 300: rows and columns split over threads and vector lanes with remainders; entries past
+    # the clamp (b|w| > 3) take no gradient in b or w; exact zeros take the one-sided slope
+    raw, factors = _inputs(96, 300, dtype, seed=3, spread=1.5)
+    raw[0, :2] = 0.0
+    probe = torch.randn(raw.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    mine = _values_and_grads(raw, factors, 3.0, probe, "fused")
+    ref = _values_and_grads(raw, factors, 3.0, probe, "autograd")
+    assert type(mine[2]).__name__ == "_SELKernelRuleBackward"
+    assert bool((_rule(raw, factors, 1e9, "autograd") != _rule(raw, factors, 3.0, "autograd")).any())  # clamped
+    # s a e + c t cancels for negative w: entrywise errors are relative to the weight's scale
+    torch.testing.assert_close(mine[0], ref[0], rtol=rtol, atol=rtol * float(ref[0].abs().max()))
+    for got, want in zip(mine[1], ref[1]):
+        scale = want.abs().max()
+        assert float((got - want).abs().max() / scale) <= 10 * rtol
+
+
+def test_negative_zero_takes_the_sign_of_positive_zero():
+    # s = +1 at w = -0.0 as at +0.0 (the chart's convention): the same weight and raw gradient
+    raw, factors = _inputs(seed=5)
+    probe = torch.ones_like(raw)
+    raw[0, 0], twin = -0.0, raw.clone()
+    twin[0, 0] = 0.0
+    for impl in ("fused", "autograd"):
+        with_neg = _values_and_grads(raw, factors, 50.0, probe, impl)
+        with_pos = _values_and_grads(twin, factors, 50.0, probe, impl)
+        assert float(with_neg[1][0][0, 0]) == float(with_pos[1][0][0, 0]) > 0
+    with _cpu_kernels.disabled():  # the ATen autograd function keeps the same convention
+        aten = _values_and_grads(raw, factors, 50.0, probe, "fused")
+    assert float(aten[1][0][0, 0]) == float(with_pos[1][0][0, 0])
+
+
+def test_the_aten_path_is_the_fallback_and_agrees():
+    raw, factors = _inputs(20, 30, seed=6)
+    probe = torch.randn(raw.shape, generator=torch.Generator().manual_seed(7), dtype=raw.dtype)
+    kernel = _values_and_grads(raw, factors, 50.0, probe, "fused")
+    with _cpu_kernels.disabled():  # switched off
+        off = _values_and_grads(raw, factors, 50.0, probe, "fused")
+    assert type(off[2]).__name__ == "_SELForwardRuleBackward"
+    # a non-contiguous view of raw coordinates: ATen path, the same numbers
+    wide = torch.zeros(30, 20, dtype=raw.dtype)
+    wide.copy_(raw.T)
+    view = wide.T  # (20, 30), not contiguous
+    assert not view.is_contiguous()
+    strided = _values_and_grads(view, factors, 50.0, probe, "fused")
+    assert type(strided[2]).__name__ == "_SELForwardRuleBackward"
+    for other in (off, strided):
+        torch.testing.assert_close(other[0], kernel[0], rtol=1e-13, atol=0)
+        for got, want in zip(other[1], kernel[1]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    # a 16-bit weight: ATen path
+    half = _rule(raw.bfloat16().requires_grad_(), [f.bfloat16() for f in factors], 20.0)
+    assert type(half.grad_fn).__name__ == "_SELForwardRuleBackward"
+
+
+def test_a_charted_layer_trains_on_the_kernels_as_on_aten():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 16)
+    chart = SEL(layer.weight.detach())
+    raw = chart.right_inverse(layer.weight.detach()).requires_grad_()
+    x = torch.randn(32, 24)
+    out = x @ chart(raw).T
+    assert type(chart(raw).grad_fn).__name__ in ("_SELKernelRuleBackward", "ViewBackward0")
+    out.square().mean().backward()
+    grads = [raw.grad.clone()] + [p.grad.clone() for p in chart.parameters()]
+    raw.grad = None
+    chart.zero_grad()
+    with _cpu_kernels.disabled():
+        (x @ chart(raw).T).square().mean().backward()
+    for got, want in zip(grads, [raw.grad] + [p.grad for p in chart.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
