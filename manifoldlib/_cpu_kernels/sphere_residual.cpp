@@ -4,6 +4,7 @@
 // The per-row coefficient math stays in Python; these kernels only read and write (N, d) tensors:
 //
 //   forward_dots(h, f)                -> (N, 3): [||h||², <h, f>, ||f||²]      reads h, f
+//   tangent_sq(h, f, c)               -> (N,): ||f - c h||²                     reads h, f
 //   forward_combine(h, f, [a, b], out)   out = a h + b f                       reads h, f
 //   backward_dots(g, h, f)            -> (N, 2): [<g, h>, <g, f>]              reads g, h, f
 //   backward_combine(g, h, f, [c0, c1, c2], [e0, e1, e2], grad_f?, grad_h?)
@@ -96,6 +97,26 @@ MANIFOLDLIB_ROW_KERNEL void block_dots2(const T* g, const T* x, const T* y, int6
   total[1] += lane_sum(gy) + tgy;
 }
 
+// ||y - c x||² over one block, added to the row's total (the normalized step's ||P_h f||², formed
+// from P_h f itself: the difference ||f||² - <h, f>²/||h||² cancels when f is nearly parallel to h).
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL void block_residual_sq(const T* x, const T* y, double c, int64_t len, double* total) {
+  double acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const double u = static_cast<double>(y[i + j]) - c * static_cast<double>(x[i + j]);
+      acc[j] += u * u;
+    }
+  }
+  double tail = 0.0;
+  for (; i < len; ++i) {
+    const double u = static_cast<double>(y[i]) - c * static_cast<double>(x[i]);
+    tail += u * u;
+  }
+  total[0] += lane_sum(acc) + tail;
+}
+
 // [||x||², <x, y>, ||y||²] of one row.
 template <typename T>
 void row_dots3(const T* x, const T* y, int64_t d, T* out) {
@@ -149,6 +170,32 @@ at::Tensor forward_dots(const at::Tensor& h, const at::Tensor& f) {
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row_dots3(hp + r * d, fp + r * d, d, op + 3 * r);
+    });
+  });
+  return out;
+}
+
+at::Tensor tangent_sq(const at::Tensor& h, const at::Tensor& f, const at::Tensor& coef) {
+  check_dtype(h);
+  check_rows(h, "h", h);
+  check_rows(f, "f", h);
+  check_coefs({coef}, "coef", h, 1);
+  const int64_t n = h.size(0), d = h.size(1);
+  at::Tensor out = at::empty({n}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "tangent_sq", [&] {
+    const scalar_t* hp = h.const_data_ptr<scalar_t>();
+    const scalar_t* fp = f.const_data_ptr<scalar_t>();
+    const scalar_t* cp = coef.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        double total[1] = {};
+        const double c = static_cast<double>(cp[r]);
+        for (int64_t b = 0; b < d; b += kBlock) {
+          block_residual_sq(hp + r * d + b, fp + r * d + b, c, std::min(kBlock, d - b), total);
+        }
+        op[r] = static_cast<scalar_t>(total[0]);
+      }
     });
   });
   return out;
@@ -264,6 +311,7 @@ void backward_combine(const at::Tensor& g, const at::Tensor& h, const at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
   m.def("forward_dots(Tensor h, Tensor f) -> Tensor");
+  m.def("tangent_sq(Tensor h, Tensor f, Tensor coef) -> Tensor");
   m.def("forward_combine(Tensor h, Tensor f, Tensor[] coef, Tensor(a!) out) -> ()");
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
   m.def("backward_combine(Tensor grad, Tensor h, Tensor f, Tensor[] coef_f, Tensor[] coef_h, "
@@ -272,6 +320,7 @@ TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
 
 TORCH_LIBRARY_IMPL(manifoldlib_cpu, CPU, m) {
   m.impl("forward_dots", &forward_dots);
+  m.impl("tangent_sq", &tangent_sq);
   m.impl("forward_combine", &forward_combine);
   m.impl("backward_dots", &backward_dots);
   m.impl("backward_combine", &backward_combine);

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..functional.sphere import sphere_project_tangent
+from ..functional.sphere import sphere_project_tangent, sphere_unit_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction
 from .. import _cpu_kernels
@@ -88,12 +88,12 @@ class _SphereResidual(torch.autograd.Function):
     # inputs arrive in one floating dtype (float32 or float64) and all arithmetic stays in it.
 
     @staticmethod
-    def forward(ctx, h, f, scale, retraction):
+    def forward(ctx, h, f, scale, retraction, eps):
         with torch.autocast(h.device.type, enabled=False):
-            return _SphereResidual._forward(ctx, h, f, scale, retraction)
+            return _SphereResidual._forward(ctx, h, f, scale, retraction, eps)
 
     @staticmethod
-    def _forward(ctx, h, f, scale, retraction):
+    def _forward(ctx, h, f, scale, retraction, eps):
         # Full-tensor passes. C++ kernels: one pass for ||h||², <h, f>, ||f||², one for A h + B f.
         # ATen: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and its row sum,
         # then A·h + B·f written over that same buffer. Either way the output is the only
@@ -111,8 +111,18 @@ class _SphereResidual(torch.autograd.Function):
             dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3)
             q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
         q = q.clamp_min(torch.finfo(h.dtype).tiny)
-        n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
         s = scale.to(h.dtype)
+        if eps is None:  # literal step
+            n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
+            rho = None
+        else:  # normalized: ||P_h f||² from P_h f itself (the difference form cancels for f ∥ h)
+            if kernels is None:
+                torch.addcmul(f, h, -a / q, out=out)  # (..., d) scratch: P_h f
+                n = _rowsq(out)  # (..., 1)
+            else:  # one pass, P_h f never stored
+                n = kernels.tangent_sq(_rows(h), _rows(f), (a / q).contiguous()).view(a.shape)
+            rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
+            s = s * rho  # the per-row step of the literal form
         sigma = s * s * n / q  # (..., 1)
         c, k = retraction.coefficients(sigma)
         ks = k * s
@@ -123,8 +133,8 @@ class _SphereResidual(torch.autograd.Function):
         else:
             coef = [coef_h.contiguous(), ks.expand_as(coef_h).contiguous()]  # A, B: (..., 1)
             kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
-        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k)
-        ctx.retraction = retraction
+        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho)
+        ctx.retraction, ctx.eps = retraction, eps
         ctx.kernels = kernels
         return out
 
@@ -136,7 +146,7 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g):
-        h, f, s, q, a, n, sigma, c, k = ctx.saved_tensors
+        h, f, s, q, a, n, sigma, c, k, rho = ctx.saved_tensors
         want_h, want_f, want_s = ctx.needs_input_grad[:3]
         kernels = ctx.kernels
         if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
@@ -159,22 +169,33 @@ class _SphereResidual(torch.autograd.Function):
         mu = 2.0 * g_sigma * s * s / q
         t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
         grad_s = None
-        if want_h:  # grad_h = coef_g g - t f + coef_h h, (..., 1) each
+        mu_f, t_h = mu, t  # coefficients of f in grad_f and of h ... below (grad_f = ks g + mu_f f - t_h h)
+        t_f = t  # ... and of f in grad_h (grad_h = coef_g g - t_f f + coef_h h)
+        g_step = k * g_u + 2.0 * g_sigma * s * n / q  # dL/ds per row, (..., 1)
+        if want_h:
             coef_g = c - ks * a / q
             coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * sigma) / q
+        if rho is not None:
+            # the per-row step s rho depends on h and f: s rho = s r D^(-1/2), D = n + eps² q,
+            # n = ||P_h f||² (dn/df = 2u, dn/dh = -2(a/q)u), q = ||h||² (dq/dh = 2h)
+            w = g_step * s / (n + (ctx.eps * ctx.eps) * q)  # (..., 1)
+            mu_f = mu - w
+            t_h = t - w * a / q
+            if want_h:
+                t_f = t - w * a / q
+                coef_h = coef_h - w * (a / q) ** 2 + g_step * s * (1.0 / q - (ctx.eps * ctx.eps) / (n + (ctx.eps * ctx.eps) * q))
         if kernels is None:
             grad_h = grad_f = None
             if want_f:
                 grad_f = torch.mul(g, ks, out=buf_f)  # (..., d)
-                grad_f.addcmul_(f, mu).addcmul_(h, -t)
+                grad_f.addcmul_(f, mu_f).addcmul_(h, -t_h)
             if want_h:
                 grad_h = torch.mul(g, coef_g, out=buf_h)  # (..., d)
-                grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
+                grad_h.addcmul_(f, -t_f).addcmul_(h, coef_h)
         elif want_f or want_h:
             # One pass reads g, h, f and writes both gradients; coefficients of g, h, f in turn.
-            minus_t = -t
-            of_f = [ks.expand_as(t), minus_t, mu] if want_f else []
-            of_h = [coef_g, coef_h, minus_t] if want_h else []
+            of_f = [ks.expand_as(t), -t_h, mu_f.expand_as(t)] if want_f else []
+            of_h = [coef_g, coef_h, -t_f] if want_h else []
             kernels.backward_combine(
                 _rows(g), _rows(h), _rows(f),
                 [coef.contiguous() for coef in of_f], [coef.contiguous() for coef in of_h],
@@ -182,11 +203,17 @@ class _SphereResidual(torch.autograd.Function):
                 None if grad_h is None else _rows(grad_h),
             )
         if want_s:
-            grad_s = (k * g_u + 2.0 * g_sigma * s * n / q).sum().reshape(s.shape)
-        return grad_h, grad_f, grad_s, None
+            per_row = g_step if rho is None else g_step * rho  # d(s rho)/ds = rho
+            grad_s = per_row.sum().reshape(())
+        return grad_h, grad_f, grad_s, None, None
 
 
-def _check(h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Retraction) -> None:
+def _check(
+    h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Retraction, normalize_eps: float | None
+) -> None:
+    finite_positive = isinstance(normalize_eps, (int, float)) and 0 < normalize_eps < float("inf")
+    if normalize_eps is not None and not finite_positive:
+        raise ValueError(f"normalize_eps must be None or a finite number > 0, got {normalize_eps!r}")
     if h.shape != f.shape:
         raise ValueError(f"h and f must have the same shape (..., d), got {tuple(h.shape)} and {tuple(f.shape)}")
     if h.dim() < 1:
@@ -200,9 +227,21 @@ def _check(h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Re
 
 
 def sphere_residual(
-    h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor | float, retraction: Retraction
+    h: torch.Tensor,
+    f: torch.Tensor,
+    scale: torch.Tensor | float,
+    retraction: Retraction,
+    normalize_eps: float | None = None,
 ) -> torch.Tensor:
     r""":math:`R_h(s\,P_h(f))` with the analytic backward (the fast path).
+
+    With ``normalize_eps`` :math:`\varepsilon` the update is the normalized tangent
+    :math:`\hat f = rP_hf/\sqrt{\|P_hf\|^2 + \varepsilon^2r^2}`
+    (:func:`~manifoldlib.functional.sphere_unit_tangent`), folded into the same passes: it is the
+    literal update with the per-row step :math:`s\rho`, :math:`\rho = r/\sqrt{\|P_hf\|^2 +
+    \varepsilon^2r^2}`, with :math:`\|P_hf\|^2` read from :math:`P_hf` itself (one more pass; the
+    difference form :math:`\|f\|^2 - \langle h,f\rangle^2/r^2` cancels for :math:`f \parallel h`) and
+    the backward carrying the derivatives of :math:`\rho` in :math:`h` and :math:`f`.
 
     Args:
         h: ``(..., d)`` points with nonzero rows; the sphere radius of each row is read from
@@ -211,23 +250,30 @@ def sphere_residual(
         scale: step size :math:`s` (a scalar tensor, may require grad).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere
             retraction falls back to :func:`sphere_residual_reference`.
+        normalize_eps: ``None`` (the literal step :math:`s P_h f`) or the relative floor
+            :math:`\varepsilon > 0` of the normalized step.
 
     Returns:
         ``(..., d)`` points with the norms of ``h``. Half-precision inputs are computed in
         float32 and returned in their own dtype.
     """
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
-    _check(h, f, scale, retraction)
+    _check(h, f, scale, retraction, normalize_eps)
     if not isinstance(retraction, AngleRetraction):
-        return sphere_residual_reference(h, f, scale, retraction)
+        return sphere_residual_reference(h, f, scale, retraction, normalize_eps)
+    eps = None if normalize_eps is None else float(normalize_eps)
     if h.dtype in _LOW_PRECISION:
-        out = _SphereResidual.apply(h.float(), f.float(), scale.float().reshape(()), retraction)
+        out = _SphereResidual.apply(h.float(), f.float(), scale.float().reshape(()), retraction, eps)
         return out.to(h.dtype)
-    return _SphereResidual.apply(h, f.to(h.dtype), scale.reshape(()), retraction)
+    return _SphereResidual.apply(h, f.to(h.dtype), scale.reshape(()), retraction, eps)
 
 
 def sphere_residual_reference(
-    h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor | float, retraction: Retraction
+    h: torch.Tensor,
+    f: torch.Tensor,
+    scale: torch.Tensor | float,
+    retraction: Retraction,
+    normalize_eps: float | None = None,
 ) -> torch.Tensor:
     r""":math:`R_h(s\,P_h(f))` written with plain autograd: the reference the fast path is tested
     against, and the path for sphere retractions that are not :class:`AngleRetraction`.
@@ -235,9 +281,12 @@ def sphere_residual_reference(
     Same arguments and shapes as :func:`sphere_residual`.
     """
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
-    _check(h, f, scale, retraction)
+    _check(h, f, scale, retraction, normalize_eps)
+    f = f.to(h.dtype)
+    if normalize_eps is not None:
+        f = sphere_unit_tangent(h, f, normalize_eps)  # (..., d), tangent at h, norm <= r
     radius_sq = (h * h).sum(-1, keepdim=True)  # (..., 1)
-    v = scale * sphere_project_tangent(h, f.to(h.dtype), radius_sq)  # (..., d), tangent at h
+    v = scale * sphere_project_tangent(h, f, radius_sq)  # (..., d), tangent at h
     if isinstance(retraction, AngleRetraction):
         return retraction.retract(h, v, radius=None)
     return retraction.retract(h, v)

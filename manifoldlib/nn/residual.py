@@ -181,11 +181,11 @@ class SphereResidual(nn.Module):
         f = f.to(h.dtype)  # under autocast the sub-layer may return bf16; the stream keeps h's dtype
         if h.shape != f.shape:
             raise ValueError(f"h and f must have the same shape (..., d), got {tuple(h.shape)} and {tuple(f.shape)}")
-        f = self.update(h, f)
         scale = self.step_size().to(h.dtype)
+        eps = None if self.step == "literal" else self.eps  # normalized: folded into the passes
         if self.fused:
-            return sphere_residual(h, f, scale, self.retraction)
-        return sphere_residual_reference(h, f, scale, self.retraction)
+            return sphere_residual(h, f, scale, self.retraction, normalize_eps=eps)
+        return sphere_residual_reference(h, f, scale, self.retraction, normalize_eps=eps)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, layer={self.layer}, retraction={self.retraction!r}, "

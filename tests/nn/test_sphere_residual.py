@@ -48,7 +48,7 @@ EPS64 = torch.finfo(torch.float64).eps
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300))
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300)).item()
 
 
 def _case(seed: int, rows: int, dim: int, radius: float, f_scale: float, dtype=torch.float64):
@@ -196,14 +196,14 @@ def test_damping_schedules():
     assert damping_factor("linear", 4) == 0.25
     assert damping_factor("none", 4) == 1.0
     res = SphereResidual(8, layer=9, damping="sqrt", alpha_init=0.6)
-    assert float(res.step_size()) == pytest.approx(0.2, rel=1e-6)
+    assert res.step_size().item() == pytest.approx(0.2, rel=1e-6)
 
 
 def test_learnable_alpha_is_a_scalar_and_gets_gradients():
     for step in ("normalized", "literal"):
         res = SphereResidual(8, alpha_init=0.5, step=step)
         assert [name for name, _ in res.named_parameters()] == ["log_alpha"]
-        assert res.log_alpha.dim() == 0 and float(res.alpha) == pytest.approx(0.5, rel=1e-7)
+        assert res.log_alpha.dim() == 0 and res.alpha.item() == pytest.approx(0.5, rel=1e-7)
         h, f = _case(1, 5, 8, radius=2.0, f_scale=1.0, dtype=torch.float32)
         res(h, f).square().mul(torch.arange(8.0)).sum().backward()
         assert torch.isfinite(res.log_alpha.grad) and float(res.log_alpha.grad.abs()) > 0

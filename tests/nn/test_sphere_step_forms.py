@@ -43,13 +43,13 @@ def test_normalized_angle_is_set_by_alpha_and_damping_alone(retraction, seed, f_
     radius_sq = (h * h).sum(-1, keepdim=True)
     tangent_sq = ((f - (h * f).sum(-1, keepdim=True) / radius_sq * h) ** 2).sum(-1, keepdim=True)
     # beta = alpha * lambda, up to the documented relative floor eps on ||P_h f|| / r
-    beta = float(res.step_size()) * torch.sqrt(tangent_sq / (tangent_sq + res.eps**2 * radius_sq))
+    beta = res.step_size().item() * torch.sqrt(tangent_sq / (tangent_sq + res.eps**2 * radius_sq))
     expected = get_retraction("sphere", retraction).angle(beta)
     theta = res.angle(h, f)  # (6, 1)
     assert float((theta - expected).abs().max()) <= 1e-12
     # against theta_R(alpha * lambda) itself the floor costs at most s (eps r / ||P_h f||)^2 / 2
     bare = get_retraction("sphere", retraction).angle(res.step_size().detach())
-    bound = float(res.step_size()) * res.eps**2 * radius_sq / tangent_sq / 2 + 1e-13
+    bound = res.step_size().item() * res.eps**2 * radius_sq / tangent_sq / 2 + 1e-13
     assert bool(((theta - bare).abs() <= bound).all())
     out = res(h, f)  # the norm of every row is kept
     assert float(((out.norm(dim=-1) - radius).abs() / radius).max()) <= 16 * EPS64
@@ -62,7 +62,7 @@ def test_literal_angle_follows_the_update_norm_and_respects_the_cap(retraction, 
     h, f = _case(seed, 6, 8, 2.0, f_scale)
     radius_sq = (h * h).sum(-1, keepdim=True)
     tangent = f - (h * f).sum(-1, keepdim=True) / radius_sq * h
-    beta = float(res.step_size()) * tangent.norm(dim=-1, keepdim=True) / radius_sq.sqrt()
+    beta = res.step_size().item() * tangent.norm(dim=-1, keepdim=True) / radius_sq.sqrt()
     retr = get_retraction("sphere", retraction)
     expected = retr.angle(beta)
     if float(expected.max()) < math.pi - 1e-6:  # angle() reads the rotation back in [0, pi]
@@ -132,7 +132,7 @@ def test_literal_jacobian_at_zero_update_is_the_scaled_tangent_projection(fused)
     h = h[0]
     jac = torch.autograd.functional.jacobian(lambda f: res(h, f), torch.zeros(8, dtype=torch.float64))
     projector = torch.eye(8, dtype=torch.float64) - torch.outer(h, h) / h.dot(h)
-    assert float((jac - float(res.step_size()) * projector).abs().max()) <= 1e-14
+    assert float((jac - res.step_size().item() * projector).abs().max()) <= 1e-14
 
 
 def test_unit_tangent_has_the_radius_and_the_floor():
@@ -159,8 +159,8 @@ def test_alpha_stays_positive_under_adversarial_optimizer_steps(step):
                 loss = res.step_size() * 1e6
             loss.backward()
             opt.step()
-            assert float(res.alpha) >= 0.0 and math.isfinite(float(res.alpha))
+            assert res.alpha.item() >= 0.0 and math.isfinite(res.alpha.item())
         if opt_cls is torch.optim.Adam:
-            assert float(res.alpha) >= DEFAULT_ALPHA[step] * math.exp(-lr * steps * 1.01) > 0.0
+            assert res.alpha.item() >= DEFAULT_ALPHA[step] * math.exp(-lr * steps * 1.01) > 0.0
     assert SphereResidual(8, step="normalized").alpha.item() == pytest.approx(0.5)
     assert SphereResidual(8, step="literal").alpha.item() == pytest.approx(1.0)
