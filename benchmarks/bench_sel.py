@@ -39,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
 from _timing import sync
+
 from manifoldlib import _cpu_kernels
 from manifoldlib.charts import SEL, apply_chart, merge_charts
 from models import GPT, GPTConfig

@@ -36,6 +36,7 @@ ENV_VAR = "MANIFOLDLIB_CPU_KERNELS"
 
 _NAMESPACE = "manifoldlib_cpu"  # the TORCH_LIBRARY namespace of the sources
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("sphere_residual.cpp", "sel_chart.cpp"))
+_HEADERS = (pathlib.Path(__file__).with_name("row_kernel.h"),)  # included by the sources: in the key
 _BASE_FLAGS = ["-O3", "-fno-trapping-math"]  # torch adds its own -std; no-trapping: if-conversion (vectorized selects), same results
 _AVX2_FLAGS = ["-mavx2", "-mfma"]
 _OFF_VALUES = ("0", "false", "off", "no")
@@ -73,7 +74,7 @@ def _build():
     # environments on one machine sharing one folder would rebuild over each other
     environment = "\0".join((*(str(s.resolve()) for s in _SOURCES), sys.prefix, sys.version, torch.__file__))
     digest = hashlib.sha256(
-        b"".join(s.read_bytes() for s in _SOURCES) + " ".join(flags).encode() + torch.__version__.encode()
+        b"".join(s.read_bytes() for s in (*_SOURCES, *_HEADERS)) + " ".join(flags).encode() + torch.__version__.encode()
         + environment.encode()
     ).hexdigest()[:12]
     name = f"{_NAMESPACE}_{isa}_{digest}"

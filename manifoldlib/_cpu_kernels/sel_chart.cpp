@@ -38,11 +38,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__GNUC__)
-#define MANIFOLDLIB_ROW_KERNEL __attribute__((noinline))
-#else
-#define MANIFOLDLIB_ROW_KERNEL
-#endif
+#include "row_kernel.h"  // MANIFOLDLIB_ROW_KERNEL
 
 namespace {
 

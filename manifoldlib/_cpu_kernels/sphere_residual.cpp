@@ -25,13 +25,7 @@
 #include <cstdint>
 #include <optional>
 
-// A block's dot products stay a function of their own: inlined into the loop over rows, g++
-// vectorizes across rows instead of along the row and the kernel runs about 4x slower.
-#if defined(__GNUC__)
-#define MANIFOLDLIB_ROW_KERNEL __attribute__((noinline))
-#else
-#define MANIFOLDLIB_ROW_KERNEL
-#endif
+#include "row_kernel.h"  // MANIFOLDLIB_ROW_KERNEL
 
 namespace {
 

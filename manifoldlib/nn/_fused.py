@@ -42,10 +42,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import _cpu_kernels
 from ..functional.sphere import sphere_project_tangent, sphere_unit_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction
-from .. import _cpu_kernels
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
 

@@ -10,8 +10,8 @@ import torch
 from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib import _cpu_kernels
-from manifoldlib.nn import _fused, sphere_residual, sphere_residual_reference
 from manifoldlib._cpu_kernels import loader
+from manifoldlib.nn import _fused, sphere_residual, sphere_residual_reference
 from manifoldlib.retractions import PRetraction, get_retraction
 
 pytestmark = pytest.mark.skipif(

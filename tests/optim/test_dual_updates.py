@@ -14,7 +14,13 @@ import pytest
 import torch
 from test_steepest import CASES, _dual_optimum, _instance
 
-from manifoldlib.optim import ExecutionPolicy, ManifoldMuon, dual_solvers, steepest_direction, tangent_residual
+from manifoldlib.optim import (
+    ExecutionPolicy,
+    ManifoldMuon,
+    dual_solvers,
+    steepest_direction,
+    tangent_residual,
+)
 from manifoldlib.optim.steepest import DUAL_UPDATES, solve_dual
 
 

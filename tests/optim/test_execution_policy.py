@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from core_step import core_step  # pytest puts this folder on sys.path
 from torch import nn
 
 from manifoldlib.manifolds import Stiefel
-from manifoldlib.optim import ExecutionPolicy, ManifoldMuon, manifold_muon
+from manifoldlib.optim import ExecutionPolicy, ManifoldMuon
 from manifoldlib.optim.execution import BFLOAT16_MIN_SIZE, SMOOTHED_CUDA_DTYPE
 
 
@@ -62,16 +63,8 @@ def test_the_optimizer_runs_the_policy_it_resolves():
     group = opt.param_groups[0]
 
     def core(policy):
-        w = w0.clone()
-        manifold_muon(
-            [w], [grad.clone()], [torch.zeros_like(w)], [{}],
-            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-            nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
-            ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
-            manifold=Stiefel(retraction="polar", method="gram-eigh"), dual=group["dual"],
-            fuse_retraction=True, execution=policy,
-        )
-        return w
+        manifold = Stiefel(retraction="polar", method="gram-eigh")
+        return core_step(w0, grad, group, manifold, fuse_retraction=True, execution=policy)
 
     products = core(ExecutionPolicy.resolve("cpu", spectral="products"))
     torch.testing.assert_close(products, param.detach(), rtol=0, atol=0)
