@@ -110,7 +110,7 @@ inline T sign_of(T w) {
 
 constexpr int64_t kLanes = 8;  // double accumulators of a row sum (g++ vectorizes across them)
 
-// sum_j x[j] y[j] (z[j]) in double, in kLanes independent lanes
+// sum_j x[j] y[j] in double, in kLanes independent lanes
 template <typename T>
 double row_dot(const T* x, const T* y, int64_t len) {
   double acc[kLanes] = {};
@@ -121,21 +121,6 @@ double row_dot(const T* x, const T* y, int64_t len) {
   double s = 0.0;
   for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
   for (; j < len; ++j) s += static_cast<double>(x[j]) * static_cast<double>(y[j]);
-  return s;
-}
-
-template <typename T>
-double row_dot(const T* x, const T* y, const T* z, int64_t len) {
-  double acc[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= len; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      acc[l] += static_cast<double>(x[j + l]) * static_cast<double>(y[j + l] * z[j + l]);
-    }
-  }
-  double s = 0.0;
-  for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
-  for (; j < len; ++j) s += static_cast<double>(x[j]) * static_cast<double>(y[j] * z[j]);
   return s;
 }
 
@@ -259,6 +244,8 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
     double* cp = col_parts.data_ptr<double>();
     const scalar_t m = static_cast<scalar_t>(max_exponent);
     const scalar_t limit = expm1_nonnegative(m);  // e at the clamp: its entries get no gradient
+    std::vector<scalar_t> acbc(cols);  // a_c b_c, the column weights of g_br's row sums
+    for (int64_t j = 0; j < cols; ++j) acbc[j] = ac[j] * bc[j];
     at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
       std::vector<scalar_t> ge(cols), qw(cols), gt(cols);  // one row's dL/da, dL/db / a, dL/dc
       for (int64_t task = first; task < last; ++task) {
@@ -283,7 +270,7 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
             col_b[j] += static_cast<double>(abr) * static_cast<double>(qw[j]);
           }
           rs[i] = row_dot(ge.data(), ac, cols);
-          rs[rows + i] = row_dot(qw.data(), ac, bc, cols) * static_cast<double>(ari);
+          rs[rows + i] = row_dot(qw.data(), acbc.data(), cols) * static_cast<double>(ari);
           if (linear) {
             for (int64_t j = 0; j < cols; ++j) col_c[j] += static_cast<double>(cri) * static_cast<double>(gt[j]);
             rs[2 * rows + i] = row_dot(gt.data(), cc, cols);
