@@ -37,7 +37,13 @@ ENV_VAR = "MANIFOLDLIB_CPU_KERNELS"
 _NAMESPACE = "manifoldlib_cpu"  # the TORCH_LIBRARY namespace of the sources
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("sphere_residual.cpp", "sel_chart.cpp"))
 _HEADERS = (pathlib.Path(__file__).with_name("row_kernel.h"),)  # included by the sources: in the key
-_BASE_FLAGS = ["-O3", "-fno-trapping-math"]  # torch adds its own -std; no-trapping: if-conversion (vectorized selects), same results
+# torch adds its own -std. -fno-trapping-math: g++ may if-convert (vectorized selects; the same
+# results). -fopenmp: ATen's at::parallel_for is header code that splits work across threads only
+# when compiled with OpenMP (without it every kernel ran on one thread whatever torch's setting);
+# the library then uses the libgomp that torch itself has loaded. Linux only: Apple's clang has no
+# -fopenmp (there the kernels build without it and run on one thread).
+_OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+_BASE_FLAGS = ["-O3", "-fno-trapping-math", *_OPENMP_FLAGS]
 _AVX2_FLAGS = ["-mavx2", "-mfma"]
 _OFF_VALUES = ("0", "false", "off", "no")
 
@@ -89,6 +95,7 @@ def _build():
         name=name,
         sources=[str(s) for s in _SOURCES],
         extra_cflags=flags,
+        extra_ldflags=_OPENMP_FLAGS,
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
