@@ -169,8 +169,8 @@ class _SphereResidual(torch.autograd.Function):
         mu = 2.0 * g_sigma * s * s / q
         t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
         grad_s = None
-        mu_f, t_h = mu, t  # coefficients of f in grad_f and of h ... below (grad_f = ks g + mu_f f - t_h h)
-        t_f = t  # ... and of f in grad_h (grad_h = coef_g g - t_f f + coef_h h)
+        # grad_f = ks g + mu_f f - t h,  grad_h = coef_g g - t f + coef_h h  (row coefficients)
+        mu_f = mu
         g_step = k * g_u + 2.0 * g_sigma * s * n / q  # dL/ds per row, (..., 1)
         if want_h:
             coef_g = c - ks * a / q
@@ -178,24 +178,26 @@ class _SphereResidual(torch.autograd.Function):
         if rho is not None:
             # the per-row step s rho depends on h and f: s rho = s r D^(-1/2), D = n + eps² q,
             # n = ||P_h f||² (dn/df = 2u, dn/dh = -2(a/q)u), q = ||h||² (dq/dh = 2h)
-            w = g_step * s / (n + (ctx.eps * ctx.eps) * q)  # (..., 1)
+            floor_sq = ctx.eps * ctx.eps
+            denominator = n + floor_sq * q  # D, (..., 1)
+            w = g_step * s / denominator  # (..., 1)
             mu_f = mu - w
-            t_h = t - w * a / q
+            t = t - w * a / q
             if want_h:
-                t_f = t - w * a / q
-                coef_h = coef_h - w * (a / q) ** 2 + g_step * s * (1.0 / q - (ctx.eps * ctx.eps) / (n + (ctx.eps * ctx.eps) * q))
+                coef_h = coef_h - w * (a / q) ** 2 + g_step * s * (1.0 / q - floor_sq / denominator)
         if kernels is None:
             grad_h = grad_f = None
             if want_f:
                 grad_f = torch.mul(g, ks, out=buf_f)  # (..., d)
-                grad_f.addcmul_(f, mu_f).addcmul_(h, -t_h)
+                grad_f.addcmul_(f, mu_f).addcmul_(h, -t)
             if want_h:
                 grad_h = torch.mul(g, coef_g, out=buf_h)  # (..., d)
-                grad_h.addcmul_(f, -t_f).addcmul_(h, coef_h)
+                grad_h.addcmul_(f, -t).addcmul_(h, coef_h)
         elif want_f or want_h:
             # One pass reads g, h, f and writes both gradients; coefficients of g, h, f in turn.
-            of_f = [ks.expand_as(t), -t_h, mu_f.expand_as(t)] if want_f else []
-            of_h = [coef_g, coef_h, -t_f] if want_h else []
+            minus_t = -t
+            of_f = [ks.expand_as(t), minus_t, mu_f.expand_as(t)] if want_f else []
+            of_h = [coef_g, coef_h, minus_t] if want_h else []
             kernels.backward_combine(
                 _rows(g), _rows(h), _rows(f),
                 [coef.contiguous() for coef in of_f], [coef.contiguous() for coef in of_h],
