@@ -105,7 +105,7 @@ class _SphereResidual(torch.autograd.Function):
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
             a = out.sum(-1, keepdim=True)  # (..., 1)
-            f_sq = _rowsq(f)  # (..., 1)
+            f_sq = _rowsq(f) if eps is None else None  # (..., 1); the normalized step reads P_h f
         else:
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (..., d)
             dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3)

@@ -30,7 +30,6 @@ import math
 import torch
 from torch import nn
 
-from ..functional.sphere import sphere_unit_tangent
 from ..retractions.base import Retraction, resolve_retraction
 from ._fused import sphere_residual, sphere_residual_reference
 
@@ -157,13 +156,6 @@ class SphereResidual(nn.Module):
     def step_size(self) -> torch.Tensor:
         r""":math:`\alpha_l \lambda_l`, a 0-dim tensor."""
         return self.alpha * self.damping_factor
-
-    def update(self, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-        r"""What is projected and scaled by :math:`\alpha\lambda`: ``f`` itself (literal) or the
-        tangent :math:`r P_h f/\|P_h f\|` (normalized); ``(..., d)``."""
-        if self.step == "literal":
-            return f
-        return sphere_unit_tangent(h, f, self.eps)  # (..., d), already tangent at h
 
     @torch.no_grad()
     def angle(self, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
