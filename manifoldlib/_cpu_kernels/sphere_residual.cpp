@@ -10,6 +10,17 @@
 //   backward_combine(g, h, f, [c0, c1, c2], [e0, e1, e2], grad_f?, grad_h?)
 //       grad_f = c0 g + c1 h + c2 f,  grad_h = e0 g + e1 h + e2 f              reads g, h, f
 //
+// and, for the built-in angle retractions (gnomonic, Cayley, the p-family θ = p arctan(β/p) with
+// the exponential map as p = inf), the whole update row by row, its per-row math in double:
+//
+//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [q, a, n])   reads h, f
+//   sphere_step_backward(g, h, f, stats, s, family, p, eps, want_h, want_f)
+//       -> (grad_h?, grad_f?, dL/ds per row (N,) double)                               reads g, h, f
+//
+// Each row is read from memory once per direction: its reductions, the per-row coefficients and
+// its combination run while the row is in L1 (the separate passes above read every row two or
+// three times from memory: the update is bound by memory traffic).
+//
 // Row dot products accumulate in double whatever the input dtype (a float32 product is exact
 // in double), in kLanes independent lanes so that g++ vectorizes the loop without reassociation
 // flags; the lanes are summed at the end of each block of kBlock elements. Rows are split across threads. The
@@ -22,8 +33,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
+#include <tuple>
 
 #include "row_kernel.h"  // MANIFOLDLIB_ROW_KERNEL
 
@@ -301,6 +315,181 @@ void backward_combine(const at::Tensor& g, const at::Tensor& h, const at::Tensor
   });
 }
 
+// ---- the row-fused update for closed-form retractions (manifoldlib/nn/_fused.py has the math) ----
+
+constexpr int64_t kGnomonic = 0;  // θ = arctan β:      cos θ = k = (1 + σ)^(-1/2)
+constexpr int64_t kCayley = 1;    // θ = 2 arctan(β/2): k = 1/(1 + σ/4), cos θ = (1 - σ/4) k
+constexpr int64_t kP = 2;         // θ = p arctan(β/p), p in (0, inf] (inf: the exponential map)
+// below this σ (and σ/p²) the p-family's k'(σ) = (cos θ/(1 + z²) - k)/(2σ) cancels: its series instead
+constexpr double kSeriesSigma = 1e-5;
+
+struct RowStep {
+  double rho;   // the normalized step's factor (1 for the literal step)
+  double step;  // s rho
+  double sigma, c, k;
+  double z_sq;  // σ/p² (p-family)
+};
+
+inline RowStep row_step(double q, double n, double s, int64_t family, double p, double eps) {
+  RowStep r{1.0, s, 0.0, 0.0, 0.0, 0.0};
+  if (eps > 0.0) {
+    r.rho = std::sqrt(q / (n + eps * eps * q));  // r / sqrt(||P_h f||² + eps² r²)
+    r.step = s * r.rho;
+  }
+  r.sigma = r.step * r.step * n / q;
+  if (family == kGnomonic) {
+    r.c = r.k = 1.0 / std::sqrt(1.0 + r.sigma);
+  } else if (family == kCayley) {
+    r.k = 1.0 / (1.0 + 0.25 * r.sigma);
+    r.c = (1.0 - 0.25 * r.sigma) * r.k;
+  } else {
+    const double beta = std::sqrt(r.sigma);
+    const double theta = std::isinf(p) ? beta : p * std::atan(beta / p);
+    r.z_sq = std::isinf(p) ? 0.0 : r.sigma / (p * p);
+    r.c = std::cos(theta);
+    r.k = beta > 0.0 ? std::sin(theta) / beta : 1.0;
+  }
+  return r;
+}
+
+// g_sigma = cos θ'(σ) g_c + k'(σ) g_k
+inline double coefficients_vjp(const RowStep& r, int64_t family, double p, double grad_cos, double grad_k) {
+  if (family == kGnomonic) return -0.5 * r.c * r.c * r.c * (grad_cos + grad_k);
+  if (family == kCayley) return -0.25 * r.k * r.k * (2.0 * grad_cos + grad_k);
+  // θ'(σ) = 1/(2β(1 + z²)): cos θ' = -k/(2(1 + z²)), k' = (cos θ/(1 + z²) - k)/(2σ), whose series
+  // is k1 + 2 k2 σ with k1 = -(1/6 + 1/(3p²)), k2 = 1/120 + 1/(6p²) + 1/(5p⁴)
+  const double inv_p_sq = std::isinf(p) ? 0.0 : 1.0 / (p * p);
+  const double one_z = 1.0 + r.z_sq;
+  double dk;
+  if (std::max(r.sigma, r.z_sq) < kSeriesSigma) {  // σ and z² = σ/p² small (its terms go as 1/p^2k)
+    const double k1 = -(1.0 / 6.0 + inv_p_sq / 3.0);
+    const double k2 = 1.0 / 120.0 + inv_p_sq / 6.0 + inv_p_sq * inv_p_sq / 5.0;
+    dk = k1 + 2.0 * k2 * r.sigma;
+  } else {
+    dk = (r.c / one_z - r.k) / (2.0 * r.sigma);
+  }
+  return -r.k / (2.0 * one_z) * grad_cos + dk * grad_k;
+}
+
+void check_family(int64_t family, double p) {
+  TORCH_CHECK(family == kGnomonic || family == kCayley || family == kP,
+              "sphere_step kernels: family must be 0 (gnomonic), 1 (Cayley) or 2 (p-family), got ", family);
+  TORCH_CHECK(family != kP || p > 0.0, "sphere_step kernels: p must be in (0, inf], got ", p);
+}
+
+std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, const at::Tensor& f, double s,
+                                                       int64_t family, double p, double eps) {
+  check_dtype(h);
+  check_rows(h, "h", h);
+  check_rows(f, "f", h);
+  check_family(family, p);
+  const int64_t n = h.size(0), d = h.size(1);
+  at::Tensor out = at::empty({n, d}, h.options());
+  at::Tensor stats = at::empty({n, 3}, h.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "sphere_step_forward", [&] {
+    const scalar_t* hp = h.const_data_ptr<scalar_t>();
+    const scalar_t* fp = f.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    double* sp = stats.mutable_data_ptr<double>();
+    const double tiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
+    at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* x = hp + r * d;
+        const scalar_t* y = fp + r * d;
+        double dots[3] = {};  // ||h||², <h, f>, ||f||²
+        for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
+        const double q = std::max(dots[0], tiny), a = dots[1];
+        double tangent;
+        if (eps > 0.0) {  // ||P_h f||² from P_h f itself (the difference form cancels for f ∥ h)
+          double total[1] = {};
+          for (int64_t b = 0; b < d; b += kBlock) {
+            block_residual_sq(x + b, y + b, a / q, std::min(kBlock, d - b), total);
+          }
+          tangent = total[0];
+        } else {
+          tangent = std::max(dots[2] - a * a / q, 0.0);
+        }
+        const RowStep st = row_step(q, tangent, s, family, p, eps);
+        const double ks = st.k * st.step;
+        const scalar_t coef_h = static_cast<scalar_t>(st.c - ks * a / q), coef_f = static_cast<scalar_t>(ks);
+        scalar_t* o = op + r * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = coef_h * x[i] + coef_f * y[i];
+        sp[3 * r] = q;
+        sp[3 * r + 1] = a;
+        sp[3 * r + 2] = tangent;
+      }
+    });
+  });
+  return {out, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Tensor& g, const at::Tensor& h,
+                                                                    const at::Tensor& f, const at::Tensor& stats,
+                                                                    double s, int64_t family, double p,
+                                                                    double eps, bool want_h, bool want_f) {
+  check_dtype(h);
+  check_rows(h, "h", h);
+  check_rows(f, "f", h);
+  check_rows(g, "grad", h);
+  check_family(family, p);
+  const int64_t n = h.size(0), d = h.size(1);
+  TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.dim() == 2 &&
+                  stats.size(0) == n && stats.size(1) == 3,
+              "sphere_step_backward: stats must be the forward's contiguous (N, 3) float64 tensor");
+  at::Tensor grad_h = want_h ? at::empty({n, d}, h.options()) : at::Tensor();
+  at::Tensor grad_f = want_f ? at::empty({n, d}, h.options()) : at::Tensor();
+  at::Tensor step_rows = at::empty({n}, h.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "sphere_step_backward", [&] {
+    const scalar_t* gp = g.const_data_ptr<scalar_t>();
+    const scalar_t* hp = h.const_data_ptr<scalar_t>();
+    const scalar_t* fp = f.const_data_ptr<scalar_t>();
+    const double* sp = stats.const_data_ptr<double>();
+    scalar_t* ghp = want_h ? grad_h.mutable_data_ptr<scalar_t>() : nullptr;
+    scalar_t* gfp = want_f ? grad_f.mutable_data_ptr<scalar_t>() : nullptr;
+    double* rp = step_rows.mutable_data_ptr<double>();
+    at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t o = r * d;
+        double dots[2] = {};  // <g, h>, <g, f>
+        for (int64_t b = 0; b < d; b += kBlock) {
+          block_dots2(gp + o + b, hp + o + b, fp + o + b, std::min(kBlock, d - b), dots);
+        }
+        const double q = sp[3 * r], a = sp[3 * r + 1], tangent = sp[3 * r + 2];
+        const RowStep st = row_step(q, tangent, s, family, p, eps);
+        const double g_h = dots[0], g_u = dots[1] - a / q * g_h;  // <g, h>, <g, P_h f>
+        const double g_sigma = coefficients_vjp(st, family, p, g_h, st.step * g_u);
+        const double ks = st.k * st.step;
+        const double mu = 2.0 * g_sigma * st.step * st.step / q;
+        double t = (mu * a + ks * g_h) / q;
+        const double g_step = st.k * g_u + 2.0 * g_sigma * st.step * tangent / q;  // dL/d(s rho)
+        const double coef_g = st.c - ks * a / q;
+        double coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * st.sigma) / q;
+        double mu_f = mu;
+        if (eps > 0.0) {  // s rho depends on h and f through ||P_h f||² and ||h||²
+          const double denominator = tangent + eps * eps * q;
+          const double w = g_step * st.step / denominator;
+          mu_f = mu - w;
+          t -= w * a / q;
+          coef_h += -w * (a / q) * (a / q) + g_step * st.step * (1.0 / q - eps * eps / denominator);
+        }
+        rp[r] = g_step * st.rho;  // d(s rho)/ds = rho
+        const scalar_t c[3] = {static_cast<scalar_t>(ks), static_cast<scalar_t>(-t), static_cast<scalar_t>(mu_f)};
+        const scalar_t e[3] = {static_cast<scalar_t>(coef_g), static_cast<scalar_t>(coef_h),
+                               static_cast<scalar_t>(-t)};
+        // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f
+        if (want_f && want_h) {
+          combine3x2(gp + o, hp + o, fp + o, c, e, d, gfp + o, ghp + o);
+        } else if (want_f) {
+          combine3(gp + o, hp + o, fp + o, c[0], c[1], c[2], d, gfp + o);
+        } else if (want_h) {
+          combine3(gp + o, hp + o, fp + o, e[0], e[1], e[2], d, ghp + o);
+        }
+      }
+    });
+  });
+  return {grad_h, grad_f, step_rows};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
@@ -310,6 +499,9 @@ TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
   m.def("backward_combine(Tensor grad, Tensor h, Tensor f, Tensor[] coef_f, Tensor[] coef_h, "
         "Tensor(a!)? grad_f, Tensor(b!)? grad_h) -> ()");
+  m.def("sphere_step_forward(Tensor h, Tensor f, float s, int family, float p, float eps) -> (Tensor, Tensor)");
+  m.def("sphere_step_backward(Tensor grad, Tensor h, Tensor f, Tensor stats, float s, int family, float p, "
+        "float eps, bool want_h, bool want_f) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(manifoldlib_cpu, CPU, m) {
@@ -318,4 +510,6 @@ TORCH_LIBRARY_IMPL(manifoldlib_cpu, CPU, m) {
   m.impl("forward_combine", &forward_combine);
   m.impl("backward_dots", &backward_dots);
   m.impl("backward_combine", &backward_combine);
+  m.impl("sphere_step_forward", &sphere_step_forward);
+  m.impl("sphere_step_backward", &sphere_step_backward);
 }

@@ -32,12 +32,25 @@ On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ 
 :mod:`manifoldlib._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
 :math:`A h + B f` (4 reads, 1 write); backward: one pass for :math:`\langle g,h\rangle,
 \langle g,f\rangle` and one writing both gradients (6 reads, 2 writes) — while the per-row
-coefficient math above stays here. Everywhere else (CUDA, other layouts, ``torch.compile``
+coefficient math above stays here. For the built-in retractions —
+:class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
+:class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
+:class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), exact types, not subclasses —
+the whole update runs row by row in C++ instead, with the closed forms
+:math:`\cos\theta'(\sigma) = -k/(2(1 + z^2))` and :math:`k'(\sigma) = (\cos\theta/(1 + z^2) - k)/(2\sigma)`,
+:math:`z^2 = \sigma/p^2` (its series :math:`-(1/6 + 1/(3p^2)) + 2(1/120 + 1/(6p^2) + 1/(5p^4))\sigma`
+while :math:`\sigma` and :math:`z^2` are below :math:`10^{-5}`) (``sphere_step_forward`` /
+``sphere_step_backward``): each row is read once per direction, its reductions, per-row math (in
+double) and combination done while it is in cache — 2 reads and 1 write forward, 3 reads and 2
+writes backward, against 6 + 1 and 6 + 2 for the separate passes (the update is bound by memory
+traffic, so the pass count is its cost). Everywhere else (CUDA, other layouts, ``torch.compile``
 tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the same passes are composed of ATen
 kernels.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -45,7 +58,13 @@ from torch.autograd.function import once_differentiable
 from .. import _cpu_kernels
 from ..functional.sphere import sphere_project_tangent, sphere_unit_tangent
 from ..retractions.base import Retraction
-from ..retractions.sphere import AngleRetraction
+from ..retractions.sphere import (
+    AngleRetraction,
+    CayleyRetraction,
+    ExponentialRetraction,
+    GnomonicRetraction,
+    PRetraction,
+)
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
 
@@ -81,6 +100,55 @@ def _cpu_kernels_for(h: torch.Tensor, f: torch.Tensor):
     ):
         return None
     return _cpu_kernels.enabled()
+
+
+def _kernel_family(retraction: Retraction) -> tuple[int, float] | None:
+    """The C++ row kernels' code ``(family, p)`` of a built-in angle retraction, else None.
+
+    Gnomonic ``(0, 1)``, Cayley ``(1, 2)``, the p-family ``(2, p)`` with the exponential map as
+    ``p = inf``. Exact types only: a subclass may override the angle, and then takes the separate
+    passes with the per-row math of its own coefficients.
+    """
+    kind = type(retraction)
+    p = retraction.p if kind is PRetraction else None
+    if kind is GnomonicRetraction or p == 1.0:
+        return 0, 1.0
+    if kind is CayleyRetraction or p == 2.0:
+        return 1, 2.0
+    if kind is ExponentialRetraction:
+        return 2, math.inf
+    if p is not None:
+        return 2, p
+    return None
+
+
+class _SphereStepKernel(torch.autograd.Function):
+    """The update of a closed-form retraction on the row-fused C++ kernels (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h, f, scale, family: tuple[int, float], eps: float, kernels):
+        shape = h.shape
+        step = float(scale.detach())
+        out, stats = kernels.sphere_step_forward(_rows(h), _rows(f), step, *family, eps)  # (N, d), (N, 3)
+        ctx.save_for_backward(h, f, stats)
+        ctx.step, ctx.family, ctx.eps, ctx.kernels = step, family, eps, kernels
+        return out.view(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        h, f, stats = ctx.saved_tensors
+        want_h, want_f, want_s = ctx.needs_input_grad[:3]
+        g = g.contiguous().to(h.dtype)
+        grad_h, grad_f, per_row = ctx.kernels.sphere_step_backward(
+            _rows(g), _rows(h), _rows(f), stats, ctx.step, *ctx.family, ctx.eps, want_h, want_f
+        )
+        grad_s = per_row.sum().to(h.dtype).reshape(()) if want_s else None
+        return (
+            grad_h.view(h.shape) if want_h else None,
+            grad_f.view(h.shape) if want_f else None,
+            grad_s, None, None, None,
+        )
 
 
 class _SphereResidual(torch.autograd.Function):
@@ -265,9 +333,16 @@ def sphere_residual(
         return sphere_residual_reference(h, f, scale, retraction, normalize_eps)
     eps = None if normalize_eps is None else float(normalize_eps)
     if h.dtype in _LOW_PRECISION:
-        out = _SphereResidual.apply(h.float(), f.float(), scale.float().reshape(()), retraction, eps)
-        return out.to(h.dtype)
-    return _SphereResidual.apply(h, f.to(h.dtype), scale.reshape(()), retraction, eps)
+        return _apply(h.float(), f.float(), scale.float().reshape(()), retraction, eps).to(h.dtype)
+    return _apply(h, f.to(h.dtype), scale.reshape(()), retraction, eps)
+
+
+def _apply(h, f, scale, retraction, eps):
+    family = _kernel_family(retraction)
+    kernels = None if family is None or scale.device != h.device else _cpu_kernels_for(h, f)
+    if kernels is not None:
+        return _SphereStepKernel.apply(h, f, scale, family, 0.0 if eps is None else eps, kernels)
+    return _SphereResidual.apply(h, f, scale, retraction, eps)
 
 
 def sphere_residual_reference(

@@ -28,7 +28,14 @@ RETRACTIONS = {
     "p=1.5": PRetraction(1.5),
     "user-p3": _UserP3(),  # a user's retraction defined only by its angle (the generic VJP)
 }
-KERNELS = ("forward_dots", "forward_combine", "backward_dots", "backward_combine")
+KERNELS = ("forward_dots", "forward_combine", "backward_dots", "backward_combine")  # separate passes
+ROW_KERNELS = ("sphere_step_forward", "sphere_step_backward")  # the built-ins: the update row by row
+
+
+def _kernels_of(name):
+    """The kernels a retraction's update runs: the row kernels for the built-in angle retractions,
+    the separate passes (per-row math in Python) for a user's own."""
+    return KERNELS if name == "user-p3" else ROW_KERNELS
 
 
 class _Spy:
@@ -87,9 +94,12 @@ def _err(a: torch.Tensor, truth: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a.double() - truth.double()))
 
 
-def test_kernel_path_runs_all_four_kernels(spy):
+def test_kernel_path_runs_the_row_kernels_or_all_four_passes(spy):
     h, f = _case(0, (4, 3, 10), dtype=torch.float32)
     _values_and_grads(sphere_residual, h, f, 0.7, RETRACTIONS["gnomonic"])
+    assert spy.calls == list(ROW_KERNELS)
+    spy.calls.clear()
+    _values_and_grads(sphere_residual, h, f, 0.7, RETRACTIONS["user-p3"])
     assert spy.calls == list(KERNELS)
     spy.calls.clear()
     _values_and_grads(_aten, h, f, 0.7, RETRACTIONS["gnomonic"])
@@ -109,7 +119,7 @@ def test_gradcheck_kernel_path_float64(spy, name, f_kind):
     s = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
     retraction = RETRACTIONS[name]
     assert torch.autograd.gradcheck(lambda a, b, c: sphere_residual(a, b, c, retraction), (h, f, s))
-    assert set(spy.calls) == set(KERNELS)
+    assert set(spy.calls) == set(_kernels_of(name))
 
 
 @pytest.mark.parametrize("name", list(RETRACTIONS))
@@ -117,7 +127,7 @@ def test_gradcheck_kernel_path_float64(spy, name, f_kind):
 def test_kernel_aten_and_reference_agree_float64(spy, name, shape):
     h, f = _case(3, shape, radius=4.0, f_scale=1.3)
     kernel = _values_and_grads(sphere_residual, h, f, 0.8, RETRACTIONS[name])
-    assert set(spy.calls) == set(KERNELS)
+    assert set(spy.calls) == set(_kernels_of(name))
     aten = _values_and_grads(_aten, h, f, 0.8, RETRACTIONS[name])
     ref = _values_and_grads(sphere_residual_reference, h, f, 0.8, RETRACTIONS[name])
     for a, b, c in zip(kernel, aten, ref):
@@ -135,7 +145,7 @@ def test_kernel_path_float32_is_as_accurate_as_aten(spy, name, f_scale):
     h, f = _case(5, (64, 96), radius=math.sqrt(96), f_scale=f_scale, dtype=torch.float32)
     retraction = RETRACTIONS[name]
     kernel = _values_and_grads(sphere_residual, h, f, 0.6, retraction)
-    assert set(spy.calls) == set(KERNELS)
+    assert set(spy.calls) == set(_kernels_of(name))
     aten = _values_and_grads(_aten, h, f, 0.6, retraction)
     truth = _values_and_grads(sphere_residual_reference, h.double(), f.double(), 0.6, retraction)
     w_norm = float(torch.randn(h.shape, generator=torch.Generator().manual_seed(7)).norm())
@@ -204,11 +214,12 @@ def test_non_contiguous_inputs_fall_back_to_aten(spy):
         assert _err(a, b) <= 1e-13 * max(float(b.norm()), 1.0)
 
 
-def test_non_contiguous_upstream_gradient_falls_back_in_backward(spy):
-    # out.sum() hands the backward an expanded (stride-0) gradient: the forward ran the kernels,
-    # the backward reads that gradient with the ATen passes.
+@pytest.mark.parametrize("name", ["gnomonic", "user-p3"])
+def test_non_contiguous_upstream_gradient(spy, name):
+    # out.sum() hands the backward an expanded (stride-0) gradient: the row kernels read a
+    # contiguous copy of it; the separate passes read it with ATen (the forward ran the kernels)
     h, f = _case(4, (5, 12))
-    retraction = RETRACTIONS["gnomonic"]
+    retraction = RETRACTIONS[name]
     grads = []
     for fn in (sphere_residual, sphere_residual_reference):
         a = h.clone().requires_grad_(True)
@@ -216,15 +227,16 @@ def test_non_contiguous_upstream_gradient_falls_back_in_backward(spy):
         s = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
         fn(a, b, s, retraction).sum().backward()
         grads.append((a.grad, b.grad, s.grad))
-    assert spy.calls == ["forward_dots", "forward_combine"]
+    assert spy.calls == (list(ROW_KERNELS) if name == "gnomonic" else ["forward_dots", "forward_combine"])
     for a, b in zip(*grads):
         assert _err(a, b) <= 1e-13 * max(float(b.norm()), 1.0)
 
 
+@pytest.mark.parametrize("name", ["cayley", "user-p3"])
 @pytest.mark.parametrize("which", ["h", "f"])
-def test_one_input_gradient(spy, which):
+def test_one_input_gradient(spy, which, name):
     h, f = _case(8, (7, 16))
-    retraction = RETRACTIONS["cayley"]
+    retraction = RETRACTIONS[name]
     grads = []
     for fn in (sphere_residual, sphere_residual_reference):
         a = h.clone().requires_grad_(which == "h")
@@ -232,7 +244,7 @@ def test_one_input_gradient(spy, which):
         (fn(a, b, 0.5, retraction) * torch.arange(16.0, dtype=torch.float64)).sum().backward()
         grads.append(a.grad if which == "h" else b.grad)
         assert (b.grad if which == "h" else a.grad) is None
-    assert spy.calls == list(KERNELS)
+    assert spy.calls == list(_kernels_of(name))
     assert _err(grads[0], grads[1]) <= 1e-13 * float(grads[1].norm())
 
 
@@ -240,7 +252,7 @@ def test_bfloat16_goes_through_the_float32_kernels(spy):
     h, f = _case(2, (8, 32), radius=math.sqrt(32), f_scale=1.0, dtype=torch.bfloat16)
     retraction = RETRACTIONS["gnomonic"]
     low = _values_and_grads(sphere_residual, h, f, 0.9, retraction)
-    assert spy.calls == list(KERNELS)
+    assert spy.calls == list(ROW_KERNELS)
     high = _values_and_grads(sphere_residual_reference, h.float(), f.float(), 0.9, retraction)
     assert [t.dtype for t in low[:3]] == [torch.bfloat16] * 3
     for a, b in zip(low[:3], high[:3]):
@@ -257,6 +269,13 @@ def test_kernels_reject_bad_inputs():
         ops.forward_dots(x.t(), x.t())
     with pytest.raises(RuntimeError, match="one per row"):
         ops.forward_combine(x, x, [torch.ones(3), torch.ones(4)], torch.empty(3, 4))
+    with pytest.raises(RuntimeError, match="family must be"):
+        ops.sphere_step_forward(x, x, 0.5, 7, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="p must be in"):
+        ops.sphere_step_forward(x, x, 0.5, 2, -1.0, 0.0)
+    out, stats = ops.sphere_step_forward(x, x, 0.5, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="stats must be"):
+        ops.sphere_step_backward(x, x, x, stats.float(), 0.5, 0, 1.0, 0.0, True, True)
 
 
 def test_env_var_switches_the_kernels_off(monkeypatch, spy):
@@ -287,3 +306,30 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, spy):
         out = sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"])
     assert spy.calls == []
     assert _err(out, sphere_residual_reference(h, f, 0.5, RETRACTIONS["gnomonic"])) <= 1e-14
+
+
+@pytest.mark.parametrize("p", [0.3, 1.5, math.inf])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-3])
+def test_row_kernels_across_the_series_switch_of_k_prime(spy, p, normalize_eps):
+    # k'(sigma) switches from (cos θ/(1 + z²) - k)/(2σ) to its series below σ = 1e-5: steps whose
+    # σ = s² ||P_h f||²/||h||² falls on either side agree with plain autograd to rounding
+    h, f = _case(12, (6, 24), radius=2.0, f_scale=1.0)
+    retraction = PRetraction(p)
+    sigma_of_unit_step = float(((f - (f * h).sum(-1, keepdim=True) / (h * h).sum(-1, keepdim=True) * h) ** 2).sum(-1).mean() / 4.0)
+    if normalize_eps is not None:
+        sigma_of_unit_step = 1.0  # the normalized step has σ = s² (up to the floor)
+    for sigma in (3e-6, 9e-6, 1.1e-5, 4e-5):
+        scale = math.sqrt(sigma / sigma_of_unit_step)
+
+        def fn(a, b, c, r):
+            return sphere_residual(a, b, c, r, normalize_eps=normalize_eps)
+
+        def ref(a, b, c, r):
+            return sphere_residual_reference(a, b, c, r, normalize_eps=normalize_eps)
+
+        spy.calls.clear()
+        mine = _values_and_grads(fn, h, f, scale, retraction)
+        assert spy.calls == list(ROW_KERNELS)
+        truth = _values_and_grads(ref, h, f, scale, retraction)
+        for a, b in zip(mine, truth):
+            assert _err(a, b) <= 1e-12 * max(float(b.norm()), 1.0)
