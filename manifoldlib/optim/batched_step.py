@@ -123,7 +123,7 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
         state = _State(lam[j], r[j], m[j], k=k[j])
         info = SteepestInfo(counts[j], residuals[j], True, lam[j], lam[j] - lam0[j], [], None,
                             stages=("bb",), evaluations=counts[j] + 1)
-        solution = DualSolution(info, params[i].size(-2) < params[i].size(-1), single, state)
+        solution = DualSolution(info, False, single, state)  # solved in the tall orientation
         adjusted = adjusted_lr(options["lr"], options["adjust_lr_fn"], False, params[i].shape)
         done[i] = apply_solution(params[i], solution, states[i], lr=options["lr"],
                                  weight_decay=options["weight_decay"], adjusted=adjusted, manifold=manifold,
