@@ -232,3 +232,34 @@ def test_euclidean_groups_ignore_batching():
     params[0].grad = torch.ones(6, 4)
     opt.step()
     assert opt.state[params[0]]["dual_iterations"] == 0
+
+
+class _Precisions(TorchFunctionMode):
+    """Records the float32 precision of the cuBLAS and oneDNN matmul backends
+    (``torch.backends.*.matmul.fp32_precision``) at every 3-D matrix product run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+            for backend in (torch.backends.cuda, torch.backends.mkldnn):
+                self.seen.add(backend.matmul.fp32_precision)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_batched_solve_runs_in_ieee_float32():
+    # TF32's 1e-3 error is the size of the dual's tolerance: the batched products must not use it
+    shapes = [(48, 12), (12, 48)]
+    params = _points("stiefel", shapes, seed=8, dtype=torch.float32)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        recorder = _Precisions()
+        with recorder:
+            _step(params, _gradients(shapes, seed=60, dtype=torch.float32), [{}, {}], "stiefel", True, {"tol": 1e-4})
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert recorder.seen and recorder.seen <= {"ieee", "none"}  # "none": the default, IEEE
