@@ -20,15 +20,16 @@ y\rangle` (odd iterations) and the short rule :math:`\langle s, y\rangle/\langle
 only where :math:`\langle s, y\rangle > 0` — with every step size, stall count and best iterate a
 ``(B,)`` tensor. An instance is *active* while its residual is above ``tol``, finite, and it has
 not gone ``patience`` iterations without a 10% cut of its best-so-far mark; an inactive instance
-is frozen (its multiplier, residual and best iterate no longer change), so it takes exactly the
-iterations, and returns exactly the iterate, of its own unbatched solve (to rounding). All active
-instances have taken the same number of steps, so the alternation of the two rules agrees. The
-loop stops when no instance is active or at ``max_iter``; its one host synchronization per
-iteration is that all-inactive test.
+leaves the working batch (its multiplier, residual and best iterate no longer change, and it
+costs nothing more), so it takes exactly the iterations, and returns exactly the iterate, of its
+own unbatched solve (to rounding). All active instances have taken the same number of steps, so
+the alternation of the two rules agrees. The loop stops when no instance is active or at
+``max_iter``; its one host synchronization per iteration reads which instances are active.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -77,6 +78,15 @@ class _BatchedDualProblem:
             c = g.mT @ g - self.b.mT @ self.b  # (B, n, n) G_perp^T G_perp
             self.c = 0.5 * (c + c.mT)
 
+    def select(self, rows: torch.Tensor) -> _BatchedDualProblem:
+        """The problem of the instances ``rows`` (a 1-D index tensor) only, for evaluation."""
+        part = copy.copy(self)
+        for name in ("f", "d", "metric", "two_d", "normal_scale", "b", "c"):
+            value = getattr(self, name)
+            setattr(part, name, None if value is None else value[rows])
+        part.wg = None  # (the setup's; pieces() reads the full problem)
+        return part
+
     def pieces(self, index: int) -> tuple:
         """``(F, W^T G, B, C)`` of one instance (views), what ``_DualProblem(pieces=...)`` takes."""
         f = None if self.unit else self.f[index]
@@ -115,15 +125,14 @@ class _BatchedDualProblem:
         return h, residual, r, m, k
 
 
-def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Per-instance select: ``new`` where ``mask`` ``(B,)``, else ``old`` (``(B, ...)`` both)."""
-    return torch.where(mask.view(mask.shape + (1,) * (new.dim() - 1)), new, old)
-
-
 def _batched_bb_solve(problem: _BatchedDualProblem, lam: torch.Tensor, tol: float, max_iter: int,
                       patience: int | None):
     """Barzilai–Borwein steps on every instance of ``problem`` from ``lam`` ``(B, n, n)`` (see the
     module docstring).
+
+    The loop works on the active instances only: when some stop, the working problem and the
+    iteration's tensors are narrowed to the rest (:meth:`_BatchedDualProblem.select`), and the
+    best iterates live in full-size tensors indexed by the working rows.
 
     Returns:
         ``(residual, lam, R, M, K, iterations)``: the best iterate of each instance (residual
@@ -132,36 +141,48 @@ def _batched_bb_solve(problem: _BatchedDualProblem, lam: torch.Tensor, tol: floa
     """
     h, residual, r, m, k = problem.evaluate(lam)
     batch, n = lam.shape[0], lam.size(-1)
-    step = torch.full((batch,), 0.25 / math.sqrt(n), dtype=lam.dtype, device=lam.device)
+    device = lam.device
+    best = [t.clone() for t in (residual, lam, r, m, k)]  # full size, written at the working rows
+    iterations = torch.zeros(batch, dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)  # working row -> instance
+    work = problem
+    step = torch.full((batch,), 0.25 / math.sqrt(n), dtype=lam.dtype, device=device)
     tiny = torch.finfo(lam.dtype).tiny
-    best = [residual, lam, r, m, k]
     mark = residual
-    since = torch.zeros(batch, dtype=torch.long, device=lam.device)  # iterations without progress
-    iterations = torch.zeros(batch, dtype=torch.long, device=lam.device)
+    since = torch.zeros(batch, dtype=torch.long, device=device)  # iterations without progress
     lam_prev = grad_prev = None
-    for taken in range(max_iter):  # every active instance has taken `taken` steps
+    for taken in range(max_iter):  # every working instance has taken `taken` steps
         active = ~(residual <= tol) & ~torch.isnan(residual)
         if patience is not None:
             active &= since < patience
-        if not bool(active.any()):  # the iteration's one host synchronization
+        flags = active.tolist()  # the iteration's one host synchronization
+        if not any(flags):
             break
-        grad = h / problem.metric  # preconditioned dual gradient
+        if not all(flags):  # narrow the work to the active instances
+            keep = torch.tensor([j for j, flag in enumerate(flags) if flag], device=device)
+            work, rows = work.select(keep), rows[keep]
+            lam, h, residual, step, mark, since = (t[keep] for t in (lam, h, residual, step, mark, since))
+            if lam_prev is not None:
+                lam_prev, grad_prev = lam_prev[keep], grad_prev[keep]
+        grad = h / work.metric  # preconditioned dual gradient
         if lam_prev is not None:
             s_vec, y_vec = lam - lam_prev, grad - grad_prev
-            sy = (s_vec * y_vec).sum(_DIMS)  # (B,)
+            sy = (s_vec * y_vec).sum(_DIMS)  # (b,)
             if taken % 2:
                 proposed = (s_vec * s_vec).sum(_DIMS) / sy
             else:
                 proposed = sy / (y_vec * y_vec).sum(_DIMS).clamp_min(tiny)
             step = torch.where(sy > 0, proposed, step)
         lam_prev, grad_prev = lam, grad
-        lam = _where(active, lam - step.view(-1, 1, 1) * grad, lam)
-        iterations = iterations + active.long()
-        h_new, res_new, r, m, k = problem.evaluate(lam)
-        h, residual = _where(active, h_new, h), torch.where(active, res_new, residual)
-        better = active & ((residual < best[0]) | torch.isnan(best[0]))
-        best = [_where(better, new, old) for new, old in zip((residual, lam, r, m, k), best)]
+        lam = lam - step.view(-1, 1, 1) * grad
+        iterations[rows] += 1
+        h, residual, r, m, k = work.evaluate(lam)
+        held = best[0][rows]
+        better = (residual < held) | torch.isnan(held)
+        for kept, new in zip(best, (residual, lam, r, m, k)):
+            mask = better.view(better.shape + (1,) * (new.dim() - 1))
+            kept[rows] = torch.where(mask, new, kept[rows])
         progress = residual < 0.9 * mark
-        mark = torch.where(active & progress, residual, mark)
-        since = torch.where(active, torch.where(progress, 0, since + 1), since)
+        mark = torch.where(progress, residual, mark)
+        since = torch.where(progress, 0, since + 1)
     return (*best, iterations)

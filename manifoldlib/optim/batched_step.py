@@ -12,8 +12,9 @@ retraction and state, by the code the per-matrix step runs
 The contract is the per-matrix step's result, to rounding: a matrix is batched only where its
 unbatched solve would run the plain Barzilai–Borwein dual on the products path — the execution
 policy's :attr:`~manifoldlib.optim.execution.ExecutionPolicy.batch` on, a Newton–Schulz dual
-msign (not ``"svd"``), and no smoothing from the start (:func:`~manifoldlib.optim.dual_solvers._resolve_smoothing`:
-square DGram, or ``m < 2.5 n`` with ``smoothing="auto"``). A batched instance whose best
+msign (not ``"svd"``), BB dual updates (``update`` ``"auto"`` or ``"bb"``), and no smoothing
+from the start (:func:`~manifoldlib.optim.dual_solvers._resolve_smoothing`: square DGram, or
+``m < 2.5 n`` with ``smoothing="auto"``). A batched instance whose best
 residual is above ``tol`` (a stall, the cap, a non-finite step) is *not* taken: it is left to the
 per-matrix solve, which runs its plain dual again and continues on the smoothed dual as the
 unbatched step does. So is a matrix with a zero or non-finite gradient, or a stored warm start of
@@ -67,6 +68,8 @@ def solve_batched(
     method, _, _ = dual_msign(dual, options["ns_steps"], options["ns_coefficients"])
     if manifold.flat or method == "svd" or options["execution"].spectral != "products":
         return {}
+    if dual.update == "anderson":
+        return {}  # Anderson steps need the eigh path: the per-matrix solve raises that
     classes: dict[tuple, list[int]] = {}
     for i in indices:
         shape = tuple(tall(params[i]).shape)

@@ -76,7 +76,7 @@ from .matmul_precision import ieee_float32_matmul
 from .muon_finish import adjusted_lr, apply_solution, dual_msign, tall
 from .steepest import solve_dual
 
-__all__ = ["ADJUST_LR_FNS", "DUAL_PATIENCE", "manifold_muon", "tall"]
+__all__ = ["ADJUST_LR_FNS", "DUAL_PATIENCE", "manifold_muon"]
 
 #: Learning-rate adjustments (None picks "original" on Euclidean groups, "spectral" otherwise).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
