@@ -24,7 +24,7 @@ leaves the working batch (its multiplier, residual and best iterate no longer ch
 costs nothing more), so it takes exactly the iterations, and returns exactly the iterate, of its
 own unbatched solve (to rounding). All active instances have taken the same number of steps, so
 the alternation of the two rules agrees. The loop stops when no instance is active or at
-``max_iter``; its one host synchronization per iteration reads which instances are active.
+``max_iter``; its one host synchronization per iteration reads the ``(B,)`` residuals.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import math
 import torch
 
 from ..functional.normal_space import normal_metric
+from .dual_problem import _BestIterate
 from .spectral_factors import gram_msign_factor
 
 __all__: list[str] = []
@@ -130,38 +131,38 @@ def _batched_bb_solve(problem: _BatchedDualProblem, lam: torch.Tensor, tol: floa
     """Barzilai–Borwein steps on every instance of ``problem`` from ``lam`` ``(B, n, n)`` (see the
     module docstring).
 
+    The iteration reads the ``(B,)`` residuals once (its one host synchronization) and keeps, per
+    instance, the best-iterate and stall book-keeping of the unbatched solve
+    (:class:`~manifoldlib.optim.dual_problem._BestIterate`); the step sizes stay on the device.
     The loop works on the active instances only: when some stop, the working problem and the
     iteration's tensors are narrowed to the rest (:meth:`_BatchedDualProblem.select`), and the
-    best iterates live in full-size tensors indexed by the working rows.
+    best iterates are kept in full-size tensors, written at the rows that improved.
 
     Returns:
-        ``(residual, lam, R, M, K, iterations)``: the best iterate of each instance (residual
-        ``(B,)``, the ``(B, n, n)`` multiplier and what rebuilds its answer) and the ``(B,)``
-        iterations each took.
+        ``(residual, lam, R, M, K, iterations)``: the best iterate of each instance (residuals and
+        iterations as lists, the ``(B, n, n)`` multipliers and what rebuilds their answers).
     """
     h, residual, r, m, k = problem.evaluate(lam)
     batch, n = lam.shape[0], lam.size(-1)
     device = lam.device
-    best = [t.clone() for t in (residual, lam, r, m, k)]  # full size, written at the working rows
-    iterations = torch.zeros(batch, dtype=torch.long, device=device)
-    rows = torch.arange(batch, device=device)  # working row -> instance
+    values = residual.tolist()
+    trackers = [_BestIterate(value, None, None) for value in values]
+    best = [t.clone() for t in (lam, r, m, k)]  # full size, written where an instance improved
+    iterations = [0] * batch
+    rows = list(range(batch))  # working row -> instance
     work = problem
     step = torch.full((batch,), 0.25 / math.sqrt(n), dtype=lam.dtype, device=device)
     tiny = torch.finfo(lam.dtype).tiny
-    mark = residual
-    since = torch.zeros(batch, dtype=torch.long, device=device)  # iterations without progress
     lam_prev = grad_prev = None
     for taken in range(max_iter):  # every working instance has taken `taken` steps
-        active = ~(residual <= tol) & ~torch.isnan(residual)
-        if patience is not None:
-            active &= since < patience
-        flags = active.tolist()  # the iteration's one host synchronization
-        if not any(flags):
+        active = [j for j, b in enumerate(rows)
+                  if not values[j] <= tol and not math.isnan(values[j]) and not trackers[b].stalled(patience)]
+        if not active:
             break
-        if not all(flags):  # narrow the work to the active instances
-            keep = torch.tensor([j for j, flag in enumerate(flags) if flag], device=device)
-            work, rows = work.select(keep), rows[keep]
-            lam, h, residual, step, mark, since = (t[keep] for t in (lam, h, residual, step, mark, since))
+        if len(active) < len(rows):  # narrow the work to the active instances
+            keep = torch.tensor(active, device=device)
+            work, rows = work.select(keep), [rows[j] for j in active]
+            lam, h, step = lam[keep], h[keep], step[keep]
             if lam_prev is not None:
                 lam_prev, grad_prev = lam_prev[keep], grad_prev[keep]
         grad = h / work.metric  # preconditioned dual gradient
@@ -175,14 +176,21 @@ def _batched_bb_solve(problem: _BatchedDualProblem, lam: torch.Tensor, tol: floa
             step = torch.where(sy > 0, proposed, step)
         lam_prev, grad_prev = lam, grad
         lam = lam - step.view(-1, 1, 1) * grad
-        iterations[rows] += 1
         h, residual, r, m, k = work.evaluate(lam)
-        held = best[0][rows]
-        better = (residual < held) | torch.isnan(held)
-        for kept, new in zip(best, (residual, lam, r, m, k)):
-            mask = better.view(better.shape + (1,) * (new.dim() - 1))
-            kept[rows] = torch.where(mask, new, kept[rows])
-        progress = residual < 0.9 * mark
-        mark = torch.where(progress, residual, mark)
-        since = torch.where(progress, 0, since + 1)
-    return (*best, iterations)
+        values = residual.tolist()  # the iteration's one host synchronization
+        improved = []
+        for j, b in enumerate(rows):
+            iterations[b] += 1
+            before = trackers[b].best
+            trackers[b].record(values[j], None, None)
+            if trackers[b].best is not before:
+                improved.append(j)
+        if len(improved) == batch:  # every instance still working, and each improved
+            for kept, new in zip(best, (lam, r, m, k)):
+                kept.copy_(new)
+        elif improved:
+            at = torch.tensor(improved, device=device)
+            into = torch.tensor([rows[j] for j in improved], device=device)
+            for kept, new in zip(best, (lam, r, m, k)):
+                kept.index_copy_(0, into, new.index_select(0, at))
+    return [t.best[0] for t in trackers], *best, iterations

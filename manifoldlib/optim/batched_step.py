@@ -115,8 +115,7 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
         given = torch.stack([torch.zeros_like(lam0[0]) if starts[j] is None else starts[j].to(lam0)
                              for j in keep])
         lam = lam0 + problem.mask(0.5 * (given + given.mT))
-    residual, lam, r, m, k, iterations = _batched_bb_solve(problem, lam, float(dual.tol), dual.max_iter, patience)
-    residuals, counts = residual.tolist(), iterations.tolist()  # (the solve's last synchronization)
+    residuals, lam, r, m, k, counts = _batched_bb_solve(problem, lam, float(dual.tol), dual.max_iter, patience)
     done = {}
     for j, i in enumerate(members):
         if not residuals[j] <= dual.tol:

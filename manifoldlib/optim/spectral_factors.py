@@ -64,7 +64,9 @@ def gram_msign_factor(
     for k in range(n_steps):
         a, b, c = schedule[min(k, len(schedule) - 1)]
         t = r.mT @ s @ r  # (..., n, n), Gram matrix of the current iterate
-        r = r @ (a * eye + b * t + c * (t @ t))
+        poly = t * b
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + b T, no broadcast of I over a batch
+        r = r @ (poly + c * (t @ t))
     return r
 
 
