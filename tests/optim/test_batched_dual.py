@@ -85,6 +85,9 @@ def _assert_same(batched, single, atol: float) -> None:
         assert a["dual_iterations"] == b["dual_iterations"], (i, a["dual_iterations"], b["dual_iterations"])
         assert a["dual_residual"] == pytest.approx(b["dual_residual"], rel=1e-3, abs=10 * atol), i
         correction = a["dual_correction"]
+        if correction is None:  # a zero gradient: no dual ran, nothing to warm-start
+            assert b["dual_correction"] is None, i
+            continue
         assert correction.shape == b["dual_correction"].shape and correction.dtype == b["dual_correction"].dtype
         assert float((correction - b["dual_correction"]).abs().max()) <= 10 * atol, i
 
@@ -283,3 +286,36 @@ def test_options_the_batched_solve_does_not_run_fail_as_the_per_matrix_step_does
                 ns_steps=5, eps=1e-7, adjust_lr_fn=None, manifold="stiefel", dual={"update": "anderson"},
                 execution=ExecutionPolicy(spectral="products", batch=batch),
             )
+
+
+def test_bfloat16_matrices_are_solved_in_float32_batched_or_not():
+    shapes = [(48, 12), (12, 48), (48, 12)]
+    params = _points("dgram", shapes, seed=11, dtype=torch.bfloat16)
+    grads = [_gradients(shapes, seed=80 + k, dtype=torch.bfloat16) for k in range(2)]
+    batched, single = _twice("dgram", params, grads, {"tol": 1e-4, "max_iter": 100})
+    _assert_same(batched, single, 1e-5)
+    _assert_batches(batched[2], {3})
+    assert all(p.dtype == torch.bfloat16 for p in batched[0])
+    assert all(s["dual_correction"].dtype == torch.float32 for s in batched[1])
+
+
+def test_a_zero_gradient_in_a_batch_takes_the_per_matrix_step():
+    shapes = [(48, 12)] * 3
+    params = _points("stiefel", shapes, seed=12, dtype=torch.float64)
+    grads = _gradients(shapes, seed=90)
+    grads[1] = torch.zeros(48, 12, dtype=torch.float64)
+    batched, single = _twice("stiefel", params, [grads], {"tol": 1e-6, "max_iter": 100})
+    _assert_same(batched, single, 1e-10)
+    _assert_batches(batched[2], {2})  # the other two
+    assert batched[1][1]["dual_iterations"] == 0
+    assert float((batched[0][1] - params[1]).abs().max()) <= 1e-12  # a zero step: the point stays
+
+
+def test_a_stored_warm_start_of_the_wrong_shape_is_refused_batched_or_not():
+    shapes = [(48, 12)] * 2
+    params = _points("stiefel", shapes, seed=13, dtype=torch.float64)
+    for batch in (True, False):
+        states = [{"dual_correction": torch.zeros(12, 12, dtype=torch.float64)},
+                  {"dual_correction": torch.zeros(8, 8, dtype=torch.float64)}]
+        with pytest.raises(ValueError, match="correction must have shape"):
+            _step([p.clone() for p in params], _gradients(shapes, seed=95), states, "stiefel", batch, {"tol": 1e-6})
