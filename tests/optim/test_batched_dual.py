@@ -319,3 +319,17 @@ def test_a_stored_warm_start_of_the_wrong_shape_is_refused_batched_or_not():
                   {"dual_correction": torch.zeros(8, 8, dtype=torch.float64)}]
         with pytest.raises(ValueError, match="correction must have shape"):
             _step([p.clone() for p in params], _gradients(shapes, seed=95), states, "stiefel", batch, {"tol": 1e-6})
+
+
+@pytest.mark.parametrize("manifold,message", [("stiefel", "not a Stiefel point: column 3"),
+                                              ("dgram", r"columns \[3\]"), ("oblique", "linearly dependent")])
+def test_a_point_the_dual_cannot_use_is_refused_batched_or_not(manifold, message):
+    shapes = [(48, 12)] * 2
+    for batch in (True, False):
+        params = _points(manifold, shapes, seed=14, dtype=torch.float64)
+        if manifold == "stiefel":
+            params[1][:, 3] *= 2.0  # column 3 of the second matrix: norm 2
+        else:
+            params[1][:, 3] = 0.0  # a zero column
+        with pytest.raises(ValueError, match=message):
+            _step(params, _gradients(shapes, seed=96), [{}, {}], manifold, batch, {"tol": 1e-6})
