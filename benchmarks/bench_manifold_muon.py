@@ -10,7 +10,7 @@ matrix per step, and the largest relative tangent residual of the dual solutions
     python benchmarks/bench_manifold_muon.py [--steps 3] [--warmup 1] [--threads 2] [--max-iter 30]
         [--tol 1e-3] [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
         [--device cuda] [--spectral auto|eigh|products] [--workers auto|1|2...]
-        [--anchor auto|bfloat16|float32]
+        [--batch auto|on|off] [--anchor auto|bfloat16|float32]
 
 ``--anchor``: ``torch.optim.Muon`` runs its Newton–Schulz in bfloat16, which is emulated (20–40
 times slower per step) on CPUs without AVX512-BF16 or AMX; ``auto`` (default) times it where
@@ -26,6 +26,10 @@ steps are easier than later ones (three Anderson steps instead of four on the ta
 ``--workers`` is ManifoldMuon's ``workers`` (default ``auto``: on a CPU the four matrices are
 solved two at a time, one thread each). ``--spectral`` is ManifoldMuon's ``dual_spectral``: ``auto`` (default) evaluates the plain dual
 with Gram-form Newton–Schulz products on CUDA and with one eigh per evaluation elsewhere.
+``--batch`` is ManifoldMuon's ``batch``: ``auto`` (default) solves each group's same-shape
+matrices as one batched dual on the products path (:mod:`manifoldlib.optim.batched_step`),
+``on`` forces it (needs the products path: ``--spectral products`` on a CPU), ``off`` solves
+one matrix at a time.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from _anchors import ANCHORS, bfloat16_line, muon_anchor
 from manifoldlib.optim import ManifoldMuon
 
 SHAPES = [(768, 768), (768, 768), (3072, 768), (768, 3072)]
+#: ``--batch`` -> ManifoldMuon's ``batch``.
+BATCH = {"auto": "auto", "on": True, "off": False}
 DEVICE = torch.device("cpu")  # --device
 
 
@@ -136,6 +142,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
     parser.add_argument("--spectral", default="auto", help="dual spectral path: auto, eigh or products")
     parser.add_argument("--workers", default="auto", help="ManifoldMuon workers: auto or an int >= 1")
+    parser.add_argument("--batch", default="auto", choices=tuple(BATCH),
+                        help="ManifoldMuon batch: auto (products path), on (needs it) or off")
     parser.add_argument("--anchor", default="auto", choices=ANCHORS,
                         help="Muon anchor precision: auto (bfloat16 where native, else float32)")
     args = parser.parse_args()
@@ -152,7 +160,8 @@ def main() -> None:
     grads = _gradients(args.steps + args.warmup)
     kw = {"lr": 0.02, "weight_decay": 0.0}
     dual = {"tol": args.tol, "max_iter": args.max_iter, "msign_method": args.msign, "spectral": args.spectral}
-    mm = {"dual": dual, "workers": workers}
+    batch = BATCH[args.batch]
+    mm = {"dual": dual, "workers": workers, "batch": batch}
     anchor_name, anchor_cls = muon_anchor(args.anchor, DEVICE)
     runs = {
         anchor_name: lambda ps: anchor_cls(ps, **kw),
@@ -160,23 +169,23 @@ def main() -> None:
         "ManifoldMuon euclidean": lambda ps: ManifoldMuon(ps, manifold="euclidean", ns_dtype="auto", **kw),
         "ManifoldMuon stiefel": lambda ps: ManifoldMuon(ps, manifold="stiefel", **kw, **mm),
         "ManifoldMuon stiefel (no warm start)": lambda ps: ManifoldMuon(
-            ps, manifold="stiefel", dual={**dual, "warm_start": False}, workers=workers, **kw
+            ps, manifold="stiefel", dual={**dual, "warm_start": False}, workers=workers, batch=batch, **kw
         ),
         "ManifoldMuon stiefel (BB dual steps)": lambda ps: ManifoldMuon(
-            ps, manifold="stiefel", dual={**dual, "update": "bb"}, workers=workers, **kw
+            ps, manifold="stiefel", dual={**dual, "update": "bb"}, workers=workers, batch=batch, **kw
         ),
         "ManifoldMuon dgram": lambda ps: ManifoldMuon(ps, manifold="dgram", **kw, **mm),
         "ManifoldMuon hetero (square stiefel, tall dgram)": lambda ps: ManifoldMuon(_hetero_groups(ps), **kw, **mm),
         "ManifoldMuon dgram (BB dual steps)": lambda ps: ManifoldMuon(
-            ps, manifold="dgram", dual={**dual, "update": "bb"}, workers=workers, **kw
+            ps, manifold="dgram", dual={**dual, "update": "bb"}, workers=workers, batch=batch, **kw
         ),
         "ManifoldMuon dgram (no warm start)": lambda ps: ManifoldMuon(
-            ps, manifold="dgram", dual={**dual, "warm_start": False}, workers=workers, **kw
+            ps, manifold="dgram", dual={**dual, "warm_start": False}, workers=workers, batch=batch, **kw
         ),
     }
     print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps after {args.warmup} untimed, {args.threads} "
           f"threads, workers {args.workers}, dual tol {args.tol}, cap {args.max_iter}, dual msign {args.msign}, "
-          f"spectral {args.spectral}, load average {os.getloadavg()[0]:.2f}")
+          f"spectral {args.spectral}, batch {args.batch}, load average {os.getloadavg()[0]:.2f}")
     print(f"{bfloat16_line(DEVICE)}; anchor: {anchor_name}")
     anchor_make = runs[anchor_name]
     print(f"{'optimizer':48s} {'s/step':>8s} {'anchor':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} "

@@ -73,9 +73,9 @@ class DGram(MatrixConstraintManifold):
         return off_diagonal(gram) / gram.norm(dim=(-2, -1), keepdim=True)
 
     def dual_factor(self, w):
-        d = w.norm(dim=-2)  # (n,) column norms
+        d = w.norm(dim=-2)  # (..., n) column norms
         if not bool((d > 0).all()):
-            zero = (d == 0).nonzero().flatten().tolist()
+            zero = sorted(set((d == 0).nonzero()[:, -1].tolist()))
             raise ValueError(
                 f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
                 f"points have nonzero orthogonal columns (project W first)"

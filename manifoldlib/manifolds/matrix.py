@@ -59,8 +59,9 @@ class MatrixConstraintManifold(RetractionManifold):
         raise NotImplementedError
 
     def dual_factor(self, w: torch.Tensor) -> torch.Tensor | None:
-        r""":math:`F` with :math:`W = QF` of a tall ``(m, n)`` point (``None``: :math:`F = I`; ``(n,)``:
-        diagonal; ``(n, n)``: upper triangular). Raises ``ValueError`` for a point the dual cannot use."""
+        r""":math:`F` with :math:`W = QF` of a tall ``(..., m, n)`` point (``None``: :math:`F = I`;
+        ``(..., n)``: diagonal; ``(..., n, n)``: upper triangular), one per matrix of a leading batch.
+        Raises ``ValueError`` for a point the dual cannot use (any matrix of a batch)."""
         raise NotImplementedError
 
     def constraint_deviation(self, w: torch.Tensor) -> torch.Tensor:

@@ -51,10 +51,10 @@ class Oblique(MatrixConstraintManifold):
         return oblique_constraint_deviation(w)
 
     def dual_factor(self, w):
-        q, r = torch.linalg.qr(w)  # W = QR, R upper triangular (n, n)
-        sign = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(r.dtype)
+        q, r = torch.linalg.qr(w)  # W = QR, R upper triangular (..., n, n)
+        sign = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(r.dtype)
         r = sign.unsqueeze(-1) * r  # positive diagonal: W = (Q diag(sign)) (diag(sign) R)
-        if not bool((torch.diagonal(r) > 0).all()):
+        if not bool((torch.diagonal(r, dim1=-2, dim2=-1) > 0).all()):
             raise ValueError(
                 "W is not usable by the Oblique dual: its columns are linearly dependent (tall "
                 "orientation); the reduced dual needs full column rank"

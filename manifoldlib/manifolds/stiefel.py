@@ -67,13 +67,15 @@ class Stiefel(MatrixConstraintManifold):
         return w.mT @ w - torch.eye(w.size(-1), dtype=w.dtype, device=w.device)
 
     def dual_factor(self, w):
-        norms = w.norm(dim=-2)  # (n,)
+        norms = w.norm(dim=-2)  # (..., n)
         deviation = (norms - 1).abs()
         if not bool((deviation <= STIEFEL_COLUMN_TOLERANCE).all()):  # (NaN fails too)
-            j = int(torch.nan_to_num(deviation, nan=float("inf")).argmax())
+            flat = int(torch.nan_to_num(deviation, nan=float("inf")).argmax())  # over the batch too
+            j = flat % norms.size(-1)
             raise ValueError(
-                f"W is not a Stiefel point: column {j} (tall orientation) has norm {float(norms[j]):.4g}, "
-                f"expected 1 (within {STIEFEL_COLUMN_TOLERANCE}); project W first (e.g. Stiefel().projx)"
+                f"W is not a Stiefel point: column {j} (tall orientation) has norm "
+                f"{float(norms.flatten()[flat]):.4g}, expected 1 (within {STIEFEL_COLUMN_TOLERANCE}); "
+                f"project W first (e.g. Stiefel().projx)"
             )
         return None
 

@@ -209,8 +209,9 @@ def build_optimizer(
             ``{"dgram": {"retraction": "colnorm-polar"}}``.
         **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
             ``dual={"tol": ...}``, ...), including the distributed ones
-            (``distributed="sharded"``, ``process_group``, ``shard_strategy``) and ``workers``
-            (matrices solved side by side on CPU threads). Build the
+            (``distributed="sharded"``, ``process_group``, ``shard_strategy``), ``workers``
+            (matrices solved side by side on CPU threads) and ``batch`` (same-shape matrices
+            solved as one batched dual on the products path). Build the
             optimizer on the unwrapped model, before wrapping it in DDP.
 
     Returns:

@@ -76,10 +76,14 @@ class _DualProblem:
     :math:`B = Q^\top G` and :math:`C = G^\top G - B^\top B` (zero for square ``W``); the dual
     gradient is :math:`H = \mathcal{P}(F^\top K + K^\top F)`, :math:`K = Q^\top A`, with the
     manifold's mask :math:`\mathcal{P}`.
+
+    ``pieces``: ``(F, W^T G, B, C)`` of this instance already computed (one matrix of a batched
+    solve, :mod:`~manifoldlib.optim.batched_dual`): the setup products are not repeated and the
+    problem starts reduced.
     """
 
     def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None,
-                 policy: ExecutionPolicy | None = None):
+                 policy: ExecutionPolicy | None = None, pieces: tuple | None = None):
         manifold = dual_manifold(manifold)  # a MatrixConstraintManifold (or its name)
         self.manifold = manifold  # the constraint's geometry
         self.method = method
@@ -88,7 +92,8 @@ class _DualProblem:
         self.steps, self.coefficients, self.eps = steps, coefficients, eps
         self.smoothing = smoothing  # absolute mu of the smoothed nuclear norm, or None
         n = w.size(-1)
-        self.f = manifold.dual_factor(w)  # W = Q F: None (F = I), (n,) diagonal or (n, n) triangular
+        # W = Q F: None (F = I), (n,) diagonal or (n, n) triangular
+        self.f = manifold.dual_factor(w) if pieces is None else pieces[0]
         self.unit = self.f is None  # D = I, metric 1, no mask: skip the scalings
         self.full = self.f is not None and self.f.dim() == 2
         if self.unit:
@@ -101,10 +106,14 @@ class _DualProblem:
         self.two_d = 2.0 * self.d.unsqueeze(-1)  # (n, 1)
         self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (n, n): H -> D S
         self.mask = manifold.multiplier_mask
-        self.wg = w.mT @ g  # (n, n) = W^T G = F^T B
-        self.reduced = False
         self.evaluations = 0  # what the solve cost, read into SteepestInfo
         self.hessian_products = 0
+        if pieces is not None:
+            self.wg, self.b, self.c = pieces[1:]
+            self.reduced = True
+            return
+        self.wg = w.mT @ g  # (n, n) = W^T G = F^T B
+        self.reduced = False
         if method != "svd" or smoothing is not None:
             self.enable_reduced()
 

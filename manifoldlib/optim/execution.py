@@ -33,6 +33,13 @@ The choices:
   30 Newton steps while float64 converged in 17–18 (the float64 eigh costs the same there).
 * **Concurrency** (``workers``): how many constrained matrices are solved at once on CPU threads
   (:func:`~manifoldlib.optim.concurrent_solves.resolve_workers`; always 1 off the CPU).
+* **Batching** (``batch``): the same-shape constrained matrices of a group are solved as one
+  batched dual (:mod:`~manifoldlib.optim.batched_step`: every ``n × n`` product of the
+  Barzilai–Borwein loop carries a leading batch dimension, one host synchronization per
+  iteration for the whole stack). Products path only: ``"auto"`` batches exactly there. On a
+  CPU torch runs a batch in sequence — a ``(2, 768, 768)`` eigh or product took as long as two
+  — so batching buys nothing there and the eigh path keeps the thread pool (which overlaps two
+  solves); on a GPU it replaces ``B`` launches of every product by one.
 * **IEEE float32 products**: not a choice — every solve and retraction runs under
   :func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul` whatever the process's TF32
   setting, since TF32's 1e-3 error is the size of the dual's tolerance.
@@ -49,6 +56,7 @@ import torch
 from .concurrent_solves import resolve_workers
 
 __all__ = [
+    "BATCH_MODES",
     "BFLOAT16_MIN_SIZE",
     "NS_DTYPES",
     "SMOOTHED_CUDA_DTYPE",
@@ -57,6 +65,8 @@ __all__ = [
     "native_bfloat16",
 ]
 
+#: ``batch`` values of :meth:`ExecutionPolicy.resolve` (and of :class:`~manifoldlib.optim.ManifoldMuon`).
+BATCH_MODES = ("auto", True, False)
 #: ``ns_dtype`` values of a ManifoldMuon group: the dtype its Euclidean Newton–Schulz runs in.
 NS_DTYPES = ("bfloat16", "float32", "auto")
 #: How a plain dual evaluation gets its spectral factor: ``"auto"``, ``"eigh"`` or ``"products"``.
@@ -92,6 +102,8 @@ class ExecutionPolicy:
         search_min_size: that column threshold.
         smoothed_dtype: work dtype of a float32 solve smoothed from the start (``None``: float32).
         workers: constrained matrices solved at once on CPU threads (1: one at a time).
+        batch: solve the same-shape constrained matrices of a group as one batched dual (needs
+            ``spectral="products"``; what a batched solve does not converge is solved per matrix).
     """
 
     ns_dtype: torch.dtype = torch.float32
@@ -100,10 +112,18 @@ class ExecutionPolicy:
     search_min_size: int = BFLOAT16_MIN_SIZE
     smoothed_dtype: torch.dtype | None = None
     workers: int = 1
+    batch: bool = False
 
     def __post_init__(self) -> None:
         if self.spectral not in SPECTRAL_PATHS[1:]:
             raise ValueError(f"ExecutionPolicy.spectral must be 'eigh' or 'products', got {self.spectral!r}")
+        if not isinstance(self.batch, bool):
+            raise ValueError(f"ExecutionPolicy.batch must be True or False, got {self.batch!r}")
+        if self.batch and self.spectral != "products":
+            raise ValueError(
+                f"ExecutionPolicy.batch=True needs spectral='products' (the batched dual runs the "
+                f"Gram-form products), got spectral={self.spectral!r}"
+            )
         if not (isinstance(self.workers, int) and self.workers >= 1):
             raise ValueError(f"ExecutionPolicy.workers must be an int >= 1, got {self.workers!r}")
         if not (isinstance(self.search_min_size, int) and self.search_min_size >= 1):
@@ -119,6 +139,7 @@ class ExecutionPolicy:
         workers: int | str = 1,
         shapes: Sequence[Sequence[int]] = (),
         bfloat16_native: bool | None = None,
+        batch: bool | str = "auto",
     ) -> ExecutionPolicy:
         """The policy for ``device`` and the group's options.
 
@@ -131,9 +152,12 @@ class ExecutionPolicy:
                 always 1 off the CPU.
             bfloat16_native: whether bfloat16 products are native (``None``: probe the device,
                 :func:`native_bfloat16`).
+            batch: one of :data:`BATCH_MODES`: ``"auto"`` batches on the products path and not
+                on the eigh path; ``True`` needs the products path; ``False`` never batches.
 
         Raises:
-            ValueError: naming an unknown ``ns_dtype``, ``spectral`` or ``workers`` value.
+            ValueError: naming an unknown ``ns_dtype``, ``spectral``, ``workers`` or ``batch``
+                value, or ``batch=True`` on the eigh path.
         """
         device = torch.device(device)
         if ns_dtype not in NS_DTYPES:
@@ -141,14 +165,18 @@ class ExecutionPolicy:
         if spectral not in SPECTRAL_PATHS:
             raise ValueError(f"unknown spectral {spectral!r}; valid: {', '.join(SPECTRAL_PATHS)}")
         native = native_bfloat16(device.type) if bfloat16_native is None else bool(bfloat16_native)
+        if not (batch is True or batch is False or batch == "auto"):
+            raise ValueError(f"batch must be one of 'auto', True, False, got {batch!r}")
         resolve_workers(workers, ())  # raises on a bad value
         count = resolve_workers(workers, shapes) if workers == "auto" else workers
+        path = ("products" if device.type == "cuda" else "eigh") if spectral == "auto" else spectral
         return cls(
             ns_dtype=torch.bfloat16 if ns_dtype == "bfloat16" or (ns_dtype == "auto" and native) else torch.float32,
-            spectral=("products" if device.type == "cuda" else "eigh") if spectral == "auto" else spectral,
+            spectral=path,
             search_dtype=torch.bfloat16 if native else None,
             smoothed_dtype=SMOOTHED_CUDA_DTYPE if device.type == "cuda" else None,
             workers=count if device.type == "cpu" else 1,
+            batch=path == "products" if batch == "auto" else batch,
         )
 
     def search_dtype_for(self, t: torch.Tensor) -> torch.dtype:

@@ -144,6 +144,11 @@ class ManifoldMuon(Optimizer):
             always run one at a time in the calling thread. On the 2-core development machine
             a GPT-small block's Stiefel step took 0.82–0.86 of its one-at-a-time time
             (``benchmarks/bench_concurrent_solves.py``).
+        batch: solve each group's same-shape Stiefel/DGram/Oblique matrices as one batched dual
+            (:mod:`~manifoldlib.optim.batched_step`): ``"auto"`` (default: on the products path,
+            the CUDA default, and not on the eigh path), ``True`` (needs ``dual={"spectral":
+            "products"}`` or a CUDA device) or ``False``. The results equal the per-matrix solves'
+            to rounding.
 
     Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
     ``torch.load(weights_only=True)``. Wide matrices are handled in their tall orientation: a
@@ -152,7 +157,7 @@ class ManifoldMuon(Optimizer):
     Parameters must be whole tensors: DTensor (FSDP2, tensor parallel) and FSDP1-flattened
     parameters raise :class:`~manifoldlib.distributed.UnsupportedParameterError` here, since a
     manifold step on a shard would be silently wrong. ``distributed``, ``process_group``,
-    ``shard_strategy`` and ``workers`` are attributes of the optimizer, not group options.
+    ``shard_strategy``, ``workers`` and ``batch`` are attributes of the optimizer, not group options.
 
     Example:
         >>> opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}], lr=0.02,
@@ -181,12 +186,14 @@ class ManifoldMuon(Optimizer):
         process_group=None,
         shard_strategy: str = "size",
         workers: int | str = "auto",
+        batch: bool | str = "auto",
         **replaced: Any,
     ) -> None:
         reject_replaced_kwargs(replaced, "ManifoldMuon")
         if replaced:
             raise TypeError(f"ManifoldMuon got unexpected keyword argument(s) {sorted(replaced)}")
         resolve_workers(workers, [])  # raises on a bad value
+        ExecutionPolicy.resolve("cpu", spectral="products", batch=batch)  # raises on a bad value
         if distributed not in DISTRIBUTED_MODES:
             raise ValueError(
                 f"distributed must be one of {', '.join(DISTRIBUTED_MODES)}, got {distributed!r}"
@@ -199,6 +206,7 @@ class ManifoldMuon(Optimizer):
         self.process_group = process_group
         self.shard_strategy = shard_strategy
         self.workers = workers
+        self.batch = batch
         self._owner_cache: tuple[tuple[int, ...], int, dict[int, int]] | None = None
         defaults = {
             "lr": lr,
@@ -345,7 +353,8 @@ class ManifoldMuon(Optimizer):
         for group, params, grads, bufs, states in gathered:
             dual = group_dual(group)
             execution = ExecutionPolicy.resolve(
-                params[0].device, ns_dtype=group.get("ns_dtype", "auto"), spectral=dual.spectral, workers=workers
+                params[0].device, ns_dtype=group.get("ns_dtype", "auto"), spectral=dual.spectral, workers=workers,
+                batch=False if group_manifold(group).flat else self.batch,
             )
             manifold_muon(
                 params,

@@ -32,8 +32,11 @@ Newton–Schulz is slow (emulated bfloat16), so the default ``ns_dtype="auto"`` 
 where it is native — there it equals ``torch.optim.Muon`` too — and float32 elsewhere.
 
 Device-dependent choices (that dtype, the dual's spectral path and search precision, CPU solve
-concurrency) come in one :class:`~manifoldlib.optim.execution.ExecutionPolicy`, resolved once per
-step by the caller; nothing below asks the device again.
+concurrency, batching) come in one :class:`~manifoldlib.optim.execution.ExecutionPolicy`, resolved
+once per step by the caller; nothing below asks the device again. Where the policy batches (the
+products path), the group's same-shape matrices are solved as one batched dual
+(:mod:`~manifoldlib.optim.batched_step`) and each then retracted as below; what the batched solve
+does not converge, and everything else, takes the per-matrix solve.
 
 Learning rate for non-square matrices: on Stiefel and DGram ``adjust_lr_fn=None`` means
 ``"spectral"`` (no adjustment). The update has spectral norm :math:`\eta` and a Stiefel point has
@@ -58,7 +61,6 @@ have none, so decay there is skipped (with a polar retraction it would only resc
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -68,9 +70,10 @@ from ..distributed import get_rank_world, sharded_apply
 from .concurrent_solves import run_concurrently
 from .dual_manifolds import dual_manifold
 from .dual_options import DualOptions
+from .batched_step import solve_batched
 from .execution import ExecutionPolicy
-from .fused_retraction import fused_retraction
 from .matmul_precision import ieee_float32_matmul
+from .muon_finish import adjusted_lr, apply_solution, dual_msign, tall
 from .steepest import solve_dual
 
 __all__ = ["ADJUST_LR_FNS", "DUAL_PATIENCE", "manifold_muon"]
@@ -96,20 +99,6 @@ def _zeropower(
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
-
-
-def _adjusted_lr(lr: float, adjust_lr_fn: str | None, flat: bool, shape: torch.Size) -> float:
-    rows, cols = shape[0], shape[1]
-    fn = adjust_lr_fn if adjust_lr_fn is not None else ("original" if flat else "spectral")
-    if fn == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
-
-
-def tall(t: Tensor) -> Tensor:
-    return t.mT if t.size(-2) < t.size(-1) else t
 
 
 def _momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -141,27 +130,24 @@ def _solve_one(
     ``param`` is read, never written (in sharded mode it is also the owner's input to
     :func:`~manifoldlib.distributed.sharded_apply`).
     """
-    adjusted = _adjusted_lr(lr, adjust_lr_fn, manifold.flat, param.shape)
+    adjusted = adjusted_lr(lr, adjust_lr_fn, manifold.flat, param.shape)
     if manifold.flat:
         direction = _zeropower(update, ns_coefficients, ns_steps, eps, execution.ns_dtype)
         state["dual_iterations"] = 0
         state["dual_residual"] = 0.0
         return param.mul(1 - lr * weight_decay).add_(direction, alpha=-adjusted)
-    own_ns = dual.msign_method == "ns"
-    method = "jordan5" if own_ns else dual.msign_method
-    steps = ns_steps if dual.msign_method in ("ns", "jordan5") else None
-    w = tall(param)
+    method, steps, coefficients = dual_msign(dual, ns_steps, ns_coefficients)
     # full float32 products: TF32 would blur a 1e-3 residual and the retraction's constraint
     with ieee_float32_matmul():
         solution = solve_dual(
-            w,
+            tall(param),
             tall(update),
             manifold,
             tol=dual.tol,
             max_iter=dual.max_iter,
             msign_method=method,
             ns_steps=steps,
-            ns_coefficients=tuple(ns_coefficients) if own_ns else None,
+            ns_coefficients=coefficients,
             eps=eps,
             correction=state.get("dual_correction") if dual.warm_start else None,
             patience=DUAL_PATIENCE,
@@ -170,19 +156,8 @@ def _solve_one(
             gap_tol=None,  # the first smoothing that meets tol: a training step needs no certificate
             execution=execution,
         )
-        info = solution.info
-        state["dual_correction"] = info.correction
-        state["dual_iterations"] = int(info.iterations)
-        state["dual_residual"] = float(info.residual)
-        decay = 1 - lr * weight_decay if (manifold.decays and weight_decay) else 1.0
-        new = None
-        if fuse_retraction and solution.problem is not None:  # the retraction from n x n pieces (tall matrices)
-            new = fused_retraction(solution.problem, solution.state, adjusted, decay)
-        if new is None:
-            base = w.mul(decay) if decay != 1.0 else w
-            new = manifold.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
-        new = new.to(w.dtype)
-    return new.mT if param.size(-2) < param.size(-1) else new
+        return apply_solution(param, solution, state, lr=lr, weight_decay=weight_decay, adjusted=adjusted,
+                              manifold=manifold, fuse_retraction=fuse_retraction)
 
 
 def manifold_muon(
@@ -225,12 +200,14 @@ def manifold_muon(
             products fewer).
         execution: the device-dependent choices (:class:`~manifoldlib.optim.execution.ExecutionPolicy`:
             the Euclidean Newton–Schulz dtype, the dual's spectral path and precisions, how many
-            constrained matrices are solved at once on CPU threads); ``None`` resolves the
-            defaults for the parameters' device (``ns_dtype="auto"``, ``dual.spectral``, one
-            solve at a time).
-        owners: sharded mode: the owner rank of each matrix; the owners solve, and the new
-            matrices are shared by :func:`~manifoldlib.distributed.sharded_apply` (a collective
-            over ``process_group``). ``None``: every matrix is solved here.
+            constrained matrices are solved at once on CPU threads, whether same-shape matrices
+            are solved as one batched problem); ``None`` resolves the defaults for the
+            parameters' device (``ns_dtype="auto"``, ``dual.spectral``, one solve at a time,
+            batching on the products path).
+        owners: sharded mode: the owner rank of each matrix; the owners solve (batching the
+            matrices each owns), and the new matrices are shared by
+            :func:`~manifoldlib.distributed.sharded_apply` (a collective over ``process_group``).
+            ``None``: every matrix is solved here.
     """
     manifold = dual_manifold(manifold)
     dual = DualOptions.coerce(dual)
@@ -250,20 +227,34 @@ def manifold_muon(
     }
     updates = [_momentum_update(g, b, momentum, nesterov) for g, b in zip(grads, momentum_bufs)]
     workers = execution.workers if not manifold.flat else 1
-    if owners is None:  # each new matrix is written as soon as it is solved
-        _run([functools.partial(_solve_into, p, u, s, options) for p, u, s in zip(params, updates, states)],
-             params, workers)
+    if owners is None:
+        batched = _batched(params, updates, states, range(len(params)), options)
+        for i, value in batched.items():
+            params[i].copy_(value)
+        rest = [i for i in range(len(params)) if i not in batched]  # each written as soon as it is solved
+        _run([functools.partial(_solve_into, params[i], updates[i], states[i], options) for i in rest],
+             [params[i] for i in rest], workers)
         return
     rank = get_rank_world(process_group)[0]
     mine = [i for i, owner in enumerate(owners) if owner == rank]
-    tasks = [functools.partial(_solve_one, params[i], updates[i], states[i], **options) for i in mine]
-    precomputed = dict(zip(mine, _run(tasks, [params[i] for i in mine], workers)))
+    precomputed = _batched(params, updates, states, mine, options)
+    rest = [i for i in mine if i not in precomputed]
+    tasks = [functools.partial(_solve_one, params[i], updates[i], states[i], **options) for i in rest]
+    precomputed.update(zip(rest, _run(tasks, [params[i] for i in rest], workers)))
 
     def solve(i: int, p: Tensor) -> Tensor:
         return precomputed.pop(i) if i in precomputed else _solve_one(p, updates[i], states[i], **options)
 
     for p, value in zip(params, sharded_apply(params, solve, process_group=process_group, owners=owners)):
         p.copy_(value)
+
+
+def _batched(params, updates, states, indices, options: dict[str, Any]) -> dict[int, Tensor]:
+    """The matrices among ``indices`` solved as batched problems (:mod:`~manifoldlib.optim.batched_step`)
+    where the policy batches, by index; the rest are left to :func:`_solve_one`."""
+    if not options["execution"].batch or options["manifold"].flat:
+        return {}
+    return solve_batched(params, updates, states, list(indices), options, DUAL_PATIENCE)
 
 
 def _solve_into(param: Tensor, update: Tensor, state: dict, options: dict[str, Any]) -> None:

@@ -47,23 +47,26 @@ def gram_msign_factor(
     arithmetic, at ``O(n³)`` per step instead of ``O(mn²)``.
 
     Args:
-        s: ``(n, n)`` symmetric positive semi-definite.
+        s: ``(..., n, n)`` symmetric positive semi-definite (a leading batch: one factor per
+            matrix, each normalized by its own :math:`\|X\|_F`).
         method: ``"jordan5"``, ``"polar-express"`` or ``"newton-schulz"`` (convergent quintic).
         steps: iteration count (defaults: 5, 8, 30).
         coefficients: a custom ``(a, b, c)`` or schedule of triples (overrides the preset's).
         eps: added to the normalizing norm.
 
     Returns:
-        ``(n, n)`` factor ``R``.
+        ``(..., n, n)`` factor ``R``.
     """
     n_steps, schedule, scale = _ns_plan(method, steps, coefficients)
-    fro = torch.diagonal(s).sum().clamp_min(0).sqrt()  # ||X||_F
+    fro = torch.diagonal(s, dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # (...,) ||X||_F
     eye = torch.eye(s.size(-1), dtype=s.dtype, device=s.device)
-    r = eye / (scale * fro + eps)
+    r = eye / (scale * fro + eps)[..., None, None]
     for k in range(n_steps):
         a, b, c = schedule[min(k, len(schedule) - 1)]
-        t = r.mT @ s @ r  # (n, n), Gram matrix of the current iterate
-        r = r @ (a * eye + b * t + c * (t @ t))
+        t = r.mT @ s @ r  # (..., n, n), Gram matrix of the current iterate
+        poly = t * b
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + b T, no broadcast of I over a batch
+        r = r @ (poly + c * (t @ t))
     return r
 
 

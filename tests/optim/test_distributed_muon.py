@@ -25,9 +25,16 @@ WORLD_SIZE = 2
 STEPS = 10
 JOB_TIMEOUT_S = 180.0
 #: "warm": the defaults (warm-started dual solves); "cold": warm_start=False; "concurrent": two
-#: matrices solved at once on pool threads (sharded: each rank's own, before the exchange). All
-#: are compared with a single process, whose gradients differ from DDP's by all-reduce rounding.
-OPTION_SETS = {"warm": {}, "cold": {"dual": {"warm_start": False}}, "concurrent": {"workers": 2}}
+#: matrices solved at once on pool threads (sharded: each rank's own, before the exchange);
+#: "batched": the products path with same-shape matrices solved as one batched dual (sharded: the
+#: matrices each rank owns; smoothing off, so that the tall Stiefel pair is batched). All are
+#: compared with a single process, whose gradients differ from DDP's by all-reduce rounding.
+OPTION_SETS = {
+    "warm": {},
+    "cold": {"dual": {"warm_start": False}},
+    "concurrent": {"workers": 2},
+    "batched": {"batch": True, "dual": {"spectral": "products", "smoothing": None}},
+}
 MODES = ("sharded", "replicated")
 
 

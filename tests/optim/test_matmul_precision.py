@@ -116,7 +116,7 @@ def test_manifold_muon_steps_and_projects_in_ieee_float32(monkeypatch):
     monkeypatch.setattr(Stiefel, "projx", projx)
     monkeypatch.setattr(dual_problem, "_spectral_gain", gain)
     monkeypatch.setattr(stiefel_retractions, "stiefel_polar", polar)
-    muon_module = sys.modules["manifoldlib.optim.muon_step"]
+    muon_module = sys.modules["manifoldlib.optim.muon_finish"]  # where the step retracts
     real_fused = muon_module.fused_retraction
 
     def fused(*args, **kwargs):  # a tall matrix's retraction, formed from the solved dual
