@@ -115,6 +115,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="1 step x 5 rounds")
     parser.add_argument("--compile", action="store_true", help="also time SEL(impl='compile')")
+    parser.add_argument(
+        "--adamw", choices=("fused", "foreach", "for-loop"), default="for-loop",
+        help="torch.optim.AdamW implementation of every variant (torch's CPU default: for-loop)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 1, 5
@@ -125,7 +129,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (args.batch, args.block + 1), generator=g).to(args.device)
     idx, targets = data[:, :-1], data[:, 1:]
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[args.adamw]
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, **impl) for k, m in models.items()}
     kinds = {
         "train step (fwd+bwd+AdamW)": {
             k: train_step(m, opts[k], idx, targets, aten=k == "sel-aten") for k, m in models.items()
@@ -143,7 +148,7 @@ def main() -> None:
     print(
         f"GPT d={args.n_embd} layers={args.n_layer} tokens/step={args.batch * args.block} "
         f"charted weights={n_chart / 1e6:.2f}M device={args.device} "
-        f"threads={torch.get_num_threads()} "
+        f"threads={torch.get_num_threads()} AdamW={args.adamw} "
         f"rounds={args.repeats} x {args.steps} steps"
     )
     # Each round times every variant back to back (in rotating order), and ratios are taken
