@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_ops import ProductRecorder  # pytest puts this folder on sys.path
 
 from manifoldlib.optim import ManifoldMuon, steepest_direction
 from manifoldlib.optim.matmul_precision import FULL_PRECISION, _matmul_backends, ieee_float32_matmul
@@ -76,34 +76,10 @@ def test_the_setting_comes_back_after_an_exception():
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
 
 
-_PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "linalg_eigh", "linalg_qr",
-             "linalg_svd", "_linalg_eigh", "_linalg_svd", "linalg_cholesky_ex", "linalg_solve_ex", "_linalg_solve_ex",
-             "vdot"}
-
-
-class _ProductPrecision(TorchDispatchMode):
-    """Records, for every floating-point matrix product or factorization that runs inside the
-    block, whether the backends were at IEEE float32 at that moment (dispatch-level: nothing of
-    the library is patched, so every product the call makes is seen; the setting only acts on
-    float32 products, but the solves and retractions hold it whatever their dtype)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[tuple[str, bool]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in _PRODUCTS and any(
-            isinstance(a, torch.Tensor) and a.is_floating_point() for a in args
-        ):
-            self.seen.append((name, _full_precision_now()))
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_recorder_sees_a_product_outside_the_solves():
     # the check below could fail: a float32 product under "high" is recorded as not IEEE
     torch.set_float32_matmul_precision("high")
-    with _ProductPrecision() as rec:
+    with ProductRecorder() as rec:
         _ = torch.randn(4, 4) @ torch.randn(4, 4)
         with ieee_float32_matmul():
             _ = torch.randn(4, 4) @ torch.randn(4, 4)
@@ -116,9 +92,9 @@ def test_steepest_direction_solves_and_forms_its_answer_in_ieee_float32():
     gen = torch.Generator().manual_seed(0)
     w = torch.linalg.qr(torch.randn(64, 16, generator=gen))[0]
     g = torch.randn(64, 16, generator=gen)
-    with _ProductPrecision() as rec:
+    with ProductRecorder() as rec:
         steepest_direction(w, g, "stiefel", msign_method="jordan5", tol=1e-3)
-    products = [name for name, _ in rec.seen]
+    products = rec.names
     assert products.count("mm") >= 5 and "_linalg_eigh" in products, products
     assert all(ieee for _, ieee in rec.seen), rec.seen  # the setup, the solve and the m x n answer X R
     assert _settings() == before
@@ -129,12 +105,12 @@ def test_manifold_muon_steps_and_projects_in_ieee_float32(shape):
     torch.set_float32_matmul_precision("high")
     before = _settings()
     p = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(1)))
-    with _ProductPrecision() as rec:
+    with ProductRecorder() as rec:
         opt = ManifoldMuon([p], lr=0.02, manifold="stiefel")  # projects p onto the Stiefel manifold
     assert rec.seen and all(ieee for _, ieee in rec.seen), rec.seen
     p.grad = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     before_step = p.detach().clone()
-    with _ProductPrecision() as rec:
+    with ProductRecorder() as rec:
         opt.step()
     assert len(rec.seen) >= 10 and all(ieee for _, ieee in rec.seen), rec.seen
     assert not torch.equal(p.detach(), before_step)  # it stepped (and retracted: below)

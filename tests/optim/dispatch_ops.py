@@ -1,0 +1,37 @@
+"""A dispatch-level recorder of the matrix products and factorizations a call runs: tests observe
+what the library computes (which factorizations, under which matmul precision) without patching
+any of its functions."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from manifoldlib.optim.matmul_precision import FULL_PRECISION, _matmul_backends
+
+PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "linalg_eigh",
+            "_linalg_eigh", "linalg_qr", "linalg_svd", "_linalg_svd", "linalg_cholesky_ex",
+            "linalg_solve_ex", "_linalg_solve_ex"}
+
+
+def full_precision_now() -> bool:
+    return all(h.fp32_precision in FULL_PRECISION for h in _matmul_backends())
+
+
+class ProductRecorder(TorchDispatchMode):
+    """``seen``: ``(op name, IEEE float32 at that moment)`` for every floating-point product or
+    factorization run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.seen]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in PRODUCTS and any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args):
+            self.seen.append((name, full_precision_now()))
+        return func(*args, **(kwargs or {}))
