@@ -194,10 +194,11 @@ def steepest_direction(
             Newton–CG. Its optimum is exactly tangent with :math:`\\|A\\|_2 < 1` and loses at
             most :math:`n\\mu` of the objective. ``"auto"`` (default) uses
             :data:`AUTO_SMOOTHING` from the start for square DGram matrices, whose plain dual has
-            a rank-deficient optimum that no :math:`\\operatorname{msign}` reaches, and, on the
-            eigen path, for tall matrices with ``m < 2.5 n`` except square Stiefel
+            a rank-deficient optimum that no :math:`\\operatorname{msign}` reaches, and for tall
+            matrices with ``m < 2.5 n`` except square Stiefel, on either spectral path
             (:data:`~manifoldlib.optim.dual_solvers.SMOOTH_BELOW_ASPECT`: there the optimum is
-            nearly rank deficient and the plain dual crawls); elsewhere it
+            nearly rank deficient and the plain dual crawls; the threshold was measured on the
+            eigen path, and such matrices are never batched); elsewhere it
             runs the plain dual (the ``msign_method`` map) and, only if that stops
             above ``tol`` (a stall or the cap: tall DGram and Stiefel instances can have
             rank-deficient optima too), continues with the smoothed dual from the best iterate
