@@ -315,7 +315,8 @@ def test_row_kernels_across_the_series_switch_of_k_prime(spy, p, normalize_eps):
     # σ = s² ||P_h f||²/||h||² falls on either side agree with plain autograd to rounding
     h, f = _case(12, (6, 24), radius=2.0, f_scale=1.0)
     retraction = PRetraction(p)
-    sigma_of_unit_step = float(((f - (f * h).sum(-1, keepdim=True) / (h * h).sum(-1, keepdim=True) * h) ** 2).sum(-1).mean() / 4.0)
+    tangent = f - (f * h).sum(-1, keepdim=True) / (h * h).sum(-1, keepdim=True) * h  # P_h f
+    sigma_of_unit_step = float((tangent**2).sum(-1).mean() / 4.0)  # ||P_h f||² / r², r = 2
     if normalize_eps is not None:
         sigma_of_unit_step = 1.0  # the normalized step has σ = s² (up to the floor)
     for sigma in (3e-6, 9e-6, 1.1e-5, 4e-5):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch_ops import ProductRecorder  # pytest puts this folder on sys.path
+from dispatch_ops import ProductRecorder, full_precision_now  # pytest puts this folder on sys.path
 
 from manifoldlib.optim import ManifoldMuon, steepest_direction
-from manifoldlib.optim.matmul_precision import FULL_PRECISION, _matmul_backends, ieee_float32_matmul
+from manifoldlib.optim.matmul_precision import _matmul_backends, ieee_float32_matmul
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +40,6 @@ def _settings() -> tuple:
     return tuple(out)
 
 
-def _full_precision_now() -> bool:
-    return all(h.fp32_precision in FULL_PRECISION for h in _matmul_backends())
-
-
 SETUPS = {
     "legacy high": lambda: torch.set_float32_matmul_precision("high"),
     "legacy medium": lambda: torch.set_float32_matmul_precision("medium"),
@@ -63,7 +59,7 @@ def test_the_block_runs_in_ieee_and_the_setting_comes_back_unchanged(setup):
     SETUPS[setup]()
     before = _settings()
     with ieee_float32_matmul():
-        assert _full_precision_now()
+        assert full_precision_now()
     assert _settings() == before
 
 
