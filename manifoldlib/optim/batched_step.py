@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batched_dual import _batched_bb_solve, _BatchedDualProblem
+from .batched_dual import _batched_bb_solve
 from .dual_problem import _DualProblem, _State
 from .dual_solution import DualSolution, SteepestInfo
 from .dual_solvers import _resolve_smoothing
@@ -108,7 +108,7 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
     members = [members[j] for j in keep]
     g = g[keep] / norms[keep].view(-1, 1, 1)
     w = torch.stack([tall(params[i]) for i in members]).to(work)  # (B, m, n)
-    problem = _BatchedDualProblem(w, g, manifold, method, steps, coefficients, options["eps"])
+    problem = _DualProblem(w, g, manifold, method, steps, coefficients, options["eps"], policy=execution)
     lam0 = problem.initial_multiplier()  # (B, n, n)
     lam = lam0
     if any(starts[j] is not None for j in keep):
@@ -120,8 +120,7 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
     for j, i in enumerate(members):
         if not residuals[j] <= dual.tol:
             continue  # not converged: the per-matrix solve takes it (and may smooth)
-        single = _DualProblem(w[j], g[j], manifold, method, steps, coefficients, options["eps"],
-                              policy=execution, pieces=problem.pieces(j))
+        single = problem.select(j)  # this matrix's problem, for its answer and retraction
         state = _State(lam[j], r[j], m[j], k=k[j])
         info = SteepestInfo(counts[j], residuals[j], True, lam[j], lam[j] - lam0[j], [], None,
                             stages=("bb",), evaluations=counts[j] + 1)

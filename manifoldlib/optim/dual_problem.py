@@ -18,6 +18,7 @@ ninth of that). A smoothed evaluation always takes the eigh.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,15 @@ from .execution import ExecutionPolicy
 from .spectral_factors import _rsqrt_divided_differences, _spectral_gain, gram_msign_factor
 
 __all__ = ["tangent_residual"]
+
+_DIMS = (-2, -1)
+
+
+def _add_product(base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``base + alpha · left @ right`` as one product: ``addmm`` for one instance, ``baddbmm`` for a stack."""
+    if base.dim() == 2:
+        return torch.addmm(base, left, right, alpha=alpha)
+    return torch.baddbmm(base, left, right, alpha=alpha)
 
 
 def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold) -> torch.Tensor:
@@ -66,7 +76,8 @@ class _State:
 
 
 class _DualProblem:
-    r"""The reduced dual of one tall instance: every iteration is ``n × n`` work only.
+    r"""The reduced dual of one tall instance ``(m, n)``, or of a stack of same-shape instances
+    ``(B, m, n)``: every iteration is ``n × n`` work only.
 
     Setup: :math:`W^\top G` and :math:`G^\top G` (two ``m·n²`` products); the answer
     :math:`A = (G + 2W\Lambda)R` costs two more. With :math:`W = QF` (the manifold's
@@ -77,13 +88,17 @@ class _DualProblem:
     gradient is :math:`H = \mathcal{P}(F^\top K + K^\top F)`, :math:`K = Q^\top A`, with the
     manifold's mask :math:`\mathcal{P}`.
 
-    ``pieces``: ``(F, W^T G, B, C)`` of this instance already computed (one matrix of a batched
-    solve, :mod:`~manifoldlib.optim.batched_dual`): the setup products are not repeated and the
-    problem starts reduced.
+    A stack carries its batch dimension through every ``n × n`` quantity. It is evaluated on the
+    products path by :meth:`evaluate_products` (the batched solve,
+    :mod:`~manifoldlib.optim.batched_dual`), and :meth:`select` narrows it or takes one instance's
+    problem, the same setup without repeating it. The other methods take one instance.
     """
 
+    #: Attributes that carry the batch dimension of a stack (``b`` and ``c`` once reduced).
+    _STACKED = ("w", "g", "f", "d", "metric", "two_d", "normal_scale", "wg", "b", "c")
+
     def __init__(self, w, g, manifold, method, steps, coefficients, eps, smoothing=None,
-                 policy: ExecutionPolicy | None = None, pieces: tuple | None = None):
+                 policy: ExecutionPolicy | None = None):
         manifold = dual_manifold(manifold)  # a MatrixConstraintManifold (or its name)
         self.manifold = manifold  # the constraint's geometry
         self.method = method
@@ -92,30 +107,41 @@ class _DualProblem:
         self.steps, self.coefficients, self.eps = steps, coefficients, eps
         self.smoothing = smoothing  # absolute mu of the smoothed nuclear norm, or None
         n = w.size(-1)
-        # W = Q F: None (F = I), (n,) diagonal or (n, n) triangular
-        self.f = manifold.dual_factor(w) if pieces is None else pieces[0]
+        # W = Q F: None (F = I), (..., n) diagonal or (..., n, n) triangular
+        self.f = manifold.dual_factor(w)
         self.unit = self.f is None  # D = I, metric 1, no mask: skip the scalings
-        self.full = self.f is not None and self.f.dim() == 2
+        self.full = self.f is not None and self.f.dim() == w.dim()
         if self.unit:
-            self.d = torch.ones(n, dtype=w.dtype, device=w.device)
+            self.d = w.new_ones(w.shape[:-2] + (n,))
         else:
-            self.d = self.f.norm(dim=-2) if self.full else self.f  # (n,) column norms of W
+            self.d = self.f.norm(dim=-2) if self.full else self.f  # (..., n) column norms of W
         self.w, self.g = w, g
         self.square = w.size(-2) == n
-        self.metric = normal_metric(self.d * self.d)  # (n, n), (d_i^2 + d_j^2)/2
-        self.two_d = 2.0 * self.d.unsqueeze(-1)  # (n, 1)
-        self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (n, n): H -> D S
+        self.metric = normal_metric(self.d * self.d)  # (..., n, n), (d_i^2 + d_j^2)/2
+        self.two_d = 2.0 * self.d.unsqueeze(-1)  # (..., n, 1)
+        self.normal_scale = self.d.unsqueeze(-1) / (2.0 * self.metric)  # (..., n, n): H -> D S
         self.mask = manifold.multiplier_mask
         self.evaluations = 0  # what the solve cost, read into SteepestInfo
         self.hessian_products = 0
-        if pieces is not None:
-            self.wg, self.b, self.c = pieces[1:]
-            self.reduced = True
-            return
-        self.wg = w.mT @ g  # (n, n) = W^T G = F^T B
+        self.relaxations: list[float] = []  # over-relaxation of each preconditioned step
+        self.wg = w.mT @ g  # (..., n, n) = W^T G = F^T B
+        self.b = self.c = None
         self.reduced = False
         if method != "svd" or smoothing is not None:
             self.enable_reduced()
+
+    def select(self, index: int | torch.Tensor) -> _DualProblem:
+        """The problem of some instances of a stack: an ``int`` gives that instance's own
+        (unbatched) problem, a 1-D index tensor a narrower stack. The setup is shared, not
+        recomputed; the cost counters start afresh."""
+        part = copy.copy(self)
+        for name in self._STACKED:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(part, name, value[index])
+        part.evaluations = part.hessian_products = 0
+        part.relaxations = []
+        return part
 
     def times_factor(self, x: torch.Tensor) -> torch.Tensor:
         """``(n, n)`` :math:`Fx`."""
@@ -136,14 +162,14 @@ class _DualProblem:
         if self.reduced:
             return
         self.reduced = True
-        if self.full:  # (n, n) = Q^T G = F^{-T} W^T G
+        if self.full:  # (..., n, n) = Q^T G = F^{-T} W^T G
             self.b = torch.linalg.solve_triangular(self.f.mT, self.wg, upper=False)
         else:
             self.b = self.wg / self.d.unsqueeze(-1)
         if self.square:
             self.c = torch.zeros_like(self.b)  # square: G lies in span(Q)
         else:
-            gram = self.g.mT @ self.g  # (n, n)
+            gram = self.g.mT @ self.g  # (..., n, n)
             self.c = gram - self.b.mT @ self.b  # G_perp^T G_perp
             self.c = 0.5 * (self.c + self.c.mT)
 
@@ -152,18 +178,18 @@ class _DualProblem:
         return -self.mask(self.wg + self.wg.mT) / (4.0 * self.metric)
 
     def gram(self, lam: torch.Tensor) -> torch.Tensor:
-        r"""``(n, n)`` Gram matrix :math:`S` of :math:`X = G + 2W\Lambda` (reduced path only)."""
+        r"""``(..., n, n)`` Gram matrix :math:`S` of :math:`X = G + 2W\Lambda` (reduced path only)."""
         m = self._m(lam)
-        return self.c + m.mT @ m
+        return m.mT @ m if self.square else _add_product(self.c, m.mT, m)
 
     def _m(self, lam: torch.Tensor) -> torch.Tensor:
-        """``(n, n)`` :math:`M = B + 2D\\Lambda`."""
+        """``(..., n, n)`` :math:`M = B + 2F\\Lambda`."""
         if self.full:
-            return torch.addmm(self.b, self.f, lam, alpha=2.0)
+            return _add_product(self.b, self.f, lam, alpha=2.0)
         return torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, self.two_d, lam)
 
     def evaluate(self, lam: torch.Tensor, *, rotated: bool = False):
-        r"""``(H, residual, state)`` at the multiplier ``lam``; ``state`` rebuilds ``A``.
+        r"""``(H, residual, state)`` at the multiplier ``lam`` of one instance; ``state`` rebuilds ``A``.
 
         ``rotated=True`` (reduced Stiefel path only) skips ``H`` (returned as ``None``) and leaves
         :math:`V^\top H V = N\Psi + \Psi N^\top`, :math:`N = V^\top M V`, in ``state.rotated``:
@@ -178,45 +204,68 @@ class _DualProblem:
             a = msign(x, "svd")
             a_sq = (a * a).sum()
             return self._gradient(None, a_sq, _State(lam, a), wa=self.w.mT @ a)
-        else:
-            m = self._m(lam)  # (n, n)
-            s = m.mT @ m if self.square else torch.addmm(self.c, m.mT, m)  # (n, n) Gram matrix of X
-            if not bool(torch.isfinite(s.sum())):
-                nan = torch.full_like(lam, float("nan"))
-                return nan, float("nan"), _State(lam, nan, value=float("nan"))
-            if self.smoothing is None and self.spectral == "products":
-                r = gram_msign_factor(s, self.method, self.steps, coefficients=self.coefficients, eps=self.eps)
-                a_sq = ((s @ r) * r).sum()  # tr(R^T S R) = ||X R||_F^2
-                state = _State(lam, r, m)
-                k = m @ r  # (n, n) = M R = Q^T A
-                return self._gradient(k, a_sq, state)
-            eig, vec, gain = _spectral_gain(s, self.method, self.steps, self.coefficients, self.eps, self.smoothing)
-            a_sq = (eig * gain * gain).sum()  # ||A||_F^2
-            value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
-            state = _State(lam, None, m, eig, vec, gain, value)
-            state.mv = m @ vec  # (n, n) = M V
-            if rotated and self.unit:
-                nt = vec.mT @ state.mv  # (n, n) = V^T M V
-                state.rotated = nt * gain + (nt * gain).mT  # V^T H V (metric 1 on Stiefel)
-                tiny = torch.finfo(a_sq.dtype).tiny
-                residual = float(0.5 * state.rotated.norm() / a_sq.clamp_min(tiny).sqrt())
-                return None, residual, state
-            k = (state.mv * gain) @ vec.mT  # (n, n) = M R = Q^T A
+        m = self._m(lam)  # (n, n)
+        s = m.mT @ m if self.square else _add_product(self.c, m.mT, m)  # (n, n) Gram matrix of X
+        if not bool(torch.isfinite(s.sum())):
+            nan = torch.full_like(lam, float("nan"))
+            return nan, float("nan"), _State(lam, nan, value=float("nan"))
+        if self.smoothing is None and self.spectral == "products":
+            h, residual, r, k = self._products_at(s, m)
+            return h, float(residual), _State(lam, r, m, k=k)
+        eig, vec, gain = _spectral_gain(s, self.method, self.steps, self.coefficients, self.eps, self.smoothing)
+        a_sq = (eig * gain * gain).sum()  # ||A||_F^2
+        value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
+        state = _State(lam, None, m, eig, vec, gain, value)
+        state.mv = m @ vec  # (n, n) = M V
+        if rotated and self.unit:
+            nt = vec.mT @ state.mv  # (n, n) = V^T M V
+            state.rotated = nt * gain + (nt * gain).mT  # V^T H V (metric 1 on Stiefel)
+            tiny = torch.finfo(a_sq.dtype).tiny
+            residual = float(0.5 * state.rotated.norm() / a_sq.clamp_min(tiny).sqrt())
+            return None, residual, state
+        k = (state.mv * gain) @ vec.mT  # (n, n) = M R = Q^T A
         return self._gradient(k, a_sq, state)
+
+    def evaluate_products(self, lam: torch.Tensor):
+        r"""``(H, residual, R, M, K)`` at the multipliers ``lam`` ``(..., n, n)`` on the products
+        path, every instance of a stack at once and without a host synchronization: ``residual``
+        ``(...)`` is a tensor, NaN for an instance whose Gram matrix is not finite (a diverged step)."""
+        self.evaluations += 1
+        m = self._m(lam)
+        s = m.mT @ m if self.square else _add_product(self.c, m.mT, m)  # (..., n, n) Gram matrix of X
+        h, residual, r, k = self._products_at(s, m)
+        finite = torch.isfinite(s.sum(_DIMS))
+        return h, torch.where(finite, residual, torch.full_like(residual, float("nan"))), r, m, k
+
+    def _products_at(self, s: torch.Tensor, m: torch.Tensor):
+        r"""``(H, residual, R, K)`` from the Gram matrix ``s`` and :math:`M`: the Gram-form
+        Newton–Schulz factor :math:`R` (each instance normalized by its own :math:`\|X\|_F`),
+        :math:`K = MR` and :math:`\|A\|_F^2 = \operatorname{tr}(R^\top SR)`."""
+        r = gram_msign_factor(s, self.method, self.steps, coefficients=self.coefficients, eps=self.eps)
+        a_sq = ((s @ r) * r).sum(_DIMS)  # ||X R||_F^2
+        k = m @ r  # (..., n, n) = M R = Q^T A
+        h, residual = self._dual_gradient(self.factor_transposed_times(k), a_sq)
+        return h, residual, r, k
+
+    def _dual_gradient(self, dk: torch.Tensor, a_sq: torch.Tensor):
+        r"""``(H, residual)`` from :math:`W^\top A` and :math:`\|A\|_F^2`: the dual gradient
+        :math:`H = \mathcal{P}(W^\top A + A^\top W)` and the relative tangent residual (a tensor).
+
+        The normal part of :math:`A` is :math:`WS` with :math:`S = H/(d_i^2 + d_j^2)`, and
+        :math:`\|WS\|_F = \|FS\|_F`.
+        """
+        h = self.mask(dk + dk.mT)
+        if self.full:
+            normal = (self.f @ (h / (2.0 * self.metric))).norm(dim=_DIMS)
+        else:
+            normal = 0.5 * h.norm(dim=_DIMS) if self.unit else (h * self.normal_scale).norm(dim=_DIMS)
+        return h, normal / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt()
 
     def _gradient(self, k, a_sq: torch.Tensor, state: _State, wa: torch.Tensor | None = None):
         r"""``(H, residual, state)`` from :math:`K = Q^\top A` (or ``wa`` :math:`= W^\top A`) and :math:`\|A\|_F^2`."""
         state.k = k
-        dk = self.factor_transposed_times(k) if wa is None else wa  # F^T Q^T A = W^T A
-        h = self.mask(dk + dk.mT)  # dual gradient
-        # normal part of A is W S with S = H / (d_i^2 + d_j^2); ||W S||_F = ||F S||_F
-        if self.full:
-            normal_norm = self.f @ (h / (2.0 * self.metric))
-            normal_norm = normal_norm.norm()
-        else:
-            normal_norm = 0.5 * h.norm() if self.unit else (h * self.normal_scale).norm()
-        residual = float(normal_norm / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt())
-        return h, residual, state
+        h, residual = self._dual_gradient(self.factor_transposed_times(k) if wa is None else wa, a_sq)
+        return h, float(residual), state
 
     def relative_gap(self, state: _State) -> float:
         r"""Certified relative duality gap :math:`(\|X\|_* - \langle G, A\rangle)/\|X\|_*` of a
@@ -264,6 +313,20 @@ class _DualProblem:
         dk = ((ev.to(delta.dtype) * state.gain).to(vec.dtype) + mv @ dr) @ vec.mT  # (n, n) = dK
         ddk = self.factor_transposed_times(dk.to(delta.dtype))
         return self.mask(ddk + ddk.mT)
+
+
+def _barzilai_borwein(step: torch.Tensor, s_vec: torch.Tensor, y_vec: torch.Tensor, long: bool) -> torch.Tensor:
+    r"""The next Barzilai–Borwein step size of each instance, from the multiplier change ``s_vec``
+    and the preconditioned-gradient change ``y_vec`` ``(..., n, n)``: the long rule
+    :math:`\langle s, s\rangle/\langle s, y\rangle` or the short rule
+    :math:`\langle s, y\rangle/\langle y, y\rangle`, kept only where :math:`\langle s, y\rangle > 0`
+    (elsewhere the previous ``step``, a tensor of the batch shape ``(...)``)."""
+    sy = (s_vec * y_vec).sum(_DIMS)
+    if long:
+        proposed = (s_vec * s_vec).sum(_DIMS) / sy
+    else:
+        proposed = sy / (y_vec * y_vec).sum(_DIMS).clamp_min(torch.finfo(sy.dtype).tiny)
+    return torch.where(sy > 0, proposed, step)
 
 
 class _BestIterate:

@@ -39,6 +39,9 @@ class SteepestInfo:
             Newton–Schulz each; an SVD of the ``m × n`` matrix on the exact path).
         hessian_products: Hessian-vector products of the smoothed dual's conjugate gradients
             (four ``n × n`` products each).
+        relaxations: the over-relaxation :math:`\omega` of each eigenbasis-preconditioned step of
+            the ``"anderson"`` stage, in order: :data:`~manifoldlib.optim.dual_solvers.PRECONDITIONED_RELAXATION`
+            until the residual first grows, 1 after it; ``()`` when that stage did not run.
     """
 
     iterations: int
@@ -52,6 +55,7 @@ class SteepestInfo:
     stages: tuple[str, ...] = ()
     evaluations: int = 0
     hessian_products: int = 0
+    relaxations: tuple[float, ...] = ()
 
 
 @dataclass

@@ -19,7 +19,7 @@ import math
 import torch
 
 from .dual_manifolds import dual_manifold
-from .dual_problem import _BestIterate, _DualProblem, _State
+from .dual_problem import _barzilai_borwein, _BestIterate, _DualProblem, _State
 
 __all__ = [
     "ANDERSON_MEMORY",
@@ -81,6 +81,7 @@ def _dual_solve(
     if step is None:
         # ~ sigma / 4 (the nuclear norm's curvature is ~ 1/sigma), sigma ~ ||X||_F / sqrt(n) <= 1/sqrt(n)
         step = 0.25 / math.sqrt(n)
+    step = torch.tensor(step, dtype=lam.dtype, device=lam.device)
     lam_prev = grad_prev = None
     tracker = _BestIterate(residual, lam, state)
     iterations = 0
@@ -88,16 +89,8 @@ def _dual_solve(
         if tracker.stalled(patience) or math.isnan(residual):
             break  # stalled (e.g. a rank-deficient dual optimum) or diverged: keep the best iterate
         grad = h / problem.metric  # preconditioned dual gradient
-        if lam_prev is not None:
-            s_vec = lam - lam_prev
-            y_vec = grad - grad_prev
-            sy = float((s_vec * y_vec).sum())
-            if sy > 0:
-                # alternate the long (BB1) and short (BB2) Barzilai-Borwein steps
-                if iterations % 2:
-                    step = float((s_vec * s_vec).sum()) / sy
-                else:
-                    step = sy / max(float((y_vec * y_vec).sum()), 1e-300)
+        if lam_prev is not None:  # alternate the long (BB1) and short (BB2) steps
+            step = _barzilai_borwein(step, lam - lam_prev, grad - grad_prev, long=bool(iterations % 2))
         lam_prev, grad_prev = lam, grad
         lam = lam - step * grad
         iterations += 1
@@ -105,7 +98,7 @@ def _dual_solve(
         history.append(residual)
         tracker.record(residual, lam, state)
     residual, lam, state = tracker.best
-    return lam, state, residual, iterations, step
+    return lam, state, residual, iterations, float(step)
 
 
 def _preconditioned_step(
@@ -181,6 +174,7 @@ def _anderson_solve(
     while not residual <= tol and iterations < max_iter:
         if tracker.stalled(patience) or math.isnan(residual):
             break
+        problem.relaxations.append(relaxation)
         delta = _preconditioned_step(problem, h, state, relaxation)
         points.append(lam)
         steps.append(delta)

@@ -391,5 +391,5 @@ def solve_dual(
     converged = residual <= tol and (gap is None or not certify or gap <= gap_tol)
     info = SteepestInfo(iterations, residual, converged, lam, lam - lam0, history, last_step, gap,
                         stages=tuple(stages), evaluations=problem.evaluations,
-                        hessian_products=problem.hessian_products)
+                        hessian_products=problem.hessian_products, relaxations=tuple(problem.relaxations))
     return DualSolution(info, transposed, problem, state)

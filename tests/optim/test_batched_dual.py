@@ -197,7 +197,7 @@ def test_the_optimizer_batches_and_its_state_dict_round_trips():
         opt = ManifoldMuon(_hetero(params), lr=0.05, dual=dual, batch=batch, project_init=False)
         _train(opt, params, 3, 0)
         runs[batch] = (params, opt)
-    (pb, ob), (pu, ou) = runs[True], runs[False]
+    (pb, ob), (pu, _) = runs[True], runs[False]
     assert max(float((a - b).abs().max()) for a, b in zip(pb, pu)) <= 1e-10
     for p in pb:  # each matrix's own warm start, not a view of the batch (a checkpoint stores it alone)
         correction = ob.state[p]["dual_correction"]

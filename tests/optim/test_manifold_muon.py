@@ -311,7 +311,7 @@ def test_square_dgram_dual_converges_only_with_smoothing():
 
 
 def test_dgram_default_retraction_is_gram_form_and_survives_spread_column_norms():
-    from dispatch_ops import ProductRecorder  # pytest puts this folder on sys.path
+    from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 
     from manifoldlib.optim.manifold_muon import DEFAULT_RETRACTIONS
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch_ops import ProductRecorder, full_precision_now  # pytest puts this folder on sys.path
+from dispatch_ops import ProductRecorder, full_precision_now  # tests/dispatch_ops.py (tests/ is on sys.path)
 
 from manifoldlib.optim import ManifoldMuon, steepest_direction
 from manifoldlib.optim.matmul_precision import _matmul_backends, ieee_float32_matmul

@@ -40,28 +40,23 @@ def _instance(n: int, seed: int):
 
 def test_float32_newton_steps_past_the_noise_floor_stop_wasting_evaluations(monkeypatch):
     """Continue converged 64² DGram solves (float32) towards 1e-6: there the predicted decreases
-    (~1e-9) are below the value's rounding (~1e-6). Armijo alone backtracks on noise (about ten
-    evaluations per Newton step); the noise-aware test accepts residual decreases instead."""
-    noise_aware = dual_solvers._accept
-
-    def armijo_only(state, trial, residual, trial_residual, decrease, noise):
-        return trial.value <= state.value + 1e-4 * decrease
-
+    (~1e-9) are below the value's rounding (~1e-6). Armijo alone (a noise allowance of zero ulps)
+    backtracks on noise (about ten evaluations per Newton step); the noise-aware test accepts
+    residual decreases instead."""
     evaluations = {"armijo": 0, "noise-aware": 0}
+    options = dict(msign_method="jordan5", gap_tol=None, execution=ExecutionPolicy())  # float32 search products
     for seed in range(3):
         w, g = _instance(64, seed)
-        solution = solve_dual(w, g, "dgram", msign_method="jordan5", tol=1e-3, max_iter=30, gap_tol=None,
-                              execution=ExecutionPolicy())  # float32 search products on every CPU
+        solution = solve_dual(w, g, "dgram", tol=1e-3, max_iter=30, **options)
         assert solution.info.converged
         residuals = {}
-        for name, rule in (("armijo", armijo_only), ("noise-aware", noise_aware)):
-            monkeypatch.setattr(dual_solvers, "_accept", rule)
-            before = solution.problem.evaluations
-            *_, residual, _, _ = dual_solvers._newton_solve(
-                solution.problem, solution.info.multiplier, 1e-6, 8, [], None
-            )
-            evaluations[name] += solution.problem.evaluations - before
-            residuals[name] = residual
+        for name, ulps in (("armijo", 0), ("noise-aware", dual_solvers.VALUE_NOISE_ULPS)):
+            monkeypatch.setattr(dual_solvers, "VALUE_NOISE_ULPS", ulps)
+            info = solve_dual(w, g, "dgram", tol=1e-6, max_iter=8, multiplier=solution.info.multiplier,
+                              **options).info
+            assert info.stages == ("smoothed",) and info.iterations >= 1
+            evaluations[name] += info.evaluations
+            residuals[name] = info.residual
         assert residuals["noise-aware"] <= 1.2 * residuals["armijo"], residuals
     assert evaluations["noise-aware"] <= 0.7 * evaluations["armijo"], evaluations
 

@@ -30,6 +30,12 @@ class ProductRecorder(TorchDispatchMode):
     def names(self) -> list[str]:
         return [name for name, _ in self.seen]
 
+    def factorizations(self) -> list[str]:
+        """The factorizations run, in order, by kind: ``"eigh"``, ``"svd"``, ``"qr"``,
+        ``"cholesky"``, ``"solve"`` (the products left out)."""
+        kinds = ("eigh", "svd", "qr", "cholesky", "solve")
+        return [next(k for k in kinds if k in name) for name in self.names if any(k in name for k in kinds)]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in PRODUCTS and any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args):
