@@ -35,8 +35,8 @@ On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ 
 coefficient math above stays here. For the built-in retractions —
 :class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
 :class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
-:class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), exact types, not subclasses —
-the whole update runs row by row in C++ instead, with the closed forms
+:class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), and a user's subclass of
+one that overrides none of ``angle``, ``coefficients``, ``coefficients_vjp`` — the whole update runs row by row in C++ instead, with the closed forms
 :math:`\cos\theta'(\sigma) = -k/(2(1 + z^2))` and :math:`k'(\sigma) = (\cos\theta/(1 + z^2) - k)/(2\sigma)`,
 :math:`z^2 = \sigma/p^2` (its series :math:`-(1/6 + 1/(3p^2)) + 2(1/120 + 1/(6p^2) + 1/(5p^4))\sigma`
 while :math:`\sigma` and :math:`z^2` are below :math:`10^{-5}`) (``sphere_step_forward`` /
@@ -102,15 +102,31 @@ def _cpu_kernels_for(h: torch.Tensor, f: torch.Tensor):
     return _cpu_kernels.enabled()
 
 
+#: The methods that define an angle retraction's per-row math (what the row kernels replace).
+_ANGLE_MATH = ("angle", "coefficients", "coefficients_vjp")
+
+
+def _built_in_math(retraction: Retraction) -> type | None:
+    """The built-in angle retraction whose math ``retraction`` runs: its own class, or the built-in
+    a subclass derives from without overriding any of :data:`_ANGLE_MATH` (a name, options or a
+    ``retract`` of its own change nothing the update computes). ``None`` for anything else."""
+    kind = type(retraction)
+    for base in (GnomonicRetraction, CayleyRetraction, ExponentialRetraction, PRetraction):
+        if issubclass(kind, base) and all(getattr(kind, name) is getattr(base, name) for name in _ANGLE_MATH):
+            return base
+    return None
+
+
 def _kernel_family(retraction: Retraction) -> tuple[int, float] | None:
     """The C++ row kernels' code ``(family, p)`` of a built-in angle retraction, else None.
 
     Gnomonic ``(0, 1)``, Cayley ``(1, 2)``, the p-family ``(2, p)`` with the exponential map as
-    ``p = inf``. Exact types only: a subclass may override the angle, and then takes the separate
-    passes with the per-row math of its own coefficients.
+    ``p = inf``; a subclass that keeps its built-in's math counts as that built-in
+    (:func:`_built_in_math`). A subclass that overrides the angle or its coefficients takes the
+    separate passes with the per-row math of its own coefficients.
     """
-    kind = type(retraction)
-    p = retraction.p if kind is PRetraction else None
+    kind = _built_in_math(retraction)
+    p = float(retraction.p) if kind is PRetraction else None
     if kind is GnomonicRetraction or p == 1.0:
         return 0, 1.0
     if kind is CayleyRetraction or p == 2.0:

@@ -12,7 +12,7 @@ from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 from manifoldlib import _cpu_kernels
 from manifoldlib._cpu_kernels import loader
 from manifoldlib.nn import _fused, sphere_residual, sphere_residual_reference
-from manifoldlib.retractions import PRetraction, get_retraction
+from manifoldlib.retractions import CayleyRetraction, PRetraction, get_retraction
 
 pytestmark = pytest.mark.skipif(
     not _cpu_kernels.available(),
@@ -104,6 +104,41 @@ def test_kernel_path_runs_the_row_kernels_or_all_four_passes(spy):
     spy.calls.clear()
     _values_and_grads(_aten, h, f, 0.7, RETRACTIONS["gnomonic"])
     assert spy.calls == []
+
+
+class _NamedCayley(CayleyRetraction):
+    """A user's subclass that keeps the built-in's math (a name and a retract of its own)."""
+
+    name = "my-cayley"
+
+    def retract(self, x, v, radius=None):
+        return super().retract(x, v, radius)
+
+
+class _SteeperP(PRetraction):
+    """A user's subclass that changes the angle: its own math, not the built-in's."""
+
+    def angle(self, beta):
+        return 1.1 * super().angle(beta)
+
+
+@pytest.mark.parametrize(
+    ("retraction", "kernels", "reference"),
+    [
+        (_NamedCayley(), ROW_KERNELS, get_retraction("sphere", "cayley")),
+        (_SteeperP(1.5), KERNELS, None),
+    ],
+    ids=["keeps-the-math", "overrides-the-angle"],
+)
+def test_a_subclass_runs_the_row_kernels_only_when_it_keeps_its_built_ins_math(spy, retraction, kernels, reference):
+    h, f = _case(8, (5, 12))
+    found = _values_and_grads(sphere_residual, h, f, 0.7, retraction)
+    assert spy.calls == list(kernels)
+    truth = _values_and_grads(sphere_residual_reference, h, f, 0.7, retraction)
+    assert max(_err(a, b) for a, b in zip(found, truth)) <= 1e-12
+    if reference is not None:  # the same update as the built-in it derives from
+        built_in = _values_and_grads(sphere_residual, h, f, 0.7, reference)
+        assert max(_err(a, b) for a, b in zip(found, built_in)) == 0.0
 
 
 @pytest.mark.parametrize("name", list(RETRACTIONS))
