@@ -8,11 +8,11 @@
 set -euo pipefail
 out="${1:-${OUT:-/tmp}}"
 mkdir -p "$out"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$out/gpu_env.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$out/gpu_env.txt"
 runs="ManifoldMuon euclidean,ManifoldMuon stiefel,hetero,ManifoldMuon dgram"
 for batch in on off; do
-    timeout 80 python benchmarks/bench_manifold_muon.py --device cuda --steps 5 --warmup 3 --batch "$batch" \
+    timeout 80 python3 benchmarks/bench_manifold_muon.py --device cuda --steps 5 --warmup 3 --batch "$batch" \
         --only "$runs" | tee "$out/gpu_bench_products_batch_$batch.txt" || echo "batch $batch: failed or timed out"
 done
-timeout 60 python benchmarks/bench_manifold_muon.py --device cuda --steps 5 --warmup 3 --spectral eigh \
+timeout 60 python3 benchmarks/bench_manifold_muon.py --device cuda --steps 5 --warmup 3 --spectral eigh \
     --only "ManifoldMuon stiefel,hetero" | tee "$out/gpu_bench_eigh.txt" || echo "eigh: failed or timed out"

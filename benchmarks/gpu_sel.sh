@@ -10,8 +10,8 @@
 set -euo pipefail
 out="${1:-${OUT:-/tmp}}"
 mkdir -p "$out"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$out/gpu_env.txt"
-timeout 120 python -m pytest -q -p no:cacheprovider tests/charts/test_sel_cuda.py 2>&1 | tail -5 | tee "$out/gpu_sel_tests.txt" \
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$out/gpu_env.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/charts/test_sel_cuda.py 2>&1 | tail -5 | tee "$out/gpu_sel_tests.txt" \
     || echo "tests: failed or timed out"
-timeout 240 python benchmarks/bench_sel.py --device cuda --n-embd 768 --n-layer 12 --n-head 12 --block 1024 \
+timeout 240 python3 benchmarks/bench_sel.py --device cuda --n-embd 768 --n-layer 12 --n-head 12 --block 1024 \
     --batch 8 --steps 5 --repeats 5 --adamw fused | tee "$out/gpu_bench_sel.txt" || echo "bench: failed or timed out"
