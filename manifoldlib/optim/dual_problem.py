@@ -19,6 +19,7 @@ ninth of that). A smoothed evaluation always takes the eigh.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -204,14 +205,17 @@ class _DualProblem:
             a = msign(x, "svd")
             a_sq = (a * a).sum()
             return self._gradient(None, a_sq, _State(lam, a), wa=self.w.mT @ a)
+        nan = torch.full_like(lam, float("nan"))
+        if self.smoothing is None and self.spectral == "products":  # one host read: the residual
+            h, residual, r, m, k = self._products(lam)
+            residual = float(residual)
+            if math.isnan(residual):  # a diverged step
+                return nan, residual, _State(lam, nan, value=residual)
+            return h, residual, _State(lam, r, m, k=k)
         m = self._m(lam)  # (n, n)
         s = m.mT @ m if self.square else _add_product(self.c, m.mT, m)  # (n, n) Gram matrix of X
-        if not bool(torch.isfinite(s.sum())):
-            nan = torch.full_like(lam, float("nan"))
+        if not bool(torch.isfinite(s.sum())):  # a diverged step: no eigh of non-finite input
             return nan, float("nan"), _State(lam, nan, value=float("nan"))
-        if self.smoothing is None and self.spectral == "products":
-            h, residual, r, k = self._products_at(s, m)
-            return h, float(residual), _State(lam, r, m, k=k)
         eig, vec, gain = _spectral_gain(s, self.method, self.steps, self.coefficients, self.eps, self.smoothing)
         a_sq = (eig * gain * gain).sum()  # ||A||_F^2
         value = float((eig + self.smoothing**2).sqrt().sum()) if self.smoothing is not None else None
@@ -231,21 +235,20 @@ class _DualProblem:
         path, every instance of a stack at once and without a host synchronization: ``residual``
         ``(...)`` is a tensor, NaN for an instance whose Gram matrix is not finite (a diverged step)."""
         self.evaluations += 1
+        return self._products(lam)
+
+    def _products(self, lam: torch.Tensor):
+        r""":meth:`evaluate_products` uncounted: the Gram matrix :math:`S` of :math:`X`, the
+        Gram-form Newton–Schulz factor :math:`R` (each instance normalized by its own
+        :math:`\|X\|_F`), :math:`K = MR` and :math:`\|A\|_F^2 = \operatorname{tr}(R^\top SR)`."""
         m = self._m(lam)
         s = m.mT @ m if self.square else _add_product(self.c, m.mT, m)  # (..., n, n) Gram matrix of X
-        h, residual, r, k = self._products_at(s, m)
-        finite = torch.isfinite(s.sum(_DIMS))
-        return h, torch.where(finite, residual, torch.full_like(residual, float("nan"))), r, m, k
-
-    def _products_at(self, s: torch.Tensor, m: torch.Tensor):
-        r"""``(H, residual, R, K)`` from the Gram matrix ``s`` and :math:`M`: the Gram-form
-        Newton–Schulz factor :math:`R` (each instance normalized by its own :math:`\|X\|_F`),
-        :math:`K = MR` and :math:`\|A\|_F^2 = \operatorname{tr}(R^\top SR)`."""
         r = gram_msign_factor(s, self.method, self.steps, coefficients=self.coefficients, eps=self.eps)
         a_sq = ((s @ r) * r).sum(_DIMS)  # ||X R||_F^2
         k = m @ r  # (..., n, n) = M R = Q^T A
         h, residual = self._dual_gradient(self.factor_transposed_times(k), a_sq)
-        return h, residual, r, k
+        finite = torch.isfinite(s.sum(_DIMS))
+        return h, torch.where(finite, residual, torch.full_like(residual, float("nan"))), r, m, k
 
     def _dual_gradient(self, dk: torch.Tensor, a_sq: torch.Tensor):
         r"""``(H, residual)`` from :math:`W^\top A` and :math:`\|A\|_F^2`: the dual gradient
