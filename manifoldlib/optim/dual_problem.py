@@ -5,7 +5,10 @@ r"""The reduced dual of one steepest-direction problem, and the tangent residual
 evaluates the dual at a multiplier: the Gram matrix :math:`S = C + M^\top M`, one
 eigendecomposition, the spectral factor, the dual gradient :math:`H` and the relative tangent
 residual. :class:`_State` keeps what one evaluation computed, so the solvers
-(:mod:`manifoldlib.optim.dual_solvers`) and the answer reuse it.
+(:mod:`manifoldlib.optim.dual_solvers`) and the answer reuse it. The same class holds a stack of
+same-shape instances, every quantity with a leading batch dimension, for the batched solve
+(:mod:`manifoldlib.optim.batched_dual`); the Barzilai–Borwein step rule and the best-iterate
+book-keeping both loops share are here too.
 
 Two ways to the spectral factor of a plain (unsmoothed) evaluation (the execution policy's
 ``spectral``, :mod:`~manifoldlib.optim.execution`): ``"eigh"``, one
