@@ -41,3 +41,17 @@ class ProductRecorder(TorchDispatchMode):
         if name in PRODUCTS and any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args):
             self.seen.append((name, full_precision_now()))
         return func(*args, **(kwargs or {}))
+
+
+class KernelRecorder(TorchDispatchMode):
+    """``calls``: the names of the library's own C++ CPU kernels (the ``manifoldlib_cpu`` ops) run
+    inside the block, forward and backward, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "manifoldlib_cpu":
+            self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

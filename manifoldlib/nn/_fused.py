@@ -36,7 +36,8 @@ coefficient math above stays here. For the built-in retractions —
 :class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
 :class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
 :class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), and a user's subclass of
-one that overrides none of ``angle``, ``coefficients``, ``coefficients_vjp`` — the whole update runs row by row in C++ instead, with the closed forms
+one that overrides none of ``angle``, ``coefficients``, ``coefficients_vjp`` — the whole update
+runs row by row in C++ instead, with the closed forms
 :math:`\cos\theta'(\sigma) = -k/(2(1 + z^2))` and :math:`k'(\sigma) = (\cos\theta/(1 + z^2) - k)/(2\sigma)`,
 :math:`z^2 = \sigma/p^2` (its series :math:`-(1/6 + 1/(3p^2)) + 2(1/120 + 1/(6p^2) + 1/(5p^4))\sigma`
 while :math:`\sigma` and :math:`z^2` are below :math:`10^{-5}`) (``sphere_step_forward`` /

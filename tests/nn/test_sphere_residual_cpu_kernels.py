@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from dispatch_ops import KernelRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib import _cpu_kernels
-from manifoldlib._cpu_kernels import loader
-from manifoldlib.nn import _fused, sphere_residual, sphere_residual_reference
+from manifoldlib.nn import sphere_residual, sphere_residual_reference
 from manifoldlib.retractions import CayleyRetraction, PRetraction, get_retraction
 
 pytestmark = pytest.mark.skipif(
@@ -38,32 +38,11 @@ def _kernels_of(name):
     return KERNELS if name == "user-p3" else ROW_KERNELS
 
 
-class _Spy:
-    """Stands in for the kernels' namespace and records which kernels ran."""
-
-    def __init__(self, ops):
-        self.ops = ops
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        op = getattr(self.ops, name)
-
-        def call(*args):
-            self.calls.append(name)
-            return op(*args)
-
-        return call
-
-
 @pytest.fixture
-def spy(monkeypatch):
-    """Records the kernels the fused path calls (and honours :func:`_cpu_kernels.disabled`)."""
-    recorder = _Spy(_cpu_kernels.load())
-    enabled = _cpu_kernels.enabled
-    monkeypatch.setattr(
-        _fused._cpu_kernels, "enabled", lambda: recorder if enabled() is not None else None
-    )
-    return recorder
+def spy():
+    """Records the C++ kernels the test runs (at dispatch level: none inside ``disabled()``)."""
+    with KernelRecorder() as recorder:
+        yield recorder
 
 
 def _case(seed, shape, radius=1.7, f_scale=0.8, dtype=torch.float64):
@@ -311,36 +290,6 @@ def test_kernels_reject_bad_inputs():
     out, stats = ops.sphere_step_forward(x, x, 0.5, 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="stats must be"):
         ops.sphere_step_backward(x, x, x, stats.float(), 0.5, 0, 1.0, 0.0, True, True)
-
-
-def test_env_var_switches_the_kernels_off(monkeypatch, spy):
-    monkeypatch.setitem(loader._state, "ops", loader._state["ops"])  # restored afterwards
-    monkeypatch.setitem(loader._state, "done", False)
-    monkeypatch.setenv(_cpu_kernels.ENV_VAR, "0")
-    assert _cpu_kernels.load() is None and not _cpu_kernels.available()
-    h, f = _case(1, (3, 8))
-    out = sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"])
-    assert spy.calls == []
-    assert _err(out, sphere_residual_reference(h, f, 0.5, RETRACTIONS["gnomonic"])) <= 1e-14
-
-
-def test_build_failure_warns_once_and_falls_back(monkeypatch, spy):
-    def broken_build():
-        raise OSError("no compiler here")
-
-    monkeypatch.setitem(loader._state, "ops", loader._state["ops"])  # restored afterwards
-    monkeypatch.setitem(loader._state, "done", False)
-    monkeypatch.setattr(loader, "_build", broken_build)
-    with pytest.warns(RuntimeWarning, match="OSError: no compiler here"):
-        assert _cpu_kernels.load() is None
-    h, f = _case(1, (3, 8))
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the failure is not reported again
-        out = sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"])
-    assert spy.calls == []
-    assert _err(out, sphere_residual_reference(h, f, 0.5, RETRACTIONS["gnomonic"])) <= 1e-14
 
 
 @pytest.mark.parametrize("p", [0.3, 1.5, math.inf])
