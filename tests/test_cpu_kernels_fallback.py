@@ -1,13 +1,15 @@
 """Without the C++ CPU kernels — switched off by the environment, or no compiler to build them —
 the fused sphere residual and the SEL chart run their ATen paths with the same numbers, and a
-failed build is reported once. Each case is a fresh process with a real environment (an empty
-extension cache, a compiler that does not exist), so the loader is exercised as a user meets it."""
+failed build is reported once, by the line of the build log that says why. Each case is a fresh
+process with a real environment (an empty extension cache; a compiler that does not exist, or one
+that fails), so the loader is exercised as a user meets it."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -97,10 +99,27 @@ def test_a_missing_compiler_warns_once_naming_it_and_falls_back(tmp_path):
     assert failures[0].startswith("RuntimeWarning: ") and "RuntimeError: " in failures[0]  # the cause
     if _cpu_kernels.available():  # a build tool chain is here, so the compiler is what failed: named
         assert "no-such-compiler" in failures[0]
+        assert "-isystem" not in failures[0]  # the shell's diagnostic, not the compile command line
     assert "using the ATen paths instead" in failures[0]
     assert result["sel_path"] == "_SELForwardRuleBackward"
     assert result["sphere_err"] <= 1e-13
     assert result["sel_err"] <= 1e-13
+
+
+@pytest.mark.skipif(not (_cpu_kernels.available() and shutil.which("g++")), reason="no build tool chain here")
+def test_a_compile_error_is_reported_by_its_diagnostic_line(tmp_path):
+    # a compiler that identifies itself as g++ (torch asks it for its version) and then fails
+    # every compile with a diagnostic on stderr, as a broken header or an old g++ would
+    compiler = tmp_path / "failing-c++"
+    compiler.write_text('#!/bin/sh\ncase "$1" in -v|--version) exec g++ "$@";; esac\n'
+                        'echo "sel_chart.cpp:1:1: error: the diagnostic of a failing compiler" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    result = _run(tmp_path / "extensions", CXX=str(compiler), **{_cpu_kernels.ENV_VAR: "1"})
+    assert result["loaded"] == [False, False]
+    failures = [w for w in result["warnings"] if "could not be built" in w]
+    assert len(failures) == 1, result["warnings"]
+    assert "sel_chart.cpp:1:1: error: the diagnostic of a failing compiler" in failures[0]
+    assert result["sphere_err"] <= 1e-13 and result["sel_err"] <= 1e-13
 
 
 @pytest.mark.skipif(not _cpu_kernels.available(), reason="the C++ CPU kernels are not built here")

@@ -8,7 +8,8 @@ The sources are compiled on first use with :func:`torch.utils.cpp_extension.load
 name carries the instruction set and a hash of the source, the flags and the torch version — so
 a cache shared between machines or torch versions never hands one the other's binary. Later
 processes only load the cached library. If the build fails, :func:`load` warns once, naming the
-error, and returns ``None``: the callers then use their ATen path.
+cause in one line (the compiler's or shell's diagnostic from the build log), and returns ``None``:
+the callers then use their ATen path.
 
 ``MANIFOLDLIB_CPU_KERNELS=0`` (also ``false``/``off``/``no``) disables the kernels before any
 build; :func:`disabled` does the same for a block of code (benchmarks, tests).
@@ -21,6 +22,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
 import sys
 import threading
 import time
@@ -46,6 +48,10 @@ _OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _BASE_FLAGS = ["-O3", "-fno-trapping-math", *_OPENMP_FLAGS]
 _AVX2_FLAGS = ["-mavx2", "-mfma"]
 _OFF_VALUES = ("0", "false", "off", "no")
+# a compiler's or linker's diagnostic, or the shell's when the compiler is missing (not the
+# command lines around them in torch's build log, whose paths may contain any word)
+_DIAGNOSTIC = re.compile(r"\berror: |: not found$|No such file or directory|Permission denied|"
+                         r"cannot find|undefined reference", re.IGNORECASE)
 
 _log = logging.getLogger("manifoldlib")
 _lock = threading.Lock()
@@ -109,6 +115,17 @@ def _build():
     return getattr(torch.ops, _NAMESPACE)
 
 
+def _cause(err: Exception) -> str:
+    """One line of a failed build that says why: the first diagnostic of the compiler, linker or
+    shell (``error:``, ``not found``, ``No such file or directory``, ...) in torch's build log,
+    which opens with the compiler's full command line; the error's first line when there is none."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if _DIAGNOSTIC.search(line) and not line.startswith("Error building extension"):
+            return line[:300]
+    return (lines or [""])[0][:300]
+
+
 def load():
     """The kernels' ``torch.ops`` namespace, or ``None`` when disabled by :data:`ENV_VAR` or
     when the build failed (warned once). Built or loaded on the first call, then cached."""
@@ -120,10 +137,10 @@ def load():
                     try:
                         ops = _build()
                     except Exception as err:  # noqa: BLE001 - any build failure means the ATen path
-                        first = (str(err).strip().splitlines() or [""])[0][:300]
                         warnings.warn(
                             f"manifoldlib: the C++ CPU kernels (SphereResidual, SEL) could not be "
-                            f"built ({type(err).__name__}: {first}); using the ATen paths instead",
+                            f"built ({type(err).__name__}: {_cause(err)}); using the ATen paths "
+                            f"instead (set {ENV_VAR}=0 to skip the build)",
                             RuntimeWarning,
                             stacklevel=2,
                         )
