@@ -119,11 +119,8 @@ def _cause(err: Exception) -> str:
     """One line of a failed build that says why: the first diagnostic of the compiler, linker or
     shell (``error:``, ``not found``, ``No such file or directory``, ...) in torch's build log,
     which opens with the compiler's full command line; the error's first line when there is none."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    for line in lines:
-        if _DIAGNOSTIC.search(line) and not line.startswith("Error building extension"):
-            return line[:300]
-    return (lines or [""])[0][:300]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [""]
+    return next((line for line in lines if _DIAGNOSTIC.search(line)), lines[0])[:300]
 
 
 def load():
