@@ -9,6 +9,7 @@ matrix per step, and the largest relative tangent residual of the dual solutions
 
     python benchmarks/bench_manifold_muon.py [--steps 3] [--warmup 1] [--threads 2] [--max-iter 30]
         [--tol 1e-3] [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
+        [--layers 12]
         [--device cuda] [--spectral auto|eigh|products] [--workers auto|1|2...]
         [--batch auto|on|off] [--anchor auto|bfloat16|float32]
 
@@ -17,6 +18,9 @@ times slower per step) on CPUs without AVX512-BF16 or AMX; ``auto`` (default) ti
 bfloat16 is native and ``torch.optim.Muon`` with a float32 Newton–Schulz elsewhere
 (``_anchors.py``); the second line says which. ``ManifoldMuon euclidean`` uses the same precision
 (``ns_dtype="auto"``).
+
+``--layers N`` repeats the shapes N times: ``--layers 12`` is the GPT-2-small set of twelve blocks
+(48 matrices, 24 of each shape class), the size at which batching same-shape solves is measured.
 
 ``--warmup`` untimed steps come first (default 1: allocation and the first multiplier). The
 momentum buffers take about 1/(1 - 0.95) = 20 steps to fill, and the dual solves of those first
@@ -139,6 +143,7 @@ def main() -> None:
                         help="comma-separated names or substrings: run only those optimizers (a full name "
                              "selects that run alone)")
     parser.add_argument("--shapes", default="", help="comma-separated MxN shapes (default: the GPT-small block)")
+    parser.add_argument("--layers", type=int, default=1, help="repeat the shapes this many times (12: GPT-2 small)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
     parser.add_argument("--spectral", default="auto", help="dual spectral path: auto, eigh or products")
     parser.add_argument("--workers", default="auto", help="ManifoldMuon workers: auto or an int >= 1")
@@ -154,8 +159,11 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    if args.layers < 1:
+        raise SystemExit(f"--layers must be >= 1, got {args.layers}")
     if args.shapes:
         SHAPES[:] = [tuple(int(k) for k in item.split("x")) for item in args.shapes.split(",")]
+    SHAPES[:] = SHAPES * args.layers
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + args.warmup)
     kw = {"lr": 0.02, "weight_decay": 0.0}
@@ -183,8 +191,9 @@ def main() -> None:
             ps, manifold="dgram", dual={**dual, "warm_start": False}, workers=workers, batch=batch, **kw
         ),
     }
-    print(f"device {DEVICE}, shapes {SHAPES}, {args.steps} timed steps after {args.warmup} untimed, {args.threads} "
-          f"threads, workers {args.workers}, dual tol {args.tol}, cap {args.max_iter}, dual msign {args.msign}, "
+    block = SHAPES[: len(SHAPES) // args.layers]
+    print(f"device {DEVICE}, shapes {block} x {args.layers} layer(s), {args.steps} timed steps after {args.warmup} "
+          f"untimed, {args.threads} threads, workers {args.workers}, dual tol {args.tol}, cap {args.max_iter}, dual msign {args.msign}, "
           f"spectral {args.spectral}, batch {args.batch}, load average {os.getloadavg()[0]:.2f}")
     print(f"{bfloat16_line(DEVICE)}; anchor: {anchor_name}")
     anchor_make = runs[anchor_name]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check the open issues name, as one command for a lent machine (about 6-7 minutes on an
-# H200, inside one 10-minute call): benchmarks/gpu_sel.sh (SEL on CUDA, issue 22), then
+# Every GPU check the open issues name, as one command for a lent machine (at most 570 s by the
+# scripts' timeouts, inside one 10-minute call): benchmarks/gpu_sel.sh (SEL on CUDA, issue 22), then
 # benchmarks/gpu_manifold_muon.sh (Manifold Muon on the products path, issue 19). Output under
 # OUT_DIR (default $OUT, else /tmp).
 #

@@ -19,9 +19,10 @@ CASES = {
          "bfloat16 products"],
     ),
     "bench_manifold_muon.py": (
-        ["--shapes", "48x12,12x12", "--steps", "1", "--warmup", "2", "--threads", "2", "--workers", "2",
-         "--only", "stiefel", "--spectral", "products", "--anchor", "float32"],
-        ["spectral products", "after 2 untimed", "workers 2", "ManifoldMuon stiefel", "max resid",
+        ["--shapes", "48x12,12x12", "--layers", "2", "--steps", "1", "--warmup", "2", "--threads", "2",
+         "--workers", "2", "--only", "stiefel", "--spectral", "products", "--anchor", "float32"],
+        ["(12, 12)] x 2 layer(s)", "spectral products", "after 2 untimed", "workers 2", "ManifoldMuon stiefel",
+         "max resid",
          "bfloat16 products", "anchor: torch.optim.Muon, float32 NS (anchor)"],
     ),
     "bench_concurrent_solves.py": (
