@@ -1,4 +1,6 @@
-"""Every Python block of README.md runs alone, verbatim, in a fresh interpreter, and prints what it says.
+"""Every Python block of README.md runs alone, verbatim, in a fresh interpreter, and prints what it says;
+so do the ``.. code-block:: python`` examples of the docs' front pages (``docs/index.rst``,
+``docs/overview.rst``), the first code a reader of the site copies.
 
 A reader copies one block at a time, so each block is run as ``python -c <block>`` in a new process
 from the repository root. A comment ``# -> text`` (at the end of a line or on a line of its own)
@@ -14,6 +16,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -21,6 +24,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.MULTILINE | re.DOTALL)
 PROMISE = re.compile(r"#\s*->\s*(.+?)\s*$")
+FRONT_PAGES = ("docs/index.rst", "docs/overview.rst")
+
+
+def rst_python_blocks(text: str) -> list[str]:
+    """Bodies of the ``.. code-block:: python`` directives of an rST page, dedented."""
+    return [textwrap.dedent(m.group(1)) for m in
+            re.finditer(r"^\.\. code-block:: python\n\n((?:(?:[ ]+.*)?\n)+)", text, re.MULTILINE)]
+
+
+DOC_BLOCKS = [(page, k, block) for page in FRONT_PAGES
+              for k, block in enumerate(rst_python_blocks((ROOT / page).read_text()))]
 
 
 def promised_lines(block: str) -> list[str]:
@@ -38,15 +52,30 @@ def test_promise_parsing():
     assert promised_lines("print(1)  # -> 1\nx = 2  # a comment\n# -> (True, None)\n") == ["1", "(True, None)"]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: f"block{i}")
-def test_readme_block_runs_alone_and_prints_its_promises(index):
-    block = BLOCKS[index]
-    if "transformers" in block and importlib.util.find_spec("transformers") is None:
-        pytest.skip("this README block needs transformers (pip install -e '.[test]')")
+def run_alone(block: str, where: str) -> None:
+    """Run ``block`` as ``python -c`` in a fresh process; its stdout must be its promises."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     env.pop("PYTHONSTARTUP", None)
     proc = subprocess.run(
         [sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 0, f"README block {index} failed alone:\n{block}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, f"{where} failed alone:\n{block}\n--- stderr ---\n{proc.stderr}"
     assert proc.stdout.splitlines() == promised_lines(block), proc.stdout
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: f"block{i}")
+def test_readme_block_runs_alone_and_prints_its_promises(index):
+    block = BLOCKS[index]
+    if "transformers" in block and importlib.util.find_spec("transformers") is None:
+        pytest.skip("this README block needs transformers (pip install -e '.[test]')")
+    run_alone(block, f"README block {index}")
+
+
+def test_each_front_page_has_an_example_that_promises_output():
+    assert sorted({page for page, _, _ in DOC_BLOCKS}) == sorted(FRONT_PAGES)
+    assert all(promised_lines(block) for _, _, block in DOC_BLOCKS)
+
+
+@pytest.mark.parametrize(("page", "index", "block"), DOC_BLOCKS, ids=[f"{p}:{k}" for p, k, _ in DOC_BLOCKS])
+def test_front_page_example_runs_alone_and_prints_its_promises(page, index, block):
+    run_alone(block, f"{page} code block {index}")
