@@ -144,6 +144,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
             raise ConfigError(f"model must be a GPTConfig, got {type(self.model).__name__}")
+        _check_types(self)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("sel", self.sel, SEL_VARIANTS)
         _check_choice("schedule", self.schedule, SCHEDULES)
@@ -235,6 +236,23 @@ _CLASH = set(MODEL_KEYS) & {f.name for f in dataclasses.fields(TrainConfig)}
 if _CLASH:  # a flat key must name one field: rename one side
     raise ImportError(f"GPTConfig and TrainConfig both define {sorted(_CLASH)}; flat config "
                       f"keys route by name, so each name may belong to one of them only")
+
+
+#: What a value of each field type must be, as an error names it.
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """Every training field holds a value of its declared type (an integer is a valid number;
+    a boolean is not a number), so a hand-edited ``config.json`` fails here, not mid-run."""
+    hints = typing.get_type_hints(TrainConfig)
+    for field in dataclasses.fields(cfg):
+        typ, value = hints[field.name], getattr(cfg, field.name)
+        if typ not in _TYPE_NAMES:
+            continue
+        accepted = (int, float) if typ is float else typ
+        if not isinstance(value, accepted) or (typ in (int, float) and isinstance(value, bool)):
+            raise ConfigError(f"{field.name} must be {_TYPE_NAMES[typ]}, got {value!r}")
 
 
 def _check_device(name: str) -> None:

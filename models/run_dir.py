@@ -60,13 +60,15 @@ def read_saved_config(out: str | Path) -> dict:
     """The flat configuration in ``out/config.json`` (the base of a ``--resume``).
 
     Raises:
-        RunError: the file is not a JSON object.
+        RunError: the file is not a JSON object of valid configuration values (an unknown key,
+            a value of the wrong type or out of range), naming the file and the value.
     """
     saved = Path(out) / "config.json"
     try:
         base = with_legacy_defaults(json.loads(saved.read_text()))
         if not isinstance(base, dict):
             raise ValueError("not a JSON object")
+        TrainConfig.from_dict(base)
     except (ValueError, UnicodeDecodeError, TypeError) as exc:
         raise RunError(f"cannot resume: {saved} is not a valid configuration ({exc}); "
                        f"it is rewritten from the checkpoint if you delete it") from None

@@ -14,7 +14,7 @@ from manifoldlib.charts import SEL
 from manifoldlib.manifolds import DGram, Euclidean, Sphere, Stiefel
 from manifoldlib.manifolds.base import check_tensor
 from manifoldlib.optim import build_optimizer
-from models.config import ConfigError, build_config, load_toml
+from models.config import ConfigError, TrainConfig, build_config, load_toml
 from models.gpt import GPT, GPTConfig
 from models.train import main
 
@@ -202,6 +202,24 @@ def test_config_values_are_checked_at_the_door(key, value, needle):
         build_config("smoke", overrides={key: value})
 
 
+@pytest.mark.parametrize("key, value, needle", [
+    ("lr", "abc", "lr must be a number, got 'abc'"),
+    ("lr", [1], r"lr must be a number, got \[1\]"),
+    ("lr", True, "lr must be a number, got True"),
+    ("steps", 20.5, "steps must be an integer, got 20.5"),
+    ("steps", "20", "steps must be an integer, got '20'"),
+    ("checkpoint", "no", "checkpoint must be a boolean, got 'no'"),
+    ("corpus", None, "corpus must be a string, got None"),
+])
+def test_from_dict_refuses_a_value_of_the_wrong_type(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.from_dict({key: value})
+
+
+def test_from_dict_takes_an_integer_for_a_number():
+    assert TrainConfig.from_dict({"lr": 1}).lr == 1
+
+
 def test_p_may_be_infinite():
     assert build_config("smoke", overrides={"p": "inf"}).p == math.inf
 
@@ -257,6 +275,21 @@ def test_cli_resume_with_a_malformed_config_json_exits_2(tmp_path, capsys):
     assert main(["--resume", "--out", str(tmp_path)]) == 2
     _one_error_line(capsys, f"cannot resume: {tmp_path / 'config.json'} is not a valid "
                             f"configuration")
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("lr", "abc", "lr must be a number, got 'abc'"),
+    ("steps", 20.5, "steps must be an integer, got 20.5"),
+    ("colour", "red", "unknown config key 'colour'"),
+])
+def test_cli_resume_with_a_bad_value_in_config_json_names_the_file(tmp_path, capsys, key, value,
+                                                                   needle):
+    saved = {**build_config("smoke").to_dict(), key: value}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert main(["--resume", "--out", str(tmp_path)]) == 2
+    _one_error_line(capsys, f"cannot resume: {tmp_path / 'config.json'} is not a valid "
+                            f"configuration ({needle}")
 
 
 def test_cli_resume_of_an_unsealed_checkpoint_exits_2(tmp_path, capsys):
