@@ -17,7 +17,7 @@ from pathlib import Path
 from .config import ConfigError, TrainConfig, build_config, load_toml, parse_overrides
 from .data import CorpusError
 from .presets import PRESETS
-from .run_dir import RunError, describe_os_error, read_saved_config
+from .run_dir import RunError, describe_os_error, has_checkpoint, read_saved_config
 
 __all__ = ["EXIT_DIVERGED", "EXIT_ENVIRONMENT", "EXIT_INTERRUPTED", "EXIT_USER_ERROR",
            "config_from_args", "main", "parse_args"]
@@ -90,11 +90,12 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     """The run's configuration.
 
     A fresh run layers preset (``default`` unless ``--preset`` / a TOML ``preset`` key says
-    otherwise), TOML file and overrides. ``--resume`` starts from the saved ``config.json``
-    instead (``--preset`` is ignored, ``stop_at`` is cleared) and applies the TOML file and
-    overrides on top; the run then refuses changes outside ``RESUMABLE_FIELDS``.
+    otherwise), TOML file and overrides. ``--resume`` starts from the saved ``config.json`` (or,
+    when it is missing, the checkpoint's configuration) instead (``--preset`` is ignored,
+    ``stop_at`` is cleared) and applies the TOML file and overrides on top; the run then
+    refuses changes outside ``RESUMABLE_FIELDS``.
     """
-    if args.resume and (out / "config.json").is_file():
+    if args.resume and ((out / "config.json").exists() or has_checkpoint(out)):
         base = read_saved_config(out)
         base["stop_at"] = 0
         toml = load_toml(args.config) if args.config is not None else {}

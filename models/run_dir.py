@@ -57,13 +57,17 @@ def with_legacy_defaults(saved: dict) -> dict:
 
 
 def read_saved_config(out: str | Path) -> dict:
-    """The flat configuration in ``out/config.json`` (the base of a ``--resume``).
+    """The flat configuration in ``out/config.json`` (the base of a ``--resume``); the one saved
+    in the checkpoint when ``config.json`` is missing (it is written again when the run resumes).
 
     Raises:
         RunError: the file is not a JSON object of valid configuration values (an unknown key,
-            a value of the wrong type or out of range), naming the file and the value.
+            a value of the wrong type or out of range), naming the file and the value; or it is
+            missing and there is no usable checkpoint.
     """
     saved = Path(out) / "config.json"
+    if not saved.exists():
+        return with_legacy_defaults(load_checkpoint(out, move_damaged=False)[0]["config"])
     try:
         base = with_legacy_defaults(json.loads(saved.read_text()))
         if not isinstance(base, dict):

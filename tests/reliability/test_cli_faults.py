@@ -137,6 +137,15 @@ def test_a_garbage_metrics_line_stops_the_resume_naming_the_line(tmp_path, capsy
     assert err.startswith("error: ") and "metrics.jsonl line 2 is not a metrics row" in err
 
 
+def test_a_deleted_config_json_is_rewritten_from_the_checkpoint_on_resume(tmp_path, reference):
+    out = _stopped_at(tmp_path, 10)
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").unlink()
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text()) == {**saved, "stop_at": 0}
+    _same_rows(read_metrics(out / "metrics.jsonl"), reference)
+
+
 def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
     out = _stopped_at(tmp_path, 10)
     marker = tmp_path / "pwned.txt"
