@@ -158,12 +158,26 @@ def check_same_corpus(corpus: Corpus, cfg: TrainConfig) -> None:
 
 
 def finished_summary(out: Path, step: int, steps: int, echo: bool) -> dict:
-    """What resuming a run already at ``steps`` returns: its ``summary.json``, unchanged."""
+    """What resuming a run already at ``steps`` returns: its ``summary.json``, unchanged
+    (empty when there is none).
+
+    Raises:
+        RunError: ``summary.json`` is not a JSON object (naming the file and what is wrong).
+    """
     if echo:
         print(f"run in {out} already finished at step {step} (steps={steps}); nothing to do",
               flush=True)
     summary = out / "summary.json"
-    return json.loads(summary.read_text()) if summary.exists() else {}
+    if not summary.exists():
+        return {}
+    try:
+        saved = json.loads(summary.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RunError(f"{summary} is damaged ({exc}); the run already finished at step "
+                       f"{step}, its checkpoint is intact") from None
+    return saved
 
 
 def write_run_files(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> None:

@@ -67,6 +67,15 @@ def test_a_finished_run_resumes_to_its_summary(tmp_path, capsys):
     assert "already finished at step 10" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("text, why", [("garbage", "Expecting value"), ("[1]", "not a JSON object"),
+                                       (b"\xff", "can't decode")])
+def test_a_damaged_summary_of_a_finished_run_is_a_run_error_naming_it(tmp_path, text, why):
+    path = tmp_path / "summary.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(RunError, match=f"{path} is damaged .*{why}"):
+        finished_summary(tmp_path, 10, 10, echo=False)
+
+
 def test_corpus_checks():
     cfg = build_config("smoke")
     corpus = load_corpus(cfg.corpus)

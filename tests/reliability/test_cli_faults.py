@@ -146,6 +146,16 @@ def test_a_deleted_config_json_is_rewritten_from_the_checkpoint_on_resume(tmp_pa
     _same_rows(read_metrics(out / "metrics.jsonl"), reference)
 
 
+def test_resuming_a_finished_run_with_a_damaged_summary_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 0
+    (out / "summary.json").write_text("{trunc")
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out / 'summary.json'} is damaged") and err.count("\n") == 1
+
+
 def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
     out = _stopped_at(tmp_path, 10)
     marker = tmp_path / "pwned.txt"
