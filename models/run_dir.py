@@ -251,23 +251,39 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def restore_state(ckpt: dict, model, optimizer, sampler, precision, rank: int,
-                  world_size: int, seed: int) -> None:
+                  world_size: int, seed: int, out: str | Path = "the run directory") -> None:
     """Load a checkpoint's model, optimizer, sampler, loss scale and RNG state.
 
     Every rank takes its own saved RNG stream when the world size is the one the checkpoint
     was written with; otherwise rank 0's, with fresh streams for the other ranks.
+
+    Raises:
+        CheckpointError: a part that does not fit (a sealed checkpoint of another version of
+            the program, or an edited one), naming the part, ``out`` and the mismatch.
     """
     from .job import set_rank_rng
 
-    model.load_state_dict(ckpt["model"])
-    load_optimizer_state(optimizer, ckpt["optimizer"])
-    sampler.load_state_dict(ckpt["sampler"])
-    precision.load_state_dict(ckpt.get("scaler", {}))
     per_rank = ckpt.get("rng_per_rank")
     same_world = per_rank is not None and len(per_rank) == world_size
-    set_rng_state(per_rank[rank] if same_world else ckpt["rng"])
+    _restore_part("model", out, model.load_state_dict, ckpt["model"])
+    _restore_part("optimizer", out, lambda s: load_optimizer_state(optimizer, s),
+                  ckpt["optimizer"])
+    _restore_part("sampler", out, sampler.load_state_dict, ckpt["sampler"])
+    _restore_part("scaler", out, precision.load_state_dict, ckpt.get("scaler", {}))
+    _restore_part("rng", out, set_rng_state, per_rank[rank] if same_world else ckpt["rng"])
     if not same_world and world_size > 1:
         set_rank_rng(seed, rank)
+
+
+def _restore_part(part: str, out: str | Path, load, state) -> None:
+    """``load(state)``; what a state that does not fit raises is one :class:`CheckpointError`."""
+    try:
+        load(state)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        detail = " ".join(str(exc).split())[:500] or type(exc).__name__
+        raise CheckpointError(f"cannot resume: the {part} state in {out}'s checkpoint does not "
+                              f"fit this program ({detail}); it was written by another version "
+                              f"or edited") from None
 
 
 def resumed_rows(out: Path, step: int) -> list[dict]:

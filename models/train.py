@@ -149,7 +149,7 @@ def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corp
     rows = []
     if ckpt is not None:
         run_dir.restore_state(ckpt, model, optimizer, sampler, precision, job.rank,
-                              job.world_size, cfg.seed)
+                              job.world_size, cfg.seed, out)
         rows = run_dir.resumed_rows(out, ckpt["step"])
     raise_together(None, RunError)  # every rank has read metrics.jsonl before rank 0 rewrites it
     if job.is_main:

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 import models.train as train_mod
-from models.run_dir import DAMAGED_CHECKPOINT, load_checkpoint, read_metrics
+from models.run_dir import (
+    DAMAGED_CHECKPOINT,
+    PREVIOUS_CHECKPOINT,
+    load_checkpoint,
+    read_metrics,
+    save_checkpoint,
+)
 from models.train import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,6 +160,33 @@ def test_resuming_a_finished_run_with_a_damaged_summary_is_one_line(tmp_path, ca
     assert main(["--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out / 'summary.json'} is damaged") and err.count("\n") == 1
+
+
+def _reseal(out: Path, part: str, change) -> None:
+    """Replace ``part`` of the run's checkpoint by ``change(part)`` and seal it again (what an
+    edited checkpoint, or one of another version of the program, holds): the only one left."""
+    state = load_checkpoint(out)[0]
+    state[part] = change(state[part])
+    (out / PREVIOUS_CHECKPOINT).unlink()
+    (out / "checkpoint.pt").unlink()
+    save_checkpoint(out / "checkpoint.pt", state, -1)
+
+
+@pytest.mark.parametrize("part, change, needle", [
+    ("model", lambda model: {**model, "wte.weight": torch.zeros(3, 3)},
+     "size mismatch for wte.weight"),
+    ("sampler", lambda sampler: {}, "'generator'"),
+    ("optimizer", lambda opt: {"state": {}, "param_groups": []}, "parameter groups"),
+])
+def test_a_sealed_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path, capsys, part,
+                                                                     change, needle):
+    out = _stopped_at(tmp_path, 10)
+    _reseal(out, part, change)
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot resume: the {part} state in {out}'s checkpoint does "
+                          f"not fit") and needle in err and err.count("\n") == 1, err
 
 
 def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
