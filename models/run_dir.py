@@ -29,6 +29,7 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
     REQUIRED_KEYS,
     RUN_FILES,
     CheckpointError,
+    RunDirLock,
     RunError,
     atomic_write,
     check_run_dir,

@@ -15,6 +15,9 @@ Guarantees (see ``docs/guides/training.rst``, "What happens when things go wrong
   newest is truncated, bit-flipped or incomplete.
 - **Plain-data RNG state.** :func:`rng_state` stores torch's, numpy's and Python's generators as
   tensors, numbers and tuples, so a checkpoint needs no pickled numpy objects.
+- **One writer.** :class:`RunDirLock` (``flock`` on the run directory itself, no lock file) is
+  held by the process that trains into a directory; a second run into it is refused before it
+  writes anything.
 - **metrics.jsonl repair.** :func:`read_metrics` drops a partial last line (what a kill during an
   append leaves) and names the line of any other unreadable row.
 """
@@ -31,14 +34,19 @@ import random
 import tempfile
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX: runs go on unlocked
+    fcntl = None
+
 import numpy as np
 import torch
 
 __all__ = ["CHECKPOINT", "DAMAGED_CHECKPOINT", "PREVIOUS_CHECKPOINT", "RUN_FILES",
-           "CheckpointError", "RunError", "atomic_write", "check_run_dir", "clear_stale_run",
-           "describe_os_error", "has_checkpoint", "load_checkpoint", "read_metrics",
-           "rewrite_metrics", "rng_state", "save_checkpoint", "set_rng_state", "state_checksum",
-           "write_json"]
+           "CheckpointError", "RunDirLock", "RunError", "atomic_write", "check_run_dir",
+           "clear_stale_run", "describe_os_error", "has_checkpoint", "load_checkpoint",
+           "read_metrics", "rewrite_metrics", "rng_state", "save_checkpoint", "set_rng_state",
+           "state_checksum", "write_json"]
 
 #: The newest checkpoint of a run directory.
 CHECKPOINT = "checkpoint.pt"
@@ -355,6 +363,44 @@ def clear_stale_run(out: str | Path) -> None:
     for path in out.iterdir():
         if path.name in RUN_FILES or _is_temporary(path.name):
             _remove_stale(path)
+
+
+class RunDirLock:
+    """An exclusive lock on the run directory ``out`` (``flock`` on the directory), taken when
+    constructed and held until :meth:`release` (or the end of a ``with`` block, or of the
+    process), so that two runs never write one directory. Where the file system cannot lock
+    (``flock`` unsupported, no :mod:`fcntl`) the lock is a no-op.
+
+    Raises:
+        RunError: another process holds the lock.
+    """
+
+    def __init__(self, out: str | Path) -> None:
+        self.out, self.fd = Path(out), None
+        if fcntl is None:  # pragma: no cover
+            return
+        fd = os.open(self.out, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RunError(f"run directory {self.out} is in use by another run (it holds "
+                               f"the directory's lock); wait for it to end, or choose another "
+                               f"--out") from None
+            return  # a file system without flock (some network mounts): unlocked
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # --------------------------------------------------------------------------------------------

@@ -121,15 +121,31 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
     run_dir.check_same_corpus(corpus, cfg)
     if job.is_main and not resume:
         out.mkdir(parents=True, exist_ok=True)
-        if stale:  # a run that stopped before its first checkpoint: start it again cleanly
-            run_dir.clear_stale_run(out)
-    run = _setup(cfg, out, resume, echo, job, corpus, ckpt)
-    try:
-        _loop(run)
-    finally:
-        run.progress.close()
-        run.log.close()
-    return _finish(run, ckpt)
+    with _writer_lock(out, job):
+        if job.is_main and stale:  # a run that stopped before its first checkpoint: start it
+            run_dir.clear_stale_run(out)  # again cleanly
+        run = _setup(cfg, out, resume, echo, job, corpus, ckpt)
+        try:
+            _loop(run)
+        finally:
+            run.progress.close()
+            run.log.close()
+        return _finish(run, ckpt)
+
+
+@contextlib.contextmanager
+def _writer_lock(out: Path, job: Job):
+    """Rank 0 holds ``out``'s :class:`~models.storage.RunDirLock` while the run writes; every
+    rank fails together (before any write) when another run holds it."""
+    lock, error = contextlib.nullcontext(), None
+    if job.is_main:
+        try:
+            lock = run_dir.RunDirLock(out)
+        except RunError as exc:
+            error = exc
+    raise_together(error, RunError)
+    with lock:
+        yield
 
 
 def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corpus: Corpus,

@@ -3,8 +3,10 @@ checkpoint, a full disk, Ctrl-C. Every run is the smoke preset with a few steps.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -207,6 +209,53 @@ def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
                           f"other than tensors and plain data") and err.count("\n") == 1
     assert "nothing in it was run" in err
     assert not marker.exists()
+
+
+# ---- two runs into one directory -------------------------------------------------------------
+
+
+class _AnotherRun:
+    """Hold the lock a training process holds on its run directory (``flock`` on the directory)."""
+
+    def __init__(self, out: Path) -> None:
+        self.fd = os.open(out, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+def _files(out: Path) -> dict:
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_resuming_a_directory_another_run_is_writing_is_refused(tmp_path, capsys, reference):
+    out = _stopped_at(tmp_path, 10)
+    before = _files(out)
+    with _AnotherRun(out):
+        capsys.readouterr()
+        assert main(["--resume", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: run directory {out} is in use by another run (it holds the " \
+                      f"directory's lock); wait for it to end, or choose another --out\n"
+        assert _files(out) == before
+    assert main(["--resume", "--out", str(out)]) == 0  # the other run has ended
+    _same_rows(read_metrics(out / "metrics.jsonl"), reference)
+
+
+def test_a_fresh_run_leaves_the_files_of_a_run_before_its_first_checkpoint_alone(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # another run, still before its first checkpoint
+    (out / "metrics.jsonl").write_text('{"step": 5}\n')
+    before = _files(out)
+    with _AnotherRun(out):
+        assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 2
+        assert "is in use by another run" in capsys.readouterr().err
+        assert _files(out) == before
 
 
 # ---- the environment -------------------------------------------------------------------------
