@@ -219,7 +219,10 @@ def save_checkpoint(path: str | Path, state: dict, previous_step: int) -> None:
     torch.save(sealed, buffer)
     tmp = path.with_name(f".{path.name}.verify")
     _remove_stale(tmp)
-    atomic_write(tmp, buffer.getvalue())
+    try:
+        atomic_write(tmp, buffer.getvalue())
+    except OSError as exc:  # name the checkpoint, not the hidden file it was written to
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         _read_verified(tmp)
     except CheckpointError:

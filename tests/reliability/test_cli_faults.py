@@ -269,6 +269,13 @@ def test_a_full_disk_exits_1_naming_the_path_and_enospc(small_tmpfs, capsys):
     assert err.count("\n") == 1
 
 
+def test_a_full_disk_names_the_checkpoint_not_its_temporary_file(small_tmpfs, capsys):
+    out = small_tmpfs(96) / "run"  # room for the small files, not for a checkpoint
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out / 'checkpoint.pt'}: No space left on device (ENOSPC)")
+
+
 def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "models.train", *_quiet("--steps", "100000"), "--out",
