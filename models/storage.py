@@ -415,7 +415,9 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a ``metrics.jsonl`` file (empty list if it does not exist).
 
     A last line without its newline that does not parse is a row cut short by a kill during the
-    append: it is dropped. Any other line that is not a JSON object with a ``step`` is an error.
+    append: it is dropped. Any other line that is not a JSON object with an integer ``step``
+    and numbers or null for ``train_loss`` and ``val_loss`` (which a resumed run reads back:
+    the plot, the summary) is an error.
 
     Raises:
         RunError: naming the file and the line number of an unreadable row.
@@ -431,7 +433,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             continue
         try:
             row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            if not _is_metrics_row(row):
                 raise ValueError("not a row with a step")
         except ValueError:
             if number == len(lines):  # the last line has no newline: a partial append
@@ -439,6 +441,21 @@ def read_metrics(path: str | Path) -> list[dict]:
             raise RunError(f"{path} line {number} is not a metrics row: {line[:80]!r}") from None
         rows.append(row)
     return rows
+
+
+#: Row keys a resumed run reads back (the plot, the summary's last training loss).
+_READ_LOSSES = ("train_loss", "val_loss")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_metrics_row(row) -> bool:
+    """A JSON object with an integer ``step`` and a number or null for each read-back loss."""
+    return isinstance(row, dict) and _is_number(row.get("step")) \
+        and isinstance(row["step"], int) \
+        and all(row.get(key) is None or _is_number(row[key]) for key in _READ_LOSSES)
 
 
 def rewrite_metrics(path: str | Path, rows: list[dict]) -> None:

@@ -145,6 +145,17 @@ def test_a_garbage_metrics_line_stops_the_resume_naming_the_line(tmp_path, capsy
     assert err.startswith("error: ") and "metrics.jsonl line 2 is not a metrics row" in err
 
 
+def test_a_metrics_row_with_a_loss_that_is_not_a_number_stops_the_resume(tmp_path, capsys):
+    out = _stopped_at(tmp_path, 10)
+    rows = read_metrics(out / "metrics.jsonl")
+    rows[0]["train_loss"] = "x"  # an edited file: the end-of-run plot could not draw it
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.jsonl line 1 is not a metrics row" in err
+
+
 def test_a_deleted_config_json_is_rewritten_from_the_checkpoint_on_resume(tmp_path, reference):
     out = _stopped_at(tmp_path, 10)
     saved = json.loads((out / "config.json").read_text())

@@ -232,7 +232,9 @@ def test_a_partial_last_metrics_line_is_dropped_and_rewritten(tmp_path):
     assert path.read_text() == '{"step": 5, "train_loss": 1.0}\n'
 
 
-@pytest.mark.parametrize("bad", ["not json", "[1, 2]", '{"loss": 1.0}', '{"step": "5"}'])
+@pytest.mark.parametrize("bad", ["not json", "[1, 2]", '{"loss": 1.0}', '{"step": "5"}',
+                                 '{"step": true}', '{"step": 6, "train_loss": "x"}',
+                                 '{"step": 6, "val_loss": [1]}', '{"step": 6, "train_loss": true}'])
 def test_a_garbage_metrics_line_is_an_error_naming_the_line(tmp_path, bad):
     path = tmp_path / "metrics.jsonl"
     path.write_text(f'{{"step": 5}}\n{bad}\n{{"step": 10}}\n')
