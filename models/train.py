@@ -26,6 +26,7 @@ import dataclasses
 import math
 import random
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -314,10 +315,7 @@ def _finish(run: Run, ckpt: dict | None) -> dict:
         say("--- sample ---\n" + sample + "\n--------------")
     if run.job.is_main:
         run_dir.write_json(out / "summary.json", summary)
-        from .plotting import plot_run
-
-        plot_run(run.log.rows, out / "loss.png", reference=summary["unigram_entropy"],
-                 title=f"{cfg.connection} / {cfg.optimizer} / sel={cfg.sel} on {cfg.corpus}")
+        _plot(run, summary)
     if summary["finished"]:
         say(f"done: val loss {run.last_val:.4f} (ppl {perplexity(run.last_val):.2f}, unigram "
             f"entropy {summary['unigram_entropy']:.3f}), {run.tokens:,} tokens in "
@@ -328,6 +326,21 @@ def _finish(run: Run, ckpt: dict | None) -> dict:
             f"stopped at step {run.step} of {cfg.steps} without a checkpoint (checkpoint=false)")
     raise_together(None, RunError)  # no rank returns before rank 0 has written the directory
     return summary
+
+
+def _plot(run: Run, summary: dict) -> None:
+    """``loss.png``; skipped with a warning without matplotlib (the ``train`` extra), as the
+    bar is without tqdm: ``metrics.jsonl`` has every number."""
+    from .plotting import plot_run
+
+    cfg = run.cfg
+    try:
+        plot_run(run.log.rows, run.out / "loss.png", reference=summary["unigram_entropy"],
+                 title=f"{cfg.connection} / {cfg.optimizer} / sel={cfg.sel} on {cfg.corpus}")
+    except ImportError:
+        warnings.warn("loss.png needs the matplotlib package (pip install matplotlib, or the "
+                      "'train' extra); skipped, metrics.jsonl has every number",
+                      RuntimeWarning, stacklevel=2)
 
 
 def main(argv: list[str] | None = None) -> int:

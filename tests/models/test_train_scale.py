@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import math
+import sys
 import warnings
 
 import pytest
@@ -275,6 +276,16 @@ def test_tensorboard_logging_is_optional(tmp_path):
     else:
         assert any((out / "tensorboard").iterdir())
     assert read_metrics(out / "metrics.jsonl")
+
+
+def test_a_run_without_matplotlib_finishes_without_its_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    out = tmp_path / "run"
+    with pytest.warns(RuntimeWarning, match="loss.png needs the matplotlib package"):
+        assert main([*_quiet("--steps", "5", "--eval_interval", "5", "--out", str(out))]) == 0
+    assert "done: val loss" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    assert not (out / "loss.png").exists()
 
 
 def test_diagnostics_cover_attention_angles_and_weight_tails():
