@@ -7,7 +7,10 @@ optimizer stay float32); its exponent range is float32's, so no loss scaling is 
 ``float16`` has five exponent bits: small gradients underflow, so the loss is multiplied by a
 scale :math:`s` before ``backward`` and the gradients divided by :math:`s` before clipping and
 the step; a step whose gradients overflowed is skipped and :math:`s` halved (it grows again
-after a run of good steps) — the scaler's state is part of the checkpoint.
+after a run of good steps) — the scaler's state is part of the checkpoint. Gradients that
+overflow whatever the scale (NaN, or infinite in float32) would halve it for ever while no step
+is taken: once it falls below :data:`MIN_LOSS_SCALE` the run has diverged (fairseq's
+``min_loss_scale`` rule).
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import contextlib
 
 import torch
 
-__all__ = ["Precision"]
+__all__ = ["MIN_LOSS_SCALE", "Precision"]
+
+#: The float16 loss scale below which overflowing gradients are a divergence, not an overflow
+#: (fairseq's default ``min_loss_scale``): 30 skipped steps in a row from the initial 2**16.
+MIN_LOSS_SCALE = 1e-4
 
 
 class Precision:
@@ -56,6 +63,11 @@ class Precision:
             return
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def scale_collapsed(self) -> bool:
+        """Whether the float16 loss scale has fallen below :data:`MIN_LOSS_SCALE` (always False
+        outside float16)."""
+        return self.scaler is not None and self.scaler.get_scale() < MIN_LOSS_SCALE
 
     def state_dict(self) -> dict:
         """The scaler's state (plain numbers), empty unless float16."""

@@ -44,7 +44,7 @@ from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
 from .data import BatchSampler, Corpus, CorpusError
 from .evaluation import diagnostics, evaluate, generate_sample, perplexity
 from .job import Job, set_rank_rng, start_job
-from .precision import Precision
+from .precision import MIN_LOSS_SCALE, Precision
 from .progress import Progress
 from .run_dir import MetricsLog, RunError
 from .run_dir import load_optimizer_state, read_metrics, save_checkpoint  # noqa: F401
@@ -256,6 +256,10 @@ def _loop(run: Run) -> None:
             run.diverged = f"non-finite training loss ({loss}) at step {step}"
         elif not math.isfinite(grad_norm) and run.precision.scaler is None:
             run.diverged = f"non-finite gradient norm ({grad_norm}) at step {step}"
+            row["grad_norm"] = None
+        elif not math.isfinite(grad_norm) and run.precision.scale_collapsed():
+            run.diverged = (f"non-finite gradients at every loss scale (the float16 loss scale "
+                            f"fell below {MIN_LOSS_SCALE:g}) at step {step}")
             row["grad_norm"] = None
         if run.diverged is not None:
             run.log.append({**row, "diverged": True})

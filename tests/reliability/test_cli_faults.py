@@ -88,6 +88,22 @@ def test_a_non_finite_gradient_norm_stops_before_the_step_with_status_3(tmp_path
     assert last["step"] == 13 and last["grad_norm"] is None and last["diverged"] is True
 
 
+def test_float16_gradients_that_overflow_at_every_loss_scale_are_a_divergence(tmp_path,
+                                                                              monkeypatch, capsys):
+    models = _poison_gradients_from(monkeypatch, 3)  # skipped steps from 3 on: the scale halves
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "40", "--eval_interval", "10", "--dtype", "float16"),
+                 "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    # 2**16 halved 30 times is 2**-14 < 1e-4 (fairseq's min_loss_scale): step 3 + 29
+    assert "training diverged: non-finite gradients at every loss scale (the float16 loss " \
+           "scale fell below 0.0001) at step 32" in err
+    assert "last good checkpoint (step 30)" in err
+    assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    assert last["step"] == 32 and last["grad_norm"] is None and last["diverged"] is True
+
+
 def test_a_run_that_diverges_before_its_first_checkpoint_can_be_run_again(
         tmp_path, monkeypatch, capsys, reference):
     out = tmp_path / "run"
