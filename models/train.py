@@ -304,7 +304,8 @@ def _evaluate_into(run: Run, row: dict) -> bool:
 
 
 def _finish(run: Run, ckpt: dict | None) -> dict:
-    """Write ``summary.json``, the sample and the plot; say how the run ended."""
+    """Write ``summary.json`` and the plot, then the sample (so that an interrupted sample
+    loses nothing else); say how the run ended."""
     cfg, out, say = run.cfg, run.out, run.progress.say
     seconds = time.perf_counter() - run.t_start
     summary = run_dir.summary_of(run, ckpt, run.wall_before + seconds, seconds)
@@ -313,13 +314,14 @@ def _finish(run: Run, ckpt: dict | None) -> dict:
                 if run.saved_step >= 0 else "no checkpoint had been written yet")
         summary["error"] = f"{run.diverged}; {kept}"
         say(f"stopped: {summary['error']}")
-    elif summary["finished"] and cfg.sample_tokens > 0 and run.job.is_main:
-        sample = generate_sample(run.model, run.corpus, cfg, run.job.device)
-        run_dir.atomic_write(out / "sample.txt", sample.encode())
-        say("--- sample ---\n" + sample + "\n--------------")
     if run.job.is_main:
         run_dir.write_json(out / "summary.json", summary)
         _plot(run, summary)
+    if run.diverged is None and summary["finished"] and cfg.sample_tokens > 0 \
+            and run.job.is_main:
+        sample = generate_sample(run.model, run.corpus, cfg, run.job.device)
+        run_dir.atomic_write(out / "sample.txt", sample.encode())
+        say("--- sample ---\n" + sample + "\n--------------")
     if summary["finished"]:
         say(f"done: val loss {run.last_val:.4f} (ppl {perplexity(run.last_val):.2f}, unigram "
             f"entropy {summary['unigram_entropy']:.3f}), {run.tokens:,} tokens in "

@@ -303,6 +303,21 @@ def test_a_full_disk_names_the_checkpoint_not_its_temporary_file(small_tmpfs, ca
     assert err.startswith(f"error: {out / 'checkpoint.pt'}: No space left on device (ENOSPC)")
 
 
+def test_ctrl_c_during_the_final_sample_keeps_the_summary_of_the_finished_run(tmp_path,
+                                                                              monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the end-of-run sample is generated
+
+    monkeypatch.setattr(train_mod, "generate_sample", interrupted)
+    out = tmp_path / "run"
+    assert main(["--preset", "smoke", "--steps", "10", "--out", str(out)]) == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] and summary["steps"] == 10
+    assert (out / "loss.png").is_file()
+    monkeypatch.undo()
+    assert main(["--resume", "--out", str(out)]) == 0  # "already finished": the same summary
+
+
 def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "models.train", *_quiet("--steps", "100000"), "--out",
