@@ -116,6 +116,21 @@ def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool) -> 
     return ckpt
 
 
+def _check_own_run_files(out: Path) -> None:
+    """Refuse to clear a directory of run files (:func:`~models.storage.check_run_dir`) unless
+    its ``config.json`` is a configuration, as every run writes first: files of a user's own
+    with the same names are never deleted."""
+    if not any(p.name in RUN_FILES for p in out.iterdir()):
+        return  # only the temporary files of a kill mid-write
+    saved = out / "config.json"
+    try:
+        TrainConfig.from_dict(with_legacy_defaults(json.loads(saved.read_text())))
+    except (OSError, ValueError, TypeError):
+        raise RunError(f"run directory {out} is not empty and holds no run of this program "
+                       f"({saved} is missing or not a configuration); choose another --out"
+                       ) from None
+
+
 def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig) -> None:
     """Refuse to resume on a corpus whose fingerprint changed (the data order would differ)."""
     if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
@@ -137,6 +152,8 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
     """
     _check_world_size(cfg, world_size)
     stale = check_run_dir(out, resume)
+    if stale:
+        _check_own_run_files(out)
     ckpt = _open_checkpoint(out, cfg, is_main, echo) if resume else None
     if ckpt is not None and ckpt["step"] >= cfg.steps:
         return ckpt, None, stale

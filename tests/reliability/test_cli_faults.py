@@ -238,6 +238,19 @@ def test_a_crafted_checkpoint_is_refused_with_one_line(tmp_path, capsys):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("files", [{"config.json": '{"my": "own settings"}', "sample.txt": "notes"},
+                                   {"sample.txt": "notes"}, {"config.json": "x"}])
+def test_a_users_files_named_like_run_files_are_never_cleared(tmp_path, capsys, files):
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    assert main([*_quiet("--steps", "5"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: run directory {out} is not empty") and err.count("\n") == 1
+    assert {p.name: p.read_text() for p in out.iterdir()} == files
+
+
 # ---- two runs into one directory -------------------------------------------------------------
 
 
