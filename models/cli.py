@@ -111,12 +111,21 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _interrupted_line(out: Path | None) -> str:
+    """What to do after Ctrl-C: resume from the checkpoint, or, before the first one, start over."""
+    if out is not None and has_checkpoint(out):
+        return "interrupted; resume with --resume (from the last checkpoint)"
+    return ("interrupted before the first checkpoint: nothing to resume; run the same command "
+            "again to start over")
+
+
 def main(argv: list[str] | None, run) -> int:
     """Parse ``argv``, call ``run(cfg, out, resume=...)`` and map the outcome to an exit status
     (0 ok, 1 file-system fault, 2 bad input, 3 diverged, 130 interrupted)."""
     argv = sys.argv[1:] if argv is None else argv
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on
+    out = None
     try:
         args, overrides = parse_args(argv)
         if args.out is not None and not args.out.strip():
@@ -134,7 +143,7 @@ def main(argv: list[str] | None, run) -> int:
                   file=sys.stderr)
         return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
-        print("interrupted; resume with --resume (from the last checkpoint)", file=sys.stderr)
+        print(_interrupted_line(out), file=sys.stderr)
         return EXIT_INTERRUPTED
     if summary.get("diverged"):
         if _is_rank_zero():

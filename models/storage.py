@@ -25,6 +25,7 @@ Guarantees (see ``docs/guides/training.rst``, "What happens when things go wrong
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -84,13 +85,23 @@ def describe_os_error(exc: OSError) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _umask() -> int:
+    """The process's umask (read once: ``os.umask`` can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, data: bytes) -> None:
     """Replace ``path`` by ``data`` atomically.
 
     The temporary file is created exclusively (``tempfile.mkstemp``: ``O_CREAT | O_EXCL |
     O_NOFOLLOW``, a unique hidden name) in the target's directory, written, ``fsync``-ed and
     renamed over ``path``; on any failure it is removed and ``path`` is untouched. ``os.replace``
-    replaces a symlink at ``path`` itself, never the file it points to.
+    replaces a symlink at ``path`` itself, never the file it points to. The file gets the mode
+    ``open`` would give a new file (``0o666`` less the umask), not ``mkstemp``'s owner-only
+    ``0o600``: colleagues on a shared machine read run directories as they read any other file.
 
     Raises:
         OSError: with ``filename`` set to ``path`` (ENOSPC, EACCES, ...).
@@ -101,6 +112,7 @@ def atomic_write(path: str | Path, data: bytes) -> None:
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -331,17 +331,36 @@ def test_ctrl_c_during_the_final_sample_keeps_the_summary_of_the_finished_run(tm
     assert main(["--resume", "--out", str(out)]) == 0  # "already finished": the same summary
 
 
-def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
+def _interrupt_after(out, lines: int) -> tuple[int, str]:
+    """Start a long run into ``out``, send SIGINT after its first ``lines`` stdout lines (the
+    corpus line, then one per evaluation, each printed just before that step's checkpoint is
+    written), and return the exit status and stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "models.train", *_quiet("--steps", "100000"), "--out",
-         str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [sys.executable, "-m", "models.train", *_quiet("--steps", "100000"), "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().startswith("corpus ")  # training has started
+        for _ in range(lines - 1):
+            assert proc.stdout.readline().startswith("step ")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130
+    return proc.returncode, err
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
+    code, err = _interrupt_after(tmp_path / "run", lines=1)
+    assert code == 130
     assert err.strip().splitlines() == [
-        "interrupted; resume with --resume (from the last checkpoint)"]
+        "interrupted before the first checkpoint: nothing to resume; run the same command again "
+        "to start over"]
+
+
+def test_ctrl_c_after_a_checkpoint_says_resume_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    code, err = _interrupt_after(out, lines=3)  # "step 10" printed: step 5's checkpoint is written
+    assert code == 130
+    assert err.strip().splitlines() == ["interrupted; resume with --resume (from the last checkpoint)"]
+    assert main(["--resume", "--steps", "20", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 20

@@ -208,6 +208,20 @@ def test_atomic_write_names_the_path_of_a_failure(tmp_path):
     assert describe_os_error(info.value) == f"{target}: No such file or directory (ENOENT)"
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_run_files_get_the_mode_of_any_new_file_under_the_umask(tmp_path, umask, mode):
+    """Atomic writes go through mkstemp (owner-only 0o600); the written files must be readable
+    as the umask says, like the files ``open`` creates. Each umask in a fresh process (the
+    library reads it once)."""
+    target = tmp_path / "summary.json"
+    code = (f"import os; os.umask({umask}); from models.storage import atomic_write, save_checkpoint; "
+            f"atomic_write({str(target)!r}, b'{{}}'); "
+            f"save_checkpoint({str(tmp_path / CHECKPOINT)!r}, {{'step': 1}}, previous_step=-1)")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True)
+    assert oct(target.stat().st_mode & 0o777) == oct(mode)
+    assert oct((tmp_path / CHECKPOINT).stat().st_mode & 0o777) == oct(mode)
+
+
 def test_a_full_disk_is_one_enospc_error_and_the_checkpoint_stays_intact(small_tmpfs):
     tiny_disk = small_tmpfs(256)
     path = tiny_disk / CHECKPOINT
