@@ -279,6 +279,32 @@ def test_bad_arguments(kwargs, match):
         ManifoldMuon(_matrices([(4, 4)]), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"lr": float("inf")}, "lr must be a finite number, got inf"),
+        ({"lr": torch.tensor(float("inf"))}, "lr must be a finite number, got inf"),
+        ({"lr": "fast"}, "lr must be a finite number, got 'fast'"),
+        ({"lr": True}, "lr must be a finite number, got True"),
+        ({"weight_decay": float("inf")}, "weight_decay must be a finite number, got inf"),
+        ({"weight_decay": "none"}, "weight_decay must be a finite number, got 'none'"),
+        ({"momentum": "high"}, "momentum must be a finite number, got 'high'"),
+        ({"eps": float("inf")}, "eps must be a finite number, got inf"),
+        ({"ns_steps": True}, "ns_steps must be an int in .*, got True"),
+        ({"ns_coefficients": (float("nan"), -4.775, 2.0315)}, r"ns_coefficients must be three finite "
+                                                              r"numbers \(a, b, c\), got \(nan"),
+        ({"ns_coefficients": ("a", "b", "c")}, "ns_coefficients must be three finite numbers"),
+        ({"nesterov": "no"}, "nesterov must be True or False, got 'no'"),
+    ],
+)
+@pytest.mark.parametrize("manifold", ["euclidean", "dgram"])
+def test_non_finite_or_non_numeric_options_are_refused(kwargs, match, manifold):
+    """An infinite lr or weight decay, or NaN Newton–Schulz coefficients, would turn a Euclidean or
+    DGram parameter NaN at the first step; a string or a bool is not a number."""
+    with pytest.raises(ValueError, match=match):
+        ManifoldMuon(_matrices([(6, 4)]), manifold=manifold, **kwargs)
+
+
 def test_non_matrix_parameter_is_rejected():
     with pytest.raises(ValueError, match=r"shape \(4,\).*'stiefel'"):
         ManifoldMuon([torch.nn.Parameter(torch.zeros(4))], manifold="stiefel")
