@@ -310,6 +310,39 @@ def test_non_matrix_parameter_is_rejected():
         ManifoldMuon([torch.nn.Parameter(torch.zeros(4))], manifold="stiefel")
 
 
+@pytest.mark.parametrize(
+    "group,match",
+    [
+        ({"lr": -3.0}, "lr must be >= 0, got -3.0"),
+        ({"manifold": "torus"}, "unknown manifold 'torus'; valid: euclidean, stiefel, dgram, oblique"),
+        ({"dual": {"tol": 0}}, "dual tol must be > 0"),
+        ({"params": [torch.nn.Parameter(torch.ones(2, 3, 4))]}, r"2-D matrices; a parameter of shape \(2, 3, 4\)"),
+    ],
+)
+def test_add_param_group_validates_like_the_constructor(group, match):
+    opt = ManifoldMuon(_matrices([(6, 4)]), manifold="stiefel")
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": _matrices([(6, 4)], seed=1), **group})
+    assert len(opt.param_groups) == 1  # a refused group is not kept
+
+
+@pytest.mark.parametrize("project_init", [True, False])
+def test_add_param_group_projects_as_the_constructor_did(project_init):
+    opt = ManifoldMuon(_matrices([(6, 4)]), manifold="euclidean", project_init=project_init,
+                       dual={"tol": 1e-4})
+    (w,) = _matrices([(8, 3)], seed=2, dtype=torch.float64)
+    before = w.detach().clone()
+    opt.add_param_group({"params": [w], "manifold": "stiefel", "dual": {"max_iter": 7}})
+    assert opt.param_groups[1]["dual"]["tol"] == 1e-4 and opt.param_groups[1]["dual"]["max_iter"] == 7
+    if project_init:
+        assert constraint_residual(w.detach(), "stiefel") <= 1e-14
+        w.grad = torch.randn_like(w)
+        opt.step()
+        assert constraint_residual(w.detach(), "stiefel") <= 1e-12
+    else:
+        assert torch.equal(w.detach(), before)
+
+
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 def test_float64_parameters_stay_tight(manifold):
     params = _matrices([(20, 6)], seed=11, dtype=torch.float64)
