@@ -22,6 +22,8 @@ from .policies import Classifier, Policy, get_policy, warn_unclassified
 __all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
 
 DEFAULT_ADAMW_BETAS = (0.9, 0.95)
+#: Group keys :func:`build_optimizer` sets itself; ``manifold_options`` may not replace them.
+_BUILDER_KEYS = ("params", "param_names", "manifold", "kind")
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
@@ -205,8 +207,9 @@ def build_optimizer(
         adamw_weight_decay: decay of AdamW matrices (default: ``weight_decay``).
         classifier: ``(name, module) -> "attn" | "mlp" | None`` for a model that does not follow
             the ``attn`` / ``mlp`` naming rule (built-in policies only).
-        manifold_options: per-manifold ManifoldMuon options, e.g.
-            ``{"dgram": {"retraction": "colnorm-polar"}}``.
+        manifold_options: per-manifold ManifoldMuon group options, e.g.
+            ``{"dgram": {"retraction": "colnorm-polar"}}``; not ``params``, ``param_names``,
+            ``manifold`` or ``kind``, which the policy decides.
         **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
             ``dual={"tol": ...}``, ...), including the distributed ones
             (``distributed="sharded"``, ``process_group``, ``shard_strategy``), ``workers``
@@ -220,9 +223,19 @@ def build_optimizer(
     _check_arguments(lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_betas=adamw_betas,
                      adamw_weight_decay=adamw_weight_decay)
     manifold_options = dict(manifold_options or {})
-    for key in manifold_options:
+    for key, options in manifold_options.items():
         if key not in MUON_MANIFOLDS:
             raise ValueError(f"manifold_options has unknown manifold {key!r}; valid: {', '.join(MUON_MANIFOLDS)}")
+        if not isinstance(options, dict):
+            raise ValueError(f"manifold_options[{key!r}] must be a dict of ManifoldMuon group options, "
+                             f"got {options!r}")
+        reserved = sorted(set(options) & set(_BUILDER_KEYS))
+        if reserved:
+            raise ValueError(
+                f"manifold_options[{key!r}] may not set {', '.join(map(repr, reserved))}: the policy "
+                f"decides which parameters a group holds and its manifold "
+                f"(reserved: {', '.join(_BUILDER_KEYS)})"
+            )
     if "manifold" in muon_kw:
         raise ValueError("pass manifolds through the policy, not manifold=...")
     assignment = assign_parameters(model, policy, classifier=classifier)

@@ -208,3 +208,18 @@ def test_gpt_1000_steps_float32_stay_on_manifolds(policy):
             for p in group["params"]:
                 assert p.dtype == torch.float32
                 assert constraint_residual(p.detach(), group["manifold"]) <= 1e-4
+
+
+@pytest.mark.parametrize("key", ["params", "param_names", "manifold", "kind"])
+def test_manifold_options_cannot_replace_what_the_policy_decided(key):
+    """{"stiefel": {"params": []}} used to drop the attention matrices from every optimizer, and
+    {"stiefel": {"manifold": "dgram"}} to move them to DGram, both without a word."""
+    with pytest.raises(ValueError, match=rf"manifold_options\['stiefel'\] may not set '{key}'"):
+        build_optimizer(_UserModel(), "hetero", manifold_options={"stiefel": {key: "dgram"}})
+
+
+def test_manifold_options_must_be_dicts():
+    with pytest.raises(ValueError, match=r"manifold_options\['dgram'\] must be a dict of ManifoldMuon "
+                                         r"group options, got 0.1"):
+        build_optimizer(_UserModel(), "hetero", manifold_options={"dgram": 0.1})
+
