@@ -82,7 +82,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         optimizers: ``{kind: optimizer}``; parameter sets must be disjoint.
 
     ``step(closure)`` evaluates the closure once, then steps every inner optimizer.
-    ``load_state_dict`` re-links the inner optimizers to the loaded groups and state.
+    ``load_state_dict`` re-links the inner optimizers to the loaded groups and state;
+    ``add_param_group`` hands a group to the inner optimizer its ``"kind"`` names.
     """
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
@@ -96,6 +97,35 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 groups.append(group)  # the same dict object: edits reach the inner optimizer
         super().__init__(groups, {})
         self._link()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer its ``"kind"`` names (``"muon"``, ``"adamw"``, ...).
+
+        That optimizer fills in its defaults and validates the group (:class:`ManifoldMuon`
+        also projects it); the group is the same dict object in both, as at construction.
+
+        Raises:
+            ValueError: for a missing or unknown ``"kind"``, or whatever the inner optimizer
+                refuses; the group is then not added anywhere.
+        """
+        if any(param_group is g for opt in self.optimizers.values() for g in opt.param_groups):
+            super().add_param_group(param_group)  # the constructor: a group of an inner optimizer
+            return
+        kind = param_group.get("kind")
+        if kind not in self.optimizers:
+            raise ValueError(
+                f"a CombinedOptimizer parameter group needs 'kind' set to one of "
+                f"{', '.join(self.optimizers)}, got {kind!r}"
+            )
+        super().add_param_group(param_group)  # params disjoint from every group, names or none
+        inner = self.optimizers[kind]
+        try:
+            inner.add_param_group(param_group)
+        except Exception:
+            self.param_groups.pop()
+            inner.param_groups[:] = [g for g in inner.param_groups if g is not param_group]
+            raise
+        self._link(self.state)
 
     def _link(self, shared: defaultdict | None = None) -> None:
         if shared is None:

@@ -223,3 +223,38 @@ def test_manifold_options_must_be_dicts():
                                          r"group options, got 0.1"):
         build_optimizer(_UserModel(), "hetero", manifold_options={"dgram": 0.1})
 
+
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_combined_add_param_group_reaches_the_inner_optimizer(kind):
+    opt = build_optimizer(_UserModel(), "hetero", lr=0.02, adamw_lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    extra = nn.Parameter(torch.randn(6, 4, generator=g, dtype=torch.float64))
+    group = {"params": [extra], "param_names": ["extra"], "kind": kind}
+    if kind == "muon":
+        group["manifold"] = "stiefel"
+    opt.add_param_group(group)
+    inner = opt.optimizers[kind]
+    assert inner.param_groups[-1] is opt.param_groups[-1]
+    if kind == "muon":
+        assert constraint_residual(extra.detach(), "stiefel") <= 1e-14  # projected by ManifoldMuon
+    before = extra.detach().clone()
+    extra.grad = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    opt.step()
+    assert not torch.equal(extra.detach(), before)
+    assert extra in opt.state
+
+
+@pytest.mark.parametrize("group, match", [
+    ({}, r"needs 'kind' set to one of muon, adamw, got None"),
+    ({"kind": "sgd"}, r"needs 'kind' set to one of muon, adamw, got 'sgd'"),
+    ({"kind": "muon", "manifold": "torus"}, "unknown manifold 'torus'"),
+])
+def test_combined_add_param_group_refuses_a_group_no_inner_optimizer_would_step(group, match):
+    """A group without a known kind was appended and then never stepped."""
+    opt = build_optimizer(_UserModel(), "hetero")
+    count = len(opt.param_groups)
+    extra = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [extra], "param_names": ["extra"], **group})
+    assert len(opt.param_groups) == count
+    assert sum(len(o.param_groups) for o in opt.optimizers.values()) == count
