@@ -158,3 +158,24 @@ def test_default_tolerance_covers_every_float_dtype(dtype):
     tol = default_tolerance(dtype)
     assert tol >= 1e-5 and tol >= 16 * torch.finfo(dtype).eps
     assert tol == max(default_tolerance(torch.float64), 16 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5], ids=["on-manifold", "scaled"])
+def test_stiefel_projx_has_finite_gradients_where_singular_values_repeat(scale):
+    """At a Stiefel point (and any multiple of one) every singular value is the same, where the
+    SVD's backward divides by their differences: the gradient of projx was NaN. The polar
+    factor is smooth there; its derivative at a Stiefel point is the tangent projection."""
+    m = Stiefel()
+    g = torch.Generator().manual_seed(7)
+    point = m.random(7, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    x = (scale * point).requires_grad_(True)
+    y = m.projx(x)
+    (y * w).sum().backward()
+    assert _norm(y.detach() - point) <= 1e-14
+    torch.testing.assert_close(x.grad, m.proju(point, w) / scale, rtol=0, atol=1e-13)
+
+
+def test_stiefel_projx_gradient_matches_finite_differences():
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    assert torch.autograd.gradcheck(Stiefel().projx, (x.requires_grad_(True),))
