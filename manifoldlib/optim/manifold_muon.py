@@ -251,7 +251,7 @@ class ManifoldMuon(Optimizer):
             validate_group_options(group)
             group_manifold(group)  # fails early on bad retraction options
             names = group.get("param_names") or [None] * len(group["params"])
-            for p, name in zip(group["params"], names):
+            for index, (p, name) in enumerate(zip(group["params"], names)):
                 reject_unsupported_parameter(p, name)
                 if p.ndim != 2:
                     raise ValueError(
@@ -260,6 +260,13 @@ class ManifoldMuon(Optimizer):
                     )
                 if torch.is_complex(p):
                     raise ValueError("ManifoldMuon does not support complex parameters")
+                if p.device.type == "meta":
+                    label = repr(name) if name is not None else f"#{index} of its group"
+                    raise ValueError(
+                        f"parameter {label} of shape {tuple(p.shape)} is on the meta device; "
+                        f"materialize it (e.g. module.to_empty(device=...) and initialize it) before "
+                        f"building the optimizer"
+                    )
             if self.project_init:
                 self._project_group(group)
         except Exception:

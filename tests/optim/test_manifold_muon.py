@@ -305,6 +305,16 @@ def test_non_finite_or_non_numeric_options_are_refused(kwargs, match, manifold):
         ManifoldMuon(_matrices([(6, 4)]), manifold=manifold, **kwargs)
 
 
+@pytest.mark.parametrize("manifold", ["euclidean", "stiefel"])
+def test_a_meta_parameter_is_refused_by_name(manifold):
+    """A meta tensor has no values to project or step; it failed with 'Tensor.item() cannot be
+    called on meta tensors' (Stiefel: at construction; Euclidean: at the first step)."""
+    w = torch.nn.Parameter(torch.empty(6, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"parameter 'attn.q' of shape \(6, 4\) is on the meta device; "
+                                         r"materialize it"):
+        ManifoldMuon([{"params": [w], "param_names": ["attn.q"]}], manifold=manifold)
+
+
 def test_non_matrix_parameter_is_rejected():
     with pytest.raises(ValueError, match=r"shape \(4,\).*'stiefel'"):
         ManifoldMuon([torch.nn.Parameter(torch.zeros(4))], manifold="stiefel")
