@@ -46,12 +46,10 @@ def _finite(name: str, value: Any) -> float:
     NaN falls through to the range checks (``lr must be >= 0, got nan``); inf would turn a Euclidean
     or DGram parameter non-finite at the first step, and a string or bool is not a number.
     """
-    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
-        number = float(value)
-    elif _is_number(value):
-        number = float(value)
-    else:
+    tensor = isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point()
+    if not (tensor or _is_number(value)):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+    number = float(value)
     if math.isinf(number):
         raise ValueError(f"{name} must be a finite number, got {number}")
     return number

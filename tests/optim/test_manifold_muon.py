@@ -291,8 +291,8 @@ def test_bad_arguments(kwargs, match):
         ({"momentum": "high"}, "momentum must be a finite number, got 'high'"),
         ({"eps": float("inf")}, "eps must be a finite number, got inf"),
         ({"ns_steps": True}, "ns_steps must be an int in .*, got True"),
-        ({"ns_coefficients": (float("nan"), -4.775, 2.0315)}, r"ns_coefficients must be three finite "
-                                                              r"numbers \(a, b, c\), got \(nan"),
+        ({"ns_coefficients": (float("nan"), -4.775, 2.0315)},
+         r"ns_coefficients must be three finite numbers \(a, b, c\), got \(nan"),
         ({"ns_coefficients": ("a", "b", "c")}, "ns_coefficients must be three finite numbers"),
         ({"nesterov": "no"}, "nesterov must be True or False, got 'no'"),
     ],
