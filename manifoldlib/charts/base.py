@@ -151,10 +151,10 @@ def apply_chart(
         raise ValueError(f"chart must be a callable chart(weight) -> Chart, got {chart!r}")
     if include is None:
         include = lambda name, module: isinstance(module, nn.Linear)
-    uses: dict[int, list[str]] = {}
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}  # a module used twice is no tie
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
-            uses.setdefault(id(p), []).append(_qualified(mname, pname))
+            holders.setdefault(id(p), []).append((_qualified(mname, pname), module))
     targets = []
     for mname, module in model.named_modules():
         if not include(mname, module):
@@ -168,7 +168,7 @@ def apply_chart(
         if param is None:
             continue
         assert_chart_compatible(param, qname)
-        shared = sorted(set(uses.get(id(param), [])) - {qname})
+        shared = sorted({name for name, holder in holders[id(param)] if holder is not module})
         if shared:
             raise ValueError(
                 f"{qname} is tied to {shared}; a chart would overwrite the shared tensor with raw "

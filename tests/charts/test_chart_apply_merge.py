@@ -256,3 +256,16 @@ def test_a_tensor_the_chart_cannot_represent_is_named_and_nothing_is_charted():
         assert torch.equal(p.detach(), w)
     assert torch.equal(model(x), expected)
     assert apply_chart(model, SEL) == ["0.weight", "1.weight"]  # the model can be charted again
+
+
+def test_a_module_used_twice_is_charted_once():
+    """The same Linear at two places of a Sequential holds one weight, which one chart carries;
+    it was refused as 'tied to' itself under its other name."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 6).double()
+    model = nn.Sequential(layer, nn.Tanh(), layer)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    expected = model(x)
+    assert apply_chart(model, functools.partial(SEL, init="congruent")) == ["0.weight"]
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-14)
+    assert merge_charts(model) == ["0.weight"] and model[2] is layer
