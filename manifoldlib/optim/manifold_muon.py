@@ -18,7 +18,7 @@ rank the parameters of a single process running the same steps, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -62,6 +62,14 @@ DEFAULT_MOMENTUM = 0.95
 DISTRIBUTED_MODES = ("replicated", "sharded")
 #: Per-matrix state that only the owner keeps in sharded mode.
 OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual")
+
+
+def _copied(options: Any) -> Any:
+    """``retraction_options`` as the group's own dict (``{}`` for None); anything else is kept
+    for :func:`~manifoldlib.optim.muon_groups.validate_group_options` to refuse by name."""
+    if options is None:
+        return {}
+    return dict(options) if isinstance(options, Mapping) else options
 
 
 def _check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -221,7 +229,7 @@ class ManifoldMuon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "manifold": manifold,
             "retraction": retraction,
-            "retraction_options": dict(retraction_options or {}),
+            "retraction_options": _copied(retraction_options),
             "dual": DualOptions.coerce(dual).as_dict(),
             "ns_dtype": ns_dtype,
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from torch import Tensor
@@ -95,6 +95,9 @@ def validate_group_options(group: MutableMapping) -> None:
         raise ValueError(
             f"unknown {manifold} retraction {retraction!r}; valid: {', '.join(available_retractions(manifold))}"
         )
+    options = group.get("retraction_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"retraction_options must be a dict of plain-data options, got {options!r}")
     ns_dtype = group.get("ns_dtype", "auto")
     if ns_dtype not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")

@@ -295,6 +295,7 @@ def test_bad_arguments(kwargs, match):
          r"ns_coefficients must be three finite numbers \(a, b, c\), got \(nan"),
         ({"ns_coefficients": ("a", "b", "c")}, "ns_coefficients must be three finite numbers"),
         ({"nesterov": "no"}, "nesterov must be True or False, got 'no'"),
+        ({"retraction_options": "svd"}, "retraction_options must be a dict of plain-data options, got 'svd'"),
     ],
 )
 @pytest.mark.parametrize("manifold", ["euclidean", "dgram"])
@@ -334,6 +335,12 @@ def test_add_param_group_validates_like_the_constructor(group, match):
     with pytest.raises(ValueError, match=match):
         opt.add_param_group({"params": _matrices([(6, 4)], seed=1), **group})
     assert len(opt.param_groups) == 1  # a refused group is not kept
+
+
+def test_a_group_with_retraction_options_that_are_not_a_dict_is_refused():
+    with pytest.raises(ValueError, match=r"retraction_options must be a dict of plain-data options, "
+                                         r"got \['svd'\]"):
+        ManifoldMuon([{"params": _matrices([(6, 4)]), "retraction_options": ["svd"]}], manifold="stiefel")
 
 
 @pytest.mark.parametrize("project_init", [True, False])
