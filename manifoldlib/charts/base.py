@@ -144,7 +144,8 @@ def apply_chart(
             with) another module, already carries a chart, or the builder does not return a Chart,
             or a chart cannot take the tensor's values (the message names the tensor). Either
             every selected tensor is charted or, after any error, none is: the tensors charted
-            before it are restored, parameter objects and values.
+            before it are restored, parameter objects and values (a copy of each charted
+            tensor's values is held until the call returns).
     """
     _check_model(model)
     if not callable(chart):
