@@ -35,6 +35,8 @@ MUON_MANIFOLDS = ("euclidean",) + tuple(name for name in STEEPEST_MANIFOLDS if n
 DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     name: dual_manifold(name).muon_retraction for name in MUON_MANIFOLDS
 }
+
+
 def _is_number(value: Any) -> bool:
     """A real number (Python or NumPy; bools excluded), NaN and inf included."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
