@@ -158,6 +158,30 @@ class RetractionManifold(geoopt.manifolds.Manifold):
             rtol=tol if rtol is None else rtol,
         )
 
+    def assert_check_point_on_manifold(
+        self, x: torch.Tensor, *, atol: Optional[float] = None, rtol: Optional[float] = None
+    ) -> None:
+        """:meth:`check_point_on_manifold`'s twin, with its tolerances: ``ValueError(reason)``."""
+        tol = default_tolerance(x.dtype)
+        super().assert_check_point_on_manifold(
+            x, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
+        )
+
+    def assert_check_vector_on_tangent(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        *,
+        ok_point: bool = False,
+        atol: Optional[float] = None,
+        rtol: Optional[float] = None,
+    ) -> None:
+        """:meth:`check_vector_on_tangent`'s twin, with its tolerances: ``ValueError(reason)``."""
+        tol = default_tolerance(u.dtype)
+        super().assert_check_vector_on_tangent(
+            x, u, ok_point=ok_point, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
+        )
+
     def extra_repr(self) -> str:
         return f"retraction={self._retraction!r}"
 
