@@ -63,7 +63,8 @@ def validate_group_options(group: MutableMapping) -> None:
 
     ``lr`` (a number or a 1-element tensor), ``momentum``, ``weight_decay`` and ``eps`` must be
     finite numbers in their ranges, ``ns_coefficients`` three finite numbers, ``ns_steps`` an int
-    and ``nesterov`` a bool (bools are not numbers here).
+    and ``nesterov`` a bool (bools are not numbers here). The numbers are stored back as Python
+    floats (``ns_coefficients`` as a tuple of them), NumPy scalars included.
     """
     reject_replaced_kwargs(group, "ManifoldMuon parameter group")
     lr = group["lr"]
@@ -86,6 +87,13 @@ def validate_group_options(group: MutableMapping) -> None:
     if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
             and all(_is_number(c) and math.isfinite(c) for c in coeffs)):
         raise ValueError(f"ns_coefficients must be three finite numbers (a, b, c), got {coeffs!r}")
+    # plain Python floats: a NumPy scalar in a group would make state_dict() unloadable with
+    # torch.load(weights_only=True)
+    if not isinstance(lr, Tensor):
+        group["lr"] = float(lr)
+    for key in ("momentum", "weight_decay", "eps"):
+        group[key] = float(group[key])
+    group["ns_coefficients"] = tuple(float(c) for c in coeffs)
     fn = group["adjust_lr_fn"]
     if fn is not None and fn not in ADJUST_LR_FNS:
         raise ValueError(f"adjust_lr_fn must be None or one of {', '.join(ADJUST_LR_FNS)}, got {fn!r}")

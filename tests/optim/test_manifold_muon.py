@@ -255,6 +255,29 @@ def test_state_dict_round_trips_with_weights_only():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
+def test_numpy_numbers_are_stored_as_plain_floats_so_state_dict_loads_weights_only():
+    """lr=np.float64(0.02) (e.g. from np.linspace) was stored as a NumPy scalar, which
+    torch.load(weights_only=True) refuses to unpickle."""
+    import numpy as np
+
+    (w,) = _matrices([(6, 4)])
+    opt = ManifoldMuon([{"params": [w], "momentum": np.float32(0.9)}], manifold="stiefel",
+                       lr=np.float64(0.02), weight_decay=np.float32(0.0), eps=np.float64(1e-7),
+                       ns_coefficients=tuple(np.array([3.4445, -4.7750, 2.0315])))
+    group = opt.param_groups[0]
+    for key in ("lr", "momentum", "weight_decay", "eps"):
+        assert type(group[key]) is float, key
+    assert all(type(c) is float for c in group["ns_coefficients"])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["param_groups"][0]["lr"] == pytest.approx(0.02)
+    assert loaded["param_groups"][0]["momentum"] == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

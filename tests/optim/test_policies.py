@@ -266,3 +266,21 @@ def test_combined_add_param_group_refuses_a_group_no_inner_optimizer_would_step(
         opt.add_param_group({"params": [extra], "param_names": ["extra"], **group})
     assert len(opt.param_groups) == count
     assert sum(len(o.param_groups) for o in opt.optimizers.values()) == count
+
+
+def test_numpy_rates_give_a_state_dict_that_loads_weights_only():
+    """np.float64 rates (a float subclass) passed the checks and were stored as NumPy scalars in
+    the AdamW and Muon groups, so torch.load(weights_only=True) refused the state dict; an
+    np.float32 rate was refused as not a number."""
+    import numpy as np
+
+    model = _gpt()
+    opt = build_optimizer(model, "hetero", lr=np.float64(0.02), adamw_lr=np.float32(3e-3),
+                          weight_decay=np.float64(0.01), adamw_betas=(np.float64(0.9), np.float64(0.95)))
+    for group in opt.param_groups:
+        assert type(group["lr"]) is float and type(group["weight_decay"]) is float
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert {g["lr"] for g in loaded["param_groups"]} == {0.02, float(np.float32(3e-3))}
