@@ -81,7 +81,7 @@ def test_p_must_be_positive(p):
         Sphere(retraction="p", p=p)
 
 
-@pytest.mark.parametrize("radius", [0.0, -2.0, math.nan, math.inf, "big"])
+@pytest.mark.parametrize("radius", [0.0, -2.0, math.nan, math.inf, "big", "2", True])  # "2", True: were 2.0, 1.0
 def test_radius_must_be_positive_and_finite(radius):
     with pytest.raises(
         ValueError, match=rf"radius must be a (finite|positive) number.*got {radius!r}"
