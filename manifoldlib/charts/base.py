@@ -141,17 +141,21 @@ def apply_chart(
 
     Raises:
         ValueError: if a selected tensor is a manifold-constrained parameter, is tied to (shared
-            with) another module, already carries a chart, or the builder does not return a Chart.
+            with) another module, already carries a chart, or the builder does not return a Chart,
+            or a chart cannot take the tensor's values (the message names the tensor). Either
+            every selected tensor is charted or, after any error, none is: the tensors charted
+            before it are restored, parameter objects and values (a copy of each charted
+            tensor's values is held until the call returns).
     """
     _check_model(model)
     if not callable(chart):
         raise ValueError(f"chart must be a callable chart(weight) -> Chart, got {chart!r}")
     if include is None:
         include = lambda name, module: isinstance(module, nn.Linear)
-    uses: dict[int, list[str]] = {}
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}  # a module used twice is no tie
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
-            uses.setdefault(id(p), []).append(_qualified(mname, pname))
+            holders.setdefault(id(p), []).append((_qualified(mname, pname), module))
     targets = []
     for mname, module in model.named_modules():
         if not include(mname, module):
@@ -165,7 +169,7 @@ def apply_chart(
         if param is None:
             continue
         assert_chart_compatible(param, qname)
-        shared = sorted(set(uses.get(id(param), [])) - {qname})
+        shared = sorted({name for name, holder in holders[id(param)] if holder is not module})
         if shared:
             raise ValueError(
                 f"{qname} is tied to {shared}; a chart would overwrite the shared tensor with raw "
@@ -173,19 +177,41 @@ def apply_chart(
             )
         targets.append((qname, module))
     names = []
+    done: list[tuple[nn.Module, torch.Tensor, list[str]]] = []  # charted here: values, parameter order
     for qname, module in targets:
         weight = getattr(module, tensor_name).detach()
-        built = chart(weight)
-        if not isinstance(built, Chart):
-            raise ValueError(
-                f"chart builder must return a Chart, got {type(built).__name__} for {qname}"
-            )
-        _own_parametrized_class(module)
-        parametrize.register_parametrization(module, tensor_name, built)
+        try:
+            built = chart(weight)
+            if not isinstance(built, Chart):
+                raise ValueError(
+                    f"chart builder must return a Chart, got {type(built).__name__} for {qname}"
+                )
+            saved, order = weight.clone(), list(module._parameters)
+            _own_parametrized_class(module)
+            parametrize.register_parametrization(module, tensor_name, built)
+        except Exception as err:
+            _uncharted(done, tensor_name)
+            if isinstance(err, ValueError) and qname not in str(err):
+                raise ValueError(f"cannot chart {qname}: {err}") from err
+            raise
+        done.append((module, saved, order))
         names.append(qname)
     if not names:
         _warn_nothing_charted(model, tensor_name)
     return names
+
+
+def _uncharted(done: list[tuple[nn.Module, torch.Tensor, list[str]]], tensor_name: str) -> None:
+    """Undo the charts :func:`apply_chart` installed before a later tensor failed: each module is
+    plain again and holds its original parameter object with its original values, in its
+    original place among the module's parameters."""
+    for module, saved, order in reversed(done):
+        _own_parametrized_class(module)
+        parametrize.remove_parametrizations(module, tensor_name, leave_parametrized=False)
+        with torch.no_grad():
+            getattr(module, tensor_name).copy_(saved)
+        params = module._parameters  # removal re-registered the tensor last: restore the order
+        params.update({key: params.pop(key) for key in order if key in params})
 
 
 def _warn_nothing_charted(model: nn.Module, tensor_name: str) -> None:

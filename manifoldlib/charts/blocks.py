@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .base import _own_parametrized_class
+
 __all__ = ["FUSED_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
 
 #: Leaf module names (lower case) of fused q/k/v projections selected by default.
@@ -100,12 +102,18 @@ def split_blocks(
 
     Raises:
         ValueError: a block count that does not divide the output dimension, sizes that do not
-            add up to it, or a selected tensor that is already parametrized.
+            add up to it, a selected tensor that is already parametrized, or one tied to (shared
+            with) another module (each module would get blocks of its own, breaking the tie).
+            Every selected tensor is checked before any is split, so after an error none is.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     include = _default_include if include is None else include
-    names = []
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}  # a module used twice is no tie
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((f"{mname}.{pname}" if mname else pname, module))
+    targets = []
     for mname, module in list(model.named_modules()):
         if not include(mname, module):
             continue
@@ -113,8 +121,15 @@ def split_blocks(
         param = module._parameters.get(tname)
         if param is None or param.dim() != 2:
             continue
+        qname = f"{mname}.{tname}" if mname else tname
         if parametrize.is_parametrized(module, tname):
-            raise ValueError(f"{mname}.{tname} is already parametrized; merge it before splitting")
+            raise ValueError(f"{qname} is already parametrized; merge it before splitting")
+        shared = sorted({name for name, holder in holders[id(param)] if holder is not module})
+        if shared:
+            raise ValueError(
+                f"{qname} is tied to {shared}; splitting would give each module blocks of its own. "
+                f"Untie it or exclude it with include=..."
+            )
         dim = _output_dim(module)
         total = param.size(dim)
         if isinstance(blocks, int):
@@ -125,9 +140,17 @@ def split_blocks(
             sizes = [total // blocks] * blocks
         else:
             sizes = list(blocks)
-        parametrize.register_parametrization(module, tname, SplitBlocks(sizes, dim))
-        names.append(f"{mname}.{tname}" if mname else tname)
-    return names
+        split = SplitBlocks(sizes, dim)
+        if sum(split.sizes) != total:
+            raise ValueError(
+                f"{qname} has {total} entries along its output dimension {dim}; the blocks "
+                f"{split.sizes} need {sum(split.sizes)}"
+            )
+        targets.append((qname, module, tname, split))
+    for qname, module, tname, split in targets:
+        _own_parametrized_class(module)
+        parametrize.register_parametrization(module, tname, split)
+    return [qname for qname, *_ in targets]
 
 
 def merge_blocks(model: nn.Module) -> list[str]:
@@ -138,6 +161,7 @@ def merge_blocks(model: nn.Module) -> list[str]:
             continue
         for tname in list(module.parametrizations.keys()):
             if any(isinstance(p, SplitBlocks) for p in module.parametrizations[tname]):
+                _own_parametrized_class(module)  # a deep copy's original keeps its split
                 parametrize.remove_parametrizations(module, tname, leave_parametrized=True)
                 names.append(f"{mname}.{tname}" if mname else tname)
     return names

@@ -129,7 +129,8 @@ class SEL(Chart):
             raise ValueError(f"init must be one of {SEL_INITS}, got {init!r}")
         if impl not in SEL_IMPLS:
             raise ValueError(f"impl must be one of {SEL_IMPLS}, got {impl!r}")
-        if not isinstance(rank, int) or rank < 0 or (rank > 0 and weight.dim() != 2):
+        if (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0
+                or (rank > 0 and weight.dim() != 2)):
             raise ValueError(f"rank must be an int >= 0 (and 0 for 1-D tensors), got {rank!r}")
         if rank > min(weight.shape):
             raise ValueError(f"rank must be <= min(weight.shape) = {min(weight.shape)}, got {rank}")
@@ -147,12 +148,13 @@ class SEL(Chart):
         for key in ("e_w", "l_w", "m"):
             if key in values:
                 values[key] = _positive(f"scale_init['{key}']", values[key])
-        n0 = float(values["n"]) if isinstance(values["n"], (int, float)) else math.nan
+        n = values["n"]
+        n0 = float(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else math.nan
         if not math.isfinite(n0):
             raise ValueError(f"scale_init['n'] must be a finite number, got {values['n']!r}")
         if fan_in is None:
             fan_in = weight.shape[1] if weight.dim() == 2 else weight.numel()
-        if not isinstance(fan_in, int) or fan_in < 1:
+        if not isinstance(fan_in, int) or isinstance(fan_in, bool) or fan_in < 1:
             raise ValueError(f"fan_in must be an int >= 1, got {fan_in!r}")
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite, got NaN or inf entries")

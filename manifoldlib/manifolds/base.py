@@ -11,6 +11,7 @@ float16 work as well as float32/float64): ``max(1e-5, 16 * eps)`` unless given.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Tuple, Union
 
 import geoopt
@@ -157,6 +158,30 @@ class RetractionManifold(geoopt.manifolds.Manifold):
             rtol=tol if rtol is None else rtol,
         )
 
+    def assert_check_point_on_manifold(
+        self, x: torch.Tensor, *, atol: Optional[float] = None, rtol: Optional[float] = None
+    ) -> None:
+        """:meth:`check_point_on_manifold`'s twin, with its tolerances: ``ValueError(reason)``."""
+        tol = default_tolerance(x.dtype)
+        super().assert_check_point_on_manifold(
+            x, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
+        )
+
+    def assert_check_vector_on_tangent(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        *,
+        ok_point: bool = False,
+        atol: Optional[float] = None,
+        rtol: Optional[float] = None,
+    ) -> None:
+        """:meth:`check_vector_on_tangent`'s twin, with its tolerances: ``ValueError(reason)``."""
+        tol = default_tolerance(u.dtype)
+        super().assert_check_vector_on_tangent(
+            x, u, ok_point=ok_point, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
+        )
+
     def extra_repr(self) -> str:
         return f"retraction={self._retraction!r}"
 
@@ -168,6 +193,17 @@ def _random_normal(shape, generator, dtype, device) -> torch.Tensor:
 
 
 def _size_tuple(size) -> tuple[int, ...]:
+    """The shape given to ``random(*size)`` (or ``random(shape)``); each entry an int ``>= 0``
+    (Python, NumPy or torch ints, not bools), never truncated or parsed."""
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
-    return tuple(int(s) for s in size)
+    shape = []
+    for s in size:
+        try:
+            dim = operator.index(s) if not isinstance(s, bool) else None
+        except TypeError:
+            dim = None
+        if dim is None or dim < 0:
+            raise ValueError(f"random() sizes must be ints >= 0, got {s!r} in {tuple(size)!r}")
+        shape.append(dim)
+    return tuple(shape)

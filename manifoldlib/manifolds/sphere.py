@@ -38,6 +38,8 @@ class Sphere(RetractionManifold):
     default_retraction = "gnomonic"
 
     def __init__(self, radius: float = 1.0, retraction: Union[str, Retraction, None] = None, **retraction_options):
+        if isinstance(radius, (bool, str)):  # float() would take True as 1 and parse '2'
+            raise ValueError(f"radius must be a finite number > 0, got {radius!r}")
         try:
             r = float(radius)
         except (TypeError, ValueError):

@@ -7,6 +7,7 @@ from typing import Union
 import torch
 
 from ..functional.gram_rsqrt import polar_gram_factor
+from ..functional.msign import GRAM_EIGH_REFINE, msign
 from ..functional.stiefel import stiefel_exp, stiefel_qr, sym
 from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_tensor
@@ -101,11 +102,23 @@ class Stiefel(MatrixConstraintManifold):
         (which maps zero singular values to 0) is *not* on the manifold; :math:`UV^\top` still
         is — the SVD's orthonormal completion of the range fills the missing directions.
         Computed in float64 and returned in ``x``'s dtype.
+
+        Differentiable with finite gradients at full, well-conditioned column rank, repeated
+        singular values included (every Stiefel point and its multiples, where the SVD's backward
+        divides by zero): when a gradient is needed there the polar factor comes from the scaled
+        Newton iteration (:func:`~manifoldlib.functional.msign`, ``"newton"``), the same point
+        to rounding. At a Stiefel point the derivative is the tangent projection.
         """
         self._validate(x, "x")
         check_tensor(x, "x", "stiefel.projx", finite=True)
-        # float64 SVD (a projection is rare: an initialization, a repair); cast back at the end
-        u, _, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)  # (..., m, n), (..., n, n)
+        # float64 (a projection is rare: an initialization, a repair); cast back at the end
+        work = x.to(torch.float64)
+        if torch.is_grad_enabled() and x.requires_grad:
+            s = torch.linalg.svdvals(work.detach())  # (..., n)
+            kappa_sq_eps = (s.amax(-1) / s.amin(-1)).square() * torch.finfo(torch.float64).eps
+            if bool((kappa_sq_eps <= GRAM_EIGH_REFINE).all()):  # Newton's Gram solves are accurate
+                return msign(work, "newton").to(x.dtype)
+        u, _, vh = torch.linalg.svd(work, full_matrices=False)  # (..., m, n), (..., n, n)
         return (u @ vh).to(x.dtype)
 
     def expmap(self, x, u):

@@ -52,6 +52,7 @@ kernels.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -295,6 +296,15 @@ class _SphereResidual(torch.autograd.Function):
         return grad_h, grad_f, grad_s, None, None
 
 
+def _check_scale(scale) -> None:
+    """A Python step must be a finite number; a tensor's values are not read (no device sync per
+    call: :class:`~manifoldlib.nn.SphereResidual` passes a positive tensor by construction)."""
+    if isinstance(scale, torch.Tensor):
+        return
+    if not (isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or a scalar tensor, got {scale!r}")
+
+
 def _check(
     h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Retraction, normalize_eps: float | None
 ) -> None:
@@ -309,6 +319,9 @@ def _check(
         raise ValueError(f"scale must be a scalar tensor, got shape {tuple(scale.shape)}")
     if not h.is_floating_point():
         raise ValueError(f"h must be a floating-point tensor, got dtype {h.dtype}")
+    if not isinstance(retraction, Retraction):
+        raise ValueError(f"retraction must be a sphere Retraction instance (e.g. get_retraction('sphere', "
+                         f"'p')), got {retraction!r}")
     if retraction.manifold != "sphere":
         raise ValueError(f"retraction must be a sphere retraction, got {retraction!r} of {retraction.manifold!r}")
 
@@ -334,7 +347,7 @@ def sphere_residual(
         h: ``(..., d)`` points with nonzero rows; the sphere radius of each row is read from
             :math:`\|h\|`.
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
-        scale: step size :math:`s` (a scalar tensor, may require grad).
+        scale: step size :math:`s` (a scalar tensor, may require grad, or a finite number).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere
             retraction falls back to :func:`sphere_residual_reference`.
         normalize_eps: ``None`` (the literal step :math:`s P_h f`) or the relative floor
@@ -344,6 +357,7 @@ def sphere_residual(
         ``(..., d)`` points with the norms of ``h``. Half-precision inputs are computed in
         float32 and returned in their own dtype.
     """
+    _check_scale(scale)
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
     _check(h, f, scale, retraction, normalize_eps)
     if not isinstance(retraction, AngleRetraction):
@@ -374,6 +388,7 @@ def sphere_residual_reference(
 
     Same arguments and shapes as :func:`sphere_residual`.
     """
+    _check_scale(scale)
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
     _check(h, f, scale, retraction, normalize_eps)
     f = f.to(h.dtype)

@@ -27,7 +27,8 @@ class DyT(nn.Module):
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
-        if not (isinstance(alpha_init, (int, float)) and math.isfinite(alpha_init)):
+        if not (isinstance(alpha_init, (int, float)) and not isinstance(alpha_init, bool)
+                and math.isfinite(alpha_init)):
             raise ValueError(f"alpha_init must be a finite number, got {alpha_init!r}")
         self.dim = dim
         self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))

@@ -30,7 +30,8 @@ class ScaleNorm(nn.Module):
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool)
+                and math.isfinite(eps) and eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
         self.dim = dim
         self.eps = float(eps)

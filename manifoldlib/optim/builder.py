@@ -10,6 +10,7 @@ group tagged with ``"kind"`` (``"muon"`` or ``"adamw"``) and ``"param_names"``. 
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from typing import Any
 
@@ -22,6 +23,8 @@ from .policies import Classifier, Policy, get_policy, warn_unclassified
 __all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
 
 DEFAULT_ADAMW_BETAS = (0.9, 0.95)
+#: Group keys :func:`build_optimizer` sets itself; ``manifold_options`` may not replace them.
+_BUILDER_KEYS = ("params", "param_names", "manifold", "kind")
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
@@ -80,7 +83,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         optimizers: ``{kind: optimizer}``; parameter sets must be disjoint.
 
     ``step(closure)`` evaluates the closure once, then steps every inner optimizer.
-    ``load_state_dict`` re-links the inner optimizers to the loaded groups and state.
+    ``load_state_dict`` re-links the inner optimizers to the loaded groups and state;
+    ``add_param_group`` hands a group to the inner optimizer its ``"kind"`` names.
     """
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
@@ -94,6 +98,35 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 groups.append(group)  # the same dict object: edits reach the inner optimizer
         super().__init__(groups, {})
         self._link()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer its ``"kind"`` names (``"muon"``, ``"adamw"``, ...).
+
+        That optimizer fills in its defaults and validates the group (:class:`ManifoldMuon`
+        also projects it); the group is the same dict object in both, as at construction.
+
+        Raises:
+            ValueError: for a missing or unknown ``"kind"``, or whatever the inner optimizer
+                refuses; the group is then not added anywhere.
+        """
+        if any(param_group is g for opt in self.optimizers.values() for g in opt.param_groups):
+            super().add_param_group(param_group)  # the constructor: a group of an inner optimizer
+            return
+        kind = param_group.get("kind")
+        if kind not in self.optimizers:
+            raise ValueError(
+                f"a CombinedOptimizer parameter group needs 'kind' set to one of "
+                f"{', '.join(self.optimizers)}, got {kind!r}"
+            )
+        super().add_param_group(param_group)  # params disjoint from every group, names or none
+        inner = self.optimizers[kind]
+        try:
+            inner.add_param_group(param_group)
+        except Exception:
+            self.param_groups.pop()
+            inner.param_groups[:] = [g for g in inner.param_groups if g is not param_group]
+            raise
+        self._link(self.state)
 
     def _link(self, shared: defaultdict | None = None) -> None:
         if shared is None:
@@ -139,18 +172,18 @@ class CombinedOptimizer(torch.optim.Optimizer):
 def _check_arguments(*, lr, adamw_lr, weight_decay, adamw_betas, adamw_weight_decay) -> None:
     """Refuse bad numbers at the door, naming the argument (not torch's inner parameter name)."""
     for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
                 or value <= 0:
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     for name, value in (("weight_decay", weight_decay), ("adamw_weight_decay", adamw_weight_decay)):
         if value is None and name == "adamw_weight_decay":
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
                 or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     betas = tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else None
     if betas is None or len(betas) != 2 or not all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas
+        isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas
     ):
         raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
 
@@ -205,8 +238,9 @@ def build_optimizer(
         adamw_weight_decay: decay of AdamW matrices (default: ``weight_decay``).
         classifier: ``(name, module) -> "attn" | "mlp" | None`` for a model that does not follow
             the ``attn`` / ``mlp`` naming rule (built-in policies only).
-        manifold_options: per-manifold ManifoldMuon options, e.g.
-            ``{"dgram": {"retraction": "colnorm-polar"}}``.
+        manifold_options: per-manifold ManifoldMuon group options, e.g.
+            ``{"dgram": {"retraction": "colnorm-polar"}}``; not ``params``, ``param_names``,
+            ``manifold`` or ``kind``, which the policy decides.
         **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
             ``dual={"tol": ...}``, ...), including the distributed ones
             (``distributed="sharded"``, ``process_group``, ``shard_strategy``), ``workers``
@@ -219,10 +253,24 @@ def build_optimizer(
     """
     _check_arguments(lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_betas=adamw_betas,
                      adamw_weight_decay=adamw_weight_decay)
+    # plain floats: a NumPy scalar in a group makes state_dict() unloadable with weights_only=True
+    lr, adamw_lr, weight_decay = float(lr), float(adamw_lr), float(weight_decay)
+    adamw_weight_decay = None if adamw_weight_decay is None else float(adamw_weight_decay)
+    adamw_betas = tuple(float(b) for b in adamw_betas)
     manifold_options = dict(manifold_options or {})
-    for key in manifold_options:
+    for key, options in manifold_options.items():
         if key not in MUON_MANIFOLDS:
             raise ValueError(f"manifold_options has unknown manifold {key!r}; valid: {', '.join(MUON_MANIFOLDS)}")
+        if not isinstance(options, dict):
+            raise ValueError(f"manifold_options[{key!r}] must be a dict of ManifoldMuon group options, "
+                             f"got {options!r}")
+        reserved = sorted(set(options) & set(_BUILDER_KEYS))
+        if reserved:
+            raise ValueError(
+                f"manifold_options[{key!r}] may not set {', '.join(map(repr, reserved))}: the policy "
+                f"decides which parameters a group holds and its manifold "
+                f"(reserved: {', '.join(_BUILDER_KEYS)})"
+            )
     if "manifold" in muon_kw:
         raise ValueError("pass manifolds through the policy, not manifold=...")
     assignment = assign_parameters(model, policy, classifier=classifier)

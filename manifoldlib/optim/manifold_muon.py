@@ -18,7 +18,7 @@ rank the parameters of a single process running the same steps, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -62,6 +62,14 @@ DEFAULT_MOMENTUM = 0.95
 DISTRIBUTED_MODES = ("replicated", "sharded")
 #: Per-matrix state that only the owner keeps in sharded mode.
 OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual")
+
+
+def _copied(options: Any) -> Any:
+    """``retraction_options`` as the group's own dict (``{}`` for None); anything else is kept
+    for :func:`~manifoldlib.optim.muon_groups.validate_group_options` to refuse by name."""
+    if options is None:
+        return {}
+    return dict(options) if isinstance(options, Mapping) else options
 
 
 def _check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -124,7 +132,8 @@ class ManifoldMuon(Optimizer):
             AVX512-BF16 or AMX bfloat16 products are emulated, 40–80 times slower than float32
             at 768 columns. Stiefel and DGram solves do not use it (they run in the parameter's
             dtype, float32 for 16-bit parameters).
-        project_init: project every parameter onto its group's manifold now (default ``True``).
+        project_init: project every parameter onto its group's manifold now (default ``True``),
+            and the parameters of every group added later with :meth:`add_param_group`.
         distributed: ``"replicated"`` (default; every rank solves every matrix, nothing to set
             up beyond DDP) or ``"sharded"`` (each matrix solved by one owner rank, the results
             shared with one ``all_gather`` per dtype every step; call
@@ -157,7 +166,8 @@ class ManifoldMuon(Optimizer):
     Parameters must be whole tensors: DTensor (FSDP2, tensor parallel) and FSDP1-flattened
     parameters raise :class:`~manifoldlib.distributed.UnsupportedParameterError` here, since a
     manifold step on a shard would be silently wrong. ``distributed``, ``process_group``,
-    ``shard_strategy``, ``workers`` and ``batch`` are attributes of the optimizer, not group options.
+    ``shard_strategy``, ``workers``, ``batch`` and ``project_init`` are attributes of the optimizer, not
+    group options.
 
     Example:
         >>> opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}], lr=0.02,
@@ -219,20 +229,37 @@ class ManifoldMuon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "manifold": manifold,
             "retraction": retraction,
-            "retraction_options": dict(retraction_options or {}),
+            "retraction_options": _copied(retraction_options),
             "dual": DualOptions.coerce(dual).as_dict(),
             "ns_dtype": ns_dtype,
         }
         validate_group_options(defaults)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
+        self.project_init = False  # the constructor's groups are projected together, below
+        super().__init__(params, defaults)  # validates each group (add_param_group)
+        self.project_init = bool(project_init)
+        if project_init:
+            self.project_parameters()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, validated as the constructor's are (the constructor calls this).
+
+        The group's own ``"dual"`` fields are merged over the defaults; its options, retraction and
+        parameters (2-D, real, whole tensors) are checked, and when the optimizer was built with
+        ``project_init=True`` its parameters are projected onto its manifold.
+
+        Raises:
+            ValueError: naming the bad option or parameter; the group is then not added.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
             own = group["dual"]
-            if isinstance(own, dict) and own is not defaults["dual"]:  # a group's own fields, over the defaults
-                group["dual"] = {**defaults["dual"], **own}
+            if isinstance(own, dict) and own is not self.defaults["dual"]:  # its own fields, over the defaults
+                group["dual"] = {**self.defaults["dual"], **own}
             validate_group_options(group)
             group_manifold(group)  # fails early on bad retraction options
             names = group.get("param_names") or [None] * len(group["params"])
-            for p, name in zip(group["params"], names):
+            for index, (p, name) in enumerate(zip(group["params"], names)):
                 reject_unsupported_parameter(p, name)
                 if p.ndim != 2:
                     raise ValueError(
@@ -241,8 +268,18 @@ class ManifoldMuon(Optimizer):
                     )
                 if torch.is_complex(p):
                     raise ValueError("ManifoldMuon does not support complex parameters")
-        if project_init:
-            self.project_parameters()
+                if p.device.type == "meta":
+                    label = repr(name) if name is not None else f"#{index} of its group"
+                    raise ValueError(
+                        f"parameter {label} of shape {tuple(p.shape)} is on the meta device; "
+                        f"materialize it (e.g. module.to_empty(device=...) and initialize it) before "
+                        f"building the optimizer"
+                    )
+            if self.project_init:
+                self._project_group(group)
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     @torch.no_grad()
     def project_parameters(self) -> None:
@@ -254,9 +291,13 @@ class ManifoldMuon(Optimizer):
                 without full column rank.
         """
         for group in self.param_groups:
-            manifold = group_manifold(group)
-            if manifold.flat:
-                continue
+            self._project_group(group)
+
+    @torch.no_grad()
+    def _project_group(self, group: MutableMapping) -> None:
+        """:meth:`project_parameters` for one group."""
+        manifold = group_manifold(group)
+        if not manifold.flat:
             names = group.get("param_names") or [None] * len(group["params"])
             for index, (p, name) in enumerate(zip(group["params"], names)):
                 label = repr(name) if name is not None else f"#{index} of its group"

@@ -8,7 +8,9 @@ a group's options name, and :func:`group_dual` its :class:`~manifoldlib.optim.du
 from __future__ import annotations
 
 import functools
-from collections.abc import MutableMapping
+import math
+import numbers
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from torch import Tensor
@@ -33,27 +35,65 @@ MUON_MANIFOLDS = ("euclidean",) + tuple(name for name in STEEPEST_MANIFOLDS if n
 DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     name: dual_manifold(name).muon_retraction for name in MUON_MANIFOLDS
 }
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (Python or NumPy; bools excluded), NaN and inf included."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: Any) -> float:
+    """``value`` as a float; ``ValueError`` naming ``name`` for a non-number, a bool, NaN or inf.
+
+    NaN falls through to the range checks (``lr must be >= 0, got nan``); inf would turn a Euclidean
+    or DGram parameter non-finite at the first step, and a string or bool is not a number.
+    """
+    tensor = isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point()
+    if not (tensor or _is_number(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    number = float(value)
+    if math.isinf(number):
+        raise ValueError(f"{name} must be a finite number, got {number}")
+    return number
+
+
 def validate_group_options(group: MutableMapping) -> None:
     """Raise ``ValueError`` naming the option and the accepted values; store ``group["dual"]`` as a
-    validated plain dict."""
+    validated plain dict.
+
+    ``lr`` (a number or a 1-element tensor), ``momentum``, ``weight_decay`` and ``eps`` must be
+    finite numbers in their ranges, ``ns_coefficients`` three finite numbers, ``ns_steps`` an int
+    and ``nesterov`` a bool (bools are not numbers here). The numbers are stored back as Python
+    floats (``ns_coefficients`` as a tuple of them), NumPy scalars included.
+    """
     reject_replaced_kwargs(group, "ManifoldMuon parameter group")
     lr = group["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
-    if not 0.0 <= float(lr):
+    if not 0.0 <= _finite("lr", lr):
         raise ValueError(f"lr must be >= 0, got {float(lr)}")
-    if not 0.0 <= group["momentum"] < 1.0:
+    if not 0.0 <= _finite("momentum", group["momentum"]) < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
-    if not 0.0 <= group["weight_decay"]:
+    if not 0.0 <= _finite("weight_decay", group["weight_decay"]):
         raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
-    if not group["eps"] > 0.0:
+    if not _finite("eps", group["eps"]) > 0.0:
         raise ValueError(f"eps must be > 0, got {group['eps']}")
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"nesterov must be True or False, got {group['nesterov']!r}")
     steps = group["ns_steps"]
-    if not (isinstance(steps, int) and 0 <= steps < 100):
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and 0 <= steps < 100):
         raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
     coeffs = group["ns_coefficients"]
-    if len(tuple(coeffs)) != 3:
-        raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {coeffs!r}")
+    if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
+            and all(_is_number(c) and math.isfinite(c) for c in coeffs)):
+        raise ValueError(f"ns_coefficients must be three finite numbers (a, b, c), got {coeffs!r}")
+    # plain Python floats: a NumPy scalar in a group would make state_dict() unloadable with
+    # torch.load(weights_only=True)
+    if not isinstance(lr, Tensor):
+        group["lr"] = float(lr)
+    for key in ("momentum", "weight_decay", "eps"):
+        group[key] = float(group[key])
+    group["ns_coefficients"] = tuple(float(c) for c in coeffs)
     fn = group["adjust_lr_fn"]
     if fn is not None and fn not in ADJUST_LR_FNS:
         raise ValueError(f"adjust_lr_fn must be None or one of {', '.join(ADJUST_LR_FNS)}, got {fn!r}")
@@ -65,6 +105,9 @@ def validate_group_options(group: MutableMapping) -> None:
         raise ValueError(
             f"unknown {manifold} retraction {retraction!r}; valid: {', '.join(available_retractions(manifold))}"
         )
+    options = group.get("retraction_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"retraction_options must be a dict of plain-data options, got {options!r}")
     ns_dtype = group.get("ns_dtype", "auto")
     if ns_dtype not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")

@@ -102,6 +102,10 @@ DUAL_UPDATES = ("auto", "anderson", "bb")
 
 
 def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold, tol: float, max_iter: int, patience: int | None) -> None:
+    for label, t in (("G", g),) if manifold.flat else (("W", w), ("G", g)):  # W is unused when flat
+        if not t.is_floating_point():
+            raise ValueError(f"{label} must be a real floating-point tensor (float16, bfloat16, float32, "
+                             f"float64), got dtype {t.dtype}")
     if g.dim() != 2:
         raise ValueError(f"the gradient must be a matrix (m, n), got shape {tuple(g.shape)}")
     if not manifold.flat and w.shape != g.shape:

@@ -82,21 +82,30 @@ def _check_manifold_name(manifold: str) -> None:
 def register_retraction(manifold: str, name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[R], R]:
     """Class decorator registering a :class:`Retraction` subclass as ``(manifold, name)``.
 
-    Sets the class's ``name`` and ``manifold`` attributes. Registering an existing name
-    replaces it (so a notebook cell can be re-run); aliases resolve to ``name``.
+    Sets the class's ``name`` and ``manifold`` attributes. Registering an existing name (or an
+    existing alias) replaces it, so a notebook cell can be re-run; ``aliases`` (a tuple of
+    non-empty strings) resolve to ``name``. A class that does not define ``retract``, or whose
+    ``order`` is not 1 or 2, is refused before anything changes.
     """
     _check_manifold_name(manifold)
     if not name or not isinstance(name, str):
         raise ValueError(f"a retraction name must be a non-empty string, got {name!r}")
+    if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
+        raise ValueError(f"aliases must be a tuple of non-empty strings, got {aliases!r}")
 
     def decorator(cls: R) -> R:
         if not (isinstance(cls, type) and issubclass(cls, Retraction)):
             raise TypeError(f"register_retraction decorates Retraction subclasses, got {cls!r}")
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            raise TypeError(f"{cls.__name__} does not define {missing}; a retraction implements "
+                            f"retract(x, v)")
+        if isinstance(cls.order, bool) or cls.order not in (1, 2):
+            raise ValueError(f"{cls.__name__}.order must be 1 or 2, got {cls.order!r}")
         cls.name = name
         cls.manifold = manifold
-        if cls.order not in (1, 2):
-            raise ValueError(f"{cls.__name__}.order must be 1 or 2, got {cls.order!r}")
         _REGISTRY[manifold][name] = cls
+        _ALIASES[manifold].pop(name, None)  # an alias of the same name would hide the new class
         for alias in aliases:
             _ALIASES[manifold][alias] = name
         return cls

@@ -234,3 +234,38 @@ def test_apply_and_merge_reject_what_is_not_a_model_or_a_chart():
         merge_charts(3)
     with pytest.raises(ValueError, match="chart must be a callable chart\\(weight\\) -> Chart, got 'SEL'"):
         apply_chart(nn.Linear(2, 2), "SEL")
+
+
+def test_a_tensor_the_chart_cannot_represent_is_named_and_nothing_is_charted():
+    """The first Linear was charted before the second raised, and the error did not say which
+    tensor was out of range."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).double()
+    with torch.no_grad():
+        model[1].weight[0, 0] = 3.0  # b|w| = 3 kappa / sigma0 > max_exponent = 2
+    params = list(model.parameters())
+    weights = [p.detach().clone() for p in params]
+    x = torch.randn(4, 16, dtype=torch.float64)
+    expected = model(x)
+    with pytest.raises(ValueError, match=r"cannot chart 1\.weight: weight magnitude 3 is beyond"):
+        apply_chart(model, functools.partial(SEL, max_exponent=2.0))
+    assert not any(parametrize.is_parametrized(m) for m in model)
+    assert all(type(m) is nn.Linear for m in model)
+    assert all(p is q for p, q in zip(model.parameters(), params, strict=True))  # objects and order
+    for p, w in zip(params, weights):
+        assert torch.equal(p.detach(), w)
+    assert torch.equal(model(x), expected)
+    assert apply_chart(model, SEL) == ["0.weight", "1.weight"]  # the model can be charted again
+
+
+def test_a_module_used_twice_is_charted_once():
+    """The same Linear at two places of a Sequential holds one weight, which one chart carries;
+    it was refused as 'tied to' itself under its other name."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 6).double()
+    model = nn.Sequential(layer, nn.Tanh(), layer)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    expected = model(x)
+    assert apply_chart(model, functools.partial(SEL, init="congruent")) == ["0.weight"]
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-14)
+    assert merge_charts(model) == ["0.weight"] and model[2] is layer

@@ -248,6 +248,9 @@ BAD_OPTIONS = [
     ({"rank": -1}, r"rank must be an int >= 0.* got -1"),
     ({"rank": 99}, r"rank must be <= min\(weight.shape\) = 8, got 99"),
     ({"fan_in": 0}, r"fan_in must be an int >= 1, got 0"),
+    ({"rank": True}, r"rank must be an int >= 0.* got True"),  # was a TypeError from torch.randn
+    ({"fan_in": True}, r"fan_in must be an int >= 1, got True"),  # was fan_in = 1, silently
+    ({"scale_init": {"n": True}}, r"scale_init\['n'\] must be a finite number, got True"),
     ({"max_exponent": -5.0}, r"max_exponent .* got -5\.0"),
     ({"impl": "triton"}, r"impl must be one of \('fused', 'autograd', 'compile'\), got 'triton'"),
 ]

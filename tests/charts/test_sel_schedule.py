@@ -53,7 +53,8 @@ def test_groups_of_a_plain_model_and_frozen_parameters():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"lr": -1.0}, {"lr": 1.0, "scale_lr": math.nan}, {"lr": 1.0, "weight_decay": -0.1}]
+    "kwargs", [{"lr": -1.0}, {"lr": 1.0, "scale_lr": math.nan}, {"lr": 1.0, "weight_decay": -0.1},
+               {"lr": "0.1"}, {"lr": 1.0, "scale_lr": True}]  # a str was math.isfinite's TypeError
 )
 def test_groups_reject_bad_rates(kwargs):
     with pytest.raises(ValueError, match="must be a finite number >= 0"):
@@ -104,6 +105,9 @@ def test_lambda_lr_applies_per_group_multipliers():
         ({"anneal_steps": 0}, "anneal_steps must be an int >= 1, got 0"),
         ({"anneal_steps": 5, "e_w_boost": 0.5}, "e_w_boost must be a finite number >= 1, got 0.5"),
         ({"anneal_steps": 5, "m_start": 0.0}, r"m_start must be in \(0, 1\], got 0.0"),
+        ({"anneal_steps": True}, "anneal_steps must be an int >= 1, got True"),
+        ({"anneal_steps": 5, "e_w_boost": "10"}, "e_w_boost must be a finite number >= 1, got '10'"),
+        ({"anneal_steps": 5, "m_start": "0.1"}, r"m_start must be in \(0, 1\], got '0.1'"),
     ],
 )
 def test_multiplier_rejects_bad_options(kwargs, match):

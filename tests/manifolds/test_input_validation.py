@@ -81,7 +81,7 @@ def test_p_must_be_positive(p):
         Sphere(retraction="p", p=p)
 
 
-@pytest.mark.parametrize("radius", [0.0, -2.0, math.nan, math.inf, "big"])
+@pytest.mark.parametrize("radius", [0.0, -2.0, math.nan, math.inf, "big", "2", True])  # "2", True: were 2.0, 1.0
 def test_radius_must_be_positive_and_finite(radius):
     with pytest.raises(
         ValueError, match=rf"radius must be a (finite|positive) number.*got {radius!r}"
@@ -187,3 +187,24 @@ def test_kernel_arguments():
     for bad in [(), (1.5, -0.5), ((1.5, -0.5, 0.0), (1.0,))]:
         with pytest.raises(ValueError, match="coefficients must be one \\(a, b, c\\) triple"):
             newton_schulz(WIDE, bad, 2)
+
+
+@pytest.mark.parametrize("manifold", [Sphere(), Stiefel(), DGram(), Euclidean(ndim=1)],
+                         ids=["sphere", "stiefel", "dgram", "euclidean"])
+@pytest.mark.parametrize("size, shown", [
+    ((2.5, 4), "2.5"),    # was truncated to 2
+    (("4", 3), "'4'"),    # was parsed
+    ((True, 3), "True"),  # was 1
+    ((-1, 4), "-1"),      # was torch's RuntimeError
+])
+def test_random_sizes_must_be_ints(manifold, size, shown):
+    with pytest.raises(ValueError, match=rf"random\(\) sizes must be ints >= 0, got {re.escape(shown)} in "):
+        manifold.random(*size)
+
+
+def test_random_accepts_a_shape_and_numpy_or_torch_ints():
+    import numpy as np
+
+    assert Stiefel().random(torch.Size([5, 3])).shape == (5, 3)
+    assert Sphere().random(np.int64(2), torch.tensor(4).item()).shape == (2, 4)
+    assert Sphere().random(0, 4).shape == (0, 4)

@@ -158,3 +158,46 @@ def test_default_tolerance_covers_every_float_dtype(dtype):
     tol = default_tolerance(dtype)
     assert tol >= 1e-5 and tol >= 16 * torch.finfo(dtype).eps
     assert tol == max(default_tolerance(torch.float64), 16 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5], ids=["on-manifold", "scaled"])
+def test_stiefel_projx_has_finite_gradients_where_singular_values_repeat(scale):
+    """At a Stiefel point (and any multiple of one) every singular value is the same, where the
+    SVD's backward divides by their differences: the gradient of projx was NaN. The polar
+    factor is smooth there; its derivative at a Stiefel point is the tangent projection."""
+    m = Stiefel()
+    g = torch.Generator().manual_seed(7)
+    point = m.random(7, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    x = (scale * point).requires_grad_(True)
+    y = m.projx(x)
+    (y * w).sum().backward()
+    assert _norm(y.detach() - point) <= 1e-14
+    torch.testing.assert_close(x.grad, m.proju(point, w) / scale, rtol=0, atol=1e-13)
+
+
+def test_stiefel_projx_gradient_matches_finite_differences():
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    assert torch.autograd.gradcheck(Stiefel().projx, (x.requires_grad_(True),))
+
+
+@pytest.mark.parametrize("manifold", [Stiefel(), DGram(), Sphere(2.0)], ids=["stiefel", "dgram", "sphere"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_assert_twins_agree_with_the_checks(manifold, dtype):
+    """The assert_ twins kept geoopt's fixed 1e-5 tolerances: a bfloat16 Stiefel point passed
+    check_point_on_manifold and failed assert_check_point_on_manifold."""
+    g = torch.Generator().manual_seed(4)
+    x = manifold.random(6, 3, generator=g, dtype=torch.float64)
+    u = manifold.proju(x, torch.randn(6, 3, generator=g, dtype=torch.float64))
+    w = torch.randn(6, 3, generator=g, dtype=torch.float64).to(dtype)  # neither point nor tangent
+    xd, ud = x.to(dtype), u.to(dtype)
+    assert manifold.check_point_on_manifold(xd) and manifold.check_vector_on_tangent(xd, ud)
+    manifold.assert_check_point_on_manifold(xd)
+    manifold.assert_check_vector_on_tangent(xd, ud)
+    assert not manifold.check_point_on_manifold(w) and not manifold.check_vector_on_tangent(xd, w)
+    with pytest.raises(ValueError, match="not lying on"):
+        manifold.assert_check_point_on_manifold(w)
+    with pytest.raises(ValueError, match="not lying on"):
+        manifold.assert_check_vector_on_tangent(xd, w)
+    with pytest.raises(ValueError, match="not lying on"):  # explicit tolerances still apply
+        manifold.assert_check_point_on_manifold(xd + 0.05, atol=1e-9, rtol=1e-9)

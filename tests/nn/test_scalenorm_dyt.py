@@ -49,7 +49,8 @@ def test_scalenorm_gradcheck_and_small_norm_floor():
 
 
 @pytest.mark.parametrize("kwargs, message", [({"dim": 0}, "dim must be"), ({"dim": 4, "eps": 0.0}, "eps must be"),
-                                             ({"dim": 4, "eps": float("nan")}, "eps must be")])
+                                             ({"dim": 4, "eps": float("nan")}, "eps must be"),
+                                             ({"dim": 4, "eps": True}, "eps must be a finite number > 0, got True")])
 def test_scalenorm_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ScaleNorm(**kwargs)
@@ -82,5 +83,7 @@ def test_dyt_gradcheck_and_bad_arguments():
         DyT(0)
     with pytest.raises(ValueError, match="alpha_init must be"):
         DyT(3, alpha_init=float("nan"))
+    with pytest.raises(ValueError, match="alpha_init must be a finite number, got True"):  # was 1.0
+        DyT(3, alpha_init=True)
     with pytest.raises(ValueError, match=r"\(\.\.\., 3\)"):
         dyt(torch.randn(2, 4, dtype=torch.float64))

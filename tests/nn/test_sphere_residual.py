@@ -249,6 +249,15 @@ def test_bad_dim_and_shapes_raise():
             fn(h.long(), h.long(), 1.0, get_retraction("sphere", "gnomonic"))
         with pytest.raises(ValueError, match="retraction must be a sphere retraction, got .* of 'stiefel'"):
             fn(h, h, 1.0, get_retraction("stiefel", "polar"))
+        # a name was an AttributeError ('str' object has no attribute 'manifold')
+        with pytest.raises(ValueError, match=r"retraction must be a sphere Retraction instance \(e\.g\. "
+                                             r"get_retraction\('sphere', 'p'\)\), got 'gnomonic'"):
+            fn(h, h, 1.0, "gnomonic")
+        # a NaN or infinite Python step turned every row NaN; a string was torch's TypeError
+        for scale in (math.nan, math.inf, "0.5", True):
+            with pytest.raises(ValueError, match=rf"scale must be a finite number or a scalar tensor, "
+                                                 rf"got {scale!r}"):
+                fn(h, h, scale, get_retraction("sphere", "gnomonic"))
 
 
 def test_low_precision_update_keeps_the_stream_dtype():

@@ -255,6 +255,29 @@ def test_state_dict_round_trips_with_weights_only():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
+def test_numpy_numbers_are_stored_as_plain_floats_so_state_dict_loads_weights_only():
+    """lr=np.float64(0.02) (e.g. from np.linspace) was stored as a NumPy scalar, which
+    torch.load(weights_only=True) refuses to unpickle."""
+    import numpy as np
+
+    (w,) = _matrices([(6, 4)])
+    opt = ManifoldMuon([{"params": [w], "momentum": np.float32(0.9)}], manifold="stiefel",
+                       lr=np.float64(0.02), weight_decay=np.float32(0.0), eps=np.float64(1e-7),
+                       ns_coefficients=tuple(np.array([3.4445, -4.7750, 2.0315])))
+    group = opt.param_groups[0]
+    for key in ("lr", "momentum", "weight_decay", "eps"):
+        assert type(group[key]) is float, key
+    assert all(type(c) is float for c in group["ns_coefficients"])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["param_groups"][0]["lr"] == pytest.approx(0.02)
+    assert loaded["param_groups"][0]["momentum"] == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -279,9 +302,85 @@ def test_bad_arguments(kwargs, match):
         ManifoldMuon(_matrices([(4, 4)]), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"lr": float("inf")}, "lr must be a finite number, got inf"),
+        ({"lr": torch.tensor(float("inf"))}, "lr must be a finite number, got inf"),
+        ({"lr": "fast"}, "lr must be a finite number, got 'fast'"),
+        ({"lr": True}, "lr must be a finite number, got True"),
+        ({"weight_decay": float("inf")}, "weight_decay must be a finite number, got inf"),
+        ({"weight_decay": "none"}, "weight_decay must be a finite number, got 'none'"),
+        ({"momentum": "high"}, "momentum must be a finite number, got 'high'"),
+        ({"eps": float("inf")}, "eps must be a finite number, got inf"),
+        ({"ns_steps": True}, "ns_steps must be an int in .*, got True"),
+        ({"ns_coefficients": (float("nan"), -4.775, 2.0315)},
+         r"ns_coefficients must be three finite numbers \(a, b, c\), got \(nan"),
+        ({"ns_coefficients": ("a", "b", "c")}, "ns_coefficients must be three finite numbers"),
+        ({"nesterov": "no"}, "nesterov must be True or False, got 'no'"),
+        ({"retraction_options": "svd"}, "retraction_options must be a dict of plain-data options, got 'svd'"),
+    ],
+)
+@pytest.mark.parametrize("manifold", ["euclidean", "dgram"])
+def test_non_finite_or_non_numeric_options_are_refused(kwargs, match, manifold):
+    """An infinite lr or weight decay, or NaN Newton–Schulz coefficients, would turn a Euclidean or
+    DGram parameter NaN at the first step; a string or a bool is not a number."""
+    with pytest.raises(ValueError, match=match):
+        ManifoldMuon(_matrices([(6, 4)]), manifold=manifold, **kwargs)
+
+
+@pytest.mark.parametrize("manifold", ["euclidean", "stiefel"])
+def test_a_meta_parameter_is_refused_by_name(manifold):
+    """A meta tensor has no values to project or step; it failed with 'Tensor.item() cannot be
+    called on meta tensors' (Stiefel: at construction; Euclidean: at the first step)."""
+    w = torch.nn.Parameter(torch.empty(6, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"parameter 'attn.q' of shape \(6, 4\) is on the meta device; "
+                                         r"materialize it"):
+        ManifoldMuon([{"params": [w], "param_names": ["attn.q"]}], manifold=manifold)
+
+
 def test_non_matrix_parameter_is_rejected():
     with pytest.raises(ValueError, match=r"shape \(4,\).*'stiefel'"):
         ManifoldMuon([torch.nn.Parameter(torch.zeros(4))], manifold="stiefel")
+
+
+@pytest.mark.parametrize(
+    "group,match",
+    [
+        ({"lr": -3.0}, "lr must be >= 0, got -3.0"),
+        ({"manifold": "torus"}, "unknown manifold 'torus'; valid: euclidean, stiefel, dgram, oblique"),
+        ({"dual": {"tol": 0}}, "dual tol must be > 0"),
+        ({"params": [torch.nn.Parameter(torch.ones(2, 3, 4))]}, r"2-D matrices; a parameter of shape \(2, 3, 4\)"),
+    ],
+)
+def test_add_param_group_validates_like_the_constructor(group, match):
+    opt = ManifoldMuon(_matrices([(6, 4)]), manifold="stiefel")
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": _matrices([(6, 4)], seed=1), **group})
+    assert len(opt.param_groups) == 1  # a refused group is not kept
+
+
+def test_a_group_with_retraction_options_that_are_not_a_dict_is_refused():
+    with pytest.raises(ValueError, match=r"retraction_options must be a dict of plain-data options, "
+                                         r"got \['svd'\]"):
+        ManifoldMuon([{"params": _matrices([(6, 4)]), "retraction_options": ["svd"]}], manifold="stiefel")
+
+
+@pytest.mark.parametrize("project_init", [True, False])
+def test_add_param_group_projects_as_the_constructor_did(project_init):
+    opt = ManifoldMuon(_matrices([(6, 4)]), manifold="euclidean", project_init=project_init,
+                       dual={"tol": 1e-4})
+    (w,) = _matrices([(8, 3)], seed=2, dtype=torch.float64)
+    before = w.detach().clone()
+    opt.add_param_group({"params": [w], "manifold": "stiefel", "dual": {"max_iter": 7}})
+    assert opt.param_groups[1]["dual"]["tol"] == 1e-4 and opt.param_groups[1]["dual"]["max_iter"] == 7
+    if project_init:
+        assert constraint_residual(w.detach(), "stiefel") <= 1e-14
+        w.grad = torch.randn_like(w)
+        opt.step()
+        assert constraint_residual(w.detach(), "stiefel") <= 1e-12
+    else:
+        assert torch.equal(w.detach(), before)
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])

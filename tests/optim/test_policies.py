@@ -45,6 +45,10 @@ class _UserModel(nn.Module):
         self.head = nn.Linear(d, 10)
 
 
+#: _UserModel's mixer goes to hetero's fallback with a warning that other tests assert
+_MIXER_FALLBACK_SEEN = pytest.mark.filterwarnings("ignore:1 hidden matrix matched no attention")
+
+
 def test_built_in_policies_are_registered():
     assert set(BUILT_IN) <= set(available_policies())
 
@@ -208,3 +212,75 @@ def test_gpt_1000_steps_float32_stay_on_manifolds(policy):
             for p in group["params"]:
                 assert p.dtype == torch.float32
                 assert constraint_residual(p.detach(), group["manifold"]) <= 1e-4
+
+
+@_MIXER_FALLBACK_SEEN
+@pytest.mark.parametrize("key", ["params", "param_names", "manifold", "kind"])
+def test_manifold_options_cannot_replace_what_the_policy_decided(key):
+    """{"stiefel": {"params": []}} used to drop the attention matrices from every optimizer, and
+    {"stiefel": {"manifold": "dgram"}} to move them to DGram, both without a word."""
+    with pytest.raises(ValueError, match=rf"manifold_options\['stiefel'\] may not set '{key}'"):
+        build_optimizer(_UserModel(), "hetero", manifold_options={"stiefel": {key: "dgram"}})
+
+
+@_MIXER_FALLBACK_SEEN
+def test_manifold_options_must_be_dicts():
+    with pytest.raises(ValueError, match=r"manifold_options\['dgram'\] must be a dict of ManifoldMuon "
+                                         r"group options, got 0.1"):
+        build_optimizer(_UserModel(), "hetero", manifold_options={"dgram": 0.1})
+
+
+@_MIXER_FALLBACK_SEEN
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_combined_add_param_group_reaches_the_inner_optimizer(kind):
+    opt = build_optimizer(_UserModel(), "hetero", lr=0.02, adamw_lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    extra = nn.Parameter(torch.randn(6, 4, generator=g, dtype=torch.float64))
+    group = {"params": [extra], "param_names": ["extra"], "kind": kind}
+    if kind == "muon":
+        group["manifold"] = "stiefel"
+    opt.add_param_group(group)
+    inner = opt.optimizers[kind]
+    assert inner.param_groups[-1] is opt.param_groups[-1]
+    if kind == "muon":
+        assert constraint_residual(extra.detach(), "stiefel") <= 1e-14  # projected by ManifoldMuon
+    before = extra.detach().clone()
+    extra.grad = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    opt.step()
+    assert not torch.equal(extra.detach(), before)
+    assert extra in opt.state
+
+
+@_MIXER_FALLBACK_SEEN
+@pytest.mark.parametrize("group, match", [
+    ({}, r"needs 'kind' set to one of muon, adamw, got None"),
+    ({"kind": "sgd"}, r"needs 'kind' set to one of muon, adamw, got 'sgd'"),
+    ({"kind": "muon", "manifold": "torus"}, "unknown manifold 'torus'"),
+])
+def test_combined_add_param_group_refuses_a_group_no_inner_optimizer_would_step(group, match):
+    """A group without a known kind was appended and then never stepped."""
+    opt = build_optimizer(_UserModel(), "hetero")
+    count = len(opt.param_groups)
+    extra = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [extra], "param_names": ["extra"], **group})
+    assert len(opt.param_groups) == count
+    assert sum(len(o.param_groups) for o in opt.optimizers.values()) == count
+
+
+def test_numpy_rates_give_a_state_dict_that_loads_weights_only():
+    """np.float64 rates (a float subclass) passed the checks and were stored as NumPy scalars in
+    the AdamW and Muon groups, so torch.load(weights_only=True) refused the state dict; an
+    np.float32 rate was refused as not a number."""
+    import numpy as np
+
+    model = _gpt()
+    opt = build_optimizer(model, "hetero", lr=np.float64(0.02), adamw_lr=np.float32(3e-3),
+                          weight_decay=np.float64(0.01), adamw_betas=(np.float64(0.9), np.float64(0.95)))
+    for group in opt.param_groups:
+        assert type(group["lr"]) is float and type(group["weight_decay"]) is float
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert {g["lr"] for g in loaded["param_groups"]} == {0.02, float(np.float32(3e-3))}

@@ -208,6 +208,23 @@ def test_a_point_that_is_not_on_stiefel_is_refused():
     assert torch.isfinite(steepest_direction(near, g, "stiefel")).all()
 
 
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "euclidean"])
+@pytest.mark.parametrize("which", ["W", "G"])
+def test_integer_or_complex_inputs_are_refused_by_name(manifold, which):
+    """They failed with torch's RuntimeError from linalg.vector_norm."""
+    w, g = _instance(8, 3, "stiefel", seed=0)
+    if manifold == "euclidean" and which == "W":
+        w = w.to(torch.int64)  # ignored on Euclidean: nothing to refuse
+        assert steepest_direction(w, g, manifold).dtype == g.dtype
+        return
+    for dtype in (torch.int64, torch.complex128):
+        args = {"W": w, "G": g}
+        args[which] = args[which].to(dtype)
+        with pytest.raises(ValueError, match=rf"{which} must be a real floating-point tensor .*got dtype "
+                                             rf"{dtype}"):
+            steepest_direction(args["W"], args["G"], manifold)
+
+
 def test_shape_mismatch():
     w, g = _instance(8, 3, "stiefel", seed=0)
     with pytest.raises(ValueError, match="same shape"):

@@ -148,6 +148,48 @@ def test_registration_errors(clean_registry):
         register_retraction("sphere", "third")(ThirdOrder)
 
 
+def test_registering_a_name_that_was_an_alias_makes_it_the_new_class(clean_registry):
+    """'projection' aliased gnomonic; registering it used to leave Sphere(retraction='projection')
+    on gnomonic, the new class unreachable."""
+
+    @register_retraction("sphere", "projection")
+    class MyProjection(AngleRetraction):
+        order = 2
+
+        def angle(self, beta):
+            return 3 * torch.atan(beta / 3)
+
+    assert type(get_retraction("sphere", "projection")) is MyProjection
+    assert type(Sphere(retraction="projection").retraction) is MyProjection
+    assert type(get_retraction("sphere", "gnomonic")) is GnomonicRetraction
+    assert available_retractions("sphere").count("projection") == 1
+
+
+def test_bad_classes_and_aliases_are_refused_before_anything_changes(clean_registry):
+    before = {family: available_retractions(family) for family in MANIFOLD_NAMES}
+
+    class NoRetract(Retraction):
+        order = 1
+
+    with pytest.raises(TypeError, match="NoRetract does not define retract"):
+        register_retraction("stiefel", "test-abstract")(NoRetract)
+
+    class BoolOrder(AngleRetraction):
+        order = True
+
+        def angle(self, beta):
+            return beta
+
+    with pytest.raises(ValueError, match="BoolOrder.order must be 1 or 2, got True"):
+        register_retraction("sphere", "test-bool-order")(BoolOrder)
+    assert BoolOrder.name == "" and BoolOrder.manifold == "sphere"  # untouched by the refusal
+
+    for aliases in ("xy", ("",), (3,)):
+        with pytest.raises(ValueError, match=r"aliases must be a tuple of non-empty strings, got"):
+            register_retraction("sphere", "test-aliases", aliases=aliases)
+    assert {family: available_retractions(family) for family in MANIFOLD_NAMES} == before
+
+
 @pytest.mark.parametrize(
     "manifold",
     [
