@@ -29,6 +29,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from manifoldlib.optim import available_policies
+
 from .connections import CONNECTIONS as _CONNECTIONS
 from .gpt import GPTConfig
 from .presets import PRESETS
@@ -146,6 +148,8 @@ class TrainConfig:
             raise ConfigError(f"model must be a GPTConfig, got {type(self.model).__name__}")
         _check_types(self)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        # checked with adamw too, where it is unused: a misspelt policy is never silently ignored
+        _check_choice("policy", self.policy, tuple(available_policies()))
         _check_choice("sel", self.sel, SEL_VARIANTS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))

@@ -250,6 +250,9 @@ def test_missing_corpus_is_one_line_without_traceback(tmp_path):
     (["--batch_size", "4000"], "smaller than one batch"),
     (["--muon_distributed", "zero3"], "muon_distributed must be one of sharded, replicated"),
     (["--muon_ns_dtype", "fp8"], "muon_ns_dtype must be one of auto, bfloat16, float32; got 'fp8'"),
+    # the smoke preset trains with adamw, which does not use the policy: still never ignored
+    (["--policy", "hetro"], "policy must be one of all-dgram, all-stiefel, hetero, hetero-inv, "
+                            "unconstrained; got 'hetro'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     argv = ["--preset", "smoke", *args] if "--preset" not in args else args
