@@ -201,3 +201,13 @@ def test_assert_twins_agree_with_the_checks(manifold, dtype):
         manifold.assert_check_vector_on_tangent(xd, w)
     with pytest.raises(ValueError, match="not lying on"):  # explicit tolerances still apply
         manifold.assert_check_point_on_manifold(xd + 0.05, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (40, 10), (3, 12, 5)])
+def test_stiefel_projx_is_the_same_point_with_and_without_a_gradient(shape):
+    """The differentiable path (Newton's polar iteration) and the SVD path give one projection."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    plain = Stiefel().projx(x)
+    traced = Stiefel().projx(x.clone().requires_grad_(True))
+    assert traced.requires_grad and not plain.requires_grad
+    assert _norm(traced.detach() - plain) <= 1e-13 * _norm(plain)
