@@ -289,10 +289,13 @@ def test_numpy_numbers_are_stored_as_plain_floats_so_state_dict_loads_weights_on
         ({"manifold": "sphere"}, "unknown manifold 'sphere'"),
         ({"manifold": "stiefel", "retraction": "alternating"}, "unknown stiefel retraction 'alternating'"),
         ({"dual": {"msign_method": "qr"}}, "dual msign_method must be one of"),
-        ({"dual": {"tol": 0}}, "dual tol must be > 0"),
+        ({"dual": {"tol": 0}}, "dual tol must be a finite number > 0"),
+        ({"dual": {"tol": float("inf")}}, "dual tol must be a finite number > 0, got inf"),
         ({"dual": {"max_iter": -2}}, "dual max_iter must be an int >= 0"),
-        ({"dual": {"smoothing": "always"}}, "dual smoothing must be 'auto', None or a number > 0, got 'always'"),
-        ({"dual": {"smoothing": -0.1}}, "dual smoothing must be 'auto', None or a number > 0"),
+        ({"dual": {"max_iter": 3.0}}, "dual max_iter must be an int >= 0, got 3.0"),
+        ({"dual": {"smoothing": "always"}},
+         "dual smoothing must be 'auto', None or a finite number > 0, got 'always'"),
+        ({"dual": {"smoothing": -0.1}}, "dual smoothing must be 'auto', None or a finite number > 0"),
         ({"dual": {"warm_start": 1}}, "dual warm_start must be True or False, got 1"),
         ({"ns_dtype": "float16"}, "ns_dtype must be one of bfloat16, float32, auto, got 'float16'"),
     ],
@@ -349,7 +352,7 @@ def test_non_matrix_parameter_is_rejected():
     [
         ({"lr": -3.0}, "lr must be >= 0, got -3.0"),
         ({"manifold": "torus"}, "unknown manifold 'torus'; valid: euclidean, stiefel, dgram, oblique"),
-        ({"dual": {"tol": 0}}, "dual tol must be > 0"),
+        ({"dual": {"tol": 0}}, "dual tol must be a finite number > 0"),
         ({"params": [torch.nn.Parameter(torch.ones(2, 3, 4))]}, r"2-D matrices; a parameter of shape \(2, 3, 4\)"),
     ],
 )
@@ -472,3 +475,21 @@ def test_dgram_columns_far_below_the_gram_resolution_survive_the_retraction():
     norms = p.detach().norm(dim=0)
     assert float(norms.min()) > 5e-4  # the smallest column is still there
     assert constraint_residual(p.detach(), "dgram") <= 1e-5
+
+
+def test_numpy_dual_options_are_stored_as_python_numbers_and_load_weights_only(tmp_path):
+    """NumPy scalars (``np.float32`` is no ``float`` subclass) are numbers like any other; the
+    group keeps Python numbers, so the state dict loads with ``weights_only=True``."""
+    import numpy as np
+
+    w = torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+    opt = ManifoldMuon([w], lr=0.02, manifold="stiefel",
+                       dual={"tol": np.float32(1e-3), "max_iter": np.int64(20), "smoothing": np.float64(0.05)})
+    dual = opt.param_groups[0]["dual"]
+    assert type(dual["tol"]) is float and type(dual["max_iter"]) is int and type(dual["smoothing"]) is float
+    assert dual["tol"] == pytest.approx(1e-3) and dual["max_iter"] == 20
+    w.grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    assert loaded["param_groups"][0]["dual"] == dual
