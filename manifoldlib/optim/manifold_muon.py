@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from ..distributed import STRATEGIES, assign_owners, get_rank_world, reject_unsupported_parameter
+from ..distributed import STRATEGIES, assign_owners, get_rank_world
 from .concurrent_solves import resolve_workers
 from .dual_options import DualOptions, reject_replaced_kwargs
 from .execution import ExecutionPolicy
@@ -33,9 +33,12 @@ from .matmul_precision import ieee_float32_matmul
 from .muon_groups import (
     DEFAULT_RETRACTIONS,  # noqa: F401  (re-exported: its public home before the split)
     MUON_MANIFOLDS,  # noqa: F401
+    check_decay,
+    check_finite_gradients,
     group_dual,
     group_manifold,
     validate_group_options,
+    validate_group_params,
 )
 from .muon_step import ADJUST_LR_FNS, manifold_muon, tall
 from .owner_state import share_owner_state
@@ -70,28 +73,6 @@ def _copied(options: Any) -> Any:
     if options is None:
         return {}
     return dict(options) if isinstance(options, Mapping) else options
-
-
-def _check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: list[Tensor]) -> None:
-    """Raise ``ValueError`` naming the first parameter of ``group`` whose gradient has a NaN or inf.
-
-    One reduction per gradient, stacked, and one host synchronization per group: the sum of a
-    tensor is finite exactly when its entries are (short of a float32 overflow of finite sums,
-    which would also break the step). Called before any momentum buffer or parameter changes.
-    """
-    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
-    if bool(torch.isfinite(sums).all()):
-        return
-    bad = int((~torch.isfinite(sums)).nonzero()[0])
-    p = params[bad]
-    index = next(i for i, q in enumerate(group["params"]) if q is p)
-    names = group.get("param_names")
-    name = f" {names[index]!r}" if names is not None and index < len(names) else ""
-    raise ValueError(
-        f"ManifoldMuon: the gradient of parameter{name} (index {index} in its group, shape "
-        f"{tuple(p.shape)}, manifold {group['manifold']!r}) has non-finite entries (NaN or inf); "
-        f"no parameter or momentum buffer was changed this step"
-    )
 
 
 class ManifoldMuon(Optimizer):
@@ -258,23 +239,8 @@ class ManifoldMuon(Optimizer):
                 group["dual"] = {**self.defaults["dual"], **own}
             validate_group_options(group)
             group_manifold(group)  # fails early on bad retraction options
-            names = group.get("param_names") or [None] * len(group["params"])
-            for index, (p, name) in enumerate(zip(group["params"], names)):
-                reject_unsupported_parameter(p, name)
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"ManifoldMuon only takes 2-D matrices; a parameter of shape {tuple(p.shape)} "
-                        f"is in a group with manifold {group['manifold']!r}"
-                    )
-                if torch.is_complex(p):
-                    raise ValueError("ManifoldMuon does not support complex parameters")
-                if p.device.type == "meta":
-                    label = repr(name) if name is not None else f"#{index} of its group"
-                    raise ValueError(
-                        f"parameter {label} of shape {tuple(p.shape)} is on the meta device; "
-                        f"materialize it (e.g. module.to_empty(device=...) and initialize it) before "
-                        f"building the optimizer"
-                    )
+            check_decay(group)
+            validate_group_params(group)
             if self.project_init:
                 self._project_group(group)
         except Exception:
@@ -387,7 +353,8 @@ class ManifoldMuon(Optimizer):
             params, grads, bufs, states = [], [], [], []
             self._init_group(group, params, grads, bufs, states)
             if params:
-                _check_finite_gradients(group, params, grads)  # before any buffer moves
+                check_finite_gradients(group, params, grads)  # before any buffer moves
+                check_decay(group)
                 gathered.append((group, params, grads, bufs, states))
         workers = self._resolved_workers([(group_manifold(g), p) for g, ps, _, _, _ in gathered for p in ps])
         owners = self.owners() if self._sharded() else None

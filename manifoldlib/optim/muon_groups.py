@@ -13,16 +13,27 @@ import numbers
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from ..distributed import reject_unsupported_parameter
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
-from .execution import NS_DTYPES
 from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
 from .dual_options import REPLACED_KWARGS, DualOptions, reject_replaced_kwargs
+from .execution import NS_DTYPES
 from .muon_step import ADJUST_LR_FNS
 
-__all__ = ["DEFAULT_RETRACTIONS", "MUON_MANIFOLDS", "group_dual", "group_manifold", "validate_group_options"]
+__all__ = [
+    "DEFAULT_RETRACTIONS",
+    "MUON_MANIFOLDS",
+    "check_decay",
+    "check_finite_gradients",
+    "group_dual",
+    "group_manifold",
+    "validate_group_options",
+    "validate_group_params",
+]
 
 #: Manifold names a ManifoldMuon group may use.
 MUON_MANIFOLDS = ("euclidean",) + tuple(name for name in STEEPEST_MANIFOLDS if name != "euclidean")
@@ -112,6 +123,67 @@ def validate_group_options(group: MutableMapping) -> None:
     if ns_dtype not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
     group["dual"] = DualOptions.coerce(group.get("dual")).as_dict()
+
+
+def validate_group_params(group: MutableMapping) -> None:
+    """Raise ``ValueError`` naming the first parameter of ``group`` that ManifoldMuon cannot take:
+    not a whole tensor (DTensor, FSDP-flattened), not 2-D, complex, or on the meta device."""
+    names = group.get("param_names") or [None] * len(group["params"])
+    for index, (p, name) in enumerate(zip(group["params"], names)):
+        reject_unsupported_parameter(p, name)
+        if p.ndim != 2:
+            raise ValueError(
+                f"ManifoldMuon only takes 2-D matrices; a parameter of shape {tuple(p.shape)} "
+                f"is in a group with manifold {group['manifold']!r}"
+            )
+        if torch.is_complex(p):
+            raise ValueError("ManifoldMuon does not support complex parameters")
+        if p.device.type == "meta":
+            label = repr(name) if name is not None else f"#{index} of its group"
+            raise ValueError(
+                f"parameter {label} of shape {tuple(p.shape)} is on the meta device; "
+                f"materialize it (e.g. module.to_empty(device=...) and initialize it) before "
+                f"building the optimizer"
+            )
+
+
+def check_decay(group: MutableMapping) -> None:
+    """Raise ``ValueError`` when a constrained manifold with a scale freedom (DGram) would be
+    decayed by a factor ``1 - lr * weight_decay <= 0``, which flips or zeroes ``W``.
+
+    Checked every step, before any buffer moves: a scheduler may raise ``lr`` after construction.
+    (Euclidean groups take ``torch.optim.Muon``'s decay unchanged, whatever its factor.)
+    """
+    manifold = group_manifold(group)
+    lr, weight_decay = float(group["lr"]), group["weight_decay"]
+    if manifold.decays and not manifold.flat and lr * weight_decay >= 1:
+        raise ValueError(
+            f"ManifoldMuon: lr * weight_decay must be < 1 on {group['manifold']!r} (the decoupled "
+            f"weight decay multiplies W by 1 - lr * weight_decay), got lr={lr!r}, "
+            f"weight_decay={weight_decay!r}; no parameter or momentum buffer was changed this step"
+        )
+
+
+def check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: list[Tensor]) -> None:
+    """Raise ``ValueError`` naming the first parameter of ``group`` whose gradient has a NaN or inf.
+
+    One reduction per gradient, stacked, and one host synchronization per group: the sum of a
+    tensor is finite exactly when its entries are (short of a float32 overflow of finite sums,
+    which would also break the step). Called before any momentum buffer or parameter changes.
+    """
+    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+    if bool(torch.isfinite(sums).all()):
+        return
+    bad = int((~torch.isfinite(sums)).nonzero()[0])
+    p = params[bad]
+    index = next(i for i, q in enumerate(group["params"]) if q is p)
+    names = group.get("param_names")
+    name = f" {names[index]!r}" if names is not None and index < len(names) else ""
+    raise ValueError(
+        f"ManifoldMuon: the gradient of parameter{name} (index {index} in its group, shape "
+        f"{tuple(p.shape)}, manifold {group['manifold']!r}) has non-finite entries (NaN or inf); "
+        f"no parameter or momentum buffer was changed this step"
+    )
 
 
 def group_dual(group: MutableMapping) -> DualOptions:

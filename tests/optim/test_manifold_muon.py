@@ -493,3 +493,26 @@ def test_numpy_dual_options_are_stored_as_python_numbers_and_load_weights_only(t
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
     assert loaded["param_groups"][0]["dual"] == dual
+
+
+def test_a_decay_factor_that_flips_dgram_is_refused_at_the_door_and_at_the_step():
+    """On DGram the decoupled decay multiplies W by 1 - lr * weight_decay: at lr * wd >= 1 that
+    flips or zeroes W (the fused retraction needed a positive factor and failed inside). Refused
+    by name at construction, and at a step after a scheduler raised lr, before anything moves.
+    Euclidean groups keep torch.optim.Muon's decay whatever its factor."""
+    g = torch.Generator().manual_seed(3)
+    with pytest.raises(ValueError, match=r"lr \* weight_decay must be < 1 on 'dgram'.*lr=20.0, weight_decay=0.1"):
+        ManifoldMuon([torch.nn.Parameter(torch.randn(12, 4, generator=g))], lr=20.0, weight_decay=0.1,
+                     manifold="dgram")
+    w = torch.nn.Parameter(torch.randn(12, 4, generator=g))
+    opt = ManifoldMuon([w], lr=0.5, weight_decay=0.1, manifold="dgram")
+    w.grad = torch.randn(12, 4, generator=g)
+    opt.step()
+    before, buf = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    opt.param_groups[0]["lr"] = 10.0  # what a scheduler may do
+    w.grad = torch.randn(12, 4, generator=g)
+    with pytest.raises(ValueError, match="no parameter or momentum buffer was changed"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and torch.equal(opt.state[w]["momentum_buffer"], buf)
+    e = torch.nn.Parameter(torch.randn(12, 4, generator=g))
+    ManifoldMuon([e], lr=20.0, weight_decay=0.1, manifold="euclidean")  # torch.optim.Muon's rule
