@@ -20,6 +20,7 @@ names the path and the problem; the training CLI prints it without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,11 @@ class Corpus:
         vocab_size: the model's vocabulary size: the tokenizer's, or larger when padded.
         notes: one-line remarks for the user (e.g. where an assumed vocabulary size came from).
         details: more plain data for :meth:`describe` (the shard folder, dtype, source).
+        tokens_fingerprint: SHA-256 of the token ids (train, then validation) of a text corpus
+            under a BPE tokenizer, whose ids the file fingerprint does not determine (a
+            ``tokenizer.json`` edited, a ``tokenizers`` release that encodes differently);
+            ``None`` for bytes, where the ids are the bytes, and for shards, whose fingerprint
+            covers their files.
     """
 
     spec: str
@@ -95,6 +101,7 @@ class Corpus:
     vocab_size: int
     notes: tuple[str, ...] = ()
     details: dict = dataclasses.field(default_factory=dict)
+    tokens_fingerprint: str | None = None
 
     def describe(self) -> dict:
         """Plain-data description, recorded in the run directory."""
@@ -165,7 +172,16 @@ def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: s
     check_split(spec, n_bytes, train.numel(), val.numel())
     return Corpus(spec=spec, train=train, val=val, tokenizer=tok,
                   fingerprint=fingerprint.hexdigest(), n_train_files=len(train_docs),
-                  n_val_files=len(pieces) - len(train_docs), n_bytes=n_bytes, vocab_size=vocab)
+                  n_val_files=len(pieces) - len(train_docs), n_bytes=n_bytes, vocab_size=vocab,
+                  tokens_fingerprint=None if tokenizer == "byte" else _token_digest(train, val))
+
+
+def _token_digest(*parts: torch.Tensor) -> str:
+    """SHA-256 of the ids of ``parts`` in order (their bytes in native order, no copy)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(memoryview(part.contiguous().numpy()).cast("B"))
+    return digest.hexdigest()
 
 
 def _load_shards(spec: str, tokenizer: str, vocab_size: int | None) -> Corpus:

@@ -132,11 +132,19 @@ def _check_own_run_files(out: Path) -> None:
 
 
 def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig) -> None:
-    """Refuse to resume on a corpus whose fingerprint changed (the data order would differ)."""
+    """Refuse to resume on a corpus whose fingerprint changed (the data order would differ), or
+    whose BPE token ids did (a checkpoint written before they were fingerprinted is not checked)."""
     if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
         raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run "
                        f"started (fingerprint {corpus.fingerprint[:12]} != "
                        f"{ckpt['corpus_fingerprint'][:12]}), so the data order would differ")
+    saved = None if ckpt is None else ckpt.get("tokens_fingerprint")
+    if saved is not None and saved != corpus.tokens_fingerprint:
+        now = (corpus.tokens_fingerprint or "none")[:12]
+        raise RunError(f"cannot resume: the token ids of corpus {cfg.corpus!r} changed since the "
+                       f"run started (token fingerprint {now} != {saved[:12]}): the run's "
+                       f"tokenizer.json was changed, or the tokenizers package encodes "
+                       f"differently; restore them, or start a fresh run")
 
 
 def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
@@ -353,6 +361,8 @@ def save_run_checkpoint(run) -> None:
              "world_size": run.job.world_size, "scaler": run.precision.state_dict(),
              "wall_time_s": run.wall_before + time.perf_counter() - run.t_start,
              "corpus_fingerprint": run.corpus.fingerprint, "finished": run.step >= run.cfg.steps}
+    if run.corpus.tokens_fingerprint is not None:
+        state["tokens_fingerprint"] = run.corpus.tokens_fingerprint
     if run.job.world_size > 1:
         state["rng_per_rank"] = rngs
     save_checkpoint(run.out / CHECKPOINT, state, run.saved_step)

@@ -4,6 +4,7 @@ checkpoint, a full disk, Ctrl-C. Every run is the smoke preset with a few steps.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import math
 import os
@@ -364,3 +365,26 @@ def test_ctrl_c_after_a_checkpoint_says_resume_and_resume_continues(tmp_path):
     assert err.strip().splitlines() == ["interrupted; resume with --resume (from the last checkpoint)"]
     assert main(["--resume", "--steps", "20", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                    reason="needs the optional tokenizers package")
+def test_resume_refuses_a_bpe_run_whose_token_ids_changed(tmp_path, capsys):
+    """The corpus fingerprint covers the text, not a BPE's ids: a run's tokenizer.json swapped
+    for another (or a tokenizers release encoding differently) would resume on other data."""
+    from models.tokenizer import BPETokenizer
+
+    out = tmp_path / "run"
+    bpe = ["--tokenizer", "bpe", "--bpe_vocab_size", "300"]
+    assert main([*_quiet("--steps", "10", "--stop_at", "5", *bpe), "--out", str(out)]) == 0
+    own = (out / "tokenizer.json").read_bytes()
+    other = BPETokenizer.train([b"zeta omega " * 400, b"lambda mu nu " * 400], 300)
+    other.save(out / "tokenizer.json")
+    capsys.readouterr()
+    assert main(["--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot resume: the token ids of corpus 'synthetic:60000' changed")
+    assert err.count("\n") == 1
+    (out / "tokenizer.json").write_bytes(own)  # the run's own tokenizer: resumes
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 10
