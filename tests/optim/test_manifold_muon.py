@@ -10,6 +10,14 @@ import torch
 from manifoldlib.optim import ExecutionPolicy, ManifoldMuon, constraint_residual
 
 
+def _weights_only_round_trip(state: dict) -> dict:
+    """``state`` saved and loaded back with ``torch.load(weights_only=True)`` (plain data only)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def _matrices(shapes, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(0.1 * torch.randn(*s, generator=g, dtype=dtype)) for s in shapes]
@@ -130,10 +138,7 @@ def test_ns_dtype_is_a_plain_group_option():
     params = _matrices([(6, 4), (4, 4)])
     opt = ManifoldMuon([{"params": params[:1], "ns_dtype": "float32"}, {"params": params[1:]}])
     assert [g["ns_dtype"] for g in opt.param_groups] == ["float32", "auto"]
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    loaded = _weights_only_round_trip(opt.state_dict())
     assert [g["ns_dtype"] for g in loaded["param_groups"]] == ["float32", "auto"]
 
 
@@ -233,10 +238,7 @@ def test_state_dict_round_trips_with_weights_only():
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    loaded = _weights_only_round_trip(opt.state_dict())
     clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = ManifoldMuon(
         [{"params": [clone[0]], "manifold": "dgram"}, {"params": [clone[1]], "manifold": "stiefel"}],
@@ -270,10 +272,7 @@ def test_numpy_numbers_are_stored_as_plain_floats_so_state_dict_loads_weights_on
     assert all(type(c) is float for c in group["ns_coefficients"])
     w.grad = torch.randn_like(w)
     opt.step()
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    loaded = _weights_only_round_trip(opt.state_dict())
     assert loaded["param_groups"][0]["lr"] == pytest.approx(0.02)
     assert loaded["param_groups"][0]["momentum"] == pytest.approx(0.9)
 
@@ -477,7 +476,7 @@ def test_dgram_columns_far_below_the_gram_resolution_survive_the_retraction():
     assert constraint_residual(p.detach(), "dgram") <= 1e-5
 
 
-def test_numpy_dual_options_are_stored_as_python_numbers_and_load_weights_only(tmp_path):
+def test_numpy_dual_options_are_stored_as_python_numbers_and_load_weights_only():
     """NumPy scalars (``np.float32`` is no ``float`` subclass) are numbers like any other; the
     group keeps Python numbers, so the state dict loads with ``weights_only=True``."""
     import numpy as np
@@ -490,8 +489,7 @@ def test_numpy_dual_options_are_stored_as_python_numbers_and_load_weights_only(t
     assert dual["tol"] == pytest.approx(1e-3) and dual["max_iter"] == 20
     w.grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     opt.step()
-    torch.save(opt.state_dict(), tmp_path / "opt.pt")
-    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    loaded = _weights_only_round_trip(opt.state_dict())
     assert loaded["param_groups"][0]["dual"] == dual
 
 

@@ -151,26 +151,26 @@ def test_a_partial_last_metrics_line_is_repaired_on_resume(tmp_path, reference):
     _same_rows(read_metrics(out / "metrics.jsonl"), reference)
 
 
-def test_a_garbage_metrics_line_stops_the_resume_naming_the_line(tmp_path, capsys):
-    out = _stopped_at(tmp_path, 10)
-    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    lines.insert(1, "%%% garbage %%%\n")
-    (out / "metrics.jsonl").write_text("".join(lines))
-    capsys.readouterr()
-    assert main(["--resume", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "metrics.jsonl line 2 is not a metrics row" in err
+def _garbage_line(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    return "".join([lines[0], "%%% garbage %%%\n", *lines[1:]])
 
 
-def test_a_metrics_row_with_a_loss_that_is_not_a_number_stops_the_resume(tmp_path, capsys):
-    out = _stopped_at(tmp_path, 10)
-    rows = read_metrics(out / "metrics.jsonl")
+def _loss_not_a_number(text: str) -> str:
+    rows = [json.loads(line) for line in text.splitlines()]
     rows[0]["train_loss"] = "x"  # an edited file: the end-of-run plot could not draw it
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.mark.parametrize(("damage", "line"), [(_garbage_line, 2), (_loss_not_a_number, 1)],
+                         ids=["garbage-line", "loss-not-a-number"])
+def test_a_damaged_metrics_row_stops_the_resume_naming_the_line(tmp_path, capsys, damage, line):
+    out = _stopped_at(tmp_path, 10)
+    (out / "metrics.jsonl").write_text(damage((out / "metrics.jsonl").read_text()))
     capsys.readouterr()
     assert main(["--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "metrics.jsonl line 1 is not a metrics row" in err
+    assert err.startswith("error: ") and f"metrics.jsonl line {line} is not a metrics row" in err
 
 
 def test_a_deleted_config_json_is_rewritten_from_the_checkpoint_on_resume(tmp_path, reference):
