@@ -68,7 +68,7 @@ from .config import ConfigError, build_config, parse_overrides
 from .data import CorpusError
 from .train import RunError, _import, read_metrics, run_training
 
-__all__ = ["SUITES", "Suite", "main", "run_suite"]
+__all__ = ["SUITES", "Suite", "main", "run_suite", "suite_configs"]
 
 EXIT_USER_ERROR = 2
 
@@ -282,6 +282,49 @@ def _best_value(results: list[dict]) -> object:
     return min(results, key=lambda r: (r["val_loss"] is None, r["val_loss"] or 0.0))["swept"]
 
 
+def _suite_base(suite: Suite, quick: bool) -> dict:
+    return {**(QUICK_BASE if quick else FULL_BASE), **(suite.quick if quick else suite.full)}
+
+
+def _arm_config(base: dict, arm_overrides: dict, seed: int, key, value, overrides):
+    swept = {key: value} if key else {}
+    return build_config(base={**base, **arm_overrides, **swept, "seed": seed},
+                        overrides=overrides or {})
+
+
+def suite_configs(suite: Suite, *, quick: bool = False, seed: int | None = None,
+                  overrides: dict | None = None) -> list[tuple]:
+    """``[(arm, swept value or None, TrainConfig)]``: every configuration of the suite's first
+    phase (each arm at each swept value) on ``seed`` (default: the suite's first), built as
+    :func:`run_suite` builds them; nothing is trained."""
+    base = _suite_base(suite, quick)
+    key, values = (suite.quick_sweep if quick else suite.sweep) or (None, (None,))
+    seed = suite.seeds[0] if seed is None else seed
+    return [(arm, value, _arm_config(base, arm_cfg, seed, key, value, overrides))
+            for arm, arm_cfg in suite.arms for value in values]
+
+
+def _check_distinct(suite: Suite, planned: list[tuple], overrides: dict) -> None:
+    """Refuse a plan in which two arms (or two swept values) build the same configuration.
+
+    An override of a key that distinguishes the arms (``--policy`` in a manifolds suite,
+    ``--connection`` in spheret) or of the swept key (``--lr`` in ``manifolds``) would otherwise
+    run one configuration under several names and report their differences as noise.
+    """
+    seen: dict[str, str] = {}
+    for arm, value, cfg in planned:
+        name = arm if value is None else f"{arm} at {value:g}"
+        fingerprint = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+        if fingerprint in seen:
+            given = f" (overrides: {', '.join(f'--{k} {v}' for k, v in overrides.items())})" \
+                if overrides else ""
+            raise ConfigError(f"suite {suite.name!r}: {seen[fingerprint]!r} and {name!r} build "
+                              f"the same configuration{given}; an override of a key that "
+                              f"distinguishes the arms or of the swept key makes the "
+                              f"comparison empty")
+        seen[fingerprint] = name
+
+
 def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
               seeds: tuple[int, ...] | None = None, overrides: dict | None = None,
               command: str = "", echo: bool = True, jobs: int = 1) -> list[dict]:
@@ -304,24 +347,31 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
 
     Returns:
         One result dict per run at the reported settings (the rows of ``results.csv``).
+
+    Raises:
+        ConfigError: a bad ``jobs``, an invalid configuration, or ``overrides`` that make two
+            arms (or two swept values) the same configuration (e.g. ``--policy`` in a manifolds
+            suite, ``--lr`` in the swept ``manifolds``); nothing is written then.
     """
     check_requirements(suite)
     if not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    base = {**(QUICK_BASE if quick else FULL_BASE), **(suite.quick if quick else suite.full)}
+    base = _suite_base(suite, quick)
     seeds = tuple(seeds) if seeds else (suite.seeds[:1] if quick else suite.seeds)
     key, values = (suite.quick_sweep if quick else suite.sweep) or (None, (None,))
     started = time.perf_counter()
 
     def configs(arm_overrides: dict, seed: int, value) -> object:
-        swept = {key: value} if key else {}
-        return build_config(base={**base, **arm_overrides, **swept, "seed": seed},
-                            overrides=overrides or {})
+        return _arm_config(base, arm_overrides, seed, key, value, overrides)
 
     def label(value) -> str | None:
         return f"{key}={value:g}" if key else None
+
+    # refused before anything is written: two arms (or swept values) that are one configuration
+    _check_distinct(suite, suite_configs(suite, quick=quick, seed=seeds[0], overrides=overrides),
+                    overrides or {})
+    out.mkdir(parents=True, exist_ok=True)
 
     # phase 1: every arm at every swept value on the first seed (the only phase without a sweep)
     first = [(arm, arm_cfg, value) for arm, arm_cfg in suite.arms for value in values]
@@ -382,11 +432,15 @@ def _fmt(x, digits: int = 4) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-#: Extra report columns by suite family (the name before any ``-``): ``(header, result key)``,
-#: shown as the mean over seeds.
+#: Extra report columns by suite name, else by suite family (the name before any ``-``):
+#: ``(header, result key)``, shown as the mean over seeds.
 REPORT_COLUMNS = {
     "spheret": (("step angle (rad)", "step_angle_mean"), ("max step angle", "step_angle_max"),
                 ("min attn entropy", "attention_entropy_min")),
+    # the stress suite's question is saturation and divergence, not step angles alone
+    "spheret-stress": (("step angle (rad)", "step_angle_mean"),
+                       ("peak attn logit", "peak_attention_logit"),
+                       ("min attn entropy", "attention_entropy_min")),
     "manifolds": (("peak q/k σ_max", "peak_qk_spectral_norm"),
                   ("peak attn logit", "peak_attention_logit"),
                   ("min attn entropy", "min_attention_entropy"),
@@ -408,7 +462,7 @@ def _arm_row(arm: str, rs: list[dict], base_vals: list[float], columns, swept: b
     mean, std = _mean_std(vals)
     steps = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
     welch = _welch(vals, base_vals)
-    cells = [arm] + ([_fmt(rs[0]["swept"], 4) if rs else "—"] if swept else []) + [
+    cells = [arm] + ([f"{rs[0]['swept']:g}" if rs else "—"] if swept else []) + [
         f"{_fmt(mean)} ± {_fmt(std)}" if len(vals) > 1 else _fmt(mean),
         _fmt(math.exp(mean) if vals else None, 2),
         f"{sum(r['diverged'] for r in rs)}/{len(rs)}", f"{sum(r['learned'] for r in rs)}/{len(rs)}",
@@ -418,7 +472,12 @@ def _arm_row(arm: str, rs: list[dict], base_vals: list[float], columns, swept: b
     for _, key in columns:
         xs = [r[key] for r in rs if r.get(key) is not None]
         cells.append(_fmt(statistics.fmean(xs), 3) if xs else "—")
-    return "| " + " | ".join(cells) + " |"
+    return _md_row(cells)
+
+
+def _md_row(cells) -> str:
+    """One Markdown table row; a ``|`` inside a cell is escaped so it does not split it."""
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
 def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *, quick: bool,
@@ -434,7 +493,12 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
                 writer.writeheader()
                 for r in rows:
                     writer.writerow({k: r.get(k) for k in CSV_FIELDS})
-    columns = REPORT_COLUMNS.get(suite.name.split("-")[0], ())  # spheret-stress: spheret's
+    # a suite's own columns, else its family's (the name before any ``-``)
+    columns = REPORT_COLUMNS.get(suite.name) or REPORT_COLUMNS.get(suite.name.split("-")[0], ())
+    shown_base = {**base, **overrides}
+    if key:  # every run sets the swept key itself; the base's value is never used
+        shown_base[key] = "swept: " + ", ".join(f"{v:g}" for v in sorted(
+            {r["swept"] for r in sweep_rows}))
     base_vals = [r["val_loss"] for r in results if r["arm"] == suite.baseline
                  and r["val_loss"] is not None]
     header = (["arm"] + ([f"best {key}"] if key else []) +
@@ -442,25 +506,25 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
                "Δ vs baseline (SE)", "wall s"] + [h for h, _ in columns])
     lines = [f"# Suite `{suite.name}`{' (quick)' if quick else ''}", "",
              f"Command: `{command}`" if command else "", "",
-             f"Base config: `{json.dumps({**base, **overrides}, sort_keys=True)}`", "",
+             f"Base config: `{json.dumps(shown_base, sort_keys=True)}`", "",
              (f"Target (steps to target): mean final validation loss of `{suite.baseline}` = "
               f"{_fmt(results[0]['target']) if results else '—'}. Δ vs baseline: difference of "
               f"the mean final validation losses in standard errors (Welch). Total time "
               f"{elapsed:.0f} s."), "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+             _md_row(header), "|" + "---|" * len(header)]
     for arm, _ in suite.arms:
         lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_vals, columns,
                               bool(key)))
     if key:
         values = sorted({r["swept"] for r in sweep_rows})
         lines += ["", f"Sweep of `{key}` (first seed; final validation loss, or diverged):", "",
-                  "| arm | " + " | ".join(f"{key}={v:g}" for v in values) + " |",
+                  _md_row(["arm"] + [f"{key}={v:g}" for v in values]),
                   "|---|" + "---|" * len(values)]
         for arm, _ in suite.arms:
             by_value = {r["swept"]: r for r in sweep_rows if r["arm"] == arm}
-            lines.append(f"| {arm} | " + " | ".join(
+            lines.append(_md_row([arm] + [
                 "—" if v not in by_value else "diverged" if by_value[v]["diverged"]
-                else _fmt(by_value[v]["val_loss"]) for v in values) + " |")
+                else _fmt(by_value[v]["val_loss"]) for v in values]))
     lines += ["", "Per-run rows: `results.csv`" + (", sweep: `sweep.csv`" if key else "") +
               "; curves: `curves.png`.", ""]
     (out / "results.md").write_text("\n".join(lines))

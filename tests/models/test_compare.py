@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +153,96 @@ def test_quick_suite_end_to_end(tmp_path, name):
     md = (out / "results.md").read_text()
     assert all(f"| {arm} |" in md for arm, _ in suite.arms)
     assert (out / "curves.png").is_file()
+
+
+def _cfgs(name: str, quick: bool = False) -> dict:
+    return {(arm, value): cfg.to_dict()
+            for arm, value, cfg in compare.suite_configs(SUITES[name], quick=quick)}
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("name", sorted(SUITES))
+def test_arms_differ_exactly_in_what_they_name(name, quick):
+    # built as run_suite builds them (no training): no two arms or swept values are one
+    # configuration, and two arms differ only in keys their own overrides (or the sweep) set
+    suite = SUITES[name]
+    named = dict(suite.arms)
+    sweep = suite.quick_sweep if quick else suite.sweep
+    sweep_key = sweep[0] if sweep else None
+    cfgs = _cfgs(name, quick)
+    dumped = [json.dumps(c, sort_keys=True) for c in cfgs.values()]
+    assert len(set(dumped)) == len(dumped)
+    for (arm_a, val_a), a in cfgs.items():
+        for (arm_b, val_b), b in cfgs.items():
+            differing = {k for k in a if a[k] != b[k]}
+            allowed = set(named[arm_a]) | set(named[arm_b]) | ({sweep_key} if sweep_key else set())
+            assert differing <= allowed, (arm_a, arm_b, differing - allowed)
+
+
+def test_arm_configs_are_what_the_suites_say():
+    spheret = _cfgs("spheret")
+    for arm in ("geonorm", "spheret-p1", "spheret-p2"):   # the normalized step, alpha 0.5
+        assert spheret[(arm, None)]["sphere_step"] == "normalized"
+        assert spheret[(arm, None)]["alpha_init"] == 0.5
+    literal = spheret[("spheret-p1-literal", None)]
+    assert (literal["sphere_step"], literal["alpha_init"], literal["p"]) == ("literal", 1.0, 1.0)
+    assert {c["optimizer"] for c in spheret.values()} == {"adamw"}
+    assert {c["lr"] for c in spheret.values()} == {3e-3}              # one shared lr
+    for (arm, _), cfg in _cfgs("spheret-stress").items():
+        plain = spheret[(arm.removesuffix(" @stress"), None)]
+        assert {k for k in cfg if cfg[k] != plain[k]} == {"lr", "warmup_steps", "grad_clip"}
+        assert (cfg["lr"], cfg["warmup_steps"], cfg["grad_clip"]) == (3e-2, 0, 0.0)
+    for name, lrs in (("manifolds", {0.01, 0.03, 0.1}), ("manifolds-high-lr", {0.1})):
+        cfgs = _cfgs(name)
+        assert {c["optimizer"] for c in cfgs.values()} == {"manifold-muon"}
+        assert {c["schedule"] for c in cfgs.values()} == {"constant"}
+        assert {c["lr"] for c in cfgs.values()} == lrs
+        assert {(arm, c["policy"]) for (arm, _), c in cfgs.items()} == {
+            (p, p) for p in compare.MANIFOLD_POLICIES}
+    sel = _cfgs("sel")
+    assert {c["optimizer"] for c in sel.values()} == {"adamw"}   # SEL is refused with Muon
+    assert [c["sel"] for c in sel.values()] == ["none", "mismatched", "congruent", "no-linear"]
+
+
+@pytest.mark.parametrize("name, overrides", [("manifolds-high-lr", {"policy": "hetero"}),
+                                             ("manifolds", {"lr": "0.05"}),
+                                             ("spheret", {"connection": "pre-ln"})])
+def test_an_override_that_collapses_arms_is_refused_before_anything_runs(tmp_path, name,
+                                                                          overrides):
+    with pytest.raises(ConfigError, match="build the same configuration"):
+        run_suite(SUITES[name], tmp_path / "out", quick=True, overrides=overrides, echo=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_tables_are_well_formed(tmp_path):
+    # a `|` in a column header (SEL's max|w|/std) must not split its cell, and a small swept
+    # value is printed as itself, not rounded to 0.0000
+    suite = dataclasses.replace(SUITES["sel"], sweep=("lr", (1e-5, 3e-3)))
+    results, sweep_rows = [], []
+    for i, (arm, _) in enumerate(suite.arms):
+        for lr in (1e-5, 3e-3):
+            row = {"arm": arm, "seed": 0, "swept": lr, "val_loss": 2.0 + i / 10 + lr,
+                   "diverged": False, "learned": True, "steps_to_target": 20, "target": 2.0,
+                   "wall_time_s": 1.0, "weight_kurtosis_mean": 3.0, "weight_max_over_std": 5.0}
+            sweep_rows.append(row)
+            if lr == 1e-5:
+                results.append(row)
+    compare.write_reports(suite, tmp_path, results, {f"{a}/0": [(10, 2.5), (20, 2.0)]
+                                                     for a, _ in suite.arms},
+                          quick=True, command="cmd", elapsed=1.0,
+                          base={"lr": 1e-2, "steps": 20}, overrides={},
+                          sweep=("lr", sweep_rows))
+    md = (tmp_path / "results.md").read_text()
+    tables, current = [], None
+    for line in md.splitlines():
+        if line.startswith("|"):
+            cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+            if current is None:
+                current = []
+                tables.append(current)
+            current.append(len(cells))
+        else:
+            current = None
+    assert len(tables) == 2 and all(len(set(t)) == 1 for t in tables), tables
+    assert "max\\|w\\|/std" in md and "| baseline | 1e-05 |" in md
+    assert '"lr": "swept: 1e-05, 0.003"' in md        # the base's lr is not what ran
