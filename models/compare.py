@@ -3,7 +3,11 @@
 
 Each suite trains the reference GPT several times — a set of *arms* (configurations) times a
 set of seeds — with :func:`models.train.run_training`, one run directory per arm and seed
-(``--jobs N`` trains N at a time, one process each), and writes to ``--out``:
+(``--jobs N`` trains N at a time, one process each), and writes to ``--out``. ``--key value``
+overrides the config of every run, arm settings and the swept value included; one that would
+make two arms (or two swept values) the same configuration is refused before anything runs.
+Finished runs of the same config already in ``--out`` are reused, whatever code made them: use
+a fresh ``--out`` after a change of the code.
 
 - ``results.csv`` — one row per run: final validation loss and perplexity, diverged or not,
   learned or not (final validation loss below the corpus's unigram entropy), steps to reach the
@@ -541,7 +545,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="python -m models.compare", allow_abbrev=False,
                 description="Run a comparison suite; extra --key value pairs override the "
-                            "config of every run.")
+                            "config of every run (refused where they would make two arms the "
+                            "same configuration).")
     p.add_argument("--suite", required=True, choices=sorted(SUITES))
     p.add_argument("--quick", action="store_true", help="tiny version (seconds per run)")
     p.add_argument("--out", help="output directory (default: runs/compare-<suite>[-quick])")
