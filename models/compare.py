@@ -32,6 +32,11 @@ Suites:
 ``spheret-stress``
     A high-learning-rate, no-warmup, no-clipping setting for a subset (the seed reports Pre-LN
     and Keel diverging where SpheretNorms converge).
+``spheret-retractions``
+    The seed's literal step for the exponential map (GeoNorm, baseline), Cayley (p = 2) and
+    gnomonic (p = 1), started at angles of 0.17-0.64 rad (``alpha_init`` 100): the test of
+    "finite p beats the exponential map" that the normalized step cannot be (there every member
+    is a reparametrization of one per-layer angle).
 ``manifolds``
     ManifoldMuon assignment policies on seed 002's base, a Pre-LN GPT: unconstrained
     (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
@@ -128,6 +133,23 @@ def _spheret_arms() -> tuple[tuple[str, dict], ...]:
     return tuple(arms)
 
 
+#: The literal step's initial ``alpha_l`` in the retraction suite: at GPT-2's init the sub-layer
+#: outputs are small, and ``alpha_l = 100`` starts the angles at 0.17-0.64 rad (the default
+#: ``FULL_BASE`` model, layer by layer), where the members' angles
+#: :math:`p\arctan(\beta/p)` and :math:`\beta` differ by 1-10 %; at ``alpha_l = 1`` they start at
+#: 0.001-0.006 rad, where no retraction can differ from another.
+RETRACTION_ALPHA_INIT = 100.0
+
+
+def _retraction_arms() -> tuple[tuple[str, dict], ...]:
+    """The literal step (the angle varies per token, so the retraction's shape can act) for the
+    exponential map (GeoNorm, the baseline), Cayley (p = 2) and gnomonic (p = 1)."""
+    literal = {"sphere_step": "literal", "alpha_init": RETRACTION_ALPHA_INIT}
+    return (("geonorm-literal", {"connection": "geonorm", **literal}),
+            ("spheret-p2-literal", {"connection": "spheret", "retraction": "p", "p": 2.0, **literal}),
+            ("spheret-p1-literal", {"connection": "spheret", "retraction": "p", "p": 1.0, **literal}))
+
+
 def _stress_arms() -> tuple[tuple[str, dict], ...]:
     stress = {"lr": 3e-2, "warmup_steps": 0, "grad_clip": 0.0}
     return tuple((f"{name} @stress", {**cfg, **stress}) for name, cfg in _spheret_arms()
@@ -158,6 +180,11 @@ SUITES: dict[str, Suite] = {
     # the seed's stability claim: Pre-LN / Keel diverge at a high lr where SpheretNorms converge
     "spheret-stress": Suite(name="spheret-stress", arms=_stress_arms(), baseline="pre-ln @stress",
                             seeds=(0, 1, 2)),
+    # seed 000's "finite p beats the exponential map" where it can show: the literal step, whose
+    # angle varies per token, started at angles where the members differ (the normalized step
+    # makes them reparametrizations of one per-layer angle)
+    "spheret-retractions": Suite(name="spheret-retractions", arms=_retraction_arms(),
+                                 baseline="geonorm-literal"),
     # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
     # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep: each policy is reported
     # at its own best lr, so no arm is compared at a step size that suits only another

@@ -246,3 +246,22 @@ def test_report_tables_are_well_formed(tmp_path):
     assert len(tables) == 2 and all(len(set(t)) == 1 for t in tables), tables
     assert "max\\|w\\|/std" in md and "| baseline | 1e-05 |" in md
     assert '"lr": "swept: 1e-05, 0.003"' in md        # the base's lr is not what ran
+
+
+def test_the_retraction_suite_starts_where_the_members_differ():
+    """Seed 000's "finite p beats the exponential map" needs per-token angles (the literal step)
+    large enough for arctan-type angles to differ from the exponential map's: the suite's arms
+    start at a mean angle of at least 0.1 rad (at alpha_init 1 it would be ~0.003)."""
+    import torch
+
+    from models.build import build_model
+    from models.compare import suite_configs
+
+    suite = SUITES["spheret-retractions"]
+    assert suite.baseline == "geonorm-literal"
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    for arm, _, cfg in suite_configs(suite):
+        assert cfg.model.sphere_step == "literal", arm
+        torch.manual_seed(0)
+        angles = build_model(cfg, 256).step_angles(ids)
+        assert sum(angles) / len(angles) >= 0.1, (arm, angles)
