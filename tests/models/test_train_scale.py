@@ -194,6 +194,16 @@ def test_flops_per_token_and_peaks():
     assert meter.report()["tokens_per_s"] == 0.0  # started over
 
 
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA L40", None), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A10", None)])
+def test_the_peak_table_matches_whole_device_names(monkeypatch, name, peak):
+    """A key matches a whole word of the device name: an L40 is not an L4."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0), "bfloat16") == peak
+
+
 def test_metrics_carry_throughput_and_mfu_with_a_given_peak(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*_quiet("--steps", "10", "--peak_flops", "1e12", "--out", str(out))]) == 0
