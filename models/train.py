@@ -290,7 +290,7 @@ def _evaluate_into(run: Run, row: dict) -> bool:
     cfg, job = run.cfg, run.job
     # every rank evaluates without DDP (a DDP forward on rank 0 alone could wait for its peers)
     val = from_rank0(evaluate(run.evaluator, run.corpus, cfg, job.device,
-                              run.precision.autocast), job.device)
+                              run.precision.autocast, world_size=job.world_size), job.device)
     run.last_val = val
     if not math.isfinite(val):
         run.diverged = f"non-finite validation loss ({val}) at step {row['step']}"

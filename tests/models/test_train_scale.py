@@ -16,7 +16,7 @@ import torch
 from manifoldlib.optim import build_optimizer
 from manifoldlib.optim.builder import adamw_param_groups
 from models.config import PRESETS, build_config
-from models.evaluation import diagnostics
+from models.evaluation import diagnostics, evaluate
 from models.gpt import GPT
 from models.job import Job
 from models.precision import Precision
@@ -79,6 +79,37 @@ def test_grad_accumulation_through_the_cli_matches_one_batch(tmp_path):
 def test_batch_size_must_split_into_the_micro_steps():
     with pytest.raises(ValueError, match="batch_size 8 is not divisible by grad_accum_steps 3"):
         build_config("smoke", overrides={"grad_accum_steps": "3"})
+
+
+class _RecordingModel(torch.nn.Module):
+    """A model that records the number of sequences of each forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.rows = model, []
+
+    def forward(self, x, y):
+        self.rows.append(len(x))
+        return self.model(x, y)
+
+
+def test_evaluation_chunks_are_one_ranks_micro_batch():
+    """Every rank evaluates the whole batch, in chunks of the micro-batch it trains on,
+    ``batch_size / (grad_accum_steps * world_size)``: not ``world_size`` times larger (which
+    runs out of memory where training fits); the loss is the same mean."""
+    from models.data import load_corpus
+
+    cfg = build_config("smoke", overrides={"batch_size": 8, "grad_accum_steps": 2,
+                                           "eval_batches": 1})
+    corpus = load_corpus(cfg.corpus)
+    torch.manual_seed(0)
+    model = _RecordingModel(build_model(cfg, corpus.vocab_size))
+    one = evaluate(model, corpus, cfg, CPU)
+    assert model.rows == [4, 4]
+    model.rows.clear()
+    two = evaluate(model, corpus, cfg, CPU, world_size=2)
+    assert model.rows == [2, 2, 2, 2]
+    assert two == pytest.approx(one, rel=1e-6)
 
 
 # ---- mixed precision, compile ---------------------------------------------------------------
