@@ -128,6 +128,13 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
         run = _setup(cfg, out, resume, echo, job, corpus, ckpt)
         try:
             _loop(run)
+        except Exception as exc:  # torch.compile is lazy: the first forward builds the
+            # kernels (with a C++ compiler on CPU, triton on CUDA), deep inside the loop
+            if not (cfg.compile and isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)):
+                raise
+            cause = str(exc).strip().splitlines()[0]
+            raise RunError(f"--compile true failed on {job.device.type}: {cause}; run with "
+                           f"--compile false") from None
         finally:
             run.progress.close()
             run.log.close()

@@ -382,3 +382,25 @@ def test_resume_is_exact_with_compile(tmp_path):
     assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
     _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_compile_without_a_working_backend_fails_in_one_line(tmp_path):
+    """A machine where torch.compile's backend cannot build (here no C++ compiler for
+    inductor) gets one line naming the cause and the way out, not dynamo's traceback; the
+    run, stopped before its first checkpoint, starts again without ``--compile``."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # nothing cached to reuse
+    args = [sys.executable, "-m", "models.train", *_quiet("--steps", "2", "--compile", "true",
+                                                         "--out", str(tmp_path / "run"))]
+    done = subprocess.run(args, cwd=Path(__file__).parents[2], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--compile false" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert main([*_quiet("--steps", "2", "--out", str(tmp_path / "run"))]) == 0
