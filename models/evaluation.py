@@ -23,16 +23,16 @@ def perplexity(loss: float) -> float:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device,
-             autocast=contextlib.nullcontext) -> float:
+             autocast=contextlib.nullcontext, *, world_size: int = 1) -> float:
     """Mean validation loss over ``eval_batches`` fixed batches (no random state is touched).
 
-    Each batch of ``batch_size`` sequences runs in ``grad_accum_steps`` equal chunks (the
-    training micro-batch, so that memory stays bounded); the mean of the chunks' mean losses
-    is the batch's mean loss.
+    Each batch of ``batch_size`` sequences runs in ``grad_accum_steps * world_size`` equal
+    chunks (the micro-batch one of ``world_size`` ranks trains on, so that memory stays
+    bounded where training fits); the mean of the chunks' mean losses is the batch's mean loss.
     """
     was_training = model.training
     model.eval()
-    chunk = cfg.batch_size // cfg.grad_accum_steps
+    chunk = cfg.batch_size // (cfg.grad_accum_steps * world_size)
     losses = []
     for x, y in eval_batches(corpus.val, cfg.batch_size, cfg.block_size, cfg.eval_batches):
         for start in range(0, len(x), chunk):

@@ -246,6 +246,8 @@ class Block(nn.Module):
 def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
     if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
         raise ValueError(f"token ids must be an integer tensor, got dtype {idx.dtype}")
+    if torch.compiler.is_compiling():  # a value check is a graph break and a device sync
+        return
     if idx.numel() and bool(((idx < 0) | (idx >= vocab_size)).any()):
         lo, hi = int(idx.min()), int(idx.max())
         raise ValueError(f"token ids must be in [0, {vocab_size}) (vocab_size), got ids from "
@@ -323,6 +325,9 @@ class GPT(nn.Module):
         Raises:
             ValueError: ``idx`` is not an integer tensor or holds an id outside
                 ``[0, vocab_size)`` (one reduction; torch would fail deep inside the embedding).
+                Under :func:`torch.compile` only the dtype is checked: reading the ids' values
+                would break the graph and wait for the device at every forward (the trainer's
+                corpora are checked against the vocabulary when they are loaded).
         """
         _check_token_ids(idx, self.config.vocab_size)
         x = self._embed(idx)  # (B, T, C)

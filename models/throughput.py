@@ -20,16 +20,18 @@ MFU is left out). **Optimizer share** is the optimizer step's part of the wall t
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
 
 __all__ = ["PEAK_FLOPS", "Throughput", "device_time", "flops_per_token", "peak_flops"]
 
-#: Dense peak FLOP/s per device (a substring of ``torch.cuda.get_device_name()``, most specific
-#: first) and autocast dtype, from the vendors' data sheets.
+#: Dense peak FLOP/s per device (whole words of ``torch.cuda.get_device_name()``: ``L4`` is not
+#: an ``L40``; most specific first) and autocast dtype, from the vendors' data sheets.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bfloat16": 756e12, "float16": 756e12, "float32": 51e12},
+    "GH200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
@@ -55,14 +57,15 @@ def flops_per_token(n_params: int, n_layer: int, block_size: int, n_embd: int) -
 
 def peak_flops(device: torch.device, dtype: str, given: float = 0.0) -> float | None:
     """The peak FLOP/s of one ``device`` in ``dtype``: ``given`` if positive, else the
-    :data:`PEAK_FLOPS` entry of a CUDA device's name, else ``None`` (unknown)."""
+    :data:`PEAK_FLOPS` entry whose key is a whole word (or words) of a CUDA device's name
+    (``NVIDIA L40`` is not an ``L4``), else ``None`` (unknown)."""
     if given > 0:
         return given
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_FLOPS.items():
-        if key in name:
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", name):
             return peaks.get(dtype)
     return None
 

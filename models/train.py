@@ -128,6 +128,13 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
         run = _setup(cfg, out, resume, echo, job, corpus, ckpt)
         try:
             _loop(run)
+        except Exception as exc:  # torch.compile is lazy: the first forward builds the
+            # kernels (with a C++ compiler on CPU, triton on CUDA), deep inside the loop
+            if not (cfg.compile and isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)):
+                raise
+            cause = str(exc).strip().splitlines()[0]
+            raise RunError(f"--compile true failed on {job.device.type}: {cause}; run with "
+                           f"--compile false") from None
         finally:
             run.progress.close()
             run.log.close()
@@ -290,7 +297,7 @@ def _evaluate_into(run: Run, row: dict) -> bool:
     cfg, job = run.cfg, run.job
     # every rank evaluates without DDP (a DDP forward on rank 0 alone could wait for its peers)
     val = from_rank0(evaluate(run.evaluator, run.corpus, cfg, job.device,
-                              run.precision.autocast), job.device)
+                              run.precision.autocast, world_size=job.world_size), job.device)
     run.last_val = val
     if not math.isfinite(val):
         run.diverged = f"non-finite validation loss ({val}) at step {row['step']}"

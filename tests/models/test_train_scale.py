@@ -16,7 +16,7 @@ import torch
 from manifoldlib.optim import build_optimizer
 from manifoldlib.optim.builder import adamw_param_groups
 from models.config import PRESETS, build_config
-from models.evaluation import diagnostics
+from models.evaluation import diagnostics, evaluate
 from models.gpt import GPT
 from models.job import Job
 from models.precision import Precision
@@ -81,6 +81,37 @@ def test_batch_size_must_split_into_the_micro_steps():
         build_config("smoke", overrides={"grad_accum_steps": "3"})
 
 
+class _RecordingModel(torch.nn.Module):
+    """A model that records the number of sequences of each forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.rows = model, []
+
+    def forward(self, x, y):
+        self.rows.append(len(x))
+        return self.model(x, y)
+
+
+def test_evaluation_chunks_are_one_ranks_micro_batch():
+    """Every rank evaluates the whole batch, in chunks of the micro-batch it trains on,
+    ``batch_size / (grad_accum_steps * world_size)``: not ``world_size`` times larger (which
+    runs out of memory where training fits); the loss is the same mean."""
+    from models.data import load_corpus
+
+    cfg = build_config("smoke", overrides={"batch_size": 8, "grad_accum_steps": 2,
+                                           "eval_batches": 1})
+    corpus = load_corpus(cfg.corpus)
+    torch.manual_seed(0)
+    model = _RecordingModel(build_model(cfg, corpus.vocab_size))
+    one = evaluate(model, corpus, cfg, CPU)
+    assert model.rows == [4, 4]
+    model.rows.clear()
+    two = evaluate(model, corpus, cfg, CPU, world_size=2)
+    assert model.rows == [2, 2, 2, 2]
+    assert two == pytest.approx(one, rel=1e-6)
+
+
 # ---- mixed precision, compile ---------------------------------------------------------------
 
 
@@ -95,7 +126,7 @@ def test_bfloat16_autocast_trains_and_is_recorded(tmp_path):
 
 
 def test_bfloat16_autocast_runs_the_matmuls_in_bfloat16():
-    cfg = build_config("smoke", overrides={"connection": "pre-ln"})
+    cfg = build_config("smoke")  # spheret: its fused kernel steps aside under compile
     model = build_model(cfg, vocab_size=256)
     x = torch.randint(0, 256, (2, cfg.block_size))
     with Precision("bfloat16", CPU).autocast():
@@ -165,6 +196,19 @@ def test_the_compiled_model_agrees_with_the_eager_one():
         torch.testing.assert_close(pc.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_the_model_compiles_without_a_graph_break():
+    """The token-id check reads values (a host sync and a graph break); the compiled forward
+    leaves it out, so dynamo captures the whole model as one graph (``fullgraph=True``)."""
+    torch.manual_seed(0)
+    cfg = build_config("smoke")  # spheret: its fused kernel steps aside under compile
+    model = build_model(cfg, vocab_size=256)
+    x = torch.randint(0, 256, (2, cfg.block_size))
+    _, loss = torch.compile(model, backend="eager", fullgraph=True)(x, x)
+    assert loss.item() == pytest.approx(model(x, x)[1].item(), rel=1e-6)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        model(x + 256, x)  # eager still checks
+
+
 # ---- throughput -----------------------------------------------------------------------------
 
 
@@ -179,6 +223,16 @@ def test_flops_per_token_and_peaks():
     assert report["tokens_per_s"] > 0 and report["optimizer_share"] == 0.0
     assert report["mfu"] == pytest.approx(report["tokens_per_s"] * 10.0 / 2e3)
     assert meter.report()["tokens_per_s"] == 0.0  # started over
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA L40", None), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A10", None)])
+def test_the_peak_table_matches_whole_device_names(monkeypatch, name, peak):
+    """A key matches a whole word of the device name: an L40 is not an L4."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0), "bfloat16") == peak
 
 
 def test_metrics_carry_throughput_and_mfu_with_a_given_peak(tmp_path, capsys):
@@ -328,3 +382,25 @@ def test_resume_is_exact_with_compile(tmp_path):
     assert main(["--resume", "--out", str(tmp_path / "b")]) == 0
     _same_rows(read_metrics(tmp_path / "a" / "metrics.jsonl"),
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_compile_without_a_working_backend_fails_in_one_line(tmp_path):
+    """A machine where torch.compile's backend cannot build (here no C++ compiler for
+    inductor) gets one line naming the cause and the way out, not dynamo's traceback; the
+    run, stopped before its first checkpoint, starts again without ``--compile``."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # nothing cached to reuse
+    args = [sys.executable, "-m", "models.train", *_quiet("--steps", "2", "--compile", "true",
+                                                         "--out", str(tmp_path / "run"))]
+    done = subprocess.run(args, cwd=Path(__file__).parents[2], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--compile false" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert main([*_quiet("--steps", "2", "--out", str(tmp_path / "run"))]) == 0
