@@ -20,12 +20,17 @@ hetero-inv      dgram                       stiefel                     euclidea
 Embeddings, the output head, gains, biases and every non-matrix go to AdamW under every
 built-in policy. Attention and MLP are recognized by :func:`default_classifier` from the parameter's
 qualified name, innermost component first: a block name (``attn``, ``self_attn``, ``attention``,
-``mlp``, ``ffn``, ...; :data:`ATTN_NAMES`, :data:`MLP_NAMES`) or a projection name
-(``q_proj`` ... ``o_proj``, ``c_attn``, ``gate_proj`` / ``up_proj`` / ``down_proj``, ``c_fc``,
-``linear1`` / ``linear2``, ...; generic names such as ``out_proj`` or ``wo`` count only inside a
-recognized block), and :class:`torch.nn.MultiheadAttention`'s own matrices. That covers
-:mod:`models.gpt`, nanoGPT, Hugging Face GPT-2 (``Conv1D``), LLaMA/Mistral-style models and
-:class:`torch.nn.TransformerEncoderLayer`. A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
+``mlp``, ``ffn``, T5's ``EncDecAttention`` / ``DenseReluDense``, BERT's ``intermediate``, ...;
+:data:`ATTN_NAMES`, :data:`MLP_NAMES`) or a projection name (``q_proj`` ... ``o_proj``,
+``c_attn``, ``gate_proj`` / ``up_proj`` / ``down_proj``, ``c_fc``, ``linear1`` / ``linear2``, ...;
+generic names such as ``out_proj``, ``dense`` or ``wo`` count only inside a recognized block),
+a layer's ``output`` outside attention (:data:`LAYER_MLP_NAMES`: BERT's
+``encoder.layer.0.output.dense`` is MLP, ``encoder.layer.0.attention.output.dense`` attention), and
+:class:`torch.nn.MultiheadAttention`'s own matrices. That covers :mod:`models.gpt`, nanoGPT,
+Hugging Face GPT-2 (``Conv1D``), LLaMA/Mistral/Qwen2-style models, OPT, GPT-NeoX, Falcon,
+BERT/RoBERTa, T5, ViT and :class:`torch.nn.TransformerEncoderLayer`. The output head is a module
+named in :data:`HEAD_NAMES` (``lm_head``, and the task heads ``classifier``, ``score``,
+``qa_outputs``). A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
 on the attention manifold; to constrain q, k and v as separate blocks, split it first with
 :func:`manifoldlib.charts.split_blocks`. A hidden matrix that no rule recognizes goes to the
 policy's ``other`` manifold (the *fallback*), and :func:`warn_unclassified` (called by
@@ -48,6 +53,7 @@ from ..charts.base import Chart
 __all__ = [
     "ATTN_NAMES",
     "HEAD_NAMES",
+    "LAYER_MLP_NAMES",
     "MLP_NAMES",
     "Classifier",
     "Policy",
@@ -64,22 +70,29 @@ __all__ = [
 Policy = Callable[[str, nn.Module, torch.Tensor], str | None]
 Classifier = Callable[[str, nn.Module], str | None]
 
-#: Module names treated as the output head (never a hidden matrix).
-HEAD_NAMES = ("lm_head", "head")
+#: Module names treated as the output head (never a hidden matrix): language-model heads and the
+#: task heads of Hugging Face models (``*ForSequenceClassification`` / ``ForImageClassification``:
+#: ``classifier`` or ``score``; ``*ForQuestionAnswering``: ``qa_outputs``).
+HEAD_NAMES = ("lm_head", "head", "classifier", "score", "qa_outputs")
 
 #: Name components (blocks or projections, lower case) that mark an attention matrix.
 ATTN_NAMES = frozenset({
     "attn", "attention", "self_attn", "self_attention", "selfattention", "cross_attn",
-    "cross_attention", "crossattention", "encoder_attn",
+    "cross_attention", "crossattention", "encoder_attn", "encdecattention",
     "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "wqkv", "query_key_value",
 })
 
 #: Name components (blocks or projections, lower case) that mark an MLP matrix.
 MLP_NAMES = frozenset({
-    "mlp", "ffn", "feed_forward", "feedforward",
+    "mlp", "ffn", "feed_forward", "feedforward", "intermediate", "densereludense", "densegatedactdense",
     "gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "fc1", "fc2",
     "linear1", "linear2", "dense_h_to_4h", "dense_4h_to_h",
 })
+
+#: Name components that mark an MLP matrix only inside a numbered layer (``layer.0``) and outside
+#: every attention name: BERT's ``encoder.layer.0.output.dense`` is its MLP's second matrix, while
+#: ``encoder.layer.0.attention.output.dense`` is attention and a top-level ``output`` a head.
+LAYER_MLP_NAMES = frozenset({"output"})
 
 _POLICIES: dict[str, Policy] = {}
 
@@ -141,17 +154,23 @@ def default_classifier(name: str, module: nn.Module) -> str | None:
     Components are whole path parts (``"blocks.0.attnx.q"`` is not attention), compared in lower
     case against :data:`ATTN_NAMES` and :data:`MLP_NAMES` from the end of the name, so a projection
     name decides before its block name and ``blocks.0.attn.c_proj`` is attention while
-    ``blocks.0.mlp.c_proj`` is MLP. The matrices of a :class:`torch.nn.MultiheadAttention` are
-    attention whatever it is called.
+    ``blocks.0.mlp.c_proj`` is MLP. A part in :data:`LAYER_MLP_NAMES` preceded by a layer index
+    means MLP unless an attention name follows it outward. The matrices of a
+    :class:`torch.nn.MultiheadAttention` are attention whatever it is called.
     """
     if isinstance(module, nn.MultiheadAttention):
         return "attn"
-    for part in reversed(name.lower().split(".")):
+    parts = name.lower().split(".")
+    layer_mlp = False
+    for i in range(len(parts) - 1, -1, -1):
+        part = parts[i]
         if part in ATTN_NAMES:
             return "attn"
         if part in MLP_NAMES:
             return "mlp"
-    return None
+        if part in LAYER_MLP_NAMES and any(p.isdigit() for p in parts[:i]):
+            layer_mlp = True
+    return "mlp" if layer_mlp else None
 
 
 def _belongs_to_chart(module: nn.Module) -> bool:

@@ -1,0 +1,170 @@
+"""The built-in policies and the block split on more Hugging Face families, from tiny configs.
+
+BERT / RoBERTa (``attention.self.query``, ``intermediate.dense``, the layer's ``output.dense``),
+T5 (``SelfAttention`` / ``EncDecAttention``, ``DenseReluDense.wi`` / ``wo``), OPT, Falcon, Qwen2,
+GPT-NeoX (a fused ``query_key_value`` laid out head by head), ViT with a classification head, and
+Mixtral (experts stacked in 3-D tensors). Each builder skips when the installed transformers lacks
+the family.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from manifoldlib import DGram, Stiefel  # noqa: E402
+from manifoldlib.optim import assign_parameters, build_optimizer  # noqa: E402
+
+VOCAB, WIDTH, FF = 64, 32, 64
+
+
+def _config(cls_name, **kw):
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    return cls(**kw)
+
+
+def _build(model_cls, config):
+    cls = getattr(transformers, model_cls, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def _bert():
+    return _build("BertForMaskedLM", _config(
+        "BertConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=32))
+
+
+def _roberta():
+    return _build("RobertaForMaskedLM", _config(
+        "RobertaConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=40))
+
+
+def _t5():
+    return _build("T5ForConditionalGeneration", _config(
+        "T5Config", num_layers=2, num_decoder_layers=2, d_model=WIDTH, d_kv=8, d_ff=FF, num_heads=4,
+        vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0))
+
+
+def _opt():
+    return _build("OPTForCausalLM", _config(
+        "OPTConfig", num_hidden_layers=2, hidden_size=WIDTH, ffn_dim=FF, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=32, word_embed_proj_dim=WIDTH))
+
+
+def _qwen2():
+    return _build("Qwen2ForCausalLM", _config(
+        "Qwen2Config", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True))
+
+
+def _falcon():
+    return _build("FalconForCausalLM", _config(
+        "FalconConfig", num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, vocab_size=VOCAB))
+
+
+def _neox():
+    return _build("GPTNeoXForCausalLM", _config(
+        "GPTNeoXConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=32))
+
+
+def _vit():
+    return _build("ViTForImageClassification", _config(
+        "ViTConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        image_size=16, patch_size=4, num_labels=3))
+
+
+BUILDERS = {"bert": _bert, "roberta": _roberta, "t5": _t5, "opt": _opt, "qwen2": _qwen2, "falcon": _falcon,
+            "neox": _neox, "vit": _vit}
+
+#: Name parts that mark a block's attention or MLP matrices in each family (checked on every matrix).
+ATTN_MARK = {"bert": ".attention.", "roberta": ".attention.", "t5": "Attention.", "opt": ".self_attn.",
+             "qwen2": ".self_attn.", "falcon": ".self_attention.", "neox": ".attention.", "vit": ".attention."}
+MLP_MARK = {"bert": (".intermediate.", ".output."), "roberta": (".intermediate.", ".output."),
+            "t5": (".DenseReluDense.",), "opt": (".fc1.", ".fc2."), "qwen2": (".mlp.",), "falcon": (".mlp.",),
+            "neox": (".mlp.",), "vit": (".mlp.", ".intermediate.", ".output.")}
+#: Hidden matrices outside attention and MLP that the fallback (with its warning) rightly takes.
+OTHER = {"bert": {"cls.predictions.transform.dense.weight"}, "roberta": {"lm_head.dense.weight"}}
+
+
+def _layer_matrices(model):
+    """Names of the 2-D weights inside the numbered layers (blocks) of the model."""
+    return [n for n, p in model.named_parameters()
+            if p.dim() == 2 and any(part.isdigit() for part in n.split(".")) and "relative_attention_bias" not in n]
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_hetero_classifies_attention_and_mlp_of_every_layer(family):
+    model = BUILDERS[family]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assignment = assign_parameters(model, "hetero")
+    matrices = _layer_matrices(model)
+    assert matrices
+    for name in matrices:
+        if "ayerNorm" in name:
+            continue
+        attn = ATTN_MARK[family] in f".{name}" and not any(m in name for m in (".intermediate.", ".mlp."))
+        if family in ("bert", "roberta", "vit") and ".attention." not in name:
+            attn = False
+        expected = "stiefel" if attn else "dgram"
+        if not attn:
+            assert any(m in f".{name}" for m in MLP_MARK[family]), name
+        assert assignment[name] == expected, (name, assignment[name])
+    fallback = {n for n, c in assignment.items() if c == "euclidean"}
+    assert fallback == OTHER.get(family, set())
+    if fallback:  # the fallback is never silent
+        assert any(all(n in str(w.message) for n in fallback) for w in caught)
+    else:
+        assert not [w for w in caught if "fallback" in str(w.message)]
+
+
+def test_t5_relative_attention_bias_is_an_embedding_on_adamw():
+    model = _t5()
+    assignment = assign_parameters(model, "all-stiefel")
+    bias = [n for n in assignment if "relative_attention_bias" in n]
+    assert bias and {assignment[n] for n in bias} == {None}
+
+
+@pytest.mark.parametrize("policy", ["all-stiefel", "all-dgram", "hetero", "unconstrained"])
+def test_a_classification_head_stays_on_adamw(policy):
+    """ViT's ``classifier`` (and ``score``, ``qa_outputs``) is the output head, never a hidden matrix."""
+    model = _vit()
+    assert assign_parameters(model, policy)["classifier.weight"] is None
+
+
+def _on_manifold(group, p):
+    w = p.detach().double()
+    w = w if w.shape[0] >= w.shape[1] else w.T
+    manifold = {"stiefel": Stiefel(), "dgram": DGram()}[group["manifold"]]
+    return manifold.check_point_on_manifold(w, explain=True, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_hetero_step_keeps_encoder_matrices_on_their_manifolds(family):
+    model = BUILDERS[family]()
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=3e-3)
+    opt.zero_grad()
+    loss = model(input_ids=idx, labels=idx).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    checked = 0
+    for group in opt.param_groups:
+        if group.get("manifold") in ("stiefel", "dgram"):
+            for name, p in zip(group["param_names"], group["params"]):
+                ok, why = _on_manifold(group, p)
+                assert ok, (name, why)
+                checked += 1
+    assert checked == len([n for n in _layer_matrices(model) if "ayerNorm" not in n])
