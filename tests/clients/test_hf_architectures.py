@@ -168,3 +168,97 @@ def test_hetero_step_keeps_encoder_matrices_on_their_manifolds(family):
                 assert ok, (name, why)
                 checked += 1
     assert checked == len([n for n in _layer_matrices(model) if "ayerNorm" not in n])
+
+
+def _neox_qkv(model, layer=0):
+    """GPT-NeoX's true q, k and v matrices: its query_key_value is (heads, 3, head_dim) by rows."""
+    attn = model.gpt_neox.layers[layer].attention
+    w = attn.query_key_value.weight.detach()  # (3 * WIDTH, WIDTH)
+    per_head = w.view(4, 3, WIDTH // 4, WIDTH)
+    return [per_head[:, i].reshape(WIDTH, WIDTH) for i in range(3)]
+
+
+def test_neox_query_key_value_needs_its_layout_named():
+    from manifoldlib.charts import split_blocks
+
+    model = _neox()
+    with pytest.raises(ValueError, match=r"gpt_neox\.layers\.0\.attention\.query_key_value\.weight.*heads="):
+        split_blocks(model)
+    assert not any("parametrizations" in n for n, _ in model.named_parameters())  # none split
+
+
+def test_neox_split_per_head_gives_q_k_v_and_merges_back_exactly():
+    from manifoldlib.charts import merge_blocks, split_blocks
+
+    model = _neox()
+    fused = model.gpt_neox.layers[0].attention.query_key_value.weight.detach().clone()
+    q, k, v = _neox_qkv(model)
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(idx).logits
+    names = split_blocks(model, heads=4)
+    assert names == [f"gpt_neox.layers.{i}.attention.query_key_value.weight" for i in range(2)]
+    plist = model.gpt_neox.layers[0].attention.query_key_value.parametrizations.weight
+    for block, true in zip((plist.original0, plist.original1, plist.original2), (q, k, v)):
+        torch.testing.assert_close(block.detach(), true, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, before, rtol=0, atol=0)
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=3e-3)
+    opt.zero_grad()
+    model(idx, labels=idx).loss.backward()
+    opt.step()
+    for group in opt.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            if "query_key_value.parametrizations" in name:
+                assert group["manifold"] == "stiefel" and tuple(p.shape) == (WIDTH, WIDTH)
+                assert _on_manifold(group, p)[0], name
+    model2 = _neox()
+    split_blocks(model2, heads=4)
+    assert merge_blocks(model2) == names
+    torch.testing.assert_close(model2.gpt_neox.layers[0].attention.query_key_value.weight, fused, rtol=0, atol=0)
+
+
+def test_falcon_multi_query_split_by_sizes():
+    from manifoldlib.charts import merge_blocks, split_blocks
+
+    model = _falcon()  # multi-query: q (4 heads of 8), then one k and one v head
+    w = model.transformer.h[0].self_attention.query_key_value.weight.detach().clone()
+    assert tuple(w.shape) == (48, WIDTH)
+    split_blocks(model, blocks=[32, 8, 8], heads=1)
+    plist = model.transformer.h[0].self_attention.query_key_value.parametrizations.weight
+    torch.testing.assert_close(plist.original0.detach(), w[:32], rtol=0, atol=0)
+    merge_blocks(model)
+    torch.testing.assert_close(model.transformer.h[0].self_attention.query_key_value.weight, w, rtol=0, atol=0)
+
+
+def test_falcon_new_architecture_split_per_group_matches_its_own_head_split():
+    from manifoldlib.charts import split_blocks
+
+    model = _build("FalconForCausalLM", _config(
+        "FalconConfig", num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, vocab_size=VOCAB))
+    attn = model.transformer.h[0].self_attention
+    x = torch.randn(1, 3, WIDTH, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        q, k, v = attn._split_heads(attn.query_key_value(x))  # Falcon's own reading of its layout
+    split_blocks(model, blocks=[WIDTH, 16, 16], heads=2)  # q: 4 heads of 8; k, v: 2 heads of 8
+    plist = attn.query_key_value.parametrizations.weight
+    with torch.no_grad():
+        torch.testing.assert_close(x @ plist.original0.T, q.flatten(2), rtol=1e-6, atol=1e-6)
+        kv = [(x @ b.T).unflatten(-1, (2, 1, 8)).expand(-1, -1, -1, 2, -1).flatten(2)
+              for b in (plist.original1, plist.original2)]  # each group's head serves 2 query heads
+        torch.testing.assert_close(kv[0], k.flatten(2), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kv[1], v.flatten(2), rtol=1e-6, atol=1e-6)
+
+
+def test_split_per_head_round_trips_a_conv1d_layout():
+    from manifoldlib.charts import SplitBlocks
+
+    split = SplitBlocks([8, 4, 4], dim=1, heads=2)
+    w = torch.randn(5, 16, dtype=torch.float64)
+    blocks = split.right_inverse(w)
+    assert [tuple(b.shape) for b in blocks] == [(5, 8), (5, 4), (5, 4)]
+    torch.testing.assert_close(blocks[1], torch.cat([w[:, 4:6], w[:, 12:14]], 1))  # head 0, head 1
+    torch.testing.assert_close(split(*blocks), w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="heads must be an int >= 1 dividing"):
+        SplitBlocks([8, 3, 3], dim=0, heads=2)
