@@ -35,7 +35,10 @@ on the attention manifold; to constrain q, k and v as separate blocks, split it 
 :func:`manifoldlib.charts.split_blocks`. A hidden matrix that no rule recognizes goes to the
 policy's ``other`` manifold (the *fallback*), and :func:`warn_unclassified` (called by
 :func:`~manifoldlib.optim.assign_parameters`) names every such matrix in one warning when the
-fallback differs from the attention or MLP choice. A model that names its blocks differently passes
+fallback differs from the attention or MLP choice. Matrices stacked in one tensor of more than two
+dimensions (the experts of a mixture-of-experts MLP, ``(experts, out, in)``) stay on AdamW, since
+Manifold Muon takes 2-D parameters; :func:`warn_stacked` names those inside an attention or MLP
+block. A model that names its blocks differently passes
 a *classifier* ``classifier(name, module) -> "attn" | "mlp" | None``.
 """
 
@@ -63,7 +66,9 @@ __all__ = [
     "get_policy",
     "is_hidden_matrix",
     "register_policy",
+    "stacked_matrices",
     "unclassified_matrices",
+    "warn_stacked",
     "warn_unclassified",
 ]
 
@@ -271,6 +276,40 @@ def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torc
             f"attention or MLP name rule and went to the fallback {policy.other!r} "
             f"({policy!r}): {shown}. Pass classifier=... "
             f"(name, module) -> 'attn' | 'mlp' | None to classify them.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return names
+
+
+def stacked_matrices(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
+    """Names of the parameters of more than two dimensions that a role policy's classifier puts in
+    an attention or MLP block whose manifold is not ``None`` (stacked expert matrices).
+
+    Empty for a policy that is not a :class:`RolePolicy`; chart coordinates are never counted.
+    """
+    if not isinstance(policy, RolePolicy):
+        return []
+    choice = {"attn": policy.attn, "mlp": policy.mlp}
+    return [name for name, module, param in named
+            if param.dim() > 2 and not _belongs_to_chart(module)
+            and choice.get(policy.classifier(name, module)) is not None]
+
+
+def warn_stacked(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
+    """Warn once, naming every stacked attention or MLP tensor that stays on AdamW; return them.
+
+    A mixture-of-experts MLP that stores its experts as ``(experts, out, in)`` would otherwise
+    train them on AdamW without a word while the policy constrains the dense MLPs of other models.
+    """
+    names = stacked_matrices(policy, named)
+    if names:
+        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
+        warnings.warn(
+            f"{len(names)} attention/MLP {'parameter stacks' if len(names) == 1 else 'parameters stack'} "
+            f"matrices in more than two dimensions and {'stays' if len(names) == 1 else 'stay'} on "
+            f"AdamW ({policy!r}; Manifold Muon takes 2-D parameters): {shown}. Store them as "
+            f"separate 2-D layers to constrain them, or pass classifier=... returning None for them.",
             UserWarning,
             stacklevel=3,
         )

@@ -262,3 +262,29 @@ def test_split_per_head_round_trips_a_conv1d_layout():
     torch.testing.assert_close(split(*blocks), w, rtol=0, atol=0)
     with pytest.raises(ValueError, match="heads must be an int >= 1 dividing"):
         SplitBlocks([8, 3, 3], dim=0, heads=2)
+
+
+def _mixtral():
+    return _build("MixtralForCausalLM", _config(
+        "MixtralConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2))
+
+
+def test_mixtral_experts_stacked_in_3d_tensors_are_named_in_a_warning():
+    model = _mixtral()
+    stacked = [n for n, p in model.named_parameters() if p.dim() > 2 and ".mlp." in n]
+    if not stacked:
+        pytest.skip("this transformers stores Mixtral's experts as separate 2-D layers")
+    with pytest.warns(UserWarning, match=r"stack") as caught:
+        assignment = assign_parameters(model, "hetero")
+    message = " ".join(str(w.message) for w in caught)
+    assert all(n in message for n in stacked) and "AdamW" in message
+    assert {assignment[n] for n in stacked} == {None}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # GQA: k/v (16, 32) on Stiefel too
+        assert assignment[f"model.layers.0.self_attn.{name}.weight"] == "stiefel"
+
+
+def test_no_stacked_matrix_warning_for_a_patch_embedding():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assign_parameters(_vit(), "hetero")  # the 4-D Conv2d patch embedding is an embedding
