@@ -288,3 +288,50 @@ def test_no_stacked_matrix_warning_for_a_patch_embedding():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assign_parameters(_vit(), "hetero")  # the 4-D Conv2d patch embedding is an embedding
+
+
+def _inputs(family):
+    if family == "vit":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)),
+                "labels": torch.tensor([0, 1])}
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": idx, "labels": idx}
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_sel_on_the_mlp_keeps_outputs_trains_reloads_and_merges(family):
+    import io
+
+    from manifoldlib.charts import SEL, apply_chart, merge_charts
+    from manifoldlib.optim import default_classifier
+
+    def is_mlp(name, module):
+        w = module._parameters.get("weight")
+        return w is not None and w.dim() == 2 and default_classifier(f"{name}.weight", module) == "mlp"
+
+    model, batch = BUILDERS[family](), _inputs(family)
+    with torch.no_grad():
+        before = model(**batch).logits
+    charted = apply_chart(model, lambda w: SEL(w, init="congruent"), include=is_mlp)
+    assert len(charted) == {"qwen2": 6, "t5": 8}.get(family, 4)  # 2 layers x 2 (gated: x 3; T5: 2 stacks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, before, rtol=1e-5, atol=1e-5)
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=1e-3)
+    opt.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    with torch.no_grad():
+        trained = model(**batch).logits
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = BUILDERS[family]()
+    apply_chart(fresh, lambda w: SEL(w, init="congruent"), include=is_mlp)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    assert sorted(merge_charts(model)) == sorted(charted)
+    assert not any("parametrizations" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(**batch).logits, trained, rtol=0, atol=0)
+        torch.testing.assert_close(model(**batch).logits, trained, rtol=1e-5, atol=1e-5)
