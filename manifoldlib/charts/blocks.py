@@ -148,18 +148,19 @@ def split_blocks(
         if not include(mname, module):
             continue
         tname = "in_proj_weight" if isinstance(module, nn.MultiheadAttention) else tensor_name
+        qname = f"{mname}.{tname}" if mname else tname
+        # a parametrized tensor (a chart, an earlier split) has left module._parameters
+        if parametrize.is_parametrized(module, tname):
+            raise ValueError(f"{qname} is already parametrized; merge it before splitting")
         param = module._parameters.get(tname)
         if param is None or param.dim() != 2:
             continue
-        qname = f"{mname}.{tname}" if mname else tname
         if heads is None and mname.rsplit(".", 1)[-1].lower() in PER_HEAD_NAMES:
             raise ValueError(
                 f"{qname}: the q/k/v layout of a fused {mname.rsplit('.', 1)[-1]!r} differs between "
                 f"model families; pass heads= (GPT-NeoX: heads=num_attention_heads; Falcon: heads=1 "
                 f"with blocks=[q, k, v sizes] under multi-query attention) or exclude it with include=..."
             )
-        if parametrize.is_parametrized(module, tname):
-            raise ValueError(f"{qname} is already parametrized; merge it before splitting")
         shared = sorted({name for name, holder in holders[id(param)] if holder is not module})
         if shared:
             raise ValueError(

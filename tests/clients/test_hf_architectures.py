@@ -335,3 +335,28 @@ def test_sel_on_the_mlp_keeps_outputs_trains_reloads_and_merges(family):
     with torch.no_grad():
         torch.testing.assert_close(fresh(**batch).logits, trained, rtol=0, atol=0)
         torch.testing.assert_close(model(**batch).logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def _gpt2():
+    cfg = _config("GPT2Config", n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=16,
+                  bos_token_id=0, eos_token_id=0)
+    return _build("GPT2LMHeadModel", cfg)
+
+
+def test_split_blocks_refuses_a_charted_c_attn_by_name():
+    from manifoldlib.charts import SEL, apply_chart, split_blocks
+
+    model = _gpt2()
+    apply_chart(model, lambda w: SEL(w, fan_in=w.shape[0]), include=lambda n, m: n.endswith("attn.c_attn"))
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight is already parametrized"):
+        split_blocks(model)
+
+
+def test_apply_chart_refuses_a_split_c_attn_by_name():
+    from manifoldlib.charts import SEL, apply_chart, split_blocks
+
+    model = _gpt2()
+    split_blocks(model)
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight .*merge_blocks"):
+        apply_chart(model, lambda w: SEL(w, fan_in=w.shape[0]), include=lambda n, m: ".attn." in f"{n}.")
+    assert not any(type(p).__name__ == "SEL" for p in model.modules())  # nothing charted
