@@ -19,10 +19,10 @@ so the module keeps its forward and its outputs, while its parameters become the
 saving a checkpoint in the original layout. Without :func:`split_blocks` the fused matrix stays one
 block; both are valid choices, and the difference is the constraint set, not the model.
 
-Some fused projections interleave the blocks head by head instead: GPT-NeoX's ``query_key_value``
-has rows ``(heads, 3, head_dim)``, so its first third is *not* :math:`W_q`. With ``heads=h``
-the output dimension is read as ``h`` equal slices, each holding its share of every block in
-order; the blocks are still exactly q, k and v. Falcon's ``query_key_value`` is contiguous under
+Some fused projections interleave the blocks head by head instead: GPT-NeoX's (and BLOOM's)
+``query_key_value`` has rows ``(heads, 3, head_dim)``, so its first third is *not*
+:math:`W_q`. With ``heads=h`` the output dimension is read as ``h`` equal slices, each holding its
+share of every block in order; the blocks are still exactly q, k and v. Falcon's ``query_key_value`` is contiguous under
 multi-query attention (``blocks=[q, k, v sizes], heads=1``), per head in the original layout
 (``heads=num_attention_heads``) and per key/value group in the new decoder architecture
 (``blocks=[q, k, v sizes], heads=num_kv_heads``). Because the name alone does not tell,

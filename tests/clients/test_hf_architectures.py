@@ -16,8 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from manifoldlib import DGram, Stiefel  # noqa: E402
-from manifoldlib.optim import assign_parameters, build_optimizer  # noqa: E402
+from manifoldlib import DGram, Stiefel
+from manifoldlib.optim import assign_parameters, build_optimizer
 
 VOCAB, WIDTH, FF = 64, 32, 64
 
