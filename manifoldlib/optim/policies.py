@@ -29,8 +29,8 @@ a layer's ``output`` outside attention (:data:`LAYER_MLP_NAMES`: BERT's
 :class:`torch.nn.MultiheadAttention`'s own matrices. That covers :mod:`models.gpt`, nanoGPT,
 Hugging Face GPT-2 (``Conv1D``), LLaMA/Mistral/Qwen2-style models, OPT, GPT-NeoX, Falcon,
 BERT/RoBERTa, T5, ViT and :class:`torch.nn.TransformerEncoderLayer`. The output head is a module
-named in :data:`HEAD_NAMES` (``lm_head``, and the task heads ``classifier``, ``score``,
-``qa_outputs``). A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
+named in :data:`HEAD_NAMES` (``lm_head``, BERT's ``cls``, the task heads ``classifier``, ``score``,
+``qa_outputs``) with every module inside it. A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
 on the attention manifold; to constrain q, k and v as separate blocks, split it first with
 :func:`manifoldlib.charts.split_blocks`. A hidden matrix that no rule recognizes goes to the
 policy's ``other`` manifold (the *fallback*), and :func:`warn_unclassified` (called by
@@ -75,10 +75,12 @@ __all__ = [
 Policy = Callable[[str, nn.Module, torch.Tensor], str | None]
 Classifier = Callable[[str, nn.Module], str | None]
 
-#: Module names treated as the output head (never a hidden matrix): language-model heads and the
-#: task heads of Hugging Face models (``*ForSequenceClassification`` / ``ForImageClassification``:
-#: ``classifier`` or ``score``; ``*ForQuestionAnswering``: ``qa_outputs``).
-HEAD_NAMES = ("lm_head", "head", "classifier", "score", "qa_outputs")
+#: Module names treated as the output head: a parameter of such a module, or of any module inside
+#: it, is never a hidden matrix. Language-model heads (``lm_head``; RoBERTa's ``lm_head.dense``),
+#: BERT's prediction heads ``cls`` and the task heads of Hugging Face models
+#: (``*ForSequenceClassification`` / ``ForImageClassification``: ``classifier`` or ``score``;
+#: ``*ForQuestionAnswering``: ``qa_outputs``).
+HEAD_NAMES = ("lm_head", "head", "cls", "classifier", "score", "qa_outputs")
 
 #: Name components (blocks or projections, lower case) that mark an attention matrix.
 ATTN_NAMES = frozenset({
@@ -186,7 +188,9 @@ def _belongs_to_chart(module: nn.Module) -> bool:
 
 
 def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
-    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector, not a chart's.
+    """A 2-D weight of a hidden layer: not an embedding, not in a head, not a vector, not a chart's.
+
+    The head is a module named in :data:`HEAD_NAMES` with everything inside it.
 
     Raw chart coordinates and chart scales (:mod:`manifoldlib.charts`) are Euclidean coordinates of
     a curved map, never points of a matrix manifold, so every built-in policy sends them to AdamW
@@ -196,9 +200,7 @@ def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
         return False
     if _belongs_to_chart(module):
         return False
-    parts = name.split(".")
-    owner = parts[-2] if len(parts) >= 2 else ""
-    return owner not in HEAD_NAMES
+    return not any(part in HEAD_NAMES for part in name.split(".")[:-1])  # inside a head module
 
 
 class RolePolicy:

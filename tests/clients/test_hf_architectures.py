@@ -94,7 +94,7 @@ MLP_MARK = {"bert": (".intermediate.", ".output."), "roberta": (".intermediate."
             "t5": (".DenseReluDense.",), "opt": (".fc1.", ".fc2."), "qwen2": (".mlp.",), "falcon": (".mlp.",),
             "neox": (".mlp.",), "vit": (".mlp.", ".intermediate.", ".output.")}
 #: Hidden matrices outside attention and MLP that the fallback (with its warning) rightly takes.
-OTHER = {"bert": {"cls.predictions.transform.dense.weight"}, "roberta": {"lm_head.dense.weight"}}
+OTHER: dict[str, set[str]] = {}
 
 
 def _layer_matrices(model):
@@ -360,3 +360,15 @@ def test_apply_chart_refuses_a_split_c_attn_by_name():
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight .*merge_blocks"):
         apply_chart(model, lambda w: SEL(w, fan_in=w.shape[0]), include=lambda n, m: ".attn." in f"{n}.")
     assert not any(type(p).__name__ == "SEL" for p in model.modules())  # nothing charted
+
+
+@pytest.mark.parametrize("policy", ["all-stiefel", "hetero"])
+def test_the_matrices_inside_a_head_module_stay_on_adamw(policy):
+    """RoBERTa's ``classifier.dense`` / ``out_proj`` and ``lm_head.dense``, BERT's ``cls`` transform."""
+    cls_model = _build("RobertaForSequenceClassification", _config(
+        "RobertaConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=40, num_labels=3))
+    assignment = assign_parameters(cls_model, policy)
+    assert assignment["classifier.dense.weight"] is None and assignment["classifier.out_proj.weight"] is None
+    assert assign_parameters(_roberta(), policy)["lm_head.dense.weight"] is None
+    assert assign_parameters(_bert(), policy)["cls.predictions.transform.dense.weight"] is None
