@@ -99,6 +99,18 @@ def _default_include(name: str, module: nn.Module) -> bool:
     return leaf in FUSED_NAMES or isinstance(module, nn.MultiheadAttention)
 
 
+def _grouped_query_sizes(model: nn.Module, total: int) -> list[int] | None:
+    """The q, k, v sizes when ``model.config`` (a Hugging Face configuration) declares fewer
+    key/value heads than query heads and ``total`` fits them; else ``None``."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads < heads):
+        return None
+    head_dim, rest = divmod(total, heads + 2 * kv_heads)
+    return None if rest else [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+
 def _output_dim(module: nn.Module) -> int:
     # Hugging Face's Conv1D stores (in, out) and computes x @ W; every torch layer stores (out, in)
     return 1 if type(module).__name__ == "Conv1D" else 0
@@ -116,7 +128,9 @@ def split_blocks(
     Args:
         model: the model, modified in place (forward and outputs unchanged).
         blocks: the number of equal blocks (3: q, k, v) or the list of block sizes (grouped-query
-            layouts with fewer k/v heads).
+            layouts with fewer k/v heads). Equal blocks are refused for a q/k/v projection
+            (:data:`FUSED_NAMES`) of a model whose ``config`` declares fewer
+            ``num_key_value_heads`` than ``num_attention_heads``.
         include: ``include(name, module) -> bool`` (default: a leaf name in :data:`FUSED_NAMES`
             or a :class:`torch.nn.MultiheadAttention`). A selected
             :class:`~torch.nn.MultiheadAttention` is split on ``in_proj_weight`` whatever
@@ -131,9 +145,10 @@ def split_blocks(
 
     Raises:
         ValueError: a block count that does not divide the output dimension, sizes that do not
-            add up to it, ``heads`` not dividing the block sizes, ``heads`` missing for a module
-            named in :data:`PER_HEAD_NAMES`, a selected tensor that is already parametrized, or one
-            tied to (shared with) another module (each module would get blocks of its own, breaking the tie).
+            add up to it, equal blocks for a grouped-query q/k/v, ``heads`` not dividing the block
+            sizes, ``heads`` missing for a module named in :data:`PER_HEAD_NAMES`, a selected
+            tensor that is already parametrized, or one tied to (shared with) another module (each
+            module would get blocks of its own, breaking the tie).
             Every selected tensor is checked before any is split, so after an error none is.
     """
     if not isinstance(model, nn.Module):
@@ -170,6 +185,13 @@ def split_blocks(
         dim = _output_dim(module)
         total = param.size(dim)
         if isinstance(blocks, int):
+            grouped = _grouped_query_sizes(model, total)
+            if grouped is not None and mname.rsplit(".", 1)[-1].lower() in FUSED_NAMES:
+                raise ValueError(
+                    f"{qname}: the model's config has fewer key/value heads than query heads, so k "
+                    f"and v are smaller than q and {blocks} equal blocks would not be q, k, v; pass "
+                    f"blocks={grouped}"
+                )
             if blocks < 2 or total % blocks:
                 raise ValueError(
                     f"blocks={blocks} must be >= 2 and divide {mname}.{tname}'s output size {total}"

@@ -372,3 +372,24 @@ def test_the_matrices_inside_a_head_module_stay_on_adamw(policy):
     assert assignment["classifier.dense.weight"] is None and assignment["classifier.out_proj.weight"] is None
     assert assign_parameters(_roberta(), policy)["lm_head.dense.weight"] is None
     assert assign_parameters(_bert(), policy)["cls.predictions.transform.dense.weight"] is None
+
+
+def _phi3(kv_heads):
+    return _build("Phi3ForCausalLM", _config(
+        "Phi3Config", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
+        num_key_value_heads=kv_heads, vocab_size=VOCAB, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+
+
+def test_equal_blocks_are_refused_for_a_grouped_query_qkv_proj():
+    """Phi-3's qkv_proj with one k/v head is (32 + 8 + 8, 32): equal thirds would not be q, k, v."""
+    from manifoldlib.charts import split_blocks
+
+    model = _phi3(kv_heads=1)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight.*blocks=\[32, 8, 8\]"):
+        split_blocks(model)
+    assert not any("parametrizations" in n for n, _ in model.named_parameters())
+    w = model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    split_blocks(model, blocks=[32, 8, 8])
+    plist = model.model.layers[0].self_attn.qkv_proj.parametrizations.weight
+    torch.testing.assert_close(plist.original1.detach(), w[32:40], rtol=0, atol=0)  # k
+    assert len(split_blocks(_phi3(kv_heads=4))) == 2  # plain multi-head: equal thirds are q, k, v
