@@ -22,11 +22,12 @@ block; both are valid choices, and the difference is the constraint set, not the
 Some fused projections interleave the blocks head by head instead: GPT-NeoX's (and BLOOM's)
 ``query_key_value`` has rows ``(heads, 3, head_dim)``, so its first third is *not*
 :math:`W_q`. With ``heads=h`` the output dimension is read as ``h`` equal slices, each holding its
-share of every block in order; the blocks are still exactly q, k and v. Falcon's ``query_key_value`` is contiguous under
-multi-query attention (``blocks=[q, k, v sizes], heads=1``), per head in the original layout
-(``heads=num_attention_heads``) and per key/value group in the new decoder architecture
-(``blocks=[q, k, v sizes], heads=num_kv_heads``). Because the name alone does not tell,
-a selected tensor whose module is named in :data:`PER_HEAD_NAMES` needs ``heads`` given.
+share of every block in order; the blocks are still exactly q, k and v. Falcon's
+``query_key_value`` is contiguous under multi-query attention (``blocks=[q, k, v sizes],
+heads=1``), per head in the original layout (``heads=num_attention_heads``) and per key/value
+group in the new decoder architecture (``blocks=[q, k, v sizes], heads=num_kv_heads``). Because
+the name alone does not tell, a selected tensor whose module is named in :data:`PER_HEAD_NAMES`
+needs ``heads`` given.
 
 Unlike a :class:`~manifoldlib.charts.Chart`, the blocks are the weight's own entries, so a
 manifold-constrained optimizer on them is meaningful.

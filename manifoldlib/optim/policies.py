@@ -91,7 +91,8 @@ ATTN_NAMES = frozenset({
 
 #: Name components (blocks or projections, lower case) that mark an MLP matrix.
 MLP_NAMES = frozenset({
-    "mlp", "ffn", "feed_forward", "feedforward", "intermediate", "densereludense", "densegatedactdense",
+    "mlp", "ffn", "feed_forward", "feedforward",
+    "intermediate", "densereludense", "densegatedactdense",
     "gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "fc1", "fc2",
     "linear1", "linear2", "dense_h_to_4h", "dense_4h_to_h",
 })
