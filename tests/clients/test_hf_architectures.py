@@ -179,8 +179,9 @@ def _neox_qkv(model, layer=0):
 
 
 def test_neox_query_key_value_needs_its_layout_named():
-    from manifoldlib.charts import split_blocks
+    from manifoldlib.charts import FUSED_NAMES, PER_HEAD_NAMES, split_blocks
 
+    assert set(PER_HEAD_NAMES) <= set(FUSED_NAMES)  # selected by default, split only with heads=
     model = _neox()
     with pytest.raises(ValueError, match=r"gpt_neox\.layers\.0\.attention\.query_key_value\.weight.*heads="):
         split_blocks(model)
@@ -393,3 +394,14 @@ def test_equal_blocks_are_refused_for_a_grouped_query_qkv_proj():
     plist = model.model.layers[0].self_attn.qkv_proj.parametrizations.weight
     torch.testing.assert_close(plist.original1.detach(), w[32:40], rtol=0, atol=0)  # k
     assert len(split_blocks(_phi3(kv_heads=4))) == 2  # plain multi-head: equal thirds are q, k, v
+
+
+def test_a_layer_output_is_mlp_only_inside_a_numbered_layer_and_outside_attention():
+    from manifoldlib.optim import default_classifier
+    from manifoldlib.optim.policies import ATTN_NAMES, LAYER_MLP_NAMES, MLP_NAMES
+
+    assert not LAYER_MLP_NAMES & (ATTN_NAMES | MLP_NAMES)
+    lin = torch.nn.Linear(4, 4)
+    assert default_classifier("bert.encoder.layer.0.output.dense.weight", lin) == "mlp"
+    assert default_classifier("bert.encoder.layer.0.attention.output.dense.weight", lin) == "attn"
+    assert default_classifier("output.weight", lin) is None  # Meta LLaMA's head, no layer index
