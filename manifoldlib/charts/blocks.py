@@ -27,7 +27,9 @@ share of every block in order; the blocks are still exactly q, k and v. Falcon's
 heads=1``), per head in the original layout (``heads=num_attention_heads``) and per key/value
 group in the new decoder architecture (``blocks=[q, k, v sizes], heads=num_kv_heads``). Because
 the name alone does not tell, a selected tensor whose module is named in :data:`PER_HEAD_NAMES`
-needs ``heads`` given.
+needs ``heads`` given. GPTBigCode without multi-query attention lays out its ``c_attn`` per head
+too (``heads=n_head``), which nothing distinguishes from GPT-2's contiguous ``c_attn``: check the
+layout of a model's fused projection before splitting it.
 
 Unlike a :class:`~manifoldlib.charts.Chart`, the blocks are the weight's own entries, so a
 manifold-constrained optimizer on them is meaningful.

@@ -405,3 +405,13 @@ def test_a_layer_output_is_mlp_only_inside_a_numbered_layer_and_outside_attentio
     assert default_classifier("bert.encoder.layer.0.output.dense.weight", lin) == "mlp"
     assert default_classifier("bert.encoder.layer.0.attention.output.dense.weight", lin) == "attn"
     assert default_classifier("output.weight", lin) is None  # Meta LLaMA's head, no layer index
+
+
+def test_equal_blocks_are_refused_for_a_multi_query_gpt_bigcode_c_attn():
+    from manifoldlib.charts import split_blocks
+
+    model = _build("GPTBigCodeForCausalLM", _config(
+        "GPTBigCodeConfig", n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=16,
+        multi_query=True, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight.*blocks=\[32, 8, 8\]"):
+        split_blocks(model)
