@@ -2,9 +2,10 @@
 
 BERT / RoBERTa (``attention.self.query``, ``intermediate.dense``, the layer's ``output.dense``),
 T5 (``SelfAttention`` / ``EncDecAttention``, ``DenseReluDense.wi`` / ``wo``), OPT, Falcon, Qwen2,
-GPT-NeoX (a fused ``query_key_value`` laid out head by head), ViT with a classification head, and
-Mixtral (experts stacked in 3-D tensors). Each builder skips when the installed transformers lacks
-the family.
+GPT-NeoX and Falcon (a fused ``query_key_value`` laid out head by head or by group), Phi-3 and
+GPTBigCode (grouped-query fused projections), ViT with a classification head, RoBERTa's head
+modules, and Mixtral (experts stacked in 3-D tensors). Each builder skips when the installed
+transformers lacks the family.
 """
 
 from __future__ import annotations
