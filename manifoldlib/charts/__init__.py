@@ -7,7 +7,7 @@ blocks (exact, linear) and back.
 """
 
 from .base import Chart, apply_chart, assert_chart_compatible, chart_parameter_names, merge_charts
-from .blocks import FUSED_NAMES, SplitBlocks, merge_blocks, split_blocks
+from .blocks import FUSED_NAMES, PER_HEAD_NAMES, SplitBlocks, merge_blocks, split_blocks
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
 from .kernel import SEL_IMPLS, sel_forward_rule
 from .schedule import SEL_ROLES, SELLRMultiplier, sel_lr_lambdas, sel_lr_scheduler, sel_param_groups
@@ -15,6 +15,7 @@ from .sel import SEL, SEL_CALIBRATIONS, SEL_INITS
 
 __all__ = [
     "FUSED_NAMES",
+    "PER_HEAD_NAMES",
     "SEL",
     "SEL_IMPLS",
     "SEL_CALIBRATIONS",

@@ -141,7 +141,8 @@ def apply_chart(
 
     Raises:
         ValueError: if a selected tensor is a manifold-constrained parameter, is tied to (shared
-            with) another module, already carries a chart, or the builder does not return a Chart,
+            with) another module, already carries a chart or another parametrization (blocks of
+            :func:`~manifoldlib.charts.split_blocks`), or the builder does not return a Chart,
             or a chart cannot take the tensor's values (the message names the tensor). Either
             every selected tensor is charted or, after any error, none is: the tensors charted
             before it are restored, parameter objects and values (a copy of each charted
@@ -164,6 +165,12 @@ def apply_chart(
         if _has_chart(module, tensor_name):
             raise ValueError(
                 f"{qname} already carries a chart; merge_charts(model) before charting again"
+            )
+        if parametrize.is_parametrized(module, tensor_name):  # e.g. split into blocks
+            kinds = ", ".join(type(p).__name__ for p in module.parametrizations[tensor_name])
+            raise ValueError(
+                f"{qname} is already parametrized ({kinds}); merge it first (merge_blocks(model) "
+                f"after split_blocks) or exclude it with include=..."
             )
         param = module._parameters.get(tensor_name)
         if param is None:

@@ -19,6 +19,18 @@ so the module keeps its forward and its outputs, while its parameters become the
 saving a checkpoint in the original layout. Without :func:`split_blocks` the fused matrix stays one
 block; both are valid choices, and the difference is the constraint set, not the model.
 
+Some fused projections interleave the blocks head by head instead: GPT-NeoX's (and BLOOM's)
+``query_key_value`` has rows ``(heads, 3, head_dim)``, so its first third is *not*
+:math:`W_q`. With ``heads=h`` the output dimension is read as ``h`` equal slices, each holding its
+share of every block in order; the blocks are still exactly q, k and v. Falcon's
+``query_key_value`` is contiguous under multi-query attention (``blocks=[q, k, v sizes],
+heads=1``), per head in the original layout (``heads=num_attention_heads``) and per key/value
+group in the new decoder architecture (``blocks=[q, k, v sizes], heads=num_kv_heads``). Because
+the name alone does not tell, a selected tensor whose module is named in :data:`PER_HEAD_NAMES`
+needs ``heads`` given. GPTBigCode without multi-query attention lays out its ``c_attn`` per head
+too (``heads=n_head``), which nothing distinguishes from GPT-2's contiguous ``c_attn``: check the
+layout of a model's fused projection before splitting it.
+
 Unlike a :class:`~manifoldlib.charts.Chart`, the blocks are the weight's own entries, so a
 manifold-constrained optimizer on them is meaningful.
 """
@@ -33,10 +45,14 @@ from torch.nn.utils import parametrize
 
 from .base import _own_parametrized_class
 
-__all__ = ["FUSED_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
+__all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
 
 #: Leaf module names (lower case) of fused q/k/v projections selected by default.
 FUSED_NAMES = ("c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value")
+
+#: Leaf module names (lower case) whose q/k/v layout differs between model families (GPT-NeoX
+#: interleaves per head, Falcon depends on its attention variant): splitting one needs ``heads``.
+PER_HEAD_NAMES = ("query_key_value",)
 
 
 class SplitBlocks(nn.Module):
@@ -45,17 +61,25 @@ class SplitBlocks(nn.Module):
     Args:
         sizes: the block sizes along ``dim``, all > 0.
         dim: the dimension that stacks the blocks (the output dimension of the fused map).
+        heads: the number of equal slices along ``dim`` that each hold ``size // heads`` entries of
+            every block in turn (a per-head layout such as GPT-NeoX's); 1: contiguous blocks.
     """
 
-    def __init__(self, sizes: Sequence[int], dim: int):
+    def __init__(self, sizes: Sequence[int], dim: int, heads: int = 1):
         super().__init__()
         sizes = [int(s) for s in sizes]
         if len(sizes) < 2 or min(sizes) < 1:
             raise ValueError(f"sizes must list at least two block sizes > 0, got {list(sizes)}")
-        self.sizes, self.dim = sizes, dim
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or any(s % heads for s in sizes):
+            raise ValueError(f"heads must be an int >= 1 dividing every block size {sizes}, got {heads!r}")
+        self.sizes, self.dim, self.heads = sizes, dim, heads
 
     def forward(self, *blocks: torch.Tensor) -> torch.Tensor:
-        return torch.cat(blocks, dim=self.dim)
+        if self.heads == 1:
+            return torch.cat(blocks, dim=self.dim)
+        # each block (..., size, ...) -> (heads, size // heads, ...) along dim, interleaved per head
+        per_head = [b.movedim(self.dim, 0).unflatten(0, (self.heads, -1)) for b in blocks]
+        return torch.cat(per_head, dim=1).flatten(0, 1).movedim(0, self.dim)
 
     def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if weight.size(self.dim) != sum(self.sizes):
@@ -63,15 +87,31 @@ class SplitBlocks(nn.Module):
                 f"weight of shape {tuple(weight.shape)} has {weight.size(self.dim)} entries along "
                 f"dim {self.dim}; the blocks {self.sizes} need {sum(self.sizes)}"
             )
-        return tuple(b.clone() for b in torch.split(weight, self.sizes, dim=self.dim))
+        if self.heads == 1:
+            return tuple(b.clone() for b in torch.split(weight, self.sizes, dim=self.dim))
+        per_head = weight.movedim(self.dim, 0).unflatten(0, (self.heads, -1))  # (heads, total // heads, ...)
+        parts = torch.split(per_head, [s // self.heads for s in self.sizes], dim=1)
+        return tuple(b.flatten(0, 1).movedim(0, self.dim).contiguous().clone() for b in parts)
 
     def extra_repr(self) -> str:
-        return f"sizes={self.sizes}, dim={self.dim}"
+        return f"sizes={self.sizes}, dim={self.dim}" + (f", heads={self.heads}" if self.heads > 1 else "")
 
 
 def _default_include(name: str, module: nn.Module) -> bool:
     leaf = name.rsplit(".", 1)[-1].lower()
     return leaf in FUSED_NAMES or isinstance(module, nn.MultiheadAttention)
+
+
+def _grouped_query_sizes(model: nn.Module, total: int) -> list[int] | None:
+    """The q, k, v sizes when ``model.config`` (a Hugging Face configuration) declares fewer
+    key/value heads than query heads and ``total`` fits them; else ``None``."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads < heads):
+        return None
+    head_dim, rest = divmod(total, heads + 2 * kv_heads)
+    return None if rest else [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
 
 def _output_dim(module: nn.Module) -> int:
@@ -84,26 +124,34 @@ def split_blocks(
     blocks: int | Sequence[int] = 3,
     include: Callable[[str, nn.Module], bool] | None = None,
     tensor_name: str = "weight",
+    heads: int | None = None,
 ) -> list[str]:
     """Split every selected fused matrix into blocks along its output dimension, in place.
 
     Args:
         model: the model, modified in place (forward and outputs unchanged).
         blocks: the number of equal blocks (3: q, k, v) or the list of block sizes (grouped-query
-            layouts with fewer k/v heads).
+            layouts with fewer k/v heads). Equal blocks are refused for a q/k/v projection
+            (:data:`FUSED_NAMES`) of a model whose ``config`` declares fewer
+            ``num_key_value_heads`` than ``num_attention_heads``.
         include: ``include(name, module) -> bool`` (default: a leaf name in :data:`FUSED_NAMES`
             or a :class:`torch.nn.MultiheadAttention`). A selected
             :class:`~torch.nn.MultiheadAttention` is split on ``in_proj_weight`` whatever
             ``tensor_name`` says.
         tensor_name: the fused parameter of the selected modules.
+        heads: read the output dimension head by head (see :class:`SplitBlocks`): GPT-NeoX's
+            ``query_key_value`` takes ``heads=num_attention_heads``; ``None`` (default) or 1 means
+            contiguous blocks. Required for a module named in :data:`PER_HEAD_NAMES`.
 
     Returns:
         Qualified names of the split tensors.
 
     Raises:
         ValueError: a block count that does not divide the output dimension, sizes that do not
-            add up to it, a selected tensor that is already parametrized, or one tied to (shared
-            with) another module (each module would get blocks of its own, breaking the tie).
+            add up to it, equal blocks for a grouped-query q/k/v, ``heads`` not dividing the block
+            sizes, ``heads`` missing for a module named in :data:`PER_HEAD_NAMES`, a selected
+            tensor that is already parametrized, or one tied to (shared with) another module (each
+            module would get blocks of its own, breaking the tie).
             Every selected tensor is checked before any is split, so after an error none is.
     """
     if not isinstance(model, nn.Module):
@@ -118,12 +166,19 @@ def split_blocks(
         if not include(mname, module):
             continue
         tname = "in_proj_weight" if isinstance(module, nn.MultiheadAttention) else tensor_name
+        qname = f"{mname}.{tname}" if mname else tname
+        # a parametrized tensor (a chart, an earlier split) has left module._parameters
+        if parametrize.is_parametrized(module, tname):
+            raise ValueError(f"{qname} is already parametrized; merge it before splitting")
         param = module._parameters.get(tname)
         if param is None or param.dim() != 2:
             continue
-        qname = f"{mname}.{tname}" if mname else tname
-        if parametrize.is_parametrized(module, tname):
-            raise ValueError(f"{qname} is already parametrized; merge it before splitting")
+        if heads is None and mname.rsplit(".", 1)[-1].lower() in PER_HEAD_NAMES:
+            raise ValueError(
+                f"{qname}: the q/k/v layout of a fused {mname.rsplit('.', 1)[-1]!r} differs between "
+                f"model families; pass heads= (GPT-NeoX: heads=num_attention_heads; Falcon: heads=1 "
+                f"with blocks=[q, k, v sizes] under multi-query attention) or exclude it with include=..."
+            )
         shared = sorted({name for name, holder in holders[id(param)] if holder is not module})
         if shared:
             raise ValueError(
@@ -133,6 +188,13 @@ def split_blocks(
         dim = _output_dim(module)
         total = param.size(dim)
         if isinstance(blocks, int):
+            grouped = _grouped_query_sizes(model, total)
+            if grouped is not None and mname.rsplit(".", 1)[-1].lower() in FUSED_NAMES:
+                raise ValueError(
+                    f"{qname}: the model's config has fewer key/value heads than query heads, so k "
+                    f"and v are smaller than q and {blocks} equal blocks would not be q, k, v; pass "
+                    f"blocks={grouped}"
+                )
             if blocks < 2 or total % blocks:
                 raise ValueError(
                     f"blocks={blocks} must be >= 2 and divide {mname}.{tname}'s output size {total}"
@@ -140,7 +202,10 @@ def split_blocks(
             sizes = [total // blocks] * blocks
         else:
             sizes = list(blocks)
-        split = SplitBlocks(sizes, dim)
+        try:
+            split = SplitBlocks(sizes, dim, 1 if heads is None else heads)
+        except ValueError as err:
+            raise ValueError(f"{qname}: {err}") from err
         if sum(split.sizes) != total:
             raise ValueError(
                 f"{qname} has {total} entries along its output dimension {dim}; the blocks "

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
-from .policies import Classifier, Policy, get_policy, warn_unclassified
+from .policies import Classifier, Policy, get_policy, warn_stacked, warn_unclassified
 
 __all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
 
@@ -71,8 +71,11 @@ def assign_parameters(
                 f"{choice!r}; Manifold Muon takes 2-D matrices only (return None for AdamW)"
             )
         assignment[qualified] = choice
-    # one warning naming every hidden matrix the role policy sent to its fallback
-    warn_unclassified(resolved, [(*owners[id(p)], p) for p in model.parameters() if p.requires_grad])
+    # one warning naming every hidden matrix the role policy sent to its fallback, one naming the
+    # stacked (e.g. expert) matrices of attention/MLP blocks that Manifold Muon cannot take
+    named = [(*owners[id(p)], p) for p in model.parameters() if p.requires_grad]
+    warn_unclassified(resolved, named)
+    warn_stacked(resolved, named)
     return assignment
 
 

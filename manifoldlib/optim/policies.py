@@ -20,17 +20,25 @@ hetero-inv      dgram                       stiefel                     euclidea
 Embeddings, the output head, gains, biases and every non-matrix go to AdamW under every
 built-in policy. Attention and MLP are recognized by :func:`default_classifier` from the parameter's
 qualified name, innermost component first: a block name (``attn``, ``self_attn``, ``attention``,
-``mlp``, ``ffn``, ...; :data:`ATTN_NAMES`, :data:`MLP_NAMES`) or a projection name
-(``q_proj`` ... ``o_proj``, ``c_attn``, ``gate_proj`` / ``up_proj`` / ``down_proj``, ``c_fc``,
-``linear1`` / ``linear2``, ...; generic names such as ``out_proj`` or ``wo`` count only inside a
-recognized block), and :class:`torch.nn.MultiheadAttention`'s own matrices. That covers
-:mod:`models.gpt`, nanoGPT, Hugging Face GPT-2 (``Conv1D``), LLaMA/Mistral-style models and
-:class:`torch.nn.TransformerEncoderLayer`. A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
+``mlp``, ``ffn``, T5's ``EncDecAttention`` / ``DenseReluDense``, BERT's ``intermediate``, ...;
+:data:`ATTN_NAMES`, :data:`MLP_NAMES`) or a projection name (``q_proj`` ... ``o_proj``,
+``c_attn``, ``gate_proj`` / ``up_proj`` / ``down_proj``, ``c_fc``, ``linear1`` / ``linear2``, ...;
+generic names such as ``out_proj``, ``dense`` or ``wo`` count only inside a recognized block),
+a layer's ``output`` outside attention (:data:`LAYER_MLP_NAMES`: BERT's
+``encoder.layer.0.output.dense`` is MLP, ``encoder.layer.0.attention.output.dense`` attention), and
+:class:`torch.nn.MultiheadAttention`'s own matrices. That covers :mod:`models.gpt`, nanoGPT,
+Hugging Face GPT-2 (``Conv1D``), LLaMA/Mistral/Qwen2-style models, OPT, GPT-NeoX, Falcon,
+BERT/RoBERTa, T5, ViT and :class:`torch.nn.TransformerEncoderLayer`. The output head is a module
+named in :data:`HEAD_NAMES` (``lm_head``, BERT's ``cls``, the task heads ``classifier``, ``score``,
+``qa_outputs``) with every module inside it. A fused ``c_attn`` / ``in_proj_weight`` is *one* matrix
 on the attention manifold; to constrain q, k and v as separate blocks, split it first with
 :func:`manifoldlib.charts.split_blocks`. A hidden matrix that no rule recognizes goes to the
 policy's ``other`` manifold (the *fallback*), and :func:`warn_unclassified` (called by
 :func:`~manifoldlib.optim.assign_parameters`) names every such matrix in one warning when the
-fallback differs from the attention or MLP choice. A model that names its blocks differently passes
+fallback differs from the attention or MLP choice. Matrices stacked in one tensor of more than two
+dimensions (the experts of a mixture-of-experts MLP, ``(experts, out, in)``) stay on AdamW, since
+Manifold Muon takes 2-D parameters; :func:`warn_stacked` names those inside an attention or MLP
+block. A model that names its blocks differently passes
 a *classifier* ``classifier(name, module) -> "attn" | "mlp" | None``.
 """
 
@@ -48,6 +56,7 @@ from ..charts.base import Chart
 __all__ = [
     "ATTN_NAMES",
     "HEAD_NAMES",
+    "LAYER_MLP_NAMES",
     "MLP_NAMES",
     "Classifier",
     "Policy",
@@ -57,29 +66,41 @@ __all__ = [
     "get_policy",
     "is_hidden_matrix",
     "register_policy",
+    "stacked_matrices",
     "unclassified_matrices",
+    "warn_stacked",
     "warn_unclassified",
 ]
 
 Policy = Callable[[str, nn.Module, torch.Tensor], str | None]
 Classifier = Callable[[str, nn.Module], str | None]
 
-#: Module names treated as the output head (never a hidden matrix).
-HEAD_NAMES = ("lm_head", "head")
+#: Module names treated as the output head: a parameter of such a module, or of any module inside
+#: it, is never a hidden matrix. Language-model heads (``lm_head``; RoBERTa's ``lm_head.dense``),
+#: BERT's prediction heads ``cls`` and the task heads of Hugging Face models
+#: (``*ForSequenceClassification`` / ``ForImageClassification``: ``classifier`` or ``score``;
+#: ``*ForQuestionAnswering``: ``qa_outputs``).
+HEAD_NAMES = ("lm_head", "head", "cls", "classifier", "score", "qa_outputs")
 
 #: Name components (blocks or projections, lower case) that mark an attention matrix.
 ATTN_NAMES = frozenset({
     "attn", "attention", "self_attn", "self_attention", "selfattention", "cross_attn",
-    "cross_attention", "crossattention", "encoder_attn",
+    "cross_attention", "crossattention", "encoder_attn", "encdecattention",
     "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "wqkv", "query_key_value",
 })
 
 #: Name components (blocks or projections, lower case) that mark an MLP matrix.
 MLP_NAMES = frozenset({
     "mlp", "ffn", "feed_forward", "feedforward",
+    "intermediate", "densereludense", "densegatedactdense",
     "gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "fc1", "fc2",
     "linear1", "linear2", "dense_h_to_4h", "dense_4h_to_h",
 })
+
+#: Name components that mark an MLP matrix only inside a numbered layer (``layer.0``) and outside
+#: every attention name: BERT's ``encoder.layer.0.output.dense`` is its MLP's second matrix, while
+#: ``encoder.layer.0.attention.output.dense`` is attention and a top-level ``output`` a head.
+LAYER_MLP_NAMES = frozenset({"output"})
 
 _POLICIES: dict[str, Policy] = {}
 
@@ -141,17 +162,23 @@ def default_classifier(name: str, module: nn.Module) -> str | None:
     Components are whole path parts (``"blocks.0.attnx.q"`` is not attention), compared in lower
     case against :data:`ATTN_NAMES` and :data:`MLP_NAMES` from the end of the name, so a projection
     name decides before its block name and ``blocks.0.attn.c_proj`` is attention while
-    ``blocks.0.mlp.c_proj`` is MLP. The matrices of a :class:`torch.nn.MultiheadAttention` are
-    attention whatever it is called.
+    ``blocks.0.mlp.c_proj`` is MLP. A part in :data:`LAYER_MLP_NAMES` preceded by a layer index
+    means MLP unless an attention name follows it outward. The matrices of a
+    :class:`torch.nn.MultiheadAttention` are attention whatever it is called.
     """
     if isinstance(module, nn.MultiheadAttention):
         return "attn"
-    for part in reversed(name.lower().split(".")):
+    parts = name.lower().split(".")
+    layer_mlp = False
+    for i in range(len(parts) - 1, -1, -1):
+        part = parts[i]
         if part in ATTN_NAMES:
             return "attn"
         if part in MLP_NAMES:
             return "mlp"
-    return None
+        if part in LAYER_MLP_NAMES and any(p.isdigit() for p in parts[:i]):
+            layer_mlp = True
+    return "mlp" if layer_mlp else None
 
 
 def _belongs_to_chart(module: nn.Module) -> bool:
@@ -162,7 +189,9 @@ def _belongs_to_chart(module: nn.Module) -> bool:
 
 
 def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
-    """A 2-D weight of a hidden layer: not an embedding, not the head, not a vector, not a chart's.
+    """A 2-D weight of a hidden layer: not an embedding, not in a head, not a vector, not a chart's.
+
+    The head is a module named in :data:`HEAD_NAMES` with everything inside it.
 
     Raw chart coordinates and chart scales (:mod:`manifoldlib.charts`) are Euclidean coordinates of
     a curved map, never points of a matrix manifold, so every built-in policy sends them to AdamW
@@ -172,9 +201,7 @@ def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
         return False
     if _belongs_to_chart(module):
         return False
-    parts = name.split(".")
-    owner = parts[-2] if len(parts) >= 2 else ""
-    return owner not in HEAD_NAMES
+    return not any(part in HEAD_NAMES for part in name.split(".")[:-1])  # inside a head module
 
 
 class RolePolicy:
@@ -252,6 +279,40 @@ def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torc
             f"attention or MLP name rule and went to the fallback {policy.other!r} "
             f"({policy!r}): {shown}. Pass classifier=... "
             f"(name, module) -> 'attn' | 'mlp' | None to classify them.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return names
+
+
+def stacked_matrices(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
+    """Names of the parameters of more than two dimensions that a role policy's classifier puts in
+    an attention or MLP block whose manifold is not ``None`` (stacked expert matrices).
+
+    Empty for a policy that is not a :class:`RolePolicy`; chart coordinates are never counted.
+    """
+    if not isinstance(policy, RolePolicy):
+        return []
+    choice = {"attn": policy.attn, "mlp": policy.mlp}
+    return [name for name, module, param in named
+            if param.dim() > 2 and not _belongs_to_chart(module)
+            and choice.get(policy.classifier(name, module)) is not None]
+
+
+def warn_stacked(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
+    """Warn once, naming every stacked attention or MLP tensor that stays on AdamW; return them.
+
+    A mixture-of-experts MLP that stores its experts as ``(experts, out, in)`` would otherwise
+    train them on AdamW without a word while the policy constrains the dense MLPs of other models.
+    """
+    names = stacked_matrices(policy, named)
+    if names:
+        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
+        warnings.warn(
+            f"{len(names)} attention/MLP {'parameter stacks' if len(names) == 1 else 'parameters stack'} "
+            f"matrices in more than two dimensions and {'stays' if len(names) == 1 else 'stay'} on "
+            f"AdamW ({policy!r}; Manifold Muon takes 2-D parameters): {shown}. Store them as "
+            f"separate 2-D layers to constrain them, or pass classifier=... returning None for them.",
             UserWarning,
             stacklevel=3,
         )
