@@ -189,7 +189,7 @@ SUITES: dict[str, Suite] = {
     # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep: each policy is reported
     # at its own best lr, so no arm is compared at a step size that suits only another
     "manifolds": _manifolds_suite("manifolds", seeds=(0, 1, 2, 3, 4),
-                                  sweep=("lr", (0.01, 0.03, 0.1)),
+                                  sweep=("lr", (0.001, 0.003, 0.01, 0.03, 0.1)),
                                   quick_sweep=("lr", (0.02, 0.1))),
     # the same at one large constant lr (sum of lr_t = 20): the regime where the seed's DGram
     # mechanism (singular values -> attention logits -> saturated softmax) can act

@@ -264,6 +264,16 @@ def unclassified_matrices(policy: Policy, named: Iterable[tuple[str, nn.Module, 
     return [name for name, module, param in named if policy.unclassified(name, module, param)]
 
 
+def _warn_listing(names: list[str], what: str, advice: str, shown: int = 20) -> list[str]:
+    """One ``UserWarning`` (at the caller's caller): ``what``, the first ``shown`` of ``names``
+    and how many more, then ``advice``; nothing when ``names`` is empty. Returns ``names``."""
+    if names:
+        more = len(names) - shown
+        listed = ", ".join(names[:shown]) + (f", ... ({more} more)" if more > 0 else "")
+        warnings.warn(f"{what}: {listed}. {advice}", UserWarning, stacklevel=4)
+    return names
+
+
 def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
     """Warn once, naming every hidden matrix that went to the fallback; return those names.
 
@@ -272,17 +282,13 @@ def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torc
     the fallback manifold without a word.
     """
     names = unclassified_matrices(policy, named)
-    if names:
-        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
-        warnings.warn(
-            f"{len(names)} hidden {'matrix' if len(names) == 1 else 'matrices'} matched no "
-            f"attention or MLP name rule and went to the fallback {policy.other!r} "
-            f"({policy!r}): {shown}. Pass classifier=... "
-            f"(name, module) -> 'attn' | 'mlp' | None to classify them.",
-            UserWarning,
-            stacklevel=3,
-        )
-    return names
+    plural = len(names) != 1
+    return _warn_listing(
+        names,
+        f"{len(names)} hidden {'matrices' if plural else 'matrix'} matched no attention or MLP name "
+        f"rule and went to the fallback {policy.other!r} ({policy!r})",
+        "Pass classifier=... (name, module) -> 'attn' | 'mlp' | None to classify them.",
+    )
 
 
 def stacked_matrices(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Tensor]]) -> list[str]:
@@ -306,14 +312,12 @@ def warn_stacked(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Ten
     train them on AdamW without a word while the policy constrains the dense MLPs of other models.
     """
     names = stacked_matrices(policy, named)
-    if names:
-        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
-        warnings.warn(
-            f"{len(names)} attention/MLP {'parameter stacks' if len(names) == 1 else 'parameters stack'} "
-            f"matrices in more than two dimensions and {'stays' if len(names) == 1 else 'stay'} on "
-            f"AdamW ({policy!r}; Manifold Muon takes 2-D parameters): {shown}. Store them as "
-            f"separate 2-D layers to constrain them, or pass classifier=... returning None for them.",
-            UserWarning,
-            stacklevel=3,
-        )
-    return names
+    plural = len(names) != 1
+    return _warn_listing(
+        names,
+        f"{len(names)} attention/MLP {'parameters stack' if plural else 'parameter stacks'} matrices "
+        f"in more than two dimensions and {'stay' if plural else 'stays'} on AdamW ({policy!r}; "
+        f"Manifold Muon takes 2-D parameters)",
+        "Store them as separate 2-D layers to constrain them, or pass classifier=... returning None "
+        "for them.",
+    )

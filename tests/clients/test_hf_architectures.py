@@ -10,6 +10,7 @@ transformers lacks the family.
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
 
@@ -39,55 +40,37 @@ def _build(model_cls, config):
     return cls(config).eval()
 
 
-def _bert():
-    return _build("BertForMaskedLM", _config(
-        "BertConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=32))
+#: The layer stack every encoder/decoder family shares, under each family's own names.
+_STACK = dict(num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, vocab_size=VOCAB)
+#: family -> (model class, config class, config keywords).
+SPECS = {
+    "bert": ("BertForMaskedLM", "BertConfig",
+             {**_STACK, "intermediate_size": FF, "max_position_embeddings": 32}),
+    "roberta": ("RobertaForMaskedLM", "RobertaConfig",
+                {**_STACK, "intermediate_size": FF, "max_position_embeddings": 40}),
+    "t5": ("T5ForConditionalGeneration", "T5Config",
+           dict(num_layers=2, num_decoder_layers=2, d_model=WIDTH, d_kv=8, d_ff=FF, num_heads=4,
+                vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0)),
+    "opt": ("OPTForCausalLM", "OPTConfig",
+            {**_STACK, "ffn_dim": FF, "max_position_embeddings": 32, "word_embed_proj_dim": WIDTH}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
+              {**_STACK, "intermediate_size": FF, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(_STACK)),
+    "neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
+             {**_STACK, "intermediate_size": FF, "max_position_embeddings": 32}),
+    "vit": ("ViTForImageClassification", "ViTConfig",
+            {**{k: v for k, v in _STACK.items() if k != "vocab_size"}, "intermediate_size": FF,
+             "image_size": 16, "patch_size": 4, "num_labels": 3}),
+}
 
 
-def _roberta():
-    return _build("RobertaForMaskedLM", _config(
-        "RobertaConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=40))
+def _family(name: str):
+    """A tiny model of ``name`` (:data:`SPECS`), skipped when transformers lacks it."""
+    model_cls, config_cls, kw = SPECS[name]
+    return _build(model_cls, _config(config_cls, **kw))
 
 
-def _t5():
-    return _build("T5ForConditionalGeneration", _config(
-        "T5Config", num_layers=2, num_decoder_layers=2, d_model=WIDTH, d_kv=8, d_ff=FF, num_heads=4,
-        vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0))
-
-
-def _opt():
-    return _build("OPTForCausalLM", _config(
-        "OPTConfig", num_hidden_layers=2, hidden_size=WIDTH, ffn_dim=FF, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=32, word_embed_proj_dim=WIDTH))
-
-
-def _qwen2():
-    return _build("Qwen2ForCausalLM", _config(
-        "Qwen2Config", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True))
-
-
-def _falcon():
-    return _build("FalconForCausalLM", _config(
-        "FalconConfig", num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, vocab_size=VOCAB))
-
-
-def _neox():
-    return _build("GPTNeoXForCausalLM", _config(
-        "GPTNeoXConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=32))
-
-
-def _vit():
-    return _build("ViTForImageClassification", _config(
-        "ViTConfig", num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=FF, num_attention_heads=4,
-        image_size=16, patch_size=4, num_labels=3))
-
-
-BUILDERS = {"bert": _bert, "roberta": _roberta, "t5": _t5, "opt": _opt, "qwen2": _qwen2, "falcon": _falcon,
-            "neox": _neox, "vit": _vit}
+BUILDERS = {name: functools.partial(_family, name) for name in SPECS}
 
 #: Name parts that mark a block's attention or MLP matrices in each family (checked on every matrix).
 ATTN_MARK = {"bert": ".attention.", "roberta": ".attention.", "t5": "Attention.", "opt": ".self_attn.",
@@ -132,7 +115,7 @@ def test_hetero_classifies_attention_and_mlp_of_every_layer(family):
 
 
 def test_t5_relative_attention_bias_is_an_embedding_on_adamw():
-    model = _t5()
+    model = BUILDERS["t5"]()
     assignment = assign_parameters(model, "all-stiefel")
     bias = [n for n in assignment if "relative_attention_bias" in n]
     assert bias and {assignment[n] for n in bias} == {None}
@@ -141,7 +124,7 @@ def test_t5_relative_attention_bias_is_an_embedding_on_adamw():
 @pytest.mark.parametrize("policy", ["all-stiefel", "all-dgram", "hetero", "unconstrained"])
 def test_a_classification_head_stays_on_adamw(policy):
     """ViT's ``classifier`` (and ``score``, ``qa_outputs``) is the output head, never a hidden matrix."""
-    model = _vit()
+    model = BUILDERS["vit"]()
     assert assign_parameters(model, policy)["classifier.weight"] is None
 
 
@@ -188,7 +171,7 @@ def test_neox_query_key_value_needs_its_layout_named():
     from manifoldlib.charts import FUSED_NAMES, PER_HEAD_NAMES, split_blocks
 
     assert set(PER_HEAD_NAMES) <= set(FUSED_NAMES)  # selected by default, split only with heads=
-    model = _neox()
+    model = BUILDERS["neox"]()
     with pytest.raises(ValueError, match=r"gpt_neox\.layers\.0\.attention\.query_key_value\.weight.*heads="):
         split_blocks(model)
     assert not any("parametrizations" in n for n, _ in model.named_parameters())  # none split
@@ -197,7 +180,7 @@ def test_neox_query_key_value_needs_its_layout_named():
 def test_neox_split_per_head_gives_q_k_v_and_merges_back_exactly():
     from manifoldlib.charts import merge_blocks, split_blocks
 
-    model = _neox()
+    model = BUILDERS["neox"]()
     fused = model.gpt_neox.layers[0].attention.query_key_value.weight.detach().clone()
     q, k, v = _neox_qkv(model)
     idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -219,7 +202,7 @@ def test_neox_split_per_head_gives_q_k_v_and_merges_back_exactly():
             if "query_key_value.parametrizations" in name:
                 assert group["manifold"] == "stiefel" and tuple(p.shape) == (WIDTH, WIDTH)
                 assert _on_manifold(group, p)[0], name
-    model2 = _neox()
+    model2 = BUILDERS["neox"]()
     split_blocks(model2, heads=4)
     assert merge_blocks(model2) == names
     torch.testing.assert_close(model2.gpt_neox.layers[0].attention.query_key_value.weight, fused, rtol=0, atol=0)
@@ -228,7 +211,7 @@ def test_neox_split_per_head_gives_q_k_v_and_merges_back_exactly():
 def test_falcon_multi_query_split_by_sizes():
     from manifoldlib.charts import merge_blocks, split_blocks
 
-    model = _falcon()  # multi-query: q (4 heads of 8), then one k and one v head
+    model = BUILDERS["falcon"]()  # multi-query: q (4 heads of 8), then one k and one v head
     w = model.transformer.h[0].self_attention.query_key_value.weight.detach().clone()
     assert tuple(w.shape) == (48, WIDTH)
     split_blocks(model, blocks=[32, 8, 8], heads=1)
@@ -294,7 +277,7 @@ def test_mixtral_experts_stacked_in_3d_tensors_are_named_in_a_warning():
 def test_no_stacked_matrix_warning_for_a_patch_embedding():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        assign_parameters(_vit(), "hetero")  # the 4-D Conv2d patch embedding is an embedding
+        assign_parameters(BUILDERS["vit"](), "hetero")  # the 4-D Conv2d patch embedding is an embedding
 
 
 def _inputs(family):
@@ -375,8 +358,8 @@ def test_the_matrices_inside_a_head_module_stay_on_adamw(policy):
         vocab_size=VOCAB, max_position_embeddings=40, num_labels=3))
     assignment = assign_parameters(cls_model, policy)
     assert assignment["classifier.dense.weight"] is None and assignment["classifier.out_proj.weight"] is None
-    assert assign_parameters(_roberta(), policy)["lm_head.dense.weight"] is None
-    assert assign_parameters(_bert(), policy)["cls.predictions.transform.dense.weight"] is None
+    assert assign_parameters(BUILDERS["roberta"](), policy)["lm_head.dense.weight"] is None
+    assert assign_parameters(BUILDERS["bert"](), policy)["cls.predictions.transform.dense.weight"] is None
 
 
 def _phi3(kv_heads):
