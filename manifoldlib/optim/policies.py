@@ -266,11 +266,10 @@ def unclassified_matrices(policy: Policy, named: Iterable[tuple[str, nn.Module, 
 
 def _warn_listing(names: list[str], what: str, advice: str, shown: int = 20) -> list[str]:
     """One ``UserWarning`` (at the caller's caller): ``what``, the first ``shown`` of ``names``
-    and how many more, then ``advice``; nothing when ``names`` is empty. Returns ``names``."""
-    if names:
-        more = len(names) - shown
-        listed = ", ".join(names[:shown]) + (f", ... ({more} more)" if more > 0 else "")
-        warnings.warn(f"{what}: {listed}. {advice}", UserWarning, stacklevel=4)
+    and how many more, then ``advice``. Returns ``names``."""
+    more = len(names) - shown
+    listed = ", ".join(names[:shown]) + (f", ... ({more} more)" if more > 0 else "")
+    warnings.warn(f"{what}: {listed}. {advice}", UserWarning, stacklevel=4)
     return names
 
 
@@ -282,6 +281,8 @@ def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torc
     the fallback manifold without a word.
     """
     names = unclassified_matrices(policy, named)
+    if not names:  # (a custom policy has no .other to name)
+        return names
     plural = len(names) != 1
     return _warn_listing(
         names,
@@ -312,6 +313,8 @@ def warn_stacked(policy: Policy, named: Iterable[tuple[str, nn.Module, torch.Ten
     train them on AdamW without a word while the policy constrains the dense MLPs of other models.
     """
     names = stacked_matrices(policy, named)
+    if not names:
+        return names
     plural = len(names) != 1
     return _warn_listing(
         names,
