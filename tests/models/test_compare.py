@@ -192,7 +192,7 @@ def test_arm_configs_are_what_the_suites_say():
         plain = spheret[(arm.removesuffix(" @stress"), None)]
         assert {k for k in cfg if cfg[k] != plain[k]} == {"lr", "warmup_steps", "grad_clip"}
         assert (cfg["lr"], cfg["warmup_steps"], cfg["grad_clip"]) == (3e-2, 0, 0.0)
-    for name, lrs in (("manifolds", {0.01, 0.03, 0.1}), ("manifolds-high-lr", {0.1})):
+    for name, lrs in (("manifolds", {0.001, 0.003, 0.01, 0.03, 0.1}), ("manifolds-high-lr", {0.1})):
         cfgs = _cfgs(name)
         assert {c["optimizer"] for c in cfgs.values()} == {"manifold-muon"}
         assert {c["schedule"] for c in cfgs.values()} == {"constant"}
