@@ -144,10 +144,12 @@ def test_quick_suite_end_to_end(tmp_path, name):
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["arm"] for r in rows] == [a for a, _ in suite.arms for _ in suite.seeds[:1]]
-    # the arm that must learn even in the tiny run: the baseline, except in the stress suite,
-    # whose baseline (Pre-LN at lr 3e-2, no warmup, no clipping) is built to struggle and where
-    # the seed's claim is that a SpheretNorm still converges
-    must_learn = "spheret-p1 @stress" if name == "spheret-stress" else suite.baseline
+    # the arm that must learn even in the tiny run: the baseline, except where the baseline is
+    # built to struggle — the stress suite's (Pre-LN at lr 3e-2, no warmup, no clipping; the
+    # seed's claim is that a SpheretNorm still converges) and the retraction suite's (the
+    # exponential map under a large literal step, which fails to learn in the full suite too)
+    must_learn = {"spheret-stress": "spheret-p1 @stress",
+                  "spheret-retractions": "spheret-p2-literal"}.get(name, suite.baseline)
     reference = next(r for r in rows if r["arm"] == must_learn)
     assert reference["diverged"] == "False" and reference["learned"] == "True"
     md = (out / "results.md").read_text()
