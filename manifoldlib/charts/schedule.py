@@ -17,12 +17,12 @@ and 1 for every other group; each multiplier is further multiplied by an optiona
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .._numbers import is_real
 from .sel import SEL
 
 __all__ = ["SEL_ROLES", "SELLRMultiplier", "sel_lr_lambdas", "sel_lr_scheduler", "sel_param_groups"]
@@ -30,11 +30,6 @@ __all__ = ["SEL_ROLES", "SELLRMultiplier", "sel_lr_lambdas", "sel_lr_scheduler",
 #: Roles of an :class:`~manifoldlib.charts.SEL` chart's parameters (the ``"sel_role"`` tag of
 #: the groups made by :func:`sel_param_groups`).
 SEL_ROLES = ("e_w", "l_w", "m", "n", "delta")
-
-
-def _is_number(value) -> bool:
-    """A real number (Python or NumPy), not a bool or a string."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def sel_param_groups(
@@ -62,7 +57,7 @@ def sel_param_groups(
         ValueError: for a negative or non-finite ``lr``, ``scale_lr`` or ``weight_decay``.
     """
     for key, value in (("lr", lr), ("scale_lr", scale_lr), ("weight_decay", weight_decay)):
-        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
+        if value is not None and not (is_real(value) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
     scale_lr = lr if scale_lr is None else scale_lr
     roles: dict[int, str] = {}
@@ -106,9 +101,9 @@ class SELLRMultiplier:
     ) -> None:
         if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
             raise ValueError(f"anneal_steps must be an int >= 1, got {anneal_steps!r}")
-        if not (_is_number(e_w_boost) and math.isfinite(e_w_boost) and e_w_boost >= 1):
+        if not (is_real(e_w_boost) and math.isfinite(e_w_boost) and e_w_boost >= 1):
             raise ValueError(f"e_w_boost must be a finite number >= 1, got {e_w_boost!r}")
-        if not (_is_number(m_start) and math.isfinite(m_start) and 0 < m_start <= 1):
+        if not (is_real(m_start) and math.isfinite(m_start) and 0 < m_start <= 1):
             raise ValueError(f"m_start must be in (0, 1], got {m_start!r}")
         self.role, self.anneal_steps = role, anneal_steps
         self.e_w_boost, self.m_start, self.base = e_w_boost, m_start, base

@@ -52,12 +52,12 @@ kernels.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _cpu_kernels
+from .._numbers import is_real
 from ..functional.sphere import sphere_project_tangent, sphere_unit_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import (
@@ -301,7 +301,7 @@ def _check_scale(scale) -> None:
     call: :class:`~manifoldlib.nn.SphereResidual` passes a positive tensor by construction)."""
     if isinstance(scale, torch.Tensor):
         return
-    if not (isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)):
+    if not (is_real(scale) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number or a scalar tensor, got {scale!r}")
 
 

@@ -10,13 +10,13 @@ group tagged with ``"kind"`` (``"muon"`` or ``"adamw"``) and ``"param_names"``. 
 from __future__ import annotations
 
 import math
-import numbers
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._numbers import is_real
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
 from .policies import Classifier, Policy, get_policy, warn_stacked, warn_unclassified
 
@@ -175,18 +175,18 @@ class CombinedOptimizer(torch.optim.Optimizer):
 def _check_arguments(*, lr, adamw_lr, weight_decay, adamw_betas, adamw_weight_decay) -> None:
     """Refuse bad numbers at the door, naming the argument (not torch's inner parameter name)."""
     for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+        if not is_real(value) or not math.isfinite(value) \
                 or value <= 0:
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     for name, value in (("weight_decay", weight_decay), ("adamw_weight_decay", adamw_weight_decay)):
         if value is None and name == "adamw_weight_decay":
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+        if not is_real(value) or not math.isfinite(value) \
                 or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     betas = tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else None
     if betas is None or len(betas) != 2 or not all(
-        isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas
+        is_real(b) and 0.0 <= b < 1.0 for b in betas
     ):
         raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 
+from .._numbers import is_integer, is_real
 from .execution import SPECTRAL_PATHS
 from .steepest import DUAL_UPDATES
 
@@ -35,16 +35,6 @@ REPLACED_KWARGS = {
     "dual_update": "update",
     "dual_spectral": "spectral",
 }
-
-
-def _is_real(value) -> bool:
-    """A real number, Python or NumPy (bools are not numbers here)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_integer(value) -> bool:
-    """An integer, Python or NumPy (bools are not integers here)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -76,19 +66,19 @@ class DualOptions:
     def __post_init__(self) -> None:
         if self.msign_method not in DUAL_MSIGN_METHODS:
             raise ValueError(f"dual msign_method must be one of {', '.join(DUAL_MSIGN_METHODS)}, got {self.msign_method!r}")
-        if not (_is_real(self.tol) and math.isfinite(self.tol) and self.tol > 0):
+        if not (is_real(self.tol) and math.isfinite(self.tol) and self.tol > 0):
             raise ValueError(f"dual tol must be a finite number > 0, got {self.tol!r}")
-        if not (_is_integer(self.max_iter) and self.max_iter >= 0):
+        if not (is_integer(self.max_iter) and self.max_iter >= 0):
             raise ValueError(f"dual max_iter must be an int >= 0, got {self.max_iter!r}")
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"dual warm_start must be True or False, got {self.warm_start!r}")
         s = self.smoothing
-        if not (s is None or s == "auto" or (_is_real(s) and math.isfinite(s) and s > 0)):
+        if not (s is None or s == "auto" or (is_real(s) and math.isfinite(s) and s > 0)):
             raise ValueError(f"dual smoothing must be 'auto', None or a finite number > 0, got {s!r}")
         # Python numbers (NumPy scalars included): as_dict() must load with weights_only=True
         object.__setattr__(self, "tol", float(self.tol))
         object.__setattr__(self, "max_iter", int(self.max_iter))
-        if _is_real(s):
+        if is_real(s):
             object.__setattr__(self, "smoothing", float(s))
         if self.update not in DUAL_UPDATES:
             raise ValueError(f"dual update must be one of {', '.join(DUAL_UPDATES)}, got {self.update!r}")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .._numbers import is_real
 from ..distributed import reject_unsupported_parameter
 from ..manifolds import get_manifold
 from ..retractions.base import available_retractions
@@ -48,11 +48,6 @@ DEFAULT_RETRACTIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _is_number(value: Any) -> bool:
-    """A real number (Python or NumPy; bools excluded), NaN and inf included."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _finite(name: str, value: Any) -> float:
     """``value`` as a float; ``ValueError`` naming ``name`` for a non-number, a bool, NaN or inf.
 
@@ -60,7 +55,7 @@ def _finite(name: str, value: Any) -> float:
     or DGram parameter non-finite at the first step, and a string or bool is not a number.
     """
     tensor = isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point()
-    if not (tensor or _is_number(value)):
+    if not (tensor or is_real(value)):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     number = float(value)
     if math.isinf(number):
@@ -96,7 +91,7 @@ def validate_group_options(group: MutableMapping) -> None:
         raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
     coeffs = group["ns_coefficients"]
     if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3
-            and all(_is_number(c) and math.isfinite(c) for c in coeffs)):
+            and all(is_real(c) and math.isfinite(c) for c in coeffs)):
         raise ValueError(f"ns_coefficients must be three finite numbers (a, b, c), got {coeffs!r}")
     # plain Python floats: a NumPy scalar in a group would make state_dict() unloadable with
     # torch.load(weights_only=True)
