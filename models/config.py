@@ -9,8 +9,9 @@ A configuration is built in layers, later ones winning:
 4. command-line overrides ``--key value`` for any field, converted to the field's type.
 
 Keys are flat everywhere (``--n_layer 4``, ``lr = 3e-3``, ``config.json``): a key that names a
-field of :class:`models.gpt.GPTConfig` (any field but the corpus-given ``vocab_size``) goes to
-``TrainConfig.model``, every other key is a training field. ``cfg.n_layer`` reads
+field of :class:`models.gpt.GPTConfig` goes to ``TrainConfig.model``, every other key is a
+training field; ``vocab_size`` is a training field (``0``: the corpus's vocabulary, a larger
+number pads it), since the model's vocabulary is the corpus's unless it is padded. ``cfg.n_layer`` reads
 ``cfg.model.n_layer``. Training fields are validated in ``__post_init__``, model fields by
 ``GPTConfig``; a bad value raises :class:`ConfigError` naming the field, the value and what
 was expected.
@@ -64,13 +65,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOGS = ("none", "tensorboard")
 #: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
 LEGACY_MUON_NS_DTYPE = "bfloat16"
+#: Largest ``threads``: more than any CPU node has (torch crashes setting up ~1e5 threads).
+MAX_THREADS = 4096
 #: Largest ``seed``: numpy's global generator takes seeds in ``[0, 2**32 - 1]``.
 SEED_MAX = 2**32 - 1
 
 #: Residual-connection names the reference GPT implements (defined once, in ``models.connections``).
 CONNECTIONS = _CONNECTIONS
 
-#: Flat keys that belong to the nested ``GPTConfig`` (``vocab_size`` comes from the corpus).
+#: Flat keys that belong to the nested ``GPTConfig`` (``vocab_size`` is the training field that
+#: pads the corpus's vocabulary).
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 
 #: Fields that may change when a run is resumed; all others must match the saved config.
@@ -101,6 +105,9 @@ class TrainConfig:
     corpus: str = "stdlib"            #: ``stdlib``, ``file:PATH``, ``synthetic[:NBYTES]``, ...
     tokenizer: str = "byte"           #: ``byte`` (vocabulary 256) or ``bpe`` (extra ``bpe``)
     bpe_vocab_size: int = 1024
+    #: the model's vocabulary: 0 = the corpus's; larger pads it (GPT-2's 50257 -> 50304), or
+    #: sets it for nanoGPT shards without meta.json
+    vocab_size: int = 0
     val_fraction: float = 0.1
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
@@ -162,13 +169,16 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "stop_at", "sel_anneal_steps", "threads", "sample_tokens",
-                     "top_k"):
+                     "top_k", "vocab_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for field in dataclasses.fields(self):  # inf/nan pass the range checks below
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{field.name} must be a finite number, got {value}")
+        if self.threads > MAX_THREADS:
+            raise ConfigError(f"threads must be at most {MAX_THREADS}, got {self.threads} (0 "
+                              f"keeps torch's default: one per core)")
         if not 0 <= self.seed <= SEED_MAX:
             raise ConfigError(f"seed must be in [0, {SEED_MAX}] (numpy's seed range), got "
                               f"{self.seed}")

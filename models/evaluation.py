@@ -106,6 +106,7 @@ def generate_sample(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig,
     was_training = model.training
     model.eval()
     out = model.generate(idx, cfg.sample_tokens, temperature=cfg.temperature,
-                         top_k=cfg.top_k or None, generator=gen)  # (1, T0 + n)
+                         top_k=cfg.top_k or None, generator=gen,
+                         vocab_limit=corpus.tokenizer.vocab_size)  # (1, T0 + n)
     model.train(was_training)
     return corpus.tokenizer.decode(out[0].tolist())

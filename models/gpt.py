@@ -45,9 +45,15 @@ from .connections import (
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
 
 
+#: Largest size of a dimension (a C int): larger ones overflow inside torch's allocators.
+SIZE_MAX = 2**31 - 1
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if value > SIZE_MAX:
+        raise ValueError(f"{name} must be at most 2**31 - 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -410,11 +416,15 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        vocab_limit: int | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` (``(B, T)``); returns ``(B, T + max_new_tokens)``.
 
         The context is cropped to the last ``block_size`` tokens. ``top_k`` keeps the k most
-        likely tokens; ``generator`` makes sampling reproducible.
+        likely tokens; ``generator`` makes sampling reproducible; ``vocab_limit`` samples only
+        the first ``vocab_limit`` ids (a padded vocabulary's extra ids are no tokens). The
+        logits are shifted by their maximum before the division by ``temperature``, so a tiny
+        temperature tends to greedy decoding instead of overflowing to NaN.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -422,10 +432,18 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+        vocab = self.config.vocab_size
+        if vocab_limit is not None and (not isinstance(vocab_limit, int)
+                                        or not 1 <= vocab_limit <= vocab):
+            raise ValueError(f"vocab_limit must be None or an integer in [1, {vocab}], got "
+                             f"{vocab_limit!r}")
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]  # (B, <=block_size)
             logits, _ = self(context)
-            logits = logits[:, -1, :] / temperature  # (B, V)
+            logits = logits[:, -1, :vocab_limit]  # (B, V)
+            # <= 0 with an exact 0 at the maximum, in float64 (where any positive temperature
+            # is nonzero): no overflow and no 0/0, whatever the temperature
+            logits = (logits - logits.max(dim=-1, keepdim=True).values).double() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -193,7 +193,7 @@ def _shard_vocab(folder: Path, meta: dict | None, vocab_size: int | None, top: i
     if vocab_size is None:
         vocab = top + 1
         note = (f"{folder} has no {META_FILE}: read as nanoGPT shards (uint16 ids), vocabulary "
-                f"size {vocab} = the largest token id + 1; give vocab_size to set it")
+                f"size {vocab} = the largest token id + 1; pass --vocab_size N to set it")
         return vocab, "the largest token id + 1", (note,)
     vocab = padded_vocab(1, vocab_size, f"token shards {folder}")
     note = (f"{folder} has no {META_FILE}: read as nanoGPT shards (uint16 ids), vocabulary size "

@@ -125,11 +125,17 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
     with _writer_lock(out, job):
         if job.is_main and stale:  # a run that stopped before its first checkpoint: start it
             run_dir.clear_stale_run(out)  # again cleanly
-        run = _setup(cfg, out, resume, echo, job, corpus, ckpt)
+        try:
+            run = _setup(cfg, out, resume, echo, job, corpus, ckpt)
+        except Exception as exc:
+            _raise_out_of_memory(exc, job, "building the model", kept=ckpt is not None)
+            raise
         try:
             _loop(run)
         except Exception as exc:  # torch.compile is lazy: the first forward builds the
             # kernels (with a C++ compiler on CPU, triton on CUDA), deep inside the loop
+            _raise_out_of_memory(exc, job, f"in step {run.step + 1}",
+                                 kept=run.saved_step >= 0)
             if not (cfg.compile and isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)):
                 raise
             cause = str(exc).strip().splitlines()[0]
@@ -139,6 +145,27 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
             run.progress.close()
             run.log.close()
         return _finish(run, ckpt)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation the device could not serve: CUDA's ``OutOfMemoryError``, the CPU
+    allocator's ``RuntimeError``, or Python's ``MemoryError``."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def _raise_out_of_memory(exc: BaseException, job: Job, where: str, kept: bool) -> None:
+    """Turn an out-of-memory error into one :class:`RunError` line saying what to shrink;
+    ``kept``: a checkpoint exists (written atomically, so it is whole). Other errors pass."""
+    if not is_out_of_memory(exc):
+        return
+    cause = next((line.strip() for line in str(exc).splitlines() if line.strip()),
+                 type(exc).__name__)
+    cause = cause[cause.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in cause else cause
+    raise RunError(f"out of memory on {job.device} {where}: {cause}; lower batch_size (or raise "
+                   f"grad_accum_steps: each micro-batch holds batch_size / grad_accum_steps "
+                   f"sequences), block_size or the model's size"
+                   + ("; the last checkpoint is kept" if kept else "")) from None
 
 
 @contextlib.contextmanager

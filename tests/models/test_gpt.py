@@ -153,6 +153,7 @@ def test_unknown_connection_lists_the_valid_ones():
     [
         ({"n_embd": 30, "n_head": 4}, "divisible by n_head"),
         ({"n_layer": 0}, "n_layer must be an integer >= 1"),
+        ({"n_embd": 10**20, "n_head": 1}, r"n_embd must be at most 2\*\*31 - 1, got 10+\b"),
         ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
         ({"retraction": "nope"}, "valid names:.*gnomonic"),
         ({"p": 0.0}, r"p must be a number in \(0, inf\]"),
@@ -291,8 +292,27 @@ def test_generate_shapes_greedy_and_reproducible():
     assert torch.equal(a, b) and int(a.max()) < 32
     with pytest.raises(ValueError, match="temperature must be > 0"):
         model.generate(prompt, 1, temperature=0.0)
+    # a tiny temperature is greedy decoding, not an overflow to NaN probabilities
+    assert torch.equal(model.generate(prompt, 20, temperature=1e-300), out)
     with pytest.raises(ValueError, match="exceeds block_size"):
         model(_tokens(0, 1, 17))
+
+
+def test_generate_samples_only_inside_the_vocab_limit():
+    # a padded vocabulary's extra ids are no tokens: none is sampled, though every id is as
+    # likely as any other here (zero logits: uniform over the 32 ids)
+    model = _model().eval()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    prompt = _tokens(3, 2, 4)
+    free = model.generate(prompt, 30, generator=torch.Generator().manual_seed(0))
+    assert int(free[:, 4:].max()) >= 20
+    limited = model.generate(prompt, 30, generator=torch.Generator().manual_seed(0),
+                             vocab_limit=20)
+    assert int(limited[:, 4:].max()) < 20
+    for bad in (0, 33, 2.0):
+        with pytest.raises(ValueError, match=r"vocab_limit must be None or an integer in \[1, 32\]"):
+            model.generate(prompt, 1, vocab_limit=bad)
 
 
 @pytest.mark.parametrize("connection", ["spheret", "pre-ln"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -253,12 +254,43 @@ def test_missing_corpus_is_one_line_without_traceback(tmp_path):
     # the smoke preset trains with adamw, which does not use the policy: still never ignored
     (["--policy", "hetro"], "policy must be one of all-dgram, all-stiefel, hetero, hetero-inv, "
                             "unconstrained; got 'hetro'"),
+    # values past what torch can take: refused by name, not a crash inside torch
+    (["--threads", str(10**20)], "threads must be at most 4096, got 1000"),
+    (["--n_embd", str(10**20)], "n_embd must be at most 2**31 - 1"),
+    (["--vocab_size", "100"], "vocab_size 100 is smaller than the vocabulary of corpus"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     argv = ["--preset", "smoke", *args] if "--preset" not in args else args
     assert main([*argv, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path):
+    # the address space capped at 4 GiB (the trainer itself needs under 1): the 16 GiB token
+    # embedding cannot be allocated, and the CPU allocator's error becomes one line
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "models.train", *_quiet(), "--n_embd",
+                        str(1 << 24), "--n_head", "1", "--out", str(tmp_path / "r")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, preexec_fn=cap)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: out of memory on cpu building the model: "
+                               "DefaultCPUAllocator: can't allocate memory"), r.stderr
+    assert "lower batch_size" in r.stderr and "checkpoint" not in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_padded_vocabulary_trains_and_samples_only_tokens(tmp_path):
+    # --vocab_size pads the model's vocabulary past the corpus's (256 bytes); the end-of-run
+    # sample decodes, so no padded id was drawn
+    out = tmp_path / "r"
+    assert main(["--preset", "smoke", "--steps", "4", "--vocab_size", "320",
+                 "--out", str(out)]) == 0
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    assert state["wte.weight"].shape[0] == 320
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
 
 
 def test_incomplete_torchrun_environment_exits_2_before_training(tmp_path, capsys,
