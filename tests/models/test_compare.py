@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,14 +40,45 @@ def test_suites_cover_the_arms_of_the_issue():
     assert key == "lr" and max(lrs) * manifolds.full["steps"] >= 10
     high = SUITES["manifolds-high-lr"]
     assert high.full["lr"] * high.full["steps"] >= 10 and high.arms == manifolds.arms
-    assert [a["sel"] for _, a in SUITES["sel"].arms] == [
-        "none", "mismatched", "congruent", "no-linear"]
-    assert SUITES["sel"].full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on
+    sel_suite = SUITES["sel"]
+    assert [a["sel"] for _, a in sel_suite.arms] == [
+        "none", "mismatched", "congruent", "no-linear", "mismatched"]
+    assert sel_suite.full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on...
+    assert dict(sel_suite.arms)["sel-mismatched-no-anneal"]["sel_anneal_steps"] == 0  # ...but one
+    # each arm at its own lr: the shared lr of FULL_BASE is bracketed on both sides
+    key, lrs = sel_suite.sweep
+    assert key == "lr" and min(lrs) < compare.FULL_BASE["lr"] < max(lrs)
     for suite in SUITES.values():           # every arm is a valid configuration
         assert suite.baseline in dict(suite.arms)
         assert len(suite.seeds) >= 3
         for _, arm in suite.arms:
             build_config(base={**compare.FULL_BASE, **suite.full, **arm})
+
+
+def test_learned_means_clearly_below_the_unigram_entropy():
+    # Keel's 3.226 on stdlib bytes (unigram entropy 3.261) learned the token frequencies only
+    assert not compare.learned(3.226, 3.261)
+    assert compare.learned(3.261 - compare.LEARNED_MARGIN, 3.261) and compare.learned(2.3, 3.261)
+    assert not compare.learned(None, 3.261)
+
+
+def test_sweep_tuned_on_several_seeds_picks_by_their_mean(tmp_path):
+    suite = Suite(name="mini", baseline="pre-ln", seeds=(0, 1, 2), tune_seeds=2,
+                  sweep=("lr", (1e-5, 2e-2)), quick_sweep=("lr", (1e-5, 2e-2)),
+                  arms=(("pre-ln", {"connection": "pre-ln"}),))
+    overrides = {"steps": "12", "eval_interval": "6", "n_layer": "1"}
+    results = run_suite(suite, tmp_path / "a", quick=True, seeds=(0, 1, 2), echo=False,
+                        overrides=overrides)
+    with open(tmp_path / "a" / "sweep.csv") as f:
+        sweep = [(r["seed"], float(r["swept"]), float(r["val_loss"])) for r in csv.DictReader(f)]
+    assert sorted((seed, lr) for seed, lr, _ in sweep) == [
+        ("0", 1e-5), ("0", 2e-2), ("1", 1e-5), ("1", 2e-2)]
+    # the tuning seeds' runs at the chosen value are reported, the third seed runs only there
+    assert [(r["seed"], r["swept"]) for r in results] == [(0, 2e-2), (1, 2e-2), (2, 2e-2)]
+    assert not (tmp_path / "a" / "pre-ln" / "lr=1e-05" / "seed2").exists()
+    md = (tmp_path / "a" / "results.md").read_text()
+    mean = statistics.fmean(v for _, lr, v in sweep if lr == 2e-2)
+    assert "Sweep of `lr` (mean over seeds 0, 1;" in md and f"| {mean:.4f} |" in md
 
 
 def test_sweep_runs_each_arm_at_its_best_value_and_jobs_do_not_change_results(tmp_path):
@@ -183,15 +215,19 @@ def test_arms_differ_exactly_in_what_they_name(name, quick):
 
 def test_arm_configs_are_what_the_suites_say():
     spheret = _cfgs("spheret")
+    shared = compare.FULL_BASE["lr"]                       # the seed's protocol: one shared lr
     for arm in ("geonorm", "spheret-p1", "spheret-p2"):   # the normalized step, alpha 0.5
-        assert spheret[(arm, None)]["sphere_step"] == "normalized"
-        assert spheret[(arm, None)]["alpha_init"] == 0.5
-    literal = spheret[("spheret-p1-literal", None)]
+        assert spheret[(arm, shared)]["sphere_step"] == "normalized"
+        assert spheret[(arm, shared)]["alpha_init"] == 0.5
+    literal = spheret[("spheret-p1-literal", shared)]
     assert (literal["sphere_step"], literal["alpha_init"], literal["p"]) == ("literal", 1.0, 1.0)
     assert {c["optimizer"] for c in spheret.values()} == {"adamw"}
-    assert {c["lr"] for c in spheret.values()} == {3e-3}              # one shared lr
+    # the grid holds the shared lr, brackets it, and is run on every seed
+    lrs = {c["lr"] for c in spheret.values()}
+    assert shared in lrs and min(lrs) < shared < max(lrs)
+    assert SUITES["spheret"].tune_seeds == len(SUITES["spheret"].seeds)
     for (arm, _), cfg in _cfgs("spheret-stress").items():
-        plain = spheret[(arm.removesuffix(" @stress"), None)]
+        plain = spheret[(arm.removesuffix(" @stress"), shared)]
         assert {k for k in cfg if cfg[k] != plain[k]} == {"lr", "warmup_steps", "grad_clip"}
         assert (cfg["lr"], cfg["warmup_steps"], cfg["grad_clip"]) == (3e-2, 0, 0.0)
     for name, lrs in (("manifolds", {0.001, 0.003, 0.01, 0.03, 0.1}), ("manifolds-high-lr", {0.1})):
@@ -203,7 +239,10 @@ def test_arm_configs_are_what_the_suites_say():
             (p, p) for p in compare.MANIFOLD_POLICIES}
     sel = _cfgs("sel")
     assert {c["optimizer"] for c in sel.values()} == {"adamw"}   # SEL is refused with Muon
-    assert [c["sel"] for c in sel.values()] == ["none", "mismatched", "congruent", "no-linear"]
+    assert {(arm, c["sel"]) for (arm, _), c in sel.items()} == {
+        ("baseline", "none"), ("sel-mismatched", "mismatched"), ("sel-congruent", "congruent"),
+        ("sel-no-linear", "no-linear"), ("sel-mismatched-no-anneal", "mismatched")}
+    assert {c["lr"] for c in sel.values()} == set(SUITES["sel"].sweep[1])
 
 
 @pytest.mark.parametrize("name, overrides", [("manifolds-high-lr", {"policy": "hetero"}),
