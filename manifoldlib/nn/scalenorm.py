@@ -23,7 +23,8 @@ class ScaleNorm(nn.Module):
         eps: floor :math:`\varepsilon > 0` of the norm; a zero input maps to zero with zero
             gradient instead of NaN.
 
-    Shapes: input ``(..., d)``, output ``(..., d)``.
+    Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (float16 and bfloat16
+    inputs are normalized in float32).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -40,8 +41,12 @@ class ScaleNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"ScaleNorm expects inputs (..., {self.dim}), got shape {tuple(x.shape)}")
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(self.eps)  # (..., 1)
-        return x * (self.scale.to(x.dtype) / norm)
+        # float16/bfloat16 inputs are normalized in float32: in float16 the norm of a large
+        # input overflows (to a zero output) and g / eps of a zero one does (0 * inf = NaN)
+        work = torch.promote_types(x.dtype, torch.float32)
+        xw = x.to(work)
+        norm = torch.linalg.vector_norm(xw, dim=-1, keepdim=True).clamp_min(self.eps)  # (..., 1)
+        return (xw * (self.scale.to(work) / norm)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

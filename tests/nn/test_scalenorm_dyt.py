@@ -40,6 +40,22 @@ def test_scalenorm_zero_input_has_finite_gradients():
     assert torch.isfinite(x.grad).all() and torch.isfinite(norm.scale.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scalenorm_half_precision_zero_and_large_inputs(dtype):
+    # in float16, g / eps overflows (0 * inf = NaN for a zero input) and the norm of entries of
+    # 3,000 over d = 768 (83,000 > 65,504) overflows to a zero output; both stay exact here
+    norm = ScaleNorm(768)
+    zero = torch.zeros(2, 768, dtype=dtype, requires_grad=True)
+    y = norm(zero)
+    assert y.dtype == dtype and torch.equal(y, torch.zeros_like(y))
+    y.sum().backward()
+    if dtype == torch.bfloat16:  # the exact gradient g / eps = 2.8e7 exceeds float16's range
+        assert torch.isfinite(zero.grad).all()
+    large = torch.full((2, 768), 3000.0, dtype=dtype)
+    radius = norm(large).float().norm(dim=-1)
+    assert torch.allclose(radius, norm.scale.detach().expand(2), rtol=4 * torch.finfo(dtype).eps)
+
+
 def test_scalenorm_gradcheck_and_small_norm_floor():
     norm = ScaleNorm(4, eps=1e-3).double()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
