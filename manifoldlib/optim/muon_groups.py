@@ -163,13 +163,16 @@ def check_finite_gradients(group: MutableMapping, params: list[Tensor], grads: l
     """Raise ``ValueError`` naming the first parameter of ``group`` whose gradient has a NaN or inf.
 
     One reduction per gradient, stacked, and one host synchronization per group: the sum of a
-    tensor is finite exactly when its entries are (short of a float32 overflow of finite sums,
-    which would also break the step). Called before any momentum buffer or parameter changes.
+    tensor is finite exactly when its entries are (short of an overflow of finite sums, which
+    would also break the step). The sum is taken in the gradient's dtype, or float32 for
+    half-precision ones, so a finite float64 gradient beyond float32's range passes. Called
+    before any momentum buffer or parameter changes.
     """
-    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
-    if bool(torch.isfinite(sums).all()):
+    finite = torch.stack([torch.isfinite(g.sum(dtype=torch.promote_types(g.dtype, torch.float32)))
+                          for g in grads])
+    if bool(finite.all()):
         return
-    bad = int((~torch.isfinite(sums)).nonzero()[0])
+    bad = int((~finite).nonzero()[0])
     p = params[bad]
     index = next(i for i, q in enumerate(group["params"]) if q is p)
     names = group.get("param_names")

@@ -89,6 +89,12 @@ def _zeropower(
 ) -> Tensor:
     """Muon's Newton–Schulz in ``dtype``; in bfloat16 step for step as :class:`torch.optim.Muon` runs it."""
     a, b, c = ns_coefficients
+    if torch.finfo(grad.dtype).max > torch.finfo(dtype).max:  # float64 into float32/bfloat16
+        # scaled down by a power of two to entries below 1 (exact, and the normalization below
+        # removes it: the eps floor acts only on norms < eps), so a finite float64 gradient
+        # beyond float32's range is not cast to inf
+        _, exponent = torch.frexp(grad.abs().amax())
+        grad = torch.ldexp(grad, -exponent.clamp_min(0))
     x = grad.to(dtype)
     tall = grad.size(0) > grad.size(1)
     if tall:

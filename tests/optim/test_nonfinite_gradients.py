@@ -43,3 +43,22 @@ def test_the_error_names_a_named_parameter():
     model.weight.grad = torch.full_like(model.weight, float("nan"))
     with pytest.raises(ValueError, match="'weight'"):
         opt.step()
+
+
+@pytest.mark.parametrize("manifold", ["euclidean", "stiefel", "dgram"])
+def test_a_finite_float64_gradient_beyond_float32s_range_steps(manifold):
+    # entries of ~1e100 are finite in float64 (their float32 sum, or a cast to the Euclidean
+    # Newton-Schulz's float32/bfloat16, would be inf): no error, and the step (scale-free in G)
+    # is the one the gradient's direction gives (a power-of-two scale: the casts round alike)
+    params, gen = _params(manifold)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ManifoldMuon(params, manifold=manifold, lr=0.02)
+    twin_opt = ManifoldMuon(twins, manifold=manifold, lr=0.02)
+    for p, q in zip(params, twins):
+        g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        p.grad, q.grad = 2.0**332 * g, g
+    opt.step()
+    twin_opt.step()
+    for p, q in zip(params, twins):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-9, atol=1e-9)
