@@ -37,13 +37,15 @@ Suites:
     and Keel diverging where SpheretNorms converge).
 ``spheret-retractions``
     The seed's literal step for the exponential map (GeoNorm, baseline), Cayley (p = 2) and
-    gnomonic (p = 1), started at angles of 0.17-0.64 rad (``alpha_init`` 100): the test of
-    "finite p beats the exponential map" that the normalized step cannot be (there every member
-    is a reparametrization of one per-layer angle).
+    gnomonic (p = 1), started at angles of 0.17-0.64 rad (``alpha_init`` 100), each at its own
+    best lr of a grid run on all five seeds: the test of "finite p beats the exponential map"
+    that the normalized step cannot be (there every member is a reparametrization of one
+    per-layer angle).
 ``manifolds``
     ManifoldMuon assignment policies on seed 002's base, a Pre-LN GPT: unconstrained
     (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
-    arm (each policy reported at its own best); logs the q/k spectral norms, the attention logit,
+    arm on three seeds (each policy reported at its own best, over five seeds); logs the q/k
+    spectral norms, the attention logit,
     entropy and max probability at every evaluation.
 ``manifolds-high-lr``
     The same policies at one large constant learning rate (0.1, three seeds): the regime in which
@@ -196,13 +198,16 @@ SUITES: dict[str, Suite] = {
     # angle varies per token, started at angles where the members differ (the normalized step
     # makes them reparametrizations of one per-layer angle)
     "spheret-retractions": Suite(name="spheret-retractions", arms=_retraction_arms(),
-                                 baseline="geonorm-literal"),
+                                 baseline="geonorm-literal",
+                                 sweep=("lr", (0.0003, 0.001, 0.003, 0.01, 0.03)),
+                                 quick_sweep=("lr", (0.01, 0.03)), tune_seeds=5),
     # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
-    # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep: each policy is reported
-    # at its own best lr, so no arm is compared at a step size that suits only another
+    # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep on three seeds: each
+    # policy is reported at its own best lr, so no arm is compared at a step size that suits
+    # only another (three seeds: the square DGram solves make the whole grid ~1 h on a CPU)
     "manifolds": _manifolds_suite("manifolds", seeds=(0, 1, 2, 3, 4),
                                   sweep=("lr", (0.001, 0.003, 0.01, 0.03, 0.1)),
-                                  quick_sweep=("lr", (0.02, 0.1))),
+                                  quick_sweep=("lr", (0.02, 0.1)), tune_seeds=3),
     # the same at one large constant lr (sum of lr_t = 20): the regime where the seed's DGram
     # mechanism (singular values -> attention logits -> saturated softmax) can act
     "manifolds-high-lr": _manifolds_suite("manifolds-high-lr", lr=0.1, seeds=(0, 1, 2)),

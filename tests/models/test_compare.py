@@ -38,6 +38,7 @@ def test_suites_cover_the_arms_of_the_issue():
     assert manifolds.full["connection"] == "pre-ln" and manifolds.full["schedule"] == "constant"
     key, lrs = manifolds.sweep
     assert key == "lr" and max(lrs) * manifolds.full["steps"] >= 10
+    assert manifolds.tune_seeds >= 3  # one seed's best lr can be an outlier seed's
     high = SUITES["manifolds-high-lr"]
     assert high.full["lr"] * high.full["steps"] >= 10 and high.arms == manifolds.arms
     sel_suite = SUITES["sel"]
@@ -300,6 +301,9 @@ def test_the_retraction_suite_starts_where_the_members_differ():
 
     suite = SUITES["spheret-retractions"]
     assert suite.baseline == "geonorm-literal"
+    # each retraction at its own lr (the exponential map's uncapped angles may want a smaller one)
+    assert suite.sweep[0] == "lr" and suite.tune_seeds == len(suite.seeds)
+    assert min(suite.sweep[1]) < compare.FULL_BASE["lr"] < max(suite.sweep[1])
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     for arm, _, cfg in suite_configs(suite):
         assert cfg.model.sphere_step == "literal", arm
