@@ -228,6 +228,10 @@ def test_falcon_new_architecture_split_per_group_matches_its_own_head_split():
         "FalconConfig", num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, num_kv_heads=2,
         new_decoder_architecture=True, vocab_size=VOCAB))
     attn = model.transformer.h[0].self_attention
+    if not hasattr(attn, "_split_heads"):
+        import transformers
+        pytest.skip(f"transformers {transformers.__version__} no longer has FalconAttention._split_heads, "
+                    "this test's oracle")
     x = torch.randn(1, 3, WIDTH, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         q, k, v = attn._split_heads(attn.query_key_value(x))  # Falcon's own reading of its layout
