@@ -45,8 +45,7 @@ Suites:
     ManifoldMuon assignment policies on seed 002's base, a Pre-LN GPT: unconstrained
     (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
     arm on three seeds (each policy reported at its own best, over five seeds); logs the q/k
-    spectral norms, the attention logit,
-    entropy and max probability at every evaluation.
+    spectral norms, the attention logit, entropy and max probability at every evaluation.
 ``manifolds-high-lr``
     The same policies at one large constant learning rate (0.1, three seeds): the regime in which
     the seed's mechanism — DGram lets the attention maps' singular values, hence the logits,

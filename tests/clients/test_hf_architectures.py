@@ -228,21 +228,42 @@ def test_falcon_new_architecture_split_per_group_matches_its_own_head_split():
         "FalconConfig", num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, num_kv_heads=2,
         new_decoder_architecture=True, vocab_size=VOCAB))
     attn = model.transformer.h[0].self_attention
-    if not hasattr(attn, "_split_heads"):
-        import transformers
-        pytest.skip(f"transformers {transformers.__version__} no longer has FalconAttention._split_heads, "
-                    "this test's oracle")
     x = torch.randn(1, 3, WIDTH, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        q, k, v = attn._split_heads(attn.query_key_value(x))  # Falcon's own reading of its layout
+    own_split = getattr(attn, "_split_heads", None)  # Falcon's own reading of its layout (gone in 5.x)
+    if own_split is not None:
+        with torch.no_grad():
+            q, k, v = own_split(attn.query_key_value(x))
     split_blocks(model, blocks=[WIDTH, 16, 16], heads=2)  # q: 4 heads of 8; k, v: 2 heads of 8
     plist = attn.query_key_value.parametrizations.weight
+    if own_split is not None:
+        with torch.no_grad():
+            torch.testing.assert_close(x @ plist.original0.T, q.flatten(2), rtol=1e-6, atol=1e-6)
+            kv = [(x @ b.T).unflatten(-1, (2, 1, 8)).expand(-1, -1, -1, 2, -1).flatten(2)
+                  for b in (plist.original1, plist.original2)]  # each group's head serves 2 query heads
+            torch.testing.assert_close(kv[0], k.flatten(2), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(kv[1], v.flatten(2), rtol=1e-6, atol=1e-6)
+
+    # on every version, through Falcon's forward: zeroing the block read as v zeroes the attention
+    # output; zeroing the q block or the k block both make attention uniform (equal outputs)
+    seen = []
+    attn.dense.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+
+    def attention_output_with_zeroed(block):
+        saved = block.detach().clone()
+        with torch.no_grad():
+            block.zero_()
+            model(ids)
+            block.copy_(saved)
+        return seen[-1]
+
     with torch.no_grad():
-        torch.testing.assert_close(x @ plist.original0.T, q.flatten(2), rtol=1e-6, atol=1e-6)
-        kv = [(x @ b.T).unflatten(-1, (2, 1, 8)).expand(-1, -1, -1, 2, -1).flatten(2)
-              for b in (plist.original1, plist.original2)]  # each group's head serves 2 query heads
-        torch.testing.assert_close(kv[0], k.flatten(2), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(kv[1], v.flatten(2), rtol=1e-6, atol=1e-6)
+        model(ids)
+    intact = seen[-1]
+    assert torch.count_nonzero(attention_output_with_zeroed(plist.original2)) == 0
+    no_q = attention_output_with_zeroed(plist.original0)
+    torch.testing.assert_close(no_q, attention_output_with_zeroed(plist.original1), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(no_q, intact, rtol=1e-3, atol=1e-4)
 
 
 def test_split_per_head_round_trips_a_conv1d_layout():
