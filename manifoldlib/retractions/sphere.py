@@ -109,10 +109,18 @@ class AngleRetraction(Retraction):
             x: ``(..., d)`` points on the sphere of radius ``radius``.
             v: ``(..., d)`` tangent vectors at ``x``.
             radius: sphere radius; ``None`` reads it from ``||x||``.
+
+        Returns:
+            ``(..., d)`` points of ``x``'s dtype. float16 and bfloat16 inputs are rotated in
+            float32: :math:`\|v\|^2` overflows float16 from :math:`\|v\| \approx 256`, which
+            would turn the point into NaN (or zero). In float32 the same holds from
+            :math:`\|v\| \approx 1.8\cdot 10^{19}`, far past any step a finite loss takes.
         """
-        radius_sq = (x * x).sum(-1, keepdim=True) if radius is None else radius * radius
-        cos_theta, k = self.coefficients(sphere_normalized_sq_step(v, radius_sq))
-        return rotate(x, v, cos_theta, k)
+        work = torch.promote_types(x.dtype, torch.float32)
+        xw, vw = x.to(work), v.to(work)
+        radius_sq = (xw * xw).sum(-1, keepdim=True) if radius is None else radius * radius
+        cos_theta, k = self.coefficients(sphere_normalized_sq_step(vw, radius_sq))
+        return rotate(xw, vw, cos_theta, k).to(x.dtype)
 
 
 @register_retraction("sphere", "exp")

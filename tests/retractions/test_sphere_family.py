@@ -253,3 +253,25 @@ def test_p_family_uses_the_closed_forms_at_p_1_and_2():
     for p, closed in ((1.0, GnomonicRetraction()), (2.0, CayleyRetraction())):
         for got, want in zip(PRetraction(p).coefficients(sigma), closed.coefficients(sigma)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "retraction",
+    [GnomonicRetraction(), CayleyRetraction(), PRetraction(0.5), get_retraction("sphere", "exp"), _P3()],
+    ids=["gnomonic", "cayley", "p=0.5", "exp", "user-p3"],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_steps_past_float16_range_stay_on_the_sphere(retraction, dtype):
+    # ||v|| = 300 at radius 8: ||v||^2 = 9e4 overflows float16 (max 65504); rotated in float32 the
+    # result is the float32 rotation of the same (rounded) inputs, rounded once, of norm 8
+    g = torch.Generator().manual_seed(11)
+    x = 8.0 * torch.nn.functional.normalize(torch.randn(4, 64, generator=g), dim=-1)
+    v = torch.randn(4, 64, generator=g)
+    v = v - (x * v).sum(-1, keepdim=True) / 64.0 * x
+    v = 300.0 * torch.nn.functional.normalize(v, dim=-1)
+    xh, vh = x.to(dtype), v.to(dtype)
+    y = retraction.retract(xh, vh)
+    want = retraction.retract(xh.float(), vh.float()).to(dtype)
+    assert y.dtype == dtype and torch.equal(y, want)
+    norms = torch.linalg.vector_norm(y.float(), dim=-1)
+    assert torch.allclose(norms, torch.full_like(norms, 8.0), rtol=8 * torch.finfo(dtype).eps, atol=0)
