@@ -239,8 +239,8 @@ def build_optimizer(
         weight_decay: Manifold Muon weight decay (skipped on Stiefel, see ManifoldMuon).
         adamw_betas: AdamW betas.
         adamw_weight_decay: decay of AdamW matrices (default: ``weight_decay``).
-        classifier: ``(name, module) -> "attn" | "mlp" | None`` for a model that does not follow
-            the ``attn`` / ``mlp`` naming rule (built-in policies only).
+        classifier: ``(name, module) -> "attn" | "mlp" | "other" | None`` for a model that does
+            not follow the ``attn`` / ``mlp`` naming rule (built-in policies only).
         manifold_options: per-manifold ManifoldMuon group options, e.g.
             ``{"dgram": {"retraction": "colnorm-polar"}}``; not ``params``, ``param_names``,
             ``manifold`` or ``kind``, which the policy decides.

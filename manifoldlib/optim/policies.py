@@ -35,11 +35,17 @@ on the attention manifold; to constrain q, k and v as separate blocks, split it 
 :func:`manifoldlib.charts.split_blocks`. A hidden matrix that no rule recognizes goes to the
 policy's ``other`` manifold (the *fallback*), and :func:`warn_unclassified` (called by
 :func:`~manifoldlib.optim.assign_parameters`) names every such matrix in one warning when the
-fallback differs from the attention or MLP choice. Matrices stacked in one tensor of more than two
+fallback differs from the attention or MLP choice. The router of a mixture-of-experts block (a
+module named ``router`` or ``gate``, :data:`ROUTER_NAMES`: Mixtral's, Qwen-MoE's and DeepSeek's
+``mlp.gate``, Jamba's ``feed_forward.router``) maps the hidden state to expert logits, not through
+the MLP: it is classified ``"other"`` (recognized, neither role) and takes the ``other`` manifold
+without a warning; under ``hetero`` it is not put on DGram with the MLP. Matrices stacked in one tensor of more than two
 dimensions (the experts of a mixture-of-experts MLP, ``(experts, out, in)``) stay on AdamW, since
 Manifold Muon takes 2-D parameters; :func:`warn_stacked` names those inside an attention or MLP
 block. A model that names its blocks differently passes
-a *classifier* ``classifier(name, module) -> "attn" | "mlp" | None``.
+a *classifier* ``classifier(name, module) -> "attn" | "mlp" | "other" | None`` (``"other"``: a
+recognized hidden matrix of neither role, ``None``: unrecognized; both take the ``other`` manifold,
+only ``None`` is warned about).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ __all__ = [
     "HEAD_NAMES",
     "LAYER_MLP_NAMES",
     "MLP_NAMES",
+    "ROUTER_NAMES",
     "Classifier",
     "Policy",
     "RolePolicy",
@@ -96,6 +103,12 @@ MLP_NAMES = frozenset({
     "gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "fc1", "fc2",
     "linear1", "linear2", "dense_h_to_4h", "dense_4h_to_h",
 })
+
+#: Name components (lower case) that mark the router of a mixture-of-experts block: a hidden matrix
+#: of neither role (expert logits), classified ``"other"``. ``gate`` alone is the router (Mixtral,
+#: Qwen-MoE, DeepSeek, OLMoE); the gate *projection* of a gated MLP is ``gate_proj`` (or
+#: ``w1``/``c_fc``), and Qwen-MoE's ``shared_expert_gate`` is the sigmoid gate of its shared expert.
+ROUTER_NAMES = frozenset({"router", "gate", "shared_expert_gate"})
 
 #: Name components that mark an MLP matrix only inside a numbered layer (``layer.0``) and outside
 #: every attention name: BERT's ``encoder.layer.0.output.dense`` is its MLP's second matrix, while
@@ -157,12 +170,13 @@ def get_policy(policy: str | Policy, *, classifier: Classifier | None = None) ->
 
 
 def default_classifier(name: str, module: nn.Module) -> str | None:
-    """``"attn"`` / ``"mlp"`` from the innermost recognized name component, else ``None``.
+    """``"attn"`` / ``"mlp"`` / ``"other"`` from the innermost recognized name component, else ``None``.
 
     Components are whole path parts (``"blocks.0.attnx.q"`` is not attention), compared in lower
-    case against :data:`ATTN_NAMES` and :data:`MLP_NAMES` from the end of the name, so a projection
-    name decides before its block name and ``blocks.0.attn.c_proj`` is attention while
-    ``blocks.0.mlp.c_proj`` is MLP. A part in :data:`LAYER_MLP_NAMES` preceded by a layer index
+    case against :data:`ATTN_NAMES`, :data:`MLP_NAMES` and :data:`ROUTER_NAMES` (``"other"``: a
+    mixture-of-experts router) from the end of the name, so a projection name decides before its
+    block name: ``blocks.0.attn.c_proj`` is attention, ``blocks.0.mlp.c_proj`` MLP and
+    ``layers.0.mlp.gate`` a router. A part in :data:`LAYER_MLP_NAMES` preceded by a layer index
     means MLP unless an attention name follows it outward. The matrices of a
     :class:`torch.nn.MultiheadAttention` are attention whatever it is called.
     """
@@ -176,6 +190,8 @@ def default_classifier(name: str, module: nn.Module) -> str | None:
             return "attn"
         if part in MLP_NAMES:
             return "mlp"
+        if part in ROUTER_NAMES:
+            return "other"
         if part in LAYER_MLP_NAMES and any(p.isdigit() for p in parts[:i]):
             layer_mlp = True
     return "mlp" if layer_mlp else None
@@ -210,8 +226,9 @@ class RolePolicy:
     Args:
         attn: manifold (or ``None``) for attention matrices.
         mlp: manifold (or ``None``) for MLP matrices.
-        other: manifold (or ``None``) for hidden matrices that are neither.
-        classifier: ``classifier(name, module) -> "attn" | "mlp" | None``
+        other: manifold (or ``None``) for hidden matrices that are neither (classified
+            ``"other"``, or unclassified: ``None``).
+        classifier: ``classifier(name, module) -> "attn" | "mlp" | "other" | None``
             (default :func:`default_classifier`).
     """
 
@@ -233,12 +250,14 @@ class RolePolicy:
             return self.attn
         if role == "mlp":
             return self.mlp
-        if role is not None:
-            raise ValueError(f"classifier returned {role!r} for parameter {name!r}; expected 'attn', 'mlp' or None")
+        if role is not None and role != "other":
+            raise ValueError(f"classifier returned {role!r} for parameter {name!r}; expected 'attn', 'mlp', "
+                             f"'other' or None")
         return self.other
 
     def unclassified(self, name: str, module: nn.Module, param: torch.Tensor) -> bool:
-        """True for a hidden matrix the classifier leaves unrecognized (it goes to ``other``)."""
+        """True for a hidden matrix the classifier leaves unrecognized (``None``; it goes to
+        ``other`` with a warning, while one classified ``"other"`` goes there silently)."""
         return is_hidden_matrix(name, module, param) and self.classifier(name, module) is None
 
     def __repr__(self) -> str:
@@ -288,7 +307,7 @@ def warn_unclassified(policy: Policy, named: Iterable[tuple[str, nn.Module, torc
         names,
         f"{len(names)} hidden {'matrices' if plural else 'matrix'} matched no attention or MLP name "
         f"rule and went to the fallback {policy.other!r} ({policy!r})",
-        "Pass classifier=... (name, module) -> 'attn' | 'mlp' | None to classify them.",
+        "Pass classifier=... (name, module) -> 'attn' | 'mlp' | 'other' | None to classify them.",
     )
 
 

@@ -15,7 +15,14 @@ from torch import nn
 
 from manifoldlib.charts import SEL, apply_chart, merge_charts, split_blocks
 from manifoldlib.optim import assign_parameters, build_optimizer, constraint_residual, default_classifier
-from manifoldlib.optim.policies import ATTN_NAMES, MLP_NAMES, unclassified_matrices, warn_unclassified, get_policy
+from manifoldlib.optim.policies import (
+    ATTN_NAMES,
+    MLP_NAMES,
+    ROUTER_NAMES,
+    get_policy,
+    unclassified_matrices,
+    warn_unclassified,
+)
 
 
 class NanoAttention(nn.Module):
@@ -88,14 +95,40 @@ def _loss(model, idx):
     ("decoder.layers.0.fc1.weight", "mlp"),
     ("backbone.layers.0.mixer.out_proj.weight", None),  # a generic name outside a known block
     ("blocks.0.attnx.q.weight", None),
+    ("model.layers.0.mlp.gate.weight", "other"),       # a mixture-of-experts router, not the MLP
+    ("model.layers.0.mlp.shared_expert_gate.weight", "other"),
+    ("model.layers.0.feed_forward.router.weight", "other"),
 ])
 def test_default_classifier_on_client_names(name, role):
     assert default_classifier(name, nn.Linear(2, 2)) == role
 
 
 def test_name_sets_are_disjoint_and_lower_case():
-    assert not ATTN_NAMES & MLP_NAMES
-    assert all(n == n.lower() for n in ATTN_NAMES | MLP_NAMES)
+    assert not ATTN_NAMES & MLP_NAMES and not (ATTN_NAMES | MLP_NAMES) & ROUTER_NAMES
+    assert all(n == n.lower() for n in ATTN_NAMES | MLP_NAMES | ROUTER_NAMES)
+
+
+class _MoEBlock(nn.Module):
+    """A mixture-of-experts MLP with 2-D experts and a router named ``gate`` (Mixtral's scheme)."""
+
+    def __init__(self, d=8, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)  # router: (experts, d)
+        self.experts = nn.ModuleList([NanoMLP(d) for _ in range(experts)])
+
+
+def test_a_router_takes_the_fallback_without_a_warning_and_a_classifier_may_say_other():
+    model = nn.ModuleDict({"mlp": _MoEBlock()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "other" is recognized: nothing to warn about
+        assignment = assign_parameters(model, "hetero")
+    assert assignment["mlp.gate.weight"] == "euclidean"  # hetero's other, not the MLP's DGram
+    assert assignment["mlp.experts.0.c_fc.weight"] == "dgram"
+    assert assign_parameters(model, "all-stiefel")["mlp.gate.weight"] == "stiefel"
+    assignment = assign_parameters(model, "hetero", classifier=lambda name, module: "other")
+    assert set(assignment.values()) == {"euclidean", None}
+    with pytest.raises(ValueError, match=r"'router'.*'other'"):
+        assign_parameters(model, "hetero", classifier=lambda name, module: "router")
 
 
 def test_multihead_attention_is_attention_by_type():

@@ -297,6 +297,8 @@ def test_mixtral_experts_stacked_in_3d_tensors_are_named_in_a_warning():
     assert {assignment[n] for n in stacked} == {None}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # GQA: k/v (16, 32) on Stiefel too
         assert assignment[f"model.layers.0.self_attn.{name}.weight"] == "stiefel"
+    assert assignment["model.layers.0.mlp.gate.weight"] == "euclidean"  # the router: not on DGram
+    assert "mlp.gate" not in message  # recognized, so not named as unclassified
 
 
 def test_no_stacked_matrix_warning_for_a_patch_embedding():
