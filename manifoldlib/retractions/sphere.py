@@ -103,7 +103,7 @@ class AngleRetraction(Retraction):
         return torch.zeros_like(sigma) if grads[0] is None else grads[0]
 
     def retract(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate ``x`` towards the tangent vector ``v``.
+        r"""Rotate ``x`` towards the tangent vector ``v``.
 
         Args:
             x: ``(..., d)`` points on the sphere of radius ``radius``.

@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from manifoldlib.charts import SEL, apply_chart, merge_charts, split_blocks
-from manifoldlib.optim import assign_parameters, build_optimizer, constraint_residual, default_classifier
+from manifoldlib.optim import (
+    assign_parameters,
+    build_optimizer,
+    constraint_residual,
+    default_classifier,
+)
 from manifoldlib.optim.policies import (
     ATTN_NAMES,
     MLP_NAMES,
