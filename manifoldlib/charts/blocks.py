@@ -28,8 +28,9 @@ heads=1``), per head in the original layout (``heads=num_attention_heads``) and 
 group in the new decoder architecture (``blocks=[q, k, v sizes], heads=num_kv_heads``). Because
 the name alone does not tell, a selected tensor whose module is named in :data:`PER_HEAD_NAMES`
 needs ``heads`` given. GPTBigCode without multi-query attention lays out its ``c_attn`` per head
-too (``heads=n_head``), which nothing distinguishes from GPT-2's contiguous ``c_attn``: check the
-layout of a model's fused projection before splitting it.
+too (``heads=n_head``) under GPT-2's name for a contiguous one: its configuration says so, and
+:func:`split_blocks` then requires ``heads``. A model of another family with such a layout is not
+recognized: check the layout of a model's fused projection before splitting it.
 
 Unlike a :class:`~manifoldlib.charts.Chart`, the blocks are the weight's own entries, so a
 manifold-constrained optimizer on them is meaningful.
@@ -114,6 +115,17 @@ def _grouped_query_sizes(model: nn.Module, total: int) -> list[int] | None:
     return None if rest else [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
 
+def _per_head_fused_heads(model: nn.Module) -> int | None:
+    """The head count when ``model.config`` declares a fused q/k/v laid out head by head under a
+    name that is contiguous elsewhere (GPTBigCode without multi-query attention: ``c_attn`` rows
+    ``(heads, 3, head_dim)``, where GPT-2's are ``(3, heads, head_dim)``); else ``None``."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "gpt_bigcode" or getattr(config, "multi_query", True):
+        return None
+    heads = getattr(config, "num_attention_heads", None)
+    return heads if isinstance(heads, int) and heads > 1 else None
+
+
 def _output_dim(module: nn.Module) -> int:
     # Hugging Face's Conv1D stores (in, out) and computes x @ W; every torch layer stores (out, in)
     return 1 if type(module).__name__ == "Conv1D" else 0
@@ -149,7 +161,8 @@ def split_blocks(
     Raises:
         ValueError: a block count that does not divide the output dimension, sizes that do not
             add up to it, equal blocks for a grouped-query q/k/v, ``heads`` not dividing the block
-            sizes, ``heads`` missing for a module named in :data:`PER_HEAD_NAMES`, a selected
+            sizes, ``heads`` missing for a module named in :data:`PER_HEAD_NAMES` or for the fused
+            projection of a model whose ``config`` declares a per-head layout, a selected
             tensor that is already parametrized, or one tied to (shared with) another module (each
             module would get blocks of its own, breaking the tie).
             Every selected tensor is checked before any is split, so after an error none is.
@@ -173,6 +186,13 @@ def split_blocks(
         param = module._parameters.get(tname)
         if param is None or param.dim() != 2:
             continue
+        per_head = _per_head_fused_heads(model)
+        if heads is None and per_head is not None and mname.rsplit(".", 1)[-1].lower() in FUSED_NAMES:
+            raise ValueError(
+                f"{qname}: this model's config ({type(model.config).__name__}, multi_query=False) "
+                f"lays out its fused {mname.rsplit('.', 1)[-1]!r} head by head, so contiguous "
+                f"blocks would not be q, k, v; pass heads={per_head}"
+            )
         if heads is None and mname.rsplit(".", 1)[-1].lower() in PER_HEAD_NAMES:
             raise ValueError(
                 f"{qname}: the q/k/v layout of a fused {mname.rsplit('.', 1)[-1]!r} differs between "

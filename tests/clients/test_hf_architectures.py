@@ -429,3 +429,21 @@ def test_equal_blocks_are_refused_for_a_multi_query_gpt_bigcode_c_attn():
         multi_query=True, bos_token_id=0, eos_token_id=0))
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight.*blocks=\[32, 8, 8\]"):
         split_blocks(model)
+
+
+def test_a_per_head_gpt_bigcode_c_attn_needs_heads_and_then_splits_into_q_k_v():
+    from manifoldlib.charts import split_blocks
+
+    model = _build("GPTBigCodeForCausalLM", _config(
+        "GPTBigCodeConfig", n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=16,
+        multi_query=False, bos_token_id=0, eos_token_id=0))
+    attn = model.transformer.h[0].attn
+    w = attn.c_attn.weight.detach().clone()  # nn.Linear: (3d, d), rows (heads, 3, head_dim)
+    with pytest.raises(ValueError, match=r"h\.0\.attn\.c_attn\.weight.*head by head.*heads=4"):
+        split_blocks(model)
+    assert not torch.nn.utils.parametrize.is_parametrized(attn.c_attn)  # nothing split on error
+    split_blocks(model, heads=4)
+    per_head = w.view(4, 3, WIDTH // 4, WIDTH)  # the forward's view(..., heads, 3 * head_dim)
+    for i in range(3):  # block i gathers slot i of every head: exactly q, k, v
+        block = getattr(attn.c_attn.parametrizations.weight, f"original{i}")
+        torch.testing.assert_close(block, per_head[:, i].reshape(WIDTH, WIDTH), rtol=0, atol=0)
