@@ -20,7 +20,8 @@ class DyT(nn.Module):
         dim: feature size :math:`d`.
         alpha_init: initial :math:`\alpha`, finite.
 
-    Shapes: input ``(..., d)``, output ``(..., d)``.
+    Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (as LayerNorm's), computed
+    in the promoted dtype of the input and the parameters.
     """
 
     def __init__(self, dim: int, alpha_init: float = 0.5):
@@ -38,7 +39,12 @@ class DyT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"DyT expects inputs (..., {self.dim}), got shape {tuple(x.shape)}")
-        return torch.tanh(self.alpha * x) * self.weight + self.bias  # (..., d)
+        # computed in the promoted dtype of input and parameters (the 0-dim alpha alone would not
+        # promote: tanh ran in bfloat16), returned in the input's, as LayerNorm does: float32
+        # parameters would otherwise turn a bfloat16 stream into float32
+        work = torch.promote_types(x.dtype, self.weight.dtype)
+        y = torch.tanh(self.alpha.to(work) * x.to(work)) * self.weight.to(work) + self.bias.to(work)
+        return y.to(x.dtype)  # (..., d)
 
     def extra_repr(self) -> str:
         return f"{self.dim}"

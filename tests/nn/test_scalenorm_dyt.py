@@ -103,3 +103,19 @@ def test_dyt_gradcheck_and_bad_arguments():
         DyT(3, alpha_init=True)
     with pytest.raises(ValueError, match=r"\(\.\.\., 3\)"):
         dyt(torch.randn(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dyt_keeps_the_input_dtype_like_layernorm(dtype):
+    # float32 parameters, half input: the output is the float32 formula rounded once to the input
+    # dtype, as nn.LayerNorm returns the input dtype
+    torch.manual_seed(0)
+    dyt = DyT(16, alpha_init=0.7)
+    with torch.no_grad():
+        dyt.weight.uniform_(0.5, 1.5)
+        dyt.bias.uniform_(-0.1, 0.1)
+    x = torch.randn(3, 16).to(dtype)
+    y = dyt(x)
+    want = (torch.tanh(0.7 * x.float()) * dyt.weight + dyt.bias).to(dtype)
+    assert y.dtype == dtype == torch.nn.LayerNorm(16)(x).dtype
+    assert torch.equal(y, want)
