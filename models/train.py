@@ -40,6 +40,7 @@ from . import cli, run_dir
 from .build import MissingModuleError, _import  # noqa: F401
 from .build import build_model, build_train_optimizer, lr_scale, resolve_device
 from .cli import _ArgumentError, _Parser  # noqa: F401
+from .clipping import clip_grad_norm
 from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
 from .data import BatchSampler, Corpus, CorpusError
 from .evaluation import diagnostics, evaluate, generate_sample, perplexity
@@ -242,7 +243,9 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
     :math:`W` rank shares; rank :math:`r` backpropagates :math:`\ell_{k,r}/K` for its share
     of every micro-batch :math:`k` (DDP synchronizes only on the last one, averaging over
     ranks), so the gradient is :math:`\frac{1}{KW}\sum_{k,r}\nabla\ell_{k,r}`, the gradient of
-    the whole batch's mean loss. Then clipping to ``grad_clip`` and the step.
+    the whole batch's mean loss. Then clipping to ``grad_clip``
+    (:func:`models.clipping.clip_grad_norm`: a finite gradient whose float32 norm would
+    overflow is measured and clipped, not taken for a non-finite one) and the step.
 
     Returns:
         ``(loss, grad_norm, optimizer_seconds)``: the batch's mean loss (over ranks), the
@@ -265,7 +268,7 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
     if math.isfinite(loss_value):
         precision.unscale(optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trained.parameters(), max_norm))
+        grad_norm = clip_grad_norm(trained.parameters(), max_norm)
     seconds = 0.0
     if math.isfinite(loss_value) and (math.isfinite(grad_norm) or precision.scaler is not None):
         start = device_time(job.device)

@@ -49,9 +49,9 @@ def reference(tmp_path_factory):
     return read_metrics(out / "metrics.jsonl")
 
 
-def _poison_gradients_from(monkeypatch, step: int) -> list:
-    """Make the gradient of one weight infinite from training step ``step`` on (the loss stays
-    finite); returns a list that receives the model."""
+def _poison_gradients_from(monkeypatch, step: int, factor: float = math.inf) -> list:
+    """Multiply the gradient of one weight by ``factor`` (default: make it infinite) from
+    training step ``step`` on (the loss stays finite); returns a list that receives the model."""
     build, models = train_mod.build_model, []
 
     def poisoned(cfg, vocab_size):
@@ -60,7 +60,7 @@ def _poison_gradients_from(monkeypatch, step: int) -> list:
 
         def hook(grad):
             calls["n"] += 1
-            return grad * math.inf if calls["n"] >= step else grad
+            return grad * factor if calls["n"] >= step else grad
 
         next(p for p in model.parameters() if p.dim() == 2).register_hook(hook)
         models.append(model)
@@ -87,6 +87,19 @@ def test_a_non_finite_gradient_norm_stops_before_the_step_with_status_3(tmp_path
     assert summary["diverged"] and summary["steps"] == 12 and not summary["finished"]
     last = read_metrics(out / "metrics.jsonl")[-1]
     assert last["step"] == 13 and last["grad_norm"] is None and last["diverged"] is True
+
+
+def test_a_finite_gradient_whose_float32_norm_overflows_is_clipped_and_stepped(tmp_path,
+                                                                                monkeypatch):
+    # entries near 1e22: finite in float32, but their squares (and torch's norm) overflow
+    models = _poison_gradients_from(monkeypatch, 3, factor=1e22)
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "10", "--log_interval", "1"), "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    norms = [r["grad_norm"] for r in read_metrics(out / "metrics.jsonl") if "grad_norm" in r]
+    assert len(norms) == 10 and all(math.isfinite(n) for n in norms)
+    assert all(n > 1e19 for n in norms[2:])  # measured, not overflowed
+    assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())
 
 
 def test_float16_gradients_that_overflow_at_every_loss_scale_are_a_divergence(tmp_path,
