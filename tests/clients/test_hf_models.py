@@ -97,6 +97,24 @@ def test_hetero_trains_a_few_steps_on_the_manifolds(family):
                 assert constraint_residual(p.detach(), group["manifold"]) <= 1e-4
 
 
+def _off_diagonal(m: torch.Tensor) -> float:
+    return float((m - torch.diag(torch.diag(m))).norm())
+
+
+def test_a_square_dgram_matrix_is_constrained_as_stored_which_mirrors_conv1d_and_linear():
+    # the documented layout rule (docs/tutorials/hf_model.rst): Off(W^T W) = 0 on the stored
+    # weight, i.e. the map's rows for GPT-2's (in, out) Conv1D c_proj, its columns for an
+    # (out, in) nn.Linear o_proj
+    for family, leaf in (("gpt2", "attn.c_proj"), ("llama", "self_attn.o_proj")):
+        model = _model(family)
+        opt = build_optimizer(model, "all-dgram", lr=0.02, adamw_lr=3e-3)
+        _train(model, opt, _batch())
+        stored = model.get_parameter(PREFIX[family].format(0) + leaf + ".weight").detach().double()
+        assert stored.shape == (WIDTH, WIDTH)
+        assert _off_diagonal(stored.T @ stored) < 1e-4 * float(stored.norm()) ** 2
+        assert _off_diagonal(stored @ stored.T) > 1e-2 * float(stored.norm()) ** 2  # not both
+
+
 def test_gpt2_fused_c_attn_is_one_block_or_three():
     model = _model("gpt2")
     fused = model.transformer.h[0].attn.c_attn.weight
