@@ -198,7 +198,8 @@ SUITES: dict[str, Suite] = {
     # makes them reparametrizations of one per-layer angle)
     "spheret-retractions": Suite(name="spheret-retractions", arms=_retraction_arms(),
                                  baseline="geonorm-literal",
-                                 sweep=("lr", (0.0003, 0.001, 0.003, 0.01, 0.03)),
+                                 sweep=("lr", (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03,
+                                                0.1)),
                                  quick_sweep=("lr", (0.01, 0.03)), tune_seeds=5),
     # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
     # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep on three seeds: each
