@@ -7,7 +7,8 @@
   (:mod:`.muon_step`);
 - :func:`register_policy`, :func:`get_policy`, :func:`available_policies`: which matrix goes
   to which manifold (:mod:`.policies`);
-- :func:`build_optimizer`: one combined optimizer for a model (:mod:`.builder`);
+- :func:`build_optimizer`: one combined optimizer for a model (:mod:`.builder`), each matrix
+  constrained as the map it stores (:func:`weight_layout`, :mod:`.layouts`);
 - diagnostics for logging (:mod:`.diagnostics`).
 """
 
@@ -20,6 +21,7 @@ from .diagnostics import (
 )
 from .dual_options import DualOptions
 from .execution import ExecutionPolicy
+from .layouts import LAYOUTS, weight_layout
 from .manifold_muon import ManifoldMuon, manifold_muon
 from .muon_groups import MUON_MANIFOLDS
 from .policies import (
@@ -33,6 +35,7 @@ from .policies import (
 from .steepest import SteepestInfo, steepest_direction, tangent_residual
 
 __all__ = [
+    "LAYOUTS",
     "MUON_MANIFOLDS",
     "CombinedOptimizer",
     "DualOptions",
@@ -54,4 +57,5 @@ __all__ = [
     "spectral_norm",
     "steepest_direction",
     "tangent_residual",
+    "weight_layout",
 ]

@@ -39,8 +39,9 @@ from .batched_dual import _batched_bb_solve
 from .dual_problem import _DualProblem, _State
 from .dual_solution import DualSolution, SteepestInfo
 from .dual_solvers import _resolve_smoothing
+from .layouts import tall
 from .matmul_precision import ieee_float32_matmul
-from .muon_finish import adjusted_lr, apply_solution, dual_msign, tall
+from .muon_finish import adjusted_lr, apply_solution, dual_msign
 
 __all__ = ["solve_batched"]
 
@@ -64,7 +65,7 @@ def solve_batched(
             (:func:`~manifoldlib.optim.muon_step.manifold_muon` builds them).
         patience: the dual solve's stall patience.
     """
-    manifold, dual = options["manifold"], options["dual"]
+    manifold, dual, layout = options["manifold"], options["dual"], options["layout"]
     method, _, _ = dual_msign(dual, options["ns_steps"], options["ns_coefficients"])
     if manifold.flat or method == "svd" or options["execution"].spectral != "products":
         return {}
@@ -72,7 +73,7 @@ def solve_batched(
         return {}  # Anderson steps need the eigh path: the per-matrix solve raises that
     classes: dict[tuple, list[int]] = {}
     for i in indices:
-        shape = tuple(tall(params[i]).shape)
+        shape = tuple(tall(params[i], layout).shape)
         if _resolve_smoothing(dual.smoothing, manifold, shape)[0] is not None:
             continue  # smoothed from the start: the eigh Newton solve, per matrix
         key = (shape, params[i].dtype, updates[i].dtype, params[i].device)
@@ -95,10 +96,11 @@ def _warm_start(state: dict, n: int, warm: bool) -> Tensor | None | bool:
 def _solve_class(params, updates, states, members: list[int], options: dict[str, Any], patience):
     """One batched solve of same-shape matrices; the converged ones retracted, by index."""
     manifold, dual, execution = options["manifold"], options["dual"], options["execution"]
+    layout = options["layout"]
     method, steps, coefficients = dual_msign(dual, options["ns_steps"], options["ns_coefficients"])
-    n = tall(params[members[0]]).size(-1)
+    n = tall(params[members[0]], layout).size(-1)
     work = execution.work_dtype(updates[members[0]].dtype, smoothed=False)  # float32 for 16-bit input
-    g = torch.stack([tall(updates[i]) for i in members]).to(work)  # (B, m, n)
+    g = torch.stack([tall(updates[i], layout) for i in members]).to(work)  # (B, m, n)
     norms = torch.linalg.vector_norm(g, dim=(-2, -1))  # (B,)
     usable = (torch.isfinite(norms) & (norms > 0)).tolist()
     starts = [_warm_start(states[i], n, dual.warm_start) for i in members]
@@ -107,7 +109,7 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
         return {}
     members = [members[j] for j in keep]
     g = g[keep] / norms[keep].view(-1, 1, 1)
-    w = torch.stack([tall(params[i]) for i in members]).to(work)  # (B, m, n)
+    w = torch.stack([tall(params[i], layout) for i in members]).to(work)  # (B, m, n)
     problem = _DualProblem(w, g, manifold, method, steps, coefficients, options["eps"], policy=execution)
     lam0 = problem.initial_multiplier()  # (B, n, n)
     lam = lam0
@@ -125,8 +127,8 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
         info = SteepestInfo(counts[j], residuals[j], True, lam[j], lam[j] - lam0[j], [], None,
                             stages=("bb",), evaluations=counts[j] + 1)
         solution = DualSolution(info, False, single, state)  # solved in the tall orientation
-        adjusted = adjusted_lr(options["lr"], options["adjust_lr_fn"], False, params[i].shape)
+        adjusted = adjusted_lr(options["lr"], options["adjust_lr_fn"], False, params[i].shape, layout)
         done[i] = apply_solution(params[i], solution, states[i], lr=options["lr"],
                                  weight_decay=options["weight_decay"], adjusted=adjusted, manifold=manifold,
-                                 fuse_retraction=options["fuse_retraction"])
+                                 fuse_retraction=options["fuse_retraction"], layout=layout)
     return done

@@ -18,13 +18,14 @@ from torch import nn
 
 from .._numbers import is_real
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
+from .layouts import weight_layout
 from .policies import Classifier, Policy, get_policy, warn_stacked, warn_unclassified
 
 __all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
 
 DEFAULT_ADAMW_BETAS = (0.9, 0.95)
 #: Group keys :func:`build_optimizer` sets itself; ``manifold_options`` may not replace them.
-_BUILDER_KEYS = ("params", "param_names", "manifold", "kind")
+_BUILDER_KEYS = ("params", "param_names", "manifold", "layout", "kind")
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
@@ -228,7 +229,9 @@ def build_optimizer(
 ) -> CombinedOptimizer:
     """One optimizer for ``model``: Manifold Muon for the policy's matrices, AdamW for the rest.
 
-    Muon groups: one per manifold in use (``"manifold"`` set). AdamW groups: matrices
+    Muon groups: one per manifold and storage layout in use (``"manifold"`` and ``"layout"``
+    set; a Hugging Face ``Conv1D`` stores ``(in, out)``, :func:`~manifoldlib.optim.layouts.weight_layout`,
+    so its matrices get the constraint of the equivalent ``nn.Linear``). AdamW groups: matrices
     (embeddings, head) with ``adamw_weight_decay`` and vectors (gains, biases) without decay.
 
     Args:
@@ -243,7 +246,7 @@ def build_optimizer(
             not follow the ``attn`` / ``mlp`` naming rule (built-in policies only).
         manifold_options: per-manifold ManifoldMuon group options, e.g.
             ``{"dgram": {"retraction": "colnorm-polar"}}``; not ``params``, ``param_names``,
-            ``manifold`` or ``kind``, which the policy decides.
+            ``manifold``, ``layout`` or ``kind``, which the policy and the modules decide.
         **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
             ``dual={"tol": ...}``, ...), including the distributed ones
             (``distributed="sharded"``, ``process_group``, ``shard_strategy``), ``workers``
@@ -276,12 +279,16 @@ def build_optimizer(
             )
     if "manifold" in muon_kw:
         raise ValueError("pass manifolds through the policy, not manifold=...")
+    if "layout" in muon_kw:
+        raise ValueError("the layout of each matrix is read from its module (weight_layout), not layout=...")
     assignment = assign_parameters(model, policy, classifier=classifier)
     params = {name: p for name, p in model.named_parameters()}
-    by_manifold: dict[str, list[str]] = {}
+    owners = _owners(model)
+    by_manifold: dict[tuple[str, str], list[str]] = {}  # (manifold, layout) -> names
     for name, choice in assignment.items():
         if choice is not None:
-            by_manifold.setdefault(choice, []).append(name)
+            layout = weight_layout(owners[id(params[name])][1])
+            by_manifold.setdefault((choice, layout), []).append(name)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if by_manifold:
         groups = [
@@ -289,9 +296,10 @@ def build_optimizer(
                 "params": [params[n] for n in names],
                 "param_names": list(names),
                 "manifold": manifold,
+                "layout": layout,
                 **manifold_options.get(manifold, {}),
             }
-            for manifold, names in by_manifold.items()
+            for (manifold, layout), names in by_manifold.items()
         ]
         optimizers["muon"] = ManifoldMuon(groups, lr=lr, weight_decay=weight_decay, **muon_kw)
     adamw_groups = adamw_param_groups(

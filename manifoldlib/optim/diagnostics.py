@@ -19,27 +19,27 @@ import torch
 from torch import nn
 
 from .dual_manifolds import dual_manifold
+from .layouts import LAYOUTS, tall
 
 __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
 
 
-def _tall(w: torch.Tensor) -> torch.Tensor:
-    return w.mT if w.size(-2) < w.size(-1) else w
-
-
 @torch.no_grad()
-def constraint_residual(w: torch.Tensor, manifold) -> float:
+def constraint_residual(w: torch.Tensor, manifold, layout: str = "out_in") -> float:
     """Distance of ``w`` (``(m, n)``, either orientation) from ``manifold`` (a name or a manifold
     object): the manifold's own :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.constraint_residual`
-    in float64, tall orientation; 0 for Euclidean.
+    in float64, on the map's matrix in its tall orientation (``layout``: how ``w`` is stored,
+    :mod:`~manifoldlib.optim.layouts`); 0 for Euclidean.
 
     Raises:
-        ValueError: unknown manifold or a non-matrix ``w``.
+        ValueError: unknown manifold or layout, or a non-matrix ``w``.
     """
     geometry = dual_manifold(manifold)
     if w.dim() != 2:
         raise ValueError(f"constraint_residual needs a matrix, got shape {tuple(w.shape)}")
-    return float(geometry.constraint_residual(_tall(w).to(torch.float64)))
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return float(geometry.constraint_residual(tall(w, layout).to(torch.float64)))
 
 
 @torch.no_grad()
@@ -66,7 +66,7 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
             state = optimizer.state.get(p, {})
             row = {
                 "manifold": group["manifold"],
-                "residual": constraint_residual(p.detach(), group["manifold"]),
+                "residual": constraint_residual(p.detach(), group["manifold"], group.get("layout", "out_in")),
                 "dual_iterations": int(state.get("dual_iterations", 0)),
                 "dual_residual": float(state.get("dual_residual", 0.0)),
             }

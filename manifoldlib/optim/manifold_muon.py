@@ -18,7 +18,7 @@ rank the parameters of a single process running the same steps, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ..distributed import STRATEGIES, assign_owners, get_rank_world
 from .concurrent_solves import resolve_workers
 from .dual_options import DualOptions, reject_replaced_kwargs
 from .execution import ExecutionPolicy
+from .layouts import tall
 from .matmul_precision import ieee_float32_matmul
 from .muon_groups import (
     DEFAULT_RETRACTIONS,  # noqa: F401  (re-exported: its public home before the split)
@@ -40,7 +41,7 @@ from .muon_groups import (
     validate_group_options,
     validate_group_params,
 )
-from .muon_step import ADJUST_LR_FNS, manifold_muon, tall
+from .muon_step import ADJUST_LR_FNS, manifold_muon
 from .owner_state import share_owner_state
 
 __all__ = [
@@ -67,14 +68,6 @@ DISTRIBUTED_MODES = ("replicated", "sharded")
 OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual")
 
 
-def _copied(options: Any) -> Any:
-    """``retraction_options`` as the group's own dict (``{}`` for None); anything else is kept
-    for :func:`~manifoldlib.optim.muon_groups.validate_group_options` to refuse by name."""
-    if options is None:
-        return {}
-    return dict(options) if isinstance(options, Mapping) else options
-
-
 class ManifoldMuon(Optimizer):
     r"""Muon on Stiefel, DGram, Oblique or Euclidean space, per parameter group.
 
@@ -96,6 +89,10 @@ class ManifoldMuon(Optimizer):
             eigendecomposition, which checks its own error and falls back to a float64 SVD;
             Oblique: column normalization).
         retraction_options: plain-data options of the retraction (e.g. ``{"method": "svd"}``).
+        layout: how the matrices are stored, ``"out_in"`` (default: ``torch.nn.Linear``'s
+            ``(out, in)``) or ``"in_out"`` (Hugging Face ``Conv1D``): the constraint and the
+            shape adjustment apply to the map's matrix (:mod:`~manifoldlib.optim.layouts`; it
+            matters for square DGram and Oblique matrices and for ``adjust_lr_fn``).
         dual: the dual-solver options, one plain-data structure
             (:class:`~manifoldlib.optim.dual_options.DualOptions` or a dict of its fields:
             ``msign_method``, ``tol``, ``max_iter``, ``warm_start``, ``smoothing``, ``update``,
@@ -127,13 +124,10 @@ class ManifoldMuon(Optimizer):
             (:mod:`~manifoldlib.optim.concurrent_solves`): ``"auto"`` (default: as many as
             ``torch.get_num_threads()`` when there are that many, they are not small (about
             128 wide and up) and their estimated costs split evenly, else one at a time), or an
-            int ``>= 1`` (1: one at a time, the calling thread's settings). With ``k > 1``
-            workers each matrix runs with
+            int ``>= 1`` (1: one at a time, the calling thread's settings). With ``k > 1`` each runs with
             ``torch.get_num_threads() // k`` intra-op threads, so its result is that of a
             one-at-a-time step at that thread count; Euclidean groups and non-CPU matrices
-            always run one at a time in the calling thread. On the 2-core development machine
-            a GPT-small block's Stiefel step took 0.82–0.86 of its one-at-a-time time
-            (``benchmarks/bench_concurrent_solves.py``).
+            always run one at a time in the calling thread (``benchmarks/bench_concurrent_solves.py``).
         batch: solve each group's same-shape Stiefel/DGram/Oblique matrices as one batched dual
             (:mod:`~manifoldlib.optim.batched_step`): ``"auto"`` (default: on the products path,
             the CUDA default, and not on the eigh path), ``True`` (needs ``dual={"spectral":
@@ -142,7 +136,7 @@ class ManifoldMuon(Optimizer):
 
     Group options are plain data (names, numbers, dicts), so ``state_dict()`` round-trips through
     ``torch.load(weights_only=True)``. Wide matrices are handled in their tall orientation: a
-    ``(256, 1024)`` weight on Stiefel has orthonormal *rows*.
+    ``(256, 1024)`` ``nn.Linear`` weight on Stiefel has orthonormal *rows*.
 
     Parameters must be whole tensors: DTensor (FSDP2, tensor parallel) and FSDP1-flattened
     parameters raise :class:`~manifoldlib.distributed.UnsupportedParameterError` here, since a
@@ -170,6 +164,7 @@ class ManifoldMuon(Optimizer):
         manifold: str = "euclidean",
         retraction: str | None = None,
         retraction_options: dict | None = None,
+        layout: str = "out_in",
         dual: DualOptions | dict | None = None,
         ns_dtype: str = "auto",
         project_init: bool = True,
@@ -210,7 +205,8 @@ class ManifoldMuon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "manifold": manifold,
             "retraction": retraction,
-            "retraction_options": _copied(retraction_options),
+            "retraction_options": {} if retraction_options is None else retraction_options,
+            "layout": layout,
             "dual": DualOptions.coerce(dual).as_dict(),
             "ns_dtype": ns_dtype,
         }
@@ -273,7 +269,7 @@ class ManifoldMuon(Optimizer):
                         f"projected onto {group['manifold']}: initialize it with nonzero values (e.g. "
                         f"torch.nn.init.orthogonal_) or assign it to 'euclidean' / AdamW"
                     )
-                w = tall(p)
+                w = tall(p, group.get("layout", "out_in"))
                 work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
                 try:
                     with ieee_float32_matmul():
@@ -381,6 +377,7 @@ class ManifoldMuon(Optimizer):
                 dual=dual,
                 fuse_retraction=group["retraction"] is None and not group.get("retraction_options"),
                 execution=execution,
+                layout=group.get("layout", "out_in"),  # absent from groups saved before it existed
                 owners=None if owners is None else [owners[id(p)] for p in params],
                 process_group=self.process_group,
             )

@@ -18,19 +18,16 @@ from torch import Tensor
 from .dual_options import DualOptions
 from .dual_solution import DualSolution
 from .fused_retraction import fused_retraction
+from .layouts import flipped, map_shape, tall
 
 __all__: list[str] = []
 
 
-def tall(t: Tensor) -> Tensor:
-    """``t`` in its tall orientation (``(..., m, n)`` with ``m >= n``; a wide matrix transposed)."""
-    return t.mT if t.size(-2) < t.size(-1) else t
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, flat: bool, shape) -> float:
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, flat: bool, shape, layout: str = "out_in") -> float:
     """The learning rate after the shape adjustment ``adjust_lr_fn`` (``None``: ``"original"`` on
-    Euclidean groups, ``"spectral"``, no adjustment, otherwise)."""
-    rows, cols = shape[0], shape[1]
+    Euclidean groups, ``"spectral"``, no adjustment, otherwise), from the map's ``(out, in)``
+    (:func:`~manifoldlib.optim.layouts.map_shape` of the stored ``shape``)."""
+    rows, cols = map_shape(shape, layout)
     fn = adjust_lr_fn if adjust_lr_fn is not None else ("original" if flat else "spectral")
     if fn == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
@@ -58,8 +55,10 @@ def apply_solution(
     adjusted: float,
     manifold,
     fuse_retraction: bool,
+    layout: str = "out_in",
 ) -> Tensor:
-    """Write the solve's state entries and return the new value of ``param`` (its own orientation).
+    """Write the solve's state entries and return the new value of ``param`` (its own orientation;
+    ``solution`` was solved on :func:`~manifoldlib.optim.layouts.tall` of it in ``layout``).
 
     ``param`` is read, never written. Call under
     :func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul`.
@@ -68,7 +67,7 @@ def apply_solution(
     state["dual_correction"] = info.correction
     state["dual_iterations"] = int(info.iterations)
     state["dual_residual"] = float(info.residual)
-    w = tall(param)
+    w = tall(param, layout)
     decay = 1 - lr * weight_decay if (manifold.decays and weight_decay) else 1.0
     new = None
     if fuse_retraction and solution.problem is not None:  # the retraction from n x n pieces (tall matrices)
@@ -77,4 +76,4 @@ def apply_solution(
         base = w.mul(decay) if decay != 1.0 else w
         new = manifold.retr(base, solution.direction().to(w.dtype).mul(-adjusted))  # tall orientation
     new = new.to(w.dtype)
-    return new.mT if param.size(-2) < param.size(-1) else new
+    return new.mT if flipped(param.shape, layout) else new

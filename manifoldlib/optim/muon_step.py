@@ -67,13 +67,14 @@ import torch
 from torch import Tensor
 
 from ..distributed import get_rank_world, sharded_apply
+from .batched_step import solve_batched
 from .concurrent_solves import run_concurrently
 from .dual_manifolds import dual_manifold
 from .dual_options import DualOptions
-from .batched_step import solve_batched
 from .execution import ExecutionPolicy
+from .layouts import LAYOUTS, tall
 from .matmul_precision import ieee_float32_matmul
-from .muon_finish import adjusted_lr, apply_solution, dual_msign, tall
+from .muon_finish import adjusted_lr, apply_solution, dual_msign
 from .steepest import solve_dual
 
 __all__ = ["ADJUST_LR_FNS", "DUAL_PATIENCE", "manifold_muon"]
@@ -130,13 +131,14 @@ def _solve_one(
     dual: DualOptions,
     fuse_retraction: bool,
     execution: ExecutionPolicy,
+    layout: str,
 ) -> Tensor:
     """The new value of one matrix, in ``param``'s own orientation; writes only ``state``.
 
     ``param`` is read, never written (in sharded mode it is also the owner's input to
     :func:`~manifoldlib.distributed.sharded_apply`).
     """
-    adjusted = adjusted_lr(lr, adjust_lr_fn, manifold.flat, param.shape)
+    adjusted = adjusted_lr(lr, adjust_lr_fn, manifold.flat, param.shape, layout)
     if manifold.flat:
         direction = _zeropower(update, ns_coefficients, ns_steps, eps, execution.ns_dtype)
         state["dual_iterations"] = 0
@@ -146,8 +148,8 @@ def _solve_one(
     # full float32 products: TF32 would blur a 1e-3 residual and the retraction's constraint
     with ieee_float32_matmul():
         solution = solve_dual(
-            tall(param),
-            tall(update),
+            tall(param, layout),
+            tall(update, layout),
             manifold,
             tol=dual.tol,
             max_iter=dual.max_iter,
@@ -163,7 +165,7 @@ def _solve_one(
             execution=execution,
         )
         return apply_solution(param, solution, state, lr=lr, weight_decay=weight_decay, adjusted=adjusted,
-                              manifold=manifold, fuse_retraction=fuse_retraction)
+                              manifold=manifold, fuse_retraction=fuse_retraction, layout=layout)
 
 
 def manifold_muon(
@@ -184,6 +186,7 @@ def manifold_muon(
     dual: DualOptions | dict | None = None,
     fuse_retraction: bool = False,
     execution: ExecutionPolicy | None = None,
+    layout: str = "out_in",
     owners: list[int] | None = None,
     process_group=None,
 ) -> None:
@@ -210,6 +213,10 @@ def manifold_muon(
             are solved as one batched problem); ``None`` resolves the defaults for the
             parameters' device (``ns_dtype="auto"``, ``dual.spectral``, one solve at a time,
             batching on the products path).
+        layout: how the matrices are stored (:data:`~manifoldlib.optim.layouts.LAYOUTS`):
+            ``"out_in"`` (``torch.nn.Linear``) or ``"in_out"`` (Hugging Face ``Conv1D``); the
+            constraint and the shape adjustment apply to the map's matrix
+            (:mod:`~manifoldlib.optim.layouts`).
         owners: sharded mode: the owner rank of each matrix; the owners solve (batching the
             matrices each owns), and the new matrices are shared by
             :func:`~manifoldlib.distributed.sharded_apply` (a collective over ``process_group``).
@@ -217,6 +224,8 @@ def manifold_muon(
     """
     manifold = dual_manifold(manifold)
     dual = DualOptions.coerce(dual)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if execution is None:
         execution = ExecutionPolicy.resolve(params[0].device if params else "cpu", spectral=dual.spectral)
     options: dict[str, Any] = {
@@ -230,6 +239,7 @@ def manifold_muon(
         "dual": dual,
         "fuse_retraction": fuse_retraction,
         "execution": execution,
+        "layout": layout,
     }
     updates = [_momentum_update(g, b, momentum, nesterov) for g, b in zip(grads, momentum_bufs)]
     workers = execution.workers if not manifold.flat else 1

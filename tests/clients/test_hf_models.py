@@ -101,18 +101,35 @@ def _off_diagonal(m: torch.Tensor) -> float:
     return float((m - torch.diag(torch.diag(m))).norm())
 
 
-def test_a_square_dgram_matrix_is_constrained_as_stored_which_mirrors_conv1d_and_linear():
-    # the documented layout rule (docs/tutorials/hf_model.rst): Off(W^T W) = 0 on the stored
-    # weight, i.e. the map's rows for GPT-2's (in, out) Conv1D c_proj, its columns for an
-    # (out, in) nn.Linear o_proj
+def test_a_square_dgram_matrix_is_constrained_as_the_map_it_stores_in_conv1d_and_linear_alike():
+    # Off(W^T W) = 0 on the map y = W x: the stored columns of an (out, in) nn.Linear o_proj, the
+    # stored rows of GPT-2's (in, out) Conv1D c_proj (docs/tutorials/hf_model.rst)
     for family, leaf in (("gpt2", "attn.c_proj"), ("llama", "self_attn.o_proj")):
         model = _model(family)
         opt = build_optimizer(model, "all-dgram", lr=0.02, adamw_lr=3e-3)
+        assert {g["layout"] for g in opt.param_groups if g["kind"] == "muon"} == {
+            "in_out" if family == "gpt2" else "out_in"}
         _train(model, opt, _batch())
         stored = model.get_parameter(PREFIX[family].format(0) + leaf + ".weight").detach().double()
         assert stored.shape == (WIDTH, WIDTH)
-        assert _off_diagonal(stored.T @ stored) < 1e-4 * float(stored.norm()) ** 2
-        assert _off_diagonal(stored @ stored.T) > 1e-2 * float(stored.norm()) ** 2  # not both
+        w = stored.T if family == "gpt2" else stored  # the map's (out, in) matrix
+        assert _off_diagonal(w.T @ w) < 1e-4 * float(w.norm()) ** 2
+        assert _off_diagonal(w @ w.T) > 1e-2 * float(w.norm()) ** 2  # not both
+
+
+def test_split_gpt2_blocks_keep_the_conv1d_layout():
+    model = _model("gpt2")
+    split_blocks(model)
+    opt = build_optimizer(model, "all-dgram", lr=0.02, adamw_lr=3e-3)
+    layouts = {n: g["layout"] for g in opt.param_groups if g["kind"] == "muon" for n in g["param_names"]}
+    blocks = [n for n in layouts if "c_attn.parametrizations.weight.original" in n]
+    assert len(blocks) == 6 and {layouts[n] for n in blocks} == {"in_out"}  # (in, out) blocks of a Conv1D
+    _train(model, opt, _batch())
+    for name in blocks:
+        block = model.get_parameter(name).detach().double()
+        assert block.shape == (WIDTH, WIDTH)
+        assert constraint_residual(block, "dgram", "in_out") < 1e-4
+        assert _off_diagonal(block @ block.T) < 1e-4 * float(block.norm()) ** 2  # the map's columns
 
 
 def test_gpt2_fused_c_attn_is_one_block_or_three():
