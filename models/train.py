@@ -45,6 +45,7 @@ from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
 from .data import BatchSampler, Corpus, CorpusError
 from .evaluation import diagnostics, evaluate, generate_sample, perplexity
 from .job import Job, set_rank_rng, start_job
+from .moment_overflow import SecondMomentOverflow, check_second_moments
 from .precision import MIN_LOSS_SCALE, Precision
 from .progress import Progress
 from .run_dir import MetricsLog, RunError
@@ -252,6 +253,10 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
         gradient norm before clipping, the optimizer step's time. A non-finite loss, or
         (outside float16, whose scaler skips such steps) a non-finite norm, leaves the
         parameters untouched.
+
+    Raises:
+        SecondMomentOverflow: without clipping, a gradient entry of an AdamW group whose square
+            overflows its second moment (:mod:`models.moment_overflow`); nothing stepped.
     """
     k_steps, world = cfg.grad_accum_steps, job.world_size
     total = torch.zeros((), dtype=torch.float64, device=job.device)
@@ -269,6 +274,8 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
         precision.unscale(optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(trained.parameters(), max_norm)
+        if cfg.grad_clip == 0 and math.isfinite(grad_norm):
+            check_second_moments(optimizer, grad_norm, loss_value)  # raises before the step
     seconds = 0.0
     if math.isfinite(loss_value) and (math.isfinite(grad_norm) or precision.scaler is not None):
         start = device_time(job.device)
@@ -285,11 +292,19 @@ def _loop(run: Run) -> None:
         for group, base, mult in zip(run.optimizer.param_groups, run.base_lrs, run.multipliers):
             group["lr"] = base * scale * mult(step - 1)
         x, y = run.sampler.next_batch()  # (B, T) each: the global batch
-        loss, grad_norm, opt_s = train_step(run.trained, run.optimizer, x, y, cfg, run.job,
-                                            run.precision)
+        overflow = None
+        try:
+            loss, grad_norm, opt_s = train_step(run.trained, run.optimizer, x, y, cfg, run.job,
+                                                run.precision)
+        except SecondMomentOverflow as err:
+            overflow, loss, grad_norm, opt_s = err, err.loss, err.grad_norm, 0.0
+            run.optimizer.zero_grad(set_to_none=True)
         row = {"step": step, "train_loss": _json_float(loss), "lr": cfg.lr * scale,
                "tokens": run.tokens}
-        if not math.isfinite(loss):
+        if overflow is not None:
+            run.diverged = f"{overflow} at step {step}"
+            row["grad_norm"] = _json_float(grad_norm)
+        elif not math.isfinite(loss):
             run.diverged = f"non-finite training loss ({loss}) at step {step}"
         elif not math.isfinite(grad_norm) and run.precision.scaler is None:
             run.diverged = f"non-finite gradient norm ({grad_norm}) at step {step}"

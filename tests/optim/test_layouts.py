@@ -98,7 +98,10 @@ def test_a_square_dgram_conv1d_has_orthogonal_map_columns_not_stored_columns():
     opt = build_optimizer(conv, _policy("dgram"), lr=0.05, adamw_lr=1e-3)
     _train(conv, opt)
     stored = conv[0].weight.detach()  # (in, out) = W^T
-    off = lambda m: float((m - torch.diag(torch.diag(m))).norm() / m.norm())  # noqa: E731
+
+    def off(m):
+        return float((m - torch.diag(torch.diag(m))).norm() / m.norm())
+
     assert off(stored @ stored.T) < 1e-10  # Off(W^T W) = 0 for the map W = stored^T
     assert off(stored.T @ stored) > 1e-2  # and not the stored columns
     assert constraint_residual(stored, "dgram", "in_out") < 1e-10

@@ -102,6 +102,21 @@ def test_a_finite_gradient_whose_float32_norm_overflows_is_clipped_and_stepped(t
     assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())
 
 
+def test_without_clipping_a_gradient_that_would_overflow_adamw_stops_the_run(tmp_path, monkeypatch,
+                                                                            capsys):
+    # unclipped, entries near 1e22 would make AdamW's exp_avg_sq inf and freeze the weight
+    models = _poison_gradients_from(monkeypatch, 7, factor=1e22)
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "10", "--grad_clip", "0"), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "with grad_clip 0: its square overflows AdamW's float32 second moment" in err
+    assert "(set --grad_clip) at step 7" in err and "last good checkpoint (step 5)" in err
+    assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    assert last["step"] == 7 and last["diverged"] is True and last["grad_norm"] > 1e19
+    assert load_checkpoint(out)[0]["step"] == 5
+
+
 def test_float16_gradients_that_overflow_at_every_loss_scale_are_a_divergence(tmp_path,
                                                                               monkeypatch, capsys):
     models = _poison_gradients_from(monkeypatch, 3)  # skipped steps from 3 on: the scale halves
