@@ -46,7 +46,7 @@ from torch.nn.utils import parametrize
 
 from .base import _own_parametrized_class
 
-__all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
+__all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "output_dim", "split_blocks"]
 
 #: Leaf module names (lower case) of fused q/k/v projections selected by default.
 FUSED_NAMES = ("c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value")
@@ -126,8 +126,9 @@ def _per_head_fused_heads(model: nn.Module) -> int | None:
     return heads if isinstance(heads, int) and heads > 1 else None
 
 
-def _output_dim(module: nn.Module) -> int:
-    # Hugging Face's Conv1D stores (in, out) and computes x @ W; every torch layer stores (out, in)
+def output_dim(module: nn.Module) -> int:
+    """The output dimension of ``module``'s weight: 1 for a Hugging Face ``Conv1D`` (it stores
+    ``(in, out)`` and computes ``x @ W``), 0 for every torch layer (``(out, in)``)."""
     return 1 if type(module).__name__ == "Conv1D" else 0
 
 
@@ -205,7 +206,7 @@ def split_blocks(
                 f"{qname} is tied to {shared}; splitting would give each module blocks of its own. "
                 f"Untie it or exclude it with include=..."
             )
-        dim = _output_dim(module)
+        dim = output_dim(module)
         total = param.size(dim)
         if isinstance(blocks, int):
             grouped = _grouped_query_sizes(model, total)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .dual_manifolds import dual_manifold
-from .layouts import LAYOUTS, tall
+from .layouts import check_layout, tall
 
 __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
 
@@ -37,9 +37,7 @@ def constraint_residual(w: torch.Tensor, manifold, layout: str = "out_in") -> fl
     geometry = dual_manifold(manifold)
     if w.dim() != 2:
         raise ValueError(f"constraint_residual needs a matrix, got shape {tuple(w.shape)}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    return float(geometry.constraint_residual(tall(w, layout).to(torch.float64)))
+    return float(geometry.constraint_residual(tall(w, check_layout(layout)).to(torch.float64)))
 
 
 @torch.no_grad()

@@ -22,13 +22,21 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ..charts.blocks import SplitBlocks
+from ..charts.blocks import SplitBlocks, output_dim
 
-__all__ = ["LAYOUTS", "flipped", "map_shape", "tall", "weight_layout"]
+__all__ = ["LAYOUTS", "check_layout", "flipped", "map_shape", "tall", "weight_layout"]
 
 #: Storage layouts of a matrix parameter: the map's ``(out, in)`` (``torch.nn.Linear``, the
 #: default) or its transpose ``(in, out)`` (Hugging Face ``Conv1D``).
 LAYOUTS = ("out_in", "in_out")
+
+
+def check_layout(layout) -> str:
+    """``layout``, or ``ValueError`` naming it and the accepted values."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (torch.nn.Linear's (out, in) or a "
+                         f"Hugging Face Conv1D's (in, out)), got {layout!r}")
+    return layout
 
 
 def flipped(shape, layout: str = "out_in") -> bool:
@@ -53,7 +61,7 @@ def weight_layout(module: nn.Module) -> str:
     """The layout of the matrices ``module`` owns: ``"in_out"`` for a Hugging Face ``Conv1D`` and
     for the blocks :func:`~manifoldlib.charts.split_blocks` cut from one (split along dim 1, the
     output dimension of an ``(in, out)`` weight), ``"out_in"`` for everything else."""
-    if type(module).__name__ == "Conv1D":
+    if output_dim(module) == 1:
         return "in_out"
     if isinstance(module, parametrize.ParametrizationList) and any(
         isinstance(p, SplitBlocks) and p.dim == 1 for p in module

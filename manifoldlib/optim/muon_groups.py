@@ -22,7 +22,7 @@ from ..retractions.base import available_retractions
 from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
 from .dual_options import REPLACED_KWARGS, DualOptions, reject_replaced_kwargs
 from .execution import NS_DTYPES
-from .layouts import LAYOUTS
+from .layouts import check_layout
 from .muon_step import ADJUST_LR_FNS
 
 __all__ = [
@@ -117,10 +117,7 @@ def validate_group_options(group: MutableMapping) -> None:
         raise ValueError(f"retraction_options must be a dict of plain-data options, got {options!r}")
     if options is not None:
         group["retraction_options"] = dict(options)  # the group's own: not the caller's dict
-    layout = group.get("layout", "out_in")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (torch.nn.Linear's (out, in) or a "
-                         f"Hugging Face Conv1D's (in, out)), got {layout!r}")
+    check_layout(group.get("layout", "out_in"))
     ns_dtype = group.get("ns_dtype", "auto")
     if ns_dtype not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")

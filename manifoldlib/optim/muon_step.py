@@ -72,7 +72,7 @@ from .concurrent_solves import run_concurrently
 from .dual_manifolds import dual_manifold
 from .dual_options import DualOptions
 from .execution import ExecutionPolicy
-from .layouts import LAYOUTS, tall
+from .layouts import check_layout, tall
 from .matmul_precision import ieee_float32_matmul
 from .muon_finish import adjusted_lr, apply_solution, dual_msign
 from .steepest import solve_dual
@@ -224,8 +224,7 @@ def manifold_muon(
     """
     manifold = dual_manifold(manifold)
     dual = DualOptions.coerce(dual)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    check_layout(layout)
     if execution is None:
         execution = ExecutionPolicy.resolve(params[0].device if params else "cpu", spectral=dual.spectral)
     options: dict[str, Any] = {

@@ -18,11 +18,13 @@ import torch
 from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 from torch import nn
 
+from manifoldlib.charts.blocks import output_dim
 from manifoldlib.optim import (
     LAYOUTS,
     ManifoldMuon,
     build_optimizer,
     constraint_residual,
+    manifold_muon,
     optimizer_diagnostics,
     weight_layout,
 )
@@ -112,6 +114,7 @@ def test_weight_layout_reads_the_module():
     assert weight_layout(nn.Linear(3, 4)) == "out_in"
     assert weight_layout(Conv1D(torch.zeros(3, 4))) == "in_out"
     assert weight_layout(nn.Embedding(3, 4)) == "out_in"
+    assert output_dim(Conv1D(torch.zeros(3, 4))) == 1 and output_dim(nn.Linear(3, 4)) == 0
 
 
 def test_a_bad_layout_is_refused_by_name():
@@ -120,6 +123,10 @@ def test_a_bad_layout_is_refused_by_name():
         ManifoldMuon([w], manifold="dgram", layout="transposed")
     with pytest.raises(ValueError, match=r"layout must be one of out_in, in_out.*'in-out'"):
         constraint_residual(w.detach(), "dgram", "in-out")
+    with pytest.raises(ValueError, match=r"layout must be one of out_in, in_out.*'T'"):
+        manifold_muon([w], [torch.ones_like(w)], [torch.zeros_like(w)], [{}], lr=0.1, weight_decay=0.0,
+                      momentum=0.9, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5,
+                      eps=1e-7, adjust_lr_fn=None, manifold="dgram", layout="T")
     conv, _ = _pair([(8, 8)])
     with pytest.raises(ValueError, match=r"may not set 'layout'"):
         build_optimizer(conv, _policy("dgram"), manifold_options={"dgram": {"layout": "out_in"}})
