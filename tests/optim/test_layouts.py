@@ -19,6 +19,7 @@ from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on 
 from torch import nn
 
 from manifoldlib.charts.blocks import output_dim
+from manifoldlib.optim.layouts import check_layout
 from manifoldlib.optim import (
     LAYOUTS,
     ManifoldMuon,
@@ -119,6 +120,9 @@ def test_weight_layout_reads_the_module():
 
 def test_a_bad_layout_is_refused_by_name():
     w = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    assert [check_layout(layout) for layout in LAYOUTS] == list(LAYOUTS)
+    with pytest.raises(ValueError, match=r"layout must be one of out_in, in_out.*None"):
+        check_layout(None)
     with pytest.raises(ValueError, match=r"layout must be one of out_in, in_out.*'transposed'"):
         ManifoldMuon([w], manifold="dgram", layout="transposed")
     with pytest.raises(ValueError, match=r"layout must be one of out_in, in_out.*'in-out'"):
