@@ -19,7 +19,6 @@ from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on 
 from torch import nn
 
 from manifoldlib.charts.blocks import output_dim
-from manifoldlib.optim.layouts import check_layout
 from manifoldlib.optim import (
     LAYOUTS,
     ManifoldMuon,
@@ -29,6 +28,7 @@ from manifoldlib.optim import (
     optimizer_diagnostics,
     weight_layout,
 )
+from manifoldlib.optim.layouts import check_layout
 
 SHAPES = ((24, 24), (24, 40), (40, 24))  # (in, out): square, widening, narrowing
 
