@@ -38,9 +38,9 @@ Suites:
 ``spheret-retractions``
     The seed's literal step for the exponential map (GeoNorm, baseline), Cayley (p = 2) and
     gnomonic (p = 1), started at angles of 0.17-0.64 rad (``alpha_init`` 100), each at its own
-    best lr of a grid run on all five seeds: the test of "finite p beats the exponential map"
-    that the normalized step cannot be (there every member is a reparametrization of one
-    per-layer angle).
+    best lr of a grid (1e-4 to 1, wide enough that every arm's best is inside) run on all
+    five seeds: the test of "finite p beats the exponential map" that the normalized step
+    cannot be (there every member is a reparametrization of one per-layer angle).
 ``manifolds``
     ManifoldMuon assignment policies on seed 002's base, a Pre-LN GPT: unconstrained
     (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
@@ -199,7 +199,7 @@ SUITES: dict[str, Suite] = {
     "spheret-retractions": Suite(name="spheret-retractions", arms=_retraction_arms(),
                                  baseline="geonorm-literal",
                                  sweep=("lr", (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03,
-                                                0.1)),
+                                                0.1, 0.3, 1.0)),
                                  quick_sweep=("lr", (0.01, 0.03)), tune_seeds=5),
     # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
     # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep on three seeds: each
