@@ -1,5 +1,6 @@
 """Comparison suites: ``python -m models.compare --suite NAME [--quick] [--out DIR]
-[--seeds 0 1 2 3 4] [--jobs N] [--key value ...]``.
+[--seeds 0 1 2 3 4] [--jobs N] [--arms ARM ...] [--sweep V ...] [--tune_seeds N]
+[--key value ...]``.
 
 Each suite trains the reference GPT several times — a set of *arms* (configurations) times a
 set of seeds — with :func:`models.train.run_training`, one run directory per arm and seed
@@ -8,6 +9,12 @@ overrides the config of every run, arm settings and the swept value included; on
 make two arms (or two swept values) the same configuration is refused before anything runs.
 Finished runs of the same config already in ``--out`` are reused, whatever code made them: use
 a fresh ``--out`` after a change of the code.
+
+A follow-up of one suite narrows it (:func:`narrow_suite`) instead of defining a new one:
+``--arms`` runs only the named arms, ``--sweep`` replaces the values of the suite's swept key
+and ``--tune_seeds`` sets how many of the first seeds run the whole sweep (e.g. an arm's lr
+window on a finer grid and more seeds:
+``--arms geonorm-literal --sweep 3e-4 5e-4 1e-3 2e-3 --seeds 0 1 2 3 4 5 6 7 8 9 --tune_seeds 10``).
 
 - ``results.csv`` — one row per run: final validation loss and perplexity, diverged or not,
   learned or not (final validation loss at least :data:`LEARNED_MARGIN` below the corpus's
@@ -82,7 +89,8 @@ from .config import ConfigError, build_config, parse_overrides
 from .data import CorpusError
 from .train import RunError, _import, read_metrics, run_training
 
-__all__ = ["LEARNED_MARGIN", "SUITES", "Suite", "learned", "main", "run_suite", "suite_configs"]
+__all__ = ["LEARNED_MARGIN", "SUITES", "Suite", "learned", "main", "narrow_suite", "run_suite",
+           "suite_configs"]
 
 EXIT_USER_ERROR = 2
 
@@ -228,6 +236,41 @@ SUITES: dict[str, Suite] = {
         sweep=("lr", (0.0003, 0.001, 0.003, 0.01)), quick_sweep=("lr", (0.003, 0.01)),
         tune_seeds=5),
 }
+
+
+def narrow_suite(suite: Suite, *, arms: tuple[str, ...] | None = None,
+                 sweep: tuple[float, ...] | None = None, tune_seeds: int | None = None) -> Suite:
+    """``suite`` with only ``arms`` (kept in the suite's order), the swept key's values replaced
+    by ``sweep`` (under ``--quick`` too) and the sweep run on the first ``tune_seeds`` seeds;
+    ``None`` keeps the suite's. The baseline may be left out: its columns then read "—".
+
+    Raises:
+        ConfigError: an arm the suite does not have (the message lists its arms), a repeated
+            arm, ``sweep`` for a suite without a sweep, an empty or repeated ``sweep``, or a
+            ``tune_seeds`` that is not an integer >= 1.
+    """
+    names = [name for name, _ in suite.arms]
+    if arms is not None:
+        unknown = [a for a in arms if a not in names]
+        if unknown or not arms or len(set(arms)) != len(arms):
+            what = f"unknown {unknown!r}" if unknown else f"{list(arms)!r}"
+            raise ConfigError(f"suite {suite.name!r}: --arms {what}; give each of its arms at "
+                              f"most once: {', '.join(names)}")
+        suite = dataclasses.replace(suite, arms=tuple(a for a in suite.arms if a[0] in arms))
+    if sweep is not None:
+        if not suite.sweep:
+            raise ConfigError(f"suite {suite.name!r} sweeps nothing; --sweep is refused")
+        if not sweep or len(set(sweep)) != len(sweep):
+            raise ConfigError(f"--sweep needs distinct values of {suite.sweep[0]!r}, got "
+                              f"{list(sweep)!r}")
+        values = tuple(sweep)
+        suite = dataclasses.replace(suite, sweep=(suite.sweep[0], values),
+                                    quick_sweep=(suite.sweep[0], values))
+    if tune_seeds is not None:
+        if isinstance(tune_seeds, bool) or not isinstance(tune_seeds, int) or tune_seeds < 1:
+            raise ConfigError(f"--tune_seeds must be an integer >= 1, got {tune_seeds!r}")
+        suite = dataclasses.replace(suite, tune_seeds=tune_seeds)
+    return suite
 
 
 def check_requirements(suite: Suite) -> None:
@@ -639,6 +682,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seeds (default: the suite's, 0-4 for most; quick: the first)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at the same time, one process each (default 1)")
+    p.add_argument("--arms", nargs="+", metavar="ARM",
+                   help="run only these arms of the suite (default: all)")
+    p.add_argument("--sweep", type=float, nargs="+", metavar="VALUE",
+                   help="values of the suite's swept key instead of its grid")
+    p.add_argument("--tune_seeds", type=int, metavar="N",
+                   help="how many of the first seeds run the whole sweep (default: the suite's)")
     return p
 
 
@@ -650,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, rest = _parser().parse_known_args(argv)
         overrides = parse_overrides(rest)
-        suite = SUITES[args.suite]
+        suite = narrow_suite(SUITES[args.suite], arms=args.arms,
+                             sweep=None if args.sweep is None else tuple(args.sweep),
+                             tune_seeds=args.tune_seeds)
         out = Path(args.out) if args.out else \
             Path("runs") / f"compare-{suite.name}{'-quick' if args.quick else ''}"
         command = "python -m models.compare " + " ".join(shlex.quote(a) for a in argv)

@@ -310,3 +310,48 @@ def test_the_retraction_suite_starts_where_the_members_differ():
         torch.manual_seed(0)
         angles = build_model(cfg, 256).step_angles(ids)
         assert sum(angles) / len(angles) >= 0.1, (arm, angles)
+
+
+def test_narrow_suite_keeps_the_named_arms_in_order_and_replaces_the_sweep():
+    suite = SUITES["spheret-retractions"]
+    narrow = compare.narrow_suite(suite, arms=("spheret-p1-literal", "geonorm-literal"),
+                                  sweep=(5e-4, 2e-3), tune_seeds=10)
+    assert [a for a, _ in narrow.arms] == ["geonorm-literal", "spheret-p1-literal"]
+    assert dict(narrow.arms) == {a: c for a, c in suite.arms if a != "spheret-p2-literal"}
+    assert narrow.sweep == ("lr", (5e-4, 2e-3)) == narrow.quick_sweep
+    assert narrow.tune_seeds == 10 and narrow.baseline == suite.baseline
+    assert compare.narrow_suite(suite) == suite                 # nothing given: the suite itself
+    lrs = sorted({v for _, v, _ in compare.suite_configs(narrow)})
+    assert lrs == [5e-4, 2e-3] and len(compare.suite_configs(narrow)) == 4
+
+
+@pytest.mark.parametrize("name, kwargs, match", [
+    ("spheret-retractions", {"arms": ("cayley",)}, r"unknown \['cayley'\].*geonorm-literal"),
+    ("spheret-retractions", {"arms": ("geonorm-literal", "geonorm-literal")}, "at most once"),
+    ("spheret-retractions", {"arms": ()}, "at most once"),
+    ("spheret-stress", {"sweep": (0.1,)}, "sweeps nothing"),
+    ("sel", {"sweep": (1e-3, 1e-3)}, r"distinct values of 'lr', got \[0.001, 0.001\]"),
+    ("sel", {"sweep": ()}, "distinct values"),
+    ("sel", {"tune_seeds": 0}, "integer >= 1, got 0"),
+    ("sel", {"tune_seeds": True}, "integer >= 1, got True"),
+])
+def test_narrow_suite_refuses_what_it_cannot_run_by_name(name, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        compare.narrow_suite(SUITES[name], **kwargs)
+
+
+def test_cli_runs_a_narrowed_suite_and_records_the_command(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--suite", "spheret-retractions", "--quick", "--arms", "geonorm-literal",
+            "--sweep", "0.01", "0.02", "--out", str(out)]
+    assert compare.main(argv) == 0
+    with open(out / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["arm"], float(r["swept"])) for r in rows) == [
+        ("geonorm-literal", 0.01), ("geonorm-literal", 0.02)]
+    md = (out / "results.md").read_text()
+    assert "--arms geonorm-literal --sweep 0.01 0.02" in md and "spheret-p2-literal" not in md
+    assert compare.main(["--suite", "spheret-retractions", "--arms", "exp",
+                         "--out", str(tmp_path / "refused")]) == compare.EXIT_USER_ERROR
+    assert "unknown ['exp']" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
