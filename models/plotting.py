@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
+
+from .storage import atomic_write
 
 __all__ = ["plot_curves", "plot_run"]
 
@@ -23,6 +26,21 @@ def _step_axis(ax) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step (optimizer updates)")
+
+
+def _save(plt, fig, path: str | Path) -> None:
+    """Write ``fig`` to ``path`` atomically (:func:`~models.storage.atomic_write`: a kill or a
+    full disk never leaves half a figure), in the format of its suffix; the figure is closed.
+
+    Raises:
+        OSError: naming ``path`` (ENOSPC, EACCES, ...).
+    """
+    try:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png", dpi=110)
+        atomic_write(path, buffer.getvalue())
+    finally:
+        plt.close(fig)
 
 
 def _finite(xs: list, ys: list) -> tuple[list, list]:
@@ -55,8 +73,7 @@ def plot_run(rows: list[dict], path: str | Path, title: str = "",
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, title: str = "",
@@ -89,5 +106,4 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, ti
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)

@@ -49,6 +49,7 @@ from .data import (
     split_pieces,
 )
 from .shards import SHARD_FORMAT
+from .storage import describe_os_error
 
 __all__ = ["DEFAULT_BPE_VOCAB", "main", "prepare"]
 
@@ -123,33 +124,49 @@ def _partial(out: Path, name: str) -> Path:
     return out / f".{name}.{os.getpid()}.partial"
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = _partial(path.parent, path.name)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_partial(out: Path, name: str, data: bytes) -> None:
+    """Write ``data`` to the partial file of ``out / name`` (flushed to disk).
+
+    Raises:
+        OSError: naming ``out / name`` (ENOSPC, EACCES, ...).
+    """
+    try:
+        with open(_partial(out, name), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(out / name)) from None
 
 
 def _write_splits(out: Path, tok, pieces: Iterable[tuple[bool, bytes]], dtype: np.dtype
                   ) -> tuple[dict[str, int], dict[str, str]]:
-    """Stream the splits' tokens into the partial files: (token counts, SHA-256) by split."""
+    """Stream the splits' tokens into the partial files: (token counts, SHA-256) by split.
+
+    Raises:
+        OSError: naming the shard (``out/train.bin`` or ``out/val.bin``) that could not be
+            written; a failed write is not retried when the files are closed.
+    """
     names = {False: "train", True: "val"}
     counts = {False: 0, True: 0}
     digests = {False: hashlib.sha256(), True: hashlib.sha256()}
-    with contextlib.ExitStack() as stack:
-        files = {v: stack.enter_context(open(_partial(out, f"{names[v]}.bin"), "wb"))
-                 for v in names}
-        for is_val, ids in encode_pieces(tok, pieces):
-            data = np.ascontiguousarray(ids, dtype=dtype).tobytes()
-            files[is_val].write(data)
-            digests[is_val].update(data)
-            counts[is_val] += len(ids)
-        for f in files.values():
-            f.flush()
-            os.fsync(f.fileno())
+    current = names[False]
+    try:
+        with contextlib.ExitStack() as stack:
+            files = {v: stack.enter_context(open(_partial(out, f"{names[v]}.bin"), "wb"))
+                     for v in names}
+            for is_val, ids in encode_pieces(tok, pieces):
+                data = np.ascontiguousarray(ids, dtype=dtype).tobytes()
+                current = names[is_val]
+                files[is_val].write(data)
+                digests[is_val].update(data)
+                counts[is_val] += len(ids)
+            for is_val, f in files.items():
+                current = names[is_val]
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(out / f"{current}.bin")) from None
     return ({names[v]: counts[v] for v in names},
             {names[v]: digests[v].hexdigest() for v in names})
 
@@ -171,6 +188,8 @@ def prepare(spec: str, out: str | os.PathLike, *, tokenizer: str = "byte",
 
     Raises:
         CorpusError: a bad spec or option, an existing output, a corpus too small to split.
+        OSError: a write the file system refused (a full disk), naming the file; nothing in
+            ``out`` was replaced and no partial file is left.
     """
     if spec.startswith("bin:"):
         raise CorpusError(f"corpus {spec!r} is already token shards; prepare takes a text "
@@ -184,33 +203,41 @@ def prepare(spec: str, out: str | os.PathLike, *, tokenizer: str = "byte",
     dtype_name = shard_dtype(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     fingerprint, tally = Fingerprint(), _Tally(sum(docs.sizes), progress)
-    try:
+    try:  # every file is written in full before anything in ``out`` is replaced
         counts, sha = _write_splits(out, tok, tally.count(split_pieces(docs, val_fraction,
                                                                       fingerprint)),
                                     np.dtype("<u2" if dtype_name == "uint16" else "<u4"))
         check_split(spec, tally.bytes, counts["train"], counts["val"])
+        meta = {"format": SHARD_FORMAT, "version": 1, "tokenizer": tok.name,
+                "vocab_size": tok.vocab_size, "dtype": dtype_name,
+                "train_tokens": counts["train"], "val_tokens": counts["val"], "sha256": sha,
+                "source": {"spec": spec, "fingerprint": fingerprint.hexdigest(),
+                           "bytes": tally.bytes, "train_files": tally.files[False],
+                           "val_files": tally.files[True], "val_fraction": val_fraction}}
+        if tok.name == "bpe":
+            _write_partial(out, "tokenizer.json", tok.to_json().encode("utf-8"))
+            meta["tokenizer_file"] = "tokenizer.json"
+        _write_partial(out, META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
     except BaseException:
-        for split in ("train", "val"):
-            _partial(out, f"{split}.bin").unlink(missing_ok=True)
+        for name in _OUTPUTS:
+            _partial(out, name).unlink(missing_ok=True)
         raise
     finally:
         tally.close()
+    _publish(out, tok.name == "bpe")
+    return meta
+
+
+def _publish(out: Path, has_tokenizer: bool) -> None:
+    """Rename the written partial files into place, ``meta.json`` last (renames need no space)."""
     (out / META_FILE).unlink(missing_ok=True)  # until the new one: the folder is incomplete
     for split in ("train", "val"):
         os.replace(_partial(out, f"{split}.bin"), out / f"{split}.bin")
-    meta = {"format": SHARD_FORMAT, "version": 1, "tokenizer": tok.name,
-            "vocab_size": tok.vocab_size, "dtype": dtype_name,
-            "train_tokens": counts["train"], "val_tokens": counts["val"], "sha256": sha,
-            "source": {"spec": spec, "fingerprint": fingerprint.hexdigest(),
-                       "bytes": tally.bytes, "train_files": tally.files[False],
-                       "val_files": tally.files[True], "val_fraction": val_fraction}}
-    if tok.name == "bpe":
-        tok.save(out / "tokenizer.json")
-        meta["tokenizer_file"] = "tokenizer.json"
+    if has_tokenizer:
+        os.replace(_partial(out, "tokenizer.json"), out / "tokenizer.json")
     else:  # an overwritten BPE folder's tokenizer would no longer describe the shards
         (out / "tokenizer.json").unlink(missing_ok=True)
-    _write_json(out / META_FILE, meta)
-    return meta
+    os.replace(_partial(out, META_FILE), out / META_FILE)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -236,7 +263,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI; returns the exit status (2 for a bad corpus or option)."""
+    """The CLI; returns the exit status (2 for a bad corpus or option, 1 when the file system
+    refuses a write: one ``error:`` line naming the path, nothing half-written left behind)."""
     args = _parser().parse_args(argv)
     tokenizer = "bpe" if args.tokenizer_file is not None else args.tokenizer
     try:
@@ -246,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except CorpusError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the environment: a full disk, a folder we may not write, ...
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
           f"({meta['dtype']}), {meta['tokenizer']} tokenizer with {meta['vocab_size']} ids, "
           f"source fingerprint {meta['source']['fingerprint'][:12]}; train on it with "

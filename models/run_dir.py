@@ -247,10 +247,23 @@ class MetricsLog:
                     self.tensorboard.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        """Close the file (and the TensorBoard log).
+
+        Raises:
+            OSError: naming ``metrics.jsonl`` when the rows still buffered cannot be written
+                (after a failed :meth:`append` on a full disk the buffer still holds its row, and
+                closing tries again: the error the trainer reports must still name the file).
+        """
+        try:
+            if self.file is not None:
+                file, self.file = self.file, None
+                file.close()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+        finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+                self.tensorboard = None
 
 
 def _tensorboard_writer(path: Path):

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from .sources import CorpusError
+from .storage import atomic_write
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "IdTokenizer", "encode_pieces", "padded_vocab"]
 
@@ -145,8 +146,18 @@ class BPETokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (what ``tokenizers``' own pretty ``save`` writes)."""
+        return self._tok.to_str(pretty=True)
+
     def save(self, path: Path) -> None:
-        self._tok.save(str(path))
+        """Write :meth:`to_json` to ``path`` atomically (:func:`~models.storage.atomic_write`).
+
+        Raises:
+            OSError: naming ``path``; a full disk leaves no truncated file behind (``tokenizers``'
+                own ``save`` writes in place and raises a bare ``Exception``).
+        """
+        atomic_write(path, self.to_json().encode("utf-8"))
 
 
 def encode_pieces(tokenizer: Tokenizer, pieces: Iterable[tuple[bool, bytes]],

@@ -345,6 +345,54 @@ def test_a_full_disk_names_the_checkpoint_not_its_temporary_file(small_tmpfs, ca
     assert err.startswith(f"error: {out / 'checkpoint.pt'}: No space left on device (ENOSPC)")
 
 
+def _one_enospc_line(err: str, path: Path) -> None:
+    assert err == f"error: {path}: No space left on device (ENOSPC); the last checkpoint is kept\n"
+
+
+def test_a_full_disk_during_a_metrics_append_names_metrics_jsonl(small_tmpfs, capsys):
+    out = small_tmpfs(12) / "run"  # config.json and corpus.json, then 4 KiB of rows
+    assert main([*_quiet("--steps", "60", "--eval_interval", "60", "--log_interval", "1",
+                         "--checkpoint", "false"), "--out", str(out)]) == 1
+    _one_enospc_line(capsys.readouterr().err, out / "metrics.jsonl")
+
+
+def test_a_full_disk_while_plotting_names_loss_png_and_leaves_no_part_of_it(small_tmpfs,
+                                                                             capsys):
+    pytest.importorskip("matplotlib")
+    out = small_tmpfs(24) / "run"  # every file of the run but the figure
+    assert main([*_quiet("--steps", "5", "--checkpoint", "false"), "--out", str(out)]) == 1
+    _one_enospc_line(capsys.readouterr().err, out / "loss.png")
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "corpus.json",
+                                                     "metrics.jsonl", "summary.json"]
+
+
+def test_a_full_disk_while_saving_the_bpe_tokenizer_is_one_line(small_tmpfs, capsys):
+    pytest.importorskip("tokenizers")
+    out = small_tmpfs(12) / "run"  # config.json and corpus.json, not tokenizer.json
+    assert main([*_quiet("--steps", "5", "--tokenizer", "bpe", "--bpe_vocab_size", "400"),
+                 "--out", str(out)]) == 1
+    _one_enospc_line(capsys.readouterr().err, out / "tokenizer.json")
+    assert not (out / "tokenizer.json").exists()  # no truncated file: the write is atomic
+
+
+@pytest.mark.parametrize("corpus, refused", [
+    ("synthetic:60000", "train.bin"),  # 110 KB of uint16 tokens
+    ("synthetic:6000", "meta.json"),   # both shards fit in 16 KiB, their metadata does not
+])
+def test_prepare_on_a_full_disk_is_one_line_and_leaves_no_shards_without_metadata(
+        small_tmpfs, capsys, corpus, refused):
+    """A folder with train.bin / val.bin and no meta.json reads as nanoGPT's (uint16 ids, the
+    vocabulary guessed): nothing is moved into place before every file has been written."""
+    from models.prepare import main as prepare_main
+
+    out = small_tmpfs(16) / "shards"
+    assert prepare_main(["--corpus", corpus, "--out", str(out)]) == 1
+    assert capsys.readouterr().err == \
+        f"error: {out / refused}: No space left on device (ENOSPC)\n"
+    assert list(out.iterdir()) == []
+
+
 def test_ctrl_c_during_the_final_sample_keeps_the_summary_of_the_finished_run(tmp_path,
                                                                               monkeypatch):
     def interrupted(*args, **kwargs):

@@ -23,6 +23,7 @@ from models.run_dir import (
     PREVIOUS_CHECKPOINT,
     RUN_FILES,
     CheckpointError,
+    MetricsLog,
     RunError,
     atomic_write,
     check_run_dir,
@@ -254,6 +255,22 @@ def test_a_garbage_metrics_line_is_an_error_naming_the_line(tmp_path, bad):
     path.write_text(f'{{"step": 5}}\n{bad}\n{{"step": 10}}\n')
     with pytest.raises(RunError, match=f"{path} line 2 is not a metrics row"):
         read_metrics(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_metrics_row_that_finds_the_disk_full_names_the_file_on_close_too(tmp_path):
+    """The row stays in the file's buffer after the failed append, and closing writes it again:
+    that error (the one the trainer's ``finally`` reports) must name the file as well."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    log = MetricsLog(tmp_path, [], write=True)
+    with pytest.raises(OSError) as appended:
+        log.append({"step": 1, "train_loss": 2.0})
+    with pytest.raises(OSError) as closed:
+        log.close()
+    for info in (appended, closed):
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == str(tmp_path / "metrics.jsonl")
+    log.close()  # closed once and for all
 
 
 # ---- run directory rules --------------------------------------------------------------------
