@@ -119,6 +119,16 @@ def _interrupted_line(out: Path | None) -> str:
             "again to start over")
 
 
+def _checkpoint_clause(out: Path | None) -> str:
+    """What a file-system error leaves to resume from: the last checkpoint (written atomically,
+    so whole) or, before the first one, nothing."""
+    try:
+        kept = out is not None and has_checkpoint(out)
+    except OSError:  # the run directory itself cannot be read: say nothing about it
+        return ""
+    return "; the last checkpoint is kept" if kept else "; no checkpoint had been written yet"
+
+
 def main(argv: list[str] | None, run) -> int:
     """Parse ``argv``, call ``run(cfg, out, resume=...)`` and map the outcome to an exit status
     (0 ok, 1 file-system fault, 2 bad input, 3 diverged, 130 interrupted)."""
@@ -139,8 +149,7 @@ def main(argv: list[str] | None, run) -> int:
         return EXIT_USER_ERROR
     except OSError as exc:  # the environment: a full disk, a directory we may not write, ...
         if _is_rank_zero():
-            print(f"error: {describe_os_error(exc)}; the last checkpoint is kept",
-                  file=sys.stderr)
+            print(f"error: {describe_os_error(exc)}{_checkpoint_clause(out)}", file=sys.stderr)
         return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print(_interrupted_line(out), file=sys.stderr)

@@ -345,8 +345,16 @@ def test_a_full_disk_names_the_checkpoint_not_its_temporary_file(small_tmpfs, ca
     assert err.startswith(f"error: {out / 'checkpoint.pt'}: No space left on device (ENOSPC)")
 
 
-def _one_enospc_line(err: str, path: Path) -> None:
-    assert err == f"error: {path}: No space left on device (ENOSPC); the last checkpoint is kept\n"
+def _one_enospc_line(err: str, path: Path, kept: bool = False) -> None:
+    left = "the last checkpoint is kept" if kept else "no checkpoint had been written yet"
+    assert err == f"error: {path}: No space left on device (ENOSPC); {left}\n"
+
+
+def test_a_full_disk_after_the_first_checkpoint_says_it_is_kept(small_tmpfs, capsys):
+    out = small_tmpfs(700) / "run"  # the step-5 checkpoint (~440 KiB) fits, a second one not
+    assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 1
+    _one_enospc_line(capsys.readouterr().err, out / "checkpoint.pt", kept=True)
+    assert load_checkpoint(out)[0]["step"] == 5   # whole, and resumable
 
 
 def test_a_full_disk_during_a_metrics_append_names_metrics_jsonl(small_tmpfs, capsys):
