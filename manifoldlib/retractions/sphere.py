@@ -56,10 +56,23 @@ class AngleRetraction(Retraction):
     Subclasses define :meth:`angle`, an odd function with :math:`\theta'(0) = 1` (then the
     retraction is second order whenever :math:`\theta''(0) = 0`, which oddness gives). Points are
     ``(..., d)`` with the sphere over the last dimension.
+
+    The math is one chain, :meth:`angle` → :meth:`coefficients` → :meth:`coefficients_vjp`. A
+    subclass that redefines a link gets the generic form of every later link it does not
+    redefine itself, so a closed form inherited from a built-in (gnomonic, Cayley, the
+    p-family, the exponential map) never stands in for a different angle.
     """
 
     manifold = "sphere"
     order = 2
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "angle" in own and "coefficients" not in own:
+            cls.coefficients = AngleRetraction.coefficients
+        if ("angle" in own or "coefficients" in own) and "coefficients_vjp" not in own:
+            cls.coefficients_vjp = AngleRetraction.coefficients_vjp
 
     def angle(self, beta: torch.Tensor) -> torch.Tensor:
         """Rotation angle for the normalized step ``beta = ||v|| / r`` (elementwise, ``beta >= 0``)."""

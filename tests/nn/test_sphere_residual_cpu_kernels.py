@@ -12,7 +12,7 @@ from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib import _cpu_kernels
 from manifoldlib.nn import sphere_residual, sphere_residual_reference
-from manifoldlib.retractions import CayleyRetraction, PRetraction, get_retraction
+from manifoldlib.retractions import CayleyRetraction, GnomonicRetraction, PRetraction, get_retraction
 
 pytestmark = pytest.mark.skipif(
     not _cpu_kernels.available(),
@@ -101,13 +101,23 @@ class _SteeperP(PRetraction):
         return 1.1 * super().angle(beta)
 
 
+class _HalfStepGnomonic(GnomonicRetraction):
+    """A user's subclass that changes the coefficients only (theta = arctan(beta/2)): the
+    gnomonic closed-form derivative it inherits is not the derivative of its coefficients."""
+
+    def coefficients(self, sigma):
+        c = torch.rsqrt(1.0 + 0.25 * sigma)
+        return c, 0.5 * c
+
+
 @pytest.mark.parametrize(
     ("retraction", "kernels", "reference"),
     [
         (_NamedCayley(), ROW_KERNELS, get_retraction("sphere", "cayley")),
         (_SteeperP(1.5), KERNELS, None),
+        (_HalfStepGnomonic(), KERNELS, None),
     ],
-    ids=["keeps-the-math", "overrides-the-angle"],
+    ids=["keeps-the-math", "overrides-the-angle", "overrides-the-coefficients"],
 )
 def test_a_subclass_runs_the_row_kernels_only_when_it_keeps_its_built_ins_math(spy, retraction, kernels, reference):
     h, f = _case(8, (5, 12))

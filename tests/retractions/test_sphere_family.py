@@ -275,3 +275,50 @@ def test_half_precision_steps_past_float16_range_stay_on_the_sphere(retraction, 
     assert y.dtype == dtype and torch.equal(y, want)
     norms = torch.linalg.vector_norm(y.float(), dim=-1)
     assert torch.allclose(norms, torch.full_like(norms, 8.0), rtol=8 * torch.finfo(dtype).eps, atol=0)
+
+
+class _SteeperP(PRetraction):
+    """A subclass of a built-in that changes the angle (and inherits its closed forms)."""
+
+    def angle(self, beta):
+        return 1.1 * super().angle(beta)
+
+
+class _StepHalf(GnomonicRetraction):
+    """A subclass of a built-in that changes the coefficients only: theta = arctan(beta / 2)."""
+
+    def coefficients(self, sigma):
+        c = torch.rsqrt(1.0 + 0.25 * sigma)
+        return c, 0.5 * c
+
+
+def _rotation_angle(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    r = x.norm(dim=-1)
+    along = (x * y).sum(-1) / r
+    return torch.atan2((y - along.unsqueeze(-1) * x / r.unsqueeze(-1)).norm(dim=-1), along)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, math.inf])
+def test_a_subclass_that_overrides_the_angle_of_a_built_in_rotates_by_its_own_angle(p):
+    """The built-ins' closed-form coefficients stood in for the overridden angle: a subclass of
+    PRetraction with angle 1.1 p arctan(beta/p) rotated by p arctan(beta/p), silently."""
+    s = Sphere(1.3, retraction=_SteeperP(p))
+    g = torch.Generator().manual_seed(3)
+    x = random_point(s, (4, 6), generator=g)
+    v = random_tangent(s, x, scale=0.8, generator=g)
+    beta = _beta(v, 1.3)
+    want = _SteeperP(p).angle(beta)
+    assert float((_rotation_angle(x, s.retr(x, v)) - want).abs().max()) <= 1e-12
+    assert float((_rotation_angle(x, _SteeperP(p).retract(x, v)) - want).abs().max()) <= 1e-12
+
+
+def test_a_subclass_that_overrides_the_coefficients_of_a_built_in_differentiates_its_own():
+    """The inherited closed-form derivative of the gnomonic coefficients stood in for the new ones."""
+    retraction = _StepHalf()
+    sigma = torch.logspace(-6, 2, 9, dtype=torch.float64).unsqueeze(-1)
+    grad_cos, grad_k = torch.ones_like(sigma), torch.full_like(sigma, -0.5)
+    c, k = retraction.coefficients(sigma)
+    got = retraction.coefficients_vjp(sigma, c, k, grad_cos, grad_k)
+    s = sigma.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(retraction.coefficients(s), s, (grad_cos, grad_k))
+    assert float((got - want).abs().max()) <= 16 * EPS * float(want.abs().max())
