@@ -196,6 +196,7 @@ def apply_chart(
             saved, order = weight.clone(), list(module._parameters)
             _own_parametrized_class(module)
             parametrize.register_parametrization(module, tensor_name, built)
+            built._owner_order = tuple(order)  # merge_charts puts the tensor back in its place
         except Exception as err:
             _uncharted(done, tensor_name)
             if isinstance(err, ValueError) and qname not in str(err):
@@ -217,8 +218,15 @@ def _uncharted(done: list[tuple[nn.Module, torch.Tensor, list[str]]], tensor_nam
         parametrize.remove_parametrizations(module, tensor_name, leave_parametrized=False)
         with torch.no_grad():
             getattr(module, tensor_name).copy_(saved)
-        params = module._parameters  # removal re-registered the tensor last: restore the order
-        params.update({key: params.pop(key) for key in order if key in params})
+        _restore_order(module, order)
+
+
+def _restore_order(module: nn.Module, order) -> None:
+    """Put ``module``'s parameters back in ``order`` (removing a parametrization re-registers
+    the tensor last, which moves it in ``parameters()``, ``parameters_to_vector`` and the
+    positional state of an optimizer built afterwards)."""
+    params = module._parameters
+    params.update({key: params.pop(key) for key in order if key in params})
 
 
 def _warn_nothing_charted(model: nn.Module, tensor_name: str) -> None:
@@ -243,7 +251,9 @@ def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:
 
     Uses :func:`torch.nn.utils.parametrize.remove_parametrizations` with
     ``leave_parametrized=True``: the module becomes a plain module again whose outputs equal the
-    charted module's, and the parameter object is kept (optimizers holding it stay valid).
+    charted module's, and the parameter object is kept (optimizers holding it stay valid). A
+    tensor charted by :func:`apply_chart` returns to its place among the module's parameters, so
+    ``parameters()`` lists the merged model in the uncharted model's order.
 
     Args:
         model: the model, modified in place.
@@ -261,8 +271,11 @@ def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:
         for tensor_name in list(module.parametrizations.keys()):
             if charts_only and not _has_chart(module, tensor_name):
                 continue
+            order = next((p._owner_order for p in module.parametrizations[tensor_name]
+                          if getattr(p, "_owner_order", None) is not None), ())
             _own_parametrized_class(module)
             parametrize.remove_parametrizations(module, tensor_name, leave_parametrized=True)
+            _restore_order(module, order)
             names.append(_qualified(mname, tensor_name))
     return names
 

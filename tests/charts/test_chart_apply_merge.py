@@ -269,3 +269,21 @@ def test_a_module_used_twice_is_charted_once():
     assert apply_chart(model, functools.partial(SEL, init="congruent")) == ["0.weight"]
     torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-14)
     assert merge_charts(model) == ["0.weight"] and model[2] is layer
+
+
+def test_merge_puts_each_weight_back_in_its_place_among_the_parameters():
+    """Removing a parametrization re-registers the tensor last: a merged Linear listed
+    ``bias, weight``, so ``parameters_to_vector`` and a positional optimizer state no longer
+    lined up with the uncharted model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4, bias=False),
+                          nn.Linear(4, 3)).double()
+    plain = [name for name, _ in model.named_parameters()]
+    assert plain == ["0.weight", "0.bias", "2.weight", "3.weight", "3.bias"]
+    plain_vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    apply_chart(model, functools.partial(SEL, init="congruent"))
+    assert merge_charts(model) == ["0.weight", "2.weight", "3.weight"]
+    assert [name for name, _ in model.named_parameters()] == plain
+    # a congruent chart reproduces the weights: the same vector, entry by entry
+    merged_vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    torch.testing.assert_close(merged_vector, plain_vector, rtol=0, atol=1e-13)
