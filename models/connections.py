@@ -74,7 +74,8 @@ class PostLN(nn.Module):
 
 class PeriLN(nn.Module):
     r"""Peri-LN: normalize the input and the output of the sub-layer,
-    :math:`x' = x + \mathrm{LN}_{out}(F(\mathrm{LN}_{in}(x)))`."""
+    :math:`x' = x + \mathrm{LN}_{out}(F(\mathrm{LN}_{in}(x)))`; the stream starts at
+    :math:`\mathrm{LN}(x_{embed})` (:func:`make_entry`, ``periln_embed_norm``)."""
 
     def __init__(self, config, layer: int):
         super().__init__()
@@ -195,11 +196,14 @@ class EmbeddingScale(nn.Module):
 
 def make_entry(config) -> nn.Module:
     """Applied to the embeddings: ScaleNorm onto the sphere for sphere connections,
-    :class:`EmbeddingScale` for ``pre-dyt`` (``dyt_embed_scale``), else identity."""
+    :class:`EmbeddingScale` for ``pre-dyt`` (``dyt_embed_scale``), a LayerNorm for ``peri-ln``
+    (``periln_embed_norm``: the Peri-LN paper's initial embedding normalization), else identity."""
     if config.connection in SPHERE_CONNECTIONS:
         return ScaleNorm(config.n_embd, eps=config.norm_eps)
     if config.connection == "pre-dyt" and config.dyt_embed_scale:
         return EmbeddingScale(math.sqrt(config.n_embd))
+    if config.connection == "peri-ln" and config.periln_embed_norm:
+        return _layer_norm(config)
     return nn.Identity()
 
 

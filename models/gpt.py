@@ -91,6 +91,11 @@ class GPTConfig:
         dyt_embed_scale: ``pre-dyt`` initializes the embeddings at std :math:`d^{-1/2}` and
             multiplies them by a learnable scalar starting at :math:`\\sqrt d` (the DyT paper's LLM
             recipe), so the stream enters the first DyT at unit scale.
+        periln_embed_norm: ``peri-ln`` normalizes the embeddings with a LayerNorm before the
+            first block (the Peri-LN paper's initial embedding normalization): every sub-layer
+            adds a LayerNorm output of unit RMS, so without it GPT-2's std-0.02 embeddings enter
+            the stream 30x below the first sub-layer's term. ``False``: the paper's per-sub-layer
+            formula alone.
         norm_eps: :math:`\\varepsilon` of the ScaleNorm that puts embeddings on the sphere.
         tie_weights: share the token embedding with the LM head.
         fused: use the analytic-backward sphere residual (``False``: plain autograd reference).
@@ -113,6 +118,7 @@ class GPTConfig:
     dyt_alpha_init: float = 0.2
     dyt_alpha_attn: float = 0.8
     dyt_embed_scale: bool = True
+    periln_embed_norm: bool = True
     norm_eps: float = 1e-6
     tie_weights: bool = True
     fused: bool = True
@@ -122,7 +128,7 @@ class GPTConfig:
             _positive_int(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        for name in ("bias", "tie_weights", "fused", "dyt_embed_scale"):
+        for name in ("bias", "tie_weights", "fused", "dyt_embed_scale", "periln_embed_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
@@ -264,7 +270,8 @@ class GPT(nn.Module):
     """Decoder-only transformer; ``logits, loss = model(idx, targets)``.
 
     Data flow: ``wte(idx) + wpe(pos)`` → dropout → ``embed_norm`` (ScaleNorm onto the sphere of
-    radius :math:`\\sqrt d` for sphere connections, identity otherwise) → ``blocks`` →
+    radius :math:`\\sqrt d` for sphere connections, LayerNorm for ``peri-ln``, the learnable
+    scalar for ``pre-dyt``, identity otherwise) → ``blocks`` →
     ``norm_f`` (final LayerNorm / DyT, the sphere read-out with a learnable scale, or identity
     where the last block already ends in a LayerNorm) → ``lm_head``.
     """

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from manifoldlib.nn import ScaleNorm
 from models import GPT, GPTConfig
@@ -389,3 +390,35 @@ def test_sphere_head_scales_by_one_learnable_scalar():
     with torch.no_grad():
         head.scale.fill_(2.0)
     assert torch.equal(head(h), 2.0 * h)
+
+
+def test_peri_ln_starts_the_stream_at_the_normalized_embeddings():
+    """Peri-LN's initial embedding normalization: each sub-layer adds a LayerNorm output of unit
+    RMS, so GPT-2's std-0.02 embeddings entered the stream 30x below the first sub-layer's term
+    and the token's identity was a few percent of the state from the first block on."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, TINY["vocab_size"], (4, 16))
+    for embed_norm in (True, False):
+        cfg = GPTConfig(**{**TINY, "connection": "peri-ln", "periln_embed_norm": embed_norm})
+        model = GPT(cfg)
+        assert isinstance(model.embed_norm, nn.LayerNorm) == embed_norm
+        assert isinstance(model.embed_norm, nn.Identity) == (not embed_norm)
+        pos = torch.arange(idx.shape[1])
+        with torch.no_grad():
+            x0 = model.embed_norm(model.wte(idx) + model.wpe(pos))       # (B, T, C)
+            x1 = model.blocks[0](x0)
+        rms0 = x0.pow(2).mean(-1).sqrt()
+        if embed_norm:
+            # unit RMS up to the LayerNorm's eps (1e-5 against a variance of ~8e-4)
+            assert 0.98 < float(rms0.min()) and float(rms0.max()) <= 1.0
+        else:
+            assert float(rms0.max()) < 0.1
+        # the embeddings' share of the state after the first block: comparable, or drowned
+        share = float((x0.norm(dim=-1) / x1.norm(dim=-1)).mean())
+        assert (share > 0.3) if embed_norm else (share < 0.1), (embed_norm, share)
+    # the other connections keep their entries
+    for connection in ("pre-ln", "post-ln", "keel"):
+        assert isinstance(GPT(GPTConfig(**{**TINY, "connection": connection})).embed_norm,
+                          nn.Identity)
+    with pytest.raises(ValueError, match="periln_embed_norm must be True or False, got 1"):
+        GPTConfig(**{**TINY, "periln_embed_norm": 1})
