@@ -18,9 +18,9 @@ damping. The rotation angle is :math:`\theta = \theta_R(\beta)` with the normali
     \beta = \alpha_l\lambda_l \ \text{(normalized)}.
 
 In the literal form the angle carries the scale of the sub-layer output, hence of its weights'
-initialization and of the width; in the normalized form (nGPT's choice of normalizing the update
-before it enters the stream) :math:`\alpha_l\lambda_l` alone sets it and the sub-layer only
-chooses the direction.
+initialization and of the width; in the normalized form (normalizing the update before it enters
+the stream, as nGPT also does, though with a per-token angle) :math:`\alpha_l\lambda_l` alone
+sets it and the sub-layer only chooses the direction.
 """
 
 from __future__ import annotations

@@ -422,3 +422,45 @@ def test_peri_ln_starts_the_stream_at_the_normalized_embeddings():
                           nn.Identity)
     with pytest.raises(ValueError, match="periln_embed_norm must be True or False, got 1"):
         GPTConfig(**{**TINY, "periln_embed_norm": 1})
+
+
+def _layer_norm_by_hand(x, norm):
+    """LayerNorm written out: (x - mean) / sqrt(var + eps) * weight (+ bias)."""
+    mu = x.mean(-1, keepdim=True)
+    var = (x - mu).pow(2).mean(-1, keepdim=True)
+    y = (x - mu) / torch.sqrt(var + norm.eps) * norm.weight
+    return y if norm.bias is None else y + norm.bias
+
+
+@pytest.mark.parametrize("connection", ["pre-ln", "post-ln", "peri-ln", "keel", "pre-dyt"])
+def test_each_connection_computes_its_formula(connection):
+    """Every non-sphere connection against its documented formula written by hand in float64,
+    with non-trivial norm parameters (the sphere connections have their own tests)."""
+    cfg = GPTConfig(**{**TINY, "connection": connection, "bias": True})
+    conn = make_connection(cfg, layer=3).double()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in conn.parameters():
+            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    x = 2.0 * torch.randn(3, 5, TINY["n_embd"], generator=gen, dtype=torch.float64)  # (B, T, C)
+    mix = torch.randn(TINY["n_embd"], TINY["n_embd"], generator=gen, dtype=torch.float64)
+
+    def sublayer(t):
+        return torch.tanh(t @ mix)
+
+    if connection == "pre-ln":
+        want = x + sublayer(_layer_norm_by_hand(x, conn.norm))
+    elif connection == "post-ln":
+        want = _layer_norm_by_hand(x + sublayer(x), conn.norm)
+    elif connection == "peri-ln":
+        want = x + _layer_norm_by_hand(sublayer(_layer_norm_by_hand(x, conn.norm_in)), conn.norm_out)
+    elif connection == "keel":
+        assert conn.alpha == 2 * TINY["n_layer"]
+        want = _layer_norm_by_hand(conn.alpha * x + sublayer(_layer_norm_by_hand(x, conn.norm_in)),
+                                   conn.norm_out)
+    else:  # pre-dyt: x + F(gamma * tanh(alpha x) + beta)
+        dyt = conn.norm
+        params = dict(dyt.named_parameters())
+        gamma, beta = params["weight"], params["bias"]
+        want = x + sublayer(gamma * torch.tanh(params["alpha"] * x) + beta)
+    torch.testing.assert_close(conn(x, sublayer), want, rtol=0, atol=1e-12)
