@@ -19,6 +19,7 @@ from torch import nn
 from .._numbers import is_real
 from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
 from .layouts import weight_layout
+from .owner_state import restore_dual_corrections
 from .policies import Classifier, Policy, get_policy, warn_stacked, warn_unclassified
 
 __all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
@@ -166,6 +167,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        restore_dual_corrections(self, state_dict)  # in their saved dtype, not the parameters'
         self._link(self.state)  # the loaded state is the shared one
 
     def __repr__(self) -> str:

@@ -42,7 +42,7 @@ from .muon_groups import (
     validate_group_params,
 )
 from .muon_step import ADJUST_LR_FNS, manifold_muon
-from .owner_state import share_owner_state
+from .owner_state import restore_dual_corrections, share_owner_state
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -365,13 +365,10 @@ class ManifoldMuon(Optimizer):
                 grads,
                 bufs,
                 states,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
+                lr=group["lr"], weight_decay=group["weight_decay"],
+                momentum=group["momentum"], nesterov=group["nesterov"],
                 ns_coefficients=tuple(group["ns_coefficients"]),
-                ns_steps=group["ns_steps"],
-                eps=group["eps"],
+                ns_steps=group["ns_steps"], eps=group["eps"],
                 adjust_lr_fn=group["adjust_lr_fn"],
                 manifold=group_manifold(group),
                 dual=dual,
@@ -382,6 +379,12 @@ class ManifoldMuon(Optimizer):
                 process_group=self.process_group,
             )
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`torch.optim.Optimizer.load_state_dict`, keeping each ``"dual_correction"`` in its
+        saved dtype (:func:`~manifoldlib.optim.owner_state.restore_dual_corrections`)."""
+        super().load_state_dict(state_dict)
+        restore_dual_corrections(self, state_dict)
 
     @torch.no_grad()
     def consolidate_state_dict(self) -> None:

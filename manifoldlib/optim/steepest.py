@@ -62,7 +62,7 @@ import torch
 
 from ..functional.msign import MSIGN_METHODS, msign
 from .dual_manifolds import STEEPEST_MANIFOLDS, dual_manifold
-from .dual_problem import _DualProblem, tangent_residual
+from .dual_problem import _DualProblem, _scaled_with_norm, tangent_residual
 from .dual_solution import DualSolution, SteepestInfo
 from .dual_solvers import (
     AUTO_SMOOTHING,
@@ -324,8 +324,7 @@ def solve_dual(
         )
     work_dtype = execution.work_dtype(G.dtype, smoothed=False)  # float32 for 16-bit input
     transposed = G.size(-2) < G.size(-1)
-    g = (G.mT if transposed else G).to(work_dtype)
-    norm = g.norm()
+    g, norm = _scaled_with_norm((G.mT if transposed else G).to(work_dtype), manifold.flat)
     if manifold.flat or not bool(norm > 0):
         if msign_method == "svd":
             a = msign(g, "svd")

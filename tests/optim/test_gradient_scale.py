@@ -1,0 +1,76 @@
+"""The constrained steepest direction does not depend on the scale of the gradient.
+
+``G`` is normalized by its Frobenius norm before the dual solve. Computed naively in float32 that
+norm overflows for entries above about 1e18 (the direction came out zero: no step, reported as a
+converged solve) and underflows for entries below about 1e-20 (a tiny, non-tangent direction).
+Scaling by a power of two is exact, so a gradient times ``2^k`` must give the very same step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.optim import ManifoldMuon, steepest_direction
+
+SCALES = [2.0**70, 2.0**-80]  # entries ~1e21 (the squares overflow) and ~1e-24 (they underflow)
+
+
+def _matrices(shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_step_is_the_same_for_a_gradient_scaled_by_a_power_of_two(manifold, scale, batch):
+    w0, g = _matrices((48, 12))
+    dual = {"spectral": "products"} if batch else None
+    steps = []
+    for factor in (1.0, scale):
+        w = torch.nn.Parameter(w0.clone())
+        opt = ManifoldMuon([w], manifold=manifold, lr=0.1, weight_decay=0.0, dual=dual, batch=batch)
+        start = w.detach().clone()
+        w.grad = g * factor
+        opt.step()
+        steps.append(w.detach() - start)
+        assert opt.state[w]["dual_iterations"] > 0  # a real solve, not the zero-gradient shortcut
+    assert float(torch.linalg.matrix_norm(steps[0], ord=2)) > 0.05
+    if batch:  # the scaled gradient leaves the batch for the per-matrix solve: equal to rounding
+        torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(steps[1], steps[0])
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_steepest_direction_is_scale_invariant_in_float32(scale):
+    w, g = _matrices((32, 8), seed=1)
+    w = torch.linalg.qr(w).Q
+    reference = steepest_direction(w, g, "stiefel", msign_method="jordan5")
+    scaled = steepest_direction(w, g * scale, "stiefel", msign_method="jordan5")
+    torch.testing.assert_close(scaled, reference, rtol=0, atol=1e-6)
+
+
+def test_euclidean_direction_of_a_huge_gradient_is_finite():
+    _, g = _matrices((32, 8), seed=2)
+    reference = steepest_direction(None, g, "euclidean", msign_method="jordan5")
+    huge = steepest_direction(None, g * 2.0**70, "euclidean", msign_method="jordan5")
+    assert bool(torch.isfinite(huge).all())
+    torch.testing.assert_close(huge, reference, rtol=0, atol=1e-5)
+
+
+def test_a_float32_dgram_matrix_with_large_columns_takes_a_step():
+    """Its alternating retraction takes msign of ``Y diag(‖y_j‖)`` (entries ~1e20 here), whose Gram
+    matrix overflowed float32: the step raised ``torch._C._LinAlgError``."""
+    w0, g = _matrices((16, 8), seed=3)
+    w = torch.nn.Parameter(w0 * 2.0**32)
+    opt = ManifoldMuon([w], manifold="dgram", lr=0.1, weight_decay=0.0)
+    for _ in range(2):
+        w.grad = g.clone()
+        opt.step()
+    gram = w.detach().double().T @ w.detach().double()
+    d = gram.diagonal().sqrt()
+    off = gram / (d[:, None] * d[None, :]) - torch.eye(8, dtype=torch.float64)
+    assert bool(torch.isfinite(w).all())
+    assert float(off.abs().max()) < 1e-5
