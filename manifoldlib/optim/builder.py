@@ -237,7 +237,10 @@ def build_optimizer(
     (embeddings, head) with ``adamw_weight_decay`` and vectors (gains, biases) without decay.
 
     Args:
-        model: the model; tied parameters are counted once.
+        model: the model; tied parameters are counted once, and frozen ones
+            (``requires_grad=False``) are left out, as :func:`torch.optim` users expect (unfreeze
+            a parameter before building the optimizer, or add it later with
+            ``add_param_group``).
         policy: a registered policy name or a callable ``(name, module, param) -> str | None``.
         lr: Manifold Muon learning rate.
         adamw_lr: AdamW learning rate.

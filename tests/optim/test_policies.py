@@ -284,3 +284,16 @@ def test_numpy_rates_give_a_state_dict_that_loads_weights_only():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert {g["lr"] for g in loaded["param_groups"]} == {0.02, float(np.float32(3e-3))}
+
+
+def test_frozen_parameters_are_left_out_and_every_other_lands_in_one_group():
+    model = _gpt()
+    frozen = [model.blocks[0].attn.q.weight, model.wpe.weight]
+    for p in frozen:
+        p.requires_grad_(False)
+    opt = build_optimizer(model, "hetero", lr=0.02, adamw_lr=3e-3)
+    grouped = [p for g in opt.param_groups for p in g["params"]]
+    assert len({id(p) for p in grouped}) == len(grouped)             # nothing twice
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for p in grouped} == trainable                       # nothing lost, none frozen
+    assert not any(p is f for p in grouped for f in frozen)
