@@ -9,6 +9,7 @@ import importlib
 import math
 
 import torch
+from torch.nn.utils import parametrize
 
 from manifoldlib.optim.builder import adamw_param_groups
 
@@ -92,7 +93,10 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
     ``adamw``: AdamW with weight decay on matrices only (the groups of
     :func:`manifoldlib.optim.builder.adamw_param_groups`); with SEL charts the groups come from
     ``manifoldlib.charts.sel_param_groups`` (scales at ``sel_scale_lr``) and, when
-    ``sel_anneal_steps > 0``, the seed's scale annealing multipliers. ``manifold-muon``:
+    ``sel_anneal_steps > 0``, the seed's scale annealing multipliers; ``block_lr`` puts the
+    attention and MLP matrices (SEL's raw coordinates where charted) in groups of their own at
+    that lr, so a chart's coordinates and the plain baseline's matrices can be stepped alike
+    apart from the rest. ``manifold-muon``:
     ``manifoldlib.optim.build_optimizer(model, policy=...)``, its Euclidean Newton–Schulz in
     ``cfg.muon_ns_dtype``. The schedule of :func:`lr_scale` multiplies all of them.
 
@@ -102,6 +106,9 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
     the DDP wrap, so the parameter names carry no ``module.`` prefix.
     """
     if cfg.optimizer == "manifold-muon":
+        if cfg.block_lr:
+            raise ConfigError(f"block_lr={cfg.block_lr!r} applies to optimizer='adamw'; "
+                              f"ManifoldMuon steps the block matrices at lr")
         if cfg.sel != "none":
             raise ConfigError(f"sel={cfg.sel!r} with optimizer='manifold-muon' is not supported: "
                               f"the policy would constrain SEL's raw coordinates; use adamw")
@@ -121,11 +128,42 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
     else:
         groups = adamw_param_groups(
             ((n, p) for n, p in model.named_parameters() if p.requires_grad), cfg.weight_decay)
+    if cfg.block_lr:
+        groups = _block_matrices_apart(model, groups, cfg.block_lr)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     if cfg.sel != "none" and cfg.sel_anneal_steps > 0:
         sel_lr_lambdas = _import("manifoldlib.charts", "sel_lr_lambdas", f"sel={cfg.sel!r}")
         return opt, sel_lr_lambdas(opt, cfg.sel_anneal_steps)
     return opt, [_constant] * len(opt.param_groups)
+
+
+def _block_matrix(module: torch.nn.Module) -> torch.nn.Parameter:
+    """A block linear map's trained matrix: its weight, or a chart's raw coordinates."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return module.weight
+
+
+def _block_matrices_apart(model: torch.nn.Module, groups: list[dict], block_lr: float
+                          ) -> list[dict]:
+    """``groups`` with the attention and MLP matrices (:func:`_is_block_linear`; SEL's raw
+    coordinates where charted) moved into groups of their own at ``block_lr``, each beside the
+    group it came from and with its other settings (decay, ``sel_role``, names)."""
+    block = {id(_block_matrix(m)) for name, m in model.named_modules() if _is_block_linear(name, m)}
+    out = []
+    for group in groups:
+        inside = [id(p) in block for p in group["params"]]
+        if not any(inside):
+            out.append(group)
+            continue
+        for is_block in (False, True):
+            part = {**group, "lr": block_lr} if is_block else {**group}
+            for key in ("params", "param_names"):
+                if key in group:
+                    part[key] = [x for x, b in zip(group[key], inside) if b == is_block]
+            if part["params"]:
+                out.append(part)
+    return out
 
 
 def _constant(step: int) -> float:

@@ -118,6 +118,9 @@ class TrainConfig:
     sel_scale_lr: float = 0.0         #: AdamW lr of SEL scale parameters; 0 = same as ``lr``
     sel_anneal_steps: int = 0         #: steps of SEL's scale-lr annealing; 0 = no annealing
     lr: float = 3e-3                  #: AdamW lr, or the ManifoldMuon lr for matrices
+    #: AdamW lr of the attention and MLP matrices (SEL's raw coordinates where charted);
+    #: 0 = same as ``lr`` (``adamw`` only)
+    block_lr: float = 0.0
     adamw_lr: float = 3e-3            #: AdamW lr of non-matrix params under ``manifold-muon``
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -186,7 +189,7 @@ class TrainConfig:
         for name in ("lr", "adamw_lr", "temperature"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "sel_scale_lr", "peak_flops",
+        for name in ("weight_decay", "grad_clip", "sel_scale_lr", "block_lr", "peak_flops",
                      "progress_interval"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -389,3 +389,50 @@ def test_config_round_trips_through_its_flat_dict():
         TrainConfig.from_dict({**cfg.to_dict(), "colour": "red"})
     with pytest.raises(AttributeError, match="colour"):
         cfg.colour  # noqa: B018
+
+
+def _groups_by_lr(opt) -> dict[float, set[int]]:
+    out: dict[float, set[int]] = {}
+    for g in opt.param_groups:
+        out.setdefault(g["lr"], set()).update(id(p) for p in g["params"])
+    return out
+
+
+@pytest.mark.parametrize("sel", ["none", "mismatched"])
+def test_block_lr_steps_the_block_matrices_apart_and_nothing_else(sel):
+    """block_lr: the attention and MLP matrices (SEL's raw coordinates where charted) at their own
+    lr, every other parameter where it was, each once; 0 leaves the groups as they were."""
+    from models.train import build_model, build_train_optimizer
+
+    base = {"sel": sel, "lr": 3e-3, "sel_scale_lr": 5e-3}
+    cfg = build_config("smoke", overrides={**base, "block_lr": 1e-3})
+    model = build_model(cfg, vocab_size=256)
+    opt, mults = build_train_optimizer(model, cfg)
+    assert len(mults) == len(opt.param_groups)
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len([p for p in model.parameters() if p.requires_grad])
+    names = {id(p): n for n, p in model.named_parameters()}
+    block = {n for n, p in model.named_parameters()
+             if (".attn." in n or ".mlp." in n)
+             and n.endswith((".weight", ".parametrizations.weight.original"))}
+    assert block and {names[i] for i in _groups_by_lr(opt)[1e-3]} == block
+    if sel != "none":  # the charts' raw coordinates, their scales still at sel_scale_lr
+        assert all("parametrizations.weight.original" in n for n in block)
+        assert _groups_by_lr(opt)[5e-3]
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert {id(p) for n, p in model.named_parameters() if n in block} <= decayed
+    # without block_lr: the groups of before, no block group
+    plain, _ = build_train_optimizer(build_model(build_config("smoke", overrides=base), 256),
+                                     build_config("smoke", overrides=base))
+    assert len(plain.param_groups) == len(opt.param_groups) - 1
+    assert 1e-3 not in _groups_by_lr(plain)
+
+
+def test_block_lr_is_refused_with_manifold_muon():
+    from models.train import build_model, build_train_optimizer
+
+    cfg = build_config("smoke", overrides={"optimizer": "manifold-muon", "block_lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"block_lr=0.001 applies to optimizer='adamw'"):
+        build_train_optimizer(build_model(cfg, vocab_size=256), cfg)
+    with pytest.raises(ConfigError, match="block_lr must be >= 0, got -0.1"):
+        build_config("smoke", overrides={"block_lr": -0.1})
