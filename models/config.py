@@ -122,6 +122,8 @@ class TrainConfig:
     #: 0 = same as ``lr`` (``adamw`` only)
     block_lr: float = 0.0
     adamw_lr: float = 3e-3            #: AdamW lr of non-matrix params under ``manifold-muon``
+    #: AdamW's decoupled decay of matrices; under ``manifold-muon`` the AdamW groups only
+    #: (ManifoldMuon's matrices take none)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
