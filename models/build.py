@@ -98,7 +98,8 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
     that lr, so a chart's coordinates and the plain baseline's matrices can be stepped alike
     apart from the rest. ``manifold-muon``:
     ``manifoldlib.optim.build_optimizer(model, policy=...)``, its Euclidean Newton–Schulz in
-    ``cfg.muon_ns_dtype``. The schedule of :func:`lr_scale` multiplies all of them.
+    ``cfg.muon_ns_dtype``, its unconstrained matrices decayed by ``cfg.muon_weight_decay`` and
+    its constrained ones not (the seed's recipe). The schedule of :func:`lr_scale` multiplies all of them.
 
     With ``world_size > 1`` ManifoldMuon runs in ``cfg.muon_distributed`` mode (``sharded``:
     each matrix's dual solve and retraction on one rank, results shared by ``all_gather``;
@@ -116,8 +117,9 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
         extra = {"distributed": cfg.muon_distributed} if world_size > 1 else {}
         try:
             opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
-                          adamw_betas=(cfg.beta1, cfg.beta2),
-                          adamw_weight_decay=cfg.weight_decay, ns_dtype=cfg.muon_ns_dtype, **extra)
+                          adamw_betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.muon_weight_decay,
+                          adamw_weight_decay=cfg.weight_decay, ns_dtype=cfg.muon_ns_dtype,
+                          manifold_options=_UNDECAYED_MANIFOLDS, **extra)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return opt, [_constant] * len(opt.param_groups)
@@ -135,6 +137,11 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
         sel_lr_lambdas = _import("manifoldlib.charts", "sel_lr_lambdas", f"sel={cfg.sel!r}")
         return opt, sel_lr_lambdas(opt, cfg.sel_anneal_steps)
     return opt, [_constant] * len(opt.param_groups)
+
+
+#: ManifoldMuon groups the trainer never decays: DGram's column norms are the scale freedom the
+#: seed leaves uncontrolled (Stiefel and Oblique skip decay by construction).
+_UNDECAYED_MANIFOLDS = {"dgram": {"weight_decay": 0.0}}
 
 
 def _block_matrix(module: torch.nn.Module) -> torch.nn.Parameter:

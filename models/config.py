@@ -122,9 +122,12 @@ class TrainConfig:
     #: 0 = same as ``lr`` (``adamw`` only)
     block_lr: float = 0.0
     adamw_lr: float = 3e-3            #: AdamW lr of non-matrix params under ``manifold-muon``
-    #: AdamW's decoupled decay of matrices; under ``manifold-muon`` the AdamW groups only
-    #: (ManifoldMuon's matrices take none)
+    #: AdamW's decoupled decay of matrices (under ``manifold-muon``: of the AdamW groups)
     weight_decay: float = 0.1
+    #: ManifoldMuon's decoupled decay of the unconstrained (Euclidean) matrices, as the seed's
+    #: code and torch.optim.Muon; constrained matrices take none (Stiefel and Oblique fix their
+    #: scale, DGram's column norms are left free: the seed's "no additional scale control")
+    muon_weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0            #: max global grad norm; 0 disables clipping
@@ -191,8 +194,8 @@ class TrainConfig:
         for name in ("lr", "adamw_lr", "temperature"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "sel_scale_lr", "block_lr", "peak_flops",
-                     "progress_interval"):
+        for name in ("weight_decay", "muon_weight_decay", "grad_clip", "sel_scale_lr", "block_lr",
+                     "peak_flops", "progress_interval"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("beta1", "beta2"):

@@ -53,9 +53,10 @@ __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
 
 def with_legacy_defaults(saved: dict) -> dict:
     """A saved configuration with the values that runs made before a field existed used
-    (``muon_ns_dtype``: bfloat16; ``periln_embed_norm``: off), so that resuming such a run
-    repeats its computation."""
-    return {"muon_ns_dtype": LEGACY_MUON_NS_DTYPE, "periln_embed_norm": False, **saved}
+    (``muon_ns_dtype``: bfloat16; ``periln_embed_norm``: off; ``muon_weight_decay``: 0), so that
+    resuming such a run repeats its computation."""
+    return {"muon_ns_dtype": LEGACY_MUON_NS_DTYPE, "periln_embed_norm": False,
+            "muon_weight_decay": 0.0, **saved}
 
 
 def read_saved_config(out: str | Path) -> dict:

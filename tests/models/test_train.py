@@ -436,3 +436,27 @@ def test_block_lr_is_refused_with_manifold_muon():
         build_train_optimizer(build_model(cfg, vocab_size=256), cfg)
     with pytest.raises(ConfigError, match="block_lr must be >= 0, got -0.1"):
         build_config("smoke", overrides={"block_lr": -0.1})
+
+
+@pytest.mark.skipif(not _has_build_optimizer(), reason="manifoldlib.optim not available")
+@pytest.mark.parametrize("policy", ["unconstrained", "hetero"])
+def test_muon_weight_decay_reaches_the_unconstrained_matrices_only(policy):
+    """The seed's recipe: unconstrained Muon decays by 0.1, the manifold path not at all (DGram's
+    column norms are its uncontrolled scale). Before muon_weight_decay the trainer passed no decay
+    to ManifoldMuon at all, while weight_decay (0.1) reached the AdamW groups only."""
+    from models.train import build_model, build_train_optimizer
+
+    cfg = build_config("smoke", overrides={"optimizer": "manifold-muon", "policy": policy,
+                                           "weight_decay": 0.05})
+    assert cfg.muon_weight_decay == 0.1
+    opt, _ = build_train_optimizer(build_model(cfg, vocab_size=256), cfg)
+    decay = {g.get("manifold", "adamw"): g["weight_decay"] for g in opt.param_groups
+             if g.get("manifold") != "stiefel" and (g.get("manifold") or g["weight_decay"])}
+    want = {"unconstrained": {"euclidean": 0.1, "adamw": 0.05},
+            "hetero": {"dgram": 0.0, "adamw": 0.05}}[policy]
+    assert decay == want
+    cfg0 = cfg.replace(muon_weight_decay=0.0)
+    opt0, _ = build_train_optimizer(build_model(cfg0, vocab_size=256), cfg0)
+    assert all(g["weight_decay"] == 0.0 for g in opt0.param_groups if g.get("manifold") == "euclidean")
+    with pytest.raises(ConfigError, match="muon_weight_decay must be >= 0, got -1"):
+        build_config("smoke", overrides={"muon_weight_decay": -1.0})
