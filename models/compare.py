@@ -23,7 +23,8 @@ window on a finer grid and more seeds:
   logit, entropy and max probability, sphere step angles, weight kurtosis and max|w|/std) and
   their extremes over the run;
 - ``results.md`` — the same aggregated per arm (mean ± std over seeds, the distance to the
-  baseline in standard errors) with the exact command, and the sweep table of a swept suite;
+  baseline in standard errors, unpaired (Welch) and paired by seed) with the exact command, and
+  the sweep table of a swept suite;
 - ``sweep.csv`` — a swept suite's tuning runs (its first ``tune_seeds`` seeds) at every value;
 - ``curves.png`` — the validation curves of every reported run.
 
@@ -578,17 +579,35 @@ def _welch(a: list[float], b: list[float]) -> float | None:
     return (statistics.fmean(a) - statistics.fmean(b)) / se if se > 0 else None
 
 
-def _arm_row(arm: str, rs: list[dict], base_vals: list[float], columns, swept: bool) -> str:
+def _paired(rs: list[dict], base_by_seed: dict[int, float]) -> str:
+    """Mean of (arm − baseline) over the seeds both finished, in its standard errors, with how
+    many seeds the arm is below: a seed fixes the initialization and the batches, so this
+    difference does not carry the seed-to-seed spread that Welch's test does."""
+    diffs = [r["val_loss"] - base_by_seed[r["seed"]] for r in rs
+             if r["val_loss"] is not None and r["seed"] in base_by_seed]
+    if len(diffs) < 2:
+        return "—"
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    wins = sum(d < 0 for d in diffs)
+    ratio = _fmt(mean / (sd / math.sqrt(len(diffs))), 1) if sd > 0 else "—"
+    return f"{mean:+.4f} ({ratio}; {wins}/{len(diffs)} below)"
+
+
+def _arm_row(arm: str, rs: list[dict], base_runs: list[dict], columns, swept: bool) -> str:
     vals = [r["val_loss"] for r in rs if r["val_loss"] is not None]
     mean, std = _mean_std(vals)
     steps = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
+    base_vals = [r["val_loss"] for r in base_runs if r["val_loss"] is not None]
     welch = _welch(vals, base_vals)
+    is_baseline = bool(base_runs) and arm == base_runs[0]["arm"]
+    paired = "—" if is_baseline else _paired(
+        rs, {r["seed"]: r["val_loss"] for r in base_runs if r["val_loss"] is not None})
     cells = [arm] + ([f"{rs[0]['swept']:g}" if rs else "—"] if swept else []) + [
         f"{_fmt(mean)} ± {_fmt(std)}" if len(vals) > 1 else _fmt(mean),
         _fmt(math.exp(mean) if vals else None, 2),
         f"{sum(r['diverged'] for r in rs)}/{len(rs)}", f"{sum(r['learned'] for r in rs)}/{len(rs)}",
         f"{_fmt(statistics.fmean(steps), 0) if steps else '—'} ({len(steps)}/{len(rs)})",
-        _fmt(welch, 1) if welch is not None else "—",
+        _fmt(welch, 1) if welch is not None else "—", paired,
         _fmt(statistics.fmean(r["wall_time_s"] for r in rs), 1) if rs else "—"]
     for _, key in columns:
         xs = [r[key] for r in rs if r.get(key) is not None]
@@ -620,21 +639,23 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
     if key:  # every run sets the swept key itself; the base's value is never used
         shown_base[key] = "swept: " + ", ".join(f"{v:g}" for v in sorted(
             {r["swept"] for r in sweep_rows}))
-    base_vals = [r["val_loss"] for r in results if r["arm"] == suite.baseline
-                 and r["val_loss"] is not None]
+    base_runs = [r for r in results if r["arm"] == suite.baseline]
     header = (["arm"] + ([f"best {key}"] if key else []) +
               ["val loss (mean ± std)", "val ppl", "diverged", "learned", "steps to target",
-               "Δ vs baseline (SE)", "wall s"] + [h for h, _ in columns])
+               "Δ vs baseline (SE)", "paired Δ (SE; seeds below)", "wall s"] +
+              [h for h, _ in columns])
     lines = [f"# Suite `{suite.name}`{' (quick)' if quick else ''}", "",
              f"Command: `{command}`" if command else "", "",
              f"Base config: `{json.dumps(shown_base, sort_keys=True)}`", "",
              (f"Target (steps to target): mean final validation loss of `{suite.baseline}` = "
               f"{_fmt(results[0]['target']) if results else '—'}. Δ vs baseline: difference of "
-              f"the mean final validation losses in standard errors (Welch). Total time "
+              f"the mean final validation losses in standard errors (Welch); paired Δ: the mean "
+              f"of the per-seed differences (same initialization and batches), in its standard "
+              f"errors, and on how many seeds the arm is below the baseline. Total time "
               f"{elapsed:.0f} s."), "",
              _md_row(header), "|" + "---|" * len(header)]
     for arm, _ in suite.arms:
-        lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_vals, columns,
+        lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_runs, columns,
                               bool(key)))
     if key:
         values = sorted({r["swept"] for r in sweep_rows})

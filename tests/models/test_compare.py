@@ -355,3 +355,25 @@ def test_cli_runs_a_narrowed_suite_and_records_the_command(tmp_path, capsys):
                          "--out", str(tmp_path / "refused")]) == compare.EXIT_USER_ERROR
     assert "unknown ['exp']" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+def test_reports_give_the_paired_difference_per_seed(tmp_path):
+    """Seeds fix the initialization and batches: an arm 0.02 below the baseline on every seed is
+    3.5 paired standard errors away while Welch's test, which carries the seed-to-seed spread of
+    0.1, sees 0.3."""
+    suite = dataclasses.replace(SUITES["sel"], arms=SUITES["sel"].arms[:2], sweep=())
+    arm = suite.arms[1][0]
+    results = []
+    for seed, (b, a) in enumerate([(2.0, 1.98), (2.1, 2.09), (2.2, 2.17)]):
+        for name, loss in ((suite.baseline, b), (arm, a)):
+            results.append({"arm": name, "seed": seed, "swept": None, "val_loss": loss,
+                            "diverged": False, "learned": True, "steps_to_target": None,
+                            "target": 2.1, "wall_time_s": 1.0})
+    compare.write_reports(suite, tmp_path, results, {}, quick=True, command="cmd", elapsed=1.0,
+                          base={"lr": 1e-2}, overrides={})
+    rows = {line.split("|")[1].strip(): line for line in
+            (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")}
+    assert "| -0.0200 (-3.5; 3/3 below) |" in rows[arm]
+    assert "| -0.3 |" in rows[arm]                          # Welch, unpaired
+    assert "paired Δ (SE; seeds below)" in rows["arm"]
+    assert rows[suite.baseline].count("| — |") >= 2          # no difference to itself
