@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .._numbers import is_real
-from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
 from .layouts import weight_layout
+from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
 from .owner_state import restore_dual_corrections
 from .policies import Classifier, Policy, get_policy, warn_stacked, warn_unclassified
 

@@ -28,7 +28,6 @@ from models.connections import (
 )
 from models.gpt import MLP, Block, CausalSelfAttention
 
-
 TINY = {"vocab_size": 32, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
 

@@ -12,7 +12,12 @@ from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib import _cpu_kernels
 from manifoldlib.nn import sphere_residual, sphere_residual_reference
-from manifoldlib.retractions import CayleyRetraction, GnomonicRetraction, PRetraction, get_retraction
+from manifoldlib.retractions import (
+    CayleyRetraction,
+    GnomonicRetraction,
+    PRetraction,
+    get_retraction,
+)
 
 pytestmark = pytest.mark.skipif(
     not _cpu_kernels.available(),
