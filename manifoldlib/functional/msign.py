@@ -36,8 +36,8 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   ``n × n`` products (a Taylor series, or chord iterations for a graded diagonal), with an error
   bound or a computed residual at the dtype's rounding level.
 
-Every method first scales a matrix whose largest entry lies outside :math:`2^{\pm 32}` by the power
-of two that brings it into ``[0.5, 1)`` (:data:`SAFE_EXPONENT`; exact, and msign is scale
+Every method first scales a matrix whose largest entry lies outside :math:`2^{\pm 32}` by a
+power of two (:func:`~manifoldlib.functional.scaling.into_safe_range`; exact, and msign is scale
 invariant), so that no Gram matrix or norm over- or underflows; the fixed-count presets only scale
 large inputs down (their ``eps`` floor still maps a tiny input to a small output, as Muon's does).
 """
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from .gram_rsqrt import products_only_rsqrt
+from .scaling import into_safe_range
 
 __all__ = [
     "CONVERGENT_NS_CAP",
@@ -133,36 +134,6 @@ def _default_tol(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) * 8.0
 
 
-#: Inputs whose largest entry lies outside ``[2^-SAFE_EXPONENT, 2^SAFE_EXPONENT]`` are scaled by a
-#: power of two first (exact, and msign is scale invariant): their Gram matrices and Frobenius
-#: norms would over- or underflow (float32: entries above about 1e19 or below 1e-19). Inputs inside
-#: are left as they are, bit for bit.
-SAFE_EXPONENT = 32
-
-
-def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``2^exponent`` in ``dtype`` (float32 or float64), built from its bits: exact for normal
-    exponents, where ``torch.pow`` need not be."""
-    if dtype == torch.float64:
-        return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
-    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
-def _into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:
-    """``x`` (float32 or float64, ``(..., m, n)``) with each matrix whose largest entry is outside
-    the safe range (:data:`SAFE_EXPONENT`) scaled by the power of two that brings that entry into
-    ``[0.5, 1)``; ``up=False`` only scales large matrices down (a fixed-count Newton–Schulz keeps
-    its ``eps`` floor for tiny ones). No host synchronization."""
-    top = x.detach().abs().amax(dim=(-2, -1), keepdim=True) if x.numel() else None
-    if top is None:
-        return x
-    exponent = torch.frexp(top)[1]  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
-    outside = (exponent > SAFE_EXPONENT) | ((exponent < -SAFE_EXPONENT) & (top > 0) & up)
-    exponent = torch.where(outside, exponent, 0)
-    half = torch.div(exponent, 2, rounding_mode="floor")  # two factors: 2^exponent may not be normal
-    return x * _power_of_two(-half, x.dtype) * _power_of_two(half - exponent, x.dtype)
-
-
 def _check_matrix(x: torch.Tensor) -> None:
     if x.dim() < 2:
         raise ValueError(
@@ -209,7 +180,7 @@ def newton_schulz(
             f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}"
         )
     out_dtype = x.dtype
-    y = _into_safe_range(x.to(_compute_dtype(x.dtype)), up=False)
+    y = into_safe_range(x.to(_compute_dtype(x.dtype)), up=False)
     transposed = y.size(-2) > y.size(-1)
     if transposed:
         y = y.mT
@@ -365,7 +336,7 @@ def msign(
         return newton_schulz(x, JORDAN5_COEFFICIENTS, n_steps, eps=eps)
     if method == "polar-express":
         return newton_schulz(x, POLAR_EXPRESS_COEFFICIENTS, n_steps, eps=eps, normalize_scale=_PE_SAFETY)
-    work = _into_safe_range(x.to(_compute_dtype(x.dtype)))
+    work = into_safe_range(x.to(_compute_dtype(x.dtype)))
     tolerance = _default_tol(work.dtype) if tol is None else tol
     if method == "svd":
         out = _msign_svd(work)

@@ -17,9 +17,10 @@ from the start (:func:`~manifoldlib.optim.dual_solvers._resolve_smoothing`: squa
 ``m < 2.5 n`` with ``smoothing="auto"``). A batched instance whose best
 residual is above ``tol`` (a stall, the cap, a non-finite step) is *not* taken: it is left to the
 per-matrix solve, which runs its plain dual again and continues on the smoothed dual as the
-unbatched step does. So is a matrix with a zero or non-finite gradient, one whose gradient norm
-over- or underflows unscaled (the per-matrix solve scales it by a power of two first), or a stored
-warm start of the wrong shape (the per-matrix solve raises there).
+unbatched step does. So is a matrix with a zero or non-finite gradient, or a stored warm start of
+the wrong shape (the per-matrix solve raises there). Gradients are first brought into range by an
+exact power of two (:func:`~manifoldlib.functional.scaling.into_safe_range`), as the per-matrix
+solve does, so that their norms neither overflow nor underflow.
 
 A matrix alone of its shape is solved by the same loop, as a batch of one: an instance's
 arithmetic does not depend on which others share its batch (a batched CPU product is a loop over
@@ -36,8 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..functional.scaling import into_safe_range
 from .batched_dual import _batched_bb_solve
-from .dual_problem import _DualProblem, _norm_floor, _State
+from .dual_problem import _DualProblem, _State
 from .dual_solution import DualSolution, SteepestInfo
 from .dual_solvers import _resolve_smoothing
 from .layouts import tall
@@ -101,9 +103,9 @@ def _solve_class(params, updates, states, members: list[int], options: dict[str,
     method, steps, coefficients = dual_msign(dual, options["ns_steps"], options["ns_coefficients"])
     n = tall(params[members[0]], layout).size(-1)
     work = execution.work_dtype(updates[members[0]].dtype, smoothed=False)  # float32 for 16-bit input
-    g = torch.stack([tall(updates[i], layout) for i in members]).to(work)  # (B, m, n)
+    g = into_safe_range(torch.stack([tall(updates[i], layout) for i in members]).to(work))  # (B, m, n)
     norms = torch.linalg.vector_norm(g, dim=(-2, -1))  # (B,)
-    usable = (torch.isfinite(norms) & (norms >= _norm_floor(work))).tolist()  # else scaled per matrix
+    usable = (torch.isfinite(norms) & (norms > 0)).tolist()
     starts = [_warm_start(states[i], n, dual.warm_start) for i in members]
     keep = [j for j in range(len(members)) if usable[j] and starts[j] is not False]
     if not keep:

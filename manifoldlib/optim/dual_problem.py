@@ -29,6 +29,7 @@ import torch
 
 from ..functional.msign import msign
 from ..functional.normal_space import normal_metric
+from ..functional.scaling import into_safe_range
 from .dual_manifolds import dual_manifold
 from .execution import ExecutionPolicy
 from .spectral_factors import _rsqrt_divided_differences, _spectral_gain, gram_msign_factor
@@ -46,36 +47,16 @@ def _add_product(base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, al
 
 
 def _scaled_with_norm(g: torch.Tensor, flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(g, ‖g‖_F)``, or, where that norm over- or underflows, ``(g · 2^k, ‖g · 2^k‖_F)`` with the
-    power of two putting the largest entry of ``g`` in ``[0.5, 1)``.
-
-    The scaling is exact, so the normalized ``g / ‖g‖_F`` the dual solves with is bit for bit that
-    of the unscaled ``g`` wherever no square over- or underflowed; without it a float32 gradient
-    with entries above about 1e18 had an infinite norm (a zero direction: no step) and one below
-    about 1e-20 a zero norm (no dual solve). A norm in range (finite, and at least
-    :func:`_norm_floor` unless ``flat``) is returned as it is: one host read, the one the caller's
-    zero test needs anyway. ``flat``: scaled only where the norm overflows, so the Euclidean
-    Newton–Schulz keeps its ``eps`` floor for tiny gradients (as Muon's).
+    """``(g · 2^k, ‖g · 2^k‖_F)``: ``g`` brought into range by an exact power of two
+    (:func:`~manifoldlib.functional.scaling.into_safe_range`), so that the normalized
+    ``g / ‖g‖_F`` the dual solves with is bit for bit that of ``g`` wherever no square over- or
+    underflowed. Without it a float32 gradient with entries above about 1e18 had an infinite norm
+    (a zero direction: no step) and one below about 1e-20 a zero norm (no dual solve). ``flat``:
+    large gradients only, so the Euclidean Newton–Schulz keeps its ``eps`` floor for tiny ones
+    (as Muon's).
     """
-    norm = g.norm()
-    in_range = torch.isfinite(norm) if flat else torch.isfinite(norm) & (norm >= _norm_floor(g.dtype))
-    if bool(in_range):
-        return g, norm
-    top = float(g.abs().amax()) if g.numel() else 0.0
-    if top == 0.0 or not math.isfinite(top):
-        return g, norm
-    exponent = math.frexp(top)[1]
-    half = exponent // 2  # two factors: one 2^k may leave the dtype's range
-    g = g * math.ldexp(1.0, -half) * math.ldexp(1.0, half - exponent)
+    g = into_safe_range(g, up=not flat)
     return g, g.norm()
-
-
-def _norm_floor(dtype: torch.dtype) -> float:
-    """Frobenius norms at or above this are exact to rounding unscaled: the squares that underflow
-    (entries below ``sqrt(tiny)``) add at most ``tiny · eps`` each, against a sum of at
-    least ``tiny / eps`` (float32: 3e-16)."""
-    info = torch.finfo(dtype)
-    return math.sqrt(info.tiny / info.eps)
 
 
 def tangent_residual(w: torch.Tensor, a: torch.Tensor, manifold) -> torch.Tensor:

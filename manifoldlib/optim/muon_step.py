@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import get_rank_world, sharded_apply
+from ..functional.scaling import into_safe_range
 from .batched_step import solve_batched
 from .concurrent_solves import run_concurrently
 from .dual_manifolds import dual_manifold
@@ -91,11 +92,9 @@ def _zeropower(
     """Muon's Newton–Schulz in ``dtype``; in bfloat16 step for step as :class:`torch.optim.Muon` runs it."""
     a, b, c = ns_coefficients
     if torch.finfo(grad.dtype).max > torch.finfo(dtype).max:  # float64 into float32/bfloat16
-        # scaled down by a power of two to entries below 1 (exact, and the normalization below
-        # removes it: the eps floor acts only on norms < eps), so a finite float64 gradient
-        # beyond float32's range is not cast to inf
-        _, exponent = torch.frexp(grad.abs().amax())
-        grad = torch.ldexp(grad, -exponent.clamp_min(0))
+        # a large gradient scaled down by a power of two (exact, and the normalization below
+        # removes it), so that a finite float64 gradient beyond float32's range is not cast to inf
+        grad = into_safe_range(grad, up=False)
     x = grad.to(dtype)
     tall = grad.size(0) > grad.size(1)
     if tall:

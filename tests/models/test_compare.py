@@ -369,8 +369,9 @@ def test_reports_give_the_paired_difference_per_seed(tmp_path):
             results.append({"arm": name, "seed": seed, "swept": None, "val_loss": loss,
                             "diverged": False, "learned": True, "steps_to_target": None,
                             "target": 2.1, "wall_time_s": 1.0})
-    compare.write_reports(suite, tmp_path, results, {}, quick=True, command="cmd", elapsed=1.0,
-                          base={"lr": 1e-2}, overrides={})
+    curves = {f"{a}/0": [(10, 2.5), (20, 2.0)] for a, _ in suite.arms}
+    compare.write_reports(suite, tmp_path, results, curves, quick=True, command="cmd",
+                          elapsed=1.0, base={"lr": 1e-2}, overrides={})
     rows = {line.split("|")[1].strip(): line for line in
             (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")}
     assert "| -0.0200 (-3.5; 3/3 below) |" in rows[arm]

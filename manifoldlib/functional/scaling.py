@@ -1,0 +1,57 @@
+r"""Exact rescaling by powers of two, for scale-invariant maps at the edges of the float range.
+
+:math:`\operatorname{msign}(sX) = \operatorname{msign}(X)` and :math:`sX/\|sX\| = X/\|X\|` for
+:math:`s > 0`, but the Gram matrices and Frobenius norms that compute them square the scale of
+:math:`X`: float32 entries above about :math:`10^{19}` overflow them to inf, entries below about
+:math:`10^{-19}` underflow them to 0. :func:`into_safe_range` multiplies each matrix whose largest
+entry lies outside :math:`[2^{-32}, 2^{32}]` (:data:`SAFE_EXPONENT`) by the power of two that
+brings that entry into :math:`[1/2, 1)`. A power of two changes only the exponent, so the scaling
+is exact and every result computed from the scaled matrix is, bit for bit, the scaled result
+wherever nothing over- or underflowed; matrices inside the range are returned as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SAFE_EXPONENT", "into_safe_range"]
+
+#: Matrices whose largest entry lies outside ``[2^-SAFE_EXPONENT, 2^SAFE_EXPONENT]`` are rescaled.
+SAFE_EXPONENT = 32
+
+
+def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2^exponent`` in ``dtype`` (float32 or float64), built from its bits: exact for normal
+    exponents, where ``torch.pow`` need not be."""
+    if dtype == torch.float64:
+        return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:
+    """``x`` with each matrix whose largest entry is outside the safe range scaled by the power of
+    two that brings that entry into ``[0.5, 1)``.
+
+    Args:
+        x: ``(..., m, n)`` float32 or float64; zero matrices and non-finite entries are left alone.
+        up: also scale small matrices up; ``False`` only scales large ones down (a fixed-count
+            Newton–Schulz, like :class:`torch.optim.Muon`'s, keeps its ``eps`` floor for tiny
+            inputs).
+
+    Returns:
+        A tensor of ``x``'s shape and dtype, equal to ``x`` bit for bit where every matrix is in
+        range. No host synchronization (the scale is chosen per matrix on the device).
+
+    Raises:
+        ValueError: ``x`` is not float32 or float64 (cast 16-bit inputs first).
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"into_safe_range takes float32 or float64 matrices, got {x.dtype}")
+    if not x.numel():
+        return x
+    top = x.detach().abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
+    exponent = torch.frexp(top)[1]  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
+    outside = (exponent > SAFE_EXPONENT) | ((exponent < -SAFE_EXPONENT) & (top > 0) & up)
+    exponent = torch.where(outside & torch.isfinite(top), exponent, 0)
+    half = torch.div(exponent, 2, rounding_mode="floor")  # two factors: 2^exponent may not be normal
+    return x * _power_of_two(-half, x.dtype) * _power_of_two(half - exponent, x.dtype)

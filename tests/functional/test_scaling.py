@@ -1,0 +1,46 @@
+"""into_safe_range: exact power-of-two rescaling of matrices outside 2^+-32, per matrix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.functional.scaling import SAFE_EXPONENT, into_safe_range
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_out_of_range_matrices_are_scaled_exactly_and_in_range_ones_kept(dtype):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 5, 3, generator=g, dtype=torch.float64).to(dtype)  # (B, m, n)
+    scales = [2.0 ** 70, 1.0, 2.0 ** -70, 2.0 ** 20]
+    x = torch.stack([b * s for b, s in zip(base, scales)])
+    y = into_safe_range(x)
+    for i, s in enumerate(scales):
+        top = float(y[i].abs().max())
+        if s in (1.0, 2.0 ** 20):                         # inside the range: untouched
+            assert torch.equal(y[i], x[i])
+        else:                                             # largest entry now in [0.5, 1)
+            assert 0.5 <= top < 1.0
+            factor = float(y[i].abs().max() / x[i].abs().max())
+            assert factor == 2.0 ** round(torch.log2(torch.tensor(factor)).item())
+            assert torch.equal(y[i] / factor, x[i])       # exact: only the exponent moved
+    down = into_safe_range(x, up=False)
+    assert torch.equal(down[2], x[2]) and not torch.equal(down[0], x[0])
+
+
+def test_beyond_a_single_power_of_two_and_degenerate_matrices():
+    tiny = torch.full((2, 2), 2.0 ** -140, dtype=torch.float32)  # subnormal: 2^140 > float32 max
+    assert 0.5 <= float(into_safe_range(tiny).abs().max()) < 1.0
+    huge = torch.full((2, 2), 2.0 ** 127, dtype=torch.float32)
+    assert float(into_safe_range(huge).abs().max()) == 0.5
+    zero = torch.zeros(3, 2)
+    assert torch.equal(into_safe_range(zero), zero)
+    bad = torch.tensor([[float("inf"), 1.0], [2.0 ** 40, 0.0]])
+    assert torch.equal(into_safe_range(bad), bad)         # a non-finite matrix is left alone
+    assert SAFE_EXPONENT == 32
+    assert into_safe_range(torch.empty(0, 3)).shape == (0, 3)
+
+
+def test_sixteen_bit_input_is_refused_by_name():
+    with pytest.raises(ValueError, match="float32 or float64 matrices, got torch.bfloat16"):
+        into_safe_range(torch.ones(2, 2, dtype=torch.bfloat16))
