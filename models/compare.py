@@ -332,13 +332,30 @@ def learned(val_loss: float | None, unigram_entropy: float) -> bool:
 
 
 def _diagnostic_peaks(rows: list[dict]) -> dict:
-    """Largest attention logit and q/k spectral norm, smallest entropy over every evaluation."""
+    """Largest attention logit and q/k spectral norm, smallest entropy over every evaluation;
+    the largest rise of the validation loss above its running minimum (:func:`val_rise_max`)."""
     def over(keys: tuple[str, ...], pick):
         values = [r[k] for r in rows for k in keys if r.get(k) is not None]
         return pick(values) if values else None
     return {"peak_attention_logit": over(("max_attention_logit",), max),
             "peak_qk_spectral_norm": over(("q_spectral_norm_max", "k_spectral_norm_max"), max),
-            "min_attention_entropy": over(("attention_entropy_min",), min)}
+            "min_attention_entropy": over(("attention_entropy_min",), min),
+            "val_rise_max": val_rise_max([r["val_loss"] for r in rows
+                                          if r.get("val_loss") is not None])}
+
+
+def val_rise_max(losses: list[float]) -> float | None:
+    r"""The largest :math:`v_t - \min_{s \le t} v_s` over a run's validation losses in step
+    order (0 for a run that only improves; ``None`` without a finite loss): a loss spike or a
+    relapse that the final loss hides once the run recovers. A non-finite loss ends the scan
+    (the run diverged, counted apart)."""
+    best, rise = math.inf, None
+    for v in losses:
+        if not math.isfinite(v):
+            break
+        best = min(best, v)
+        rise = max(rise or 0.0, v - best)
+    return rise
 
 
 def _result(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: list[dict]) -> dict:
@@ -539,13 +556,14 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
 #: Last-evaluation diagnostics carried into every result row (see ``models.train.diagnostics``).
 DIAGNOSTIC_FIELDS = ("max_attention_logit", "q_spectral_norm_max", "k_spectral_norm_max",
                      "attention_entropy_min", "attention_max_prob", "step_angle_mean",
-                     "step_angle_max", "weight_kurtosis_mean", "weight_max_over_std")
+                     "step_angle_max", "keel_branch_ratio_max", "weight_kurtosis_mean",
+                     "weight_max_over_std")
 
 
 CSV_FIELDS = ("suite", "arm", "seed", "swept", "val_loss", "val_ppl", "diverged", "learned",
               "steps_to_target", "target", "steps", "wall_time_s", "tokens_per_s",
               *DIAGNOSTIC_FIELDS, "peak_attention_logit", "peak_qk_spectral_norm",
-              "min_attention_entropy", "unigram_entropy")
+              "min_attention_entropy", "val_rise_max", "unigram_entropy")
 
 
 def _fmt(x, digits: int = 4) -> str:
@@ -562,11 +580,14 @@ REPORT_COLUMNS = {
     # the stress suite's question is saturation and divergence, not step angles alone
     "spheret-stress": (("step angle (rad)", "step_angle_mean"),
                        ("peak attn logit", "peak_attention_logit"),
-                       ("min attn entropy", "attention_entropy_min")),
+                       ("min attn entropy", "attention_entropy_min"),
+                       ("Keel branch/highway", "keel_branch_ratio_max"),
+                       ("max val rise", "val_rise_max")),
     "manifolds": (("peak q/k σ_max", "peak_qk_spectral_norm"),
                   ("peak attn logit", "peak_attention_logit"),
                   ("min attn entropy", "min_attention_entropy"),
-                  ("final max attn prob", "attention_max_prob")),
+                  ("final max attn prob", "attention_max_prob"),
+                  ("max val rise", "val_rise_max")),
     "sel": (("kurtosis", "weight_kurtosis_mean"), ("max|w|/std", "weight_max_over_std")),
 }
 

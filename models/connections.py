@@ -105,17 +105,23 @@ class PreDyT(nn.Module):
 
 class Keel(nn.Module):
     r"""Keel: a Post-LN with an amplified highway,
-    :math:`x' = \mathrm{LN}(\alpha x + F(\mathrm{LN}(x)))`, :math:`\alpha` = number of sub-layers
-    (``2 * n_layer``)."""
+    :math:`x' = \mathrm{LN}(\alpha x + F(\mathrm{LN}(x)))`, :math:`\alpha` = ``config.keel_alpha``,
+    by default (0) the paper's number of sub-layers (``2 * n_layer``)."""
 
     def __init__(self, config, layer: int):
         super().__init__()
-        self.alpha = float(2 * config.n_layer)
+        self.alpha = float(config.keel_alpha or 2 * config.n_layer)
         self.norm_in = _layer_norm(config)
         self.norm_out = _layer_norm(config)
 
     def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
         return self.norm_out(self.alpha * x + sublayer(self.norm_in(x)))
+
+    def branch_ratio(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
+        r"""Per token, :math:`\|F(\mathrm{LN}(x))\| / \|\alpha x\|` (``x``: ``(..., d)`` ->
+        ``(...)``): the sub-layer's term against the highway's. Far above 1, the normalization
+        after the sum removes the highway and the block is a Post-LN without a residual path."""
+        return sublayer(self.norm_in(x)).norm(dim=-1) / (self.alpha * x.norm(dim=-1))
 
 
 class Spheret(nn.Module):

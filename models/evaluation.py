@@ -70,7 +70,8 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
     The largest spectral norm of the attention ``q`` / ``k`` maps; over the layers of
     ``model.attention_statistics(x)`` (where the model has it) the largest attention logit, the
     smallest mean attention entropy and the largest mean max-probability; the mean and largest
-    rotation angle of the sphere residuals (``model.step_angles``, radians); the heavy-tail
+    rotation angle of the sphere residuals (``model.step_angles``, radians); Keel's largest
+    sub-layer-to-highway ratio after the first sub-layer (``model.keel_branch_ratios``); the heavy-tail
     statistics of the block weights.
     """
     out: dict[str, float] = {}
@@ -93,6 +94,9 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
     if angles:
         out["step_angle_mean"] = sum(angles) / len(angles)
         out["step_angle_max"] = max(angles)
+    ratios = model.keel_branch_ratios(x) if hasattr(model, "keel_branch_ratios") else []
+    if ratios:  # the first sub-layer's highway is the raw embedding: not comparable
+        out["keel_branch_ratio_max"] = max(ratios[1:] or ratios)
     out.update(_weight_tails(model))
     return {k: v for k, v in out.items() if math.isfinite(v)}
 

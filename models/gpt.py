@@ -96,6 +96,10 @@ class GPTConfig:
             adds a LayerNorm output of unit RMS, so without it GPT-2's std-0.02 embeddings enter
             the stream 30x below the first sub-layer's term. ``False``: the paper's per-sub-layer
             formula alone.
+        keel_alpha: the highway weight :math:`\\alpha` of ``keel``; 0 = the Keel paper's
+            :math:`\\alpha = ` number of sub-layers (``2 * n_layer``). The sub-layer outputs
+            must stay small against :math:`\\alpha x` for the highway to carry the state, so
+            the lr a Keel model tolerates grows with :math:`\\alpha`, hence with depth.
         norm_eps: :math:`\\varepsilon` of the ScaleNorm that puts embeddings on the sphere.
         tie_weights: share the token embedding with the LM head.
         fused: use the analytic-backward sphere residual (``False``: plain autograd reference).
@@ -119,6 +123,7 @@ class GPTConfig:
     dyt_alpha_attn: float = 0.8
     dyt_embed_scale: bool = True
     periln_embed_norm: bool = True
+    keel_alpha: float = 0.0
     norm_eps: float = 1e-6
     tie_weights: bool = True
     fused: bool = True
@@ -151,6 +156,10 @@ class GPTConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not (isinstance(self.keel_alpha, (int, float)) and not isinstance(self.keel_alpha, bool)
+                and math.isfinite(self.keel_alpha) and self.keel_alpha >= 0):
+            raise ValueError(f"keel_alpha must be a finite number >= 0 (0: 2 * n_layer), "
+                             f"got {self.keel_alpha!r}")
         if not (isinstance(self.alpha_init, (int, float)) and math.isfinite(self.alpha_init)
                 and self.alpha_init > 0):
             raise ValueError(f"alpha_init must be a finite number > 0, got {self.alpha_init!r}")
@@ -401,17 +410,35 @@ class GPT(nn.Module):
         ``idx``, in sub-layer order (``2 * n_layer`` values; empty off the sphere)."""
         if not self.config.on_sphere:
             return []
+
+        def angle(conn, sub, x):
+            out = conn.residual(x, sub(x))  # one residual pass per sub-layer
+            return float(rotation_angle(x, out).mean()), out
+        return self._per_sub_layer(idx, angle)
+
+    @torch.no_grad()
+    def keel_branch_ratios(self, idx: torch.Tensor) -> list[float]:
+        r"""Mean :math:`\|F(\mathrm{LN}(x))\| / \|\alpha x\|` of every Keel sub-layer over one
+        eval-mode forward of ``idx``, in sub-layer order (``2 * n_layer`` values; empty for the
+        other connections). The first block's :math:`x` is the raw embedding."""
+        if self.config.connection != "keel":
+            return []
+        return self._per_sub_layer(
+            idx, lambda conn, sub, x: (float(conn.branch_ratio(x, sub).mean()), conn(x, sub)))
+
+    def _per_sub_layer(self, idx: torch.Tensor, measure) -> list[float]:
+        """``measure(connection, sub_layer, x) -> (value, next state)`` at every sub-layer of one
+        eval-mode forward of ``idx`` (no dropout; the training flag is restored), in order."""
         was_training = self.training
         self.eval()
         try:
-            x = self._embed(idx)
-            angles = []
+            x = self._embed(idx)  # (B, T, C)
+            values = []
             for block in self.blocks:
                 for conn, sub in ((block.conn1, block.attn), (block.conn2, block.mlp)):
-                    out = conn.residual(x, sub(x))  # one residual pass per sub-layer
-                    angles.append(float(rotation_angle(x, out).mean()))
-                    x = out
-            return angles
+                    value, x = measure(conn, sub, x)
+                    values.append(value)
+            return values
         finally:
             self.train(was_training)
 

@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -54,6 +55,13 @@ def test_suites_cover_the_arms_of_the_issue():
         assert len(suite.seeds) >= 3
         for _, arm in suite.arms:
             build_config(base={**compare.FULL_BASE, **suite.full, **arm})
+
+
+def test_val_rise_max_is_the_largest_relapse_above_the_running_minimum():
+    assert compare.val_rise_max([3.0, 2.5, 2.7, 2.2, 2.9, 2.1]) == pytest.approx(0.7)
+    assert compare.val_rise_max([3.0, 2.5, 2.0]) == 0.0          # only improving
+    assert compare.val_rise_max([2.0, 2.4, math.nan, 9.0]) == pytest.approx(0.4)
+    assert compare.val_rise_max([]) is None and compare.val_rise_max([math.inf]) is None
 
 
 def test_learned_means_clearly_below_the_unigram_entropy():
@@ -141,6 +149,11 @@ def test_reports_and_steps_to_target(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| slow |" in md and "| fast |" in md and "mean final validation loss" in md
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    for r in results:  # the rise is read from the run's own evaluations
+        with open(tmp_path / r["arm"] / "seed0" / "metrics.jsonl") as f:
+            vals = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
+        want = max(v - min(vals[:i + 1]) for i, v in enumerate(vals))
+        assert len(vals) == 4 and r["val_rise_max"] == pytest.approx(want, abs=1e-12)
     # a second call reuses the finished runs instead of training again
     mtime = (tmp_path / "fast" / "seed0" / "summary.json").stat().st_mtime_ns
     again = run_suite(suite, tmp_path, quick=True, echo=False,

@@ -423,6 +423,48 @@ def test_peri_ln_starts_the_stream_at_the_normalized_embeddings():
         GPTConfig(**{**TINY, "periln_embed_norm": 1})
 
 
+def test_keel_alpha_defaults_to_the_number_of_sub_layers_and_can_be_set():
+    """``keel_alpha`` 0 is the Keel paper's alpha = number of sub-layers; a value replaces it,
+    and the forward uses the alpha it reports."""
+    assert make_connection(GPTConfig(**{**TINY, "connection": "keel"}), layer=1).alpha == \
+        2 * TINY["n_layer"]
+    conn = make_connection(GPTConfig(**{**TINY, "connection": "keel", "keel_alpha": 32.0}), layer=1)
+    assert conn.alpha == 32.0
+    x = torch.randn(2, 3, TINY["n_embd"], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(conn(x, torch.tanh),
+                               conn.norm_out(32.0 * x + torch.tanh(conn.norm_in(x))))
+    for bad in (-1.0, math.inf, math.nan, True, "8"):
+        with pytest.raises(ValueError, match=r"keel_alpha must be a finite number >= 0 \(0: 2 \* "
+                                             r"n_layer\), got"):
+            GPTConfig(**{**TINY, "keel_alpha": bad})
+
+
+def test_keel_branch_ratios_measure_the_sub_layer_against_the_highway():
+    """One ratio per sub-layer, ||F(LN x)|| / ||alpha x|| averaged over tokens, recomputed here
+    from the blocks' own modules; scaling the MLP output projection by c scales the MLP
+    sub-layers' ratios by c (F is linear in it) and leaves the first attention's alone. Empty
+    for the other connections."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**TINY, "connection": "keel"})
+    model = GPT(cfg)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 8))
+    ratios = model.keel_branch_ratios(idx)
+    assert len(ratios) == 2 * TINY["n_layer"]
+    with torch.no_grad():
+        x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))  # (B, T, C): keel's entry
+        block = model.blocks[0]
+        first = block.attn(block.conn1.norm_in(x)).norm(dim=-1) / (block.conn1.alpha * x.norm(dim=-1))
+    assert ratios[0] == pytest.approx(float(first.mean()), rel=1e-6)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.proj.weight.mul_(10.0)
+    scaled = model.keel_branch_ratios(idx)
+    assert scaled[0] == pytest.approx(ratios[0], rel=1e-6)
+    assert scaled[1] == pytest.approx(10.0 * ratios[1], rel=1e-5)
+    assert model.training  # the eval-mode pass restores the flag
+    assert GPT(GPTConfig(**{**TINY, "connection": "pre-ln"})).keel_branch_ratios(idx) == []
+
+
 def _layer_norm_by_hand(x, norm):
     """LayerNorm written out: (x - mean) / sqrt(var + eps) * weight (+ bias)."""
     mu = x.mean(-1, keepdim=True)

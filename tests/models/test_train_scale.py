@@ -16,6 +16,7 @@ import torch
 from manifoldlib.optim import build_optimizer
 from manifoldlib.optim.builder import adamw_param_groups
 from models.config import PRESETS, build_config
+from models.data import eval_batches
 from models.evaluation import diagnostics, evaluate
 from models.gpt import GPT
 from models.job import Job
@@ -358,6 +359,11 @@ def test_diagnostics_cover_attention_angles_and_weight_tails():
     off_sphere = diagnostics(GPT(dataclasses.replace(cfg.model, vocab_size=256,
                                                      connection="pre-ln")), corpus, cfg, CPU)
     assert "step_angle_mean" not in off_sphere and "attention_entropy_min" in off_sphere
+    assert "keel_branch_ratio_max" not in off_sphere and "keel_branch_ratio_max" not in out
+    keel = GPT(dataclasses.replace(cfg.model, vocab_size=256, connection="keel"))
+    x, _ = next(eval_batches(corpus.val, min(cfg.batch_size, 4), cfg.block_size, 1))
+    assert diagnostics(keel, corpus, cfg, CPU)["keel_branch_ratio_max"] == pytest.approx(
+        max(keel.keel_branch_ratios(x)[1:]), rel=1e-6)  # the first sub-layer's left out
 
 
 @pytest.mark.slow
