@@ -70,7 +70,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
         raise ConfigError(str(exc)) from None
     model = gpt_cls(gpt_config)
     if cfg.sel != "none":
-        apply_sel(model, cfg.sel)
+        apply_sel(model, cfg.sel, kappa=cfg.sel_kappa)
     return model
 
 
@@ -79,11 +79,13 @@ def _is_block_linear(name: str, module: torch.nn.Module) -> bool:
                                                    ".mlp." in f".{name}.")
 
 
-def apply_sel(model: torch.nn.Module, variant: str) -> None:
-    """Put a SEL chart on every attention and MLP linear map of ``model``."""
+def apply_sel(model: torch.nn.Module, variant: str, *, kappa: float = 1.0) -> None:
+    """Put a SEL chart on every attention and MLP linear map of ``model``, its curvature
+    :math:`\kappa` at each weight's own initial scale."""
     sel = _import("manifoldlib.charts", "SEL", f"sel={variant!r}")
     apply_chart = _import("manifoldlib.charts", "apply_chart", f"sel={variant!r}")
-    apply_chart(model, functools.partial(sel, **SEL_OPTIONS[variant]), include=_is_block_linear)
+    apply_chart(model, functools.partial(sel, kappa=kappa, **SEL_OPTIONS[variant]),
+                include=_is_block_linear)
 
 
 def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_size: int = 1

@@ -117,6 +117,8 @@ class TrainConfig:
     sel: str = "none"                 #: SEL chart on block linear maps: none|mismatched|...
     sel_scale_lr: float = 0.0         #: AdamW lr of SEL scale parameters; 0 = same as ``lr``
     sel_anneal_steps: int = 0         #: steps of SEL's scale-lr annealing; 0 = no annealing
+    #: SEL's curvature at the weights' own initial scale, :math:`b\,\mathrm{RMS}(W_0) = \kappa`
+    sel_kappa: float = 1.0
     lr: float = 3e-3                  #: AdamW lr, or the ManifoldMuon lr for matrices
     #: AdamW lr of the attention and MLP matrices (SEL's raw coordinates where charted);
     #: 0 = same as ``lr`` (``adamw`` only)
@@ -191,7 +193,7 @@ class TrainConfig:
             raise ConfigError(f"seed must be in [0, {SEED_MAX}] (numpy's seed range), got "
                               f"{self.seed}")
         _check_device(self.device)
-        for name in ("lr", "adamw_lr", "temperature"):
+        for name in ("lr", "adamw_lr", "temperature", "sel_kappa"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("weight_decay", "muon_weight_decay", "grad_clip", "sel_scale_lr", "block_lr",

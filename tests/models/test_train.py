@@ -428,6 +428,34 @@ def test_block_lr_steps_the_block_matrices_apart_and_nothing_else(sel):
     assert 1e-3 not in _groups_by_lr(plain)
 
 
+def test_sel_kappa_sets_every_charts_curvature():
+    """sel_kappa is the chart's kappa: beta = kappa / (sigma_0 m_0) scales with it exactly;
+    under the congruent init (an exact right inverse) the initial effective weights do not move
+    with it; a non-positive value is refused."""
+    from models.train import build_model
+
+    def charts(kappa, variant):
+        torch.manual_seed(0)
+        model = build_model(build_config("smoke", overrides={"sel": variant,
+                                                             "sel_kappa": kappa}), 256)
+        return model, {n: m.parametrizations.weight[0] for n, m in model.named_modules()
+                       if hasattr(m, "parametrizations")}
+
+    for variant in ("mismatched", "congruent"):
+        (one, at_one), (half, at_half) = charts(1.0, variant), charts(0.5, variant)
+        assert at_one and at_one.keys() == at_half.keys()
+        for name, chart in at_one.items():
+            assert float(at_half[name].beta) == pytest.approx(0.5 * float(chart.beta), rel=1e-6)
+        for (n, p), (_, q) in zip(one.named_parameters(), half.named_parameters(), strict=True):
+            if "parametrizations" not in n:
+                assert torch.equal(p, q), n
+    for name in at_one:  # congruent
+        torch.testing.assert_close(one.get_submodule(name).weight,
+                                   half.get_submodule(name).weight, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="sel_kappa must be > 0, got 0.0"):
+        build_config("smoke", overrides={"sel_kappa": 0.0})
+
+
 def test_block_lr_is_refused_with_manifold_muon():
     from models.train import build_model, build_train_optimizer
 
