@@ -81,7 +81,7 @@ def _is_block_linear(name: str, module: torch.nn.Module) -> bool:
 
 def apply_sel(model: torch.nn.Module, variant: str, *, kappa: float = 1.0) -> None:
     """Put a SEL chart on every attention and MLP linear map of ``model``, its curvature
-    :math:`\kappa` at each weight's own initial scale."""
+    :math:`\\kappa` at each weight's own initial scale."""
     sel = _import("manifoldlib.charts", "SEL", f"sel={variant!r}")
     apply_chart = _import("manifoldlib.charts", "apply_chart", f"sel={variant!r}")
     apply_chart(model, functools.partial(sel, kappa=kappa, **SEL_OPTIONS[variant]),
