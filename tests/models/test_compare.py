@@ -47,9 +47,13 @@ def test_suites_cover_the_arms_of_the_issue():
         "none", "mismatched", "congruent", "no-linear", "mismatched"]
     assert sel_suite.full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on...
     assert dict(sel_suite.arms)["sel-mismatched-no-anneal"]["sel_anneal_steps"] == 0  # ...but one
-    # each arm at its own lr: the shared lr of FULL_BASE is bracketed on both sides
+    # each arm at its own block-matrix lr, bracketing the shared lr everything else takes
     key, lrs = sel_suite.sweep
-    assert key == "lr" and min(lrs) < compare.FULL_BASE["lr"] < max(lrs)
+    assert key == "block_lr" and min(lrs) < sel_suite.full["lr"] < max(lrs)
+    assert sel_suite.full["lr"] in lrs      # the seed's one shared lr is a column of the grid
+    shared = SUITES["sel-shared-lr"]        # the seed's protocol: the same arms, one lr for all
+    assert shared.arms == sel_suite.arms and shared.sweep == ("lr", lrs)
+    assert "lr" not in shared.full and "block_lr" not in shared.full
     for suite in SUITES.values():           # every arm is a valid configuration
         assert suite.baseline in dict(suite.arms)
         assert len(suite.seeds) >= 3
@@ -256,7 +260,8 @@ def test_arm_configs_are_what_the_suites_say():
     assert {(arm, c["sel"]) for (arm, _), c in sel.items()} == {
         ("baseline", "none"), ("sel-mismatched", "mismatched"), ("sel-congruent", "congruent"),
         ("sel-no-linear", "no-linear"), ("sel-mismatched-no-anneal", "mismatched")}
-    assert {c["lr"] for c in sel.values()} == set(SUITES["sel"].sweep[1])
+    assert {c["block_lr"] for c in sel.values()} == set(SUITES["sel"].sweep[1])
+    assert {c["lr"] for c in sel.values()} == {SUITES["sel"].full["lr"]}
 
 
 @pytest.mark.parametrize("name, overrides", [("manifolds-high-lr", {"policy": "hetero"}),
@@ -343,7 +348,7 @@ def test_narrow_suite_keeps_the_named_arms_in_order_and_replaces_the_sweep():
     ("spheret-retractions", {"arms": ("geonorm-literal", "geonorm-literal")}, "at most once"),
     ("spheret-retractions", {"arms": ()}, "at most once"),
     ("spheret-stress", {"sweep": (0.1,)}, "sweeps nothing"),
-    ("sel", {"sweep": (1e-3, 1e-3)}, r"distinct values of 'lr', got \[0.001, 0.001\]"),
+    ("sel", {"sweep": (1e-3, 1e-3)}, r"distinct values of 'block_lr', got \[0.001, 0.001\]"),
     ("sel", {"sweep": ()}, "distinct values"),
     ("sel", {"tune_seeds": 0}, "integer >= 1, got 0"),
     ("sel", {"tune_seeds": True}, "integer >= 1, got True"),
