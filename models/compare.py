@@ -94,7 +94,7 @@ from .data import CorpusError
 from .train import RunError, _import, read_metrics, run_training
 
 __all__ = ["LEARNED_MARGIN", "SUITES", "Suite", "learned", "main", "narrow_suite", "run_suite",
-           "suite_configs"]
+           "suite_configs", "val_rise_max"]
 
 EXIT_USER_ERROR = 2
 
