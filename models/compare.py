@@ -360,8 +360,9 @@ def _diagnostic_peaks(rows: list[dict]) -> dict:
 def val_rise_max(losses: list[float]) -> float | None:
     r"""The largest :math:`v_t - \min_{s \le t} v_s` over a run's validation losses in step
     order (0 for a run that only improves; ``None`` without a finite loss): a loss spike or a
-    relapse that the final loss hides once the run recovers. A non-finite loss ends the scan
-    (the run diverged, counted apart)."""
+    relapse that the final loss hides once the run recovers. The trainer's rows start with the
+    initial model's loss (step 0), so a spike before the first ``eval_interval`` counts too.
+    A non-finite loss ends the scan (the run diverged, counted apart)."""
     best, rise = math.inf, None
     for v in losses:
         if not math.isfinite(v):

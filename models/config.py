@@ -145,7 +145,7 @@ class TrainConfig:
     compile: bool = False             #: ``torch.compile`` the model
     peak_flops: float = 0.0           #: per-device peak FLOP/s for MFU; 0 = look the device up
     # bookkeeping
-    eval_interval: int = 100
+    eval_interval: int = 100          #: evaluate every this many steps, at step 0 and at the end
     eval_batches: int = 8
     log_interval: int = 10
     log: str = "none"                 #: extra metric sink: none | tensorboard (offline)

@@ -287,6 +287,8 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
 
 def _loop(run: Run) -> None:
     cfg = run.cfg
+    if run.step == 0 and not _evaluate_initial(run):
+        return
     for step in range(run.step + 1, cfg.last_step + 1):
         scale = lr_scale(step - 1, cfg)
         for group, base, mult in zip(run.optimizer.param_groups, run.base_lrs, run.multipliers):
@@ -334,6 +336,21 @@ def _loop(run: Run) -> None:
                              f"{row['tokens_per_s']:.0f} tok/s")
             run_dir.save_run_checkpoint(run)
             run.meter.skip()
+
+
+def _evaluate_initial(run: Run) -> bool:
+    """Evaluate the model before its first step (a fresh run's row at step 0, as nanoGPT's
+    loop does): the reference a spike in the first ``eval_interval`` steps is measured against
+    (``models.compare.val_rise_max``). Touches no random state; False when the loss is not
+    finite."""
+    row = {"step": 0, "tokens": 0}
+    if not _evaluate_into(run, row):
+        return False
+    run.log.append(row)
+    run.progress.say(f"step 0/{run.cfg.steps}: val {run.last_val:.4f} "
+                     f"(ppl {perplexity(run.last_val):.2f})")
+    run.meter.skip()
+    return True
 
 
 def _evaluate_into(run: Run, row: dict) -> bool:

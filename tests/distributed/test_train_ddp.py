@@ -115,7 +115,7 @@ def test_each_rank_trains_on_its_slice_of_the_global_batch(runs: dict) -> None:
 def test_resume_with_dropout_is_exact_under_ddp(runs: dict) -> None:
     full, part = Path(runs["dirs"]["full"]), Path(runs["dirs"]["part"])
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
-    assert [r["step"] for r in b] == list(range(5, 21, 5))
+    assert [r["step"] for r in b] == [0, *range(5, 21, 5)]  # the initial evaluation first
     _close_rows(a, b, atol=0.0)  # bit for bit: data order and per-rank dropout RNG restored
     state_a = torch.load(full / "checkpoint.pt", weights_only=False)["model"]
     state_b = torch.load(part / "checkpoint.pt", weights_only=False)["model"]
@@ -125,7 +125,7 @@ def test_resume_with_dropout_is_exact_under_ddp(runs: dict) -> None:
 def test_manifold_muon_sharded_equals_replicated_and_resumes_exactly(runs: dict) -> None:
     sharded, replicated, part = (Path(runs["dirs"][k]) for k in ("muon", "muon-rep", "muon-part"))
     rows = read_metrics(sharded / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(2, 13, 2))
+    assert [r["step"] for r in rows] == [0, *range(2, 13, 2)]  # the initial evaluation first
     _close_rows(rows, read_metrics(replicated / "metrics.jsonl"), atol=0.0)
     _close_rows(rows, read_metrics(part / "metrics.jsonl"), atol=0.0)  # sharded state resumed
     saved = torch.load(part / "checkpoint.pt", weights_only=False)

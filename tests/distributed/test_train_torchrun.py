@@ -49,7 +49,8 @@ def test_torchrun_trains_writes_one_run_directory_and_resumes(tmp_path: Path) ->
     assert done.stdout.count("on 2 processes (cpu)") == 1
     assert done.stdout.count(f"step {smoke['steps']}/{smoke['steps']}:") == 1
     rows = read_metrics(full / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(5, smoke["steps"] + 1, 5))  # no duplicates
+    assert [r["step"] for r in rows] == [0, *range(5, smoke["steps"] + 1, 5)]  # no duplicates
+    assert done.stdout.count(f"step 0/{smoke['steps']}:") == 1
 
     _torchrun("--preset", "smoke", "--sample_tokens", "0", "--stop_at", "20", "--out", str(part))
     assert json.loads((part / "summary.json").read_text())["steps"] == 20

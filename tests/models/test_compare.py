@@ -157,7 +157,7 @@ def test_reports_and_steps_to_target(tmp_path):
         with open(tmp_path / r["arm"] / "seed0" / "metrics.jsonl") as f:
             vals = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
         want = max(v - min(vals[:i + 1]) for i, v in enumerate(vals))
-        assert len(vals) == 4 and r["val_rise_max"] == pytest.approx(want, abs=1e-12)
+        assert len(vals) == 5 and r["val_rise_max"] == pytest.approx(want, abs=1e-12)
     # a second call reuses the finished runs instead of training again
     mtime = (tmp_path / "fast" / "seed0" / "summary.json").stat().st_mtime_ns
     again = run_suite(suite, tmp_path, quick=True, echo=False,

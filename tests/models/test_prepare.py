@@ -185,7 +185,7 @@ def test_python_dash_m_runs(tmp_path):
 
 def _rows(run: Path) -> list[tuple]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    return [(r["step"], r["train_loss"], r.get("val_loss")) for r in rows]
+    return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows]
 
 
 def test_training_on_shards_equals_training_on_the_text_and_resumes_exactly(tmp_path):

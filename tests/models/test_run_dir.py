@@ -63,8 +63,8 @@ def test_a_finished_run_resumes_to_its_summary(tmp_path, capsys):
     assert main(["--preset", "smoke", "--sample_tokens", "0", "--steps", "10", "--stop_at", "5",
                  "--out", str(out)]) == 0
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in resumed_rows(out, 5)] == [r["step"] for r in rows] == [5]
-    assert resumed_rows(out, 4) == []
+    assert [r["step"] for r in resumed_rows(out, 5)] == [r["step"] for r in rows] == [0, 5]
+    assert [r["step"] for r in resumed_rows(out, 4)] == [0]
     assert finished_summary(out, 10, 10, echo=True)["steps"] == 5
     assert "already finished at step 10" in capsys.readouterr().out
 

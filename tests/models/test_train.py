@@ -63,14 +63,17 @@ def test_smoke_run_writes_the_documented_run_directory(tmp_path):
     assert summary["tokens"] == steps * PRESETS["smoke"]["batch_size"] * \
         PRESETS["smoke"]["block_size"]
     assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]), rel=1e-12)
-    rows = read_metrics(out / "metrics.jsonl")
+    initial, *rows = read_metrics(out / "metrics.jsonl")
+    # a fresh run evaluates its initial model first: the reference for an early spike
+    assert initial["step"] == 0 and initial["tokens"] == 0 and "train_loss" not in initial
+    assert abs(initial["val_loss"] - math.log(256)) < 0.1     # about uniform over bytes
     assert [r["step"] for r in rows] == list(range(5, steps + 1, 5))
     assert all(isinstance(r["train_loss"], float) and "lr" in r and "tokens" in r for r in rows)
     evals = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in evals] == [10, 20, 30]
     assert evals[-1]["val_loss"] == summary["val_loss"]
-    # it learns: below uniform bytes and below where it was at the first evaluation
-    assert summary["val_loss"] < evals[0]["val_loss"] < math.log(256)
+    # it learns: below where it started and below where it was at the first evaluation
+    assert summary["val_loss"] < evals[0]["val_loss"] < initial["val_loss"]
     assert "max_attention_logit" in evals[-1] and "q_spectral_norm_max" in evals[-1]
     config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
     assert config == build_config("smoke", overrides={"steps": str(steps)})
@@ -81,6 +84,20 @@ def test_smoke_run_writes_the_documented_run_directory(tmp_path):
     sample = (out / "sample.txt").read_text()
     assert sample.startswith(TrainConfig().sample_prompt) and sample in proc.stdout
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluations_leave_the_training_unchanged(tmp_path):
+    # the step-0 evaluation and the later ones touch no random state (dropout on: they would)
+    common = _quiet("--steps", "12", "--dropout", "0.1", "--sample_tokens", "0")
+    assert main([*common, "--eval_interval", "3", "--out", str(tmp_path / "often")]) == 0
+    assert main([*common, "--eval_interval", "12", "--out", str(tmp_path / "once")]) == 0
+    often, once = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["model"]
+                   for name in ("often", "once"))
+    assert often.keys() == once.keys()
+    assert all(torch.equal(often[k], once[k]) for k in often)
+    steps = [[r["step"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+              if "val_loss" in r] for name in ("often", "once")]
+    assert steps == [[0, 3, 6, 9, 12], [0, 12]]
 
 
 # ---- resume ---------------------------------------------------------------------------------

@@ -73,7 +73,9 @@ def test_grad_accumulation_through_the_cli_matches_one_batch(tmp_path):
     a, b = read_metrics(tmp_path / "k1" / "metrics.jsonl"), read_metrics(tmp_path / "k4" /
                                                                           "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] and a[-1]["tokens"] == b[-1]["tokens"]
-    for ra, rb in zip(a, b):  # float32 rounding of a different summation order only
+    assert a[0]["step"] == 0  # the same initial model, evaluated in 1 and in 4 chunks
+    assert b[0]["val_loss"] == pytest.approx(a[0]["val_loss"], abs=1e-5)
+    for ra, rb in zip(a[1:], b[1:]):  # float32 rounding of a different summation order only
         assert rb["train_loss"] == pytest.approx(ra["train_loss"], abs=2e-4)
 
 
@@ -239,10 +241,11 @@ def test_the_peak_table_matches_whole_device_names(monkeypatch, name, peak):
 def test_metrics_carry_throughput_and_mfu_with_a_given_peak(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*_quiet("--steps", "10", "--peak_flops", "1e12", "--out", str(out))]) == 0
-    rows = read_metrics(out / "metrics.jsonl")
-    assert all(r["tokens_per_s"] > 0 and 0 <= r["optimizer_share"] < 1 and 0 < r["mfu"] < 1
-               for r in rows)
-    assert "mfu" not in read_metrics(_run_plain(tmp_path))[0]  # CPU: no peak, no MFU
+    initial, *rows = read_metrics(out / "metrics.jsonl")  # step 0: evaluated, not trained
+    assert initial["step"] == 0 and "tokens_per_s" not in initial
+    assert rows and all(r["tokens_per_s"] > 0 and 0 <= r["optimizer_share"] < 1
+                        and 0 < r["mfu"] < 1 for r in rows)
+    assert "mfu" not in read_metrics(_run_plain(tmp_path))[-1]  # CPU: no peak, no MFU
 
 
 def _run_plain(tmp_path):

@@ -444,7 +444,8 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
 
 def test_ctrl_c_after_a_checkpoint_says_resume_and_resume_continues(tmp_path):
     out = tmp_path / "run"
-    code, err = _interrupt_after(out, lines=3)  # "step 10" printed: step 5's checkpoint is written
+    code, err = _interrupt_after(out, lines=4)  # "step 0", "step 5", "step 10": step 5's
+    # checkpoint is written
     assert code == 130
     assert err.strip().splitlines() == ["interrupted; resume with --resume (from the last checkpoint)"]
     assert main(["--resume", "--steps", "20", "--out", str(out)]) == 0
