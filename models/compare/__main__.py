@@ -1,0 +1,7 @@
+"""``python -m models.compare``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

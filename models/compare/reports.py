@@ -1,0 +1,171 @@
+"""The reports of a suite: ``results.csv``, ``sweep.csv``, ``results.md`` (each arm's mean
+± std, Welch and paired distances to the baseline, the sweep table) and ``curves.png``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+
+from .results import DIAGNOSTIC_FIELDS, by_swept_value
+from .suites import Suite
+
+__all__ = ["CSV_FIELDS", "REPORT_COLUMNS", "write_reports"]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+CSV_FIELDS = ("suite", "arm", "seed", "swept", "val_loss", "val_ppl", "diverged", "learned",
+              "steps_to_target", "target", "steps", "wall_time_s", "tokens_per_s",
+              *DIAGNOSTIC_FIELDS, "peak_attention_logit", "peak_qk_spectral_norm",
+              "min_attention_entropy", "val_rise_max", "unigram_entropy")
+
+
+def _fmt(x, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+#: Extra report columns by suite name, else by suite family (the name before any ``-``):
+#: ``(header, result key)``, shown as the mean over seeds.
+REPORT_COLUMNS = {
+    "spheret": (("step angle (rad)", "step_angle_mean"), ("max step angle", "step_angle_max"),
+                ("min attn entropy", "attention_entropy_min")),
+    # the stress suite's question is saturation and divergence, not step angles alone
+    "spheret-stress": (("step angle (rad)", "step_angle_mean"),
+                       ("peak attn logit", "peak_attention_logit"),
+                       ("min attn entropy", "attention_entropy_min"),
+                       ("Keel branch/highway", "keel_branch_ratio_max"),
+                       ("max val rise", "val_rise_max")),
+    "manifolds": (("peak q/k σ_max", "peak_qk_spectral_norm"),
+                  ("peak attn logit", "peak_attention_logit"),
+                  ("min attn entropy", "min_attention_entropy"),
+                  ("final max attn prob", "attention_max_prob"),
+                  ("max val rise", "val_rise_max")),
+    "sel": (("kurtosis", "weight_kurtosis_mean"), ("max|w|/std", "weight_max_over_std")),
+}
+
+
+def _welch(a: list[float], b: list[float]) -> float | None:
+    """``(mean(a) - mean(b)) / sqrt(s_a²/n_a + s_b²/n_b)``: how many standard errors apart."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    return (statistics.fmean(a) - statistics.fmean(b)) / se if se > 0 else None
+
+
+def _paired(rs: list[dict], base_by_seed: dict[int, float]) -> str:
+    """Mean of (arm − baseline) over the seeds both finished, in its standard errors, with how
+    many seeds the arm is below: a seed fixes the initialization and the batches, so this
+    difference does not carry the seed-to-seed spread that Welch's test does."""
+    diffs = [r["val_loss"] - base_by_seed[r["seed"]] for r in rs
+             if r["val_loss"] is not None and r["seed"] in base_by_seed]
+    if len(diffs) < 2:
+        return "—"
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    wins = sum(d < 0 for d in diffs)
+    ratio = _fmt(mean / (sd / math.sqrt(len(diffs))), 1) if sd > 0 else "—"
+    return f"{mean:+.4f} ({ratio}; {wins}/{len(diffs)} below)"
+
+
+def _arm_row(arm: str, rs: list[dict], base_runs: list[dict], columns, swept: bool) -> str:
+    vals = [r["val_loss"] for r in rs if r["val_loss"] is not None]
+    mean, std = _mean_std(vals)
+    steps = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
+    base_vals = [r["val_loss"] for r in base_runs if r["val_loss"] is not None]
+    welch = _welch(vals, base_vals)
+    is_baseline = bool(base_runs) and arm == base_runs[0]["arm"]
+    paired = "—" if is_baseline else _paired(
+        rs, {r["seed"]: r["val_loss"] for r in base_runs if r["val_loss"] is not None})
+    cells = [arm] + ([f"{rs[0]['swept']:g}" if rs else "—"] if swept else []) + [
+        f"{_fmt(mean)} ± {_fmt(std)}" if len(vals) > 1 else _fmt(mean),
+        _fmt(math.exp(mean) if vals else None, 2),
+        f"{sum(r['diverged'] for r in rs)}/{len(rs)}", f"{sum(r['learned'] for r in rs)}/{len(rs)}",
+        f"{_fmt(statistics.fmean(steps), 0) if steps else '—'} ({len(steps)}/{len(rs)})",
+        _fmt(welch, 1) if welch is not None else "—", paired,
+        _fmt(statistics.fmean(r["wall_time_s"] for r in rs), 1) if rs else "—"]
+    for _, key in columns:
+        xs = [r[key] for r in rs if r.get(key) is not None]
+        cells.append(_fmt(statistics.fmean(xs), 3) if xs else "—")
+    return _md_row(cells)
+
+
+def _md_row(cells) -> str:
+    """One Markdown table row; a ``|`` inside a cell is escaped so it does not split it."""
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *, quick: bool,
+                  command: str, elapsed: float, base: dict, overrides: dict,
+                  sweep: tuple = (None, [])) -> None:
+    """Write ``results.csv``, ``results.md`` (and ``sweep.csv`` for a swept suite) and
+    ``curves.png`` into ``out``."""
+    key, sweep_rows = sweep
+    for name, rows in (("results.csv", results), ("sweep.csv", sweep_rows)):
+        if rows or name == "results.csv":
+            with open(out / name, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+                writer.writeheader()
+                for r in rows:
+                    writer.writerow({k: r.get(k) for k in CSV_FIELDS})
+    # a suite's own columns, else its family's (the name before any ``-``)
+    columns = REPORT_COLUMNS.get(suite.name) or REPORT_COLUMNS.get(suite.name.split("-")[0], ())
+    shown_base = {**base, **overrides}
+    if key:  # every run sets the swept key itself; the base's value is never used
+        shown_base[key] = "swept: " + ", ".join(f"{v:g}" for v in sorted(
+            {r["swept"] for r in sweep_rows}))
+    base_runs = [r for r in results if r["arm"] == suite.baseline]
+    header = (["arm"] + ([f"best {key}"] if key else []) +
+              ["val loss (mean ± std)", "val ppl", "diverged", "learned", "steps to target",
+               "Δ vs baseline (SE)", "paired Δ (SE; seeds below)", "wall s"] +
+              [h for h, _ in columns])
+    lines = [f"# Suite `{suite.name}`{' (quick)' if quick else ''}", "",
+             f"Command: `{command}`" if command else "", "",
+             f"Base config: `{json.dumps(shown_base, sort_keys=True)}`", "",
+             (f"Target (steps to target): mean final validation loss of `{suite.baseline}` = "
+              f"{_fmt(results[0]['target']) if results else '—'}. Δ vs baseline: difference of "
+              f"the mean final validation losses in standard errors (Welch); paired Δ: the mean "
+              f"of the per-seed differences (same initialization and batches), in its standard "
+              f"errors, and on how many seeds the arm is below the baseline. Total time "
+              f"{elapsed:.0f} s."), "",
+             _md_row(header), "|" + "---|" * len(header)]
+    for arm, _ in suite.arms:
+        lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_runs, columns,
+                              bool(key)))
+    if key:
+        values = sorted({r["swept"] for r in sweep_rows})
+        tuned = sorted({r["seed"] for r in sweep_rows})
+        over = "first seed" if len(tuned) == 1 else f"mean over seeds {', '.join(map(str, tuned))}"
+        lines += ["", f"Sweep of `{key}` ({over}; final validation loss, or diverged):", "",
+                  _md_row(["arm"] + [f"{key}={v:g}" for v in values]),
+                  "|---|" + "---|" * len(values)]
+        for arm, _ in suite.arms:
+            by_value = by_swept_value([r for r in sweep_rows if r["arm"] == arm])
+            lines.append(_md_row([arm] + [_sweep_cell(by_value.get(v, [])) for v in values]))
+    lines += ["", "Per-run rows: `results.csv`" + (", sweep: `sweep.csv`" if key else "") +
+              "; curves: `curves.png`.", ""]
+    (out / "results.md").write_text("\n".join(lines))
+    from ..plotting import plot_curves
+
+    finite = [v for pts in curves.values() for _, v in pts if v is not None and math.isfinite(v)]
+    ylim = (min(finite) - 0.05, min(max(finite), min(finite) + 3.0) + 0.05) if finite else None
+    plot_curves(curves, out / "curves.png",
+                title=f"suite {suite.name}{' (quick)' if quick else ''}", ylim=ylim)
+
+
+def _sweep_cell(rows: list[dict]) -> str:
+    """Mean final validation loss of one swept value's runs, with how many diverged."""
+    if not rows:
+        return "—"
+    losses = [r["val_loss"] for r in rows if not r["diverged"] and r["val_loss"] is not None]
+    if not losses:
+        return "diverged"
+    n_div = len(rows) - len(losses)
+    return _fmt(statistics.fmean(losses)) + (f" ({n_div}/{len(rows)} diverged)" if n_div else "")

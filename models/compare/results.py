@@ -1,0 +1,85 @@
+"""One run's result row: the final loss, whether the run learned, the last evaluation's
+diagnostics and their extremes over the run (:func:`val_rise_max` among them)."""
+
+from __future__ import annotations
+
+import math
+
+from .suites import Suite
+
+__all__ = ["DIAGNOSTIC_FIELDS", "LEARNED_MARGIN", "by_swept_value", "learned", "result_row",
+           "val_rise_max"]
+
+
+#: Last-evaluation diagnostics carried into every result row (see ``models.train.diagnostics``).
+DIAGNOSTIC_FIELDS = ("max_attention_logit", "q_spectral_norm_max", "k_spectral_norm_max",
+                     "attention_entropy_min", "attention_max_prob", "step_angle_mean",
+                     "step_angle_max", "keel_branch_ratio_max", "weight_kurtosis_mean",
+                     "weight_max_over_std")
+
+
+#: Nats below the unigram entropy a final validation loss must reach to count as "learned":
+#: a model at the unigram entropy has learned only the token frequencies (Keel's 3.226 against
+#: 3.261 on stdlib bytes); five times the seed-to-seed spread of a learning arm (~0.02).
+LEARNED_MARGIN = 0.1
+
+
+def learned(val_loss: float | None, unigram_entropy: float) -> bool:
+    """A final validation loss at least :data:`LEARNED_MARGIN` nats below the unigram entropy."""
+    return val_loss is not None and val_loss <= unigram_entropy - LEARNED_MARGIN
+
+
+def _diagnostic_peaks(rows: list[dict]) -> dict:
+    """Largest attention logit and q/k spectral norm, smallest entropy over every evaluation;
+    the largest rise of the validation loss above its running minimum (:func:`val_rise_max`)."""
+    def over(keys: tuple[str, ...], pick):
+        values = [r[k] for r in rows for k in keys if r.get(k) is not None]
+        return pick(values) if values else None
+    return {"peak_attention_logit": over(("max_attention_logit",), max),
+            "peak_qk_spectral_norm": over(("q_spectral_norm_max", "k_spectral_norm_max"), max),
+            "min_attention_entropy": over(("attention_entropy_min",), min),
+            "val_rise_max": val_rise_max([r["val_loss"] for r in rows
+                                          if r.get("val_loss") is not None])}
+
+
+def val_rise_max(losses: list[float]) -> float | None:
+    r"""The largest :math:`v_t - \min_{s \le t} v_s` over a run's validation losses in step
+    order (0 for a run that only improves; ``None`` without a finite loss): a loss spike or a
+    relapse that the final loss hides once the run recovers. The trainer's rows start with the
+    initial model's loss (step 0), so a spike before the first ``eval_interval`` counts too.
+    A non-finite loss ends the scan (the run diverged, counted apart)."""
+    best, rise = math.inf, None
+    for v in losses:
+        if not math.isfinite(v):
+            break
+        best = min(best, v)
+        rise = max(rise or 0.0, v - best)
+    return rise
+
+
+def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: list[dict]) -> dict:
+    """One run's result: its summary's final loss (``None`` when diverged), whether it
+    :func:`learned`, the last evaluation's :data:`DIAGNOSTIC_FIELDS` and their extremes over
+    the run; ``_rows`` keeps the metrics rows for the caller (steps to target)."""
+    last_eval = next((r for r in reversed(rows) if r.get("val_loss") is not None), {})
+    val = summary.get("val_loss")
+    diverged = bool(summary.get("diverged"))
+    result = {
+        "suite": suite.name, "arm": arm, "seed": seed,
+        "swept": swept, "val_loss": val if not diverged else None,
+        "val_ppl": summary.get("val_ppl") if not diverged else None, "diverged": diverged,
+        "learned": not diverged and learned(val, summary["unigram_entropy"]),
+        "steps": summary["steps"], "wall_time_s": round(summary["wall_time_s"], 2),
+        "tokens_per_s": round(summary["tokens_per_s"], 1),
+        "unigram_entropy": summary["unigram_entropy"], "_rows": rows}
+    result.update({k: last_eval.get(k) for k in DIAGNOSTIC_FIELDS})
+    result.update(_diagnostic_peaks(rows))
+    return result
+
+
+def by_swept_value(results: list[dict]) -> dict:
+    """``{swept value: [result rows]}`` in first-seen order."""
+    grouped: dict = {}
+    for r in results:
+        grouped.setdefault(r["swept"], []).append(r)
+    return grouped

@@ -1,0 +1,225 @@
+"""Running a suite: every arm and seed (each arm first at each swept value on the tuning
+seeds, then at its best), one run directory each, finished runs of the same configuration
+reused, ``jobs`` processes at a time; then the reports."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from ..config import ConfigError, build_config
+from ..train import read_metrics, run_training
+from .reports import write_reports
+from .results import by_swept_value, result_row
+from .suites import FULL_BASE, QUICK_BASE, Suite, check_requirements
+
+__all__ = ["run_suite", "suite_configs"]
+
+
+def _suite_base(suite: Suite, quick: bool) -> dict:
+    return {**(QUICK_BASE if quick else FULL_BASE), **(suite.quick if quick else suite.full)}
+
+
+def _arm_config(base: dict, arm_overrides: dict, seed: int, key, value, overrides):
+    swept = {key: value} if key else {}
+    return build_config(base={**base, **arm_overrides, **swept, "seed": seed},
+                        overrides=overrides or {})
+
+
+def suite_configs(suite: Suite, *, quick: bool = False, seed: int | None = None,
+                  overrides: dict | None = None) -> list[tuple]:
+    """``[(arm, swept value or None, TrainConfig)]``: every configuration of the suite's first
+    phase (each arm at each swept value) on ``seed`` (default: the suite's first), built as
+    :func:`run_suite` builds them; nothing is trained."""
+    base = _suite_base(suite, quick)
+    key, values = (suite.quick_sweep if quick else suite.sweep) or (None, (None,))
+    seed = suite.seeds[0] if seed is None else seed
+    return [(arm, value, _arm_config(base, arm_cfg, seed, key, value, overrides))
+            for arm, arm_cfg in suite.arms for value in values]
+
+
+def _check_distinct(suite: Suite, planned: list[tuple], overrides: dict) -> None:
+    """Refuse a plan in which two arms (or two swept values) build the same configuration.
+
+    An override of a key that distinguishes the arms (``--policy`` in a manifolds suite,
+    ``--connection`` in spheret) or of the swept key (``--lr`` in ``manifolds``) would otherwise
+    run one configuration under several names and report their differences as noise.
+    """
+    seen: dict[str, str] = {}
+    for arm, value, cfg in planned:
+        name = arm if value is None else f"{arm} at {value:g}"
+        fingerprint = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+        if fingerprint in seen:
+            given = f" (overrides: {', '.join(f'--{k} {v}' for k, v in overrides.items())})" \
+                if overrides else ""
+            raise ConfigError(f"suite {suite.name!r}: {seen[fingerprint]!r} and {name!r} build "
+                              f"the same configuration{given}; an override of a key that "
+                              f"distinguishes the arms or of the swept key makes the "
+                              f"comparison empty")
+        seen[fingerprint] = name
+
+
+def _steps_to(rows: list[dict], target: float) -> int | None:
+    for row in rows:
+        val = row.get("val_loss")
+        if val is not None and val <= target:
+            return int(row["step"])
+    return None
+
+
+def _reusable(run_dir: Path, cfg_dict: dict) -> dict | None:
+    """The summary of a finished run of the same config in ``run_dir`` (a re-run skips it)."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    finished = summary.get("finished") or summary.get("diverged")
+    return summary if saved == cfg_dict and finished else None
+
+
+def _run_dir(out: Path, arm: str, seed: int, swept: str | None) -> Path:
+    name = arm.replace(" @", "-").replace("@", "")
+    return out / (f"{name}/{swept}" if swept else name) / f"seed{seed}"
+
+
+def _train_one(cfg, run_dir: Path) -> dict:
+    """One run, reusing a finished run of the same config (a process-pool worker)."""
+    summary = _reusable(run_dir, cfg.to_dict())
+    if summary is None:
+        if run_dir.exists():  # a partial run of an interrupted suite: start it again
+            shutil.rmtree(run_dir)
+        summary = run_training(cfg, run_dir, echo=False)
+    return summary
+
+
+def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str, out: Path) -> list[dict]:
+    """Run ``[(cfg, run_dir)]`` (``n_jobs`` processes at a time) and return their summaries."""
+    started = time.perf_counter()
+    summaries: list[dict | None] = [None] * len(jobs)
+
+    def report(i: int) -> None:
+        if echo:
+            s, (cfg, run_dir) = summaries[i], jobs[i]
+            shown = "diverged" if s.get("diverged") else f"val {s['val_loss']:.4f}"
+            print(f"[{i + 1}/{len(jobs)}] {label}: {run_dir.parent.relative_to(out)}"
+                  f" seed {cfg.seed}: {shown} ({s['wall_time_s']:.1f} s; "
+                  f"{time.perf_counter() - started:.0f} s so far)", flush=True)
+
+    if n_jobs <= 1:
+        for i, (cfg, run_dir) in enumerate(jobs):
+            summaries[i] = _train_one(cfg, run_dir)
+            report(i)
+        return summaries
+    context = multiprocessing.get_context("spawn")  # no forked torch thread pools
+    with concurrent.futures.ProcessPoolExecutor(n_jobs, mp_context=context) as pool:
+        futures = {pool.submit(_train_one, cfg, run_dir): i for i, (cfg, run_dir) in enumerate(jobs)}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            summaries[i] = future.result()
+            report(i)
+    return summaries
+
+
+def _best_value(results: list[dict]) -> object:
+    """The swept value with the lowest mean final validation loss over its runs; a value with a
+    diverged run ranks after every value without one."""
+    def score(rows: list[dict]) -> tuple:
+        losses = [r["val_loss"] for r in rows if r["val_loss"] is not None]
+        return len(losses) < len(rows), statistics.fmean(losses) if losses else 0.0
+    grouped = by_swept_value(results)
+    return min(grouped, key=lambda value: score(grouped[value]))
+
+
+def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
+              seeds: tuple[int, ...] | None = None, overrides: dict | None = None,
+              command: str = "", echo: bool = True, jobs: int = 1) -> list[dict]:
+    """Run every arm and seed of ``suite`` into ``out`` and write the reports.
+
+    With a sweep (:attr:`Suite.sweep`), every arm first runs each swept value on the first
+    :attr:`Suite.tune_seeds` seeds (``out/<arm>/<key>=<value>/seed<k>``); the remaining seeds
+    then run at the arm's best value, and the reports aggregate each arm at that value.
+
+    Args:
+        suite: the suite.
+        out: output directory (run directories go to ``out/<arm>/seed<k>``).
+        quick: the tiny version.
+        seeds: seeds to run (default: the suite's, or its first one with ``quick``).
+        overrides: config overrides applied to every arm (``--key value``).
+        command: the command line, recorded in ``results.md``.
+        echo: print one line per run.
+        jobs: runs trained at the same time, each in its own process (``threads`` per run
+            stays as configured: 1 in the suites).
+
+    Returns:
+        One result dict per run at the reported settings (the rows of ``results.csv``).
+
+    Raises:
+        ConfigError: a bad ``jobs``, an invalid configuration, or ``overrides`` that make two
+            arms (or two swept values) the same configuration (e.g. ``--policy`` in a manifolds
+            suite, ``--lr`` in the swept ``manifolds``); nothing is written then.
+    """
+    check_requirements(suite)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
+    out = Path(out)
+    base = _suite_base(suite, quick)
+    seeds = tuple(seeds) if seeds else (suite.seeds[:1] if quick else suite.seeds)
+    key, values = (suite.quick_sweep if quick else suite.sweep) or (None, (None,))
+    started = time.perf_counter()
+
+    def configs(arm_overrides: dict, seed: int, value) -> object:
+        return _arm_config(base, arm_overrides, seed, key, value, overrides)
+
+    def label(value) -> str | None:
+        return f"{key}={value:g}" if key else None
+
+    # refused before anything is written: two arms (or swept values) that are one configuration
+    _check_distinct(suite, suite_configs(suite, quick=quick, seed=seeds[0], overrides=overrides),
+                    overrides or {})
+    out.mkdir(parents=True, exist_ok=True)
+
+    # phase 1: every arm at every swept value on the tuning seeds (all seeds without a sweep)
+    first = [(arm, arm_cfg, value) for arm, arm_cfg in suite.arms for value in values]
+    first_seeds = seeds[:suite.tune_seeds] if key else seeds
+    plan = [(arm, seed, value, configs(arm_cfg, seed, value))
+            for arm, arm_cfg, value in first for seed in first_seeds]
+    done = _execute([(cfg, _run_dir(out, arm, seed, label(value))) for arm, seed, value, cfg in plan],
+                    jobs, echo, suite.name, out)
+    runs = [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
+    sweep_rows: list[dict] = []
+    if key:
+        for arm, seed, value, summary in runs:
+            rows = read_metrics(_run_dir(out, arm, seed, label(value)) / "metrics.jsonl")
+            sweep_rows.append(result_row(suite, arm, seed, value, summary, rows))
+        best = {arm: _best_value([r for r in sweep_rows if r["arm"] == arm]) for arm, _ in suite.arms}
+        plan = [(arm, seed, best[arm], configs(arm_cfg, seed, best[arm]))
+                for arm, arm_cfg in suite.arms for seed in seeds[len(first_seeds):]]
+        done = _execute([(cfg, _run_dir(out, arm, seed, label(value)))
+                         for arm, seed, value, cfg in plan], jobs, echo, suite.name, out)
+        runs = [r for r in runs if r[2] == best[r[0]]]
+        runs += [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
+        order = {arm: i for i, (arm, _) in enumerate(suite.arms)}
+        runs.sort(key=lambda r: (order[r[0]], seeds.index(r[1])))
+    results, curves = [], {}
+    for arm, seed, value, summary in runs:
+        rows = read_metrics(_run_dir(out, arm, seed, label(value)) / "metrics.jsonl")
+        curves[f"{arm}/{seed}"] = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        results.append(result_row(suite, arm, seed, value, summary, rows))
+    base_vals = [r["val_loss"] for r in results if r["arm"] == suite.baseline
+                 and r["val_loss"] is not None]
+    target = statistics.fmean(base_vals) if base_vals else None
+    for r in results:
+        r["target"] = target
+        r["steps_to_target"] = _steps_to(r.pop("_rows"), target) if target is not None else None
+    for r in sweep_rows:
+        r.pop("_rows")
+    write_reports(suite, out, results, curves, quick=quick, command=command,
+                  elapsed=time.perf_counter() - started, base=base, overrides=overrides or {},
+                  sweep=(key, sweep_rows))
+    return results
