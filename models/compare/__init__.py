@@ -42,8 +42,10 @@ Suites:
     its own best.
 ``spheret-stress``
     A high-learning-rate, no-warmup, no-clipping setting for a subset (the seed reports Pre-LN
-    and Keel diverging where SpheretNorms converge). Keel's outcome there is set by its
-    highway weight (``keel_alpha``; the report shows ``keel_branch_ratio_max``).
+    and Keel diverging where SpheretNorms converge), evaluated every 5 steps from the initial
+    model so that a blow-up the runs recover from shows in ``val_rise_max``. Keel's outcome
+    there is set by its highway weight (``keel_alpha``; the report shows
+    ``keel_branch_ratio_max``).
 ``spheret-retractions``
     The seed's literal step for the exponential map (GeoNorm, baseline), Cayley (p = 2) and
     gnomonic (p = 1), started at angles of 0.17-0.64 rad (``alpha_init`` 100), each at its own

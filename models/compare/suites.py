@@ -133,9 +133,11 @@ SUITES: dict[str, Suite] = {
     "spheret": Suite(name="spheret", arms=_spheret_arms(), baseline="pre-ln",
                      sweep=("lr", (0.001, 0.003, 0.01, 0.03)), quick_sweep=("lr", (0.01, 0.03)),
                      tune_seeds=5),
-    # the seed's stability claim: Pre-LN / Keel diverge at a high lr where SpheretNorms converge
+    # the seed's stability claim: Pre-LN / Keel diverge at a high lr where SpheretNorms converge;
+    # evaluated every 5 steps, so that a blow-up within the first few steps (which the final
+    # loss hides once the run recovers) shows in val_rise_max
     "spheret-stress": Suite(name="spheret-stress", arms=_stress_arms(), baseline="pre-ln @stress",
-                            seeds=(0, 1, 2)),
+                            seeds=(0, 1, 2), full={"eval_interval": 5, "log_interval": 5}),
     # seed 000's "finite p beats the exponential map" where it can show: the literal step, whose
     # angle varies per token, started at angles where the members differ (the normalized step
     # makes them reparametrizations of one per-layer angle)

@@ -246,8 +246,11 @@ def test_arm_configs_are_what_the_suites_say():
     assert SUITES["spheret"].tune_seeds == len(SUITES["spheret"].seeds)
     for (arm, _), cfg in _cfgs("spheret-stress").items():
         plain = spheret[(arm.removesuffix(" @stress"), shared)]
-        assert {k for k in cfg if cfg[k] != plain[k]} == {"lr", "warmup_steps", "grad_clip"}
+        assert {k for k in cfg if cfg[k] != plain[k]} == {"lr", "warmup_steps", "grad_clip",
+                                                           "eval_interval", "log_interval"}
         assert (cfg["lr"], cfg["warmup_steps"], cfg["grad_clip"]) == (3e-2, 0, 0.0)
+        # a blow-up in the first steps is seen: evaluated at step 0 and every 5 steps
+        assert (cfg["eval_interval"], cfg["log_interval"]) == (5, 5)
     for name, lrs in (("manifolds", {0.001, 0.003, 0.01, 0.03, 0.1}), ("manifolds-high-lr", {0.1})):
         cfgs = _cfgs(name)
         assert {c["optimizer"] for c in cfgs.values()} == {"manifold-muon"}
