@@ -13,15 +13,15 @@ __all__ = ["FULL_BASE", "MANIFOLD_POLICIES", "QUICK_BASE", "RETRACTION_ALPHA_INI
 
 
 #: Shared settings of every full suite: byte-level stdlib, a small 4-layer model.
-FULL_BASE = dict(corpus="stdlib", block_size=64, n_layer=4, n_head=4, n_embd=64, batch_size=16,
-                 steps=300, warmup_steps=20, lr=3e-3, adamw_lr=3e-3, eval_interval=25,
-                 eval_batches=4, log_interval=25, sample_tokens=0, checkpoint=False,
-                 progress=False, threads=1)
+FULL_BASE = {"corpus": "stdlib", "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 64,
+             "batch_size": 16, "steps": 300, "warmup_steps": 20, "lr": 3e-3, "adamw_lr": 3e-3,
+             "eval_interval": 25, "eval_batches": 4, "log_interval": 25, "sample_tokens": 0,
+             "checkpoint": False, "progress": False, "threads": 1}
 #: ``--quick``: the synthetic corpus and a tiny model, a few seconds per run.
-QUICK_BASE = dict(corpus="synthetic:60000", block_size=32, n_layer=2, n_head=2, n_embd=32,
-                  batch_size=8, steps=30, warmup_steps=5, lr=1e-2, adamw_lr=1e-2,
-                  eval_interval=10, eval_batches=2, log_interval=10, sample_tokens=0,
-                  checkpoint=False, progress=False, threads=1)
+QUICK_BASE = {"corpus": "synthetic:60000", "block_size": 32, "n_layer": 2, "n_head": 2,
+              "n_embd": 32, "batch_size": 8, "steps": 30, "warmup_steps": 5, "lr": 1e-2,
+              "adamw_lr": 1e-2, "eval_interval": 10, "eval_batches": 2, "log_interval": 10,
+              "sample_tokens": 0, "checkpoint": False, "progress": False, "threads": 1}
 
 
 @dataclasses.dataclass(frozen=True)
