@@ -377,7 +377,9 @@ def test_compiled_training_through_the_cli_matches_eager(tmp_path):
     eager = read_metrics(tmp_path / "eager" / "metrics.jsonl")
     compiled = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["compile"] is True
-    for a, b in zip(eager, compiled, strict=True):
+    assert eager[0]["step"] == compiled[0]["step"] == 0  # the initial model, evaluated
+    assert compiled[0]["val_loss"] == pytest.approx(eager[0]["val_loss"], abs=1e-4)
+    for a, b in zip(eager[1:], compiled[1:], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
     assert compiled[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], abs=1e-4)
 
