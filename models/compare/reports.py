@@ -21,6 +21,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+#: The columns of ``results.csv`` and ``sweep.csv``, one row per run.
 CSV_FIELDS = ("suite", "arm", "seed", "swept", "val_loss", "val_ppl", "diverged", "learned",
               "steps_to_target", "target", "steps", "wall_time_s", "tokens_per_s",
               *DIAGNOSTIC_FIELDS, "peak_attention_logit", "peak_qk_spectral_norm",

@@ -11,7 +11,7 @@ __all__ = ["DIAGNOSTIC_FIELDS", "LEARNED_MARGIN", "by_swept_value", "learned", "
            "val_rise_max"]
 
 
-#: Last-evaluation diagnostics carried into every result row (see ``models.train.diagnostics``).
+#: Last-evaluation diagnostics carried into every result row (see ``models.evaluation.diagnostics``).
 DIAGNOSTIC_FIELDS = ("max_attention_logit", "q_spectral_norm_max", "k_spectral_norm_max",
                      "attention_entropy_min", "attention_max_prob", "step_angle_mean",
                      "step_angle_max", "keel_branch_ratio_max", "weight_kurtosis_mean",

@@ -68,6 +68,28 @@ def test_val_rise_max_is_the_largest_relapse_above_the_running_minimum():
     assert compare.val_rise_max([]) is None and compare.val_rise_max([math.inf]) is None
 
 
+def test_a_result_row_reads_the_summary_and_the_runs_evaluations():
+    from models.compare.results import by_swept_value, result_row
+
+    suite = Suite(name="mini", arms=(("a", {}),), baseline="a")
+    rows = [{"step": 0, "val_loss": 5.5, "max_attention_logit": 1.0},   # the initial model
+            {"step": 5, "train_loss": 4.0},                            # a training row
+            {"step": 10, "val_loss": 6.0, "max_attention_logit": 9.0},  # a spike above it
+            {"step": 20, "val_loss": 2.5, "max_attention_logit": 4.0}]
+    summary = {"val_loss": 2.5, "val_ppl": 12.2, "unigram_entropy": 3.26, "steps": 20,
+               "wall_time_s": 1.234, "tokens_per_s": 99.96}
+    r = result_row(suite, "a", 7, 0.01, summary, rows)
+    assert (r["suite"], r["arm"], r["seed"], r["swept"]) == ("mini", "a", 7, 0.01)
+    assert r["val_loss"] == 2.5 and r["learned"] and not r["diverged"]
+    assert r["max_attention_logit"] == 4.0 and r["peak_attention_logit"] == 9.0  # last, peak
+    assert r["val_rise_max"] == pytest.approx(0.5) and r["_rows"] is rows
+    gone = result_row(suite, "a", 7, 0.01, {**summary, "diverged": True}, rows)
+    assert gone["val_loss"] is None and gone["val_ppl"] is None and not gone["learned"]
+    grouped = by_swept_value([{"swept": 0.1, "k": 1}, {"swept": 0.01, "k": 2},
+                              {"swept": 0.1, "k": 3}])
+    assert list(grouped) == [0.1, 0.01] and [r["k"] for r in grouped[0.1]] == [1, 3]
+
+
 def test_learned_means_clearly_below_the_unigram_entropy():
     # Keel's 3.226 on stdlib bytes (unigram entropy 3.261) learned the token frequencies only
     assert not compare.learned(3.226, 3.261)
