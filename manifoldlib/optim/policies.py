@@ -118,10 +118,16 @@ LAYER_MLP_NAMES = frozenset({"output"})
 _POLICIES: dict[str, Policy] = {}
 
 
-def register_policy(name: str) -> Callable[[Policy], Policy]:
+def register_policy(name: str, *, override: bool = False) -> Callable[[Policy], Policy]:
     """Decorator registering ``policy(name, module, param) -> str | None`` under ``name``.
 
-    Registering an existing name replaces it (a notebook cell can be re-run).
+    The registry is process-wide: a name that is taken already (a built-in such as ``"hetero"``,
+    or an earlier registration) is refused with a ``ValueError`` unless ``override=True``, since
+    replacing it changes what that name means for every later ``build_optimizer`` call in the
+    process. Re-running a notebook cell that registers a policy therefore needs ``override=True``.
+
+    Raises:
+        ValueError: an empty name, a non-callable, or a taken name without ``override``.
 
     Example:
         >>> @register_policy("attn-only")  # doctest: +SKIP
@@ -130,10 +136,18 @@ def register_policy(name: str) -> Callable[[Policy], Policy]:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a policy name must be a non-empty string, got {name!r}")
+    if not isinstance(override, bool):
+        raise ValueError(f"override must be True or False, got {override!r}")
 
     def decorator(policy: Policy) -> Policy:
         if not callable(policy):
             raise ValueError(f"register_policy decorates a callable, got {policy!r}")
+        if name in _POLICIES and not override:
+            raise ValueError(
+                f"policy {name!r} is already registered; registering it again would replace it "
+                f"for the whole process: pass override=True to replace it on purpose, or choose "
+                f"another name"
+            )
         _POLICIES[name] = policy
         return policy
 

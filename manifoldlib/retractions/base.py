@@ -6,8 +6,8 @@ A retraction :math:`R_x(v)` maps a tangent vector at :math:`x` to a point of the
 *claims* in :attr:`Retraction.order`; :mod:`manifoldlib.testing` measures it.
 
 Registry keys are ``(manifold, name)``: ``register_retraction("sphere", "my-p3")`` decorates a
-class; ``get_retraction("sphere", "my-p3", **options)`` builds an instance; unknown names raise a
-``ValueError`` that lists the valid ones.
+class (a name already taken needs ``override=True``); ``get_retraction("sphere", "my-p3",
+**options)`` builds an instance; unknown names raise a ``ValueError`` that lists the valid ones.
 """
 
 from __future__ import annotations
@@ -79,19 +79,31 @@ def _check_manifold_name(manifold: str) -> None:
         )
 
 
-def register_retraction(manifold: str, name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[R], R]:
+def register_retraction(
+    manifold: str, name: str, *, aliases: tuple[str, ...] = (), override: bool = False
+) -> Callable[[R], R]:
     """Class decorator registering a :class:`Retraction` subclass as ``(manifold, name)``.
 
-    Sets the class's ``name`` and ``manifold`` attributes. Registering an existing name (or an
-    existing alias) replaces it, so a notebook cell can be re-run; ``aliases`` (a tuple of
-    non-empty strings) resolve to ``name``. A class that does not define ``retract``, or whose
-    ``order`` is not 1 or 2, is refused before anything changes.
+    Sets the class's ``name`` and ``manifold`` attributes; ``aliases`` (a tuple of non-empty
+    strings) resolve to ``name``. The registry is process-wide, so a name or alias that is taken
+    already (a built-in such as ``"gnomonic"``, or an earlier registration) is refused with a
+    ``ValueError`` unless ``override=True``: replacing it changes what that name means for every
+    later ``Sphere(retraction=...)``, ``SphereResidual`` and ``GPTConfig`` in the process.
+    Re-running a notebook cell that registers a class therefore needs ``override=True``. A class
+    that does not define ``retract``, or whose ``order`` is not 1 or 2, is refused before
+    anything changes.
+
+    Raises:
+        ValueError: unknown manifold, empty name or alias, a taken name without ``override``.
+        TypeError: the decorated object is not a complete :class:`Retraction` subclass.
     """
     _check_manifold_name(manifold)
     if not name or not isinstance(name, str):
         raise ValueError(f"a retraction name must be a non-empty string, got {name!r}")
     if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
         raise ValueError(f"aliases must be a tuple of non-empty strings, got {aliases!r}")
+    if not isinstance(override, bool):
+        raise ValueError(f"override must be True or False, got {override!r}")
 
     def decorator(cls: R) -> R:
         if not (isinstance(cls, type) and issubclass(cls, Retraction)):
@@ -102,6 +114,8 @@ def register_retraction(manifold: str, name: str, *, aliases: tuple[str, ...] = 
                             f"retract(x, v)")
         if isinstance(cls.order, bool) or cls.order not in (1, 2):
             raise ValueError(f"{cls.__name__}.order must be 1 or 2, got {cls.order!r}")
+        if not override:
+            _refuse_taken_names(manifold, (name, *aliases))
         cls.name = name
         cls.manifold = manifold
         _REGISTRY[manifold][name] = cls
@@ -111,6 +125,20 @@ def register_retraction(manifold: str, name: str, *, aliases: tuple[str, ...] = 
         return cls
 
     return decorator
+
+
+def _refuse_taken_names(manifold: str, names: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` for the first of ``names`` that is registered (as a name or alias)."""
+    for taken in names:
+        canonical = _ALIASES[manifold].get(taken, taken)
+        cls = _REGISTRY[manifold].get(canonical)
+        if cls is not None:
+            what = "" if canonical == taken else f" (an alias of {canonical!r})"
+            raise ValueError(
+                f"{manifold} retraction {taken!r}{what} is already registered as "
+                f"{cls.__qualname__}; registering it again would replace it for the whole "
+                f"process: pass override=True to replace it on purpose, or choose another name"
+            )
 
 
 def available_retractions(manifold: str) -> list[str]:

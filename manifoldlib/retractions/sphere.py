@@ -29,6 +29,7 @@ from ..functional.sphere import (
     rotate,
     sphere_normalized_sq_step,
 )
+from .._numbers import is_real
 from .base import Retraction, register_retraction
 
 __all__ = [
@@ -184,10 +185,9 @@ class PRetraction(AngleRetraction):
     """
 
     def __init__(self, p: float = 1.0):
-        try:
-            value = float(p)
-        except (TypeError, ValueError):
-            raise ValueError(f"p must be a number in (0, inf], got {p!r}") from None
+        if not is_real(p):  # float() would take True as 1 and parse '2'
+            raise ValueError(f"p must be a number in (0, inf], got {p!r}")
+        value = float(p)
         if math.isnan(value) or value <= 0:
             raise ValueError(f"p must be in (0, inf], got {p!r}")
         self.p = value

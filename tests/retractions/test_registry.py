@@ -118,7 +118,7 @@ def test_user_registration_by_name(clean_registry):
     assert type(get_manifold("sphere", retraction="test-p3").retraction) is P3
 
 
-def test_reregistering_replaces(clean_registry):
+def test_reregistering_needs_override_and_then_replaces(clean_registry):
     @register_retraction("euclidean", "test-add")
     class First(Retraction):
         order = 2
@@ -126,11 +126,50 @@ def test_reregistering_replaces(clean_registry):
         def retract(self, x, v):
             return x + v
 
-    @register_retraction("euclidean", "test-add")
     class Second(First):
         pass
 
+    with pytest.raises(ValueError, match=r"euclidean retraction 'test-add' is already registered "
+                                         r"as .*First; .* pass override=True"):
+        register_retraction("euclidean", "test-add")(Second)
+    assert type(get_retraction("euclidean", "test-add")) is First
+    assert Second.name == "test-add"  # inherited from First: the refusal set nothing on Second
+    register_retraction("euclidean", "test-add", override=True)(Second)
     assert type(get_retraction("euclidean", "test-add")) is Second
+
+
+@pytest.mark.parametrize("family, name, builtin", [
+    ("sphere", "gnomonic", GnomonicRetraction),
+    ("sphere", "p", PRetraction),
+    ("stiefel", "polar", StiefelPolarRetraction),
+    ("euclidean", "add", AddRetraction),
+])
+def test_a_builtin_name_is_not_replaced_by_accident(clean_registry, family, name, builtin):
+    class Impostor(Retraction):
+        order = 2
+
+        def retract(self, x, v):
+            return x
+
+    with pytest.raises(ValueError, match=rf"{family} retraction {name!r} is already registered "
+                                         rf"as {builtin.__qualname__}.*override=True"):
+        register_retraction(family, name)(Impostor)
+    assert type(get_retraction(family, name)) is builtin
+
+
+def test_a_taken_alias_is_refused_as_a_name_or_an_alias(clean_registry):
+    class Mine(AngleRetraction):
+        def angle(self, beta):
+            return beta
+
+    with pytest.raises(ValueError, match=r"sphere retraction 'stereographic' \(an alias of "
+                                         r"'cayley'\) is already registered"):
+        register_retraction("sphere", "test-mine", aliases=("stereographic",))(Mine)
+    with pytest.raises(ValueError, match=r"sphere retraction 'exp' is already registered"):
+        register_retraction("sphere", "test-mine", aliases=("exp",))(Mine)
+    assert "test-mine" not in available_retractions("sphere")
+    with pytest.raises(ValueError, match="override must be True or False, got 1"):
+        register_retraction("sphere", "test-mine", override=1)
 
 
 def test_registration_errors(clean_registry):
@@ -149,15 +188,18 @@ def test_registration_errors(clean_registry):
 
 
 def test_registering_a_name_that_was_an_alias_makes_it_the_new_class(clean_registry):
-    """'projection' aliased gnomonic; registering it used to leave Sphere(retraction='projection')
-    on gnomonic, the new class unreachable."""
+    """'projection' aliased gnomonic; registering it (on purpose, with override=True) used to leave
+    Sphere(retraction='projection') on gnomonic, the new class unreachable."""
 
-    @register_retraction("sphere", "projection")
     class MyProjection(AngleRetraction):
         order = 2
 
         def angle(self, beta):
             return 3 * torch.atan(beta / 3)
+
+    with pytest.raises(ValueError, match=r"'projection' \(an alias of 'gnomonic'\) is already"):
+        register_retraction("sphere", "projection")(MyProjection)
+    register_retraction("sphere", "projection", override=True)(MyProjection)
 
     assert type(get_retraction("sphere", "projection")) is MyProjection
     assert type(Sphere(retraction="projection").retraction) is MyProjection
