@@ -24,7 +24,9 @@ import math
 import torch
 
 __all__ = [
+    "CHORD_FIXED_STEPS",
     "alternating_gram_factor",
+    "chord_rsqrt",
     "near_diagonal_rsqrt",
     "near_scalar_rsqrt",
     "normalize_gram_factor",
@@ -132,6 +134,40 @@ def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
             return 0.5 * (y + y.mT), residual
         u = u + r * weight  # D (Y + R / (d_i + d_j))
     return None
+
+
+#: Chord steps of :func:`chord_rsqrt` (each gains about a factor :math:`\rho`).
+CHORD_FIXED_STEPS = 3
+
+
+def chord_rsqrt(t: torch.Tensor, steps: int = CHORD_FIXED_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(T^{-1/2}, residual)`` by a fixed number of chord steps, with nothing read back to the host.
+
+    :func:`near_diagonal_rsqrt`'s iteration (scaled by :math:`D = \operatorname{diag}(T)^{1/2}`, so a
+    graded diagonal costs nothing) run exactly ``steps`` times: for the sync-free retraction of a
+    Manifold Muon step, whose Gram matrix is diagonal up to :math:`O(\eta^2)`. Nothing checks
+    that ``t`` is close enough to diagonal; the residual :math:`\|I - YTY\|_1` (two more
+    products) says how far the result is from :math:`T^{-1/2}`, so the caller can keep what it
+    had where it is not small (it is large or NaN where ``t`` is far from diagonal).
+
+    Returns:
+        ``(y, residual)``: ``(..., n, n)`` and ``(...)``.
+    """
+    n = t.size(-1)
+    eye = torch.eye(n, dtype=t.dtype, device=t.device)
+    d = torch.diagonal(t, dim1=-2, dim2=-1).clamp_min(torch.finfo(t.dtype).tiny).sqrt()  # (..., n)
+    scaled = t / (d.unsqueeze(-1) * d.unsqueeze(-2))  # I + E
+    weight = d.unsqueeze(-1) / (d.unsqueeze(-1) + d.unsqueeze(-2))
+    u = eye - (scaled - eye) * weight
+    for _ in range(steps + 1):
+        r = eye - u.mT @ (scaled @ u)
+        r = 0.5 * (r + r.mT)
+        if _ < steps:
+            u = u + r * weight
+    # the residual of the last update is the last r's successor: one more evaluation would cost two
+    # products; r here is that of the final u (the loop evaluates once more than it updates)
+    y = u / d.unsqueeze(-1)
+    return 0.5 * (y + y.mT), r.abs().sum(-2).amax(-1)
 
 
 def products_only_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:

@@ -58,10 +58,11 @@ class MatrixConstraintManifold(RetractionManifold):
         r"""``(..., n, n)`` ``S`` with ``WS`` the normal component of ``z`` at ``w``."""
         raise NotImplementedError
 
-    def dual_factor(self, w: torch.Tensor) -> torch.Tensor | None:
+    def dual_factor(self, w: torch.Tensor, check: bool = True) -> torch.Tensor | None:
         r""":math:`F` with :math:`W = QF` of a tall ``(..., m, n)`` point (``None``: :math:`F = I`;
         ``(..., n)``: diagonal; ``(..., n, n)``: upper triangular), one per matrix of a leading batch.
-        Raises ``ValueError`` for a point the dual cannot use (any matrix of a batch)."""
+        With ``check``, raises ``ValueError`` for a point the dual cannot use (any matrix of a
+        batch; a host read); without it nothing is read back (a sync-free optimizer step)."""
         raise NotImplementedError
 
     def constraint_deviation(self, w: torch.Tensor) -> torch.Tensor:

@@ -50,11 +50,11 @@ class Oblique(MatrixConstraintManifold):
         r""":math:`\|w_j\|^2 - 1`, ``(..., n)``."""
         return oblique_constraint_deviation(w)
 
-    def dual_factor(self, w):
+    def dual_factor(self, w, check=True):
         q, r = torch.linalg.qr(w)  # W = QR, R upper triangular (..., n, n)
         sign = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(r.dtype)
         r = sign.unsqueeze(-1) * r  # positive diagonal: W = (Q diag(sign)) (diag(sign) R)
-        if not bool((torch.diagonal(r, dim1=-2, dim2=-1) > 0).all()):
+        if check and not bool((torch.diagonal(r, dim1=-2, dim2=-1) > 0).all()):
             raise ValueError(
                 "W is not usable by the Oblique dual: its columns are linearly dependent (tall "
                 "orientation); the reduced dual needs full column rank"

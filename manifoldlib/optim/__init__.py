@@ -1,29 +1,28 @@
-"""Manifold Muon: steepest descent under the spectral norm on Stiefel / DGram / Oblique, with policies.
+"""Manifold Muon: steepest descent under the spectral norm on Stiefel, DGram, Oblique or Euclidean space.
 
-- :func:`steepest_direction`: the dual solvers (:mod:`.steepest`);
-- :class:`ExecutionPolicy`: the device-dependent choices of a step (:mod:`.execution`);
-- :class:`ManifoldMuon`: the optimizer (:mod:`.manifold_muon`), its dual-solver options
-  :class:`DualOptions` (:mod:`.dual_options`) and its functional core :func:`manifold_muon`
-  (:mod:`.muon_step`);
-- :func:`register_policy`, :func:`get_policy`, :func:`available_policies`: which matrix goes
-  to which manifold (:mod:`.policies`);
-- :func:`build_optimizer`: one combined optimizer for a model (:mod:`.builder`), each matrix
-  constrained as the map it stores (:func:`weight_layout`, :mod:`.layouts`);
-- diagnostics for logging (:mod:`.diagnostics`).
+Train a model:
+
+- :func:`build_optimizer`: one optimizer for a model, matrices by policy to :class:`ManifoldMuon`,
+  the rest to AdamW (:class:`CombinedOptimizer`); :func:`assign_parameters` and
+  :func:`describe_assignment` say which matrix went where;
+- :class:`ManifoldMuon`: the optimizer, with :class:`DualOptions` (the dual solve) and
+  :class:`Distribution` (data-parallel jobs); :func:`manifold_muon` its functional core.
+
+Choose manifolds per module: :func:`register_policy`, :func:`get_policy`,
+:func:`available_policies`, :class:`RolePolicy`, :func:`default_classifier`,
+:func:`is_hidden_matrix`; :func:`weight_layout` reads how a module stores its matrix.
+
+Solve one problem: :func:`steepest_direction` (with :class:`SteepestInfo`).
+
+Log: :func:`optimizer_diagnostics`, :func:`constraint_residual`, :func:`spectral_norm`,
+:func:`max_attention_logit`.
 """
 
-from .builder import CombinedOptimizer, assign_parameters, build_optimizer
-from .diagnostics import (
-    constraint_residual,
-    max_attention_logit,
-    optimizer_diagnostics,
-    spectral_norm,
-)
-from .dual_options import DualOptions
-from .execution import ExecutionPolicy
+from .builder import CombinedOptimizer, assign_parameters, build_optimizer, describe_assignment
+from .diagnostics import constraint_residual, max_attention_logit, optimizer_diagnostics, spectral_norm
 from .layouts import LAYOUTS, weight_layout
-from .manifold_muon import ManifoldMuon, manifold_muon
-from .muon_groups import MUON_MANIFOLDS
+from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
+from .options import Distribution, DualOptions
 from .policies import (
     RolePolicy,
     available_policies,
@@ -32,14 +31,14 @@ from .policies import (
     is_hidden_matrix,
     register_policy,
 )
-from .steepest import SteepestInfo, steepest_direction, tangent_residual
+from .steepest import SteepestInfo, steepest_direction
 
 __all__ = [
     "LAYOUTS",
     "MUON_MANIFOLDS",
     "CombinedOptimizer",
+    "Distribution",
     "DualOptions",
-    "ExecutionPolicy",
     "ManifoldMuon",
     "RolePolicy",
     "SteepestInfo",
@@ -48,6 +47,7 @@ __all__ = [
     "build_optimizer",
     "constraint_residual",
     "default_classifier",
+    "describe_assignment",
     "get_policy",
     "is_hidden_matrix",
     "manifold_muon",
@@ -56,6 +56,5 @@ __all__ = [
     "register_policy",
     "spectral_norm",
     "steepest_direction",
-    "tangent_residual",
     "weight_layout",
 ]

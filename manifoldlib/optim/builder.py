@@ -18,15 +18,25 @@ from torch import nn
 
 from .._numbers import is_real
 from .layouts import weight_layout
-from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon
-from .owner_state import restore_dual_corrections
-from .policies import Classifier, Policy, get_policy, warn_stacked, warn_unclassified
+from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, check_state_dict, restore_dual_corrections
+from .policies import (
+    Classifier,
+    Policy,
+    RolePolicy,
+    _belongs_to_chart,
+    get_policy,
+    is_hidden_matrix,
+    warn_stacked,
+    warn_unclassified,
+)
 
-__all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer"]
+__all__ = ["CombinedOptimizer", "adamw_param_groups", "assign_parameters", "build_optimizer", "describe_assignment"]
 
 DEFAULT_ADAMW_BETAS = (0.9, 0.95)
 #: Group keys :func:`build_optimizer` sets itself; ``manifold_options`` may not replace them.
 _BUILDER_KEYS = ("params", "param_names", "manifold", "layout", "kind")
+#: ManifoldMuon group options (not constructor arguments) that ``**muon_kw`` may set for every group.
+GROUP_OPTIONS = ("ns_dtype",)
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
@@ -157,7 +167,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self) -> None:
         """Call ``consolidate_state_dict()`` of every inner optimizer that has one.
 
-        A collective under ``ManifoldMuon(distributed="sharded")``: every rank calls it before
+        A collective under ``ManifoldMuon(distribution="sharded")``: every rank calls it before
         rank 0 saves :meth:`state_dict`; a no-op otherwise.
         """
         for opt in self.optimizers.values():
@@ -166,6 +176,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 consolidate()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load after :func:`~manifoldlib.optim.manifold_muon.check_state_dict` (the Manifold Muon
+        groups must match: manifold, retraction, layout, shapes and dtypes)."""
+        check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
         restore_dual_corrections(self, state_dict)  # in their saved dtype, not the parameters'
         self._link(self.state)  # the loaded state is the shared one
@@ -227,6 +240,7 @@ def build_optimizer(
     adamw_weight_decay: float | None = None,
     classifier: Classifier | None = None,
     manifold_options: dict[str, dict[str, Any]] | None = None,
+    verbose: bool = False,
     **muon_kw: Any,
 ) -> CombinedOptimizer:
     """One optimizer for ``model``: Manifold Muon for the policy's matrices, AdamW for the rest.
@@ -249,15 +263,13 @@ def build_optimizer(
         adamw_weight_decay: decay of AdamW matrices (default: ``weight_decay``).
         classifier: ``(name, module) -> "attn" | "mlp" | "other" | None`` for a model that does
             not follow the ``attn`` / ``mlp`` naming rule (built-in policies only).
+        verbose: print :func:`describe_assignment`'s table (which matrix went where, and why).
         manifold_options: per-manifold ManifoldMuon group options, e.g.
             ``{"dgram": {"retraction": "colnorm-polar"}}``; not ``params``, ``param_names``,
             ``manifold``, ``layout`` or ``kind``, which the policy and the modules decide.
-        **muon_kw: further ManifoldMuon options for every Muon group (``momentum``, ``ns_steps``,
-            ``dual={"tol": ...}``, ...), including the distributed ones
-            (``distributed="sharded"``, ``process_group``, ``shard_strategy``), ``workers``
-            (matrices solved side by side on CPU threads) and ``batch`` (same-shape matrices
-            solved as one batched dual on the products path). Build the
-            optimizer on the unwrapped model, before wrapping it in DDP.
+        **muon_kw: further ManifoldMuon arguments for every Muon group (``momentum``, ``ns_steps``,
+            ``dual={"tol": ...}``, ``distribution="sharded"``, ...) and the group options
+            ``ns_dtype``. Build the optimizer on the unwrapped model, before wrapping it in DDP.
 
     Returns:
         A :class:`CombinedOptimizer`.
@@ -287,6 +299,9 @@ def build_optimizer(
     if "layout" in muon_kw:
         raise ValueError("the layout of each matrix is read from its module (weight_layout), not layout=...")
     assignment = assign_parameters(model, policy, classifier=classifier)
+    if verbose:
+        print(describe_assignment(model, policy, classifier=classifier))
+    _warn_charted(model, policy, assignment)
     params = {name: p for name, p in model.named_parameters()}
     owners = _owners(model)
     by_manifold: dict[tuple[str, str], list[str]] = {}  # (manifold, layout) -> names
@@ -306,6 +321,9 @@ def build_optimizer(
             }
             for (manifold, layout), names in by_manifold.items()
         ]
+        group_options = {key: muon_kw.pop(key) for key in GROUP_OPTIONS if key in muon_kw}
+        for group in groups:
+            group.update({k: v for k, v in group_options.items() if k not in group})
         optimizers["muon"] = ManifoldMuon(groups, lr=lr, weight_decay=weight_decay, **muon_kw)
     adamw_groups = adamw_param_groups(
         [(n, params[n]) for n, choice in assignment.items() if choice is None],
@@ -314,3 +332,62 @@ def build_optimizer(
     if adamw_groups:
         optimizers["adamw"] = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=tuple(adamw_betas))
     return CombinedOptimizer(optimizers)
+
+
+def _reason(policy: Policy, name: str, module: nn.Module, param: torch.Tensor) -> str:
+    """Why ``policy`` sent a parameter where it did (a role policy's reading of the parameter)."""
+    if not isinstance(policy, RolePolicy):
+        return f"policy {getattr(policy, '__name__', type(policy).__name__)}"
+    if param.dim() != 2:
+        return "not a matrix"
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "embedding"
+    if _belongs_to_chart(module):
+        return "chart coordinates (Euclidean)"
+    if not is_hidden_matrix(name, module, param):
+        return "output head"
+    role = policy.classifier(name, module)
+    return {"attn": "attention", "mlp": "MLP", "other": "other hidden matrix"}.get(role, "unrecognized: fallback")
+
+
+def describe_assignment(model: nn.Module, policy: str | Policy = "hetero", *,
+                        classifier: Classifier | None = None) -> str:
+    """A table of every trainable parameter: name, shape, storage layout, where it goes (a manifold
+    of :class:`ManifoldMuon`, or AdamW) and why — the first thing to check on a new model.
+
+    Returns:
+        The table as text (``build_optimizer(..., verbose=True)`` prints it).
+    """
+    resolved = get_policy(policy, classifier=classifier)
+    assignment = assign_parameters(model, policy, classifier=classifier)
+    owners = _owners(model)
+    rows = [("parameter", "shape", "layout", "optimizer", "why")]
+    for name, choice in assignment.items():
+        param = dict(model.named_parameters())[name]
+        module = owners[id(param)][1]
+        layout = weight_layout(module) if param.dim() == 2 else "-"
+        rows.append((name, "x".join(map(str, param.shape)) or "scalar", layout, choice or "AdamW",
+                     _reason(resolved, name, module, param)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    counts = {}
+    for choice in assignment.values():
+        counts[choice or "AdamW"] = counts.get(choice or "AdamW", 0) + 1
+    summary = ", ".join(f"{k}: {v}" for k, v in counts.items())
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], f"({summary})"])
+
+
+def _warn_charted(model: nn.Module, policy, assignment: dict[str, str | None]) -> None:
+    """One warning when the policy constrains matrices but charted ones (SEL) go to AdamW."""
+    owners = _owners(model)
+    params = dict(model.named_parameters())
+    charted = [n for n, choice in assignment.items()
+               if choice is None and params[n].dim() == 2 and _belongs_to_chart(owners[id(params[n])][1])]
+    if charted:
+        import warnings
+
+        warnings.warn(
+            f"{len(charted)} charted matrices (e.g. {charted[0]!r}) go to AdamW: a chart's raw coordinates "
+            f"are Euclidean coordinates of a curved map, not points of a matrix manifold, so policy "
+            f"{policy!r} cannot constrain them; merge the charts (manifoldlib.charts.merge_charts) before "
+            f"building a constrained optimizer, or use AdamW for the charted model", stacklevel=3)

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from .dual_manifolds import dual_manifold
+from .steepest import matrix_manifold
 from .layouts import check_layout, tall
 
 __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
@@ -34,7 +34,7 @@ def constraint_residual(w: torch.Tensor, manifold, layout: str = "out_in") -> fl
     Raises:
         ValueError: unknown manifold or layout, or a non-matrix ``w``.
     """
-    geometry = dual_manifold(manifold)
+    geometry = matrix_manifold(manifold)
     if w.dim() != 2:
         raise ValueError(f"constraint_residual needs a matrix, got shape {tuple(w.shape)}")
     return float(geometry.constraint_residual(tall(w, check_layout(layout)).to(torch.float64)))
@@ -49,11 +49,15 @@ def spectral_norm(w: torch.Tensor) -> float:
 
 
 def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = True) -> dict[str, dict]:
-    """Per Muon matrix: ``manifold``, ``residual``, ``spectral_norm``, ``dual_iterations``, ``dual_residual``.
+    """Per Muon matrix: ``manifold``, ``residual`` (of the point), ``spectral_norm``, and what the
+    last step did: ``dual_iterations``, ``dual_residual`` (the tangent residual of the direction it
+    took), ``retraction_residual`` (of a sync-free retraction) and ``skipped_steps`` (steps the
+    matrix kept its value: a non-finite gradient, or a retraction that did not converge).
 
     Works on a :class:`~manifoldlib.optim.ManifoldMuon` or the combined optimizer of
     :func:`~manifoldlib.optim.build_optimizer` (keys are the parameter names recorded there, or
-    ``"group{i}.param{j}"``). ``spectral=False`` skips the SVD-based spectral norm.
+    ``"group{i}.param{j}"``). Reads the step's device values back (one host synchronization per
+    call): call it at logging time. ``spectral=False`` skips the SVD-based spectral norm.
     """
     out: dict[str, dict] = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -64,12 +68,15 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
             state = optimizer.state.get(p, {})
             row = {
                 "manifold": group["manifold"],
-                "residual": constraint_residual(p.detach(), group["manifold"], group.get("layout", "out_in")),
+                "residual": constraint_residual(p.detach(), group["manifold"], group.get("layout", "out_in"))
+                if p.numel() else 0.0,
                 "dual_iterations": int(state.get("dual_iterations", 0)),
                 "dual_residual": float(state.get("dual_residual", 0.0)),
+                "retraction_residual": float(state.get("retraction_residual", 0.0)),
+                "skipped_steps": int(state.get("skipped_steps", 0)),
             }
             if spectral:
-                row["spectral_norm"] = spectral_norm(p.detach())
+                row["spectral_norm"] = spectral_norm(p.detach()) if p.numel() else 0.0
             out[name] = row
     return out
 

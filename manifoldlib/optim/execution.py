@@ -1,82 +1,65 @@
-r"""How a Manifold Muon step runs on its device: one policy, resolved once per step.
+r"""How a Manifold Muon step runs on its device: precision, spectral path, host synchronization, threads.
 
-Every choice that depends on the hardware and not on the mathematics lives here, decided from
-the device and the group's options by :meth:`ExecutionPolicy.resolve`, and then *read* by the
-functional core (:func:`~manifoldlib.optim.muon_step.manifold_muon`), the dual solve
-(:func:`~manifoldlib.optim.steepest.solve_dual`) and its solvers. Nothing below the policy asks
-the device again, so a test or a user can pin any choice by passing an explicit policy
-(``execution=ExecutionPolicy(...)``) instead of patching the library.
+Everything that depends on the hardware and not on the mathematics is decided here, once per step,
+by :meth:`Execution.resolve`, and only *read* below it.
 
-The choices:
-
-* **Euclidean Newton–Schulz dtype** (``ns_dtype``). :class:`torch.optim.Muon` runs its iteration in
-  bfloat16, fast where the hardware multiplies bfloat16 natively (CUDA devices that support it,
-  CPUs with AVX512-BF16 or AMX) and very slow where it does not: on a 2-core AMD EPYC with AVX2
-  only (torch 2.13, MKL) a 768² bfloat16 product took 770–900 ms against 11–19 ms in float32.
-  ``"auto"`` takes bfloat16 only where it is native (there it equals ``torch.optim.Muon``) and
-  float32 elsewhere; ``"bfloat16"`` always (the Euclidean steps then equal ``torch.optim.Muon``'s
-  on every device); ``"float32"``.
-* **Spectral path of a plain dual evaluation** (``spectral``): ``"eigh"`` (one ``n × n``
-  eigendecomposition) or ``"products"`` (the Newton–Schulz preset in Gram form, about twenty
-  ``n × n`` products). ``"auto"`` takes the products on CUDA, where a 768² float32 eigh measured
-  8.0 ms against 1.1 ms for the products (H200, torch 2.11), and the eigh elsewhere (2-core CPU:
-  ~35 ms against ~180 ms).
-* **Search-direction precision** (``search_dtype``). What only *proposes* the next dual iterate —
-  the preconditioned step of the plain dual, the Hessian-vector products of the smoothed dual's
-  conjugate gradients — tolerates a relative error of a few 1e-3, and every iterate is then
-  checked in the solve's own dtype. Where bfloat16 is native those products of a float32 solve
-  with at least ``search_min_size`` columns run in bfloat16 (2–3× faster per product, the same
-  iteration counts); below :data:`BFLOAT16_MIN_SIZE` a bfloat16 product is no faster.
-* **Work dtype of a solve** (:meth:`ExecutionPolicy.work_dtype`): float32 for 16-bit input; a
-  float32 solve smoothed from the start runs in ``smoothed_dtype`` — float64 on CUDA, where
-  cuSOLVER's float32 eigh stalled a 768² DGram solve at a residual of 1.2–1.5e-3 for its cap of
-  30 Newton steps while float64 converged in 17–18 (the float64 eigh costs the same there).
-* **Concurrency** (``workers``): how many constrained matrices are solved at once on CPU threads
-  (:func:`~manifoldlib.optim.concurrent_solves.resolve_workers`; always 1 off the CPU).
-* **Batching** (``batch``): the same-shape constrained matrices of a group are solved as one
-  batched dual (:mod:`~manifoldlib.optim.batched_step`: every ``n × n`` product of the
-  Barzilai–Borwein loop carries a leading batch dimension, one host synchronization per
-  iteration for the whole stack). Products path only: ``"auto"`` batches exactly there. On a
-  CPU torch runs a batch in sequence — a ``(2, 768, 768)`` eigh or product took as long as two
-  — so batching buys nothing there and the eigh path keeps the thread pool (which overlaps two
-  solves); on a GPU it replaces ``B`` launches of every product by one.
-* **IEEE float32 products**: not a choice — every solve and retraction runs under
-  :func:`~manifoldlib.optim.matmul_precision.ieee_float32_matmul` whatever the process's TF32
-  setting, since TF32's 1e-3 error is the size of the dual's tolerance.
+* **Precision** (:func:`solve_dtype`, :func:`ieee_float32_matmul`). A solve runs in float32 for
+  16-bit matrices and in the matrix's own dtype otherwise (the one 16-bit rule of the package).
+  Its float32 products are IEEE products whatever the process's TF32 or bfloat16-pass setting
+  (``torch.set_float32_matmul_precision``): those carry a relative error of about 1e-3, the size
+  of the dual's tolerance, so a solve could no longer judge its own tangent residual.
+* **The Euclidean Newton–Schulz dtype** (``ns_dtype``): :class:`torch.optim.Muon` iterates in
+  bfloat16, fast where bfloat16 products are native (:func:`native_bfloat16`: CUDA, CPUs with
+  AVX512-BF16 or AMX) and many times slower where they are emulated. ``"auto"`` takes bfloat16
+  only where it is native.
+* **Spectral path** of the dual (``spectral``): ``"eigh"`` (one ``n × n`` eigendecomposition an
+  evaluation; exact gains, and the eigenbasis serves a Newton-like step) or ``"products"`` (the
+  Newton–Schulz preset in Gram form, matrix products only). ``"auto"`` takes the products on CUDA,
+  where eigendecompositions are slow next to products, and the eigh elsewhere.
+* **Host synchronization** (``sync_free``). On the products path the dual runs a fixed number of
+  iterations with per-matrix convergence masks on the device, and nothing is read back to the
+  host: a GPU step is a few milliseconds of launches, and every read would stall it. On the eigh
+  path (the CPU) a read costs nothing, so the loop stops as soon as every matrix has converged
+  and may continue a stalled matrix on the smoothed dual.
+* **Search precision**: what only *proposes* the next dual iterate (the preconditioned step, the
+  smoothed dual's Hessian products) runs in bfloat16 for float32 solves of at least
+  :data:`BFLOAT16_MIN_SIZE` columns where bfloat16 is native; every iterate is then evaluated in
+  the solve's dtype.
+* **Threads** (:meth:`Execution.threads`): small matrices gain nothing from a second intra-op
+  thread, and on a loaded machine a parallel region waits for a descheduled thread; a CPU step
+  whose largest solve is below :data:`SMALL_SOLVE_FLOPS` runs on one thread
+  (:func:`step_threads` sets it for the step and restores it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from .concurrent_solves import resolve_workers
-
 __all__ = [
-    "BATCH_MODES",
     "BFLOAT16_MIN_SIZE",
     "NS_DTYPES",
-    "SMOOTHED_CUDA_DTYPE",
+    "SMALL_SOLVE_FLOPS",
     "SPECTRAL_PATHS",
-    "ExecutionPolicy",
+    "Execution",
+    "ieee_float32_matmul",
     "native_bfloat16",
+    "solve_dtype",
+    "step_threads",
 ]
 
-#: ``batch`` values of :meth:`ExecutionPolicy.resolve` (and of :class:`~manifoldlib.optim.ManifoldMuon`).
-BATCH_MODES = ("auto", True, False)
-#: ``ns_dtype`` values of a ManifoldMuon group: the dtype its Euclidean Newton–Schulz runs in.
-NS_DTYPES = ("bfloat16", "float32", "auto")
-#: How a plain dual evaluation gets its spectral factor: ``"auto"``, ``"eigh"`` or ``"products"``.
+#: ``ns_dtype`` values: the dtype of a Euclidean group's Newton–Schulz iteration.
+NS_DTYPES = ("auto", "bfloat16", "float32")
+#: ``spectral`` values of the dual options.
 SPECTRAL_PATHS = ("auto", "eigh", "products")
-#: Smallest ``n`` (columns of the ``n × n`` work) at which search products switch to bfloat16:
-#: measured break-even at 128 (f32 0.026 ms, bf16 0.027 ms per product), a 1.8× gain at 256,
-#: 2.1× at 768; at 64 columns bfloat16 was 2.5× slower.
+#: Smallest ``n`` (columns of the ``n × n`` work) at which search products switch to bfloat16.
 BFLOAT16_MIN_SIZE = 256
-#: Work dtype of a float32 solve smoothed from the start on a CUDA device (see the module docstring).
-SMOOTHED_CUDA_DTYPE = torch.float64
+#: A CPU step whose largest matrix has ``m·n·min(m, n)`` below this runs on one intra-op thread.
+SMALL_SOLVE_FLOPS = 128**3
 
 
 @functools.cache
@@ -90,107 +73,129 @@ def native_bfloat16(device_type: str) -> bool:
     return False
 
 
+def solve_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a solve runs in for matrices of ``dtype``: float32 for 16-bit ones, else their own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _matmul_backends() -> list:
+    """The per-backend matmul precision handles this torch has (cuBLAS, oneDNN)."""
+    handles = (getattr(torch.backends.cuda, "matmul", None), getattr(torch.backends.mkldnn, "matmul", None))
+    return [h for h in handles if h is not None and hasattr(h, "fp32_precision")]
+
+
+#: ``fp32_precision`` values that already mean IEEE float32 products (``"none"``: not set).
+FULL_PRECISION = ("ieee", "none")
+
+
+@contextlib.contextmanager
+def ieee_float32_matmul() -> Iterator[None]:
+    """Run the block with IEEE float32 matrix products; restore each backend's setting after.
+
+    Usable as a decorator. Not thread-safe: the setting is global to the process, as torch's is.
+    """
+    changed = []
+    for handle in _matmul_backends():
+        previous = handle.fp32_precision
+        if previous not in FULL_PRECISION:
+            handle.fp32_precision = "ieee"
+            changed.append((handle, previous))
+    try:
+        yield
+    finally:
+        for handle, previous in changed:
+            handle.fp32_precision = previous
+
+
+@contextlib.contextmanager
+def step_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads (``None``: leave them), then restore."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @dataclasses.dataclass(frozen=True)
-class ExecutionPolicy:
+class Execution:
     """The device-dependent choices of one step (see the module docstring).
 
     Attributes:
+        spectral: ``"eigh"`` or ``"products"``.
+        sync_free: run the dual a fixed number of iterations with device-side masks and read
+            nothing back (the products path); else stop when every matrix has converged.
         ns_dtype: dtype of the Euclidean groups' Newton–Schulz.
-        spectral: ``"eigh"`` or ``"products"``, the plain dual evaluations' spectral path.
-        search_dtype: dtype of the search-direction products of float32 solves with at least
-            ``search_min_size`` columns (``None``: the solve's own dtype).
-        search_min_size: that column threshold.
-        smoothed_dtype: work dtype of a float32 solve smoothed from the start (``None``: float32).
-        workers: constrained matrices solved at once on CPU threads (1: one at a time).
-        batch: solve the same-shape constrained matrices of a group as one batched dual (needs
-            ``spectral="products"``; what a batched solve does not converge is solved per matrix).
+        search_dtype: dtype of the search products of large float32 solves (``None``: the solve's).
+        smoothed_dtype: work dtype of a float32 solve smoothed from the start (``None``: float32;
+            float64 on CUDA, where a float32 eigh stalls the smoothed Newton steps).
     """
 
-    ns_dtype: torch.dtype = torch.float32
     spectral: str = "eigh"
+    sync_free: bool = False
+    ns_dtype: torch.dtype = torch.float32
     search_dtype: torch.dtype | None = None
-    search_min_size: int = BFLOAT16_MIN_SIZE
     smoothed_dtype: torch.dtype | None = None
-    workers: int = 1
-    batch: bool = False
 
     def __post_init__(self) -> None:
         if self.spectral not in SPECTRAL_PATHS[1:]:
-            raise ValueError(f"ExecutionPolicy.spectral must be 'eigh' or 'products', got {self.spectral!r}")
-        if not isinstance(self.batch, bool):
-            raise ValueError(f"ExecutionPolicy.batch must be True or False, got {self.batch!r}")
-        if self.batch and self.spectral != "products":
-            raise ValueError(
-                f"ExecutionPolicy.batch=True needs spectral='products' (the batched dual runs the "
-                f"Gram-form products), got spectral={self.spectral!r}"
-            )
-        if not (isinstance(self.workers, int) and self.workers >= 1):
-            raise ValueError(f"ExecutionPolicy.workers must be an int >= 1, got {self.workers!r}")
-        if not (isinstance(self.search_min_size, int) and self.search_min_size >= 1):
-            raise ValueError(f"ExecutionPolicy.search_min_size must be an int >= 1, got {self.search_min_size!r}")
+            raise ValueError(f"Execution.spectral must be 'eigh' or 'products', got {self.spectral!r}")
 
     @classmethod
-    def resolve(
-        cls,
-        device: torch.device | str,
-        *,
-        ns_dtype: str = "auto",
-        spectral: str = "auto",
-        workers: int | str = 1,
-        shapes: Sequence[Sequence[int]] = (),
-        bfloat16_native: bool | None = None,
-        batch: bool | str = "auto",
-    ) -> ExecutionPolicy:
-        """The policy for ``device`` and the group's options.
+    def resolve(cls, device: torch.device | str, *, spectral: str = "auto", ns_dtype: str = "auto",
+                bfloat16_native: bool | None = None) -> Execution:
+        """The choices for ``device``.
 
         Args:
             device: where the matrices live.
-            ns_dtype: one of :data:`NS_DTYPES`.
             spectral: one of :data:`SPECTRAL_PATHS`.
-            workers: an int ``>= 1`` (taken as is), or ``"auto"``, resolved for the constrained
-                matrices' ``shapes`` (:func:`~manifoldlib.optim.concurrent_solves.resolve_workers`);
-                always 1 off the CPU.
-            bfloat16_native: whether bfloat16 products are native (``None``: probe the device,
-                :func:`native_bfloat16`).
-            batch: one of :data:`BATCH_MODES`: ``"auto"`` batches on the products path and not
-                on the eigh path; ``True`` needs the products path; ``False`` never batches.
+            ns_dtype: one of :data:`NS_DTYPES`.
+            bfloat16_native: whether bfloat16 products are native (``None``: probe the device).
 
         Raises:
-            ValueError: naming an unknown ``ns_dtype``, ``spectral``, ``workers`` or ``batch``
-                value, or ``batch=True`` on the eigh path.
+            ValueError: naming an unknown ``spectral`` or ``ns_dtype``.
         """
         device = torch.device(device)
+        if spectral not in SPECTRAL_PATHS:
+            raise ValueError(f"spectral must be one of {', '.join(SPECTRAL_PATHS)}, got {spectral!r}")
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
-        if spectral not in SPECTRAL_PATHS:
-            raise ValueError(f"unknown spectral {spectral!r}; valid: {', '.join(SPECTRAL_PATHS)}")
         native = native_bfloat16(device.type) if bfloat16_native is None else bool(bfloat16_native)
-        if not (batch is True or batch is False or batch == "auto"):
-            raise ValueError(f"batch must be one of 'auto', True, False, got {batch!r}")
-        resolve_workers(workers, ())  # raises on a bad value
-        count = resolve_workers(workers, shapes) if workers == "auto" else workers
         path = ("products" if device.type == "cuda" else "eigh") if spectral == "auto" else spectral
         return cls(
-            ns_dtype=torch.bfloat16 if ns_dtype == "bfloat16" or (ns_dtype == "auto" and native) else torch.float32,
             spectral=path,
+            sync_free=path == "products",
+            ns_dtype=torch.bfloat16 if ns_dtype == "bfloat16" or (ns_dtype == "auto" and native) else torch.float32,
             search_dtype=torch.bfloat16 if native else None,
-            smoothed_dtype=SMOOTHED_CUDA_DTYPE if device.type == "cuda" else None,
-            workers=count if device.type == "cpu" else 1,
-            batch=path == "products" if batch == "auto" else batch,
+            smoothed_dtype=torch.float64 if device.type == "cuda" else None,
         )
 
     def search_dtype_for(self, t: torch.Tensor) -> torch.dtype:
-        """Dtype of the search products of a solve whose ``(..., n, n)`` work is like ``t``:
-        :attr:`search_dtype` for float32 with ``n >=`` :attr:`search_min_size`, else ``t``'s own."""
-        if self.search_dtype is not None and t.dtype == torch.float32 and t.size(-1) >= self.search_min_size:
+        """Dtype of the search products of a solve whose ``(..., n, n)`` work is like ``t``."""
+        if self.search_dtype is not None and t.dtype == torch.float32 and t.size(-1) >= BFLOAT16_MIN_SIZE:
             return self.search_dtype
         return t.dtype
 
-    def work_dtype(self, dtype: torch.dtype, smoothed: bool) -> torch.dtype:
-        """Work dtype of a solve for input ``dtype``: float32 for 16-bit input, :attr:`smoothed_dtype`
-        for a float32 solve smoothed from the start, else ``dtype``."""
-        if dtype in (torch.float16, torch.bfloat16):
-            dtype = torch.float32
+    def work_dtype(self, dtype: torch.dtype, smoothed: bool = False) -> torch.dtype:
+        """Work dtype of a solve for input ``dtype`` (:func:`solve_dtype`; :attr:`smoothed_dtype`
+        for a float32 solve smoothed from the start)."""
+        dtype = solve_dtype(dtype)
         if smoothed and dtype == torch.float32 and self.smoothed_dtype is not None:
             return self.smoothed_dtype
         return dtype
+
+    @staticmethod
+    def threads(device: torch.device | str, shapes: Sequence[Sequence[int]]) -> int | None:
+        """Intra-op threads for a step over matrices of ``shapes`` (``None``: leave torch's).
+
+        One thread on the CPU when the largest ``m·n·min(m, n)`` is below
+        :data:`SMALL_SOLVE_FLOPS`; elsewhere torch's setting.
+        """
+        if torch.device(device).type != "cpu" or not shapes:
+            return None
+        largest = max(s[-2] * s[-1] * min(s[-2], s[-1]) for s in shapes)
+        return 1 if largest < SMALL_SOLVE_FLOPS else None

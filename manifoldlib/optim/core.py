@@ -1,0 +1,266 @@
+r"""The functional core of Manifold Muon: one step over banks of same-shape matrices.
+
+One step for a matrix :math:`W` with gradient :math:`G` (tall orientation):
+
+.. math::
+
+    B \leftarrow \mu B + (1-\mu) G,\qquad
+    U = \begin{cases} (1-\mu) G + \mu B & \text{nesterov} \\ B & \text{otherwise}\end{cases},\qquad
+    A = \operatorname*{arg\,max}_{\|A\|_2\le 1,\ A\in T_W} \langle U, A\rangle,\qquad
+    W \leftarrow R_{\beta W}(-\eta A),
+
+with :math:`\beta = 1 - \eta_0\lambda` the decoupled weight decay where the manifold has a scale
+freedom (DGram, Euclidean) and :math:`\eta` the learning rate after the shape adjustment. On
+Euclidean space :math:`A` is Muon's Newton–Schulz direction and the step is
+:class:`torch.optim.Muon`'s.
+
+**Banks.** Every matrix of every group whose manifold, retraction, tall shape, dtype, device and
+solve options agree joins one bank (a ``(768, 3072)`` and a ``(3072, 768)`` weight share the tall
+shape ``(3072, 768)``). A bank is stacked once, solved as one batched problem
+(:func:`~manifoldlib.optim.steepest.solve_bank`), retracted as one, and written back with one
+``_foreach_copy_``: the number of launches is per bank, not per matrix. Learning rates and decay
+factors that differ inside a bank are per-matrix tensors.
+
+**Momentum** is accumulated on the Euclidean gradient, as :class:`torch.optim.Muon` does; the
+tangent space enters only through the dual at the current point. Each solve starts from the
+closed-form multiplier :math:`\Lambda_0` of the new point plus the correction
+:math:`\Lambda - \Lambda_0` the previous step found (``state["dual_correction"]``).
+
+**Non-finite gradients** are found on the device: such a matrix keeps its value and its momentum
+buffer that step, and ``state["skipped_steps"]`` counts it (read by
+:func:`~manifoldlib.optim.optimizer_diagnostics`); nothing is read back to the host.
+
+**The retraction.** With the manifold's default Muon retraction on a sync-free (products) step,
+the new point is :math:`Y\Phi`, :math:`Y = \beta W - \eta A`, with :math:`\Phi` the manifold's
+Gram-form factor of :math:`Y^\top Y` (:meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.gram_retraction_factor`)
+from fixed chord steps (:func:`~manifoldlib.functional.gram_rsqrt.chord_rsqrt`); a matrix whose
+factor does not reach :data:`RETRACTION_TOL` keeps its value and ``state["skipped_steps"]`` counts
+it. Everywhere else the manifold's own retraction runs (it checks its own accuracy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..distributed import get_rank_world, sharded_apply
+from ..functional.gram_rsqrt import chord_rsqrt
+from ..functional.newton_schulz import newton_schulz
+from .execution import Execution, ieee_float32_matmul, solve_dtype
+from .layouts import flipped
+from .options import MuonOptions, adjusted_lr
+from .steepest import solve_bank
+
+__all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step"]
+
+#: Largest residual :math:`\|I - \Phi^\top T\Phi\|_1` of a sync-free retraction factor, in units of
+#: the dtype's epsilon, at which the new point is taken.
+RETRACTION_TOL = 1024.0
+
+
+@dataclass
+class Bank:
+    """Same-shape matrices solved together (see the module docstring).
+
+    Attributes:
+        options: the options of the first member's group (every member agrees on
+            :meth:`MuonOptions.bank_key`).
+        params, grads, bufs, states: per member (stored orientation).
+        flips: per member, whether its tall orientation is its transpose.
+        lrs, decays: per member, the adjusted learning rate :math:`\\eta` and the decay factor :math:`\\beta`.
+        indices: per member, its position in the caller's list (for sharded steps).
+    """
+
+    options: MuonOptions
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    bufs: list[Tensor] = field(default_factory=list)
+    states: list[dict] = field(default_factory=list)
+    flips: list[bool] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    decays: list[float] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+
+    def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
+        """``(B, m, n)`` the members' tall orientations, one copy."""
+        tall = [t.mT if f else t for t, f in zip(tensors, self.flips)]
+        out = torch.stack(tall)
+        return out if dtype is None else out.to(dtype)
+
+    def unstack(self, stacked: Tensor) -> list[Tensor]:
+        """Views of ``stacked`` ``(B, m, n)`` in the members' stored orientations."""
+        return [t.mT if f else t for t, f in zip(stacked.unbind(0), self.flips)]
+
+    def scalar(self, values: Sequence[float], like: Tensor) -> float | Tensor:
+        """``values`` as one float when they agree, else a ``(B, 1, 1)`` tensor like ``like``."""
+        if all(v == values[0] for v in values):
+            return values[0]
+        return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
+
+
+def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]]) -> list[Bank]:
+    """Group ``(options, param, grad, momentum_buffer, state)`` items into banks, in first-seen order."""
+    banks: dict[tuple, Bank] = {}
+    for index, (opts, p, g, buf, state) in enumerate(items):
+        flip = flipped(p.shape, opts.layout)
+        shape = (p.size(1), p.size(0)) if flip else tuple(p.shape)
+        key = (opts.bank_key(), shape, p.dtype, p.device)
+        bank = banks.setdefault(key, Bank(opts))
+        lr = opts.lr
+        bank.params.append(p)
+        bank.grads.append(g)
+        bank.bufs.append(buf)
+        bank.states.append(state)
+        bank.flips.append(flip)
+        bank.lrs.append(adjusted_lr(lr, opts.adjust_lr_fn, opts.manifold.flat, p.shape, opts.layout))
+        decays = opts.manifold.decays and opts.weight_decay
+        bank.decays.append(1.0 - lr * opts.weight_decay if decays else 1.0)
+        bank.indices.append(index)
+    return list(banks.values())
+
+
+def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Update the members' momentum buffers (not where a gradient is non-finite); return the
+    ``(B, m, n)`` updates in ``work`` and the ``(B,)`` finite mask."""
+    opts = bank.options
+    g = bank.stack(bank.grads)
+    finite = torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.promote_types(g.dtype, torch.float32)))
+    buf = bank.stack(bank.bufs)
+    new_buf = torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf)
+    torch._foreach_copy_(bank.bufs, bank.unstack(new_buf))
+    update = g.lerp(new_buf, opts.momentum) if opts.nesterov else new_buf
+    update = torch.where(finite.view(-1, 1, 1), update, torch.zeros((), dtype=update.dtype, device=update.device))
+    return update if update.dtype == work else update.to(work), finite
+
+
+def _count_skips(bank: Bank, skipped: Tensor) -> None:
+    """``state["skipped_steps"]`` ``+=`` the ``(B,)`` mask, on the device."""
+    counts = torch.stack([s.get("skipped_steps", torch.zeros((), dtype=torch.long, device=skipped.device))
+                          for s in bank.states]) + skipped.long()
+    for state, count in zip(bank.states, counts.unbind(0)):
+        state["skipped_steps"] = count
+
+
+def _euclidean(bank: Bank, execution: Execution) -> Tensor:
+    """Muon's step on a Euclidean bank: ``(B, m, n)`` new values (tall, the parameters' dtype)."""
+    opts = bank.options
+    update, finite = _momentum(bank, bank.params[0].dtype)
+    direction = newton_schulz(update, opts.ns_coefficients, opts.ns_steps, eps=opts.eps, dtype=execution.ns_dtype)
+    w = bank.stack(bank.params)
+    decay = bank.scalar(bank.decays, w)
+    lr = bank.scalar(bank.lrs, w)
+    new = w * decay if not (isinstance(decay, float) and decay == 1.0) else w.clone()
+    new = new.add_(direction, alpha=-lr) if isinstance(lr, float) else new.sub_(direction * lr)
+    _count_skips(bank, ~finite)
+    return torch.where(finite.view(-1, 1, 1), new, w)
+
+
+def _constrained(bank: Bank, execution: Execution) -> Tensor:
+    """A Stiefel / DGram / Oblique bank: ``(B, m, n)`` new values (tall, the parameters' dtype)."""
+    opts = bank.options
+    manifold = opts.manifold
+    work = solve_dtype(bank.params[0].dtype)
+    n = min(bank.params[0].shape)
+    starts = [s.get("dual_correction") if opts.dual.warm_start else None for s in bank.states]
+    for p, given in zip(bank.params, starts):
+        if given is not None and tuple(given.shape) != (n, n):
+            raise ValueError(f"ManifoldMuon: a stored dual_correction has shape {tuple(given.shape)}, expected "
+                             f"{(n, n)} for a matrix of shape {tuple(p.shape)} (a state dict of other shapes?); "
+                             f"no parameter or momentum buffer was changed")
+    update, finite = _momentum(bank, work)
+    w = bank.stack(bank.params, work)
+    start = None
+    if any(s is not None for s in starts):
+        zero = torch.zeros(n, n, dtype=work, device=w.device)
+        start = torch.stack([zero if s is None else s.to(work) for s in starts])
+    with ieee_float32_matmul():
+        solution = solve_bank(w, update, manifold, opts.dual, execution, opts.spectral(execution.spectral),
+                              start=start, check_point=not execution.sync_free)
+        eta = bank.scalar(bank.lrs, w)
+        beta = bank.scalar(bank.decays, w)
+        base = w if isinstance(beta, float) and beta == 1.0 else w * beta
+        step = solution.a * -eta
+        ok = finite
+        if opts.fused and execution.sync_free:
+            new, residual = _gram_retraction(manifold, base + step)
+            ok = ok & (residual <= RETRACTION_TOL * torch.finfo(work).eps)
+            for state, value in zip(bank.states, residual.unbind(0)):
+                state["retraction_residual"] = value
+        else:
+            new = manifold.retr(base, step)
+    for state, corr, it, res in zip(bank.states, (solution.lam - solution.lam0).unbind(0),
+                                    solution.iterations.unbind(0), solution.residual.unbind(0)):
+        state["dual_correction"] = corr
+        state["dual_iterations"] = it
+        state["dual_residual"] = res
+    _count_skips(bank, ~ok)
+    return torch.where(ok.view(-1, 1, 1), new, w).to(bank.params[0].dtype)
+
+
+def _gram_retraction(manifold, y: Tensor) -> tuple[Tensor, Tensor]:
+    r"""``(Y\Phi, residual)``: the manifold's Gram-form retraction with fixed chord steps, no host read."""
+    found: list[Tensor] = []
+
+    def rsqrt(t: Tensor) -> Tensor:
+        root, residual = chord_rsqrt(0.5 * (t + t.mT))
+        found.append(residual)
+        return root
+
+    phi = manifold.gram_retraction_factor(y.mT @ y, rsqrt)
+    residual = found[0] if found else torch.zeros(y.size(0), dtype=y.dtype, device=y.device)
+    residual = torch.where(torch.isfinite(residual), residual, torch.full_like(residual, float("inf")))
+    return y @ phi, residual
+
+
+def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | None = None,
+              process_group=None) -> None:
+    """One step of every bank, in place.
+
+    Args:
+        banks: from :func:`make_banks`.
+        execution_for: ``bank -> Execution`` (resolved once per device and options by the caller)
+            or an :class:`~manifoldlib.optim.execution.Execution`.
+        owners: sharded mode: the owner rank of each item (by the banks' ``indices``); a rank solves
+            the items it owns and :func:`~manifoldlib.distributed.sharded_apply` shares the new
+            values (a collective over ``process_group``). ``None``: every item is solved here.
+    """
+    def execution(bank: Bank) -> Execution:
+        return execution_for if isinstance(execution_for, Execution) else execution_for(bank)
+
+    if owners is None:
+        for bank in banks:
+            step = _euclidean if bank.options.manifold.flat else _constrained
+            torch._foreach_copy_(bank.params, bank.unstack(step(bank, execution(bank))))
+        return
+    rank = get_rank_world(process_group)[0]
+    values: dict[int, Tensor] = {}
+    params: dict[int, Tensor] = {}
+    for bank in banks:
+        mine = [j for j, i in enumerate(bank.indices) if owners[i] == rank]
+        for j, i in enumerate(bank.indices):
+            params[i] = bank.params[j]
+        if not mine:
+            _momentum(bank, bank.params[0].dtype)  # every rank keeps every momentum buffer
+            continue
+        part = _subset(bank, mine)
+        if len(mine) < len(bank.params):
+            _momentum(_subset(bank, [j for j in range(len(bank.params)) if j not in mine]), bank.params[0].dtype)
+        step = _euclidean if part.options.manifold.flat else _constrained
+        for i, value in zip(part.indices, part.unstack(step(part, execution(part)))):
+            values[i] = value
+    order = sorted(params)
+    shared = sharded_apply([params[i] for i in order], lambda k, p: values[order[k]],
+                           process_group=process_group, owners=[owners[i] for i in order])
+    torch._foreach_copy_([params[i] for i in order], shared)
+
+
+def _subset(bank: Bank, members: Sequence[int]) -> Bank:
+    """The bank of some of ``bank``'s members."""
+    pick = lambda values: [values[j] for j in members]  # noqa: E731
+    return Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
+                pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices))
+

@@ -1,0 +1,651 @@
+r"""The steepest-direction dual of a bank of same-shape matrices: the problem and its solvers.
+
+For a gradient :math:`G` at a point :math:`W` of a matrix manifold the *steepest direction* under
+the spectral norm is
+
+.. math::
+
+    A^\star = \operatorname*{arg\,max}_{A}\ \langle G, A\rangle
+    \quad\text{s.t.}\quad \|A\|_2 \le 1,\ A \in T_W\mathcal{M}.
+
+The normal space is :math:`\{W\Lambda\}` with :math:`\Lambda = \mathcal{P}(\Lambda)` symmetric,
+:math:`\mathcal{P}` the manifold's :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.multiplier_mask`
+(identity on Stiefel, ``Off`` on DGram, ``Diag`` on Oblique), and the Lagrangian dual is
+
+.. math::
+
+    \max_A \langle G, A\rangle = \min_{\Lambda} \|G + 2W\Lambda\|_*,
+    \qquad A(\Lambda) = \operatorname{msign}(G + 2W\Lambda),
+
+whose gradient is the normal residual :math:`H = \mathcal{P}(W^\top A + A^\top W)`; at the
+optimum :math:`A(\Lambda^\star)` is tangent, of spectral norm one, and optimal.
+
+**The reduced problem.** Write :math:`W = QF` (:math:`F = I` on Stiefel, :math:`\operatorname{diag}(d)`
+on DGram, triangular on Oblique), :math:`B = Q^\top G` and :math:`G_\perp = G - QB`, formed
+explicitly (:math:`C = G_\perp^\top G_\perp` by difference, :math:`G^\top G - B^\top B`, loses
+every digit for a gradient nearly normal to the tangent space). With :math:`M = B + 2F\Lambda`,
+:math:`X = G + 2W\Lambda = G_\perp + QM` has the Gram matrix :math:`S = C + M^\top M`, and every
+spectral map of :math:`X` is :math:`XR` with :math:`R` a function of :math:`S`: for a
+Newton–Schulz map :math:`R` comes from :func:`~manifoldlib.functional.newton_schulz.gram_newton_schulz`
+(``"products"``) or from :math:`S = V\operatorname{diag}(\lambda)V^\top` and the scalar gain
+:math:`\psi(\lambda)` (``"eigh"``). So an iteration is ``n × n`` work only, and
+:math:`K = Q^\top A = MR`, :math:`W^\top A = F^\top K`; the ``m``-sized work is the setup and the
+answer :math:`A = G_\perp R + QK`.
+
+**Banks.** Every quantity carries a leading batch dimension: ``B`` same-shape matrices are one
+problem, one batched product where ``B`` separate solves would run ``B``.
+
+**Solvers.** :func:`bb_solve`: Barzilai–Borwein steps on the metric-preconditioned gradient
+(:math:`2/(d_i^2 + d_j^2)`, so DGram columns of different norms converge together), alternating
+the long and short rules, with per-matrix step sizes, convergence masks, stall counts and best
+iterates, all on the device; it runs a fixed number of iterations (``sync_free``) or stops once
+every matrix has converged. :func:`anderson_solve` (eigh path): frozen-gain Newton steps in the
+eigenbasis the evaluation computed, with Anderson mixing. :func:`smoothed_solve` (one matrix,
+eigh path): Newton–CG on the smoothed dual :math:`\operatorname{tr}(X^\top X + \mu^2 I)^{1/2}`,
+whose optimum is tangent with :math:`\|A\|_2 < 1` and loses at most :math:`n\mu` of the
+objective — for square DGram, whose plain dual optimum is rank deficient, and for plain solves
+that stall.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ..functional.msign import msign
+from ..functional.newton_schulz import gram_newton_schulz, newton_schulz_gain
+from ..functional.normal_space import normal_metric
+from .execution import Execution
+
+__all__ = ["DualProblem", "Evaluation", "Progress", "Spectral", "anderson_solve", "bb_solve", "smoothed_solve",
+           "with_smoothing"]
+
+_DIMS = (-2, -1)
+#: Past steps Anderson mixing combines.
+ANDERSON_MEMORY = 2
+#: Over-relaxation of the frozen-gain Newton step until a matrix's residual first grows.
+PRECONDITIONED_RELAXATION = 1.2
+#: CG iterations per Newton step of the smoothed dual.
+NEWTON_CG_ITER = 40
+#: Backtracking steps of the smoothed dual's line search.
+LINE_SEARCH_STEPS = 20
+#: Rounding noise of the smoothed dual value, in units of ``eps · |value|``: below it the Armijo
+#: test cannot see a predicted decrease, and a trial is accepted when it lowers the residual.
+VALUE_NOISE_ULPS = 16
+#: Continuation start of a cold smoothed solve (relative :math:`\kappa`).
+SMOOTHING_START = 1e-1
+#: Smallest relative smoothing the gap-driven continuation goes down to.
+SMOOTHING_FLOOR = 2e-5
+
+
+@dataclass(frozen=True)
+class Spectral:
+    """How an evaluation maps the Gram matrix :math:`S` to the factor :math:`R`.
+
+    Attributes:
+        method: a Newton–Schulz preset (``"jordan5"``, ``"polar-express"``, ``"newton-schulz"``)
+            or ``"svd"`` (exact; unreduced, or the exact gain :math:`\\lambda^{-1/2}` when smoothed).
+        steps: Newton–Schulz steps (``None``: the preset's).
+        coefficients: a custom ``(a, b, c)`` or schedule (``None``: the preset's).
+        eps: floor of the Newton–Schulz normalization.
+        path: ``"eigh"`` or ``"products"``.
+    """
+
+    method: str = "jordan5"
+    steps: int | None = None
+    coefficients: tuple | None = None
+    eps: float = 1e-7
+    path: str = "eigh"
+
+
+@dataclass
+class Evaluation:
+    """One evaluation of every matrix of a bank at the multipliers ``lam`` ``(B, n, n)``.
+
+    ``residual`` ``(B,)`` is the reduced problem's relative tangent residual (NaN where the
+    evaluation diverged); ``r`` the spectral factor (or ``vec`` and ``gain`` that give it),
+    ``k`` :math:`= Q^\\top A`, ``m`` :math:`= B + 2F\\Lambda`; ``a`` the ``m × n`` answer of the
+    unreduced (exact SVD) path; ``value`` the smoothed dual's value.
+    """
+
+    lam: torch.Tensor
+    h: torch.Tensor
+    residual: torch.Tensor
+    k: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+    r: torch.Tensor | None = None
+    eig: torch.Tensor | None = None
+    vec: torch.Tensor | None = None
+    gain: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+
+    def factor(self) -> torch.Tensor:
+        """The ``(B, n, n)`` spectral factor :math:`R`."""
+        if self.r is None:
+            self.r = (self.vec * self.gain.unsqueeze(-2)) @ self.vec.mT
+        return self.r
+
+    def where(self, take: torch.Tensor, other: Evaluation) -> Evaluation:
+        """This evaluation where ``take`` ``(B,)`` is true, ``other`` elsewhere (field by field)."""
+        out = {}
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is None or theirs is None:
+                out[f.name] = None
+                continue
+            mask = take.view((-1,) + (1,) * (mine.dim() - 1))
+            out[f.name] = torch.where(mask, mine, theirs)
+        return Evaluation(**out)
+
+    def select(self, index) -> Evaluation:
+        """The evaluations of some matrices (an index tensor or a slice) of the bank."""
+        return Evaluation(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                             for f in fields(self)})
+
+
+def _add_product(base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    return torch.baddbmm(base, left, right, alpha=alpha)
+
+
+class DualProblem:
+    r"""The reduced dual of a bank: tall points ``w`` and normalized gradients ``g``, ``(B, m, n)``.
+
+    Args:
+        w: points on ``manifold`` (tall orientation, the solve's dtype).
+        g: gradients, each of Frobenius norm 1 (or 0: its answer is 0).
+        manifold: a :class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold`.
+        spectral: the map from :math:`S` to :math:`R` (:class:`Spectral`).
+        execution: the device's choices (search dtype).
+        smoothing: ``None`` or the absolute smoothing :math:`\mu` per matrix ``(B,)``.
+        reduced: work with the ``n × n`` reduced problem (``None``: unless the exact ``"svd"`` map
+            runs unsmoothed, which iterates on the ``m × n`` matrix itself: the reference).
+        check_point: let the manifold refuse a point the dual cannot use (a host read).
+    """
+
+    def __init__(self, w, g, manifold, spectral: Spectral, execution: Execution, *, smoothing=None,
+                 reduced: bool | None = None, check_point: bool = True) -> None:
+        self.manifold, self.spectral, self.execution = manifold, spectral, execution
+        self.w, self.g = w, g
+        n = w.size(-1)
+        self.square = w.size(-2) == n
+        self.f = manifold.dual_factor(w, check=check_point)  # None, (B, n) or (B, n, n)
+        self.unit = self.f is None
+        self.full = self.f is not None and self.f.dim() == w.dim()
+        if self.unit:
+            self.d = w.new_ones(w.shape[:-2] + (n,))
+        else:
+            self.d = self.f.norm(dim=-2) if self.full else self.f  # (B, n) column norms of W
+        self.metric = normal_metric(self.d * self.d)  # (B, n, n): (d_i^2 + d_j^2)/2
+        self.mask = manifold.multiplier_mask
+        self.smoothing = smoothing
+        self.evaluations = 0
+        self.hessian_products = 0
+        self.wg = w.mT @ g  # (B, n, n) = W^T G = F^T B
+        self.b = self.gperp = self.c = None
+        self.reduced = False
+        if reduced or (reduced is None and (spectral.method != "svd" or smoothing is not None)):
+            self._reduce()
+
+    def _reduce(self) -> None:
+        r""":math:`B = Q^\top G`, :math:`G_\perp = G - QB` and :math:`C = G_\perp^\top G_\perp`."""
+        self.reduced = True
+        self.b = self.solve_factor_transposed(self.wg)  # (B, n, n) = F^{-T} W^T G
+        if self.square:  # G lies in span(Q)
+            self.c = torch.zeros_like(self.b)
+            return
+        self.gperp = self.g - self.times_q(self.b)  # (B, m, n)
+        self.c = self.gperp.mT @ self.gperp  # (B, n, n)
+
+    # -- the factor F of W = QF --------------------------------------------------------------
+    def solve_factor_transposed(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`F^{-\top}x`."""
+        if self.unit:
+            return x
+        if self.full:
+            return torch.linalg.solve_triangular(self.f.mT, x, upper=False)
+        return x / self.d.unsqueeze(-1)
+
+    def times_factor(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`Fx`."""
+        if self.unit:
+            return x
+        return self.f @ x if self.full else self.d.unsqueeze(-1) * x
+
+    def factor_transposed_times(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`F^\top x` (:math:`W^\top A` from :math:`K = Q^\top A`)."""
+        if self.unit:
+            return x
+        return self.f.mT @ x if self.full else self.d.unsqueeze(-1) * x
+
+    def times_q(self, x: torch.Tensor) -> torch.Tensor:
+        r"""``(B, m, n)`` :math:`Qx = WF^{-1}x`."""
+        if self.unit:
+            return self.w @ x
+        if self.full:
+            return self.w @ torch.linalg.solve_triangular(self.f, x, upper=True)
+        return self.w @ (x / self.d.unsqueeze(-1))
+
+    # -- evaluations ---------------------------------------------------------------------------
+    def initial_multiplier(self) -> torch.Tensor:
+        r""":math:`\Lambda_0 = -\mathcal{P}(W^\top G + G^\top W)/(4\cdot\text{metric})`: :math:`G + 2W\Lambda_0 = P_W(G)`."""
+        return -self.mask(self.wg + self.wg.mT) / (4.0 * self.metric)
+
+    def gram(self, lam: torch.Tensor) -> torch.Tensor:
+        r"""``(B, n, n)`` :math:`S = C + M^\top M` and :math:`M`."""
+        m = self._m(lam)
+        return (m.mT @ m if self.square else _add_product(self.c, m.mT, m)), m
+
+    def _m(self, lam: torch.Tensor) -> torch.Tensor:
+        if self.full:
+            return _add_product(self.b, self.f, lam, alpha=2.0)
+        return torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, 2.0 * self.d.unsqueeze(-1), lam)
+
+    def evaluate(self, lam: torch.Tensor) -> Evaluation:
+        """Every matrix of the bank at the multipliers ``lam``; no host read."""
+        self.evaluations += 1
+        if not self.reduced:
+            return self._evaluate_unreduced(lam)
+        s, m = self.gram(lam)
+        finite = torch.isfinite(s.sum(_DIMS))  # (B,): a diverged step gives NaN below, not an error
+        sp = self.spectral
+        if sp.path == "eigh" or (self.smoothing is not None and sp.method == "svd"):
+            s = torch.where(finite.view(-1, 1, 1), s, torch.zeros_like(s))
+            eig, vec = torch.linalg.eigh(s)  # (B, n), (B, n, n); reads the lower triangle
+            eig = eig.clamp_min(0)
+            if self.smoothing is not None:
+                mu2 = self._mu2(eig)
+                gain = (eig + mu2).rsqrt()
+                value = (eig + mu2).sqrt().sum(-1)
+            elif sp.method == "svd":  # the exact polar factor; eigenvalues the Gram matrix cannot resolve map to 0
+                floor = eig.amax(-1, keepdim=True) * eig.size(-1) * torch.finfo(eig.dtype).eps
+                gain = torch.where(eig > floor, eig.clamp_min(torch.finfo(eig.dtype).tiny).rsqrt(), 0.0)
+                value = None
+            else:
+                gain = newton_schulz_gain(eig, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
+                value = None
+            a_sq = (eig * gain * gain).sum(-1)  # ||A||_F^2
+            k = ((m @ vec) * gain.unsqueeze(-2)) @ vec.mT  # (B, n, n) = M R
+            ev = Evaluation(lam, None, None, k=k, m=m, eig=eig, vec=vec, gain=gain, value=value)
+        else:
+            t = s if self.smoothing is None else s + torch.diag_embed(self._mu2(s).expand(s.shape[:-1]))
+            r = gram_newton_schulz(t, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
+            a_sq = ((s @ r) * r).sum(_DIMS)  # ||X R||_F^2 = tr(R S R)
+            ev = Evaluation(lam, None, None, k=m @ r, m=m, r=r)
+        ev.h, residual = self.normal_residual(self.factor_transposed_times(ev.k), a_sq)
+        ev.residual = torch.where(finite, residual, torch.full_like(residual, float("nan")))
+        return ev
+
+    def _mu2(self, like: torch.Tensor) -> torch.Tensor:
+        mu = torch.as_tensor(self.smoothing, dtype=like.dtype, device=like.device)
+        return (mu * mu).reshape(-1, 1) if mu.dim() else mu * mu
+
+    def _evaluate_unreduced(self, lam: torch.Tensor) -> Evaluation:
+        x = _add_product(self.g, self.w, lam, alpha=2.0)  # (B, m, n) = G + 2 W Lambda
+        finite = torch.isfinite(x.sum(_DIMS))
+        x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
+        a = msign(x, "svd")
+        h, residual = self.normal_residual(self.w.mT @ a, (a * a).sum(_DIMS))
+        residual = torch.where(finite, residual, torch.full_like(residual, float("nan")))
+        return Evaluation(lam, h, residual, a=a)
+
+    def normal_residual(self, wa: torch.Tensor, a_sq: torch.Tensor):
+        r"""``(H, residual)`` from :math:`W^\top A` and :math:`\|A\|_F^2`: the dual gradient
+        :math:`H = \mathcal{P}(W^\top A + A^\top W)` and the relative tangent residual
+        :math:`\|WS\|_F/\|A\|_F`, :math:`S = H/(d_i^2 + d_j^2)`, :math:`\|WS\|_F = \|FS\|_F`."""
+        h = self.mask(wa + wa.mT)
+        s = h / (2.0 * self.metric)
+        normal = (self.times_factor(s) if not self.unit else s).norm(dim=_DIMS)
+        return h, normal / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt()
+
+    def answer(self, ev: Evaluation) -> torch.Tensor:
+        r"""``(B, m, n)`` :math:`A = G_\perp R + QK` (the unreduced path's own ``a``)."""
+        if ev.a is not None:
+            return ev.a
+        qk = self.times_q(ev.k)
+        return qk if self.gperp is None else _add_product(qk, self.gperp, ev.factor())
+
+    def tangent_residual(self, a: torch.Tensor) -> torch.Tensor:
+        r"""``(B,)`` relative normal component :math:`\|A - P_WA\|_F/\|A\|_F` of the formed ``a``,
+        from the exact :math:`W^\top A` (not the reduced problem's)."""
+        return self.normal_residual(self.w.mT @ a, (a * a).sum(_DIMS))[1]
+
+    def select(self, index) -> DualProblem:
+        """The problem of some matrices of the bank (an index tensor or a slice); the setup is shared."""
+        part = copy.copy(self)
+        for name in ("w", "g", "f", "d", "metric", "wg", "b", "gperp", "c"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(part, name, value[index])
+        if isinstance(self.smoothing, torch.Tensor) and self.smoothing.dim():
+            part.smoothing = self.smoothing[index]
+        part.evaluations = part.hessian_products = 0
+        return part
+
+    # -- the smoothed dual (one matrix, eigh) --------------------------------------------------
+    def relative_gap(self, ev: Evaluation) -> float:
+        r"""Certified relative duality gap :math:`(\|X\|_* - \langle G, A\rangle)/\|X\|_*` of an eigh evaluation.
+
+        Any multiplier bounds the optimum by :math:`\|X(\Lambda)\|_* = \sum_i\sqrt{\lambda_i}`, and
+        :math:`\langle G, A\rangle = \sum_i\lambda_i\psi_i - 2\langle\Lambda, F^\top K\rangle` is
+        the answer's value (up to its tangent residual).
+        """
+        nuclear = ev.eig.sqrt().sum()
+        value = (ev.eig * ev.gain).sum() - 2.0 * (ev.lam * self.factor_transposed_times(ev.k)).sum()
+        return float((nuclear - value) / nuclear.clamp_min(torch.finfo(nuclear.dtype).tiny))
+
+    def hessian_vector(self, ev: Evaluation, delta: torch.Tensor, cache: dict) -> torch.Tensor:
+        r"""Second derivative of the smoothed dual along the symmetric ``delta``.
+
+        :math:`E = 2F\Delta`, :math:`dS = E^\top M + M^\top E`, :math:`dR = V[(V^\top dSV)\circ\Phi]V^\top`
+        with :math:`\Phi_{ij} = -1/(a_ia_j(a_i + a_j))`, :math:`a = \psi^{-1}` (the divided
+        differences of :math:`(\lambda + \mu^2)^{-1/2}`); then :math:`dK = ER + M\,dR` and the
+        answer is :math:`\mathcal{P}(F^\top dK + dK^\top F)`. Four ``n × n`` products, in the search
+        dtype (they only steer conjugate gradients).
+        """
+        self.hessian_products += 1
+        if "vec" not in cache:
+            low = self.execution.search_dtype_for(ev.vec)
+            root = ev.gain.reciprocal()
+            phi = -1.0 / (root.unsqueeze(-1) * root.unsqueeze(-2) * (root.unsqueeze(-1) + root.unsqueeze(-2)))
+            cache.update(vec=ev.vec.to(low), mv=(ev.m @ ev.vec).to(low), phi=phi)
+        vec, mv, phi = cache["vec"], cache["mv"], cache["phi"]
+        e_v = (2.0 * self.times_factor(delta)).to(vec.dtype) @ vec  # E V
+        t = (e_v.mT @ mv).to(delta.dtype)
+        dr = ((t + t.mT) * phi).to(vec.dtype)  # V^T dR V
+        dk = ((e_v.to(delta.dtype) * ev.gain.unsqueeze(-2)).to(vec.dtype) + mv @ dr) @ vec.mT  # dK
+        ddk = self.factor_transposed_times(dk.to(delta.dtype))
+        return self.mask(ddk + ddk.mT)
+
+
+# -- Barzilai–Borwein on a bank ----------------------------------------------------------------
+
+@dataclass
+class Progress:
+    """Per-matrix book-keeping of a bank's solve, all on the device.
+
+    Attributes:
+        best: the best evaluation of each matrix so far (a NaN one is always replaced).
+        iterations: ``(B,)`` dual updates each matrix took.
+        active: ``(B,)`` matrices still iterating (above ``tol``, finite, not stalled).
+        mark, stall: ``(B,)`` the residual of the last 10% cut and the iterations since.
+        history: the ``(B,)`` residuals of every evaluation, in order (device tensors).
+    """
+
+    best: Evaluation
+    iterations: torch.Tensor
+    active: torch.Tensor
+    mark: torch.Tensor
+    stall: torch.Tensor
+    history: list
+
+    @classmethod
+    def start(cls, ev: Evaluation, tol: float) -> Progress:
+        r = ev.residual
+        return cls(ev, torch.zeros_like(r, dtype=torch.long), (r > tol) & torch.isfinite(r), r.clone(),
+                   torch.zeros_like(r, dtype=torch.long), [r])
+
+    def record(self, ev: Evaluation, stepped: torch.Tensor, tol: float, patience: int | None) -> None:
+        """Take ``ev`` for the matrices that ``stepped``: best iterate, stall count, activity."""
+        r = ev.residual
+        self.history.append(r)
+        self.iterations = self.iterations + stepped.long()
+        improved = stepped & ((r < self.best.residual) | torch.isnan(self.best.residual))
+        self.best = ev.where(improved, self.best)
+        progress = r < 0.9 * self.mark
+        self.mark = torch.where(stepped & progress, r, self.mark)
+        self.stall = torch.where(stepped, torch.where(progress, 0, self.stall + 1), self.stall)
+        still = (r > tol) & torch.isfinite(r)
+        if patience is not None:
+            still = still & (self.stall < patience)
+        self.active = stepped & still | (~stepped & self.active)
+
+
+def _barzilai_borwein(step, s_vec, y_vec, long: bool):
+    """Next BB step size per matrix ``(B,)``: long :math:`\\langle s,s\\rangle/\\langle s,y\\rangle` or
+    short :math:`\\langle s,y\\rangle/\\langle y,y\\rangle`, kept only where :math:`\\langle s,y\\rangle > 0`."""
+    sy = (s_vec * y_vec).sum(_DIMS)
+    if long:
+        proposed = (s_vec * s_vec).sum(_DIMS) / sy
+    else:
+        proposed = sy / (y_vec * y_vec).sum(_DIMS).clamp_min(torch.finfo(sy.dtype).tiny)
+    return torch.where(sy > 0, proposed, step)
+
+
+def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: int, patience: int | None,
+             sync_free: bool) -> Progress:
+    r"""Barzilai–Borwein steps on every matrix of ``problem`` from ``lam`` ``(B, n, n)``.
+
+    The first step is :math:`1/(4\sqrt n)` (about a quarter of a typical singular value of the
+    normalized problem), then the long and short rules alternate. A matrix stops moving once it
+    is inactive (:class:`Progress`). ``sync_free``: exactly ``iterations`` iterations and no host
+    read; otherwise the loop also stops when no matrix is active (one read per iteration).
+    """
+    ev = problem.evaluate(lam)
+    progress = Progress.start(ev, tol)
+    step = torch.full_like(ev.residual, 0.25 / math.sqrt(lam.size(-1)))
+    lam_prev = grad_prev = None
+    for taken in range(iterations):
+        if not sync_free and not bool(progress.active.any()):
+            break
+        active = progress.active
+        grad = ev.h / problem.metric  # preconditioned dual gradient
+        if lam_prev is not None:
+            step = torch.where(active, _barzilai_borwein(step, lam - lam_prev, grad - grad_prev, long=bool(taken % 2)), step)
+        lam_prev, grad_prev = lam, grad
+        lam = torch.where(active.view(-1, 1, 1), lam - step.view(-1, 1, 1) * grad, lam)
+        ev = problem.evaluate(lam)
+        progress.record(ev, active, tol, patience)
+    return progress
+
+
+# -- Anderson-mixed frozen-gain Newton steps (eigh path) -----------------------------------
+
+def _preconditioned_step(problem: DualProblem, ev: Evaluation, relaxation: torch.Tensor) -> torch.Tensor:
+    r"""Approximate Newton step :math:`-\mathcal{H}^{-1}H` from the eigenbasis in hand.
+
+    With the gain frozen, a change :math:`\Delta` of the multiplier changes :math:`H` by
+    :math:`\mathcal{P}(2D^2\Delta R + 2R\Delta D^2)`; with :math:`D^2` replaced by the metric
+    that operator is diagonal in the basis :math:`V`, with entries :math:`2(\psi_i + \psi_j)`.
+    Freezing :math:`R` drops the curvature of the spectral map, so the step is short (on
+    Stiefel the preconditioned Jacobian has its spectrum in :math:`(0, 1]`) and is over-relaxed
+    by ``relaxation`` ``(B,)``.
+    """
+    low = ev.vec.to(problem.execution.search_dtype_for(ev.vec))
+    rotated = low.mT @ (ev.h / problem.metric).to(low.dtype) @ low  # in the eigenbasis of S
+    scale = 2.0 * (ev.gain.unsqueeze(-1) + ev.gain.unsqueeze(-2))
+    step = (low @ (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)).to(low.dtype) @ low.mT).to(ev.vec.dtype)
+    step = problem.mask(step + step.mT)  # symmetric part, times two
+    return step * (-0.5 * relaxation).view(-1, 1, 1)
+
+
+def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: int,
+                   patience: int | None, memory: int = ANDERSON_MEMORY) -> Progress:
+    r"""Frozen-gain Newton steps (:func:`_preconditioned_step`) with Anderson mixing, per matrix.
+
+    The fixed-point map :math:`\Lambda + \delta(\Lambda)` converges linearly; Anderson mixing of
+    the last ``memory`` steps (type II: :math:`\Lambda_{k+1} = \Lambda_k + \delta_k - (\Delta\Lambda
+    + \Delta\delta)\gamma`, :math:`\gamma = \arg\min\|\delta_k - \Delta\delta\,\gamma\|`) about halves
+    the iterations of Barzilai–Borwein steps. Steps are over-relaxed by
+    :data:`PRECONDITIONED_RELAXATION` until a matrix's residual first grows; then its memory
+    restarts and its relaxation drops to 1. Eigh path only (the eigenbasis); stops when no
+    matrix is active.
+    """
+    ev = problem.evaluate(lam)
+    progress = Progress.start(ev, tol)
+    batch = lam.size(0)
+    relaxation = torch.full((batch,), PRECONDITIONED_RELAXATION, dtype=lam.dtype, device=lam.device)
+    points: list[torch.Tensor] = []
+    steps: list[torch.Tensor] = []
+    valid: list[torch.Tensor] = []  # (B,) per history entry: not cleared by a restart
+    previous = ev.residual
+    for _ in range(iterations):
+        if not bool(progress.active.any()):
+            break
+        active = progress.active
+        delta = _preconditioned_step(problem, ev, relaxation)
+        points, steps, valid = (points + [lam])[-(memory + 1):], (steps + [delta])[-(memory + 1):], \
+            (valid + [active])[-(memory + 1):]
+        new = lam + delta
+        if len(steps) > 1:
+            new = new - _anderson_correction(points, steps, valid, delta)
+        lam = torch.where(active.view(-1, 1, 1), new, lam)
+        ev = problem.evaluate(lam)
+        progress.record(ev, active, tol, patience)
+        grew = active & ~(ev.residual < previous)
+        relaxation = torch.where(grew, torch.ones_like(relaxation), relaxation)
+        valid = [v & ~grew for v in valid]  # the mixing overshot: restart from plain steps
+        previous = torch.where(active, ev.residual, previous)
+    return progress
+
+
+def _anderson_correction(points, steps, valid, delta) -> torch.Tensor:
+    r"""``(B, n, n)`` :math:`(\Delta\Lambda + \Delta\delta)\gamma` from the consecutive differences of
+    the history; pairs that a restart invalidated get :math:`\gamma = 0`."""
+    d_steps = [b - a for a, b in itertools.pairwise(steps)]
+    d_points = [b - a for a, b in itertools.pairwise(points)]
+    ok = [u & v for u, v in itertools.pairwise(valid)]
+    k = len(d_steps)
+    flat = torch.stack([d.flatten(1) for d in d_steps], dim=1)  # (B, k, n*n)
+    keep = torch.stack(ok, dim=1).to(flat.dtype)  # (B, k)
+    flat = flat * keep.unsqueeze(-1)
+    gram = flat @ flat.mT  # (B, k, k)
+    rhs = (flat @ delta.flatten(1).unsqueeze(-1)).squeeze(-1)  # (B, k)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    ridge = 1e-10 * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(gram.dtype).tiny)
+    gamma, info = torch.linalg.solve_ex(gram + ridge.view(-1, 1, 1) * eye + (1 - keep).unsqueeze(-1) * eye, rhs)
+    gamma = torch.where((info == 0).unsqueeze(-1) & torch.isfinite(gamma), gamma * keep, 0.0)  # (B, k)
+    out = torch.zeros_like(delta)
+    for i in range(k):
+        out = out + gamma[:, i].view(-1, 1, 1) * (d_points[i] + d_steps[i])
+    return out
+
+
+# -- the smoothed dual: Newton–CG, one matrix ----------------------------------------------
+
+def _conjugate_gradient(problem: DualProblem, ev: Evaluation, rhs: torch.Tensor, max_iter: int, rtol: float):
+    """Preconditioned CG on ``Hess · p = rhs`` (preconditioner: the normal-space metric)."""
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    z = r / problem.metric
+    p = z.clone()
+    rz = float((r * z).sum())
+    stop = rtol * float(rhs.norm())
+    cache: dict = {}
+    for _ in range(max_iter):
+        hp = problem.hessian_vector(ev, p, cache)
+        php = float((p * hp).sum())
+        if not php > 0:  # flat or numerically indefinite: keep what we have
+            break
+        alpha = rz / php
+        x = x + alpha * p
+        r = r - alpha * hp
+        if float(r.norm()) <= stop:
+            break
+        z = r / problem.metric
+        rz_new = float((r * z).sum())
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return x if bool(x.abs().sum() > 0) else z
+
+
+def _newton(problem: DualProblem, lam: torch.Tensor, tol: float, max_iter: int, patience: int | None):
+    r"""Newton–CG with backtracking on the smoothed dual of one matrix (a bank of one).
+
+    Armijo on the smoothed value where it resolves the predicted decrease; below the value's
+    rounding noise (:data:`VALUE_NOISE_ULPS`) a trial is accepted when it lowers the residual.
+    Returns ``(best evaluation, iterations)``.
+    """
+    ev = problem.evaluate(lam)
+    best, mark, stall, iterations = ev, float(ev.residual), 0, 0
+    residual = float(ev.residual)
+    while not residual <= tol and iterations < max_iter:
+        if (patience is not None and stall >= patience) or math.isnan(residual):
+            break
+        h = ev.h
+        direction = _conjugate_gradient(problem, ev, -h, NEWTON_CG_ITER, min(0.5, float(h.norm()) ** 0.5))
+        slope = float((h * direction).sum())
+        if not slope < 0:
+            direction, slope = -h / problem.metric, -float((h * h / problem.metric).sum())
+        noise = VALUE_NOISE_ULPS * torch.finfo(lam.dtype).eps * abs(float(ev.value))
+        t = 1.0
+        for _ in range(LINE_SEARCH_STEPS):
+            trial = problem.evaluate(lam + t * direction)
+            decrease = t * slope
+            if -decrease > noise:
+                accepted = float(trial.value) <= float(ev.value) + 1e-4 * decrease
+            else:
+                accepted = float(trial.residual) < residual
+            if accepted:
+                break
+            t *= 0.5
+        ev, lam = trial, trial.lam
+        residual = float(ev.residual)
+        iterations += 1
+        if residual < float(best.residual) or math.isnan(float(best.residual)):
+            best = ev
+        if residual < 0.9 * mark:
+            mark, stall = residual, 0
+        else:
+            stall += 1
+    return best, iterations
+
+
+def smoothed_solve(problem: DualProblem, lam: torch.Tensor, lam0: torch.Tensor, kappa: float, tol: float,
+                   max_iter: int, patience: int | None, cold: bool, gap_tol: float | None = None):
+    r"""Newton–CG on the smoothed dual of one matrix with :math:`\mu = \kappa\|P_WG\|_F/\sqrt n`.
+
+    A cold start runs a continuation (:data:`SMOOTHING_START` to ``10 tol``, then ``kappa`` to
+    ``tol``); a warm start goes straight to ``kappa`` when it beats the closed-form start. With
+    ``gap_tol`` the smoothing shrinks tenfold a stage (down to :data:`SMOOTHING_FLOOR`) until the
+    certified relative gap is at most ``gap_tol``. The iteration budget is shared.
+
+    Returns:
+        ``(best evaluation, iterations, gap, problem)``: ``problem`` the reduced copy that ran
+        (its :meth:`~DualProblem.answer` forms the direction).
+    """
+    n = lam.size(-1)
+    problem = with_smoothing(problem, None)
+    s0, _ = problem.gram(lam0)
+    scale = float(torch.diagonal(s0, dim1=-2, dim2=-1).sum().clamp_min(0).sqrt()) / math.sqrt(n)
+    scale = scale if scale > 0 else 1.0 / math.sqrt(n)
+    if not cold:
+        problem.smoothing = kappa * scale
+        cold = not float(problem.evaluate(lam).residual) < float(problem.evaluate(lam0).residual)
+        lam = lam0 if cold else lam
+    stages = [SMOOTHING_START, kappa] if (cold and kappa < SMOOTHING_START) else [kappa]
+    iterations, ev = 0, None
+    for i, stage in enumerate(stages):
+        problem.smoothing = stage * scale
+        stage_tol = tol if i == len(stages) - 1 else 10.0 * tol
+        ev, done = _newton(problem, lam, stage_tol, max_iter - iterations, patience)
+        lam, iterations = ev.lam, iterations + done
+    gap = problem.relative_gap(ev)
+    while gap_tol is not None and not gap <= gap_tol and float(ev.residual) <= tol and iterations < max_iter:
+        stage = stage / 10.0
+        if stage < SMOOTHING_FLOOR:
+            break
+        before = problem.smoothing
+        problem.smoothing = stage * scale
+        more, done = _newton(problem, ev.lam, tol, max_iter - iterations, patience)
+        iterations += done
+        if not float(more.residual) <= tol:
+            problem.smoothing = before
+            break  # the smaller smoothing did not get to tol: keep the last answer that did
+        ev, gap = more, problem.relative_gap(more)
+    return ev, iterations, gap, problem
+
+
+def with_smoothing(problem: DualProblem, smoothing) -> DualProblem:
+    """A copy of ``problem`` (the setup shared) with another smoothing, on the reduced eigh path
+    (the smoothed Newton steps need the eigenbasis)."""
+    part = copy.copy(problem)
+    part.smoothing = smoothing
+    part.spectral = replace(problem.spectral, path="eigh")
+    if not part.reduced:
+        part._reduce()
+    return part
