@@ -12,7 +12,7 @@ Choose manifolds per module: :func:`register_policy`, :func:`get_policy`,
 :func:`available_policies`, :class:`RolePolicy`, :func:`default_classifier`,
 :func:`is_hidden_matrix`; :func:`weight_layout` reads how a module stores its matrix.
 
-Solve one problem: :func:`steepest_direction` (with :class:`SteepestInfo`).
+Solve one problem: :func:`steepest_direction` (with :class:`SteepestInfo`), :func:`tangent_residual`.
 
 Log: :func:`optimizer_diagnostics`, :func:`constraint_residual`, :func:`spectral_norm`,
 :func:`max_attention_logit`.
@@ -31,7 +31,7 @@ from .policies import (
     is_hidden_matrix,
     register_policy,
 )
-from .steepest import SteepestInfo, steepest_direction
+from .steepest import SteepestInfo, steepest_direction, tangent_residual
 
 __all__ = [
     "LAYOUTS",
@@ -56,5 +56,6 @@ __all__ = [
     "register_policy",
     "spectral_norm",
     "steepest_direction",
+    "tangent_residual",
     "weight_layout",
 ]

@@ -48,7 +48,8 @@ import torch
 from torch import Tensor
 
 from ..distributed import get_rank_world, sharded_apply
-from ..functional.gram_rsqrt import chord_rsqrt
+from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
+from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
 from .execution import Execution, ieee_float32_matmul, solve_dtype
 from .layouts import flipped
@@ -123,24 +124,42 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]]
     return list(banks.values())
 
 
+def _bank_buffer(bank: Bank) -> Tensor:
+    """The members' momentum buffers as one ``(B, m, n)`` tensor (tall orientation), kept in the
+    optimizer state as views of it (stacked once, the first time the bank meets)."""
+    base = bank.bufs[0]._base
+    views = bank.unstack(base) if base is not None and base.dim() == 3 and base.size(0) == len(bank.bufs) else None
+    if views is not None and all(v.data_ptr() == b.data_ptr() and v.stride() == b.stride()
+                                 for v, b in zip(views, bank.bufs)):
+        return base
+    stacked = bank.stack(bank.bufs)
+    for state, view in zip(bank.states, bank.unstack(stacked)):
+        state["momentum_buffer"] = view
+    bank.bufs = [state["momentum_buffer"] for state in bank.states]
+    return stacked
+
+
 def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
     """Update the members' momentum buffers (not where a gradient is non-finite); return the
-    ``(B, m, n)`` updates in ``work`` and the ``(B,)`` finite mask."""
+    ``(B, m, n)`` updates (non-finite where the gradient is) in ``work`` and the ``(B,)`` finite mask."""
     opts = bank.options
     g = bank.stack(bank.grads)
     finite = torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.promote_types(g.dtype, torch.float32)))
-    buf = bank.stack(bank.bufs)
-    new_buf = torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf)
-    torch._foreach_copy_(bank.bufs, bank.unstack(new_buf))
-    update = g.lerp(new_buf, opts.momentum) if opts.nesterov else new_buf
-    update = torch.where(finite.view(-1, 1, 1), update, torch.zeros((), dtype=update.dtype, device=update.device))
+    buf = _bank_buffer(bank)
+    torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf, out=buf)
+    update = g.lerp_(buf, opts.momentum) if opts.nesterov else buf
     return update if update.dtype == work else update.to(work), finite
 
 
 def _count_skips(bank: Bank, skipped: Tensor) -> None:
     """``state["skipped_steps"]`` ``+=`` the ``(B,)`` mask, on the device."""
-    counts = torch.stack([s.get("skipped_steps", torch.zeros((), dtype=torch.long, device=skipped.device))
-                          for s in bank.states]) + skipped.long()
+    zero = None
+    previous = []
+    for state in bank.states:
+        if "skipped_steps" not in state:
+            zero = torch.zeros((), dtype=torch.long, device=skipped.device) if zero is None else zero
+        previous.append(state.get("skipped_steps", zero))
+    counts = torch.stack(previous) + skipped.long()
     for state, count in zip(bank.states, counts.unbind(0)):
         state["skipped_steps"] = count
 
@@ -182,16 +201,17 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
                               start=start, check_point=not execution.sync_free)
         eta = bank.scalar(bank.lrs, w)
         beta = bank.scalar(bank.decays, w)
-        base = w if isinstance(beta, float) and beta == 1.0 else w * beta
-        step = solution.a * -eta
         ok = finite
-        if opts.fused and execution.sync_free:
-            new, residual = _gram_retraction(manifold, base + step)
-            ok = ok & (residual <= RETRACTION_TOL * torch.finfo(work).eps)
-            for state, value in zip(bank.states, residual.unbind(0)):
-                state["retraction_residual"] = value
-        else:
-            new = manifold.retr(base, step)
+        new = None
+        if opts.fused and solution.best is not None:
+            new, residual = _fused_retraction(solution, eta, beta, execution)
+            if residual is not None:
+                ok = ok & (residual <= RETRACTION_TOL * torch.finfo(residual.dtype).eps)
+                for state, value in zip(bank.states, residual.unbind(0)):
+                    state["retraction_residual"] = value
+        if new is None:  # form the direction and take the manifold's own retraction
+            base = w if isinstance(beta, float) and beta == 1.0 else w * beta
+            new = manifold.retr(base, solution.direction().to(w.dtype) * -eta)
     for state, corr, it, res in zip(bank.states, (solution.lam - solution.lam0).unbind(0),
                                     solution.iterations.unbind(0), solution.residual.unbind(0)):
         state["dual_correction"] = corr
@@ -201,19 +221,47 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     return torch.where(ok.view(-1, 1, 1), new, w).to(bank.params[0].dtype)
 
 
-def _gram_retraction(manifold, y: Tensor) -> tuple[Tensor, Tensor]:
-    r"""``(Y\Phi, residual)``: the manifold's Gram-form retraction with fixed chord steps, no host read."""
-    found: list[Tensor] = []
+def _fused_retraction(solution, eta, beta, execution: Execution):
+    r"""``(new points, residual)``: :math:`R_{\beta W}(-\eta A)` in the manifold's Gram form, from the
+    solved dual's ``n × n`` pieces, without forming :math:`A` (two ``m·n²`` products).
 
-    def rsqrt(t: Tensor) -> Tensor:
-        root, residual = chord_rsqrt(0.5 * (t + t.mT))
-        found.append(residual)
-        return root
-
-    phi = manifold.gram_retraction_factor(y.mT @ y, rsqrt)
-    residual = found[0] if found else torch.zeros(y.size(0), dtype=y.dtype, device=y.device)
-    residual = torch.where(torch.isfinite(residual), residual, torch.full_like(residual, float("inf")))
-    return y @ phi, residual
+    :math:`Y^\top Y = \beta^2P - \beta\eta(W^\top A + A^\top W) + \eta^2A^\top A`
+    (:meth:`~manifoldlib.optim.dual.DualProblem.pieces`), :math:`\Phi` the manifold's factor of it,
+    and :math:`Y\Phi = W(\beta\Phi - \eta F^{-1}K'\Phi) - \eta G'(R\Phi)` with :math:`G' = G_\perp`,
+    :math:`K' = K` where :math:`G_\perp` was formed, else :math:`G' = G`, :math:`K' = K - BR`.
+    Sync-free: :math:`\Phi` from fixed chord steps, ``residual`` ``(B,)`` their
+    :math:`\|I - \Phi^\top T\Phi\|_1`. Otherwise the checked product kernels; ``(None, None)``
+    where they do not resolve :math:`T` (take the manifold's retraction then).
+    """
+    problem, ev = solution.problem, solution.best
+    wta, ata = problem.pieces(ev)
+    gram = beta * beta * problem.point_gram() - (beta * eta) * (wta + wta.mT) + (eta * eta) * ata
+    gram = 0.5 * (gram + gram.mT)
+    found: list = []
+    if execution.sync_free:
+        def rsqrt(t):
+            root, residual = chord_rsqrt(t)
+            found.append(residual)
+            return root
+    else:
+        def rsqrt(t):
+            result = products_only_rsqrt(0.5 * (t + t.mT))
+            return result[0] if result is not None and result[1] <= GRAM_EIGH_ONE_PASS else None
+    phi = problem.manifold.gram_retraction_factor(gram, rsqrt)
+    if phi is None:
+        return None, None
+    r = ev.factor()
+    k = ev.product() if problem.square or problem.gperp is not None else ev.product() - problem.b @ r
+    w_factor = beta * phi - eta * problem.solve_factor(k @ phi)  # (B, n, n)
+    new = problem.w @ w_factor
+    if not problem.square:
+        new = new - eta * ((problem.gperp if problem.gperp is not None else problem.g) @ (r @ phi))
+    residual = None
+    if found:
+        residual = torch.where(torch.isfinite(found[0]), found[0], torch.full_like(found[0], float("inf")))
+    elif not bool(torch.isfinite(new).all()):
+        return None, None
+    return new, residual
 
 
 def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | None = None,

@@ -50,6 +50,7 @@ that stall.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 from dataclasses import dataclass, fields, replace
@@ -80,6 +81,19 @@ VALUE_NOISE_ULPS = 16
 SMOOTHING_START = 1e-1
 #: Smallest relative smoothing the gap-driven continuation goes down to.
 SMOOTHING_FLOOR = 2e-5
+#: A unit gradient whose part outside the span of :math:`W` has :math:`\|G_\perp\|_F^2` below this
+#: gets :math:`G_\perp` formed explicitly (``explicit=None``).
+NEARLY_NORMAL = 0.1
+#: Estimated constraint residual of the point, in units of its dtype's machine epsilon, above which
+#: the exact :math:`W^\top W` is computed (``exact_gram=None``): float32 7.6e-6.
+GRAM_DRIFT_EPS = 64.0
+
+
+@functools.lru_cache(maxsize=32)
+def _probe(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fixed ``(n,)`` vector of ±1 (the same on every process, so replicated steps agree)."""
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(n))
+    return (2 * signs - 1).to(dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -108,8 +122,10 @@ class Evaluation:
 
     ``residual`` ``(B,)`` is the reduced problem's relative tangent residual (NaN where the
     evaluation diverged); ``r`` the spectral factor (or ``vec`` and ``gain`` that give it),
-    ``k`` :math:`= Q^\\top A`, ``m`` :math:`= B + 2F\\Lambda`; ``a`` the ``m × n`` answer of the
-    unreduced (exact SVD) path; ``value`` the smoothed dual's value.
+    ``k`` :math:`= Q^\\top A` (:meth:`product`), ``m`` :math:`= B + 2F\\Lambda`, ``mv``
+    :math:`= MV`; ``a`` the ``m × n`` answer of the unreduced (exact SVD) path; ``value`` the
+    smoothed dual's value; ``rotated`` :math:`V^\\top HV` where an evaluation left it instead of
+    :math:`H`.
     """
 
     lam: torch.Tensor
@@ -123,6 +139,14 @@ class Evaluation:
     gain: torch.Tensor | None = None
     value: torch.Tensor | None = None
     a: torch.Tensor | None = None
+    mv: torch.Tensor | None = None
+    rotated: torch.Tensor | None = None
+
+    def product(self) -> torch.Tensor:
+        """``(B, n, n)`` :math:`K = MR` (formed on first use where the evaluation skipped it)."""
+        if self.k is None:
+            self.k = (self.mv * self.gain.unsqueeze(-2)) @ self.vec.mT
+        return self.k
 
     def factor(self) -> torch.Tensor:
         """The ``(B, n, n)`` spectral factor :math:`R`."""
@@ -142,6 +166,15 @@ class Evaluation:
             out[f.name] = torch.where(mask, mine, theirs)
         return Evaluation(**out)
 
+    @classmethod
+    def cat(cls, evaluations: list[Evaluation]) -> Evaluation:
+        """One evaluation of a bank from evaluations of its parts, in order (fields all carry)."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(e, f.name) for e in evaluations]
+            out[f.name] = None if any(v is None for v in values) else torch.cat(values)
+        return cls(**out)
+
     def select(self, index) -> Evaluation:
         """The evaluations of some matrices (an index tensor or a slice) of the bank."""
         return Evaluation(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
@@ -155,6 +188,11 @@ def _add_product(base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, al
 class DualProblem:
     r"""The reduced dual of a bank: tall points ``w`` and normalized gradients ``g``, ``(B, m, n)``.
 
+    The answer is :math:`A = G_\perp R + QK`; :meth:`pieces` gives its exact :math:`W^\top A` and
+    :math:`A^\top A` from ``n × n`` work, using :math:`P = W^\top W` where it was computed
+    (``exact_gram``) and :math:`F^\top F` (what the point satisfies up to its constraint
+    residual) elsewhere; the retraction and the reported residual read them.
+
     Args:
         w: points on ``manifold`` (tall orientation, the solve's dtype).
         g: gradients, each of Frobenius norm 1 (or 0: its answer is 0).
@@ -164,11 +202,18 @@ class DualProblem:
         smoothing: ``None`` or the absolute smoothing :math:`\mu` per matrix ``(B,)``.
         reduced: work with the ``n × n`` reduced problem (``None``: unless the exact ``"svd"`` map
             runs unsmoothed, which iterates on the ``m × n`` matrix itself: the reference).
+        explicit: form :math:`G_\perp = G - QB` (one ``m·n²`` product) rather than
+            :math:`C = G^\top G - B^\top B`, which loses every digit of a gradient nearly normal to
+            the tangent space; ``None``: where some :math:`\|G_\perp\|_F^2 <` :data:`NEARLY_NORMAL` (a host read).
+        exact_gram: compute :math:`P = W^\top W` (one ``m·n²`` product); ``None``: where a
+            random probe finds the point's constraint residual above :data:`GRAM_DRIFT_EPS`
+            units of its dtype's rounding (a host read).
         check_point: let the manifold refuse a point the dual cannot use (a host read).
     """
 
     def __init__(self, w, g, manifold, spectral: Spectral, execution: Execution, *, smoothing=None,
-                 reduced: bool | None = None, check_point: bool = True) -> None:
+                 reduced: bool | None = None, explicit: bool | None = True, exact_gram: bool | None = False,
+                 check_point: bool = True) -> None:
         self.manifold, self.spectral, self.execution = manifold, spectral, execution
         self.w, self.g = w, g
         n = w.size(-1)
@@ -186,20 +231,50 @@ class DualProblem:
         self.evaluations = 0
         self.hessian_products = 0
         self.wg = w.mT @ g  # (B, n, n) = W^T G = F^T B
-        self.b = self.gperp = self.c = None
+        if exact_gram is None:
+            exact_gram = self._drifted()
+        self.p = 0.5 * (w.mT @ w + (w.mT @ w).mT) if exact_gram else None  # (B, n, n) = W^T W, exact
+        self.explicit = explicit
+        self.b = self.gperp = self.c = self.gtg = None
         self.reduced = False
         if reduced or (reduced is None and (spectral.method != "svd" or smoothing is not None)):
             self._reduce()
 
+    def _drifted(self) -> bool:
+        r"""Whether :math:`\|(W^\top W - F^\top F)z\|/\|F^\top F\|` exceeds :data:`GRAM_DRIFT_EPS` units of
+        rounding for a fixed :math:`\pm 1` probe ``z`` (:math:`\mathbb{E}\|Ez\|^2 = \|E\|_F^2`)."""
+        w = self.w
+        z = _probe(w.size(-1), w.dtype, w.device)
+        deviation = (w.mT @ (w @ z).unsqueeze(-1)).squeeze(-1) - self.assumed_gram() @ z  # (B, n)
+        scale = self.assumed_gram().norm(dim=(-2, -1)).clamp_min(torch.finfo(w.dtype).tiny)
+        return bool((deviation.norm(dim=-1) / scale > GRAM_DRIFT_EPS * torch.finfo(w.dtype).eps).any())
+
     def _reduce(self) -> None:
-        r""":math:`B = Q^\top G`, :math:`G_\perp = G - QB` and :math:`C = G_\perp^\top G_\perp`."""
+        r""":math:`B = Q^\top G` and :math:`C = G_\perp^\top G_\perp`, :math:`G_\perp = G - QB`."""
         self.reduced = True
         self.b = self.solve_factor_transposed(self.wg)  # (B, n, n) = F^{-T} W^T G
         if self.square:  # G lies in span(Q)
             self.c = torch.zeros_like(self.b)
             return
-        self.gperp = self.g - self.times_q(self.b)  # (B, m, n)
-        self.c = self.gperp.mT @ self.gperp  # (B, n, n)
+        if self.explicit is None:  # ||G_perp||^2 = 1 - ||B||^2 for a unit G
+            self.explicit = bool((1.0 - (self.b * self.b).sum((-2, -1)) < NEARLY_NORMAL).any())
+        if self.explicit:
+            self.gperp = self.g - self.times_q(self.b)  # (B, m, n)
+            self.c = self.gperp.mT @ self.gperp  # (B, n, n)
+        else:
+            self.gtg = self.g.mT @ self.g
+            c = _add_product(self.gtg, self.b.mT, self.b, alpha=-1.0)
+            self.c = 0.5 * (c + c.mT)
+
+    def assumed_gram(self) -> torch.Tensor:
+        r""":math:`F^\top F` ``(B, n, n)``: the Gram matrix the point satisfies up to its constraint residual."""
+        if self.full:
+            return self.f.mT @ self.f
+        return torch.diag_embed(self.d * self.d)
+
+    def point_gram(self) -> torch.Tensor:
+        r""":math:`P = W^\top W`: exact where computed, else :meth:`assumed_gram`."""
+        return self.p if self.p is not None else self.assumed_gram()
 
     # -- the factor F of W = QF --------------------------------------------------------------
     def solve_factor_transposed(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +283,14 @@ class DualProblem:
             return x
         if self.full:
             return torch.linalg.solve_triangular(self.f.mT, x, upper=False)
+        return x / self.d.unsqueeze(-1)
+
+    def solve_factor(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`F^{-1}x`."""
+        if self.unit:
+            return x
+        if self.full:
+            return torch.linalg.solve_triangular(self.f, x, upper=True)
         return x / self.d.unsqueeze(-1)
 
     def times_factor(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,11 +307,7 @@ class DualProblem:
 
     def times_q(self, x: torch.Tensor) -> torch.Tensor:
         r"""``(B, m, n)`` :math:`Qx = WF^{-1}x`."""
-        if self.unit:
-            return self.w @ x
-        if self.full:
-            return self.w @ torch.linalg.solve_triangular(self.f, x, upper=True)
-        return self.w @ (x / self.d.unsqueeze(-1))
+        return self.w @ self.solve_factor(x)
 
     # -- evaluations ---------------------------------------------------------------------------
     def initial_multiplier(self) -> torch.Tensor:
@@ -245,8 +324,13 @@ class DualProblem:
             return _add_product(self.b, self.f, lam, alpha=2.0)
         return torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, 2.0 * self.d.unsqueeze(-1), lam)
 
-    def evaluate(self, lam: torch.Tensor) -> Evaluation:
-        """Every matrix of the bank at the multipliers ``lam``; no host read."""
+    def evaluate(self, lam: torch.Tensor, rotated: bool = False) -> Evaluation:
+        """Every matrix of the bank at the multipliers ``lam``; no host read.
+
+        ``rotated`` (eigh path, Stiefel): leave :math:`V^\\top HV = N\\Psi + \\Psi N^\\top`,
+        :math:`N = V^\\top MV`, for the frozen-gain step instead of :math:`H` and :math:`K`: two
+        ``n × n`` products fewer.
+        """
         self.evaluations += 1
         if not self.reduced:
             return self._evaluate_unreduced(lam)
@@ -269,14 +353,20 @@ class DualProblem:
                 gain = newton_schulz_gain(eig, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
                 value = None
             a_sq = (eig * gain * gain).sum(-1)  # ||A||_F^2
-            k = ((m @ vec) * gain.unsqueeze(-2)) @ vec.mT  # (B, n, n) = M R
-            ev = Evaluation(lam, None, None, k=k, m=m, eig=eig, vec=vec, gain=gain, value=value)
+            mv = m @ vec  # (B, n, n) = M V
+            ev = Evaluation(lam, None, None, m=m, eig=eig, vec=vec, gain=gain, value=value, mv=mv)
+            if rotated and self.unit and self.smoothing is None:
+                nt = (vec.mT @ mv) * gain.unsqueeze(-2)  # N Psi
+                ev.rotated = nt + nt.mT  # V^T H V (metric 1 on Stiefel)
+                residual = 0.5 * ev.rotated.norm(dim=_DIMS) / a_sq.clamp_min(torch.finfo(a_sq.dtype).tiny).sqrt()
+                ev.residual = torch.where(finite, residual, torch.full_like(residual, float("nan")))
+                return ev
         else:
             t = s if self.smoothing is None else s + torch.diag_embed(self._mu2(s).expand(s.shape[:-1]))
             r = gram_newton_schulz(t, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
             a_sq = ((s @ r) * r).sum(_DIMS)  # ||X R||_F^2 = tr(R S R)
             ev = Evaluation(lam, None, None, k=m @ r, m=m, r=r)
-        ev.h, residual = self.normal_residual(self.factor_transposed_times(ev.k), a_sq)
+        ev.h, residual = self.normal_residual(self.factor_transposed_times(ev.product()), a_sq)
         ev.residual = torch.where(finite, residual, torch.full_like(residual, float("nan")))
         return ev
 
@@ -306,18 +396,62 @@ class DualProblem:
         r"""``(B, m, n)`` :math:`A = G_\perp R + QK` (the unreduced path's own ``a``)."""
         if ev.a is not None:
             return ev.a
-        qk = self.times_q(ev.k)
-        return qk if self.gperp is None else _add_product(qk, self.gperp, ev.factor())
+        k = ev.product()
+        if self.square:
+            return self.times_q(k)
+        if self.gperp is not None:
+            return _add_product(self.times_q(k), self.gperp, ev.factor())
+        # G_perp R + Q K = G R + Q (K - B R)
+        return _add_product(self.times_q(k - self.b @ ev.factor()), self.g, ev.factor())
+
+    def pieces(self, ev: Evaluation) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(W^T A, A^T A)`` ``(B, n, n)`` of the answer :math:`A = G_\perp R + QK`, from ``n × n`` work.
+
+        With :math:`P = W^\top W` (:meth:`point_gram`), :math:`W^\top Q = PF^{-1}`,
+        :math:`Q^\top Q = F^{-\top}PF^{-1}`, :math:`W^\top G_\perp = W^\top G - PF^{-1}B`:
+
+        .. math::
+
+            W^\top A = W^\top G_\perp R + PF^{-1}K,\qquad
+            A^\top A = RCR + R\,G_\perp^\top Q\,K + K^\top Q^\top G_\perp R + K^\top Q^\top QK,
+
+        with :math:`C = G_\perp^\top G_\perp` (formed, or :math:`G^\top G - 2B^\top B + B^\top Q^\top QB`).
+        Where :math:`P = F^\top F` these are :math:`F^\top K` and :math:`RSR`, the reduced problem's.
+        """
+        r, k = ev.factor(), ev.product()
+        if self.p is None:  # W^T W = F^T F: the reduced problem's own pieces, A^T A = R S R
+            if ev.vec is not None:  # = V diag(lambda psi^2) V^T
+                ata = (ev.vec * (ev.eig * ev.gain * ev.gain).unsqueeze(-2)) @ ev.vec.mT
+            else:
+                ata = r.mT @ (_add_product(self.c, ev.m.mT, ev.m) @ r)
+            return self.factor_transposed_times(k), ata
+        p_finv = self.solve_factor_transposed(self.p).mT  # P F^{-1}
+        qtq = self.solve_factor_transposed(p_finv)  # F^{-T} P F^{-1}
+        wta = p_finv @ k
+        ata = k.mT @ (qtq @ k)
+        if not self.square:
+            wtg_perp = self.wg - p_finv @ self.b  # W^T G_perp
+            qtg_perp = self.solve_factor_transposed(wtg_perp)  # Q^T G_perp
+            c = self.c if self.gperp is not None else \
+                self.gtg - 2.0 * (self.b.mT @ self.b) + self.b.mT @ (qtq @ self.b)
+            cross = r.mT @ (qtg_perp.mT @ k)  # R G_perp^T Q K
+            ata = ata + r.mT @ (c @ r) + cross + cross.mT
+            wta = wta + wtg_perp @ r
+        return wta, 0.5 * (ata + ata.mT)
+
+    def answer_residual(self, wta: torch.Tensor, ata: torch.Tensor) -> torch.Tensor:
+        r"""``(B,)`` relative tangent residual of the answer from its :meth:`pieces`."""
+        return self.normal_residual(wta, torch.diagonal(ata, dim1=-2, dim2=-1).sum(-1))[1]
 
     def tangent_residual(self, a: torch.Tensor) -> torch.Tensor:
-        r"""``(B,)`` relative normal component :math:`\|A - P_WA\|_F/\|A\|_F` of the formed ``a``,
-        from the exact :math:`W^\top A` (not the reduced problem's)."""
+        r"""``(B,)`` relative normal component :math:`\|A - P_WA\|_F/\|A\|_F` of a formed ``a``,
+        from the exact :math:`W^\top A`."""
         return self.normal_residual(self.w.mT @ a, (a * a).sum(_DIMS))[1]
 
     def select(self, index) -> DualProblem:
         """The problem of some matrices of the bank (an index tensor or a slice); the setup is shared."""
         part = copy.copy(self)
-        for name in ("w", "g", "f", "d", "metric", "wg", "b", "gperp", "c"):
+        for name in ("w", "g", "f", "d", "metric", "wg", "p", "b", "gperp", "c", "gtg"):
             value = getattr(self, name)
             if value is not None:
                 setattr(part, name, value[index])
@@ -335,7 +469,7 @@ class DualProblem:
         the answer's value (up to its tangent residual).
         """
         nuclear = ev.eig.sqrt().sum()
-        value = (ev.eig * ev.gain).sum() - 2.0 * (ev.lam * self.factor_transposed_times(ev.k)).sum()
+        value = (ev.eig * ev.gain).sum() - 2.0 * (ev.lam * self.factor_transposed_times(ev.product())).sum()
         return float((nuclear - value) / nuclear.clamp_min(torch.finfo(nuclear.dtype).tiny))
 
     def hessian_vector(self, ev: Evaluation, delta: torch.Tensor, cache: dict) -> torch.Tensor:
@@ -352,7 +486,7 @@ class DualProblem:
             low = self.execution.search_dtype_for(ev.vec)
             root = ev.gain.reciprocal()
             phi = -1.0 / (root.unsqueeze(-1) * root.unsqueeze(-2) * (root.unsqueeze(-1) + root.unsqueeze(-2)))
-            cache.update(vec=ev.vec.to(low), mv=(ev.m @ ev.vec).to(low), phi=phi)
+            cache.update(vec=ev.vec.to(low), mv=ev.mv.to(low), phi=phi)
         vec, mv, phi = cache["vec"], cache["mv"], cache["phi"]
         e_v = (2.0 * self.times_factor(delta)).to(vec.dtype) @ vec  # E V
         t = (e_v.mT @ mv).to(delta.dtype)
@@ -383,11 +517,13 @@ class Progress:
     stall: torch.Tensor
     history: list
 
+    sync_free: bool = True
+
     @classmethod
-    def start(cls, ev: Evaluation, tol: float) -> Progress:
+    def start(cls, ev: Evaluation, tol: float, sync_free: bool = True) -> Progress:
         r = ev.residual
         return cls(ev, torch.zeros_like(r, dtype=torch.long), (r > tol) & torch.isfinite(r), r.clone(),
-                   torch.zeros_like(r, dtype=torch.long), [r])
+                   torch.zeros_like(r, dtype=torch.long), [r], sync_free)
 
     def record(self, ev: Evaluation, stepped: torch.Tensor, tol: float, patience: int | None) -> None:
         """Take ``ev`` for the matrices that ``stepped``: best iterate, stall count, activity."""
@@ -395,7 +531,10 @@ class Progress:
         self.history.append(r)
         self.iterations = self.iterations + stepped.long()
         improved = stepped & ((r < self.best.residual) | torch.isnan(self.best.residual))
-        self.best = ev.where(improved, self.best)
+        if not self.sync_free and bool(improved.all()):  # a host read where it is free: no masked copies
+            self.best = ev
+        else:
+            self.best = ev.where(improved, self.best)
         progress = r < 0.9 * self.mark
         self.mark = torch.where(stepped & progress, r, self.mark)
         self.stall = torch.where(stepped, torch.where(progress, 0, self.stall + 1), self.stall)
@@ -426,7 +565,7 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
     read; otherwise the loop also stops when no matrix is active (one read per iteration).
     """
     ev = problem.evaluate(lam)
-    progress = Progress.start(ev, tol)
+    progress = Progress.start(ev, tol, sync_free)
     step = torch.full_like(ev.residual, 0.25 / math.sqrt(lam.size(-1)))
     lam_prev = grad_prev = None
     for taken in range(iterations):
@@ -456,7 +595,8 @@ def _preconditioned_step(problem: DualProblem, ev: Evaluation, relaxation: torch
     by ``relaxation`` ``(B,)``.
     """
     low = ev.vec.to(problem.execution.search_dtype_for(ev.vec))
-    rotated = low.mT @ (ev.h / problem.metric).to(low.dtype) @ low  # in the eigenbasis of S
+    rotated = ev.rotated.to(low.dtype) if ev.rotated is not None else \
+        low.mT @ (ev.h / problem.metric).to(low.dtype) @ low  # in the eigenbasis of S
     scale = 2.0 * (ev.gain.unsqueeze(-1) + ev.gain.unsqueeze(-2))
     step = (low @ (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)).to(low.dtype) @ low.mT).to(ev.vec.dtype)
     step = problem.mask(step + step.mT)  # symmetric part, times two
@@ -475,8 +615,8 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
     restarts and its relaxation drops to 1. Eigh path only (the eigenbasis); stops when no
     matrix is active.
     """
-    ev = problem.evaluate(lam)
-    progress = Progress.start(ev, tol)
+    ev = problem.evaluate(lam, rotated=True)
+    progress = Progress.start(ev, tol, sync_free=False)
     batch = lam.size(0)
     relaxation = torch.full((batch,), PRECONDITIONED_RELAXATION, dtype=lam.dtype, device=lam.device)
     points: list[torch.Tensor] = []
@@ -494,7 +634,7 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
         if len(steps) > 1:
             new = new - _anderson_correction(points, steps, valid, delta)
         lam = torch.where(active.view(-1, 1, 1), new, lam)
-        ev = problem.evaluate(lam)
+        ev = problem.evaluate(lam, rotated=True)
         progress.record(ev, active, tol, patience)
         grew = active & ~(ev.residual < previous)
         relaxation = torch.where(grew, torch.ones_like(relaxation), relaxation)

@@ -147,7 +147,7 @@ class Execution:
 
     @classmethod
     def resolve(cls, device: torch.device | str, *, spectral: str = "auto", ns_dtype: str = "auto",
-                bfloat16_native: bool | None = None) -> Execution:
+                bfloat16_native: bool | None = None, sync_free: bool | None = None) -> Execution:
         """The choices for ``device``.
 
         Args:
@@ -155,6 +155,8 @@ class Execution:
             spectral: one of :data:`SPECTRAL_PATHS`.
             ns_dtype: one of :data:`NS_DTYPES`.
             bfloat16_native: whether bfloat16 products are native (``None``: probe the device).
+            sync_free: ``None``: on the products path (an optimizer step); ``False`` for a single
+                solve that should stop as soon as it converges.
 
         Raises:
             ValueError: naming an unknown ``spectral`` or ``ns_dtype``.
@@ -168,7 +170,7 @@ class Execution:
         path = ("products" if device.type == "cuda" else "eigh") if spectral == "auto" else spectral
         return cls(
             spectral=path,
-            sync_free=path == "products",
+            sync_free=path == "products" if sync_free is None else bool(sync_free),
             ns_dtype=torch.bfloat16 if ns_dtype == "bfloat16" or (ns_dtype == "auto" and native) else torch.float32,
             search_dtype=torch.bfloat16 if native else None,
             smoothed_dtype=torch.float64 if device.type == "cuda" else None,

@@ -51,7 +51,7 @@ DUAL_MSIGN_METHODS = ("ns", "jordan5", "polar-express", "newton-schulz", "svd")
 #: How the plain dual moves: ``"auto"`` (Anderson on the eigh path, Barzilai–Borwein elsewhere).
 DUAL_UPDATES = ("auto", "anderson", "bb")
 #: ``max_iter=None`` on a sync-free (products) solve: the dual iterations every step runs.
-PRODUCTS_ITERATIONS = 5
+PRODUCTS_ITERATIONS = 3
 #: ``max_iter=None`` on the eigh path: the cap (the loop stops when every matrix has converged).
 EIGH_MAX_ITER = 30
 #: ``distribution`` modes: every rank solves every matrix, or each matrix on one owner rank.

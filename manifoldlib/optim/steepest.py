@@ -28,7 +28,7 @@ import torch
 
 from ..functional.scaling import into_safe_range
 from ..manifolds import Euclidean, MatrixConstraintManifold, get_manifold
-from .dual import DualProblem, Spectral, anderson_solve, bb_solve, smoothed_solve
+from .dual import DualProblem, Evaluation, Spectral, anderson_solve, bb_solve, smoothed_solve
 from .execution import Execution, ieee_float32_matmul
 from .options import DualOptions
 
@@ -43,6 +43,7 @@ __all__ = [
     "resolve_smoothing",
     "solve_bank",
     "steepest_direction",
+    "tangent_residual",
 ]
 
 #: Relative smoothing :math:`\kappa` of ``smoothing="auto"``.
@@ -93,18 +94,23 @@ class SteepestInfo:
 
 @dataclass
 class BankSolution:
-    """The steepest directions of a bank, tall orientation, the solve's dtype.
+    """The steepest directions of a bank (tall orientation, the solve's dtype).
 
     Attributes:
-        a: ``(B, m, n)`` directions.
-        residual: ``(B,)`` relative tangent residual of each ``a`` (exact :math:`W^\\top A`).
+        problem: the solved :class:`~manifoldlib.optim.dual.DualProblem` (its setup, the factor
+            :math:`F`, :math:`P = W^\top W` where computed).
+        best: the answer's evaluation per matrix (``None`` where ``a`` holds formed answers).
+        a: ``(B, m, n)`` formed directions, or ``None`` (form them with :meth:`direction`).
+        residual: ``(B,)`` relative tangent residual of each answer (its exact :math:`W^\top A`).
         iterations: ``(B,)`` dual updates each matrix took.
         lam, lam0: ``(B, n, n)`` final and closed-form multipliers (``lam - lam0`` warm-starts the next step).
         gap: per matrix, the certified gap of a smoothed answer (``None`` where none ran).
         stages, evaluations, hessian_products, history: what ran (see :class:`SteepestInfo`).
     """
 
-    a: torch.Tensor
+    problem: DualProblem
+    best: Evaluation | None
+    a: torch.Tensor | None
     residual: torch.Tensor
     iterations: torch.Tensor
     lam: torch.Tensor
@@ -114,6 +120,26 @@ class BankSolution:
     evaluations: int = 0
     hessian_products: int = 0
     history: list = field(default_factory=list)
+
+    def direction(self) -> torch.Tensor:
+        """``(B, m, n)`` the directions, formed (two ``m·n²`` products) if they were not."""
+        if self.a is None:
+            self.a = self.problem.answer(self.best)
+        return self.a
+
+
+def _normalized(g: torch.Tensor) -> torch.Tensor:
+    r"""Each ``(m, n)`` matrix of ``g`` divided by its Frobenius norm; zero where the norm is 0 or not
+    finite (a non-finite gradient gives a zero direction). The norm is accumulated in float64, so
+    float32 entries of any size neither overflow nor underflow it, and a gradient times :math:`2^k`
+    gives the same unit matrix bit for bit; float64 input is first brought into range by a power
+    of two (:func:`~manifoldlib.functional.scaling.into_safe_range`)."""
+    if g.dtype == torch.float64:
+        g = into_safe_range(g)
+    norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    usable = torch.isfinite(norm) & (norm > 0)
+    inv = torch.where(usable, norm.reciprocal(), 0.0).to(g.dtype)
+    return torch.where(usable, g * inv, 0.0)
 
 
 def matrix_manifold(manifold) -> MatrixConstraintManifold | Euclidean:
@@ -165,16 +191,14 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
     Each ``g`` is normalized by its Frobenius norm here (after an exact power-of-two rescaling
     into range), so the multipliers refer to the normalized problem; a zero gradient gives a zero
     direction. ``start``: ``(B, n, n)`` warm start, a correction :math:`\Lambda - \Lambda_0` (added
-    to the closed-form start) or, with ``multiplier=True``, the multiplier itself. Runs with IEEE
-    float32 products.
+    to the closed-form start) or, with ``multiplier=True``, the multiplier itself. A sync-free solve
+    forms :math:`G_\perp` and :math:`W^\top W` always; an early-stopping one where a host read says
+    they are needed (:class:`~manifoldlib.optim.dual.DualProblem`). Runs with IEEE float32 products.
     """
     with ieee_float32_matmul():
-        g = into_safe_range(g)
-        norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
-        g = g / norm.clamp_min(torch.finfo(g.dtype).tiny)
+        g = _normalized(g)
         sync_free = execution.sync_free
         kappa, fallback = resolve_smoothing(options.smoothing, manifold, w.shape, exact=spectral.method == "svd")
-        out_dtype = w.dtype
         smooth_dtype = execution.work_dtype(w.dtype, smoothed=kappa is not None and not sync_free)
         if kappa is not None and spectral.method == "svd" and not sync_free:
             spectral = replace(spectral, path="eigh")
@@ -182,16 +206,21 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             w, g = w.to(smooth_dtype), g.to(smooth_dtype)
             start = None if start is None else start.to(smooth_dtype)
         problem = DualProblem(w, g, manifold, spectral, execution, check_point=check_point,
-                              reduced=True if kappa is not None else None)
+                              reduced=True if kappa is not None else None,
+                              explicit=True if sync_free else None, exact_gram=True if sync_free else None)
         lam0 = problem.initial_multiplier()
         lam = lam0
+        closed_form = problem.square and manifold.square_dual == "closed-form" and kappa is None and problem.reduced
+        if closed_form:  # Lambda_0 is optimal for every odd spectral map: no iterations, no warm start
+            start = None
         if start is not None:
             given = problem.mask(0.5 * (start + start.mT)).to(lam0.dtype)
             lam = given if multiplier else lam0 + given
-        tol, iterations, patience = options.tol, options.iterations(sync_free), options.patience
+        tol, iterations, patience = options.tol, 0 if closed_form else options.iterations(sync_free), options.patience
         stages: list[str] = []
         gaps: list = [None] * w.size(0)
-        hessian = 0
+        hessian, history = 0, []
+        a = None
         if kappa is None or sync_free:
             if kappa is not None:  # sync-free smoothed dual: per-matrix mu, Barzilai–Borwein steps
                 problem.smoothing = kappa * _projected_scale(problem, lam0)
@@ -202,36 +231,52 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
                 progress = anderson_solve(problem, lam, tol, iterations, patience)
             else:
                 progress = bb_solve(problem, lam, tol, iterations, patience, sync_free)
-            a = problem.answer(progress.best)
-            lam_out, counts, history = progress.best.lam, progress.iterations, progress.history
+            best, counts, history = progress.best, progress.iterations, progress.history
             if fallback is not None and not sync_free:
-                stalled = ~(progress.best.residual <= tol)
+                stalled = ~(best.residual <= tol)
                 if bool(stalled.any()):
                     stages.append("smoothed")
-                    a, lam_out, counts = a.clone(), lam_out.clone(), counts.clone()
-                    for i in stalled.nonzero().flatten().tolist():
+                    counts = counts.clone()
+                    parts = []
+                    for i in range(w.size(0)):
+                        sub_best = best.select(slice(i, i + 1))
+                        if not bool(stalled[i]):
+                            parts.append((sub_best, None))
+                            continue
                         sub = problem.select(slice(i, i + 1))
-                        best_lam = lam_out[i:i + 1]
-                        best_lam = best_lam if bool(torch.isfinite(best_lam).all()) else lam0[i:i + 1]
-                        ev, more, gap, part = smoothed_solve(sub, best_lam, lam0[i:i + 1], fallback, tol, iterations,
-                                                             patience, cold=False, gap_tol=options.gap_tol)
-                        a[i], lam_out[i], counts[i], gaps[i] = part.answer(ev)[0], ev.lam[0], counts[i] + more, gap
+                        start_lam = sub_best.lam if bool(torch.isfinite(sub_best.lam).all()) else lam0[i:i + 1]
+                        ev, more, gaps[i], part = smoothed_solve(sub, start_lam, lam0[i:i + 1], fallback, tol,
+                                                                 iterations, patience, cold=False,
+                                                                 gap_tol=options.gap_tol)
+                        counts[i] += more
                         hessian += part.hessian_products
+                        parts.append((ev, part))
+                    if problem.reduced:
+                        best = Evaluation.cat([ev for ev, _ in parts])
+                    else:  # the exact unreduced path: form every answer
+                        a = torch.cat([problem.select(slice(i, i + 1)).answer(ev) if part is None else part.answer(ev)
+                                       for i, (ev, part) in enumerate(parts)])
+                        best = None
         else:  # smoothed from the start, one matrix at a time (Newton needs the eigenbasis)
             stages.append("smoothed")
-            history = []
-            a = torch.empty_like(w)
-            lam_out = torch.empty_like(lam0)
+            parts = []
             counts = torch.zeros(w.size(0), dtype=torch.long, device=w.device)
             for i in range(w.size(0)):
                 sub = problem.select(slice(i, i + 1))
-                ev, more, gap, part = smoothed_solve(sub, lam[i:i + 1], lam0[i:i + 1], kappa, tol, iterations,
-                                                     patience, cold=start is None, gap_tol=options.gap_tol)
-                a[i], lam_out[i], counts[i], gaps[i] = part.answer(ev)[0], ev.lam[0], more, gap
+                ev, more, gaps[i], part = smoothed_solve(sub, lam[i:i + 1], lam0[i:i + 1], kappa, tol, iterations,
+                                                         patience, cold=start is None, gap_tol=options.gap_tol)
+                counts[i] = more
                 hessian += part.hessian_products
-        residual = problem.tangent_residual(a)
-        return BankSolution(a.to(out_dtype), residual, counts, lam_out.to(out_dtype), lam0.to(out_dtype), gaps,
-                            tuple(stages), problem.evaluations, hessian, history)
+                parts.append(ev)
+            best = Evaluation.cat(parts)
+        if a is None and best.a is None:  # the reduced answer: its residual from n x n pieces
+            residual = problem.answer_residual(*problem.pieces(best))
+        else:
+            a = best.a if a is None else a
+            residual = problem.tangent_residual(a)
+        lam_out = best.lam if best is not None else torch.cat([ev.lam for ev, _ in parts])
+        return BankSolution(problem, best, a, residual, counts, lam_out, lam0, gaps, tuple(stages),
+                            problem.evaluations, hessian, history)
 
 
 def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, multiplier=None, correction=None,
@@ -276,7 +321,7 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     _check_inputs(W, G, geometry)
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")
-    execution = Execution.resolve(G.device, spectral=dual.spectral)
+    execution = Execution.resolve(G.device, spectral=dual.spectral, sync_free=False)
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(execution.work_dtype(G.dtype))
     if geometry.flat:
@@ -306,7 +351,7 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     solution = solve_bank(w.unsqueeze(0), g.to(work).unsqueeze(0), geometry, dual, execution, spectral,
                           start=None if start is None else start.to(work).unsqueeze(0),
                           multiplier=multiplier is not None)
-    a = solution.a[0]
+    a = solution.direction()[0]
     a = (a.mT if transposed else a).to(G.dtype)
     if not return_info:
         return a
@@ -314,11 +359,26 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     gap = solution.gap[0]
     certify = options.get("smoothing", "auto") == "auto" and dual.gap_tol is not None
     converged = residual <= dual.tol and (gap is None or not certify or gap <= dual.gap_tol)
-    lam = solution.lam[0]
+    lam = solution.lam[0].to(work)
     history = [float(r[0]) for r in solution.history]
     info = SteepestInfo(int(solution.iterations[0]), residual, converged, lam, lam - solution.lam0[0], history,
                         gap, solution.stages, solution.evaluations, solution.hessian_products)
     return a, info
+
+
+def tangent_residual(W: torch.Tensor, A: torch.Tensor, manifold="stiefel") -> float:
+    r"""Relative normal component :math:`\|A - P_WA\|_F/\|A\|_F` of ``A`` at ``W`` (either orientation).
+
+    Raises:
+        ValueError: an unknown manifold or mismatched shapes.
+    """
+    geometry = matrix_manifold(manifold)
+    if geometry.flat:
+        return 0.0
+    if W.shape != A.shape or W.dim() != 2:
+        raise ValueError(f"W and A must be matrices of the same shape, got {tuple(W.shape)} and {tuple(A.shape)}")
+    w, a = (W.mT, A.mT) if W.size(0) < W.size(1) else (W, A)
+    return float(geometry.tangent_residual(w, a))
 
 
 def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold) -> None:
