@@ -63,6 +63,9 @@ MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``log`` values: extra metric sinks besides ``metrics.jsonl``.
 LOGS = ("none", "tensorboard")
+#: ``shard_dtype`` values: the dtype ``meta.json`` records (a folder without one is refused), or
+#: the ids' dtype given for shards without it (nanoGPT's ``prepare.py`` writes uint16).
+SHARD_DTYPES = ("meta", "uint16", "uint32")
 #: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
 LEGACY_MUON_NS_DTYPE = "bfloat16"
 #: Largest ``threads``: more than any CPU node has (torch crashes setting up ~1e5 threads).
@@ -81,7 +84,9 @@ MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "v
 RESUMABLE_FIELDS = frozenset({
     "steps", "stop_at", "eval_interval", "eval_batches", "log_interval", "checkpoint",
     "device", "threads", "progress", "progress_interval", "sample_tokens", "sample_prompt",
-    "temperature", "top_k", "muon_distributed", "peak_flops", "log", "grad_accum_steps"})
+    "temperature", "top_k", "muon_distributed", "peak_flops", "log", "grad_accum_steps",
+    # the corpus fingerprint covers the dtype: a resume that reads the shards otherwise is refused
+    "shard_dtype"})
 
 #: The model of :class:`TrainConfig`'s defaults (``GPTConfig``'s own, but 4 layers of 128).
 DEFAULT_MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -108,6 +113,9 @@ class TrainConfig:
     #: the model's vocabulary: 0 = the corpus's; larger pads it (GPT-2's 50257 -> 50304), or
     #: sets it for nanoGPT shards without meta.json
     vocab_size: int = 0
+    #: dtype of ``bin:`` token ids: ``meta`` (what meta.json records) | uint16 | uint32 (for
+    #: shards without meta.json, whose files do not say)
+    shard_dtype: str = "meta"
     val_fraction: float = 0.1
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
@@ -174,6 +182,10 @@ class TrainConfig:
         _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("log", self.log, LOGS)
+        _check_choice("shard_dtype", self.shard_dtype, SHARD_DTYPES)
+        if self.shard_dtype != "meta" and not self.corpus.startswith("bin:"):
+            raise ConfigError(f"shard_dtype {self.shard_dtype!r} is for token shards "
+                              f"(--corpus bin:DIR); corpus {self.corpus!r} is text")
         for name in ("batch_size", "grad_accum_steps", "steps", "eval_interval", "eval_batches",
                      "log_interval", "bpe_vocab_size"):
             if getattr(self, name) < 1:

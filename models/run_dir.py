@@ -169,6 +169,7 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
         return ckpt, None, stale
     corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
                          bpe_vocab_size=cfg.bpe_vocab_size, vocab_size=cfg.vocab_size or None,
+                         shard_dtype=None if cfg.shard_dtype == "meta" else cfg.shard_dtype,
                          tokenizer_path=out / "tokenizer.json"
                          if resume and cfg.tokenizer == "bpe" else None)
     check_size(corpus, cfg.batch_size, cfg.block_size)

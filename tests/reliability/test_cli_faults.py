@@ -390,8 +390,8 @@ def test_a_full_disk_while_saving_the_bpe_tokenizer_is_one_line(small_tmpfs, cap
 ])
 def test_prepare_on_a_full_disk_is_one_line_and_leaves_no_shards_without_metadata(
         small_tmpfs, capsys, corpus, refused):
-    """A folder with train.bin / val.bin and no meta.json reads as nanoGPT's (uint16 ids, the
-    vocabulary guessed): nothing is moved into place before every file has been written."""
+    """A folder with train.bin / val.bin and no meta.json has lost the record of its dtype and
+    vocabulary: nothing is moved into place before every file has been written."""
     from models.prepare import main as prepare_main
 
     out = small_tmpfs(16) / "shards"
