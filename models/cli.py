@@ -20,7 +20,7 @@ from .presets import PRESETS
 from .run_dir import RunError, describe_os_error, has_checkpoint, read_saved_config
 
 __all__ = ["EXIT_DIVERGED", "EXIT_ENVIRONMENT", "EXIT_INTERRUPTED", "EXIT_USER_ERROR",
-           "config_from_args", "main", "parse_args"]
+           "config_from_args", "flags_of", "main", "parse_args"]
 
 EXIT_ENVIRONMENT = 1
 EXIT_USER_ERROR = 2
@@ -76,10 +76,16 @@ def _parser(preset: str = DEFAULT_PRESET) -> argparse.ArgumentParser:
     return p
 
 
+def flags_of(parser: argparse.ArgumentParser) -> list[str]:
+    """The long flags ``parser`` defines (``--preset``, ..., ``--help``), in their order."""
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     """``(known arguments, overrides)`` of ``argv``."""
-    args, rest = _parser(_preset_in(argv)).parse_known_args(argv)
-    overrides = parse_overrides(rest)
+    parser = _parser(_preset_in(argv))
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest, flags_of(parser))
     for key in ("steps", "corpus"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
