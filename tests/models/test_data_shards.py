@@ -14,7 +14,7 @@ import torch
 
 from models.data import BatchSampler, CorpusError, check_size, load_corpus, unigram_entropy
 from models.prepare import prepare
-from models.shards import SCAN_TOKENS
+from models.shards import SCAN_TOKENS, SHARD_DTYPES
 from models.train import main as train
 
 
@@ -174,6 +174,7 @@ def test_shards_without_meta_json_are_refused_until_their_dtype_is_given(tmp_pat
     assert wide.describe()["shards"]["dtype"] == "uint32"
     narrow = load_corpus(f"bin:{folder}", shard_dtype="uint16")  # what the user asked for
     assert narrow.fingerprint != wide.fingerprint  # and a resume can tell the two apart
+    assert SHARD_DTYPES == ("uint16", "uint32")
     with pytest.raises(CorpusError, match=r"shard dtype must be one of uint16, uint32, got 'int8'"):
         load_corpus(f"bin:{folder}", shard_dtype="int8")
 

@@ -19,6 +19,7 @@ from models.config import (
     ConfigError,
     TrainConfig,
     build_config,
+    config_keys,
     parse_overrides,
 )
 from models.run_dir import save_checkpoint
@@ -358,6 +359,12 @@ def test_a_misspelt_option_is_one_line_naming_the_closest_flag_or_key(tmp_path, 
     assert main([*args, "--out", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == f"error: {line}\n"
     assert not (tmp_path / "r").exists()
+
+
+def test_config_keys_are_the_flat_keys_of_a_config():
+    assert list(config_keys()) == sorted(TrainConfig().to_dict())
+    assert "n_layer" in config_keys() and "shard_dtype" in config_keys()
+    assert "model" not in config_keys() and "preset" not in config_keys()
 
 
 def test_the_compare_cli_names_a_misspelt_key_too(capsys):
