@@ -10,7 +10,7 @@ from ..functional.gram_rsqrt import normalize_gram_factor
 from ..functional.normal_space import diagonal_part, normal_multiplier
 from ..functional.oblique import oblique_constraint_deviation, oblique_exp
 from ..retractions.base import Retraction
-from .base import _random_normal, _size_tuple, check_tensor
+from .base import _random_normal, _size_tuple, check_finite_result, check_tensor
 from .matrix import MatrixConstraintManifold
 from .stiefel import check_tall_matrix
 
@@ -86,7 +86,7 @@ class Oblique(MatrixConstraintManifold):
 
     def expmap(self, x, u):
         self._validate_pair(x, u)
-        return oblique_exp(x, u)
+        return check_finite_result(oblique_exp(x, u), f"{self.name}.expmap", x=x, u=u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Uniform points (normalized Gaussian columns): ``random(m, n)``."""

@@ -10,7 +10,7 @@ from ..functional.gram_rsqrt import polar_gram_factor
 from ..functional.msign import GRAM_EIGH_REFINE, msign
 from ..functional.stiefel import stiefel_exp, stiefel_qr, sym
 from ..retractions.base import Retraction
-from .base import _random_normal, _size_tuple, check_tensor
+from .base import _random_normal, _size_tuple, check_finite_result, check_tensor
 from .matrix import MatrixConstraintManifold
 
 __all__ = ["STIEFEL_COLUMN_TOLERANCE", "Stiefel", "check_tall_matrix"]
@@ -123,7 +123,7 @@ class Stiefel(MatrixConstraintManifold):
 
     def expmap(self, x, u):
         self._validate_pair(x, u)
-        return stiefel_exp(x, u)
+        return check_finite_result(stiefel_exp(x, u), f"{self.name}.expmap", x=x, u=u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Haar-distributed points (sign-fixed QR of a Gaussian matrix): ``random(m, n)``."""
