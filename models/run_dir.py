@@ -38,6 +38,7 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
     has_checkpoint,
     load_checkpoint,
     read_metrics,
+    remove_stale_temporaries,
     rewrite_metrics,
     rng_state,
     save_checkpoint,

@@ -214,3 +214,20 @@ def test_the_trainer_refuses_shards_of_unknown_dtype_in_one_line_and_reads_the_g
                   str(tmp_path / "text")]) == 2
     assert "shard_dtype 'uint16' is for token shards (--corpus bin:DIR); corpus " \
            "'synthetic:60000' is text" in capsys.readouterr().err
+
+
+def test_a_run_on_nanogpt_shards_saved_before_shard_dtype_resumes_with_it(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    folder = _nanogpt(tmp_path / "nano", rng.integers(0, 200, 6000), rng.integers(0, 200, 800))
+    out = tmp_path / "run"
+    assert train(["--preset", "smoke", "--corpus", f"bin:{folder}", "--shard_dtype", "uint16",
+                  "--steps", "10", "--stop_at", "5", "--sample_tokens", "0", "--progress",
+                  "false", "--out", str(out)]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    del saved["shard_dtype"]  # as a run directory written before the key existed
+    (out / "config.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert train(["--resume", "--out", str(out)]) == 2
+    assert "have no meta.json" in capsys.readouterr().err
+    assert train(["--resume", "--shard_dtype", "uint16", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 10
