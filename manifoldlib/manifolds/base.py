@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
-from typing import Iterator, Optional, Tuple, Union
+from collections.abc import Iterator
+from typing import Optional, Tuple, Union
 
 import geoopt
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "check_finite_result",
     "check_tensor",
     "default_tolerance",
+    "max_abs",
     "skip_value_checks",
     "value_checks_enabled",
 ]
@@ -115,9 +117,15 @@ def check_finite_result(y: torch.Tensor, where: str, **inputs: torch.Tensor) -> 
         return y
     for name, t in inputs.items():
         check_tensor(t, name, where, finite=True)
-    sizes = ", ".join(f"max |{name}| = {float(t.detach().abs().amax()):.3g}" for name, t in inputs.items())
+    sizes = ", ".join(f"max |{name}| = {float(max_abs(t.detach())):.3g}" for name, t in inputs.items())
     raise ValueError(f"{where}: the result has non-finite values although every input is finite "
                      f"({sizes}): the step is too long for {y.dtype}")
+
+
+def max_abs(t: torch.Tensor) -> torch.Tensor:
+    """The largest ``|entry|`` of ``t``, a 0-dim tensor; 0 for an empty tensor (a batch of no
+    points, where ``amax`` raises)."""
+    return t.abs().amax() if t.numel() else t.new_zeros(())
 
 
 def default_tolerance(dtype: torch.dtype) -> float:

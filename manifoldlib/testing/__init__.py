@@ -15,6 +15,7 @@ on first use so the order checks work without it.
 from __future__ import annotations
 
 from .cases import registered_manifolds
+from .conformance import OPTIMIZER_CHECKS, CheckResult, OptimizerReport, assert_optimizer, check_optimizer
 from .hard_instances import HARD_INSTANCES, hard_instance, nuclear_dual_optimum
 from .order import (
     DEFAULT_TS,
@@ -29,8 +30,13 @@ from .sampling import default_shape, point_norm, random_point, random_tangent
 __all__ = [
     "DEFAULT_TS",
     "HARD_INSTANCES",
+    "OPTIMIZER_CHECKS",
     "ORDER_TOLERANCE",
+    "CheckResult",
+    "OptimizerReport",
+    "assert_optimizer",
     "assert_retraction",
+    "check_optimizer",
     "central_difference_error",
     "default_shape",
     "hard_instance",

@@ -56,6 +56,18 @@ def test_result_on_manifold_float64(manifold, data):
 
 
 @pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_a_vector_with_a_normal_part_still_lands_on_the_manifold(manifold, dtype, rtol):
+    """geoopt's momentum starts from the raw gradient: the first retraction sees a non-tangent
+    vector (the exponential maps of the sphere and Stiefel used to leave the manifold)."""
+    x, v = _sample(manifold, 11, dtype=dtype)
+    g = v + 0.7 * x  # normal to the sphere, Stiefel and Oblique (on DGram x is a tangent scaling)
+    y = manifold.retr(x, g)
+    ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=rtol)
+    assert ok, reason
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
 @given(data=st.data())
 def test_result_on_manifold_float32(manifold, data):
     x, v = data.draw(mst.point_and_tangent(manifold, dtype=torch.float32, scale=(0.0, 1.0)))
