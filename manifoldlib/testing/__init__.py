@@ -1,12 +1,14 @@
-"""Public tools for verifying retractions: hypothesis strategies and exp-free order checks.
+"""Public tools for verifying retractions and optimizers: hypothesis strategies, exp-free order
+checks, and the optimizer conformance suite (:func:`check_optimizer`, :func:`assert_optimizer`).
 
 .. code-block:: python
 
     from manifoldlib import Sphere
-    from manifoldlib.testing import assert_retraction, retraction_order
+    from manifoldlib.testing import assert_optimizer, assert_retraction, retraction_order
 
     retraction_order(Sphere(retraction="cayley"))   # ≈ 2.0
     assert_retraction(Sphere(retraction="my-p3"))   # raises AssertionError if a check fails
+    assert_optimizer(lambda params: MyOptimizer(params, lr=0.1), Sphere())   # likewise
 
 :mod:`~manifoldlib.testing.strategies` needs ``hypothesis`` (a test dependency); it is imported
 on first use so the order checks work without it.
