@@ -32,7 +32,10 @@ On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ 
 :mod:`manifoldlib._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
 :math:`A h + B f` (4 reads, 1 write); backward: one pass for :math:`\langle g,h\rangle,
 \langle g,f\rangle` and one writing both gradients (6 reads, 2 writes) — while the per-row
-coefficient math above stays here. For the built-in retractions —
+coefficient math above stays here (the literal step; the normalized step of a retraction
+other than the built-ins is formed in ATen as :math:`\cos\theta\,h + ks\,u` from
+:math:`u = P_h f` itself, projected twice, since its :math:`\rho` up to :math:`1/\varepsilon`
+would magnify the cancellation in :math:`A h + B f`). For the built-in retractions —
 :class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
 :class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
 :class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), and a user's subclass of
