@@ -1,6 +1,6 @@
 r"""SymExpLin (SEL): a curved chart in which additive raw steps become magnitude-relative changes.
 
-Magnitude map and forward rule (MATH.md §6):
+Magnitude map and forward rule (:doc:`/theory/sel`):
 
 .. math::
     E(x) = e_w\bigl(e^{\beta m x - n} - e^{-n}\bigr) = a\,\operatorname{expm1}(b x),
@@ -30,7 +30,7 @@ regime starts where the weights are (the seed's curvature calibration). By defau
 (``calibration="weight"``) :math:`\sigma_0` is the RMS of the weight the chart is built on, its
 actual initialization scale; ``calibration="width"`` uses the width rule
 :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}` instead (the two agree for a
-:math:`1/\sqrt{\text{fan\_in}}` initialization; a GPT-2 initialization at std 0.02 is 2.5–5x
+:math:`1/\sqrt{\text{fan\_in}}` initialization; a GPT-2 initialization at std 0.02 is 2–5x
 smaller at widths 100–600). :math:`a = s_0 / b` keeps the slope :math:`E'(0) = s_0` fixed.
 
 The fan-in is the map's input size, which depends on how the weight is stored: ``weight.shape[1]``

@@ -34,9 +34,10 @@ __all__ = [
 
 
 def _series_threshold(dtype: torch.dtype) -> float:
-    # Below this the Taylor branches are used (1e-4 in float64 as MATH.md suggests, eps^(1/2)
-    # otherwise). The series carry terms up to s^3 (atan(z)/z up to z^8), so the first dropped
-    # term is below s^4/40320 ~ 2.5e-21 at s = 1e-4: exact to rounding on both sides of the switch.
+    # Below this the Taylor branches are used (1e-4 in float64, eps^(1/2) otherwise; see the
+    # theory page docs/theory/sphere.rst, section Numerics). The series carry terms up to s^3
+    # (atan(z)/z up to z^8), so the first dropped term is below s^4/40320 ~ 2.5e-21 at
+    # s = 1e-4: exact to rounding on both sides of the switch.
     return 1e-4 if dtype == torch.float64 else math.sqrt(float(torch.finfo(dtype).eps))
 
 

@@ -25,8 +25,8 @@ class Oblique(MatrixConstraintManifold):
     normalization, second order); :meth:`expmap` rotates each column on its great circle.
 
     Dual geometry (:class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold`): diagonal
-    multipliers (MATH.md §5: ``Diag`` in place of ``Off``), :math:`F` the triangular factor of
-    :math:`W = QF` (the columns need not be orthogonal).
+    multipliers (:doc:`/theory/matrix_constraints`: ``Diag`` in place of ``Off``), :math:`F` the
+    triangular factor of :math:`W = QF` (the columns need not be orthogonal).
     """
 
     name = "oblique"

@@ -47,7 +47,9 @@ DEFAULT_TS: tuple[float, ...] = (1e-1, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3)
 #: Accepted distance between the measured and the claimed order in :func:`assert_retraction`.
 ORDER_TOLERANCE = 0.3
 
-_ROUNDING_FACTOR = 1e3  # e(t) below 1e3 * eps * ||x|| is rounding, not signal (MATH.md §7)
+# e(t) below 1e3 * eps * ||x|| is rounding, not signal (the theory page
+# docs/theory/retractions.rst, section Measuring the order)
+_ROUNDING_FACTOR = 1e3
 
 
 def _sample(

@@ -1,4 +1,5 @@
-"""Sphere and DGram kernels of :mod:`manifoldlib.functional` tested directly (MATH.md §1, §5):
+"""Sphere and DGram kernels of :mod:`manifoldlib.functional` tested directly
+(docs/theory/sphere.rst, section Numerics; docs/theory/dgram.rst):
 the closed forms agree with the general p-family, every member is a rotation
 (:math:`\\cos^2\\theta + k^2\\sigma = 1`), and the projections are orthogonal projections."""
 

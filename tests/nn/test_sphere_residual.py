@@ -1,5 +1,6 @@
 """SphereResidual: the fused analytic backward against plain autograd, and the geometry of
-MATH.md §1 (norm preservation, Jacobian at F = 0, nGPT and Post-LN equivalences)."""
+docs/theory/hidden_state_connections.rst, section Related updates (norm preservation, Jacobian
+at F = 0, nGPT and Post-LN equivalences)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ def test_jacobian_at_zero_update_is_scaled_tangent_projection(name, fused):
 @given(seed=st.integers(0, 2**31 - 1), alpha=st.floats(0.01, 0.5))
 def test_ngpt_update_is_a_gnomonic_step(seed, alpha):
     # nGPT: h <- N(N(h) + alpha (N(h_A) - N(h))) equals the gnomonic retraction of
-    # kappa P_h(hat h_A), kappa = alpha / (1 - alpha + alpha <h, hat h_A>), for unit h (MATH.md §1).
+    # kappa P_h(hat h_A), kappa = alpha / (1 - alpha + alpha <h, hat h_A>), for unit h
+    # (docs/theory/hidden_state_connections.rst, section Related updates).
     h, h_a = _case(seed, 8, 12, radius=1.0, f_scale=2.0)
     hat_a = h_a / h_a.norm(dim=-1, keepdim=True)
     ngpt = h + alpha * (hat_a - h)

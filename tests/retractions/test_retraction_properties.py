@@ -121,7 +121,8 @@ def test_measured_order_equals_claim(manifold, seed):
     "manifold", [m for i, m in CASES if i in FIRST_ORDER], ids=[i for i in IDS if i in FIRST_ORDER]
 )
 def test_first_order_controls_have_ratio_four(manifold):
-    # MATH.md §7: e(t)/e(t/2) ≈ 4 for a first-order retraction, for t in [1e-3, 1e-1]
+    # docs/theory/retractions.rst, Measuring the order: e(t)/e(t/2) ≈ 4 for a first-order
+    # retraction, for t in [1e-3, 1e-1]
     x, v = _sample(manifold, 5)
     v = v * (torch.linalg.vector_norm(x) / torch.linalg.vector_norm(v))
     ts = [1e-2, 5e-3, 2e-3, 1e-3]
