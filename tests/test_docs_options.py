@@ -352,7 +352,7 @@ def _check_args(prog: Program, args: list[str], text: str) -> list[str]:
                 for v in values
                 if not _PLACEHOLDER.match(v) and v not in prog.choices[flag]
             ]
-    if problems or synopsis:
+    if problems or synopsis or not options:  # a bare program name is a mention, not a run
         return problems
     # what the program makes of the whole command line (its own parser and config checks),
     # leaving out the options whose value stands for the reader's own

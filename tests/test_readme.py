@@ -83,6 +83,20 @@ def test_front_page_example_runs_alone_and_prints_its_promises(page, index, bloc
     run_alone(block, f"{page} code block {index}")
 
 
+#: The widest code line the docs' theme shows without a scroll bar.
+CODE_COLUMN = 88
+
+
+@pytest.mark.parametrize("page", FRONT_PAGES)
+def test_front_page_code_fits_the_column(page):
+    blocks = re.findall(r"^(?:\.\. code-block:: \w+|.*::)\n\n((?:(?:[ ]+.*)?\n)+)",
+                        (ROOT / page).read_text(), re.MULTILINE)
+    assert blocks, f"{page} has no code blocks"
+    wide = [line for block in blocks for line in textwrap.dedent(block).splitlines()
+            if len(line) > CODE_COLUMN]
+    assert not wide, f"{page}: code lines wider than {CODE_COLUMN} characters: {wide}"
+
+
 # ---- install commands ------------------------------------------------------------------------
 
 #: The torch lines of every install command: CPU as written, the CUDA build (PyPI's) commented.
