@@ -310,7 +310,7 @@ def check_command(text: str) -> list[str]:
     return problems
 
 
-#: The synopsis's stand-in for any config key (``[--key value ...]``).
+#: The synopsis's stand-in for any config key (``[--key value ...]``, ``key = value``).
 SYNOPSIS_KEY = "--key"
 
 
@@ -688,22 +688,29 @@ def prose_flags(page: Page) -> list[str]:
     ]
 
 
+#: An inline keyword literal (``impl="compile"``, TOML's ``threads = 1``), and whether the page
+#: calls it the default right after it (``(the default)``, ``, the default``; not ``the default
+#: preset's``, which is a preset's value).
+_PROSE_KEYWORD = re.compile(
+    r"(?<!`)``([a-z_][a-z0-9_]*)\s*=(?!=)\s*([^`]*)``"
+    r"(\s*(?:\(the default|\(default|, the default)(?! preset))?"
+)
+
+
 def prose_keywords(page: Page) -> list[tuple[str, str, bool]]:
     """``(keyword, value source, claimed default)`` of inline literals that are keyword
     arguments (``impl="compile"``, ``init="mismatched"`` (the default))."""
     out = []
-    for m in re.finditer(
-        r"(?<!`)``([a-z_][a-z0-9_]*=[^`]*)``(\s*(?:\(the default|\(default|, the default))?",
-        page.prose,
-    ):
+    for m in _PROSE_KEYWORD.finditer(page.prose):
+        name, value = m.group(1), " ".join(m.group(2).split())
         try:
-            call = ast.parse(f"f({' '.join(m.group(1).split())})", mode="eval").body
+            call = ast.parse(f"f({name}={value})", mode="eval").body
         except SyntaxError:
             call = None
         if call is None:  # ``name=`` alone, or a value that is no Python
-            out.append((m.group(1).split("=")[0], "", False))
+            out.append((name, "", False))
             continue
-        out += [(k.arg, ast.unparse(k.value), bool(m.group(2))) for k in call.keywords if k.arg]
+        out += [(k.arg, ast.unparse(k.value), bool(m.group(3))) for k in call.keywords if k.arg]
     return out
 
 
@@ -781,7 +788,7 @@ def check_prose(page: Page) -> list[str]:
             )
     known = keyword_defaults()
     for name, value, claims_default in prose_keywords(page):
-        if name in FOREIGN_KEYWORDS:
+        if name in FOREIGN_KEYWORDS or f"--{name}" == SYNOPSIS_KEY:
             continue
         if name not in known:
             problems.append(
@@ -839,7 +846,8 @@ Planted
 =======
 
 Run ``python -m models.train --lrate 1e-3`` or ``--no-such-flag``; ``impl="fast"`` (the default),
-``dual_spectral=True``, ``dual={"spectrall": "auto"}`` and ``SEL(weight, initt="congruent")``.
+``dual_spectral=True``, ``dual={"spectrall": "auto"}`` and ``SEL(weight, initt="congruent")``;
+``threads = 4`` (the default).
 
 .. code-block:: bash
 
@@ -867,6 +875,7 @@ def test_the_checker_finds_a_stale_option_of_every_kind():
         "--lrate is not an option of models.train",
         "``--no-such-flag`` is no flag",
         "``impl='fast'`` is called the default",
+        "``threads=4`` is called the default",
         "takes a keyword 'dual_spectral'",
         "no option 'spectrall'",
         "SEL(..., initt=...)",
