@@ -1,12 +1,20 @@
-"""The command line of ``python -m models.train``: arguments, the run's configuration, exit codes.
+"""The command line of ``python -m models.train``: arguments, the run's configuration, signals,
+exit codes.
 
 ``--help`` lists every config field with the value the chosen preset gives it (``default``
 unless ``--preset`` says otherwise), so what it shows is what the command will run.
+
+SIGTERM and SIGHUP (what batch schedulers send before they kill a job, and what a closed
+terminal sends) end a run gracefully: during training the signal waits for the current step to
+finish, the trainer writes its checkpoint there and exits with status 128 + the signal's number
+(143, 129) after one line saying where to resume; anywhere else it stops the run at once, as
+Ctrl-C does (:data:`TERMINATION`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -20,13 +28,78 @@ from .presets import PRESETS
 from .run_dir import RunError, describe_os_error, has_checkpoint, read_saved_config
 
 __all__ = ["EXIT_DIVERGED", "EXIT_ENVIRONMENT", "EXIT_INTERRUPTED", "EXIT_USER_ERROR",
-           "config_from_args", "main", "parse_args"]
+           "TERMINATING_SIGNALS", "TERMINATION", "Terminated", "config_from_args", "flags_of",
+           "main", "parse_args"]
 
 EXIT_ENVIRONMENT = 1
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
 DEFAULT_PRESET = "default"
+#: The signals that end a run gracefully (exit status 128 + the signal's number).
+TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
+                            if hasattr(signal, name))
+
+
+class Terminated(BaseException):
+    """A run ended by a terminating signal (a :class:`BaseException`, as ``KeyboardInterrupt``
+    is, so that no ``except Exception`` swallows it).
+
+    Args:
+        signum: the signal.
+        step: the step the training loop stopped at; None outside the loop.
+        saved: a checkpoint of that step was written.
+    """
+
+    def __init__(self, signum: int, step: int | None = None, saved: bool = False) -> None:
+        super().__init__(signum, step, saved)
+        self.signum, self.step, self.saved = signum, step, saved
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class _Termination:
+    """The terminating signal this process received, and whether the training loop holds it
+    until a step boundary (:meth:`deferred`) or it ends the run at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferring = False
+
+    def handle(self, signum: int, frame) -> None:
+        """The signal handler :func:`main` installs."""
+        self.signum = signum
+        if not self.deferring:
+            raise Terminated(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Hold a signal that arrives inside the block for the loop to act on; one still
+        pending when the block ends ends the run there."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.signum is not None:
+            raise Terminated(self.signum)
+
+    @contextlib.contextmanager
+    def immediate(self):
+        """Inside :meth:`deferred`: a signal (already pending or arriving) ends the run at once."""
+        if self.signum is not None:
+            raise Terminated(self.signum)
+        self.deferring = False
+        try:
+            yield
+        finally:
+            self.deferring = True
+
+
+#: This process's signal state; the training loop asks ``TERMINATION.signum`` at each step.
+TERMINATION = _Termination()
 
 
 class _ArgumentError(Exception):
@@ -76,10 +149,16 @@ def _parser(preset: str = DEFAULT_PRESET) -> argparse.ArgumentParser:
     return p
 
 
+def flags_of(parser: argparse.ArgumentParser) -> list[str]:
+    """The long flags ``parser`` defines (``--preset``, ..., ``--help``), in their order."""
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     """``(known arguments, overrides)`` of ``argv``."""
-    args, rest = _parser(_preset_in(argv)).parse_known_args(argv)
-    overrides = parse_overrides(rest)
+    parser = _parser(_preset_in(argv))
+    args, rest = parser.parse_known_args(argv)
+    overrides = parse_overrides(rest, flags_of(parser))
     for key in ("steps", "corpus"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
@@ -119,6 +198,38 @@ def _interrupted_line(out: Path | None) -> str:
             "again to start over")
 
 
+def _terminated_line(stop: Terminated, out: Path | None) -> str:
+    """What a terminating signal left: the checkpoint it wrote, or the last one, or nothing."""
+    resume = f"resume with python -m models.train --resume --out {out}"
+    if stop.step is not None and stop.saved:
+        return f"terminated by {stop.name} at step {stop.step}: checkpoint written; {resume}"
+    if stop.step is not None and stop.step > 0:
+        return (f"terminated by {stop.name} at step {stop.step} without a checkpoint "
+                f"(checkpoint=false)")
+    if out is not None and has_checkpoint(out):
+        return f"terminated by {stop.name}; {resume} (from the last checkpoint)"
+    return (f"terminated by {stop.name} before the first checkpoint: nothing to resume; run the "
+            f"same command again to start over")
+
+
+@contextlib.contextmanager
+def _signal_handlers():
+    """SIGINT raises ``KeyboardInterrupt``, SIGTERM / SIGHUP go to :data:`TERMINATION`; the
+    previous handlers are restored afterwards (main thread only: elsewhere none can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wanted = {signal.SIGINT: signal.default_int_handler,
+              **{signum: TERMINATION.handle for signum in TERMINATING_SIGNALS}}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in wanted.items()}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        TERMINATION.signum = None
+
+
 def _checkpoint_clause(out: Path | None) -> str:
     """What a file-system error leaves to resume from: the last checkpoint (written atomically,
     so whole) or, before the first one, nothing."""
@@ -131,10 +242,14 @@ def _checkpoint_clause(out: Path | None) -> str:
 
 def main(argv: list[str] | None, run) -> int:
     """Parse ``argv``, call ``run(cfg, out, resume=...)`` and map the outcome to an exit status
-    (0 ok, 1 file-system fault, 2 bad input, 3 diverged, 130 interrupted)."""
+    (0 ok, 1 file-system fault, 2 bad input, 3 diverged, 130 interrupted, 143 / 129 ended by
+    SIGTERM / SIGHUP)."""
     argv = sys.argv[1:] if argv is None else argv
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on
+    with _signal_handlers():
+        return _main(argv, run)
+
+
+def _main(argv: list[str], run) -> int:
     out = None
     try:
         args, overrides = parse_args(argv)
@@ -154,6 +269,10 @@ def main(argv: list[str] | None, run) -> int:
     except KeyboardInterrupt:
         print(_interrupted_line(out), file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated as stop:
+        if _is_rank_zero():
+            print(_terminated_line(stop, out), file=sys.stderr, flush=True)
+        return 128 + stop.signum
     if summary.get("diverged"):
         if _is_rank_zero():
             print(f"error: training diverged: {summary.get('error')}", file=sys.stderr)

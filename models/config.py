@@ -20,9 +20,11 @@ was expected.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import sys
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -45,6 +47,7 @@ __all__ = [
     "ConfigError",
     "TrainConfig",
     "build_config",
+    "config_keys",
     "parse_overrides",
 ]
 
@@ -63,6 +66,9 @@ MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``log`` values: extra metric sinks besides ``metrics.jsonl``.
 LOGS = ("none", "tensorboard")
+#: ``shard_dtype`` values: the dtype ``meta.json`` records (a folder without one is refused), or
+#: the ids' dtype given for shards without it (nanoGPT's ``prepare.py`` writes uint16).
+SHARD_DTYPES = ("meta", "uint16", "uint32")
 #: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
 LEGACY_MUON_NS_DTYPE = "bfloat16"
 #: Largest ``threads``: more than any CPU node has (torch crashes setting up ~1e5 threads).
@@ -81,7 +87,9 @@ MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "v
 RESUMABLE_FIELDS = frozenset({
     "steps", "stop_at", "eval_interval", "eval_batches", "log_interval", "checkpoint",
     "device", "threads", "progress", "progress_interval", "sample_tokens", "sample_prompt",
-    "temperature", "top_k", "muon_distributed", "peak_flops", "log", "grad_accum_steps"})
+    "temperature", "top_k", "muon_distributed", "peak_flops", "log", "grad_accum_steps",
+    # the corpus fingerprint covers the dtype: a resume that reads the shards otherwise is refused
+    "shard_dtype"})
 
 #: The model of :class:`TrainConfig`'s defaults (``GPTConfig``'s own, but 4 layers of 128).
 DEFAULT_MODEL = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -108,6 +116,9 @@ class TrainConfig:
     #: the model's vocabulary: 0 = the corpus's; larger pads it (GPT-2's 50257 -> 50304), or
     #: sets it for nanoGPT shards without meta.json
     vocab_size: int = 0
+    #: dtype of ``bin:`` token ids: ``meta`` (what meta.json records) | uint16 | uint32 (for
+    #: shards without meta.json, whose files do not say)
+    shard_dtype: str = "meta"
     val_fraction: float = 0.1
     # optimization
     optimizer: str = "adamw"          #: ``adamw`` or ``manifold-muon`` (uses ``policy``)
@@ -174,6 +185,10 @@ class TrainConfig:
         _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("log", self.log, LOGS)
+        _check_choice("shard_dtype", self.shard_dtype, SHARD_DTYPES)
+        if self.shard_dtype != "meta" and not self.corpus.startswith("bin:"):
+            raise ConfigError(f"shard_dtype {self.shard_dtype!r} is for token shards "
+                              f"(--corpus bin:DIR); corpus {self.corpus!r} is text")
         for name in ("batch_size", "grad_accum_steps", "steps", "eval_interval", "eval_batches",
                      "log_interval", "bpe_vocab_size"):
             if getattr(self, name) < 1:
@@ -242,8 +257,8 @@ class TrainConfig:
         train_names = {f.name for f in dataclasses.fields(cls)} - {"model"}
         unknown = sorted(set(values) - train_names - set(MODEL_KEYS))
         if unknown:
-            raise ConfigError(f"unknown config key {unknown[0]!r}; valid keys: "
-                              f"{', '.join(sorted(train_names | set(MODEL_KEYS)))}")
+            raise ConfigError(f"unknown config key {unknown[0]!r}; "
+                              + _suggest_key(unknown[0], config_keys()))
         model_values = {k: v for k, v in values.items() if k in MODEL_KEYS}
         try:
             model = dataclasses.replace(DEFAULT_MODEL, **model_values)
@@ -308,8 +323,40 @@ def _field_types() -> dict[str, type]:
     return types
 
 
-def _convert(key: str, value, typ: type):
-    """Convert a CLI string (or a TOML value) to the field type ``typ``."""
+def config_keys() -> tuple[str, ...]:
+    """Every flat config key, sorted: the training fields and the model's."""
+    return tuple(sorted(_field_types()))
+
+
+def _closest(name: str, candidates: Sequence[str]) -> str | None:
+    """The one of ``candidates`` that ``name`` most likely misspells, or None."""
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _suggest_key(key: str, keys: Sequence[str]) -> str:
+    """``"did you mean 'lr'?"`` for a misspelt key, else the list of the valid ones."""
+    close = _closest(key.replace("-", "_"), keys)
+    return f"did you mean {close!r}?" if close else f"valid keys: {', '.join(keys)}"
+
+
+def _unknown_option(key: str, flags: Sequence[str]) -> ConfigError:
+    """The error of a command-line option ``--key`` that is neither one of the program's
+    ``flags`` nor a config key, naming the closest of them as what it is."""
+    flag_names = [f[2:] for f in flags]
+    close = _closest(key.replace("-", "_"), [*flag_names, *config_keys()])
+    what = f"unknown option --{key}: neither a flag nor a config key"
+    if close is None:
+        listed = [f for f in flags if f != "--help"]
+        return ConfigError(f"{what}; the flags are {', '.join(listed)} and --help, which lists "
+                           f"the config keys (any of them is an option --key value)")
+    kind = "flag" if close in flag_names else "config key"
+    return ConfigError(f"{what}; did you mean the {kind} --{close}?")
+
+
+def _convert(label: str, value, typ: type):
+    """Convert a CLI string (or a TOML value) to the field type ``typ``; errors name the value
+    by ``label`` (``--lr`` on the command line, ``'lr' in config file F`` elsewhere)."""
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -318,44 +365,58 @@ def _convert(key: str, value, typ: type):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"--{key} expects a boolean (true/false), got {value!r}")
+        raise ConfigError(f"{label} expects a boolean (true/false), got {value!r}")
     if typ is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"--{key} expects an integer, got {value!r}")
+            raise ConfigError(f"{label} expects an integer, got {value!r}")
         try:
             return int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"--{key} expects an integer, got {value!r}") from None
+            raise ConfigError(f"{label} expects an integer, got {value!r}") from None
     if typ is float:
         if isinstance(value, bool):
-            raise ConfigError(f"--{key} expects a number, got {value!r}")
+            raise ConfigError(f"{label} expects a number, got {value!r}")
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"--{key} expects a number, got {value!r}") from None
+            raise ConfigError(f"{label} expects a number, got {value!r}") from None
     if not isinstance(value, (str, int, float)):
-        raise ConfigError(f"--{key} expects a string, got {value!r}")
+        raise ConfigError(f"{label} expects a string, got {value!r}")
     return str(value)
 
 
-def _apply(base: dict, updates: dict, source: str) -> dict:
+#: The source name of :func:`build_config`'s ``overrides`` (``--key value`` options).
+_COMMAND_LINE = "the command line"
+
+
+def _apply(base: dict, updates: dict, source: str, extra_keys: tuple[str, ...] = ()) -> dict:
+    """``base`` updated by ``updates`` from ``source``; ``extra_keys``: other keys valid
+    there (a TOML file's ``preset``), suggested for a misspelt one."""
     types = _field_types()
     out = dict(base)
     for key, value in updates.items():
         name = key.replace("-", "_")
         if name not in types:
-            raise ConfigError(f"unknown config key {key!r} in {source}; valid keys: "
-                              f"{', '.join(sorted(types))}")
-        out[name] = _convert(name, value, types[name])
+            raise ConfigError(f"unknown config key {key!r} in {source}; "
+                              + _suggest_key(key, sorted([*types, *extra_keys])))
+        label = f"--{name}" if source == _COMMAND_LINE else f"{name!r} in {source}"
+        out[name] = _convert(label, value, types[name])
     return out
 
 
-def parse_overrides(tokens: list[str]) -> dict[str, str]:
+def parse_overrides(tokens: list[str], flags: Sequence[str] = ()) -> dict[str, str]:
     """``["--lr", "1e-3", "--bias=true"]`` -> ``{"lr": "1e-3", "bias": "true"}``.
 
+    Args:
+        tokens: what a program's own parser left of its command line.
+        flags: that program's own flags (``--preset``, ...): a misspelt one is suggested as a
+            flag, a misspelt key as a config key.
+
     Raises:
-        ConfigError: a token that is not ``--key`` or a key without a value.
+        ConfigError: a token that is not ``--key``, a key that is not a config key (with the
+            closest flags and keys), or a key without a value.
     """
+    keys = set(config_keys())
     out: dict[str, str] = {}
     i = 0
     while i < len(tokens):
@@ -363,6 +424,8 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
         if not tok.startswith("--") or tok == "--":
             raise ConfigError(f"unexpected argument {tok!r}; overrides are --key value")
         key, eq, value = tok[2:].partition("=")
+        if key.replace("-", "_") not in keys:
+            raise _unknown_option(key, flags)
         if not eq:
             if i + 1 >= len(tokens):
                 raise ConfigError(f"--{key} needs a value")
@@ -412,8 +475,10 @@ def build_config(preset: str | None = None, toml_path: str | Path | None = None,
     name = preset if preset is not None else toml_preset
     if name is not None:
         if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+            close = _closest(str(name), list(PRESETS))
+            hint = f"did you mean {close!r}? " if close else ""
+            raise ConfigError(f"unknown preset {name!r}; {hint}available: {', '.join(PRESETS)}")
         values = _apply(values, PRESETS[name], f"preset {name!r}")
-    values = _apply(values, toml, f"config file {toml_path}")
-    values = _apply(values, overrides or {}, "the command line")
+    values = _apply(values, toml, f"config file {toml_path}", extra_keys=("preset",))
+    values = _apply(values, overrides or {}, _COMMAND_LINE)
     return TrainConfig.from_dict(values)

@@ -123,7 +123,8 @@ def _to_tensor(parts: list[np.ndarray], vocab_size: int) -> torch.Tensor:
 
 def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: str = "byte",
                 bpe_vocab_size: int = 1024, tokenizer_path: str | os.PathLike | None = None,
-                vocab_size: int | None = None) -> Corpus:
+                vocab_size: int | None = None,
+                shard_dtype: str | None = None) -> Corpus:  # noqa: F811 - the config key's name
     """Read, split, fingerprint and tokenize a corpus, or open token shards (``bin:DIR``).
 
     Args:
@@ -139,17 +140,23 @@ def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: s
         vocab_size: the model's vocabulary when it should be larger than the tokenizer's
             (padding, as nanoGPT pads GPT-2's 50257 to 50304); for nanoGPT shards without
             ``meta.json``, the vocabulary (default: the largest token id + 1).
+        shard_dtype: for ``bin:`` shards, the ids' dtype (``"uint16"`` / ``"uint32"``): required
+            without ``meta.json``, else checked against it (see :func:`models.shards.open_shards`).
 
     Raises:
         CorpusError: unknown spec, missing or empty path, empty split, missing ``tokenizers``,
-            shards that disagree with their metadata or hold an id outside the vocabulary.
+            shards without ``meta.json`` and no ``shard_dtype``, shards that disagree with their
+            metadata or hold an id outside the vocabulary, a ``shard_dtype`` for a text corpus.
     """
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if tokenizer not in ("byte", "bpe"):
         raise CorpusError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
     if spec.startswith("bin:"):
-        return _load_shards(spec, tokenizer, vocab_size)
+        return _load_shards(spec, tokenizer, vocab_size, shard_dtype)
+    if shard_dtype is not None:
+        raise CorpusError(f"shard_dtype {shard_dtype!r} is for token shards (bin:DIR); corpus "
+                          f"{spec!r} is text")
     docs = list_documents(spec)
     fingerprint = Fingerprint()
     pieces = list(split_pieces(docs, val_fraction, fingerprint))
@@ -184,11 +191,12 @@ def _token_digest(*parts: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _load_shards(spec: str, tokenizer: str, vocab_size: int | None) -> Corpus:
+def _load_shards(spec: str, tokenizer: str, vocab_size: int | None, dtype: str | None
+                 ) -> Corpus:
     raw = spec[len("bin:"):]
     if not raw:
         raise CorpusError("corpus 'bin:' needs a folder, e.g. bin:data/shards")
-    shards = open_shards(raw, vocab_size)
+    shards = open_shards(raw, vocab_size, dtype)
     if tokenizer == "bpe" and shards.tokenizer.name != "bpe":
         raise CorpusError(f"tokenizer 'bpe' was asked for, but the token shards "
                           f"{shards.folder} were made with the {shards.tokenizer.name!r} tokenizer")

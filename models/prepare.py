@@ -17,9 +17,10 @@ a time, splits it exactly as ``models.data.load_corpus`` does and writes
 
 The tokens equal those ``load_corpus(SPEC)`` holds in memory (the same :func:`encode_pieces`),
 so a run on ``bin:DIR`` draws the same batches as a run on ``SPEC`` with the same seed. Files
-are written beside their target and renamed into place, ``meta.json`` last: a folder with a
-``meta.json`` is complete. A progress bar (``tqdm``, when installed and on a terminal) follows
-the tokenization.
+are written beside their target (``.train.bin.<pid>.partial``, ...) and renamed into place,
+``meta.json`` last: a folder with a ``meta.json`` is complete. The partial files a killed run
+left (its pid no longer alive) are removed at the next start. A progress bar (``tqdm``, when
+installed and on a terminal) follows the tokenization.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from .data import (
     split_pieces,
 )
 from .shards import SHARD_FORMAT
-from .storage import describe_os_error
+from .storage import describe_os_error, remove_stale_temporaries
 
 __all__ = ["DEFAULT_BPE_VOCAB", "main", "prepare"]
 
@@ -202,6 +203,7 @@ def prepare(spec: str, out: str | os.PathLike, *, tokenizer: str = "byte",
     tok = _tokenizer(tokenizer, vocab_size, tokenizer_file, docs, val_fraction, progress)
     dtype_name = shard_dtype(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out, _OUTPUTS)  # the partial files of a killed run
     fingerprint, tally = Fingerprint(), _Tally(sum(docs.sizes), progress)
     try:  # every file is written in full before anything in ``out`` is replaced
         counts, sha = _write_splits(out, tok, tally.count(split_pieces(docs, val_fraction,

@@ -38,6 +38,7 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
     has_checkpoint,
     load_checkpoint,
     read_metrics,
+    remove_stale_temporaries,
     rewrite_metrics,
     rng_state,
     save_checkpoint,
@@ -169,6 +170,7 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
         return ckpt, None, stale
     corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
                          bpe_vocab_size=cfg.bpe_vocab_size, vocab_size=cfg.vocab_size or None,
+                         shard_dtype=None if cfg.shard_dtype == "meta" else cfg.shard_dtype,
                          tokenizer_path=out / "tokenizer.json"
                          if resume and cfg.tokenizer == "bpe" else None)
     check_size(corpus, cfg.batch_size, cfg.block_size)

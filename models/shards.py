@@ -10,10 +10,12 @@ writes them (``uint16``, or ``uint32`` when the vocabulary exceeds 65536 ids) wi
 :func:`open_shards` checks the files against the metadata (sizes, hashes), scans them once in
 chunks for the largest id (which must lie inside the vocabulary) and their SHA-256, and opens
 them as :class:`TokenFile`: windows are read from the page cache, the corpus is never loaded
-whole. Without ``meta.json`` the ids are taken as ``uint16`` and the vocabulary as the largest
-id + 1 unless a ``vocab_size`` is given; nanoGPT's ``meta.pkl`` is never unpickled (unpickling
-runs arbitrary code). The shards' fingerprint is the SHA-256 of their dtype and both files'
-SHA-256.
+whole. Without ``meta.json`` nothing on disk says how wide the ids are (``uint32`` ids of a
+small vocabulary read as ``uint16`` give every other id 0, with no error), so the dtype must be
+given (``dtype=``, the trainer's ``--shard_dtype``; nanoGPT's ``prepare.py`` scripts write
+``uint16``) and such a folder is refused without it; the vocabulary is the largest id + 1 unless
+a ``vocab_size`` is given. nanoGPT's ``meta.pkl`` is never unpickled (unpickling runs arbitrary
+code). The shards' fingerprint is the SHA-256 of their dtype and both files' SHA-256.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import torch
 from .sources import CorpusError
 from .tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer, padded_vocab
 
-__all__ = ["META_FILE", "SCAN_TOKENS", "SHARD_FORMAT", "ShardSet", "TokenFile", "open_shards",
-           "shard_dtype"]
+__all__ = ["META_FILE", "SCAN_TOKENS", "SHARD_DTYPES", "SHARD_FORMAT", "ShardSet", "TokenFile",
+           "open_shards", "shard_dtype"]
 
 #: The metadata file ``models.prepare`` writes beside ``train.bin`` / ``val.bin``.
 META_FILE = "meta.json"
@@ -75,6 +77,8 @@ class TokenFile:
 
 
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+#: The dtypes token shards may hold (little-endian).
+SHARD_DTYPES = tuple(_DTYPES)
 
 
 def shard_dtype(vocab_size: int) -> str:
@@ -107,11 +111,15 @@ def _read_meta(folder: Path) -> dict | None:
     return meta
 
 
+def _require_shards(folder: Path) -> None:
+    for split in ("train", "val"):
+        if not (folder / f"{split}.bin").is_file():
+            raise CorpusError(f"token shard {folder / f'{split}.bin'} does not exist (a bin: "
+                              f"folder holds train.bin and val.bin, as python -m models.prepare "
+                              f"or nanoGPT's prepare.py writes them)")
+
+
 def _count_tokens(path: Path, dtype: np.dtype) -> int:
-    if not path.is_file():
-        raise CorpusError(f"token shard {path} does not exist (a bin: folder holds train.bin "
-                          f"and val.bin, as python -m models.prepare or nanoGPT's prepare.py "
-                          f"writes them)")
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
         raise CorpusError(f"token shard {path} is {size} bytes, not a positive whole number of "
@@ -184,24 +192,43 @@ def _scan_split(folder: Path, split: str, dtype: np.dtype, meta: dict | None) ->
     return digest, top
 
 
-def _shard_vocab(folder: Path, meta: dict | None, vocab_size: int | None, top: int
-                 ) -> tuple[int, str, tuple[str, ...]]:
+def _shard_vocab(folder: Path, meta: dict | None, vocab_size: int | None, top: int,
+                 dtype: np.dtype) -> tuple[int, str, tuple[str, ...]]:
     """(vocabulary, where it came from, notes)."""
     if meta is not None:
         vocab = padded_vocab(meta["vocab_size"], vocab_size, f"token shards {folder}")
         return vocab, META_FILE if vocab_size is None else "the vocab_size given", ()
+    read_as = f"{folder} has no {META_FILE}: read as nanoGPT shards ({dtype.name} ids as given)"
     if vocab_size is None:
         vocab = top + 1
-        note = (f"{folder} has no {META_FILE}: read as nanoGPT shards (uint16 ids), vocabulary "
-                f"size {vocab} = the largest token id + 1; pass --vocab_size N to set it")
+        note = (f"{read_as}, vocabulary size {vocab} = the largest token id + 1; pass "
+                f"--vocab_size N to set it")
         return vocab, "the largest token id + 1", (note,)
     vocab = padded_vocab(1, vocab_size, f"token shards {folder}")
-    note = (f"{folder} has no {META_FILE}: read as nanoGPT shards (uint16 ids), vocabulary size "
-            f"{vocab} as given")
-    return vocab, "the vocab_size given", (note,)
+    return vocab, "the vocab_size given", (f"{read_as}, vocabulary size {vocab} as given",)
 
 
-def open_shards(folder: str | os.PathLike, vocab_size: int | None = None) -> ShardSet:
+def _shard_dtype(folder: Path, meta: dict | None, dtype: str | None) -> np.dtype:
+    """The dtype ``meta.json`` records, which a given ``dtype`` must match; without
+    ``meta.json``, the given one: the files alone do not say how wide their ids are."""
+    if dtype is not None and dtype not in _DTYPES:
+        raise CorpusError(f"shard dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if meta is not None:
+        if dtype is not None and dtype != meta["dtype"]:
+            raise CorpusError(f"shard dtype {dtype} was given, but {folder / META_FILE} records "
+                              f"{meta['dtype']}; drop --shard_dtype to read what it records")
+        return _DTYPES[meta["dtype"]]
+    if dtype is None:
+        raise CorpusError(f"token shards {folder} have no {META_FILE}, so the width of their ids "
+                          f"is unknown (uint32 ids read as uint16 would be wrong without any "
+                          f"error); pass --shard_dtype uint16 (what nanoGPT's prepare.py "
+                          f"writes) or --shard_dtype uint32, or write the folder with "
+                          f"python -m models.prepare, which records it")
+    return _DTYPES[dtype]
+
+
+def open_shards(folder: str | os.PathLike, vocab_size: int | None = None,
+                dtype: str | None = None) -> ShardSet:
     """Check and open a shard folder (see the module docstring).
 
     Args:
@@ -209,10 +236,14 @@ def open_shards(folder: str | os.PathLike, vocab_size: int | None = None) -> Sha
         vocab_size: the model's vocabulary: at least the tokenizer's (padding it, as nanoGPT
             pads GPT-2's 50257 to 50304); for nanoGPT shards, the vocabulary itself (default:
             the largest token id + 1).
+        dtype: the ids' dtype, ``"uint16"`` or ``"uint32"``: required for a folder without
+            ``meta.json`` (nanoGPT's ``prepare.py`` writes ``uint16``); with one, it must be the
+            dtype ``meta.json`` records (``None``: take that one).
 
     Raises:
-        CorpusError: a missing folder or file, unreadable or inconsistent metadata, a file whose
-            size or hash disagrees with it, a token id outside the vocabulary.
+        CorpusError: a missing folder or file, a folder without ``meta.json`` and no ``dtype``,
+            unreadable or inconsistent metadata (a ``dtype`` that disagrees with it included), a
+            file whose size or hash disagrees with it, a token id outside the vocabulary.
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
@@ -220,10 +251,11 @@ def open_shards(folder: str | os.PathLike, vocab_size: int | None = None) -> Sha
                           else f"{folder} is not a folder (bin: takes the folder holding "
                                f"train.bin and val.bin)")
     meta = _read_meta(folder)
-    dtype = _DTYPES["uint16" if meta is None else meta["dtype"]]
+    _require_shards(folder)
+    dtype = _shard_dtype(folder, meta, dtype)
     scans = {split: _scan_split(folder, split, dtype, meta) for split in ("train", "val")}
     top = max(t for _, t in scans.values())
-    vocab, source, notes = _shard_vocab(folder, meta, vocab_size, top)
+    vocab, source, notes = _shard_vocab(folder, meta, vocab_size, top, dtype)
     for split, (_, t) in scans.items():
         if t >= vocab:
             raise CorpusError(f"token shard {folder / f'{split}.bin'} holds token id {t}, "

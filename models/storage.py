@@ -5,7 +5,9 @@ Guarantees (see ``docs/guides/training.rst``, "What happens when things go wrong
 - **Atomic, exclusive writes.** :func:`atomic_write` writes a fresh temporary file beside the
   target, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a unique name (so a planted
   symlink is never followed and two writers never share a file), flushes it to disk and then
-  ``os.replace``-s the target. A crash leaves either the old file or the new one.
+  ``os.replace``-s the target. A crash leaves either the old file or the new one, and at most
+  the temporary file, named ``.<target>.<pid>.<random>.tmp`` after the process that wrote it:
+  :func:`remove_stale_temporaries` removes it at the next start once that process is gone.
 - **Sealed checkpoints.** :func:`save_checkpoint` stores a SHA-256 ``checksum`` of the state's
   content (every tensor's dtype, shape and bytes; every plain value) inside ``checkpoint.pt``,
   reads the temporary file back and verifies it *before* it replaces anything, and keeps the
@@ -32,6 +34,7 @@ import json
 import os
 import pickle
 import random
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,8 +49,8 @@ import torch
 __all__ = ["CHECKPOINT", "DAMAGED_CHECKPOINT", "PREVIOUS_CHECKPOINT", "RUN_FILES",
            "CheckpointError", "RunDirLock", "RunError", "atomic_write", "check_run_dir",
            "clear_stale_run", "describe_os_error", "has_checkpoint", "load_checkpoint",
-           "read_metrics", "rewrite_metrics", "rng_state", "save_checkpoint", "set_rng_state",
-           "state_checksum", "write_json"]
+           "read_metrics", "remove_stale_temporaries", "rewrite_metrics", "rng_state",
+           "save_checkpoint", "set_rng_state", "state_checksum", "write_json"]
 
 #: The newest checkpoint of a run directory.
 CHECKPOINT = "checkpoint.pt"
@@ -93,22 +96,19 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically.
+def _write_temporary(path: Path, data: bytes) -> Path:
+    """``data`` in a new temporary file beside ``path``, flushed to disk; its path.
 
-    The temporary file is created exclusively (``tempfile.mkstemp``: ``O_CREAT | O_EXCL |
-    O_NOFOLLOW``, a unique hidden name) in the target's directory, written, ``fsync``-ed and
-    renamed over ``path``; on any failure it is removed and ``path`` is untouched. ``os.replace``
-    replaces a symlink at ``path`` itself, never the file it points to. The file gets the mode
-    ``open`` would give a new file (``0o666`` less the umask), not ``mkstemp``'s owner-only
-    ``0o600``: colleagues on a shared machine read run directories as they read any other file.
+    Created exclusively (``tempfile.mkstemp``: ``O_CREAT | O_EXCL | O_NOFOLLOW``) under the
+    hidden name ``.<name>.<pid>.<random>.tmp``, which says which process wrote it
+    (:func:`remove_stale_temporaries`). On any failure the file is removed.
 
     Raises:
         OSError: with ``filename`` set to ``path`` (ENOSPC, EACCES, ...).
     """
-    path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
+                                   dir=path.parent)
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
@@ -117,10 +117,33 @@ def atomic_write(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException as exc:
+        _remove_stale(Path(tmp))
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+    return Path(tmp)
+
+
+def atomic_write(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically.
+
+    The temporary file (:func:`_write_temporary`: created exclusively, a unique hidden name) is
+    written in the target's directory, ``fsync``-ed and renamed over ``path``; on any failure it
+    is removed and ``path`` is untouched. ``os.replace`` replaces a symlink at ``path`` itself,
+    never the file it points to. The file gets the mode ``open`` would give a new file
+    (``0o666`` less the umask), not ``mkstemp``'s owner-only ``0o600``: colleagues on a shared
+    machine read run directories as they read any other file.
+
+    Raises:
+        OSError: with ``filename`` set to ``path`` (ENOSPC, EACCES, ...).
+    """
+    path = Path(path)
+    tmp = _write_temporary(path, data)
+    try:
         os.replace(tmp, path)
     except BaseException as exc:
-        with _suppress_os_error():
-            os.unlink(tmp)
+        _remove_stale(tmp)
         if isinstance(exc, OSError):
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
@@ -229,24 +252,19 @@ def save_checkpoint(path: str | Path, state: dict, previous_step: int) -> None:
     sealed = {**state, "checksum": state_checksum(state)}
     buffer = io.BytesIO()
     torch.save(sealed, buffer)
-    tmp = path.with_name(f".{path.name}.verify")
-    _remove_stale(tmp)
-    try:
-        atomic_write(tmp, buffer.getvalue())
-    except OSError as exc:  # name the checkpoint, not the hidden file it was written to
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    tmp = _write_temporary(path, buffer.getvalue())  # an OSError names the checkpoint
     try:
         _read_verified(tmp)
-    except CheckpointError:
-        _remove_stale(tmp)
-        raise CheckpointError(f"the checkpoint written to {path} did not verify on disk; "
-                              f"the previous checkpoint is kept") from None
-    try:
         if path.exists():
             os.replace(path, path.with_name(PREVIOUS_CHECKPOINT))
         os.replace(tmp, path)
+    except CheckpointError:
+        raise CheckpointError(f"the checkpoint written to {path} did not verify on disk; "
+                              f"the previous checkpoint is kept") from None
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
+    finally:
+        _remove_stale(tmp)  # gone already unless something failed
 
 
 def _remove_stale(path: Path) -> None:
@@ -364,6 +382,61 @@ def _is_temporary(name: str) -> bool:
     return name.startswith(".") and name.endswith((".tmp", ".verify"))
 
 
+#: A temporary file of ours: ``.<name>.<pid>.<random>.tmp`` (:func:`atomic_write`,
+#: :func:`save_checkpoint`) or ``.<name>.<pid>.partial`` (``models.prepare``).
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>[1-9][0-9]*)\.(?:[a-z0-9_]{8}\.tmp|partial)")
+#: What versions that did not put the pid in the name left: ``.<name>.<random>.tmp``, and the
+#: checkpoint's verified copy ``.checkpoint.pt.verify`` (written through one of those).
+_UNNAMED_TEMPORARY = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+_VERIFY = f".{CHECKPOINT}.verify"
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts: it may not be signalled)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no such pid on this system
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | Path, names, *, locked: bool = False) -> list[str]:
+    """Remove the temporary files that writers of ours, killed mid-write, left in ``folder``.
+
+    A file is removed only when it is provably ours and provably stale: its name is ours for one
+    of ``names`` (``.<name>.<pid>.<random>.tmp`` of :func:`atomic_write` and
+    :func:`save_checkpoint`, ``.<name>.<pid>.partial`` of ``models.prepare``), ``pid`` is not
+    this process, and no process ``pid`` exists — or ``locked``: the caller holds ``folder``'s
+    :class:`RunDirLock`, so no other writer of ours is at work in it. With ``locked`` the
+    temporary files of versions that did not put the pid in the name go too
+    (``.<name>.<random>.tmp``, ``.checkpoint.pt.verify``).
+
+    Args:
+        folder: a run directory or a token-shard folder.
+        names: the file names written there (``checkpoint.pt``, ``config.json``, ``train.bin``...).
+        locked: the caller holds ``folder``'s lock (a real one: :attr:`RunDirLock.held`).
+
+    Returns:
+        The names of the removed files, sorted.
+    """
+    names = set(names)
+    removed = []
+    for path in Path(folder).iterdir():
+        ours, old = _TEMPORARY.fullmatch(path.name), _UNNAMED_TEMPORARY.fullmatch(path.name)
+        if ours is not None and ours["name"] in names:
+            pid = int(ours["pid"])
+            stale = pid != os.getpid() and (locked or not _alive(pid))
+        else:
+            stale = locked and (path.name == _VERIFY
+                                or (old is not None and old["name"] in names | {_VERIFY}))
+        if stale and path.is_file() and not path.is_symlink():
+            _remove_stale(path)
+            removed.append(path.name)
+    return sorted(removed)
+
+
 def _finished(summary: Path) -> bool:
     try:
         return bool(json.loads(summary.read_text()).get("finished"))
@@ -405,6 +478,11 @@ class RunDirLock:
                                f"--out") from None
             return  # a file system without flock (some network mounts): unlocked
         self.fd = fd
+
+    @property
+    def held(self) -> bool:
+        """Whether the directory is locked for real (False where the file system cannot lock)."""
+        return self.fd is not None
 
     def release(self) -> None:
         if self.fd is not None:

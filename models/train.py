@@ -8,8 +8,11 @@ micro-steps under autocast, clipping, the step); logged steps go to ``metrics.js
 throughput (:mod:`models.throughput`), evaluations (:mod:`models.evaluation`) also write a
 checkpoint; the end writes ``summary.json``, the plot and a sample. Under ``torchrun`` every rank
 draws the same global batch and trains on its share of each micro-batch, so the steps are one
-process's up to rounding. Exit statuses (:mod:`models.cli`): 0 done, 1 a file-system fault,
-2 bad input, 3 diverged, 130 interrupted. See ``docs/guides/training.rst``.
+process's up to rounding. SIGTERM or SIGHUP during training stops the loop at the next step
+boundary, writes the checkpoint there and exits 143 / 129 (:mod:`models.cli`); a start removes
+the temporary files a killed run left in the run directory. Exit statuses: 0 done, 1 a
+file-system fault, 2 bad input, 3 diverged, 130 interrupted, 143 / 129 terminated. See
+``docs/guides/training.rst``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # Ctrl-C while the imports below load: one line, no traceback
+if __name__ == "__main__":  # a signal while the imports below load: one line, no traceback
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write("interrupted\n"), os._exit(130)))
+    for _name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, _name):
+            signal.signal(getattr(signal, _name), lambda signum, _: (
+                sys.stderr.write(f"terminated by {signal.Signals(signum).name}\n"),
+                os._exit(128 + signum)))
 
 import contextlib
 import dataclasses
@@ -53,6 +61,9 @@ from .run_dir import load_optimizer_state, read_metrics, save_checkpoint  # noqa
 from .throughput import Throughput, device_time, flops_per_token, peak_flops
 
 __all__ = ["Run", "main", "run_training", "train_step"]
+
+#: The names of the files a run writes into its directory (whose temporary files are ours).
+_RUN_DIR_NAMES = run_dir.RUN_FILES | {run_dir.CHECKPOINT}
 
 
 @dataclasses.dataclass
@@ -124,7 +135,9 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
     run_dir.check_same_corpus(corpus, cfg)
     if job.is_main and not resume:
         out.mkdir(parents=True, exist_ok=True)
-    with _writer_lock(out, job):
+    with _writer_lock(out, job) as locked:
+        if job.is_main:
+            _remove_leftovers(out, locked, echo)
         if job.is_main and stale:  # a run that stopped before its first checkpoint: start it
             run_dir.clear_stale_run(out)  # again cleanly
         try:
@@ -132,21 +145,33 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
         except Exception as exc:
             _raise_out_of_memory(exc, job, "building the model", kept=ckpt is not None)
             raise
-        try:
-            _loop(run)
-        except Exception as exc:  # torch.compile is lazy: the first forward builds the
-            # kernels (with a C++ compiler on CPU, triton on CUDA), deep inside the loop
-            _raise_out_of_memory(exc, job, f"in step {run.step + 1}",
-                                 kept=run.saved_step >= 0)
-            if not (cfg.compile and isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)):
-                raise
-            cause = str(exc).strip().splitlines()[0]
-            raise RunError(f"--compile true failed on {job.device.type}: {cause}; run with "
-                           f"--compile false") from None
-        finally:
-            run.progress.close()
-            run.log.close()
-        return _finish(run, ckpt)
+        with cli.TERMINATION.deferred():  # SIGTERM / SIGHUP wait for a step boundary
+            try:
+                _loop(run)
+            except Exception as exc:  # torch.compile is lazy: the first forward builds the
+                # kernels (with a C++ compiler on CPU, triton on CUDA), deep inside the loop
+                _raise_out_of_memory(exc, job, f"in step {run.step + 1}",
+                                     kept=run.saved_step >= 0)
+                if not (cfg.compile and isinstance(exc, torch._dynamo.exc.BackendCompilerFailed)):
+                    raise
+                cause = str(exc).strip().splitlines()[0]
+                raise RunError(f"--compile true failed on {job.device.type}: {cause}; run with "
+                               f"--compile false") from None
+            finally:
+                run.progress.close()
+                run.log.close()
+            return _finish(run, ckpt)
+
+
+def _remove_leftovers(out: Path, locked: bool, echo: bool) -> None:
+    """Remove the temporary files a run killed mid-write left in ``out`` (ours, and stale: their
+    writer is gone, or we hold the directory's lock), saying which."""
+    if not out.is_dir():
+        return
+    removed = run_dir.remove_stale_temporaries(out, _RUN_DIR_NAMES, locked=locked)
+    if removed and echo:
+        print(f"removed {len(removed)} temporary file{'s' * (len(removed) > 1)} that a killed "
+              f"run left in {out}: {', '.join(removed)}", flush=True)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -173,16 +198,17 @@ def _raise_out_of_memory(exc: BaseException, job: Job, where: str, kept: bool) -
 @contextlib.contextmanager
 def _writer_lock(out: Path, job: Job):
     """Rank 0 holds ``out``'s :class:`~models.storage.RunDirLock` while the run writes; every
-    rank fails together (before any write) when another run holds it."""
-    lock, error = contextlib.nullcontext(), None
+    rank fails together (before any write) when another run holds it. Yields whether this
+    process holds the lock for real (rank 0 on a file system that locks)."""
+    lock, error = None, None
     if job.is_main:
         try:
             lock = run_dir.RunDirLock(out)
         except RunError as exc:
             error = exc
     raise_together(error, RunError)
-    with lock:
-        yield
+    with lock if lock is not None else contextlib.nullcontext():
+        yield lock is not None and lock.held
 
 
 def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corpus: Corpus,
@@ -290,6 +316,7 @@ def _loop(run: Run) -> None:
     if run.step == 0 and not _evaluate_initial(run):
         return
     for step in range(run.step + 1, cfg.last_step + 1):
+        _stop_if_terminated(run)
         scale = lr_scale(step - 1, cfg)
         for group, base, mult in zip(run.optimizer.param_groups, run.base_lrs, run.multipliers):
             group["lr"] = base * scale * mult(step - 1)
@@ -336,6 +363,21 @@ def _loop(run: Run) -> None:
                              f"{row['tokens_per_s']:.0f} tok/s")
             run_dir.save_run_checkpoint(run)
             run.meter.skip()
+
+
+def _stop_if_terminated(run: Run) -> None:
+    """At a step boundary: when a terminating signal has arrived (on any rank), write the
+    checkpoint of this step (the run directory's usual one; nothing before the first step) and
+    end the run with :class:`~models.cli.Terminated`."""
+    signum = cli.TERMINATION.signum
+    if run.job.world_size > 1:  # every rank stops at the same boundary, or none does
+        arrived = all_mean(float(signum is not None), run.job.device) > 0
+        signum = (signum or signal.SIGTERM) if arrived else None
+    if signum is None:
+        return
+    if run.step > 0:
+        run_dir.save_run_checkpoint(run)
+    raise cli.Terminated(signum, run.step, saved=run.saved_step == run.step)
 
 
 def _evaluate_initial(run: Run) -> bool:
@@ -388,7 +430,8 @@ def _finish(run: Run, ckpt: dict | None) -> dict:
         _plot(run, summary)
     if run.diverged is None and summary["finished"] and cfg.sample_tokens > 0 \
             and run.job.is_main:
-        sample = generate_sample(run.model, run.corpus, cfg, run.job.device)
+        with cli.TERMINATION.immediate():  # the run is saved: a signal need not wait for this
+            sample = generate_sample(run.model, run.corpus, cfg, run.job.device)
         run_dir.atomic_write(out / "sample.txt", sample.encode())
         say("--- sample ---\n" + sample + "\n--------------")
     if summary["finished"]:

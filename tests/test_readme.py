@@ -1,6 +1,8 @@
 """Every Python block of README.md runs alone, verbatim, in a fresh interpreter, and prints what it says;
 so do the ``.. code-block:: python`` examples of the docs' front pages (``docs/index.rst``,
-``docs/overview.rst``), the first code a reader of the site copies.
+``docs/overview.rst``), the first code a reader of the site copies. The install commands are one
+pair of torch lines everywhere (CPU as written, CUDA commented), and ``.ci/run`` installs with
+the README's CPU line and runs its test command.
 
 A reader copies one block at a time, so each block is run as ``python -c <block>`` in a new process
 from the repository root. A comment ``# -> text`` (at the end of a line or on a line of its own)
@@ -79,3 +81,61 @@ def test_each_front_page_has_an_example_that_promises_output():
 @pytest.mark.parametrize(("page", "index", "block"), DOC_BLOCKS, ids=[f"{p}:{k}" for p, k, _ in DOC_BLOCKS])
 def test_front_page_example_runs_alone_and_prints_its_promises(page, index, block):
     run_alone(block, f"{page} code block {index}")
+
+
+#: The widest code line the docs' theme shows without a scroll bar.
+CODE_COLUMN = 88
+
+
+@pytest.mark.parametrize("page", FRONT_PAGES)
+def test_front_page_code_fits_the_column(page):
+    blocks = re.findall(r"^(?:\.\. code-block:: \w+|.*::)\n\n((?:(?:[ ]+.*)?\n)+)",
+                        (ROOT / page).read_text(), re.MULTILINE)
+    assert blocks, f"{page} has no code blocks"
+    wide = [line for block in blocks for line in textwrap.dedent(block).splitlines()
+            if len(line) > CODE_COLUMN]
+    assert not wide, f"{page}: code lines wider than {CODE_COLUMN} characters: {wide}"
+
+
+# ---- install commands ------------------------------------------------------------------------
+
+#: The torch lines of every install command: CPU as written, the CUDA build (PyPI's) commented.
+CPU_LINE = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+GPU_LINE = "# pip install torch==2.13.0"
+#: What .ci/run adds to the CPU line: the PyTorch index is not reachable from CI.
+CI_FALLBACK = "--extra-index-url https://pypi.org/simple --retries 1"
+BASH_BLOCKS = re.findall(r"^```bash\n(.*?)^```", README, re.MULTILINE | re.DOTALL)
+CI_RUN = (ROOT / ".ci" / "run").read_text()
+
+
+def _commands(text: str) -> list[str]:
+    """Shell lines without their trailing comments, continuations joined, blanks dropped."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    return [line.strip().split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
+
+
+def _torch_lines(text: str) -> list[str]:
+    return [line for line in _commands(text) if "torch==" in line]
+
+
+@pytest.mark.parametrize("command", ['pip install -e ".[train]" && python -m models.train',
+                                     'pip install -e ".[test]" && python -m pytest -q'])
+def test_each_highlighted_command_installs_torch_for_the_machine_then_runs(command):
+    (block,) = [b for b in BASH_BLOCKS if command in b]
+    assert _commands(block) == [CPU_LINE, GPU_LINE, command]
+    assert "# CPU" in block and "# NVIDIA GPU (CUDA)" in block  # each line says what it is for
+
+
+def test_the_docs_landing_page_installs_with_the_same_lines():
+    (block,) = re.findall(r"^\.\. code-block:: bash\n\n((?:   .*\n)+)",
+                          (ROOT / "docs" / "index.rst").read_text(), re.MULTILINE)
+    assert _torch_lines(block) == [CPU_LINE, GPU_LINE]
+    assert 'pip install -e ".[test]" && python -m pytest -q' in _commands(block)
+
+
+def test_ci_installs_with_the_readmes_cpu_line_and_runs_its_test_command():
+    (ci_line,) = _torch_lines(CI_RUN)
+    assert ci_line == f"python -m pip install -q {CPU_LINE[len('pip install '):]} {CI_FALLBACK}"
+    (readme_tests,) = [b for b in BASH_BLOCKS if "pytest" in b]
+    assert _commands(readme_tests)[-1].endswith(" && python -m pytest -q")
+    assert "python -m pytest -q" in _commands(CI_RUN)  # the README's test command

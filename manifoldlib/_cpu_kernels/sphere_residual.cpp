@@ -4,7 +4,6 @@
 // The per-row coefficient math stays in Python; these kernels only read and write (N, d) tensors:
 //
 //   forward_dots(h, f)                -> (N, 3): [||h||², <h, f>, ||f||²]      reads h, f
-//   tangent_sq(h, f, c)               -> (N,): ||f - c h||²                     reads h, f
 //   forward_combine(h, f, [a, b], out)   out = a h + b f                       reads h, f
 //   backward_dots(g, h, f)            -> (N, 2): [<g, h>, <g, f>]              reads g, h, f
 //   backward_combine(g, h, f, [c0, c1, c2], [e0, e1, e2], grad_f?, grad_h?)
@@ -105,24 +104,30 @@ MANIFOLDLIB_ROW_KERNEL void block_dots2(const T* g, const T* x, const T* y, int6
   total[1] += lane_sum(gy) + tgy;
 }
 
-// ||y - c x||² over one block, added to the row's total (the normalized step's ||P_h f||², formed
-// from P_h f itself: the difference ||f||² - <h, f>²/||h||² cancels when f is nearly parallel to h).
+// [||u||², <x, u>] of u = y - c x over one block, added to the row's totals (the normalized step's
+// ||P_h f||², formed from P_h f itself: the difference ||f||² - <h, f>²/||h||² cancels when f is
+// nearly parallel to h; <x, u> is what rounding left of h in u, removed by a second projection).
 template <typename T>
-MANIFOLDLIB_ROW_KERNEL void block_residual_sq(const T* x, const T* y, double c, int64_t len, double* total) {
-  double acc[kLanes] = {};
+MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c, int64_t len, double* total) {
+  double uu[kLanes] = {}, xu[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= len; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) {
-      const double u = static_cast<double>(y[i + j]) - c * static_cast<double>(x[i + j]);
-      acc[j] += u * u;
+      const double a = static_cast<double>(x[i + j]);
+      const double u = static_cast<double>(y[i + j]) - c * a;
+      uu[j] += u * u;
+      xu[j] += a * u;
     }
   }
-  double tail = 0.0;
+  double tuu = 0.0, txu = 0.0;  // the tail, as in block_dots3
   for (; i < len; ++i) {
-    const double u = static_cast<double>(y[i]) - c * static_cast<double>(x[i]);
-    tail += u * u;
+    const double a = static_cast<double>(x[i]);
+    const double u = static_cast<double>(y[i]) - c * a;
+    tuu += u * u;
+    txu += a * u;
   }
-  total[0] += lane_sum(acc) + tail;
+  total[0] += lane_sum(uu) + tuu;
+  total[1] += lane_sum(xu) + txu;
 }
 
 // [||x||², <x, y>, ||y||²] of one row.
@@ -178,32 +183,6 @@ at::Tensor forward_dots(const at::Tensor& h, const at::Tensor& f) {
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row_dots3(hp + r * d, fp + r * d, d, op + 3 * r);
-    });
-  });
-  return out;
-}
-
-at::Tensor tangent_sq(const at::Tensor& h, const at::Tensor& f, const at::Tensor& coef) {
-  check_dtype(h);
-  check_rows(h, "h", h);
-  check_rows(f, "f", h);
-  check_coefs({coef}, "coef", h, 1);
-  const int64_t n = h.size(0), d = h.size(1);
-  at::Tensor out = at::empty({n}, h.options());
-  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "tangent_sq", [&] {
-    const scalar_t* hp = h.const_data_ptr<scalar_t>();
-    const scalar_t* fp = f.const_data_ptr<scalar_t>();
-    const scalar_t* cp = coef.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        double total[1] = {};
-        const double c = static_cast<double>(cp[r]);
-        for (int64_t b = 0; b < d; b += kBlock) {
-          block_residual_sq(hp + r * d + b, fp + r * d + b, c, std::min(kBlock, d - b), total);
-        }
-        op[r] = static_cast<scalar_t>(total[0]);
-      }
     });
   });
   return out;
@@ -399,21 +378,35 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
         double dots[3] = {};  // ||h||², <h, f>, ||f||²
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
         const double q = std::max(dots[0], tiny), a = dots[1];
-        double tangent;
+        double tangent, normal = 0.0;
         if (eps > 0.0) {  // ||P_h f||² from P_h f itself (the difference form cancels for f ∥ h)
-          double total[1] = {};
+          double total[2] = {};
           for (int64_t b = 0; b < d; b += kBlock) {
-            block_residual_sq(x + b, y + b, a / q, std::min(kBlock, d - b), total);
+            block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
           }
-          tangent = total[0];
+          normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
+          tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
         } else {
           tangent = std::max(dots[2] - a * a / q, 0.0);
         }
         const RowStep st = row_step(q, tangent, s, family, p, eps);
         const double ks = st.k * st.step;
-        const scalar_t coef_h = static_cast<scalar_t>(st.c - ks * a / q), coef_f = static_cast<scalar_t>(ks);
         scalar_t* o = op + r * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = coef_h * x[i] + coef_f * y[i];
+        if (eps > 0.0) {
+          // The normalized step multiplies u by up to 1/eps: formed as A h + B f in the input
+          // dtype, the cancellation between B f and B (a/q) h would be magnified as much (for
+          // f nearly parallel to h, norms off by 10 % in float32). In double, from u itself,
+          // projected twice, the result keeps the norm of h to rounding.
+          const double alpha = a / q;
+          for (int64_t i = 0; i < d; ++i) {
+            const double xi = static_cast<double>(x[i]);
+            const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
+            o[i] = static_cast<scalar_t>(st.c * xi + ks * u);
+          }
+        } else {
+          const scalar_t coef_h = static_cast<scalar_t>(st.c - ks * a / q), coef_f = static_cast<scalar_t>(ks);
+          for (int64_t i = 0; i < d; ++i) o[i] = coef_h * x[i] + coef_f * y[i];
+        }
         sp[3 * r] = q;
         sp[3 * r + 1] = a;
         sp[3 * r + 2] = tangent;
@@ -494,7 +487,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
 
 TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
   m.def("forward_dots(Tensor h, Tensor f) -> Tensor");
-  m.def("tangent_sq(Tensor h, Tensor f, Tensor coef) -> Tensor");
   m.def("forward_combine(Tensor h, Tensor f, Tensor[] coef, Tensor(a!) out) -> ()");
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
   m.def("backward_combine(Tensor grad, Tensor h, Tensor f, Tensor[] coef_f, Tensor[] coef_h, "
@@ -506,7 +498,6 @@ TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
 
 TORCH_LIBRARY_IMPL(manifoldlib_cpu, CPU, m) {
   m.impl("forward_dots", &forward_dots);
-  m.impl("tangent_sq", &tangent_sq);
   m.impl("forward_combine", &forward_combine);
   m.impl("backward_dots", &backward_dots);
   m.impl("backward_combine", &backward_combine);

@@ -11,7 +11,7 @@ from .blocks import FUSED_NAMES, PER_HEAD_NAMES, SplitBlocks, merge_blocks, spli
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
 from .kernel import SEL_IMPLS, sel_forward_rule
 from .schedule import SEL_ROLES, SELLRMultiplier, sel_lr_lambdas, sel_lr_scheduler, sel_param_groups
-from .sel import SEL, SEL_CALIBRATIONS, SEL_INITS
+from .sel import SEL, SEL_CALIBRATIONS, SEL_INITS, SEL_LAYOUTS
 
 __all__ = [
     "FUSED_NAMES",
@@ -20,6 +20,7 @@ __all__ = [
     "SEL_IMPLS",
     "SEL_CALIBRATIONS",
     "SEL_INITS",
+    "SEL_LAYOUTS",
     "SEL_ROLES",
     "Chart",
     "SELLRMultiplier",

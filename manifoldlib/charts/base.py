@@ -13,6 +13,8 @@ a manifold-constrained optimizer (Stiefel, DGram, sphere) on them has no meaning
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +30,7 @@ __all__ = [
     "assert_chart_compatible",
     "chart_parameter_names",
     "merge_charts",
+    "output_dim",
 ]
 
 _COMPATIBLE_KINDS = (None, "euclidean", "adamw")
@@ -86,6 +89,32 @@ def assert_chart_compatible(param_or_kind: Any, name: str = "parameter") -> None
     )
 
 
+def output_dim(module: nn.Module) -> int:
+    """The output dimension of ``module``'s weight: 1 for a Hugging Face ``Conv1D`` (it stores
+    ``(in, out)`` and computes ``x @ W``) and its subclasses (the ``ParametrizedConv1D`` that
+    ``parametrize`` makes of one), 0 for every torch layer (``(out, in)``)."""
+    return 1 if any(cls.__name__ == "Conv1D" for cls in type(module).__mro__) else 0
+
+
+def _layout(module: nn.Module) -> str:
+    """``"in_out"`` for a module whose weight is stored ``(in, out)`` (:func:`output_dim` 1),
+    else ``"out_in"``: the names :func:`manifoldlib.optim.weight_layout` gives them."""
+    return "in_out" if output_dim(module) == 1 else "out_in"
+
+
+def _takes_layout(chart: Callable[..., Chart]) -> bool:
+    """Whether :func:`apply_chart` passes ``layout=`` to the builder ``chart``: it names that
+    keyword (as :class:`~manifoldlib.charts.SEL` does) and the caller has not bound it."""
+    if isinstance(chart, functools.partial) and "layout" in chart.keywords:
+        return False
+    try:
+        parameter = inspect.signature(chart).parameters.get("layout")
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+    return parameter is not None and parameter.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def _qualified(prefix: str, leaf: str) -> str:
     return f"{prefix}.{leaf}" if prefix else leaf
 
@@ -126,7 +155,12 @@ def apply_chart(
     Args:
         model: the model, modified in place.
         chart: builder called as ``chart(weight)`` with the tensor's current value (detached),
-            returning a :class:`Chart`; pass options with :func:`functools.partial`.
+            returning a :class:`Chart`; pass options with :func:`functools.partial`. A builder
+            that takes a ``layout`` keyword (:class:`~manifoldlib.charts.SEL` does) is called as
+            ``chart(weight, layout=...)`` with the module's storage layout: ``"in_out"`` for a
+            Hugging Face ``Conv1D`` (:func:`output_dim`), ``"out_in"`` for every torch layer, as
+            :func:`manifoldlib.optim.weight_layout` reads it; a ``layout`` bound with
+            :func:`functools.partial` is the caller's and is left alone.
         include: ``include(name, module) -> bool`` selects modules (default: every
             :class:`torch.nn.Linear`). Selected modules without a ``tensor_name`` parameter (e.g.
             ``bias=False``) are skipped.
@@ -185,10 +219,11 @@ def apply_chart(
         targets.append((qname, module))
     names = []
     done: list[tuple[nn.Module, torch.Tensor, list[str]]] = []  # charted here: values, parameter order
+    takes_layout = _takes_layout(chart)
     for qname, module in targets:
         weight = getattr(module, tensor_name).detach()
         try:
-            built = chart(weight)
+            built = chart(weight, layout=_layout(module)) if takes_layout else chart(weight)
             if not isinstance(built, Chart):
                 raise ValueError(
                     f"chart builder must return a Chart, got {type(built).__name__} for {qname}"

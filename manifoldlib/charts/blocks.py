@@ -44,9 +44,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .base import _own_parametrized_class
+from .base import _own_parametrized_class, output_dim  # output_dim: also read from here by optim
 
-__all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "output_dim", "split_blocks"]
+__all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
 
 #: Leaf module names (lower case) of fused q/k/v projections selected by default.
 FUSED_NAMES = ("c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value")
@@ -124,12 +124,6 @@ def _per_head_fused_heads(model: nn.Module) -> int | None:
         return None
     heads = getattr(config, "num_attention_heads", None)
     return heads if isinstance(heads, int) and heads > 1 else None
-
-
-def output_dim(module: nn.Module) -> int:
-    """The output dimension of ``module``'s weight: 1 for a Hugging Face ``Conv1D`` (it stores
-    ``(in, out)`` and computes ``x @ W``), 0 for every torch layer (``(out, in)``)."""
-    return 1 if type(module).__name__ == "Conv1D" else 0
 
 
 def split_blocks(

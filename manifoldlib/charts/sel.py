@@ -1,6 +1,6 @@
 r"""SymExpLin (SEL): a curved chart in which additive raw steps become magnitude-relative changes.
 
-Magnitude map and forward rule (MATH.md §6):
+Magnitude map and forward rule (:doc:`/theory/sel`):
 
 .. math::
     E(x) = e_w\bigl(e^{\beta m x - n} - e^{-n}\bigr) = a\,\operatorname{expm1}(b x),
@@ -30,8 +30,14 @@ regime starts where the weights are (the seed's curvature calibration). By defau
 (``calibration="weight"``) :math:`\sigma_0` is the RMS of the weight the chart is built on, its
 actual initialization scale; ``calibration="width"`` uses the width rule
 :math:`\sigma_0 = \text{gain}/\sqrt{\text{fan\_in}}` instead (the two agree for a
-:math:`1/\sqrt{\text{fan\_in}}` initialization; a GPT-2 initialization at std 0.02 is 2.5–5x
+:math:`1/\sqrt{\text{fan\_in}}` initialization; a GPT-2 initialization at std 0.02 is 2–5x
 smaller at widths 100–600). :math:`a = s_0 / b` keeps the slope :math:`E'(0) = s_0` fixed.
+
+The fan-in is the map's input size, which depends on how the weight is stored: ``weight.shape[1]``
+for ``layout="out_in"`` (:class:`torch.nn.Linear`, the default), ``weight.shape[0]`` for
+``layout="in_out"`` (a Hugging Face ``Conv1D``, which stores :math:`W^\top`).
+:func:`~manifoldlib.charts.apply_chart` passes each module's layout, so a GPT-2 ``Conv1D`` gets its
+fan-in without ``fan_in=``.
 """
 
 from __future__ import annotations
@@ -46,13 +52,17 @@ from .base import Chart
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
 from .kernel import SEL_IMPLS, sel_forward_rule
 
-__all__ = ["SEL", "SEL_CALIBRATIONS", "SEL_INITS"]
+__all__ = ["SEL", "SEL_CALIBRATIONS", "SEL_INITS", "SEL_LAYOUTS"]
 
 #: Valid ``init`` names of :class:`SEL` (which rule :meth:`SEL.right_inverse` inverts).
 SEL_INITS = ("mismatched", "congruent")
 #: Valid ``calibration`` names of :class:`SEL` (where the typical magnitude :math:`\sigma_0` of
 #: the curvature calibration comes from).
 SEL_CALIBRATIONS = ("weight", "width")
+#: Valid ``layout`` names of :class:`SEL`: how the weight stores its map, ``(out, in)``
+#: (:class:`torch.nn.Linear`) or ``(in, out)`` (Hugging Face ``Conv1D``); the names of
+#: :data:`manifoldlib.optim.LAYOUTS`.
+SEL_LAYOUTS = ("out_in", "in_out")
 DEFAULT_SLOPE = 0.75  # E'(0); with l_w = 0.25 the congruent rule has slope 1 at 0
 DEFAULT_SCALE_INIT = {"l_w": 0.25, "m": 1.0, "n": 0.0}
 _SCALE_KEYS = ("e_w", "l_w", "m", "n")
@@ -90,7 +100,11 @@ class SEL(Chart):
         scale_init: initial values of ``"e_w"``, ``"l_w"`` (default 0.25), ``"m"`` (default 1) and
             ``"n"`` (default 0); ``e_w`` is derived from ``slope`` unless given. ``e_w, l_w, m``
             must be > 0, ``n`` finite.
-        fan_in: overrides the fan-in (default: ``weight.shape[1]``, or ``numel`` for 1-D).
+        layout: how a 2-D ``weight`` stores its map: ``"out_in"`` (default;
+            :class:`torch.nn.Linear`) or ``"in_out"`` (a Hugging Face ``Conv1D``); sets the
+            default fan-in. :func:`~manifoldlib.charts.apply_chart` passes each module's.
+        fan_in: overrides the fan-in (default: the map's input size, ``weight.shape[1]`` for
+            ``layout="out_in"`` and ``weight.shape[0]`` for ``"in_out"``; ``numel`` for 1-D).
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
             gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32).
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
@@ -98,8 +112,8 @@ class SEL(Chart):
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
 
     Raises:
-        ValueError: for an unknown ``init``, non-positive or non-finite scales, ``kappa`` or
-            ``gain``, a weight that is not finite or not 1-/2-D, or a bad ``rank``.
+        ValueError: for an unknown ``init`` or ``layout``, non-positive or non-finite scales,
+            ``kappa`` or ``gain``, a weight that is not finite or not 1-/2-D, or a bad ``rank``.
     """
 
     def __init__(
@@ -114,6 +128,7 @@ class SEL(Chart):
         rank: int = 0,
         slope: float | None = None,
         scale_init: Mapping[str, float] | None = None,
+        layout: str = "out_in",
         fan_in: int | None = None,
         max_exponent: float | None = None,
         impl: str = "fused",
@@ -127,6 +142,9 @@ class SEL(Chart):
             raise ValueError(f"SEL needs a non-empty weight, got shape {tuple(weight.shape)}")
         if init not in SEL_INITS:
             raise ValueError(f"init must be one of {SEL_INITS}, got {init!r}")
+        if layout not in SEL_LAYOUTS:
+            raise ValueError(f"layout must be one of {SEL_LAYOUTS} (torch.nn.Linear's (out, in) "
+                             f"or a Hugging Face Conv1D's (in, out)), got {layout!r}")
         if impl not in SEL_IMPLS:
             raise ValueError(f"impl must be one of {SEL_IMPLS}, got {impl!r}")
         if (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0
@@ -153,7 +171,10 @@ class SEL(Chart):
         if not math.isfinite(n0):
             raise ValueError(f"scale_init['n'] must be a finite number, got {values['n']!r}")
         if fan_in is None:
-            fan_in = weight.shape[1] if weight.dim() == 2 else weight.numel()
+            if weight.dim() == 1:
+                fan_in = weight.numel()
+            else:  # the map's input size
+                fan_in = weight.shape[1] if layout == "out_in" else weight.shape[0]
         if not isinstance(fan_in, int) or isinstance(fan_in, bool) or fan_in < 1:
             raise ValueError(f"fan_in must be an int >= 1, got {fan_in!r}")
         if not bool(torch.isfinite(weight).all()):
@@ -166,7 +187,7 @@ class SEL(Chart):
         )
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
-        self.init, self.impl = init, impl
+        self.init, self.impl, self.layout = init, impl, layout
         self.linear = bool(linear)
         self.exact_inverse = init == "congruent" or not self.linear  # without l_w both rules agree
         self.kappa, self.gain, self.rank, self.fan_in = kappa, gain, rank, fan_in
@@ -323,6 +344,7 @@ class SEL(Chart):
     def extra_repr(self) -> str:
         return (
             f"init={self.init!r}, linear={self.linear}, kappa={self.kappa}, gain={self.gain}, "
-            f"rank={self.rank}, fan_in={self.fan_in}, sigma0={self.sigma0:.3g} "
+            f"rank={self.rank}, layout={self.layout!r}, fan_in={self.fan_in}, "
+            f"sigma0={self.sigma0:.3g} "
             f"({self.calibration}), impl={self.impl!r}"
         )

@@ -2,7 +2,7 @@ r"""DGram kernels: :math:`\{W \in \mathbb{R}^{m\times n}: \operatorname{Off}(W^\
 
 Write :math:`W = QD`, :math:`Q` Stiefel, :math:`D = \operatorname{diag}(d)`, :math:`d_j = \|w_j\| > 0`.
 Tangent space :math:`\{V: w_i^\top v_j + v_i^\top w_j = 0,\ i \ne j\}`; normal space
-:math:`\{WS: S \text{ symmetric, zero diagonal}\}`. See MATH.md §5.
+:math:`\{WS: S \text{ symmetric, zero diagonal}\}`. See :doc:`/theory/dgram`.
 """
 
 from __future__ import annotations

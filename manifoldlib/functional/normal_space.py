@@ -3,7 +3,7 @@ r"""The normal spaces of the matrix constraints :math:`\mathcal{M}(W^\top W) = \
 Stiefel (:math:`W^\top W = I`), DGram (:math:`\operatorname{Off}(W^\top W) = 0`) and Oblique
 (:math:`\operatorname{Diag}(W^\top W) = I`) differ only in the projector :math:`\mathcal{P}` onto
 the symmetric multipliers they constrain: the identity, :func:`off_diagonal` and
-:func:`diagonal_part` (MATH.md §4–5). Their normal space at a point is
+:func:`diagonal_part` (:doc:`/theory/matrix_constraints`). Their normal space at a point is
 :math:`\{WS: S = \mathcal{P}(S) \text{ symmetric}\}` and, where the constrained entries of
 :math:`W^\top W` are those of :math:`\operatorname{diag}(d^2)` (:math:`d_j = \|w_j\|`), the
 orthogonal projection of :math:`Z` onto it is :math:`WS` with

@@ -3,7 +3,7 @@ r"""Oblique kernels: :math:`\mathrm{OB}(m, n) = \{W \in \mathbb{R}^{m\times n}: 
 Unit-norm columns: a product of ``n`` spheres :math:`S^{m-1}`. Tangent space
 :math:`\{V: w_j^\top v_j = 0\}`; normal space :math:`\{W\operatorname{diag}(s)\}`, the
 multipliers of :mod:`~manifoldlib.functional.normal_space` with the projector
-:math:`\operatorname{Diag}` (MATH.md §5), so the projection is
+:math:`\operatorname{Diag}` (:doc:`/theory/matrix_constraints`), so the projection is
 :math:`P_W(Z) = Z - W\operatorname{diag}(w_j^\top z_j / \|w_j\|^2)`. Its retraction normalizes
 the columns of :math:`Y = W + V` (the metric projection, second order).
 """

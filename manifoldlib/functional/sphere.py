@@ -23,6 +23,8 @@ __all__ = [
     "sphere_project_tangent",
     "sphere_normalized_sq_step",
     "sphere_unit_tangent",
+    "sphere_step_length",
+    "sphere_antipode_direction",
     "gnomonic_coefficients",
     "cayley_coefficients",
     "exponential_coefficients",
@@ -32,9 +34,10 @@ __all__ = [
 
 
 def _series_threshold(dtype: torch.dtype) -> float:
-    # Below this the Taylor branches are used (1e-4 in float64 as MATH.md suggests, eps^(1/2)
-    # otherwise). The series carry terms up to s^3 (atan(z)/z up to z^8), so the first dropped
-    # term is below s^4/40320 ~ 2.5e-21 at s = 1e-4: exact to rounding on both sides of the switch.
+    # Below this the Taylor branches are used (1e-4 in float64, eps^(1/2) otherwise; see the
+    # theory page docs/theory/sphere.rst, section Numerics). The series carry terms up to s^3
+    # (atan(z)/z up to z^8), so the first dropped term is below s^4/40320 ~ 2.5e-21 at
+    # s = 1e-4: exact to rounding on both sides of the switch.
     return 1e-4 if dtype == torch.float64 else math.sqrt(float(torch.finfo(dtype).eps))
 
 
@@ -96,6 +99,53 @@ def sphere_unit_tangent(x: torch.Tensor, z: torch.Tensor, eps: float = 1e-6) -> 
     u = z - ((x * z).sum(-1, keepdim=True) / q) * x  # P_x z, (..., d)
     n = (u * u).sum(-1, keepdim=True)  # ||P_x z||², (..., 1)
     return u * torch.sqrt(q / (n + (eps * eps) * q))
+
+
+def sphere_step_length(v: torch.Tensor, radius: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Overflow-safe :math:`\beta = \|v\|/r` and unit direction :math:`\hat v = v/\|v\|`.
+
+    ``v`` is divided by its largest entry :math:`m` before its norm is taken, so
+    :math:`\|v\|^2` is never formed: :math:`\beta = (m/r)\,\|v/m\|` is finite for every finite
+    ``v`` whose :math:`\beta` fits the dtype (past it, ``inf``, still a valid argument of a
+    saturating angle such as :math:`\arctan`). A zero row has :math:`\beta = 0` and
+    :math:`\hat v = 0`. The long-step form of a rotation,
+    :math:`\cos\theta(\beta)\,x + \sin\theta(\beta)\,r\hat v`, needs nothing else.
+
+    Args:
+        v: ``(..., d)`` vectors.
+        radius: :math:`r > 0`, a float or a tensor broadcastable to ``(..., 1)``.
+
+    Returns:
+        ``(beta, direction)``: ``(..., 1)`` and ``(..., d)``.
+    """
+    m = v.abs().amax(-1, keepdim=True)  # (..., 1)
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    scaled = v / m  # (..., d), entries in [-1, 1]
+    length = torch.linalg.vector_norm(scaled, dim=-1, keepdim=True)  # (..., 1), in [1, sqrt(d)] or 0
+    direction = scaled / torch.where(length > 0, length, torch.ones_like(length))
+    return (m / radius) * length, direction
+
+
+def sphere_antipode_direction(x: torch.Tensor) -> torch.Tensor:
+    r"""The fixed unit tangent direction at :math:`x` towards its antipode :math:`-x`.
+
+    Every great circle through :math:`x` reaches :math:`-x`, so the logarithm there needs a
+    choice; this one is deterministic: the tangent projection of the coordinate axis
+    :math:`e_j`, :math:`j` the first index of the smallest :math:`|x_j|`, normalized. Since
+    :math:`x_j^2 \le \|x\|^2/d`, the projection has norm at least :math:`\sqrt{1 - 1/d}`
+    (for ``d = 1`` the tangent space is :math:`\{0\}` and the direction is 0).
+
+    Args:
+        x: ``(..., d)`` nonzero points.
+
+    Returns:
+        ``(..., d)`` unit tangent vectors at ``x`` (zero when ``d = 1``).
+    """
+    j = x.abs().argmin(dim=-1, keepdim=True)  # (..., 1), first minimum
+    axis = torch.zeros_like(x).scatter_(-1, j, 1.0)  # (..., d), e_j
+    u = sphere_project_tangent(x, axis, (x * x).sum(-1, keepdim=True))  # (..., d)
+    norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+    return u / torch.where(norm > 0.5, norm, torch.ones_like(norm))  # d = 1: u is ~0, keep it
 
 
 def gnomonic_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

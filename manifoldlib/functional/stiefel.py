@@ -1,7 +1,7 @@
 r"""Stiefel kernels, :math:`\mathrm{St}(m, n) = \{X \in \mathbb{R}^{m\times n}: X^\top X = I\}`, Euclidean metric.
 
 Tangent space :math:`\{V: X^\top V + V^\top X = 0\}`, projection
-:math:`P_X(Z) = Z - X\,\operatorname{sym}(X^\top Z)`. Retractions (MATH.md §2):
+:math:`P_X(Z) = Z - X\,\operatorname{sym}(X^\top Z)`. Retractions (:doc:`/theory/stiefel`):
 
 - polar: :math:`\operatorname{msign}(X + V) = (X+V)(I + V^\top V)^{-1/2}`, second order;
 - QR: :math:`\operatorname{qf}(X+V)` with columns multiplied by :math:`\operatorname{sign}(\operatorname{diag} R)`,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from .base import RetractionManifold, default_tolerance
+from .base import RetractionManifold, default_tolerance, skip_value_checks
 from .dgram import DGram
 from .euclidean import Euclidean
 from .matrix import MatrixConstraintManifold
@@ -23,6 +23,7 @@ __all__ = [
     "available_manifolds",
     "default_tolerance",
     "get_manifold",
+    "skip_value_checks",
 ]
 
 _MANIFOLDS = {"sphere": Sphere, "stiefel": Stiefel, "dgram": DGram, "oblique": Oblique, "euclidean": Euclidean}

@@ -7,11 +7,22 @@ instance); ``with_retraction`` returns a new manifold with the same geometry.
 
 Tolerances of the checks follow the input's dtype (from :func:`torch.finfo`, so bfloat16 and
 float16 work as well as float32/float64): ``max(1e-5, 16 * eps)`` unless given.
+
+Input checks come in two kinds. *Type checks* (a real floating dtype, a shape the manifold holds)
+read no values and always run. *Value checks* read the tensors — a sphere point's norm, a
+retraction's result being finite — and cost a reduction and a host synchronization per call; a
+failed one explains itself (which argument, which row, which value). Inside
+:func:`skip_value_checks` they are skipped, for a hot loop whose inputs are valid by
+construction; the retraction objects (``manifold.retraction``) and the kernels of
+:mod:`manifoldlib.functional` never check.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
+from collections.abc import Iterator
 from typing import Optional, Tuple, Union
 
 import geoopt
@@ -19,7 +30,15 @@ import torch
 
 from ..retractions.base import Retraction, resolve_retraction
 
-__all__ = ["RetractionManifold", "check_tensor", "default_tolerance"]
+__all__ = [
+    "RetractionManifold",
+    "check_finite_result",
+    "check_tensor",
+    "default_tolerance",
+    "max_abs",
+    "skip_value_checks",
+    "value_checks_enabled",
+]
 
 
 def check_tensor(t: torch.Tensor, name: str, where: str, *, finite: bool = False) -> None:
@@ -28,7 +47,8 @@ def check_tensor(t: torch.Tensor, name: str, where: str, *, finite: bool = False
     hold no nan or inf (which would otherwise surface as a misleading ``LinAlgError``).
 
     ``finite`` costs a reduction (and a device sync), so it is used where a method is rare
-    (``projx``) or has already failed (``retr``), not on every step.
+    (``projx``) or has already failed (``retr``), not on every step; it is a value check,
+    skipped inside :func:`skip_value_checks`.
 
     Raises:
         ValueError: naming ``where`` (``"stiefel.projx"``), the argument and the bad dtype or
@@ -39,11 +59,73 @@ def check_tensor(t: torch.Tensor, name: str, where: str, *, finite: bool = False
     if not t.dtype.is_floating_point:
         raise ValueError(f"{where}: '{name}' must be a real floating-point tensor (float16, "
                          f"bfloat16, float32, float64), got dtype {t.dtype}")
-    if finite and t.device.type != "meta":
+    if finite and t.device.type != "meta" and value_checks_enabled():
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise ValueError(f"{where}: '{name}' holds {bad} non-finite value(s) (nan or inf); "
                              f"a manifold point or step must be finite")
+
+
+_VALUE_CHECKS = contextvars.ContextVar("manifoldlib_value_checks", default=True)
+
+
+@contextlib.contextmanager
+def skip_value_checks() -> Iterator[None]:
+    """Skip the manifolds' value checks inside the block (the type checks still run).
+
+    The value checks read tensor values — whether a sphere point has the sphere's norm, whether
+    a retraction returned finite values — at the cost of a reduction and a host synchronization
+    per call. A hot loop whose inputs are valid by construction (points that came out of
+    ``retr``, finite gradients) can skip them:
+
+    .. code-block:: python
+
+        with skip_value_checks():
+            for _ in range(steps):
+                loss(param).backward()
+                optimizer.step()
+
+    Inside the block bad input is no longer named in an error: it gives wrong values.
+    The setting is per thread (and per asyncio task) and restored on exit.
+    """
+    token = _VALUE_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
+
+
+def value_checks_enabled() -> bool:
+    """Whether the value checks run here (``False`` inside :func:`skip_value_checks`)."""
+    return _VALUE_CHECKS.get()
+
+
+def check_finite_result(y: torch.Tensor, where: str, **inputs: torch.Tensor) -> torch.Tensor:
+    """Return ``y`` when it and every input are finite (or the value checks are off); otherwise
+    raise ``ValueError`` naming the first non-finite input or, when every input is finite, the
+    size of the inputs (a step too long for the dtype).
+
+    The inputs are checked as well as the result: a decomposition of a non-finite matrix may
+    return finite garbage (an SVD with an inf entry gives a zero polar factor).
+    """
+    if not value_checks_enabled() or y.device.type == "meta":
+        return y
+    finite = torch.isfinite(y).all()
+    for t in inputs.values():
+        finite = finite & torch.isfinite(t).all()
+    if bool(finite):  # one host synchronization
+        return y
+    for name, t in inputs.items():
+        check_tensor(t, name, where, finite=True)
+    sizes = ", ".join(f"max |{name}| = {float(max_abs(t.detach())):.3g}" for name, t in inputs.items())
+    raise ValueError(f"{where}: the result has non-finite values although every input is finite "
+                     f"({sizes}): the step is too long for {y.dtype}")
+
+
+def max_abs(t: torch.Tensor) -> torch.Tensor:
+    """The largest ``|entry|`` of ``t``, a 0-dim tensor; 0 for an empty tensor (a batch of no
+    points, where ``amax`` raises)."""
+    return t.abs().amax() if t.numel() else t.new_zeros(())
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -83,14 +165,20 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         return type(self)(**self._init_kwargs(), retraction=retraction, **options)
 
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """Retraction :math:`R_x(u)` with the chosen retraction."""
+        """Retraction :math:`R_x(u)` with the chosen retraction.
+
+        Raises:
+            ValueError: naming a non-finite ``x`` or ``u``, or a step too long for the dtype
+                (value checks, see :func:`skip_value_checks`).
+        """
         self._validate_pair(x, u)
         try:
-            return self._retraction.retract(x, u)
+            y = self._retraction.retract(x, u)
         except torch.linalg.LinAlgError:  # nan/inf inputs fail inside a decomposition: say so
             check_tensor(x, "x", f"{self.name}.retr", finite=True)
             check_tensor(u, "u", f"{self.name}.retr", finite=True)
             raise
+        return check_finite_result(y, f"{self.name}.retr", x=x, u=u)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         y = self.retr(x, u)

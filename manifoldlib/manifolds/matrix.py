@@ -2,8 +2,9 @@ r"""What a matrix constraint gives the steepest-direction dual: :class:`MatrixCo
 
 Stiefel, DGram and Oblique are :math:`\{W \in \mathbb{R}^{m\times n}: \mathcal{P}(W^\top W) =
 \mathcal{P}(I)\}` (DGram: :math:`\operatorname{Off}(W^\top W) = 0`) for a projector
-:math:`\mathcal{P}` onto symmetric ``n × n`` matrices (MATH.md §4–5). Everything the dual of
-:func:`~manifoldlib.optim.steepest_direction` needs of one of them follows from
+:math:`\mathcal{P}` onto symmetric ``n × n`` matrices (:doc:`/theory/matrix_constraints`).
+Everything the dual of :func:`~manifoldlib.optim.steepest_direction` needs of one of them
+follows from
 
 * :meth:`~MatrixConstraintManifold.multiplier_mask`: :math:`\mathcal{P}` (identity, ``Off``,
   ``Diag``; :mod:`~manifoldlib.functional.normal_space`), the space of multipliers

@@ -10,7 +10,7 @@ from ..functional.gram_rsqrt import normalize_gram_factor
 from ..functional.normal_space import diagonal_part, normal_multiplier
 from ..functional.oblique import oblique_constraint_deviation, oblique_exp
 from ..retractions.base import Retraction
-from .base import _random_normal, _size_tuple, check_tensor
+from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
 from .stiefel import check_tall_matrix
 
@@ -25,8 +25,8 @@ class Oblique(MatrixConstraintManifold):
     normalization, second order); :meth:`expmap` rotates each column on its great circle.
 
     Dual geometry (:class:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold`): diagonal
-    multipliers (MATH.md §5: ``Diag`` in place of ``Off``), :math:`F` the triangular factor of
-    :math:`W = QF` (the columns need not be orthogonal).
+    multipliers (:doc:`/theory/matrix_constraints`: ``Diag`` in place of ``Off``), :math:`F` the
+    triangular factor of :math:`W = QF` (the columns need not be orthogonal).
     """
 
     name = "oblique"
@@ -65,13 +65,13 @@ class Oblique(MatrixConstraintManifold):
         return normalize_gram_factor(gram)
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        err = self.constraint_deviation(x).abs().amax()
+        err = max_abs(self.constraint_deviation(x))
         ok = bool(err <= atol + rtol)
         return ok, None if ok else f"max | ||w_j||^2 - 1 | = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
-        err = (x * u).sum(-2).abs().amax()
-        ok = bool(err <= atol + rtol * u.abs().amax())
+        err = max_abs((x * u).sum(-2))
+        ok = bool(err <= atol + rtol * max_abs(u))
         return ok, None if ok else f"max |w_j^T u_j| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     def projx(self, x):
@@ -86,7 +86,7 @@ class Oblique(MatrixConstraintManifold):
 
     def expmap(self, x, u):
         self._validate_pair(x, u)
-        return oblique_exp(x, u)
+        return check_finite_result(oblique_exp(x, u), f"{self.name}.expmap", x=x, u=u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Uniform points (normalized Gaussian columns): ``random(m, n)``."""

@@ -7,17 +7,27 @@ from typing import Union
 
 import torch
 
-from ..functional.sphere import (
-    exponential_coefficients,
-    rotate,
-    sphere_normalized_sq_step,
-    sphere_project_tangent,
-)
+from .._numbers import is_real
+from ..functional.sphere import sphere_antipode_direction, sphere_project_tangent, sphere_step_length
 from ..retractions.base import Retraction
-from ..retractions.sphere import AngleRetraction
-from .base import RetractionManifold, _random_normal, _size_tuple
+from ..retractions.sphere import AngleRetraction, ExponentialRetraction
+from .base import (
+    RetractionManifold,
+    _random_normal,
+    _size_tuple,
+    check_tensor,
+    default_tolerance,
+    value_checks_enabled,
+)
 
-__all__ = ["Sphere"]
+__all__ = ["RADIUS_RANGE", "Sphere"]
+
+#: Radii a :class:`Sphere` accepts. Inside it :math:`r^2`, :math:`\|x\|^2` and
+#: :math:`\sigma r^2` stay far from float32's overflow (3.4e38) and underflow (1.2e-38) for
+#: points of up to millions of coordinates; float16 and bfloat16 points are computed in float32.
+RADIUS_RANGE = (1e-15, 1e15)
+
+_EXPONENTIAL = ExponentialRetraction()
 
 
 class Sphere(RetractionManifold):
@@ -25,10 +35,22 @@ class Sphere(RetractionManifold):
 
     Tangent projection :math:`P_x(z) = z - (\langle x, z\rangle/r^2)\,x`; the retraction is any
     registered sphere retraction (``"gnomonic"`` by default; ``"exp"``, ``"cayley"``, ``"p"`` with
-    ``p=...``, or a user's own :class:`~manifoldlib.retractions.AngleRetraction`).
+    ``p=...``, or a user's own :class:`~manifoldlib.retractions.AngleRetraction`). :meth:`retr` and
+    :meth:`expmap` take any vector at ``x`` and act with its tangent part :math:`P_x u`, as
+    geoopt's own sphere does.
+
+    Every method that takes a point checks that it is one: a real floating-point tensor whose
+    rows have norm :math:`r` within the dtype's tolerance
+    (:func:`~manifoldlib.manifolds.default_tolerance`), naming the row and its norm otherwise.
+    :meth:`retr` and :meth:`expmap` name a non-finite ``x`` or ``u``, and return each point
+    rescaled to norm :math:`r` exactly (to rounding), so chained steps do not drift. A step so long
+    that :math:`\beta^2 = \|P_xu\|^2/r^2` overflows is computed from the angle itself
+    (:meth:`~manifoldlib.retractions.AngleRetraction.retract_long_step`). These value checks
+    cost a reduction and a host synchronization per call; skip them in a hot loop with
+    :func:`~manifoldlib.manifolds.skip_value_checks`.
 
     Args:
-        radius: :math:`r > 0`.
+        radius: :math:`r`, a finite number in :data:`RADIUS_RANGE`.
         retraction: registry name or instance.
         **retraction_options: options of a named retraction (e.g. ``p=1.5``).
     """
@@ -38,16 +60,12 @@ class Sphere(RetractionManifold):
     default_retraction = "gnomonic"
 
     def __init__(self, radius: float = 1.0, retraction: Union[str, Retraction, None] = None, **retraction_options):
-        if isinstance(radius, (bool, str)):  # float() would take True as 1 and parse '2'
-            raise ValueError(f"radius must be a finite number > 0, got {radius!r}")
-        try:
-            r = float(radius)
-        except (TypeError, ValueError):
-            raise ValueError(f"radius must be a positive number, got {radius!r}") from None
-        if not math.isfinite(r) or r <= 0:
-            raise ValueError(f"radius must be a finite number > 0, got {radius!r}")
+        lo, hi = RADIUS_RANGE
+        # is_real: float() would take True as 1 and parse '2'
+        if not (is_real(radius) and math.isfinite(radius) and lo <= float(radius) <= hi):
+            raise ValueError(f"radius must be a finite number in [{lo:g}, {hi:g}], got {radius!r}")
         super().__init__(retraction, **retraction_options)
-        self.radius = r
+        self.radius = float(radius)
 
     def _init_kwargs(self) -> dict:
         return {"radius": self.radius}
@@ -69,42 +87,164 @@ class Sphere(RetractionManifold):
         ok = bool((inner <= bound).all())
         return ok, None if ok else f"<x, u> = {inner.max().item():.3e} exceeds atol={atol}, rtol={rtol}"
 
+    # -- value checks -------------------------------------------------------------------
+    def _row_norms(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., 1)`` row norms, computed in at least float32."""
+        return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+
+    def _off_sphere(self, x: torch.Tensor, norms: torch.Tensor | None = None, slack: float = 1.0) -> torch.Tensor:
+        """``(..., 1)`` mask of the rows whose norm is not :math:`r` within ``slack`` tolerances
+        (NaN rows included)."""
+        norms = self._row_norms(x) if norms is None else norms
+        return ~((norms / self.radius - 1.0).abs() <= slack * default_tolerance(x.dtype))
+
+    def _require_points(self, where: str, **points: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming the first argument of ``points`` with a row off the sphere
+        (or a non-finite entry); one host synchronization when all are points."""
+        masks = [self._off_sphere(x).flatten() for x in points.values()]
+        if not bool(torch.cat(masks).any()):
+            return
+        for (name, x), mask in zip(points.items(), masks):
+            if bool(mask.any()):
+                self._explain_off_sphere(where, name, x, mask)
+
+    def _explain_off_sphere(self, where: str, name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+        check_tensor(x, name, where, finite=True)
+        flat = int(mask.nonzero()[0])
+        row = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), x.shape[:-1])) if x.dim() > 1 else ()
+        norm = float(self._row_norms(x).flatten()[flat])
+        at = f"row {row if len(row) > 1 else row[0]}" if row else "it"
+        raise ValueError(
+            f"{where}: '{name}' is not a point of the sphere of radius {self.radius:g}: {at} has norm "
+            f"{norm:.6g} (relative tolerance {default_tolerance(x.dtype):.3g} for {x.dtype}); "
+            f"project it first (Sphere.projx)"
+        )
+
+    # -- geometry -----------------------------------------------------------------------
     def inner(self, x, u, v=None, *, keepdim=False):
         v = u if v is None else v
         return (u * v).sum(-1, keepdim=keepdim)
 
     def projx(self, x):
-        r"""Radial projection :math:`r\,x/\|x\|` (a zero vector has no projection and stays 0)."""
+        r"""Radial projection :math:`r\,x/\|x\|`.
+
+        Raises:
+            ValueError: ``x`` has a non-finite entry or a zero row (a zero vector has no nearest
+                point on the sphere); value checks, see :func:`~manifoldlib.manifolds.skip_value_checks`.
+        """
         self._validate(x, "x")
-        return self.radius * x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+        norms = self._row_norms(x)  # (..., 1)
+        if value_checks_enabled():
+            check_tensor(x, "x", "sphere.projx", finite=True)
+            if not bool((norms > 0).all()):
+                zero = (norms.flatten() == 0).nonzero().flatten().tolist()
+                raise ValueError(f"sphere.projx: 'x' has zero rows (flat indices {zero[:8]}): a zero "
+                                 f"vector has no nearest point on the sphere")
+        return (x * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(x.dtype)
 
     def proju(self, x, u):
         self._validate_pair(x, u)
+        if value_checks_enabled():
+            self._require_points("sphere.proju", x=x)
         return sphere_project_tangent(x, u, self.radius**2)
 
+    def transp(self, x, y, v):
+        """Vector transport by projection onto the tangent space at ``y``."""
+        self._validate_pair(y, v)
+        if value_checks_enabled():
+            self._require_points("sphere.transp", y=y)
+        return sphere_project_tangent(y, v, self.radius**2)
+
+    def retr_transp(self, x, u, v):
+        y = self.retr(x, u)  # a point by construction: transported without a second check
+        self._validate_pair(y, v)
+        return y, sphere_project_tangent(y, v, self.radius**2)
+
     def retr(self, x, u):
-        self._validate_pair(x, u)
-        if isinstance(self._retraction, AngleRetraction):
-            return self._retraction.retract(x, u, radius=self.radius)
-        return self._retraction.retract(x, u)
+        r""":math:`R_x(P_x u)` with the chosen retraction, rescaled to norm :math:`r`.
+
+        Raises:
+            ValueError: ``x`` not a point of the sphere, a non-finite ``x`` or ``u``, or a step
+                whose rotation cannot be computed in the dtype (value checks).
+        """
+        return self._rotate(x, u, self._retraction, "sphere.retr")
 
     def expmap(self, x, u):
-        r"""Exponential map :math:`\cos\beta\,x + (\sin\beta/\beta)\,u`, :math:`\beta = \|u\|/r`."""
+        r"""Exponential map :math:`\cos\beta\,x + (\sin\beta/\beta)\,P_xu`, :math:`\beta = \|P_xu\|/r`
+        (checked and rescaled as :meth:`retr`)."""
+        return self._rotate(x, u, _EXPONENTIAL, "sphere.expmap")
+
+    def _rotate(self, x: torch.Tensor, u: torch.Tensor, retraction: Retraction, where: str) -> torch.Tensor:
         self._validate_pair(x, u)
-        cos_theta, k = exponential_coefficients(sphere_normalized_sq_step(u, self.radius**2))
-        return rotate(x, u, cos_theta, k)
+        if isinstance(retraction, AngleRetraction):
+            y = retraction.retract(x, u, radius=self.radius)
+        else:  # a user's own sphere retraction: give it a tangent vector
+            y = retraction.retract(x, sphere_project_tangent(x, u.to(x.dtype), self.radius**2))
+        norms = self._row_norms(y)  # (..., 1)
+        if value_checks_enabled():
+            # x within the tolerance gives y within it (the rotation keeps ||x||); twice it is
+            # room for rounding, and a long step's zero or NaN row is far outside
+            bad_y = self._off_sphere(y, norms, slack=2.0)
+            if bool((self._off_sphere(x) | bad_y).any()):
+                y = self._repair_long_steps(x, u, y, bad_y, retraction, where)
+                norms = self._row_norms(y)
+        return (y * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(x.dtype)
+
+    def _repair_long_steps(self, x, u, y, bad_y, retraction, where) -> torch.Tensor:
+        """After a failed check of :meth:`_rotate`: name a bad ``x`` or ``u``, or recompute the
+        rows whose :math:`\\beta^2` overflowed from the angle; anything else is an error."""
+        self._require_points(where, x=x)
+        check_tensor(u, "u", where, finite=True)
+        beta, _ = sphere_step_length(sphere_project_tangent(x, u.to(x.dtype), self.radius**2), self.radius)
+        beta = beta.to(torch.promote_types(x.dtype, torch.float32))
+        long_rows = ~torch.isfinite(beta * beta)  # (..., 1): sigma overflows
+        if isinstance(retraction, AngleRetraction) and bool((bad_y <= long_rows).all()):
+            try:
+                y = torch.where(long_rows, retraction.retract_long_step(x, u, radius=self.radius), y)
+            except NotImplementedError:  # an AngleRetraction defined by its coefficients only
+                pass
+            if not bool(self._off_sphere(y, slack=2.0).any()):
+                return y
+        flat = int(bad_y.flatten().nonzero()[0])
+        raise ValueError(
+            f"{where}: the {retraction!r} retraction cannot take this step in {x.dtype}: its "
+            f"normalized length ||P_x u|| / r is {float(beta.flatten()[flat]):.6g} (row {flat} of "
+            f"the flattened batch) and the result is not a point of the sphere"
+        )
 
     def logmap(self, x, y):
-        r"""Inverse of :meth:`expmap` (undefined at the antipode)."""
-        r2 = self.radius**2
-        w = sphere_project_tangent(x, y, r2)
-        w_norm = w.norm(dim=-1, keepdim=True)
-        theta = torch.atan2(w_norm * self.radius, (x * y).sum(-1, keepdim=True))
-        return self.radius * theta * w / w_norm.clamp_min(torch.finfo(x.dtype).tiny)
+        r"""Inverse of :meth:`expmap`: :math:`r\,\theta\,w/\|w\|`, :math:`w = P_x y`,
+        :math:`\theta = \operatorname{atan2}(\|w\|\,\|x\|, \langle x, y\rangle)`.
+
+        At the antipode :math:`y = -x` (up to rounding: :math:`\|w\| \le 4\sqrt d\,\varepsilon\,r`
+        with :math:`\langle x, y\rangle < 0`) every direction is a shortest geodesic; the one
+        taken is :func:`~manifoldlib.functional.sphere_antipode_direction`, so
+        ``logmap(x, -x)`` has norm :math:`\pi r` and does not depend on rounding.
+        """
+        theta, w, w_norm = self._angle(x, y, "sphere.logmap")
+        eps = torch.finfo(w_norm.dtype).eps
+        antipodal = (w_norm <= 4.0 * math.sqrt(x.shape[-1]) * eps * self.radius) & (theta > math.pi / 2)
+        direction = torch.where(antipodal, sphere_antipode_direction(x), w / w_norm.clamp_min(torch.finfo(w.dtype).tiny))
+        return self.radius * theta * direction
 
     def dist(self, x, y, *, keepdim=False):
-        """Geodesic (great-circle) distance."""
-        return self.logmap(x, y).norm(dim=-1, keepdim=keepdim)
+        r"""Geodesic (great-circle) distance :math:`r\,\theta`, :math:`\theta \in [0, \pi]` (:math:`\pi r`
+        between antipodes)."""
+        theta, _, _ = self._angle(x, y, "sphere.dist")
+        theta = self.radius * theta
+        return theta if keepdim else theta.squeeze(-1)
+
+    def _angle(self, x, y, where):
+        """``(theta, w, ||w||)``: the angle from ``x`` to ``y`` ``(..., 1)`` and :math:`w = P_x y`."""
+        self._validate(x, "x")
+        self._validate(y, "y")
+        if value_checks_enabled():
+            self._require_points(where, x=x, y=y)
+        q = (x * x).sum(-1, keepdim=True)  # ||x||², so that P_x(-x) = 0 exactly
+        a = (x * y).sum(-1, keepdim=True)  # (..., 1)
+        w = y - (a / q) * x  # (..., d)
+        w_norm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
+        return torch.atan2(w_norm * q.sqrt(), a), w, w_norm
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Uniform points: ``random(8, 64)`` gives 8 points of :math:`S^{63}_r`."""

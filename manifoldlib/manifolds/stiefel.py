@@ -8,9 +8,9 @@ import torch
 
 from ..functional.gram_rsqrt import polar_gram_factor
 from ..functional.msign import GRAM_EIGH_REFINE, msign
-from ..functional.stiefel import stiefel_exp, stiefel_qr, sym
+from ..functional.stiefel import stiefel_exp, stiefel_project_tangent, stiefel_qr, sym
 from ..retractions.base import Retraction
-from .base import _random_normal, _size_tuple, check_tensor
+from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
 
 __all__ = ["STIEFEL_COLUMN_TOLERANCE", "Stiefel", "check_tall_matrix"]
@@ -86,14 +86,14 @@ class Stiefel(MatrixConstraintManifold):
         return polar_gram_factor(gram, rsqrt)
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        err = self.constraint_deviation(x).abs().amax()
+        err = max_abs(self.constraint_deviation(x))
         ok = bool(err <= atol + rtol)
         return ok, None if ok else f"max |X^T X - I| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
         s = x.mT @ u
-        err = (s + s.mT).abs().amax()
-        ok = bool(err <= atol + rtol * u.abs().amax())
+        err = max_abs(s + s.mT)
+        ok = bool(err <= atol + rtol * max_abs(u))
         return ok, None if ok else f"max |X^T U + U^T X| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     def projx(self, x):
@@ -124,8 +124,10 @@ class Stiefel(MatrixConstraintManifold):
         return (u @ vh).to(x.dtype)
 
     def expmap(self, x, u):
+        """The geodesic from ``x`` along :math:`P_X u` (a normal part of ``u`` is dropped)."""
         self._validate_pair(x, u)
-        return stiefel_exp(x, u)
+        y = stiefel_exp(x, stiefel_project_tangent(x, u))
+        return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Haar-distributed points (sign-fixed QR of a Gaussian matrix): ``random(m, n)``."""

@@ -32,7 +32,10 @@ On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ 
 :mod:`manifoldlib._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
 :math:`A h + B f` (4 reads, 1 write); backward: one pass for :math:`\langle g,h\rangle,
 \langle g,f\rangle` and one writing both gradients (6 reads, 2 writes) — while the per-row
-coefficient math above stays here. For the built-in retractions —
+coefficient math above stays here (the literal step; the normalized step of a retraction
+other than the built-ins is formed in ATen as :math:`\cos\theta\,h + ks\,u` from
+:math:`u = P_h f` itself, projected twice, since its :math:`\rho` up to :math:`1/\varepsilon`
+would magnify the cancellation in :math:`A h + B f`). For the built-in retractions —
 :class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
 :class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
 :class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), and a user's subclass of
@@ -180,13 +183,15 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, h, f, scale, retraction, eps):
-        # Full-tensor passes. C++ kernels: one pass for ||h||², <h, f>, ||f||², one for A h + B f.
-        # ATen: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and its row sum,
-        # then A·h + B·f written over that same buffer. Either way the output is the only
-        # (..., d) allocation: on CPU a fresh large tensor costs page faults comparable to a pass.
-        # Both paths allocate it before the small (..., 1) tensors (the backward likewise its
-        # gradients), so the allocator sees one pattern whichever path runs.
-        kernels = _cpu_kernels_for(h, f)
+        # Full-tensor passes. C++ kernels (literal step): one pass for ||h||², <h, f>, ||f||², one
+        # for A h + B f. ATen: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and
+        # its row sum, then A·h + B·f written over that same buffer; the normalized step instead
+        # forms P_h f in that buffer (projected twice) and writes c h + ks P_h f over it, in ATen
+        # whatever the device. Either way the output is the only (..., d) allocation: on CPU a
+        # fresh large tensor costs page faults comparable to a pass. Both paths allocate it
+        # before the small (..., 1) tensors (the backward likewise its gradients), so the
+        # allocator sees one pattern whichever path runs.
+        kernels = _cpu_kernels_for(h, f) if eps is None else None
         if kernels is None:
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
@@ -202,18 +207,21 @@ class _SphereResidual(torch.autograd.Function):
             n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
             rho = None
         else:  # normalized: ||P_h f||² from P_h f itself (the difference form cancels for f ∥ h)
-            if kernels is None:
-                torch.addcmul(f, h, -a / q, out=out)  # (..., d) scratch: P_h f
-                n = _rowsq(out)  # (..., 1)
-            else:  # one pass, P_h f never stored
-                n = kernels.tangent_sq(_rows(h), _rows(f), (a / q).contiguous()).view(a.shape)
+            torch.addcmul(f, h, -a / q, out=out)  # (..., d): u = P_h f, kept for the combination
+            normal = (h.unsqueeze(-2) @ out.unsqueeze(-1)).squeeze(-1) / q  # (..., 1): h left in u
+            out.addcmul_(h, -normal)  # projected twice: tangent to rounding
+            n = _rowsq(out)  # (..., 1)
             rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
             s = s * rho  # the per-row step of the literal form
         sigma = s * s * n / q  # (..., 1)
         c, k = retraction.coefficients(sigma)
         ks = k * s
         coef_h = c - ks * a / q  # A, (..., 1)
-        if kernels is None:
+        if eps is not None:
+            # c h + ks u, not A h + B f: rho (up to 1/eps) would magnify the cancellation between
+            # B f and B (a/q) h (for f nearly parallel to h, norms off by 10 % in float32)
+            out.mul_(ks).addcmul_(h, c)  # (..., d)
+        elif kernels is None:
             torch.mul(h, coef_h, out=out)  # (..., d)
             out.addcmul_(f, ks)
         else:
@@ -386,11 +394,14 @@ def sphere_residual_reference(
     r""":math:`R_h(s\,P_h(f))` written with plain autograd: the reference the fast path is tested
     against, and the path for sphere retractions that are not :class:`AngleRetraction`.
 
-    Same arguments and shapes as :func:`sphere_residual`.
+    Same arguments and shapes as :func:`sphere_residual` (half-precision inputs likewise computed in
+    float32).
     """
     _check_scale(scale)
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
     _check(h, f, scale, retraction, normalize_eps)
+    if h.dtype in _LOW_PRECISION:  # ||h||² and the normalized step's floor overflow/underflow there
+        return sphere_residual_reference(h.float(), f.float(), scale.float(), retraction, normalize_eps).to(h.dtype)
     f = f.to(h.dtype)
     if normalize_eps is not None:
         f = sphere_unit_tangent(h, f, normalize_eps)  # (..., d), tangent at h, norm <= r

@@ -24,7 +24,7 @@ class ScaleNorm(nn.Module):
             gradient instead of NaN.
 
     Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (float16 and bfloat16
-    inputs are normalized in float32).
+    inputs are normalized in float32); an integer or complex input raises ``ValueError``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -41,6 +41,9 @@ class ScaleNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"ScaleNorm expects inputs (..., {self.dim}), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():  # an integer input would come back rounded to integers
+            raise ValueError(f"ScaleNorm expects a real floating-point input (float16, bfloat16, float32, "
+                             f"float64), got dtype {x.dtype}")
         # float16/bfloat16 inputs are normalized in float32: in float16 the norm of a large
         # input overflows (to a zero output) and g / eps of a zero one does (0 * inf = NaN)
         work = torch.promote_types(x.dtype, torch.float32)

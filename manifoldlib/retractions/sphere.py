@@ -28,6 +28,8 @@ from ..functional.sphere import (
     p_coefficients,
     rotate,
     sphere_normalized_sq_step,
+    sphere_project_tangent,
+    sphere_step_length,
 )
 from .._numbers import is_real
 from .base import Retraction, register_retraction
@@ -117,24 +119,57 @@ class AngleRetraction(Retraction):
         return torch.zeros_like(sigma) if grads[0] is None else grads[0]
 
     def retract(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
-        r"""Rotate ``x`` towards the tangent vector ``v``.
+        r"""Rotate ``x`` towards ``v``: :math:`R_x(v) = R_x(P_x v)`.
+
+        The normal component of ``v`` is removed first (as geoopt's own sphere retractions do),
+        so a vector that is not tangent — a momentum buffer seeded with a raw gradient — still
+        gives a point on the sphere.
 
         Args:
             x: ``(..., d)`` points on the sphere of radius ``radius``.
-            v: ``(..., d)`` tangent vectors at ``x``.
+            v: ``(..., d)`` vectors at ``x``.
             radius: sphere radius; ``None`` reads it from ``||x||``.
 
         Returns:
             ``(..., d)`` points of ``x``'s dtype. float16 and bfloat16 inputs are rotated in
             float32: :math:`\|v\|^2` overflows float16 from :math:`\|v\| \approx 256`, which
-            would turn the point into NaN (or zero). In float32 the same holds from
-            :math:`\|v\| \approx 1.8\cdot 10^{19}`, far past any step a finite loss takes.
+            would turn the point into NaN (or zero). Past :math:`\beta \approx 1.8\cdot 10^{19}`
+            (float32) or :math:`1.3\cdot 10^{154}` (float64) :math:`\sigma = \beta^2` overflows
+            here too; :meth:`retract_long_step` is the form for such steps (no check is made
+            here: :meth:`~manifoldlib.Sphere.retr` checks and switches).
         """
         work = torch.promote_types(x.dtype, torch.float32)
         xw, vw = x.to(work), v.to(work)
         radius_sq = (xw * xw).sum(-1, keepdim=True) if radius is None else radius * radius
+        vw = sphere_project_tangent(xw, vw, radius_sq)  # (..., d)
         cos_theta, k = self.coefficients(sphere_normalized_sq_step(vw, radius_sq))
         return rotate(xw, vw, cos_theta, k).to(x.dtype)
+
+    def retract_long_step(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
+        r""":meth:`retract` computed from :meth:`angle` itself, for steps whose :math:`\beta^2` overflows.
+
+        :math:`R_x(v) = \cos\theta\,x + \sin\theta\,r\,\hat v` with :math:`\beta` and
+        :math:`\hat v = P_xv/\|P_xv\|` from :func:`~manifoldlib.functional.sphere_step_length`
+        (nothing squared). A saturating angle (gnomonic :math:`\pi/2`, Cayley :math:`\pi`, the
+        p-family :math:`p\pi/2`) gives its limit point; the exponential map rotates by the
+        computed :math:`\beta` itself, exact for the input perturbed by rounding — past
+        :math:`\beta \approx 2\pi/\varepsilon` the position along the great circle is
+        therefore not determined by the input, though the point is on it. Rows whose angle
+        is not finite (the exponential map when :math:`\beta` overflows) come back non-finite.
+
+        Same arguments and result as :meth:`retract`.
+        """
+        work = torch.promote_types(x.dtype, torch.float32)
+        xw, vw = x.to(work), v.to(work)
+        r = xw.norm(dim=-1, keepdim=True) if radius is None else radius
+        unit = xw / r  # (..., d)
+        m = vw.abs().amax(-1, keepdim=True)  # (..., 1): v / m cannot overflow what follows
+        m = torch.where(m > 0, m, torch.ones_like(m))
+        vs = vw / m
+        vs = vs - (unit * vs).sum(-1, keepdim=True) * unit  # P_x(v) / m, (..., d)
+        beta, direction = sphere_step_length(vs, r / m)  # (..., 1), (..., d)
+        theta = self.angle(beta)
+        return (torch.cos(theta) * xw + (torch.sin(theta) * r) * direction).to(x.dtype)
 
 
 @register_retraction("sphere", "exp")

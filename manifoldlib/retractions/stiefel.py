@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from ..functional.msign import MSIGN_METHODS
-from ..functional.stiefel import stiefel_cayley, stiefel_exp, stiefel_polar, stiefel_qr
+from ..functional.stiefel import (
+    stiefel_cayley,
+    stiefel_exp,
+    stiefel_polar,
+    stiefel_project_tangent,
+    stiefel_qr,
+)
 from .base import Retraction, register_retraction
 
 __all__ = [
@@ -89,9 +95,15 @@ class StiefelCayleyRetraction(Retraction):
 
 @register_retraction("stiefel", "exp")
 class StiefelExpRetraction(Retraction):
-    r"""The exponential map of the Euclidean metric (a geodesic, hence second order)."""
+    r"""The exponential map of the Euclidean metric (a geodesic, hence second order).
+
+    ``v`` is projected onto the tangent space first, :math:`R_X(V) = \exp_X(P_X V)`: the geodesic
+    formula leaves the manifold for a vector with a normal part (a momentum buffer seeded with a
+    raw gradient, as geoopt's optimizers seed it), which the other Stiefel retractions, being
+    projections or orthogonal transformations of :math:`X`, absorb.
+    """
 
     order = 2
 
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return stiefel_exp(x, v)
+        return stiefel_exp(x, stiefel_project_tangent(x, v))

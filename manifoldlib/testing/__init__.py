@@ -1,12 +1,14 @@
-"""Public tools for verifying retractions: hypothesis strategies and exp-free order checks.
+"""Public tools for verifying retractions and optimizers: hypothesis strategies, exp-free order
+checks, and the optimizer conformance suite (:func:`check_optimizer`, :func:`assert_optimizer`).
 
 .. code-block:: python
 
     from manifoldlib import Sphere
-    from manifoldlib.testing import assert_retraction, retraction_order
+    from manifoldlib.testing import assert_optimizer, assert_retraction, retraction_order
 
     retraction_order(Sphere(retraction="cayley"))   # ≈ 2.0
     assert_retraction(Sphere(retraction="my-p3"))   # raises AssertionError if a check fails
+    assert_optimizer(lambda params: MyOptimizer(params, lr=0.1), Sphere())   # likewise
 
 :mod:`~manifoldlib.testing.strategies` needs ``hypothesis`` (a test dependency); it is imported
 on first use so the order checks work without it.
@@ -15,6 +17,7 @@ on first use so the order checks work without it.
 from __future__ import annotations
 
 from .cases import registered_manifolds
+from .conformance import OPTIMIZER_CHECKS, CheckResult, OptimizerReport, assert_optimizer, check_optimizer
 from .hard_instances import HARD_INSTANCES, hard_instance, nuclear_dual_optimum
 from .order import (
     DEFAULT_TS,
@@ -29,8 +32,13 @@ from .sampling import default_shape, point_norm, random_point, random_tangent
 __all__ = [
     "DEFAULT_TS",
     "HARD_INSTANCES",
+    "OPTIMIZER_CHECKS",
     "ORDER_TOLERANCE",
+    "CheckResult",
+    "OptimizerReport",
+    "assert_optimizer",
     "assert_retraction",
+    "check_optimizer",
     "central_difference_error",
     "default_shape",
     "hard_instance",

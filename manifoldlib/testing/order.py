@@ -47,7 +47,9 @@ DEFAULT_TS: tuple[float, ...] = (1e-1, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3)
 #: Accepted distance between the measured and the claimed order in :func:`assert_retraction`.
 ORDER_TOLERANCE = 0.3
 
-_ROUNDING_FACTOR = 1e3  # e(t) below 1e3 * eps * ||x|| is rounding, not signal (MATH.md §7)
+# e(t) below 1e3 * eps * ||x|| is rounding, not signal (the theory page
+# docs/theory/retractions.rst, section Measuring the order)
+_ROUNDING_FACTOR = 1e3
 
 
 def _sample(
@@ -63,6 +65,9 @@ def _sample(
         x = random_point(manifold, default_shape(manifold), generator=generator, dtype=dtype)
     else:
         x = x.to(dtype)
+        ok, reason = manifold.check_point_on_manifold(x, explain=True)
+        if not ok:
+            raise ValueError(f"the base point x is not on {manifold.name}: {reason}")
     if v is None:
         v = random_tangent(manifold, x, scale=1.0, generator=generator)
     else:
@@ -185,7 +190,9 @@ def assert_retraction(
     Checks, all in float64:
 
     1. :math:`R_x(v)` lies on the manifold (``check_point_on_manifold`` with ``atol=0``,
-       ``rtol=manifold_rtol``) for a unit-size and a small step;
+       ``rtol=manifold_rtol``) for a unit-size and a small step, and ``manifold.retr`` does not
+       refuse it (a :class:`~manifoldlib.Sphere` rescales a result within its tolerance to the
+       radius and raises ``ValueError`` for one outside it: a failed check here);
     2. :math:`R_x(0) = x` to ``zero_rtol`` relative (SVD-based retractions are exact only to
        :math:`O(n\,\kappa\,\epsilon)`);
     3. :math:`\mathrm{D}R_x(0) = \mathrm{id}` on the tangent space: the central difference at
@@ -210,14 +217,14 @@ def assert_retraction(
     claim = _claimed_order(manifold, x) if order is None else order
     if claim not in (1, 2):
         raise ValueError(f"order must be 1 or 2, got {claim!r}")
-    ok, reason = manifold.check_point_on_manifold(x, explain=True)
-    if not ok:
-        raise ValueError(f"the base point x is not on {manifold.name}: {reason}")
     v = _unit_direction(x, v)
 
     for scale in (1.0, 1e-3):
-        with torch.no_grad():
-            y = manifold.retr(x, scale * v)
+        try:
+            with torch.no_grad():
+                y = manifold.retr(x, scale * v)
+        except ValueError as err:  # the manifold's value checks refused the retraction's result
+            _fail(manifold, f"R_x({scale}·v) is off the manifold or not finite: {err}")
         if not bool(torch.isfinite(y).all()):
             _fail(manifold, f"R_x({scale}·v) is not finite")
         ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=manifold_rtol)

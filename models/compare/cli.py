@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..cli import flags_of
 from ..config import ConfigError, parse_overrides
 from ..data import CorpusError
 from ..train import RunError
@@ -49,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args, rest = _parser().parse_known_args(argv)
-        overrides = parse_overrides(rest)
+        parser = _parser()
+        args, rest = parser.parse_known_args(argv)
+        overrides = parse_overrides(rest, flags_of(parser))
         suite = narrow_suite(SUITES[args.suite], arms=args.arms,
                              sweep=None if args.sweep is None else tuple(args.sweep),
                              tune_seeds=args.tune_seeds)

@@ -85,7 +85,8 @@ def test_mismatched_init_realizes_positives_and_shrinks_negatives(dtype):
     _, _, c = chart.coefficients()
     pos, neg = W > 0, W < 0
     assert rel_err(out[pos], W[pos]) <= TOL[dtype]
-    # MATH.md §6: a negative target w0 is realized as w0 + 2 l_w |w| (|w| the raw magnitude).
+    # docs/theory/sel.rst, Two composition rules: a negative target w0 is realized as
+    # w0 + 2 l_w |w| (|w| the raw magnitude).
     predicted = W + 2 * c * raw.abs()
     assert within_conditioning(chart, raw, out, predicted, mask=neg)
     assert bool((out[neg].abs() < W[neg].abs()).all())

@@ -1,4 +1,5 @@
-"""msign: every method against the SVD polar factor and scipy.linalg.polar (MATH.md §3)."""
+"""msign: every method against the SVD polar factor and scipy.linalg.polar
+(docs/theory/msign.rst)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def test_jordan5_singular_values_in_expected_band(shape):
     x = _gaussian(shape, 4, torch.float32)
     s = torch.linalg.svdvals(msign(x, "jordan5").double())
     assert 0.5 <= float(s.min()) and float(s.max()) <= 1.2
-    # not convergent: far from the polar factor (MATH.md: an update direction, not a retraction)
+    # not convergent: far from the polar factor (docs/theory/msign.rst: an update direction, not
+    # a retraction)
     assert float(s.max() - s.min()) > 0.3
 
 

@@ -110,7 +110,7 @@ def test_stiefel_polar_matches_scipy_polar_and_closed_form(seed, method):
     y = stiefel_polar(x, v, method)
     ref = _np_batched(lambda a: scipy.linalg.polar(a)[0], x + v)
     assert _rel(y, ref) <= 1e-13
-    # (X+V)(I + V^T V)^{-1/2} for tangent V (MATH.md §2)
+    # (X+V)(I + V^T V)^{-1/2} for tangent V (docs/theory/stiefel.rst, section Retractions)
     closed = _np_batched(
         lambda a, b: a @ scipy.linalg.inv(scipy.linalg.sqrtm(np.eye(b.shape[1]) + b.T @ b)).real,
         x + v,

@@ -1,4 +1,5 @@
-"""Sphere and DGram kernels of :mod:`manifoldlib.functional` tested directly (MATH.md §1, §5):
+"""Sphere and DGram kernels of :mod:`manifoldlib.functional` tested directly
+(docs/theory/sphere.rst, section Numerics; docs/theory/dgram.rst):
 the closed forms agree with the general p-family, every member is a rotation
 (:math:`\\cos^2\\theta + k^2\\sigma = 1`), and the projections are orthogonal projections."""
 
@@ -20,6 +21,7 @@ from manifoldlib.functional import (
     rotate,
     sphere_normalized_sq_step,
     sphere_project_tangent,
+    sphere_step_length,
 )
 
 EPS = {torch.float64: torch.finfo(torch.float64).eps, torch.float32: torch.finfo(torch.float32).eps}
@@ -106,3 +108,18 @@ def test_dgram_normal_multiplier_splits_z_into_tangent_and_normal(dtype):
     tol = 64 * EPS[dtype] * float(w.norm() * z.norm())
     assert off_diagonal(w.mT @ v + v.mT @ w).abs().max() <= tol  # V is tangent
     assert (v * (w @ s)).sum((-2, -1)).abs().max() <= tol  # Z - V = WS is orthogonal to it
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float64, 1.0), (torch.float64, 1e300), (torch.float64, 1e-300),
+                                          (torch.float32, 1e30), (torch.float32, 1e-30)])
+def test_sphere_step_length_never_squares_v(dtype, scale):
+    v64 = torch.randn(5, 7, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    v64[2] = 0.0
+    beta, direction = sphere_step_length((scale * v64).to(dtype), 2.0)
+    norms = v64.norm(dim=-1, keepdim=True)  # the exact answer, formed at scale 1
+    expected_beta = scale * norms / 2.0
+    eps = torch.finfo(dtype).eps
+    assert beta.dtype == dtype and direction.shape == v64.shape
+    assert torch.allclose(beta.double(), expected_beta, rtol=8 * eps, atol=0)
+    assert torch.allclose(direction.double(), v64 / norms.clamp_min(1e-300), rtol=0, atol=8 * eps)
+    assert float(beta[2]) == 0.0 and torch.equal(direction[2], torch.zeros(7, dtype=dtype))

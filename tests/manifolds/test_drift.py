@@ -1,4 +1,5 @@
-"""Rounding drift: many chained float32 retractions stay on the manifold (MATH.md §1, last bullet).
+"""Rounding drift: many chained float32 retractions stay on the manifold (docs/theory/sphere.rst,
+section Numerics, Drift).
 
 Each step draws a fresh Gaussian direction, projects it onto the tangent space and retracts with
 a step of about 5% of the point's size; no re-projection happens between steps.

@@ -1,4 +1,5 @@
-"""bin:DIR token shards: nanoGPT folders, vocabulary rules, chunked counting, one-line errors."""
+"""bin:DIR token shards: nanoGPT folders, the ids' dtype, vocabulary rules, chunked counting,
+one-line errors."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from models.data import BatchSampler, CorpusError, check_size, load_corpus, unigram_entropy
 from models.prepare import prepare
-from models.shards import SCAN_TOKENS
+from models.shards import SCAN_TOKENS, SHARD_DTYPES
+from models.train import main as train
 
 
 def _nanogpt(folder: Path, train: np.ndarray, val: np.ndarray) -> Path:
@@ -35,9 +37,10 @@ def test_nanogpt_folder_takes_the_vocabulary_from_the_largest_id_and_says_so(tmp
     train, val = rng.integers(0, 1000, 5000), rng.integers(0, 900, 600)
     train[17] = 999
     folder = _nanogpt(tmp_path / "nano", train, val)
-    corpus = load_corpus(f"bin:{folder}")
+    corpus = load_corpus(f"bin:{folder}", shard_dtype="uint16")
     assert corpus.vocab_size == 1000 and corpus.tokenizer.name == "ids"
     assert len(corpus.notes) == 1 and "no meta.json" in corpus.notes[0]
+    assert "uint16 ids as given" in corpus.notes[0]
     assert "largest token id + 1" in corpus.notes[0] and str(folder) in corpus.notes[0]
     assert corpus.describe()["notes"] == list(corpus.notes)
     assert torch.equal(corpus.train[:], torch.from_numpy(train))
@@ -45,7 +48,7 @@ def test_nanogpt_folder_takes_the_vocabulary_from_the_largest_id_and_says_so(tmp
     x, y = BatchSampler(corpus.train, 2, 8, seed=0).next_batch()
     assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 1000
     check_size(corpus, batch_size=4, block_size=64)
-    padded = load_corpus(f"bin:{folder}", vocab_size=1024)
+    padded = load_corpus(f"bin:{folder}", vocab_size=1024, shard_dtype="uint16")
     assert padded.vocab_size == 1024 and "1024 as given" in padded.notes[0]
     assert padded.fingerprint == corpus.fingerprint
 
@@ -68,7 +71,7 @@ def test_entropy_of_a_shard_larger_than_one_chunk_equals_the_in_memory_one(tmp_p
     rng = np.random.default_rng(1)
     train = rng.integers(0, 50, SCAN_TOKENS + 4321).astype(np.uint16)
     folder = _nanogpt(tmp_path / "big", train, train[:100])
-    corpus = load_corpus(f"bin:{folder}")
+    corpus = load_corpus(f"bin:{folder}", shard_dtype="uint16")
     memory = torch.from_numpy(train.astype(np.int32))
     assert unigram_entropy(corpus.train, 50) == unigram_entropy(memory, 50)
     assert unigram_entropy(corpus.train, 50) == pytest.approx(math.log(50), abs=1e-4)
@@ -138,3 +141,93 @@ def test_bin_spec_without_a_folder_or_with_a_file(tmp_path):
     (tmp_path / "train.bin").write_bytes(b"\0\0")
     with pytest.raises(CorpusError, match=r"train\.bin is not a folder"):
         load_corpus(f"bin:{tmp_path / 'train.bin'}")
+
+
+# ---- the ids' dtype --------------------------------------------------------------------------
+
+
+def _wide_without_meta(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """uint32 shards of small ids and no meta.json (a prepared folder whose meta.json was lost,
+    or another tool's): read as uint16 they would be valid-looking ids, every other one 0."""
+    rng = np.random.default_rng(2)
+    train, val = rng.integers(1, 250, 4000), rng.integers(1, 250, 500)
+    folder.mkdir()
+    train.astype("<u4").tofile(folder / "train.bin")
+    val.astype("<u4").tofile(folder / "val.bin")
+    return train, val
+
+
+def test_shards_without_meta_json_are_refused_until_their_dtype_is_given(tmp_path):
+    folder = tmp_path / "wide"
+    train, val = _wide_without_meta(folder)
+    with pytest.raises(CorpusError) as info:
+        load_corpus(f"bin:{folder}")
+    message = str(info.value)
+    assert message.startswith(f"token shards {folder} have no meta.json, so the width of their "
+                              f"ids is unknown")
+    assert "--shard_dtype uint16" in message and "--shard_dtype uint32" in message
+    assert "\n" not in message
+    wide = load_corpus(f"bin:{folder}", shard_dtype="uint32")
+    assert torch.equal(wide.train[:], torch.from_numpy(train))
+    assert torch.equal(wide.val[:], torch.from_numpy(val))
+    assert wide.vocab_size == max(train.max(), val.max()) + 1
+    assert wide.describe()["shards"]["dtype"] == "uint32"
+    narrow = load_corpus(f"bin:{folder}", shard_dtype="uint16")  # what the user asked for
+    assert narrow.fingerprint != wide.fingerprint  # and a resume can tell the two apart
+    assert SHARD_DTYPES == ("uint16", "uint32")
+    with pytest.raises(CorpusError, match=r"shard dtype must be one of uint16, uint32, got 'int8'"):
+        load_corpus(f"bin:{folder}", shard_dtype="int8")
+
+
+def test_a_given_dtype_must_agree_with_meta_json(tmp_path):
+    prepare("synthetic:20000", tmp_path)  # uint16, recorded
+    assert load_corpus(f"bin:{tmp_path}", shard_dtype="uint16").train.dtype == np.dtype("<u2")
+    with pytest.raises(CorpusError) as info:
+        load_corpus(f"bin:{tmp_path}", shard_dtype="uint32")
+    assert str(info.value) == (f"shard dtype uint32 was given, but {tmp_path / 'meta.json'} "
+                               f"records uint16; drop --shard_dtype to read what it records")
+    with pytest.raises(CorpusError, match="shard_dtype 'uint16' is for token shards"):
+        load_corpus("synthetic:20000", shard_dtype="uint16")
+
+
+def test_a_missing_shard_is_named_before_the_dtype_is_asked_for(tmp_path):
+    (tmp_path / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(CorpusError, match=r"val\.bin does not exist \(a bin: folder holds"):
+        load_corpus(f"bin:{tmp_path}")
+
+
+def test_the_trainer_refuses_shards_of_unknown_dtype_in_one_line_and_reads_the_given_one(
+        tmp_path, capsys):
+    folder = tmp_path / "wide"
+    _wide_without_meta(folder)
+    args = ["--preset", "smoke", "--corpus", f"bin:{folder}", "--steps", "2", "--sample_tokens",
+            "0", "--progress", "false"]
+    assert train([*args, "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: token shards {folder} have no meta.json") and \
+        err.count("\n") == 1
+    assert not (tmp_path / "refused").exists()
+    assert train([*args, "--shard_dtype", "uint32", "--out", str(tmp_path / "run")]) == 0
+    recorded = json.loads((tmp_path / "run" / "corpus.json").read_text())
+    assert recorded["shards"]["dtype"] == "uint32" and recorded["vocab_size"] < 256
+    assert train(["--preset", "smoke", "--shard_dtype", "uint16", "--out",
+                  str(tmp_path / "text")]) == 2
+    assert "shard_dtype 'uint16' is for token shards (--corpus bin:DIR); corpus " \
+           "'synthetic:60000' is text" in capsys.readouterr().err
+
+
+def test_a_run_on_nanogpt_shards_saved_before_shard_dtype_resumes_with_it(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    folder = _nanogpt(tmp_path / "nano", rng.integers(0, 200, 6000), rng.integers(0, 200, 800))
+    out = tmp_path / "run"
+    assert train(["--preset", "smoke", "--corpus", f"bin:{folder}", "--shard_dtype", "uint16",
+                  "--steps", "10", "--stop_at", "5", "--sample_tokens", "0", "--progress",
+                  "false", "--out", str(out)]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    del saved["shard_dtype"]  # as a run directory written before the key existed
+    (out / "config.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert train(["--resume", "--out", str(out)]) == 2
+    assert "have no meta.json" in capsys.readouterr().err
+    assert train(["--resume", "--shard_dtype", "uint16", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 10

@@ -19,6 +19,7 @@ from models.config import (
     ConfigError,
     TrainConfig,
     build_config,
+    config_keys,
     parse_overrides,
 )
 from models.run_dir import save_checkpoint
@@ -259,7 +260,7 @@ def test_missing_corpus_is_one_line_without_traceback(tmp_path):
     (["--lr", "fast"], "--lr expects a number, got 'fast'"),
     (["--n_layer", "2.5"], "--n_layer expects an integer"),
     (["--bias", "maybe"], "--bias expects a boolean"),
-    (["--colour", "red"], "unknown config key 'colour'"),
+    (["--colour", "red"], "unknown option --colour: neither a flag nor a config key"),
     (["--connection", "resnet"], "unknown connection 'resnet'; valid connections: "),
     (["--n_head", "3"], "n_embd (32) must be divisible by n_head (3)"),
     (["--preset", "huge"], "unknown preset 'huge'"),
@@ -334,6 +335,60 @@ def test_tiny_text_file_corpus_is_rejected(tmp_path, capsys):
 # ---- configuration layers -------------------------------------------------------------------
 
 
+FLAGS = "--preset, --config, --out, --steps, --corpus, --resume and --help"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--presset", "smoke"], "unknown option --presset: neither a flag nor a config key; did you "
+                             "mean the flag --preset?"),
+    # a misspelt switch is named before its missing value is
+    (["--resum"], "unknown option --resum: neither a flag nor a config key; did you mean the "
+                  "flag --resume?"),
+    (["--lrr", "1e-3"], "unknown option --lrr: neither a flag nor a config key; did you mean the "
+                        "config key --lr?"),
+    (["--block-lrr", "1e-3"], "unknown option --block-lrr: neither a flag nor a config key; did "
+                              "you mean the config key --block_lr?"),
+    (["--zzzq", "1"], f"unknown option --zzzq: neither a flag nor a config key; the flags are "
+                      f"{FLAGS}, which lists the config keys (any of them is an option --key "
+                      f"value)"),
+    (["--preset", "smok"], "unknown preset 'smok'; did you mean 'smoke'? available: smoke, "
+                           "default, gpt2-small"),
+])
+def test_a_misspelt_option_is_one_line_naming_the_closest_flag_or_key(tmp_path, capsys, args,
+                                                                      line):
+    assert main([*args, "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_keys_are_the_flat_keys_of_a_config():
+    assert list(config_keys()) == sorted(TrainConfig().to_dict())
+    assert "n_layer" in config_keys() and "shard_dtype" in config_keys()
+    assert "model" not in config_keys() and "preset" not in config_keys()
+
+
+def test_the_compare_cli_names_a_misspelt_key_too(capsys):
+    from models.compare import main as compare
+
+    assert compare(["--suite", "sel", "--quick", "--jbos", "1"]) == 2
+    assert capsys.readouterr().err == ("error: unknown option --jbos: neither a flag nor a "
+                                       "config key; did you mean the flag --jobs?\n")
+
+
+@pytest.mark.parametrize("text, line", [
+    ('presett = "smoke"\n', "unknown config key 'presett' in config file {toml}; did you mean "
+                            "'preset'?"),
+    ("lrr = 0.1\n", "unknown config key 'lrr' in config file {toml}; did you mean 'lr'?"),
+    ('lr = "fast"\n', "'lr' in config file {toml} expects a number, got 'fast'"),
+])
+def test_a_config_files_bad_key_or_value_is_named_as_a_key_of_that_file(tmp_path, capsys, text,
+                                                                        line):
+    toml = tmp_path / "run.toml"
+    toml.write_text(text)
+    assert main(["--config", str(toml), "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == f"error: {line.format(toml=toml)}\n"
+
+
 def test_toml_preset_and_overrides_stack_in_order(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('preset = "smoke"\nlr = 0.005\nbias = true\nconnection = "pre-ln"\n')
@@ -402,8 +457,11 @@ def test_config_round_trips_through_its_flat_dict():
     cfg = build_config("smoke", overrides={"n_layer": "3", "dtype": "bfloat16", "lr": "2e-3"})
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.replace(n_layer=5).model.n_layer == 5 and cfg.replace(lr=1.0).lr == 1.0
-    with pytest.raises(ConfigError, match="unknown config key 'colour'"):
+    with pytest.raises(ConfigError, match="unknown config key 'colour'; valid keys: adamw_lr, "):
         TrainConfig.from_dict({**cfg.to_dict(), "colour": "red"})
+    with pytest.raises(ConfigError, match=r"^unknown config key 'n_layers'; did you mean "
+                                          r"'n_layer'\?$"):
+        TrainConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
     with pytest.raises(AttributeError, match="colour"):
         cfg.colour  # noqa: B018
 

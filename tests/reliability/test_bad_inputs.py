@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
+import geoopt
 import pytest
 import torch
 from torch import nn
 
 from manifoldlib.charts import SEL
-from manifoldlib.manifolds import DGram, Euclidean, Sphere, Stiefel
+from manifoldlib.manifolds import DGram, Euclidean, Oblique, Sphere, Stiefel
 from manifoldlib.manifolds.base import check_tensor
-from manifoldlib.optim import build_optimizer
+from manifoldlib.nn import ScaleNorm, SphereResidual
+from manifoldlib.optim import build_optimizer, get_policy, register_policy
+from manifoldlib.retractions import (
+    GnomonicRetraction,
+    PRetraction,
+    get_retraction,
+    register_retraction,
+)
 from models.config import ConfigError, TrainConfig, build_config, load_toml
 from models.gpt import GPT, GPTConfig
 from models.train import main
@@ -55,6 +64,190 @@ def test_dgram_retr_of_an_infinite_step_is_a_value_error():
     x = _point(m)
     with pytest.raises(ValueError, match=r"dgram\.retr: 'u' holds 1 non-finite value"):
         m.retr(x, _poisoned(torch.randn_like(x), INF))
+
+
+@pytest.mark.parametrize("retraction", ["polar", "qr", "cayley", "exp"])
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_stiefel_retr_of_a_non_finite_step_names_it(retraction, value):
+    m = Stiefel(retraction=retraction)
+    x = _point(m)
+    with pytest.raises(ValueError, match=r"stiefel\.retr: 'u' holds 1 non-finite value"):
+        m.retr(x, _poisoned(m.proju(x, torch.randn_like(x)), value))
+
+
+@pytest.mark.parametrize("cls", [Stiefel, Oblique])
+def test_expmap_of_an_infinite_step_names_it(cls):
+    m = cls()
+    x = _point(m)
+    with pytest.raises(ValueError, match=rf"{m.name}\.expmap: 'u' holds 1 non-finite value"):
+        m.expmap(x, _poisoned(torch.zeros_like(x), INF))
+
+
+# ---- the sphere: points, steps, radii --------------------------------------------------------
+
+
+def _sphere_case(radius=2.0, retraction="gnomonic"):
+    s = Sphere(radius, retraction=retraction)
+    g = torch.Generator().manual_seed(0)
+    x = s.random(3, 4, generator=g, dtype=torch.float64)
+    u = s.proju(x, torch.randn(x.shape, generator=g, dtype=torch.float64))
+    return s, x, u
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda s, x, u: s.retr(x, u), "retr"),
+    (lambda s, x, u: s.expmap(x, u), "expmap"),
+    (lambda s, x, u: s.proju(x, u), "proju"),
+    (lambda s, x, u: s.egrad2rgrad(x, u), "proju"),
+    (lambda s, x, u: s.logmap(x, s.projx(u)), "logmap"),
+    (lambda s, x, u: s.dist(x, s.projx(u)), "dist"),
+])
+def test_a_point_of_norm_5r_is_named(call, name):
+    s, x, u = _sphere_case()
+    x = x.clone()
+    x[1] *= 5
+    with pytest.raises(ValueError, match=rf"sphere\.{name}: 'x' is not a point of the sphere of radius 2: "
+                                         rf"row 1 has norm 10 \(relative tolerance 1e-05"):
+        call(s, x, u)
+
+
+def test_transp_names_a_target_point_off_the_sphere():
+    s, x, u = _sphere_case()
+    with pytest.raises(ValueError, match=r"sphere\.transp: 'y' is not a point .* row 0 has norm 6"):
+        s.transp(x, 3 * x, u)
+
+
+@pytest.mark.parametrize("retraction", ["exp", "gnomonic", "cayley", "p"])
+def test_retr_from_the_zero_vector_is_refused(retraction):
+    s, _, u = _sphere_case(retraction=retraction)
+    with pytest.raises(ValueError, match=r"sphere\.retr: 'x' is not a point .* row 0 has norm 0 "):
+        s.retr(torch.zeros_like(u), u)
+
+
+@pytest.mark.parametrize("retraction", ["exp", "gnomonic", "cayley", "p"])
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_sphere_retr_of_a_non_finite_step_names_it(retraction, value):
+    s, x, u = _sphere_case(retraction=retraction)
+    with pytest.raises(ValueError, match=r"sphere\.retr: 'u' holds 1 non-finite value"):
+        s.retr(x, _poisoned(u, value))
+    with pytest.raises(ValueError, match=r"sphere\.expmap: 'u' holds 1 non-finite value"):
+        s.expmap(x, _poisoned(u, value))
+
+
+def test_sphere_retr_from_a_nan_point_names_it():
+    s, x, u = _sphere_case()
+    with pytest.raises(ValueError, match=r"sphere\.retr: 'x' holds 1 non-finite value"):
+        s.retr(_poisoned(x, NAN), u)
+
+
+@pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp"])
+def test_a_1e300_step_is_a_point_of_the_sphere_not_zero(retraction):
+    s, x, u = _sphere_case(retraction=retraction)
+    u_hat = u / u.norm(dim=-1, keepdim=True)
+    y = s.retr(x, 1e300 * u_hat)
+    assert torch.allclose(y.norm(dim=-1), torch.full((3,), 2.0, dtype=torch.float64), rtol=1e-15, atol=0)
+    if retraction == "gnomonic":  # the angle saturates at pi / 2: r u_hat
+        assert torch.allclose(y, 2.0 * u_hat, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("x_shape", [(0, 4), (2, 4)])
+def test_projx_of_a_zero_or_non_finite_row_is_refused(x_shape):
+    s = Sphere()
+    x = torch.ones(x_shape, dtype=torch.float64)
+    if x.numel():
+        x[1] = 0.0
+        with pytest.raises(ValueError, match=r"sphere\.projx: 'x' has zero rows \(flat indices \[1\]\)"):
+            s.projx(x)
+        with pytest.raises(ValueError, match=r"sphere\.projx: 'x' holds 1 non-finite value"):
+            s.projx(_poisoned(torch.ones(x_shape, dtype=torch.float64), NAN))
+    else:
+        assert s.projx(x).shape == x_shape
+
+
+@pytest.mark.parametrize("radius", [1e-30, 1e-300, 1e30, 1e200, 1e-16, 2e15, True, "2"])
+def test_a_radius_outside_the_range_is_refused_with_the_range(radius):
+    with pytest.raises(ValueError, match=rf"radius must be a finite number in \[1e-15, 1e\+15\], got "
+                                         rf"{re.escape(repr(radius))}$"):
+        Sphere(radius)
+
+
+def test_logmap_and_dist_at_the_antipode_do_not_depend_on_rounding():
+    s = Sphere(1.5)
+    x = s.random(20, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert torch.allclose(s.dist(x, -x), torch.full((20,), 1.5 * math.pi, dtype=torch.float64), rtol=1e-15, atol=0)
+    assert torch.allclose(s.logmap(x, -x).norm(dim=-1), s.dist(x, -x), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: geoopt.optim.RiemannianSGD([p], lr=0.1, momentum=0.9),
+    lambda p: geoopt.optim.RiemannianAdam([p], lr=0.1),
+], ids=["sgd-momentum", "adam"])
+def test_geoopt_steps_on_a_sphere_parameter_stay_on_the_sphere(make):
+    s = Sphere()
+    p = geoopt.ManifoldParameter(s.random(6, generator=torch.Generator().manual_seed(0),
+                                          dtype=torch.float64), manifold=s)
+    opt = make(p)
+    (p * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    opt.step()
+    assert abs(float(p.detach().norm()) - 1.0) <= 4e-16
+
+
+# ---- nn: SphereResidual and ScaleNorm --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("parallel", [1.0, 10.0, 100.0])
+def test_sphere_residual_keeps_norm_100_for_an_update_parallel_to_h(dtype, fused, parallel):
+    h = torch.randn(4, 64, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    h = 100.0 * h / h.norm(dim=-1, keepdim=True)
+    out = SphereResidual(dim=64, fused=fused).to(dtype)(h, parallel * h)
+    assert torch.allclose(out.norm(dim=-1), torch.full((4,), 100.0, dtype=dtype),
+                          rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_scalenorm_refuses_a_non_real_floating_input(dtype):
+    with pytest.raises(ValueError, match=rf"ScaleNorm expects a real floating-point input .* got dtype {dtype}"):
+        ScaleNorm(4)(torch.ones(2, 4).to(dtype))
+
+
+# ---- registries ------------------------------------------------------------------------------
+
+
+def test_registering_over_a_builtin_retraction_is_refused():
+    impostor = type("Impostor", (PRetraction,), {})
+    with pytest.raises(ValueError, match=r"sphere retraction 'gnomonic' is already registered as "
+                                         r"GnomonicRetraction; .* pass override=True"):
+        register_retraction("sphere", "gnomonic")(impostor)
+    assert type(get_retraction("sphere", "gnomonic")) is GnomonicRetraction
+
+
+def test_registering_over_a_builtin_policy_is_refused():
+    hetero = get_policy("hetero")
+    with pytest.raises(ValueError, match=r"policy 'hetero' is already registered; .* pass override=True"):
+        register_policy("hetero")(lambda name, module, param: None)
+    assert get_policy("hetero") is hetero
+
+
+def test_override_true_replaces_a_registered_policy():
+    def first(name, module, param):
+        return None
+
+    def second(name, module, param):
+        return None
+
+    register_policy("test-bad-inputs-override", override=True)(first)  # re-runnable set-up
+    with pytest.raises(ValueError, match="'test-bad-inputs-override' is already registered"):
+        register_policy("test-bad-inputs-override")(second)
+    register_policy("test-bad-inputs-override", override=True)(second)
+    assert get_policy("test-bad-inputs-override") is second
+
+
+@pytest.mark.parametrize("p", [True, False, "2", None])
+def test_p_retraction_refuses_a_bool_or_a_string(p):
+    with pytest.raises(ValueError, match=rf"p must be a number in \(0, inf\], got {re.escape(repr(p))}"):
+        PRetraction(p)
 
 
 # ---- manifolds: dtypes -----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The training CLI under faults: non-finite gradients, damaged run directories, a crafted
-checkpoint, a full disk, Ctrl-C. Every run is the smoke preset with a few steps."""
+checkpoint, a full disk, Ctrl-C, SIGTERM and SIGHUP, kills that leave temporary files. Every run
+is the smoke preset with a few steps."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from models.run_dir import (
     load_checkpoint,
     read_metrics,
     save_checkpoint,
+    state_checksum,
 )
 from models.train import main
 
@@ -390,8 +394,8 @@ def test_a_full_disk_while_saving_the_bpe_tokenizer_is_one_line(small_tmpfs, cap
 ])
 def test_prepare_on_a_full_disk_is_one_line_and_leaves_no_shards_without_metadata(
         small_tmpfs, capsys, corpus, refused):
-    """A folder with train.bin / val.bin and no meta.json reads as nanoGPT's (uint16 ids, the
-    vocabulary guessed): nothing is moved into place before every file has been written."""
+    """A folder with train.bin / val.bin and no meta.json has lost the record of its dtype and
+    vocabulary: nothing is moved into place before every file has been written."""
     from models.prepare import main as prepare_main
 
     out = small_tmpfs(16) / "shards"
@@ -473,3 +477,127 @@ def test_resume_refuses_a_bpe_run_whose_token_ids_changed(tmp_path, capsys):
     (out / "tokenizer.json").write_bytes(own)  # the run's own tokenizer: resumes
     assert main(["--resume", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 10
+
+
+# ---- SIGTERM / SIGHUP: what batch schedulers send --------------------------------------------
+
+
+def _every_step(*args: str) -> list[str]:
+    """A run that logs and prints every step and writes no checkpoint of its own before step
+    1000 (so a checkpoint at an earlier step is the one the signal made)."""
+    return [*_quiet("--steps", "100000", "--eval_interval", "1000", "--log_interval", "1",
+                    "--progress_interval", "0"), *args]
+
+
+def _terminate_after(out: Path, signum: int, step: int) -> tuple[int, str]:
+    """Start a long run into ``out``, send ``signum`` once it has printed step ``step``'s line,
+    and return the exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "models.train", *_every_step(), "--out",
+                             str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith(f"step {step}/"):
+                break
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=["SIGTERM", "SIGHUP"])
+def test_a_terminating_signal_checkpoints_at_a_step_boundary_and_resume_is_exact(
+        tmp_path, capsys, signum, status):
+    out = tmp_path / "run"
+    code, err = _terminate_after(out, signum, step=3)
+    assert code == status
+    name = signal.Signals(signum).name
+    (line,) = err.strip().splitlines()  # one line, no traceback
+    stop = re.fullmatch(rf"terminated by {name} at step (\d+): checkpoint written; resume with "
+                        rf"python -m models\.train --resume --out {re.escape(str(out))}", line)
+    assert stop is not None, line
+    step = int(stop.group(1))
+    ckpt, note = load_checkpoint(out)
+    assert step >= 3 and ckpt["step"] == step and note is None
+    assert read_metrics(out / "metrics.jsonl")[-1]["step"] == step
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+    # resumed to four steps further, it equals a run that was never stopped, bit for bit
+    assert main(["--resume", "--stop_at", str(step + 4), "--out", str(out)]) == 0
+    reference = tmp_path / "reference"
+    assert main([*_every_step("--stop_at", str(step + 4)), "--out", str(reference)]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(step + 5))
+    _same_rows(rows, read_metrics(reference / "metrics.jsonl"))
+    resumed, uninterrupted = load_checkpoint(out)[0], load_checkpoint(reference)[0]
+    assert resumed["step"] == uninterrupted["step"] == step + 4
+    for key, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    # model, optimizer, sampler, RNG states and the rest: all but the wall time are the same
+    del resumed["wall_time_s"], uninterrupted["wall_time_s"]
+    assert state_checksum(resumed) == state_checksum(uninterrupted)
+
+
+# ---- temporary files of a killed run, removed at the next start ------------------------------
+
+_KILLED_AT_A_RENAME = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    rename, target, count = os.replace, sys.argv[1], int(sys.argv[2])
+    seen = []
+
+    def replace(src, dst):  # SIGKILL at the count-th rename onto `target`: a kill mid-write
+        if Path(dst).name == target:
+            seen.append(dst)
+            if len(seen) == count:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return rename(src, dst)
+
+    os.replace = replace
+    module = sys.argv[3]
+    if module == "train":
+        from models.train import main
+    else:
+        from models.prepare import main
+    main(sys.argv[4:])
+""")
+
+
+def _killed_at_a_rename(target: str, count: int, module: str, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AT_A_RENAME, target, str(count), module,
+                           *args], cwd=REPO, env=env, capture_output=True, timeout=300,
+                          check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_a_file_the_resume_removes(tmp_path, capsys,
+                                                                           reference):
+    out = tmp_path / "run"
+    # killed as step 10's checkpoint was about to replace step 5's (renamed to the previous one)
+    _killed_at_a_rename("checkpoint.pt", 2, "train", *_quiet("--steps", "20"), "--out", str(out))
+    (left,) = [p for p in out.iterdir() if p.name.startswith(".")]
+    assert re.fullmatch(r"\.checkpoint\.pt\.\d+\.\w{8}\.tmp", left.name)
+    assert left.stat().st_size > (out / PREVIOUS_CHECKPOINT).stat().st_size // 2  # a whole one
+    (out / ".my-notes.tmp").write_text("mine")  # a user's own file is not ours to remove
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert f"removed 1 temporary file that a killed run left in {out}: {left.name}" in \
+        capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".my-notes.tmp"]
+    _same_rows(read_metrics(out / "metrics.jsonl"), reference)
+
+
+def test_a_killed_prepare_leaves_partial_files_the_next_start_removes(tmp_path, capsys):
+    from models.prepare import main as prepare_main
+
+    out = tmp_path / "shards"
+    _killed_at_a_rename("train.bin", 1, "prepare", "--corpus", "synthetic:20000", "--out",
+                        str(out))
+    partials = sorted(p.name for p in out.iterdir())
+    assert [re.sub(r"\.\d+\.", ".PID.", n) for n in partials] == [
+        ".meta.json.PID.partial", ".train.bin.PID.partial", ".val.bin.PID.partial"]
+    (out / ".train.bin.1.partial").write_text("pid 1 is alive: not provably stale")
+    assert prepare_main(["--corpus", "synthetic:20000", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".train.bin.1.partial", "meta.json",
+                                                     "train.bin", "val.bin"]

@@ -1,5 +1,6 @@
 """The run directory under faults: crafted, truncated and bit-flipped checkpoints, a partial
-metrics line, planted symlinks, a full disk, and a kill -9 during a checkpoint write."""
+metrics line, planted symlinks, a full disk, and a kill -9 during a checkpoint write (and the
+temporary file it leaves, removed at the next start)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from models.run_dir import (
     has_checkpoint,
     load_checkpoint,
     read_metrics,
+    remove_stale_temporaries,
     rewrite_metrics,
     rng_state,
     save_checkpoint,
@@ -324,3 +326,56 @@ def test_kill_9_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path, 
     assert state["step"] >= last - 1
     assert torch.equal(state["weights"], torch.full((500_000,), float(state["step"])))
     assert check_run_dir(tmp_path, resume=True) is False
+
+
+# ---- temporary files a kill leaves, removed at the next start --------------------------------
+
+_KILLED_BEFORE_THE_RENAME = textwrap.dedent("""
+    import os, signal, sys, torch
+    from models.run_dir import save_checkpoint
+    os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)  # killed at the rename
+    state = {"weights": torch.full((500_000,), 1.0), "step": 1}
+    save_checkpoint(sys.argv[1] + "/checkpoint.pt", state, previous_step=0)
+""")
+
+
+def _killed_writer_leftover(folder: Path) -> Path:
+    """What a kill -9 between writing a checkpoint and renaming it into place leaves."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_THE_RENAME, str(folder)],
+                          cwd=REPO, env=env, capture_output=True, timeout=120, check=False)
+    assert proc.returncode == -signal.SIGKILL
+    (left,) = folder.iterdir()
+    return left
+
+
+def test_a_kill_before_the_rename_leaves_a_full_size_temporary_named_after_its_writer(tmp_path):
+    left = _killed_writer_leftover(tmp_path)
+    assert left.name.startswith(".checkpoint.pt.") and left.name.endswith(".tmp")
+    assert left.stat().st_size > 2_000_000  # the whole checkpoint, verified
+    pid = int(left.name.split(".")[3])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # its writer is gone
+    assert remove_stale_temporaries(tmp_path, {CHECKPOINT}) == [left.name]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_our_temporaries_of_writers_that_are_gone_are_removed(tmp_path):
+    left = _killed_writer_leftover(tmp_path)
+    dead = left.name.split(".")[3]
+    live = {f".checkpoint.pt.1.{left.name.split('.')[4]}.tmp",  # pid 1 exists
+            f".config.json.{os.getpid()}.abcd1234.tmp"}          # this process's own
+    foreign = {f".notes.{dead}.abcd1234.tmp",  # not a file name of ours
+               ".checkpoint.pt.verify.bak", "checkpoint.pt.12.abcd1234.tmp"}
+    legacy = {".checkpoint.pt.verify", "..checkpoint.pt.verify.ab_d1234.tmp",
+              ".config.json.abcd1234.tmp"}  # written before the pid was in the name
+    for name in live | foreign | legacy:
+        (tmp_path / name).write_text("x")
+    names = {CHECKPOINT, "config.json"}
+    assert remove_stale_temporaries(tmp_path, names) == [left.name]
+    assert {p.name for p in tmp_path.iterdir()} == live | foreign | legacy
+    # holding the directory's lock proves that no writer of ours is at work in it
+    assert remove_stale_temporaries(tmp_path, names, locked=True) == sorted(
+        (live | legacy) - {f".config.json.{os.getpid()}.abcd1234.tmp"})
+    assert {p.name for p in tmp_path.iterdir()} == foreign | {
+        f".config.json.{os.getpid()}.abcd1234.tmp"}

@@ -275,7 +275,7 @@ def test_sphere_with_p_option():
     ],
 )
 def test_public_classes_are_what_their_names_build(family, name, cls, order):
-    # the orders are those of MATH.md's tables; tests/testing measures them
+    # the orders are those of the table in docs/theory/retractions.rst; tests/testing measures them
     r = get_retraction(family, name)
     assert type(r) is cls and (cls.name, cls.manifold, cls.order) == (name, family, order)
 

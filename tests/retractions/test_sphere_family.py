@@ -1,4 +1,4 @@
-"""Identities of the sphere retraction family θ(β) = p·arctan(β/p) (MATH.md §1)."""
+"""Identities of the sphere retraction family θ(β) = p·arctan(β/p) (docs/theory/sphere.rst)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_p1_is_gnomonic_and_p2_is_cayley(radius, data):
     p2 = s.with_retraction(PRetraction(2.0)).retr(x, v)
     assert _rel(p1, s.with_retraction("gnomonic").retr(x, v)) <= 8 * EPS
     assert _rel(p2, s.with_retraction("cayley").retr(x, v)) <= 8 * EPS
-    # closed forms of MATH.md: (x+v)/sqrt(1+σ) and ((1-σ/4)x + v)/(1+σ/4)
+    # closed forms of the table in docs/theory/sphere.rst:
+    # (x+v)/sqrt(1+σ) and ((1-σ/4)x + v)/(1+σ/4)
     sigma = (v * v).sum(-1, keepdim=True) / radius**2
     assert _rel(p1, (x + v) / torch.sqrt(1 + sigma)) <= 8 * EPS
     assert _rel(p2, ((1 - sigma / 4) * x + v) / (1 + sigma / 4)) <= 8 * EPS

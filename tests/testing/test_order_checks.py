@@ -206,7 +206,7 @@ def test_order_depends_on_shape_where_theory_says_so():
 
 
 def test_default_step_sizes_and_tolerance():
-    # MATH.md §7: ratio e(t)/e(t/2) for t in [1e-3, 1e-1]
+    # docs/theory/retractions.rst, Measuring the order: ratio e(t)/e(t/2) for t in [1e-3, 1e-1]
     assert min(DEFAULT_TS) >= 1e-3 and max(DEFAULT_TS) <= 1e-1 and len(set(DEFAULT_TS)) == len(DEFAULT_TS)
     s = Sphere(retraction="cayley")
     assert retraction_order(s) == retraction_order(s, ts=DEFAULT_TS)  # the default

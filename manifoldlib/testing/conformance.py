@@ -1,0 +1,177 @@
+r"""A conformance suite for optimizers on manifolds, for your own optimizer's tests.
+
+Give it a *factory* — ``params -> torch.optim.Optimizer``, where ``params`` is what torch
+optimizers take: a list of tensors or a list of parameter-group dicts — and a manifold;
+:func:`check_optimizer` runs the checks of :data:`OPTIMIZER_CHECKS` on small problems and returns
+an :class:`OptimizerReport`; :func:`assert_optimizer` raises ``AssertionError`` listing what
+failed.
+
+.. code-block:: python
+
+    import geoopt
+    from manifoldlib import Stiefel
+    from manifoldlib.testing import assert_optimizer
+
+    assert_optimizer(lambda params: geoopt.optim.RiemannianAdam(params, lr=1e-2), Stiefel())
+
+Parameters are :class:`geoopt.ManifoldParameter` objects carrying the manifold (geoopt's
+optimizers read it from there; others see a plain ``nn.Parameter``), of the point shape
+``shape`` (default: :func:`~manifoldlib.testing.default_shape` without its batch). Gradients
+are those of the quadratic :math:`\tfrac12\|x - t\|^2` for a target :math:`t`, set
+directly on ``.grad``. The checks:
+
+``on_manifold``
+    100 steps towards a random target, in float64 and float32: every 10th point is finite and on
+    the manifold to :math:`10^3\varepsilon` (relative, the dtype's :math:`\varepsilon`).
+``descent``
+    from :math:`x_0 = R_{x^*}(0.3\,\|x^*\|\,\hat v)` towards a target :math:`x^*` on the
+    manifold (a minimizer of the quadratic; geodesically convex near it): after 60 steps the
+    distance :math:`\|x - x^*\|` is at most half the initial one.
+``resume``
+    5 steps, ``state_dict()`` through ``torch.save`` / ``torch.load(weights_only=True)``, a
+    fresh optimizer from the factory on parameters given the saved values (the usual
+    checkpoint order: build, then load), 5 more steps: bit-identical to 10 uninterrupted steps.
+``param_groups``
+    two groups, the second with half the default ``lr``: each parameter follows, bit for bit,
+    its own run alone with its group's options, and the halved ``lr`` changes the result.
+``add_param_group``
+    a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
+    undisturbed.
+``non_finite_gradient``
+    after 2 steps one of two parameters gets a NaN (then an inf) gradient entry. The optimizer
+    either raises ``ValueError`` and changes no parameter and no state, or leaves that
+    parameter and its state unchanged and warns (``warnings.warn``); no parameter or state
+    entry becomes non-finite.
+``zero_gradient``
+    3 steps with zero gradients from a fresh state move nothing beyond rounding (``64 eps``
+    relative) and leave everything finite (skipped when the defaults have a nonzero
+    ``weight_decay``, which moves parameters by design).
+``degenerate_shapes``
+    a one-column point (``(m, 1)``, or ``(1,)`` on the sphere), a zero-size point (``(0, n)``,
+    ``(0,)``) and a zero-size batch of points ``(0, *shape)``, each where the manifold admits it:
+    3 steps give finite points of the same shape on the manifold, or the optimizer refuses the
+    parameter with ``ValueError`` before changing it.
+``batched``
+    three same-shape parameters in one group end where each ends alone, to rounding
+    (``1e-12`` relative: a batched solve may sum in another order).
+``bad_lr``
+    a parameter group with ``lr`` NaN, inf or -1, given to the factory or to
+    ``add_param_group``, raises ``ValueError`` naming ``lr`` (and is not added).
+
+Everything runs on the CPU with a fixed seed; a check's failure names the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..manifolds.base import RetractionManifold
+from .optimizer_checks import CHECKS, CheckFailed, Factory, Setup
+from .sampling import default_shape
+
+__all__ = [
+    "OPTIMIZER_CHECKS",
+    "CheckResult",
+    "OptimizerReport",
+    "assert_optimizer",
+    "check_optimizer",
+]
+
+#: The checks :func:`check_optimizer` runs, in order (module docstring).
+OPTIMIZER_CHECKS = tuple(CHECKS)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's outcome: ``status`` is ``"pass"``, ``"fail"`` or ``"skip"`` (not applicable)."""
+
+    name: str
+    status: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class OptimizerReport:
+    """What :func:`check_optimizer` found for one optimizer on one manifold."""
+
+    optimizer: str
+    manifold: str
+    results: tuple[CheckResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        """No check failed (skipped ones do not count)."""
+        return not self.failures()
+
+    def failures(self) -> list[CheckResult]:
+        """The failed checks."""
+        return [r for r in self.results if r.status == "fail"]
+
+    def __str__(self) -> str:
+        lines = [f"{self.optimizer} on {self.manifold}:"]
+        lines += [f"  {r.status:4}  {r.name}" + (f": {r.detail}" if r.detail else "") for r in self.results]
+        return "\n".join(lines)
+
+
+def check_optimizer(
+    factory: Factory,
+    manifold: RetractionManifold,
+    *,
+    checks: Sequence[str] = OPTIMIZER_CHECKS,
+    shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+    name: str | None = None,
+) -> OptimizerReport:
+    """Run the conformance checks of ``factory``'s optimizer on ``manifold``.
+
+    Args:
+        factory: ``params -> optimizer``; ``params`` is a list of tensors or of parameter-group
+            dicts, as torch optimizers take. Put the options under test in it
+            (``lambda params: RiemannianSGD(params, lr=0.1, momentum=0.9)``).
+        manifold: a manifoldlib manifold; the parameters carry it (``geoopt.ManifoldParameter``).
+        checks: names from :data:`OPTIMIZER_CHECKS` (default: all, in that order).
+        shape: the point shape of the parameters (default: :func:`default_shape` without a batch).
+        seed: seed of every random draw.
+        name: the optimizer's name in the report (default: its class name).
+
+    Returns:
+        An :class:`OptimizerReport`, one :class:`CheckResult` per check. A check passes, fails
+        (the detail names what and by how much; an unexpected exception is a failure too) or is
+        skipped (not applicable: the detail says why).
+
+    Raises:
+        ValueError: an unknown check name.
+    """
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; valid checks: {', '.join(OPTIMIZER_CHECKS)}")
+    s = Setup(factory, manifold, tuple(shape or default_shape(manifold, batch=None)), seed)
+    results = []
+    for check in checks:
+        try:
+            detail = CHECKS[check](s)
+            status = "skip" if detail.startswith("skip: ") else "pass"
+            results.append(CheckResult(check, status, detail.removeprefix("skip: ")))
+        except CheckFailed as failure:
+            results.append(CheckResult(check, "fail", str(failure)))
+        except Exception as err:  # noqa: BLE001 - the optimizer (or manifold) raised where it should not
+            results.append(CheckResult(check, "fail", f"raised {type(err).__name__}: {err}"))
+    if name is None:
+        try:
+            name = type(s.factory(s.parameters(s.point(0)))).__name__
+        except Exception:  # noqa: BLE001 - a factory that refuses the shape: its failures are reported
+            name = getattr(factory, "__name__", "optimizer")
+    return OptimizerReport(name, repr(manifold).strip(), tuple(results))
+
+
+def assert_optimizer(factory: Factory, manifold: RetractionManifold, **options) -> OptimizerReport:
+    """:func:`check_optimizer`, raising ``AssertionError`` with the report when a check fails.
+
+    Returns:
+        The report (every check passed or was skipped).
+    """
+    report = check_optimizer(factory, manifold, **options)
+    if not report.ok:
+        raise AssertionError(str(report))
+    return report

@@ -1,0 +1,329 @@
+"""The checks behind :func:`~manifoldlib.testing.check_optimizer`, one function each.
+
+A check takes the :class:`Setup` (factory, manifold, point shape, seed) and returns a short
+description of what it saw, prefixed ``"skip: "`` when it does not apply; it raises
+:class:`CheckFailed` naming what went wrong. The contracts are documented with the public API in
+:mod:`manifoldlib.testing.conformance`.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from collections.abc import Callable
+
+import geoopt
+import torch
+
+from ..manifolds.base import RetractionManifold
+from .sampling import random_tangent
+
+__all__ = ["CHECKS", "CheckFailed", "Setup"]
+
+#: ``params -> optimizer``, ``params`` a list of tensors or of parameter-group dicts.
+Factory = Callable[[list], torch.optim.Optimizer]
+
+
+class CheckFailed(Exception):
+    """A check's failure; the message names what and by how much."""
+
+
+def _require(condition: bool, detail: str) -> None:
+    if not condition:
+        raise CheckFailed(detail)
+
+
+class Setup:
+    """The manifold, the factory and the problems every check builds its runs from."""
+
+    def __init__(self, factory: Factory, manifold: RetractionManifold, shape: tuple[int, ...], seed: int):
+        self.factory, self.manifold, self.shape, self.seed = factory, manifold, shape, seed
+
+    def generator(self, offset: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1000 + offset)
+
+    def point(self, offset: int, shape=None, dtype=torch.float64) -> torch.Tensor:
+        return self.manifold.random(*(shape or self.shape), generator=self.generator(offset), dtype=dtype)
+
+    def parameters(self, *values: torch.Tensor) -> list[geoopt.ManifoldParameter]:
+        return [geoopt.ManifoldParameter(v.clone(), manifold=self.manifold) for v in values]
+
+    def defaults(self) -> dict:
+        return self.factory(self.parameters(self.point(0))).defaults
+
+    def run(self, opt, params, targets, steps: int, every: Callable | None = None) -> None:
+        """``steps`` optimizer steps on :math:`\\tfrac12\\|p - t\\|^2` for each pair."""
+        for step in range(steps):
+            for p, t in zip(params, targets):
+                p.grad = p.detach() - t
+            opt.step()
+            if every is not None:
+                every(step)
+
+
+def _tensors_same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _same(a, b) -> bool:
+    """Structural equality of state dicts: tensors entrywise (NaN equal to NaN), the rest ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensors_same(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _all_finite(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return not (obj.is_floating_point() or obj.is_complex()) or bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return all(_all_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_all_finite(v) for v in obj)
+    return True
+
+
+def _on_manifold(s: Setup, x: torch.Tensor, what: str) -> None:
+    rtol = 1e3 * torch.finfo(x.dtype).eps
+    _require(bool(torch.isfinite(x).all()), f"{what} is not finite")
+    ok, reason = s.manifold.check_point_on_manifold(x.detach(), explain=True, atol=0.0, rtol=rtol)
+    _require(ok, f"{what} is off the manifold (rtol {rtol:.1e}): {reason}")
+
+
+def _trajectory(s: Setup, starts, targets, steps: int, groups=None) -> list[torch.Tensor]:
+    """The points after ``steps`` steps of a fresh optimizer; ``groups`` maps the parameters to
+    the factory's argument (default: the plain list)."""
+    params = s.parameters(*starts)
+    opt = s.factory(params if groups is None else groups(params))
+    s.run(opt, params, targets, steps)
+    return [p.detach().clone() for p in params]
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+def _check_on_manifold(s: Setup) -> str:
+    for dtype in (torch.float64, torch.float32):
+        (p,) = params = s.parameters(s.point(1, dtype=dtype))
+        target = 2.0 * torch.randn(s.shape, generator=s.generator(2), dtype=dtype)
+
+        def every_tenth(k, p=p, dtype=dtype):
+            if k % 10 == 9:
+                _on_manifold(s, p, f"{dtype} point after step {k + 1}")
+
+        s.run(s.factory(params), params, [target], 100, every=every_tenth)
+    return "100 steps in float64 and float32"
+
+
+def _check_descent(s: Setup) -> str:
+    target = s.point(3)
+    v = random_tangent(s.manifold, target, scale=0.3, generator=s.generator(4))
+    start = s.manifold.retr(target, v)
+    (end,) = _trajectory(s, [start], [target], 60)
+    before, after = float((start - target).norm()), float((end - target).norm())
+    _require(after <= 0.5 * before, f"||x - x*|| went from {before:.4g} to {after:.4g} in 60 steps "
+                                    f"(at most half expected)")
+    return f"||x - x*||: {before:.3g} -> {after:.3g}"
+
+
+def _check_resume(s: Setup) -> str:
+    start, target = s.point(5), s.point(6)
+    whole = _trajectory(s, [start], [target], 10)[0]
+    params = s.parameters(start)
+    opt = s.factory(params)
+    s.run(opt, params, [target], 5)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    try:
+        saved = torch.load(buffer, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - an option that is not plain data, whatever the error
+        raise CheckFailed(f"state_dict() does not load with torch.load(weights_only=True): {err}") from None
+    fresh = s.parameters(s.point(7))  # other values: the load must overwrite them
+    opt = s.factory(fresh)
+    with torch.no_grad():
+        for p, value in zip(fresh, saved["params"]):
+            p.copy_(value)
+    opt.load_state_dict(saved["optimizer"])
+    s.run(opt, fresh, [target], 5)
+    diff = float((fresh[0].detach() - whole).abs().max())
+    _require(diff == 0.0, f"the resumed run differs from the uninterrupted one by {diff:.3e} (max abs)")
+    return "bit-identical after 5 + 5 steps"
+
+
+def _second_shape(s: Setup) -> tuple[int, ...]:
+    """A point shape other than ``shape`` (separate groups stay separate for batched optimizers)."""
+    return s.shape[:-1] + (s.shape[-1] + 2,) if s.manifold.name in ("sphere", "euclidean") else \
+        s.shape[:-2] + (s.shape[-2] + 1, max(1, s.shape[-1] - 1))
+
+
+def _check_param_groups(s: Setup) -> str:
+    lr = s.defaults().get("lr")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+        return "skip: the optimizer has no positive float default 'lr'"
+    shape2 = _second_shape(s)
+    starts, targets = [s.point(8), s.point(9, shape2)], [s.point(10), s.point(11, shape2)]
+    both = _trajectory(s, starts, targets, 5, groups=lambda ps: [{"params": [ps[0]]}, {"params": [ps[1]], "lr": lr / 2}])
+    first = _trajectory(s, starts[:1], targets[:1], 5)[0]
+    second = _trajectory(s, starts[1:], targets[1:], 5, groups=lambda ps: [{"params": ps, "lr": lr / 2}])[0]
+    default_lr = _trajectory(s, starts[1:], targets[1:], 5)[0]
+    _require(torch.equal(both[0], first), "the first group's parameter differs from its run alone")
+    _require(torch.equal(both[1], second), "the second group's parameter differs from its run alone with lr/2")
+    _require(not torch.equal(second, default_lr), "the group's lr = lr/2 did not change the result")
+    return f"groups with lr {lr:g} and {lr / 2:g}"
+
+
+def _check_add_param_group(s: Setup) -> str:
+    shape2 = _second_shape(s)
+    starts, targets = [s.point(12), s.point(13, shape2)], [s.point(14), s.point(15, shape2)]
+    first, second = s.parameters(*starts)
+    opt = s.factory([first])
+    s.run(opt, [first], targets[:1], 3)
+    opt.add_param_group({"params": [second]})
+    s.run(opt, [first, second], targets, 3)
+    _require(torch.equal(first.detach(), _trajectory(s, starts[:1], targets[:1], 6)[0]),
+             "the first parameter was disturbed by the added group")
+    _require(torch.equal(second.detach(), _trajectory(s, starts[1:], targets[1:], 3)[0]),
+             "the added parameter differs from its own fresh run")
+    return "added after 3 steps"
+
+
+def _check_non_finite_gradient(s: Setup) -> str:
+    outcomes = []
+    for value in (math.nan, math.inf):
+        good, bad = params = s.parameters(s.point(16), s.point(17))
+        targets = [s.point(18), s.point(19)]
+        opt = s.factory(params)
+        s.run(opt, params, targets, 2)
+        before = [p.detach().clone() for p in params]
+        state_before = copy.deepcopy(opt.state_dict())
+        good.grad = good.detach() - targets[0]
+        bad.grad = bad.detach() - targets[1]
+        bad.grad[(0,) * bad.grad.dim()] = value
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+            except ValueError:
+                _require(all(torch.equal(p.detach(), b) for p, b in zip(params, before)),
+                         f"raised ValueError for a {value} gradient after changing a parameter")
+                _require(_same(opt.state_dict(), state_before),
+                         f"raised ValueError for a {value} gradient after changing the optimizer state")
+                outcomes.append(f"{value}: ValueError, nothing changed")
+                continue
+        state = opt.state_dict()
+        _require(_all_finite([p.detach() for p in params]) and _all_finite(state),
+                 f"a {value} gradient made a parameter or a state entry non-finite")
+        _require(torch.equal(bad.detach(), before[1]), f"the parameter with a {value} gradient moved")
+        _require(_same(state["state"].get(1), state_before["state"].get(1)),
+                 f"the state of the parameter with a {value} gradient changed")
+        _require(bool(caught), f"a {value} gradient was skipped without a warning")
+        outcomes.append(f"{value}: skipped with a warning")
+    return "; ".join(outcomes)
+
+
+def _check_zero_gradient(s: Setup) -> str:
+    decay = s.defaults().get("weight_decay", 0)
+    if decay:
+        return f"skip: weight_decay={decay!r} moves parameters by design"
+    start = s.point(20)
+    (p,) = params = s.parameters(start)
+    opt = s.factory(params)
+    for _ in range(3):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+    moved = float((p.detach() - start).norm())
+    _require(_all_finite(opt.state_dict()), "a zero gradient made a state entry non-finite")
+    _require(moved <= 64 * torch.finfo(start.dtype).eps * float(start.norm()),
+             f"3 steps with zero gradients moved the point by {moved:.3e}")
+    return f"moved {moved:.1e}"
+
+
+def _admits(s: Setup, shape: tuple[int, ...]) -> bool:
+    ok, _ = s.manifold.check_point(torch.empty(shape, device="meta"), explain=True)
+    return ok
+
+
+def _check_degenerate_shapes(s: Setup) -> str:
+    one_column = (1,) if s.manifold.name == "sphere" else s.shape[:-1] + (1,)
+    zero_size = s.shape[:-2] + (0, s.shape[-1]) if len(s.shape) >= 2 else (0,)
+    outcomes = []
+    for label, shape in (("one column", one_column), ("zero-size point", zero_size),
+                         ("zero-size batch", (0,) + s.shape)):
+        if not _admits(s, shape):
+            outcomes.append(f"{label} {shape}: not a point shape of {s.manifold.name}")
+            continue
+        start = s.point(21, shape)
+        params = s.parameters(start)
+        try:
+            opt = s.factory(params)
+        except ValueError as err:
+            _require(torch.equal(params[0].detach(), start), f"{label} {shape}: refused after changing it")
+            outcomes.append(f"{label} {shape}: refused ({err})")
+            continue
+        s.run(opt, params, [s.point(22, shape)], 3)
+        p = params[0].detach()
+        _require(p.shape == shape, f"{label} {shape}: the shape became {tuple(p.shape)}")
+        _on_manifold(s, p, f"{label} {shape}: the point after 3 steps")
+        outcomes.append(f"{label} {shape}: ok")
+    return "; ".join(outcomes)
+
+
+def _check_batched(s: Setup) -> str:
+    starts = [s.point(23 + k) for k in range(3)]
+    targets = [s.point(26 + k) for k in range(3)]
+    together = _trajectory(s, starts, targets, 5)
+    worst = 0.0
+    for x, t, joint in zip(starts, targets, together):
+        alone = _trajectory(s, [x], [t], 5)[0]
+        worst = max(worst, float((joint - alone).norm()) / float(alone.norm()))
+    _require(worst <= 1e-12, f"three same-shape parameters in one group differ from each alone by "
+                             f"{worst:.3e} (relative; 1e-12 allowed)")
+    return f"relative difference {worst:.1e}"
+
+
+def _check_bad_lr(s: Setup) -> str:
+    for value in (math.nan, math.inf, -1.0):
+        params = s.parameters(s.point(29))
+        try:
+            s.factory([{"params": params, "lr": value}])
+        except ValueError as err:
+            _require("lr" in str(err), f"lr={value}: the ValueError does not name lr: {err}")
+        else:
+            raise CheckFailed(f"a parameter group with lr={value} was accepted")
+        opt = s.factory(s.parameters(s.point(30)))
+        groups = len(opt.param_groups)
+        try:
+            opt.add_param_group({"params": params, "lr": value})
+        except ValueError as err:
+            _require("lr" in str(err), f"add_param_group lr={value}: the ValueError does not name lr: {err}")
+            _require(len(opt.param_groups) == groups, f"add_param_group lr={value}: raised but kept the group")
+        else:
+            raise CheckFailed(f"add_param_group accepted a group with lr={value}")
+    return "nan, inf and -1 refused"
+
+
+#: The checks by name, in the order :func:`~manifoldlib.testing.check_optimizer` runs them.
+CHECKS: dict[str, Callable[[Setup], str]] = {
+    "on_manifold": _check_on_manifold,
+    "descent": _check_descent,
+    "resume": _check_resume,
+    "param_groups": _check_param_groups,
+    "add_param_group": _check_add_param_group,
+    "non_finite_gradient": _check_non_finite_gradient,
+    "zero_gradient": _check_zero_gradient,
+    "degenerate_shapes": _check_degenerate_shapes,
+    "batched": _check_batched,
+    "bad_lr": _check_bad_lr,
+}

@@ -1,0 +1,201 @@
+"""The sphere's answers where it used to be silently wrong: antipodes, long steps, vectors that are
+not tangent, the ends of the radius range; and the switch that skips its value checks.
+
+Bad input (a point off the sphere, a non-finite step, a radius out of range) is in
+tests/reliability/test_bad_inputs.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import geoopt
+import pytest
+import torch
+
+from manifoldlib import Sphere
+from manifoldlib.functional import sphere_antipode_direction
+from manifoldlib.manifolds import skip_value_checks
+from manifoldlib.manifolds.sphere import RADIUS_RANGE
+
+RETRACTIONS = ["exp", "gnomonic", "cayley", "p"]
+TOL = {torch.float64: 1e-13, torch.float32: 5e-6}
+
+
+def _points(s: Sphere, n: int, d: int, dtype, seed: int = 0) -> torch.Tensor:
+    return s.random(n, d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _unit_tangent(s: Sphere, x: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=x.dtype)
+    u = s.proju(x, z)
+    return u / u.norm(dim=-1, keepdim=True)
+
+
+# ---- antipodes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("radius", [1.0, 2.5])
+def test_logmap_at_the_antipode_is_the_documented_direction(dtype, radius):
+    s = Sphere(radius)
+    x = _points(s, 20, 7, dtype)
+    v = s.logmap(x, -x)
+    expected = math.pi * radius * sphere_antipode_direction(x)
+    assert torch.allclose(v, expected, rtol=0, atol=TOL[dtype] * radius)
+    d = s.dist(x, -x)  # r * pi, the same for every row
+    assert torch.equal(d, torch.full_like(d, float(d[0]))) and abs(float(d[0]) / (math.pi * radius) - 1) <= torch.finfo(dtype).eps
+    assert torch.allclose(v.norm(dim=-1), torch.full((20,), math.pi * radius, dtype=dtype), rtol=TOL[dtype], atol=0)
+    ok, reason = s.check_vector_on_tangent(x, v, explain=True)
+    assert ok, reason
+    assert torch.allclose(s.expmap(x, v), -x, rtol=0, atol=10 * TOL[dtype] * radius)
+
+
+def test_antipode_direction_is_the_projected_axis_of_the_smallest_coordinate():
+    x = torch.tensor([3.0, 1.0, -0.5, 2.0], dtype=torch.float64)
+    x = x / x.norm()
+    e2 = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    u = e2 - (x @ e2) * x
+    assert torch.allclose(Sphere().logmap(x, -x), math.pi * u / u.norm(), rtol=0, atol=1e-15)
+    # the same choice whatever else is in the batch, and a tie takes the first index
+    tie = torch.tensor([[0.6, 0.0, 0.8, 0.0]], dtype=torch.float64)
+    assert int(torch.nonzero(Sphere().logmap(tie, -tie)[0].abs() > 0.5)[0]) == 1
+
+
+def test_a_near_antipode_keeps_its_own_direction():
+    s = Sphere(2.0)
+    x = _points(s, 5, 6, torch.float64)
+    u = _unit_tangent(s, x)
+    theta = math.pi - 1e-6
+    y = s.expmap(x, theta * s.radius * u)
+    assert torch.allclose(s.logmap(x, y), theta * s.radius * u, rtol=0, atol=1e-8)
+
+
+def test_logmap_on_the_zero_sphere_is_zero():
+    x = torch.tensor([[2.0], [-2.0]], dtype=torch.float64)
+    s = Sphere(2.0)
+    assert torch.equal(s.logmap(x, -x), torch.zeros_like(x))
+    assert torch.equal(s.dist(x, -x), torch.full((2,), 2 * math.pi, dtype=torch.float64))
+
+
+# ---- long steps ------------------------------------------------------------------------------
+
+
+def _limit_point(s: Sphere, name: str, x: torch.Tensor, u_hat: torch.Tensor, beta: float) -> torch.Tensor:
+    theta = {"exp": beta, "gnomonic": math.pi / 2, "cayley": math.pi, "p": 1.5 * math.pi / 2}[name]
+    return math.cos(theta) * x + math.sin(theta) * s.radius * u_hat
+
+
+@pytest.mark.parametrize("name", RETRACTIONS)
+@pytest.mark.parametrize("dtype, length", [(torch.float64, 1e300), (torch.float64, 1e160), (torch.float32, 1e30)])
+def test_a_step_whose_square_overflows_gives_the_limit_point(name, dtype, length):
+    s = Sphere(2.0, retraction=name, **({"p": 1.5} if name == "p" else {}))
+    x = _points(s, 4, 5, dtype)
+    u_hat = _unit_tangent(s, x)
+    y = s.retr(x, length * u_hat)
+    beta = length / s.radius
+    ok, reason = s.check_point_on_manifold(y, explain=True, atol=0.0, rtol=4 * torch.finfo(dtype).eps)
+    assert ok, reason
+    if name == "exp":
+        # the angle is beta itself, known to a relative eps only, so past 2 pi / eps the place
+        # on the great circle of x and u_hat is not determined; that the point is on it, is
+        off_circle = y - (y * x).sum(-1, keepdim=True) * x / s.radius**2 - (y * u_hat).sum(-1, keepdim=True) * u_hat
+        assert float(off_circle.abs().max()) <= TOL[dtype] * s.radius
+    else:
+        expected = _limit_point(s, name, x, u_hat, beta)
+        assert torch.allclose(y, expected, rtol=0, atol=TOL[dtype] * s.radius)
+
+
+@pytest.mark.parametrize("name", ["gnomonic", "cayley", "p"])
+def test_the_long_step_form_continues_the_usual_one(name):
+    s = Sphere(1.0, retraction=name, **({"p": 3.0} if name == "p" else {}))
+    x = _points(s, 3, 5, torch.float64)
+    u_hat = _unit_tangent(s, x)
+    below = s.retr(x, 1e150 * u_hat)  # beta² = 1e300: the closed form
+    above = s.retr(x, 1e155 * u_hat)  # beta² overflows: the angle form
+    assert torch.allclose(below, above, rtol=0, atol=1e-15)
+
+
+def test_expmap_takes_long_steps_too():
+    s = Sphere(1.0)
+    x = _points(s, 3, 5, torch.float64)
+    u_hat = _unit_tangent(s, x)
+    assert torch.allclose(s.expmap(x, 1e200 * u_hat), s.with_retraction("exp").retr(x, 1e200 * u_hat), rtol=0, atol=0)
+
+
+# ---- vectors that are not tangent ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", RETRACTIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_retr_of_any_vector_is_retr_of_its_tangent_part(name, dtype):
+    s = Sphere(1.5, retraction=name)
+    x = _points(s, 6, 5, dtype)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=dtype) + 2.0 * x
+    y = s.retr(x, g)
+    assert torch.allclose(y, s.retr(x, s.proju(x, g)), rtol=0, atol=4 * TOL[dtype])
+    ok, reason = s.check_point_on_manifold(y, explain=True, atol=0.0, rtol=4 * torch.finfo(dtype).eps)
+    assert ok, reason
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: geoopt.optim.RiemannianSGD([p], lr=0.3, momentum=0.9),
+    lambda p: geoopt.optim.RiemannianSGD([p], lr=0.3, momentum=0.9, nesterov=True),
+    lambda p: geoopt.optim.RiemannianAdam([p], lr=0.3),
+], ids=["sgd-momentum", "sgd-nesterov", "adam"])
+@pytest.mark.parametrize("name", ["exp", "gnomonic"])
+def test_geoopt_momentum_keeps_sphere_parameters_on_the_sphere(make, name):
+    """geoopt seeds the momentum buffer with the raw gradient: a non-tangent first step."""
+    s = Sphere(1.0, retraction=name)
+    p = geoopt.ManifoldParameter(_points(s, 1, 6, torch.float64)[0], manifold=s)
+    target = torch.arange(6, dtype=torch.float64)
+    opt = make(p)
+    for _ in range(20):
+        opt.zero_grad()
+        (p * target).sum().backward()
+        opt.step()
+        assert abs(float(p.detach().norm()) - 1.0) <= 4e-16
+
+
+# ---- the radius range ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("radius", RADIUS_RANGE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", RETRACTIONS)
+def test_the_ends_of_the_radius_range_work_in_float32_and_float64(radius, dtype, name):
+    s = Sphere(radius, retraction=name)
+    x = _points(s, 4, 64, dtype)
+    u = s.proju(x, torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=dtype) * radius)
+    y = s.retr(x, 0.5 * u)
+    rtol = 8 * torch.finfo(dtype).eps
+    for point in (x, y, s.expmap(x, u)):
+        ok, reason = s.check_point_on_manifold(point, explain=True, atol=0.0, rtol=rtol)
+        assert ok, reason
+    assert torch.allclose(s.dist(x, y), s.logmap(x, y).norm(dim=-1), rtol=1e3 * rtol, atol=0)
+    assert bool((s.dist(x, y) > 0).all())
+
+
+# ---- skipping the value checks ---------------------------------------------------------------
+
+
+def test_skip_value_checks_skips_them_inside_the_block_only():
+    s = Sphere()
+    x = _points(s, 2, 4, torch.float64)
+    u = _unit_tangent(s, x)
+    with skip_value_checks():
+        assert torch.equal(s.proju(5 * x, u), u - (5 * x * u).sum(-1, keepdim=True) * 5 * x)
+        with skip_value_checks():
+            s.retr(5 * x, u)
+        s.retr(5 * x, u)  # still skipped after the nested block
+    with pytest.raises(ValueError, match="'x' is not a point of the sphere"):
+        s.proju(5 * x, u)
+
+
+def test_skipped_checks_give_the_same_points_on_valid_input():
+    s = Sphere(2.0, retraction="cayley")
+    x = _points(s, 8, 5, torch.float64)
+    u = _unit_tangent(s, x)
+    checked = s.retr(x, 0.7 * u)
+    with skip_value_checks():
+        assert torch.equal(s.retr(x, 0.7 * u), checked)

@@ -1,0 +1,142 @@
+"""The conformance suite itself: a correct toy Riemannian SGD passes every check, and each flaw
+planted in it fails the check written for it (a flaw may break later checks as well: a point
+off the manifold is refused by the manifold's own checks)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from manifoldlib import Euclidean, Sphere, Stiefel
+from manifoldlib.testing import (
+    OPTIMIZER_CHECKS,
+    CheckResult,
+    OptimizerReport,
+    assert_optimizer,
+    check_optimizer,
+)
+
+FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forgets_added_groups",
+         "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
+         "accepts_bad_lr")
+
+
+class ToySGD(torch.optim.Optimizer):
+    """Riemannian SGD with momentum on ``p.manifold``; ``flaw`` plants one bug."""
+
+    def __init__(self, params, lr=0.1, flaw=None):
+        self.flaw = flaw
+        self._hidden = {}  # where the "unsaved_state" flaw keeps its buffers
+        self._check_lr(lr)
+        super().__init__(params, {"lr": lr, "momentum": 0.5})
+
+    def _check_lr(self, lr):
+        if self.flaw != "accepts_bad_lr" and not (isinstance(lr, float) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+
+    def add_param_group(self, group):
+        self._check_lr(group.get("lr", self.defaults["lr"]))
+        if self.flaw == "forgets_added_groups" and hasattr(self, "state") and self.param_groups:
+            return
+        super().add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"]]
+            bad = [i for i, g in enumerate(grads) if not bool(torch.isfinite(g).all())]
+            if bad and self.flaw == "skips_nan_silently":
+                pass
+            elif bad and self.flaw != "propagates_nan":
+                raise ValueError(f"gradient {bad[0]} has non-finite entries; nothing was changed")
+            total = math.sqrt(sum(float(g.square().sum()) for g in grads)) or 1.0
+            for i, p in enumerate(group["params"]):
+                if i in bad and self.flaw == "skips_nan_silently":
+                    continue
+                self._update(p, p.grad / total if self.flaw == "joint_norm" else p.grad, group)
+
+    def _update(self, p, grad, group):
+        m = p.manifold
+        store = self._hidden.setdefault(p, {}) if self.flaw == "unsaved_state" else self.state[p]
+        rgrad = m.egrad2rgrad(p, grad)
+        buf = store.get("momentum_buffer")
+        buf = rgrad.clone() if buf is None else m.proju(p, group["momentum"] * buf + rgrad)
+        store["momentum_buffer"] = buf
+        lr = self.defaults["lr"] if self.flaw == "ignores_group_lr" else group["lr"]
+        step = (lr if self.flaw == "ascent" else -lr) * buf
+        if self.flaw == "euclidean_step":
+            new = p + step
+        else:
+            new = m.retr(p, step)
+        if self.flaw == "moves_on_zero":
+            new = new + 1e-6 * p
+        if self.flaw == "loses_a_dimension" and p.numel() == 0:
+            new = new.reshape(-1)
+        p.data = new.to(p.dtype) if self.flaw == "loses_a_dimension" else p.copy_(new)
+
+
+#: The check each flaw must fail.
+CAUGHT_BY = {
+    "euclidean_step": "on_manifold",
+    "ascent": "descent",
+    "unsaved_state": "resume",
+    "ignores_group_lr": "param_groups",
+    "forgets_added_groups": "add_param_group",
+    "propagates_nan": "non_finite_gradient",
+    "skips_nan_silently": "non_finite_gradient",
+    "moves_on_zero": "zero_gradient",
+    "loses_a_dimension": "degenerate_shapes",
+    "joint_norm": "batched",
+    "accepts_bad_lr": "bad_lr",
+}
+MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
+
+
+@pytest.mark.parametrize("manifold", sorted(MANIFOLDS))
+def test_a_correct_optimizer_passes_every_check(manifold):
+    report = assert_optimizer(lambda params: ToySGD(params), MANIFOLDS[manifold])
+    assert isinstance(report, OptimizerReport) and report.ok
+    assert [r.name for r in report.results] == list(OPTIMIZER_CHECKS)
+    assert {r.status for r in report.results} == {"pass"}
+    assert report.optimizer == "ToySGD"
+
+
+@pytest.mark.parametrize("flaw", FLAWS)
+def test_each_flaw_fails_its_check(flaw):
+    manifold = MANIFOLDS["stiefel"] if flaw != "euclidean_step" else MANIFOLDS["sphere"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = check_optimizer(lambda params: ToySGD(params, flaw=flaw), manifold)
+    assert CAUGHT_BY[flaw] in [r.name for r in report.failures()], str(report)
+
+
+def test_assert_optimizer_raises_with_the_report():
+    with pytest.raises(AssertionError, match=r"(?s)ToySGD on stiefel.*fail  descent: \|\|x - x\*\|\| went from"):
+        assert_optimizer(lambda params: ToySGD(params, flaw="ascent"), Stiefel(), checks=("on_manifold", "descent"))
+
+
+def test_zero_gradient_is_skipped_with_weight_decay():
+    class Decaying(ToySGD):
+        def __init__(self, params):
+            super().__init__(params)
+            self.defaults["weight_decay"] = 0.1
+
+    (result,) = check_optimizer(Decaying, Stiefel(), checks=("zero_gradient",)).results
+    assert result == CheckResult("zero_gradient", "skip", "weight_decay=0.1 moves parameters by design")
+
+
+def test_an_optimizer_that_raises_unexpectedly_fails_with_the_exception():
+    def factory(params):
+        raise RuntimeError("boom")
+
+    report = check_optimizer(factory, Stiefel(), checks=("descent",))
+    assert report.failures() == [CheckResult("descent", "fail", "raised RuntimeError: boom")]
+    assert report.optimizer == "factory"
+
+
+def test_unknown_check_names_are_refused():
+    with pytest.raises(ValueError, match=r"unknown checks \['speed'\]; valid checks: on_manifold, descent"):
+        check_optimizer(lambda params: ToySGD(params), Stiefel(), checks=("descent", "speed"))
