@@ -116,7 +116,7 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
             raise ConfigError(f"sel={cfg.sel!r} with optimizer='manifold-muon' is not supported: "
                               f"the policy would constrain SEL's raw coordinates; use adamw")
         builder = _import("manifoldlib.optim", "build_optimizer", "optimizer='manifold-muon'")
-        extra = {"distributed": cfg.muon_distributed} if world_size > 1 else {}
+        extra = {"distribution": cfg.muon_distributed} if world_size > 1 else {}
         try:
             opt = builder(model, policy=cfg.policy, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
                           adamw_betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.muon_weight_decay,

@@ -211,7 +211,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
                     state["retraction_residual"] = value
         if new is None:  # form the direction and take the manifold's own retraction
             base = w if isinstance(beta, float) and beta == 1.0 else w * beta
-            new = manifold.retr(base, solution.direction().to(w.dtype) * -eta)
+            new = manifold.retraction.retract(base, solution.direction().to(w.dtype) * -eta)
     for state, corr, it, res in zip(bank.states, (solution.lam - solution.lam0).unbind(0),
                                     solution.iterations.unbind(0), solution.residual.unbind(0)):
         state["dual_correction"] = corr

@@ -81,6 +81,9 @@ VALUE_NOISE_ULPS = 16
 SMOOTHING_START = 1e-1
 #: Smallest relative smoothing the gap-driven continuation goes down to.
 SMOOTHING_FLOOR = 2e-5
+#: The Newton–Schulz preset of a smoothed evaluation on the products path: :math:`S + \mu^2I` has a
+#: condition number of at most about :math:`1/\kappa^2`, which Polar Express resolves in its steps.
+SMOOTHED_PRESET = "polar-express"
 #: A unit gradient whose part outside the span of :math:`W` has :math:`\|G_\perp\|_F^2` below this
 #: gets :math:`G_\perp` formed explicitly (``explicit=None``).
 NEARLY_NORMAL = 0.1
@@ -362,8 +365,11 @@ class DualProblem:
                 ev.residual = torch.where(finite, residual, torch.full_like(residual, float("nan")))
                 return ev
         else:
-            t = s if self.smoothing is None else s + torch.diag_embed(self._mu2(s).expand(s.shape[:-1]))
-            r = gram_newton_schulz(t, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
+            if self.smoothing is None:
+                r = gram_newton_schulz(s, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
+            else:  # (S + mu^2 I)^{-1/2}: the smoothed dual's own map, well conditioned (Polar Express)
+                t = s + torch.diag_embed(self._mu2(s).expand(s.shape[:-1]))
+                r = gram_newton_schulz(t, SMOOTHED_PRESET, eps=sp.eps)
             a_sq = ((s @ r) * r).sum(_DIMS)  # ||X R||_F^2 = tr(R S R)
             ev = Evaluation(lam, None, None, k=m @ r, m=m, r=r)
         ev.h, residual = self.normal_residual(self.factor_transposed_times(ev.product()), a_sq)
