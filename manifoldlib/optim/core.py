@@ -58,9 +58,17 @@ from .steepest import solve_bank
 
 __all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step"]
 
-#: Largest residual :math:`\|I - \Phi^\top T\Phi\|_1` of a sync-free retraction factor, in units of
-#: the dtype's epsilon, at which the new point is taken.
-RETRACTION_TOL = 1024.0
+#: Largest residual :math:`\|I - \Phi^\top T\Phi\|_1` of a sync-free retraction factor at which the
+#: new point is taken (a larger one means the fixed chord steps diverged: the matrix keeps its
+#: value). Below it the point may sit off the manifold by about the residual; the next step's
+#: exact :math:`W^\top W` takes that into account.
+RETRACTION_TOL = 1e-2
+#: A dual solve that ends with a relative tangent residual above this does not pass its
+#: correction :math:`\Lambda - \Lambda_0` on to the next step (that one starts from :math:`\Lambda_0`).
+WARM_START_RESIDUAL = 0.1
+#: Chord steps of the sync-free retraction factor per dtype (each gains about a factor
+#: :math:`\rho = \|T/(d_id_j) - I\|_1`, :math:`O(\eta^2)` for a tangent step).
+CHORD_STEPS = {torch.float64: 7, torch.float32: 3}
 
 
 @dataclass
@@ -203,16 +211,23 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         beta = bank.scalar(bank.decays, w)
         ok = finite
         new = None
-        if opts.fused and solution.best is not None:
-            new, residual = _fused_retraction(solution, eta, beta, execution)
+        if opts.fused and execution.sync_free:  # form Y, its Gram matrix, fixed chord steps
+            base = w if isinstance(beta, float) and beta == 1.0 else w * beta
+            new, residual = _gram_retraction(manifold, base - eta * solution.direction().to(w.dtype))
             if residual is not None:
-                ok = ok & (residual <= RETRACTION_TOL * torch.finfo(residual.dtype).eps)
+                ok = ok & (residual <= RETRACTION_TOL)
                 for state, value in zip(bank.states, residual.unbind(0)):
                     state["retraction_residual"] = value
+        elif opts.fused and solution.best is not None:
+            new = _fused_retraction(solution, eta, beta)
         if new is None:  # form the direction and take the manifold's own retraction
             base = w if isinstance(beta, float) and beta == 1.0 else w * beta
             new = manifold.retraction.retract(base, solution.direction().to(w.dtype) * -eta)
-    for state, corr, it, res in zip(bank.states, (solution.lam - solution.lam0).unbind(0),
+    # the next step starts from this correction, unless the solve ended far from tangent (a warm
+    # start that led it astray would otherwise be carried on and on)
+    kept = (solution.residual <= WARM_START_RESIDUAL).view(-1, 1, 1)
+    corrections = torch.where(kept, solution.lam - solution.lam0, 0.0)
+    for state, corr, it, res in zip(bank.states, corrections.unbind(0),
                                     solution.iterations.unbind(0), solution.residual.unbind(0)):
         state["dual_correction"] = corr
         state["dual_iterations"] = it
@@ -221,47 +236,54 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     return torch.where(ok.view(-1, 1, 1), new, w).to(bank.params[0].dtype)
 
 
-def _fused_retraction(solution, eta, beta, execution: Execution):
-    r"""``(new points, residual)``: :math:`R_{\beta W}(-\eta A)` in the manifold's Gram form, from the
-    solved dual's ``n × n`` pieces, without forming :math:`A` (two ``m·n²`` products).
+def _gram_retraction(manifold, y: Tensor) -> tuple[Tensor, Tensor | None]:
+    r"""``(Y\Phi, residual)``: the manifold's Gram-form retraction of a formed ``y`` ``(B, m, n)``, with
+    :math:`\Phi` from fixed chord steps (:func:`~manifoldlib.functional.gram_rsqrt.chord_rsqrt`) and
+    nothing read back; ``residual`` ``(B,)`` is their :math:`\|I - \Phi^\top T\Phi\|_1` (``None``
+    where the factor needs no inverse square root, Oblique's)."""
+    found: list[Tensor] = []
+
+    def rsqrt(t: Tensor) -> Tensor:
+        root, residual = chord_rsqrt(t, CHORD_STEPS.get(t.dtype, 3))
+        found.append(residual)
+        return root
+
+    gram = y.mT @ y
+    phi = manifold.gram_retraction_factor(0.5 * (gram + gram.mT), rsqrt)
+    residual = None
+    if found:
+        residual = torch.where(torch.isfinite(found[0]), found[0], torch.full_like(found[0], float("inf")))
+    return y @ phi, residual
+
+
+def _fused_retraction(solution, eta, beta) -> Tensor | None:
+    r""":math:`R_{\beta W}(-\eta A)` in the manifold's Gram form from the solved dual's ``n × n`` pieces,
+    without forming :math:`A`: two ``m·n²`` products (an early-stopping step; ``None`` where the
+    checked product kernels do not resolve the Gram matrix — take the manifold's retraction then).
 
     :math:`Y^\top Y = \beta^2P - \beta\eta(W^\top A + A^\top W) + \eta^2A^\top A`
-    (:meth:`~manifoldlib.optim.dual.DualProblem.pieces`), :math:`\Phi` the manifold's factor of it,
-    and :math:`Y\Phi = W(\beta\Phi - \eta F^{-1}K'\Phi) - \eta G'(R\Phi)` with :math:`G' = G_\perp`,
+    (:meth:`~manifoldlib.optim.dual.DualProblem.pieces`; exact with the point's :math:`P = W^\top W`
+    where its constraint residual has drifted), :math:`\Phi` the manifold's factor of it, and
+    :math:`Y\Phi = W(\beta\Phi - \eta F^{-1}K'\Phi) - \eta G'(R\Phi)` with :math:`G' = G_\perp`,
     :math:`K' = K` where :math:`G_\perp` was formed, else :math:`G' = G`, :math:`K' = K - BR`.
-    Sync-free: :math:`\Phi` from fixed chord steps, ``residual`` ``(B,)`` their
-    :math:`\|I - \Phi^\top T\Phi\|_1`. Otherwise the checked product kernels; ``(None, None)``
-    where they do not resolve :math:`T` (take the manifold's retraction then).
     """
     problem, ev = solution.problem, solution.best
     wta, ata = problem.pieces(ev)
     gram = beta * beta * problem.point_gram() - (beta * eta) * (wta + wta.mT) + (eta * eta) * ata
-    gram = 0.5 * (gram + gram.mT)
-    found: list = []
-    if execution.sync_free:
-        def rsqrt(t):
-            root, residual = chord_rsqrt(t)
-            found.append(residual)
-            return root
-    else:
-        def rsqrt(t):
-            result = products_only_rsqrt(0.5 * (t + t.mT))
-            return result[0] if result is not None and result[1] <= GRAM_EIGH_ONE_PASS else None
-    phi = problem.manifold.gram_retraction_factor(gram, rsqrt)
+
+    def rsqrt(t):
+        result = products_only_rsqrt(0.5 * (t + t.mT))
+        return result[0] if result is not None and result[1] <= GRAM_EIGH_ONE_PASS else None
+
+    phi = problem.manifold.gram_retraction_factor(0.5 * (gram + gram.mT), rsqrt)
     if phi is None:
-        return None, None
+        return None
     r = ev.factor()
     k = ev.product() if problem.square or problem.gperp is not None else ev.product() - problem.b @ r
-    w_factor = beta * phi - eta * problem.solve_factor(k @ phi)  # (B, n, n)
-    new = problem.w @ w_factor
+    new = problem.w @ (beta * phi - eta * problem.solve_factor(k @ phi))
     if not problem.square:
         new = new - eta * ((problem.gperp if problem.gperp is not None else problem.g) @ (r @ phi))
-    residual = None
-    if found:
-        residual = torch.where(torch.isfinite(found[0]), found[0], torch.full_like(found[0], float("inf")))
-    elif not bool(torch.isfinite(new).all()):
-        return None, None
-    return new, residual
+    return new if bool(torch.isfinite(new).all()) else None
 
 
 def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | None = None,

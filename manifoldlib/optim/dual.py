@@ -144,6 +144,7 @@ class Evaluation:
     a: torch.Tensor | None = None
     mv: torch.Tensor | None = None
     rotated: torch.Tensor | None = None
+    sr: torch.Tensor | None = None
 
     def product(self) -> torch.Tensor:
         """``(B, n, n)`` :math:`K = MR` (formed on first use where the evaluation skipped it)."""
@@ -370,8 +371,9 @@ class DualProblem:
             else:  # (S + mu^2 I)^{-1/2}: the smoothed dual's own map, well conditioned (Polar Express)
                 t = s + torch.diag_embed(self._mu2(s).expand(s.shape[:-1]))
                 r = gram_newton_schulz(t, SMOOTHED_PRESET, eps=sp.eps)
-            a_sq = ((s @ r) * r).sum(_DIMS)  # ||X R||_F^2 = tr(R S R)
-            ev = Evaluation(lam, None, None, k=m @ r, m=m, r=r)
+            sr = s @ r
+            a_sq = (sr * r).sum(_DIMS)  # ||X R||_F^2 = tr(R S R)
+            ev = Evaluation(lam, None, None, k=m @ r, m=m, r=r, sr=sr)
         ev.h, residual = self.normal_residual(self.factor_transposed_times(ev.product()), a_sq)
         ev.residual = torch.where(finite, residual, torch.full_like(residual, float("nan")))
         return ev
@@ -413,24 +415,28 @@ class DualProblem:
     def pieces(self, ev: Evaluation) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(W^T A, A^T A)`` ``(B, n, n)`` of the answer :math:`A = G_\perp R + QK`, from ``n × n`` work.
 
-        With :math:`P = W^\top W` (:meth:`point_gram`), :math:`W^\top Q = PF^{-1}`,
-        :math:`Q^\top Q = F^{-\top}PF^{-1}`, :math:`W^\top G_\perp = W^\top G - PF^{-1}B`:
+        Where :math:`W^\top W = F^\top F` (no :math:`P` computed) these are the reduced problem's
+        :math:`F^\top K` and :math:`RSR` (:math:`V\operatorname{diag}(\lambda\psi^2)V^\top` from an
+        eigenbasis): one product. With the point's exact :math:`P = W^\top W`,
+        :math:`W^\top Q = PF^{-1}`, :math:`Q^\top Q = F^{-\top}PF^{-1}`,
+        :math:`W^\top G_\perp = W^\top G - PF^{-1}B`:
 
         .. math::
 
             W^\top A = W^\top G_\perp R + PF^{-1}K,\qquad
             A^\top A = RCR + R\,G_\perp^\top Q\,K + K^\top Q^\top G_\perp R + K^\top Q^\top QK,
 
-        with :math:`C = G_\perp^\top G_\perp` (formed, or :math:`G^\top G - 2B^\top B + B^\top Q^\top QB`).
-        Where :math:`P = F^\top F` these are :math:`F^\top K` and :math:`RSR`, the reduced problem's.
+        with :math:`C = G_\perp^\top G_\perp` (formed, or :math:`G^\top G - 2B^\top B + B^\top Q^\top QB`):
+        exact for a point off its manifold, so a retraction built from them removes the drift.
         """
-        r, k = ev.factor(), ev.product()
-        if self.p is None:  # W^T W = F^T F: the reduced problem's own pieces, A^T A = R S R
-            if ev.vec is not None:  # = V diag(lambda psi^2) V^T
+        k = ev.product()
+        if self.p is None:
+            if ev.vec is not None:
                 ata = (ev.vec * (ev.eig * ev.gain * ev.gain).unsqueeze(-2)) @ ev.vec.mT
             else:
-                ata = r.mT @ (_add_product(self.c, ev.m.mT, ev.m) @ r)
-            return self.factor_transposed_times(k), ata
+                ata = ev.factor().mT @ ev.sr
+            return self.factor_transposed_times(k), 0.5 * (ata + ata.mT)
+        r = ev.factor()
         p_finv = self.solve_factor_transposed(self.p).mT  # P F^{-1}
         qtq = self.solve_factor_transposed(p_finv)  # F^{-T} P F^{-1}
         wta = p_finv @ k

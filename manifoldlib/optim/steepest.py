@@ -195,8 +195,9 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
     into range), so the multipliers refer to the normalized problem; a zero gradient gives a zero
     direction. ``start``: ``(B, n, n)`` warm start, a correction :math:`\Lambda - \Lambda_0` (added
     to the closed-form start) or, with ``multiplier=True``, the multiplier itself. A sync-free solve
-    forms :math:`G_\perp` and :math:`W^\top W` always; an early-stopping one where a host read says
-    they are needed (:class:`~manifoldlib.optim.dual.DualProblem`). Runs with IEEE float32 products.
+    forms :math:`G_\perp` always; an early-stopping one forms it, and computes :math:`W^\top W`, where
+    a host read says they are needed (:class:`~manifoldlib.optim.dual.DualProblem`). Runs with IEEE
+    float32 products.
     """
     with ieee_float32_matmul():
         g = _normalized(g)
@@ -210,7 +211,7 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             start = None if start is None else start.to(smooth_dtype)
         problem = DualProblem(w, g, manifold, spectral, execution, check_point=check_point,
                               reduced=True if kappa is not None else None,
-                              explicit=True if sync_free else None, exact_gram=True if sync_free else None)
+                              explicit=True if sync_free else None, exact_gram=False if sync_free else None)
         lam0 = problem.initial_multiplier()
         lam = lam0
         closed_form = problem.square and manifold.square_dual == "closed-form" and kappa is None and problem.reduced
