@@ -152,6 +152,15 @@ class Evaluation:
             self.k = (self.mv * self.gain.unsqueeze(-2)) @ self.vec.mT
         return self.k
 
+    def materialized(self) -> Evaluation:
+        """The answer's fields in matrix form (``lam``, ``residual``, ``k``, ``m``, ``r``, ``sr``), so that
+        evaluations of either spectral path can be joined (:meth:`cat`)."""
+        r, k = self.factor(), self.product()
+        sr = self.sr
+        if sr is None:
+            sr = (self.vec * (self.eig * self.gain).unsqueeze(-2)) @ self.vec.mT  # S R = V diag(lambda psi) V^T
+        return Evaluation(self.lam, None, self.residual, k=k, m=self.m, r=r, sr=sr)
+
     def factor(self) -> torch.Tensor:
         """The ``(B, n, n)`` spectral factor :math:`R`."""
         if self.r is None:

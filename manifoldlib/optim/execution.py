@@ -14,13 +14,16 @@ by :meth:`Execution.resolve`, and only *read* below it.
   only where it is native.
 * **Spectral path** of the dual (``spectral``): ``"eigh"`` (one ``n × n`` eigendecomposition an
   evaluation; exact gains, and the eigenbasis serves a Newton-like step) or ``"products"`` (the
-  Newton–Schulz preset in Gram form, matrix products only). ``"auto"`` takes the products on CUDA,
-  where eigendecompositions are slow next to products, and the eigh elsewhere.
+  Newton–Schulz preset in Gram form, matrix products only). ``"auto"`` takes the products off the
+  CPU, where eigendecompositions are slow next to products, and on the CPU for matrices narrower
+  than :data:`EIGH_MIN_COLUMNS`; the eigh for wider ones on the CPU.
 * **Host synchronization** (``sync_free``). On the products path the dual runs a fixed number of
   iterations with per-matrix convergence masks on the device, and nothing is read back to the
-  host: a GPU step is a few milliseconds of launches, and every read would stall it. On the eigh
-  path (the CPU) a read costs nothing, so the loop stops as soon as every matrix has converged
-  and may continue a stalled matrix on the smoothed dual.
+  host: a GPU step is a few milliseconds of launches, and every read would stall it; on a CPU the
+  same fixed, short loop is what keeps a small model's step near Muon's (its cost there is per
+  operation, not per flop). On the eigh path the loop stops as soon as every matrix has converged
+  and may continue a stalled matrix on the smoothed dual. ``DualOptions(sync_free=...)``
+  overrides either way.
 * **Search precision**: what only *proposes* the next dual iterate (the preconditioned step, the
   smoothed dual's Hessian products) runs in bfloat16 for float32 solves of at least
   :data:`BFLOAT16_MIN_SIZE` columns where bfloat16 is native; every iterate is then evaluated in
@@ -58,6 +61,10 @@ NS_DTYPES = ("auto", "bfloat16", "float32")
 SPECTRAL_PATHS = ("auto", "eigh", "products")
 #: Smallest ``n`` (columns of the ``n × n`` work) at which search products switch to bfloat16.
 BFLOAT16_MIN_SIZE = 256
+#: ``spectral="auto"`` on the CPU takes the eigh for ``n × n`` work of at least this many columns
+#: (an eigendecomposition there costs a few matrix products and the eigenbasis halves the
+#: iterations) and the Gram-form products below it, where a step is mostly per-operation overhead.
+EIGH_MIN_COLUMNS = 256
 #: A CPU step whose largest matrix has ``m·n·min(m, n)`` below this runs on one intra-op thread.
 SMALL_SOLVE_FLOPS = 128**3
 
@@ -147,7 +154,8 @@ class Execution:
 
     @classmethod
     def resolve(cls, device: torch.device | str, *, spectral: str = "auto", ns_dtype: str = "auto",
-                bfloat16_native: bool | None = None, sync_free: bool | None = None) -> Execution:
+                bfloat16_native: bool | None = None, sync_free: bool | None = None,
+                columns: int | None = None) -> Execution:
         """The choices for ``device``.
 
         Args:
@@ -155,8 +163,8 @@ class Execution:
             spectral: one of :data:`SPECTRAL_PATHS`.
             ns_dtype: one of :data:`NS_DTYPES`.
             bfloat16_native: whether bfloat16 products are native (``None``: probe the device).
-            sync_free: ``None``: on the products path (an optimizer step); ``False`` for a single
-                solve that should stop as soon as it converges.
+            sync_free: ``None``: on the products path, not on the eigh path.
+            columns: ``n`` of the ``n × n`` work, for ``spectral="auto"`` on the CPU.
 
         Raises:
             ValueError: naming an unknown ``spectral`` or ``ns_dtype``.
@@ -167,7 +175,11 @@ class Execution:
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
         native = native_bfloat16(device.type) if bfloat16_native is None else bool(bfloat16_native)
-        path = ("products" if device.type == "cuda" else "eigh") if spectral == "auto" else spectral
+        if spectral == "auto":
+            small = columns is not None and columns < EIGH_MIN_COLUMNS
+            path = "products" if device.type != "cpu" or small else "eigh"
+        else:
+            path = spectral
         return cls(
             spectral=path,
             sync_free=path == "products" if sync_free is None else bool(sync_free),

@@ -224,9 +224,11 @@ class ManifoldMuon(Optimizer):
 
         def execution_for(bank) -> Execution:
             opts, device = bank.options, bank.params[0].device
-            key = (device, opts.dual.spectral, opts.ns_dtype)
+            columns = min(bank.params[0].shape)
+            key = (device, opts.dual.spectral, opts.ns_dtype, opts.dual.sync_free, columns)
             if key not in executions:
-                executions[key] = Execution.resolve(device, spectral=opts.dual.spectral, ns_dtype=opts.ns_dtype)
+                executions[key] = Execution.resolve(device, spectral=opts.dual.spectral, ns_dtype=opts.ns_dtype,
+                                                    sync_free=opts.dual.sync_free, columns=columns)
             return executions[key]
 
         owners = None
@@ -372,7 +374,11 @@ def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list
     if not items:
         return
     device = items[0][1].device
-    execution = Execution.resolve(device, spectral=options.dual.spectral, ns_dtype=options.ns_dtype)
+
+    def execution_for(bank) -> Execution:
+        return Execution.resolve(device, spectral=options.dual.spectral, ns_dtype=options.ns_dtype,
+                                 sync_free=options.dual.sync_free, columns=min(bank.params[0].shape))
+
     with step_threads(Execution.threads(device, [tuple(p.shape) for p in params])):
-        muon_step(make_banks(items), execution)
+        muon_step(make_banks(items), execution_for)
 

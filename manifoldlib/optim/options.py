@@ -50,10 +50,10 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
 DUAL_MSIGN_METHODS = ("ns", "jordan5", "polar-express", "newton-schulz", "svd")
 #: How the plain dual moves: ``"auto"`` (Anderson on the eigh path, Barzilai–Borwein elsewhere).
 DUAL_UPDATES = ("auto", "anderson", "bb")
-#: ``max_iter=None`` on a sync-free (products) solve: the dual iterations every step runs.
+#: ``max_iter=None`` on a sync-free solve: the dual iterations every step runs.
 PRODUCTS_ITERATIONS = 3
-#: ``max_iter=None`` on the eigh path: the cap (the loop stops when every matrix has converged).
-EIGH_MAX_ITER = 30
+#: ``max_iter=None`` on an early-stopping solve: the cap (the loop stops when every matrix has converged).
+EARLY_STOP_MAX_ITER = 30
 #: ``distribution`` modes: every rank solves every matrix, or each matrix on one owner rank.
 DISTRIBUTION_MODES = ("replicated", "sharded")
 
@@ -71,7 +71,7 @@ class DualOptions:
         ns_steps: Newton–Schulz steps of the map (``None``: the preset's, or the group's for ``"ns"``).
         tol: relative tangent residual :math:`\|A - P_WA\|_F/\|A\|_F` at which a matrix has converged.
         max_iter: dual iterations. ``None``: :data:`PRODUCTS_ITERATIONS` on a sync-free solve (a
-            fixed count), :data:`EIGH_MAX_ITER` as the cap of an early-stopping one.
+            fixed count), :data:`EARLY_STOP_MAX_ITER` as the cap of an early-stopping one.
         patience: a matrix stops after this many iterations without a 10% cut of its best
             residual (``None``: never).
         warm_start: start from the previous step's correction :math:`\Lambda - \Lambda_0`.
@@ -82,6 +82,9 @@ class DualOptions:
         gap_tol: with ``smoothing="auto"``, the largest certified relative duality gap of a
             smoothed answer (the smoothing shrinks until it is met); ``None``: keep the first
             smoothing that meets ``tol`` (a training step needs no certificate).
+        sync_free: run a fixed number of iterations and read nothing back to the host (``True``),
+            or stop as soon as every matrix has converged (``False``); ``None``: sync-free on the
+            products path (:mod:`~manifoldlib.optim.execution`).
     """
 
     msign_method: str = "ns"
@@ -94,6 +97,7 @@ class DualOptions:
     update: str = "auto"
     spectral: str = "auto"
     gap_tol: float | None = None
+    sync_free: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, accepted: str) -> ValueError:
@@ -114,6 +118,8 @@ class DualOptions:
         s = self.smoothing
         if not (s is None or s == "auto" or (is_real(s) and math.isfinite(s) and s > 0)):
             raise bad("smoothing", "'auto', None or a finite number > 0")
+        if self.sync_free is not None and not isinstance(self.sync_free, bool):
+            raise bad("sync_free", "None, True or False")
         if self.update not in DUAL_UPDATES:
             raise bad("update", f"one of {', '.join(DUAL_UPDATES)}")
         if self.spectral not in SPECTRAL_PATHS:
@@ -164,7 +170,7 @@ class DualOptions:
         """The iteration count (sync-free) or cap (early stopping) that ``max_iter`` resolves to."""
         if self.max_iter is not None:
             return self.max_iter
-        return PRODUCTS_ITERATIONS if sync_free else EIGH_MAX_ITER
+        return PRODUCTS_ITERATIONS if sync_free else EARLY_STOP_MAX_ITER
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,7 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
                         hessian += part.hessian_products
                         parts.append((ev, part))
                     if problem.reduced:
-                        best = Evaluation.cat([ev for ev, _ in parts])
+                        best = Evaluation.cat([ev.materialized() for ev, _ in parts])
                     else:  # the exact unreduced path: form every answer
                         a = torch.cat([problem.select(slice(i, i + 1)).answer(ev) if part is None else part.answer(ev)
                                        for i, (ev, part) in enumerate(parts)])
@@ -327,7 +327,8 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     _check_inputs(W, G, geometry)
     if multiplier is not None and correction is not None:
         raise ValueError("give at most one of multiplier and correction")
-    execution = Execution.resolve(G.device, spectral=dual.spectral, sync_free=False)
+    execution = Execution.resolve(G.device, spectral=dual.spectral, sync_free=bool(dual.sync_free),
+                                  columns=min(G.shape))
     transposed = G.size(-2) < G.size(-1)
     g = (G.mT if transposed else G).to(execution.work_dtype(G.dtype))
     if geometry.flat:

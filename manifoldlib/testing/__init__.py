@@ -1,5 +1,6 @@
 """Public tools for verifying retractions and optimizers: hypothesis strategies, exp-free order
-checks, and the optimizer conformance suite (:func:`check_optimizer`, :func:`assert_optimizer`).
+checks, the optimizer conformance suite (:func:`check_optimizer`, :func:`assert_optimizer`), and
+:func:`count_ops` (the ATen operators, host synchronizations and FLOPs of a call).
 
 .. code-block:: python
 
@@ -17,6 +18,7 @@ on first use so the order checks work without it.
 from __future__ import annotations
 
 from .cases import registered_manifolds
+from .counting import SYNC_OPS, OpCounts, count_ops
 from .conformance import OPTIMIZER_CHECKS, CheckResult, OptimizerReport, assert_optimizer, check_optimizer
 from .hard_instances import HARD_INSTANCES, hard_instance, nuclear_dual_optimum
 from .order import (
@@ -30,6 +32,9 @@ from .order import (
 from .sampling import default_shape, point_norm, random_point, random_tangent
 
 __all__ = [
+    "SYNC_OPS",
+    "OpCounts",
+    "count_ops",
     "DEFAULT_TS",
     "HARD_INSTANCES",
     "OPTIMIZER_CHECKS",
