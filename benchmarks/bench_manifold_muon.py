@@ -7,11 +7,10 @@ the anchor's seconds per step in the same run, the ratio to torch.optim.Muon (me
 ratios, each against an anchor step run just before on the same gradients), dual iterations per
 matrix per step, and the largest relative tangent residual of the dual solutions.
 
-    python benchmarks/bench_manifold_muon.py [--steps 3] [--warmup 1] [--threads 2] [--max-iter 30]
+    python benchmarks/bench_manifold_muon.py [--steps 3] [--warmup 1] [--threads 2] [--max-iter N]
         [--tol 1e-3] [--msign ns|polar-express|...] [--only stiefel,dgram] [--shapes 3072x768,768x3072]
-        [--layers 12]
-        [--device cuda] [--spectral auto|eigh|products] [--workers auto|1|2...]
-        [--batch auto|on|off] [--anchor auto|bfloat16|float32]
+        [--layers 12] [--device cuda] [--spectral auto|eigh|products] [--sync-free auto|on|off]
+        [--anchor auto|bfloat16|float32]
 
 ``--anchor``: ``torch.optim.Muon`` runs its Newton–Schulz in bfloat16, which is emulated (20–40
 times slower per step) on CPUs without AVX512-BF16 or AMX; ``auto`` (default) times it where
@@ -27,13 +26,11 @@ momentum buffers take about 1/(1 - 0.95) = 20 steps to fill, and the dual solves
 steps are easier than later ones (three Anderson steps instead of four on the tall matrices), so
 ``--warmup 25`` measures the steady state of a training run.
 
-``--workers`` is ManifoldMuon's ``workers`` (default ``auto``: on a CPU the four matrices are
-solved two at a time, one thread each). ``--spectral`` is ManifoldMuon's ``dual_spectral``: ``auto`` (default) evaluates the plain dual
-with Gram-form Newton–Schulz products on CUDA and with one eigh per evaluation elsewhere.
-``--batch`` is ManifoldMuon's ``batch``: ``auto`` (default) solves each group's same-shape
-matrices as one batched dual on the products path (:mod:`manifoldlib.optim.batched_step`),
-``on`` forces it (needs the products path: ``--spectral products`` on a CPU), ``off`` solves
-one matrix at a time.
+``--spectral`` and ``--sync-free`` set the dual options of the same names
+(:class:`manifoldlib.optim.DualOptions`): ``auto`` evaluates the dual with Gram-form Newton–Schulz
+products on CUDA and for narrow matrices, a fixed number of iterations and no host read there, and
+with one eigh per evaluation (stopping at convergence) for wide matrices on a CPU. Every step stacks
+the same-shape matrices into banks and solves each bank as one batched problem.
 """
 
 from __future__ import annotations
@@ -49,8 +46,8 @@ from _anchors import ANCHORS, bfloat16_line, muon_anchor
 from manifoldlib.optim import ManifoldMuon
 
 SHAPES = [(768, 768), (768, 768), (3072, 768), (768, 3072)]
-#: ``--batch`` -> ManifoldMuon's ``batch``.
-BATCH = {"auto": "auto", "on": True, "off": False}
+#: ``--sync-free`` -> DualOptions' ``sync_free``.
+SYNC_FREE = {"auto": None, "on": True, "off": False}
 DEVICE = torch.device("cpu")  # --device
 
 
@@ -113,8 +110,8 @@ def _run(make, anchor_make, grads, warmup: int = 1) -> dict:
         ratios.append(t_opt / t_anchor)
         for p in params:
             state = opt.state[p]
-            iters.append(state.get("dual_iterations", 0))
-            residuals.append(state.get("dual_residual", 0.0))
+            iters.append(int(state.get("dual_iterations", 0)))  # 0-dim tensors: read after the timing
+            residuals.append(float(state.get("dual_residual", 0.0)))
     return {
         "time": statistics.median(times),
         "anchor": statistics.median(anchor_times),
@@ -136,7 +133,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones (>= 1)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-iter", type=int, default=30, help="dual iteration cap")
+    parser.add_argument("--max-iter", type=int, default=None,
+                        help="dual iterations (default: the optimizer's, fixed when sync-free, a cap else)")
     parser.add_argument("--tol", type=float, default=1e-3, help="dual tolerance (relative tangent residual)")
     parser.add_argument("--msign", default="ns", help="msign inside the dual solve (ManifoldMuon msign_method)")
     parser.add_argument("--only", default="",
@@ -146,15 +144,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="repeat the shapes this many times (12: GPT-2 small)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:k] (tensors and optimizer state there)")
     parser.add_argument("--spectral", default="auto", help="dual spectral path: auto, eigh or products")
-    parser.add_argument("--workers", default="auto", help="ManifoldMuon workers: auto or an int >= 1")
-    parser.add_argument("--batch", default="auto", choices=tuple(BATCH),
-                        help="ManifoldMuon batch: auto (products path), on (needs it) or off")
+    parser.add_argument("--sync-free", default="auto", choices=tuple(SYNC_FREE),
+                        help="dual sync_free: auto (on the products path), on or off")
     parser.add_argument("--anchor", default="auto", choices=ANCHORS,
                         help="Muon anchor precision: auto (bfloat16 where native, else float32)")
     args = parser.parse_args()
     if args.warmup < 1:
         raise SystemExit(f"--warmup must be >= 1, got {args.warmup}")
-    workers = args.workers if args.workers == "auto" else int(args.workers)
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -167,34 +163,34 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     grads = _gradients(args.steps + args.warmup)
     kw = {"lr": 0.02, "weight_decay": 0.0}
-    dual = {"tol": args.tol, "max_iter": args.max_iter, "msign_method": args.msign, "spectral": args.spectral}
-    batch = BATCH[args.batch]
-    mm = {"dual": dual, "workers": workers, "batch": batch}
+    dual = {"tol": args.tol, "max_iter": args.max_iter, "msign_method": args.msign, "spectral": args.spectral,
+            "sync_free": SYNC_FREE[args.sync_free]}
+    mm = {"dual": dual}
     anchor_name, anchor_cls = muon_anchor(args.anchor, DEVICE)
     runs = {
         anchor_name: lambda ps: anchor_cls(ps, **kw),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-        "ManifoldMuon euclidean": lambda ps: ManifoldMuon(ps, manifold="euclidean", ns_dtype="auto", **kw),
+        "ManifoldMuon euclidean": lambda ps: ManifoldMuon(ps, manifold="euclidean", **kw),
         "ManifoldMuon stiefel": lambda ps: ManifoldMuon(ps, manifold="stiefel", **kw, **mm),
         "ManifoldMuon stiefel (no warm start)": lambda ps: ManifoldMuon(
-            ps, manifold="stiefel", dual={**dual, "warm_start": False}, workers=workers, batch=batch, **kw
+            ps, manifold="stiefel", dual={**dual, "warm_start": False}, **kw
         ),
         "ManifoldMuon stiefel (BB dual steps)": lambda ps: ManifoldMuon(
-            ps, manifold="stiefel", dual={**dual, "update": "bb"}, workers=workers, batch=batch, **kw
+            ps, manifold="stiefel", dual={**dual, "update": "bb"}, **kw
         ),
         "ManifoldMuon dgram": lambda ps: ManifoldMuon(ps, manifold="dgram", **kw, **mm),
         "ManifoldMuon hetero (square stiefel, tall dgram)": lambda ps: ManifoldMuon(_hetero_groups(ps), **kw, **mm),
         "ManifoldMuon dgram (BB dual steps)": lambda ps: ManifoldMuon(
-            ps, manifold="dgram", dual={**dual, "update": "bb"}, workers=workers, batch=batch, **kw
+            ps, manifold="dgram", dual={**dual, "update": "bb"}, **kw
         ),
         "ManifoldMuon dgram (no warm start)": lambda ps: ManifoldMuon(
-            ps, manifold="dgram", dual={**dual, "warm_start": False}, workers=workers, batch=batch, **kw
+            ps, manifold="dgram", dual={**dual, "warm_start": False}, **kw
         ),
     }
     block = SHAPES[: len(SHAPES) // args.layers]
     print(f"device {DEVICE}, shapes {block} x {args.layers} layer(s), {args.steps} timed steps after {args.warmup} "
-          f"untimed, {args.threads} threads, workers {args.workers}, dual tol {args.tol}, cap {args.max_iter}, dual msign {args.msign}, "
-          f"spectral {args.spectral}, batch {args.batch}, load average {os.getloadavg()[0]:.2f}")
+          f"untimed, {args.threads} threads, dual tol {args.tol}, iterations {args.max_iter or 'default'}, dual msign "
+          f"{args.msign}, spectral {args.spectral}, sync-free {args.sync_free}, load average {os.getloadavg()[0]:.2f}")
     print(f"{bfloat16_line(DEVICE)}; anchor: {anchor_name}")
     anchor_make = runs[anchor_name]
     print(f"{'optimizer':48s} {'s/step':>8s} {'anchor':>8s} {'ratio':>7s} {'dual it':>8s} {'max it':>7s} "

@@ -3,13 +3,16 @@
     python benchmarks/bench_spectral_primitives.py [--rows 3072] [--cols 768] [--repeats 20]
         [--device cuda] [--threads 0] [--anchor auto|bfloat16|float32]
 
-The dual solves of :mod:`manifoldlib.optim.steepest` are built from ``n × n`` eigendecompositions
+The dual solves of :mod:`manifoldlib.optim.dual` are built from ``n × n`` eigendecompositions
 and matrix products (n = ``--cols``) plus a few ``m × n`` products. Their relative prices decide
 the design: on a CPU an eigh of 768² costs about a third of a Muon step on 3072x768, on a GPU
 the eigh is a sequential, latency-bound algorithm while products run on the matrix units. This
 script prints, for the device it is given, the median time of each primitive and its ratio to
 one ``torch.optim.Muon`` step on an ``m × n`` parameter (the anchor, timed round robin with the
-rest), then the time, ratio and dual iterations of ``steepest_direction`` on Stiefel and DGram
+rest), the Newton–Schulz iteration of Muon on the tall matrix against the same map in Gram form
+(:func:`~manifoldlib.functional.newton_schulz.gram_newton_schulz`: two ``m·n²`` products instead of
+two a step) with their distance to the float64 iteration, then the time, ratio and dual iterations
+of ``steepest_direction`` on Stiefel and DGram
 instances of the benchmark's shapes (tall and square), at the optimizer's settings
 (``jordan5`` dual msign, tol 1e-3, cap 30), for each ``--spectral`` path (one eigh per dual
 evaluation, or Gram-form Newton–Schulz products). ``resid`` is the solver's own relative tangent
@@ -29,8 +32,19 @@ import torch
 from _anchors import ANCHORS, bfloat16_line, muon_anchor
 from _timing import round_robin_ms, sync
 
+from manifoldlib.functional.newton_schulz import (
+    MUON_COEFFICIENTS,
+    gram_newton_schulz,
+    newton_schulz,
+    newton_schulz_gain,
+)
 from manifoldlib.optim import steepest_direction, tangent_residual
-from manifoldlib.optim.spectral_factors import gram_msign_factor, gram_msign_factor_eigh
+
+
+def _gram_factor_eigh(s: torch.Tensor) -> torch.Tensor:
+    """Muon's five-step map from one eigendecomposition of ``s``: ``V diag(psi(lambda)) V^T``."""
+    lam, vec = torch.linalg.eigh(s)
+    return (vec * newton_schulz_gain(lam.clamp_min(0), "jordan5").unsqueeze(-2)) @ vec.mT
 
 
 def _muon_step(m: int, n: int, device: torch.device, anchor=torch.optim.Muon):
@@ -132,8 +146,10 @@ def main() -> None:
         f"Gram X^T X ({m}x{n}) float32": lambda: x.mT @ x,
         f"eigh {n}^2 float32": _eigh(s),
         f"eigh {n}^2 float64": _eigh(s.double()),
-        f"gram_msign_factor jordan5 ({n}^2, 20 mm)": lambda: gram_msign_factor(s, "jordan5"),
-        "gram_msign_factor_eigh jordan5": lambda: gram_msign_factor_eigh(s, "jordan5"),
+        f"gram_newton_schulz jordan5 ({n}^2, 17 mm)": lambda: gram_newton_schulz(s, "jordan5"),
+        "eigh + newton_schulz_gain jordan5": lambda: _gram_factor_eigh(s),
+        f"Newton-Schulz on X ({m}x{n}, float32)": lambda: newton_schulz(x, MUON_COEFFICIENTS, 5),
+        f"Gram Newton-Schulz X R ({m}x{n}, float32)": lambda: x @ gram_newton_schulz(x.mT @ x, "jordan5"),
     }
     if device.type == "cuda":
         for library in ("magma", "cusolver"):
@@ -150,6 +166,12 @@ def main() -> None:
     print(f"{'primitive':50s} {'median':>10s} {'x Muon':>7s}")
     for label, (ms, ratio) in results.items():
         print(f"{label:50s} {ms:8.3f}ms {ratio:7.3f}")
+    on_matrix = newton_schulz(x.double(), MUON_COEFFICIENTS, 5)
+    for label, value in (("float32", x @ gram_newton_schulz(x.mT @ x, "jordan5")),
+                         ("bfloat16", newton_schulz(x, MUON_COEFFICIENTS, 5, dtype=torch.bfloat16))):
+        error = float((value.double() - on_matrix).norm() / on_matrix.norm())
+        print(f"relative difference to Newton-Schulz on X in float64: {label} "
+              f"{'Gram form' if label == 'float32' else 'on X (Muon)'} {error:.1e}")
     anchors = round_robin_ms(
         {f"{m}x{n}": _muon_step(m, n, device, anchor), f"{n}x{n}": _muon_step(n, n, device, anchor)},
         args.repeats,

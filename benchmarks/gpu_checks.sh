@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check the open issues name, as one command for a lent machine (at most 570 s by the
 # scripts' timeouts, inside one 10-minute call): benchmarks/gpu_sel.sh (SEL on CUDA, issue 22), then
-# benchmarks/gpu_manifold_muon.sh (Manifold Muon on the products path, issue 19). Output under
+# benchmarks/gpu_manifold_muon.sh (Manifold Muon: counts, banked step time, GPT-2-small share, issue 40). Output under
 # OUT_DIR (default $OUT, else /tmp).
 #
 # The lent H200's image has torch, pytest and hypothesis but not geoopt. Prepare it here, once:

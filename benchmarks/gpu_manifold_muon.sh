@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# The GPU check of issue 19 (items 4 and 7), ready for a lent machine: one short script, at most
-# 320 s by its timeouts. Run from the repository root:  bash benchmarks/gpu_manifold_muon.sh [OUT_DIR]
-# Prints torch/CUDA versions, then ManifoldMuon against torch.optim.Muon on the GPT-2-small set of
-# twelve blocks (--layers 12: 48 matrices, 768x768, 768x768, 3072x768, 768x3072 per block;
-# Euclidean, Stiefel, HETERO) on the products path (the CUDA default), same-shape matrices solved as
-# one batched dual (--batch on) and one at a time (--batch off); the dual's eigh path on the same
-# set; and one block of DGram (its two square solves are the documented slow case). Each run prints
-# s/step, the anchor's s/step, the ratio and the dual iterations. Goal (issue 19): Stiefel and
-# HETERO <= 3x torch.optim.Muon on the twelve blocks.
-set -euo pipefail
+# The GPU check of Manifold Muon's banked, sync-free step, ready for a lent machine: one script,
+# at most 470 s by its timeouts. Run from the repository root:
+#     bash benchmarks/gpu_manifold_muon.sh [OUT_DIR]
+# 1. bench_step_counts.py on the GPT-2-small set (12 blocks of width 768, 72 matrices): ops, host
+#    syncs and FLOPs against torch.optim.Muon (device-independent; the same numbers as on a CPU),
+#    then the time per step of Euclidean, Stiefel and HETERO against torch.optim.Muon on the full
+#    set (the CUDA default: products path, no host read).
+# 2. bench_manifold_muon.py on the same set: s/step, ratio, dual iterations and residuals per
+#    optimizer, and one block of all-DGram (its square matrices take the smoothed dual).
+# 3. bench_gpt2_small.py: a GPT-2-small training run (1-SpheretNorm + HETERO against Pre-LN + AdamW),
+#    tokens/s, MFU and the optimizer's share of the step.
+set -uo pipefail
 out="${1:-${OUT:-/tmp}}"
 mkdir -p "$out"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$out/gpu_env.txt"
-bench="python3 benchmarks/bench_manifold_muon.py --device cuda"
-for batch in on off; do
-    timeout 100 $bench --layers 12 --steps 5 --warmup 3 --batch "$batch" \
-        --only "ManifoldMuon euclidean,ManifoldMuon stiefel,hetero" | tee "$out/gpu_bench_products_batch_$batch.txt" \
-        || echo "batch $batch: failed or timed out"
-done
-timeout 70 $bench --layers 12 --steps 4 --warmup 2 --spectral eigh --only "ManifoldMuon stiefel,hetero" \
-    | tee "$out/gpu_bench_eigh.txt" || echo "eigh: failed or timed out"
-timeout 50 $bench --steps 3 --warmup 2 --batch on --only "ManifoldMuon dgram" \
-    | tee "$out/gpu_bench_dgram_block.txt" || echo "dgram: failed or timed out"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
+    | tee "$out/gpu_env.txt"
+timeout 150 python3 benchmarks/bench_step_counts.py --device cuda --blocks 12 --time-blocks 12 --time-steps 5 \
+    --warmup 3 | tee "$out/gpu_step_counts.txt" || echo "step counts: failed or timed out"
+timeout 100 python3 benchmarks/bench_manifold_muon.py --device cuda --layers 12 --steps 5 --warmup 3 \
+    --only "ManifoldMuon euclidean,ManifoldMuon stiefel,hetero" | tee "$out/gpu_bench_manifold_muon.txt" \
+    || echo "bench_manifold_muon: failed or timed out"
+timeout 40 python3 benchmarks/bench_manifold_muon.py --device cuda --steps 3 --warmup 2 --only "ManifoldMuon dgram" \
+    | tee "$out/gpu_bench_dgram_block.txt" || echo "dgram block: failed or timed out"
+timeout 180 python3 benchmarks/bench_gpt2_small.py --steps 30 --skip 10 | tee "$out/gpu_gpt2_small.txt" \
+    || echo "gpt2-small: failed or timed out"
