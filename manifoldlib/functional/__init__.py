@@ -8,12 +8,15 @@ from .dgram import (
     dgram_project_tangent,
     off_diagonal,
 )
-from .msign import (
+from .msign import MSIGN_METHODS, msign
+from .newton_schulz import (
     JORDAN5_COEFFICIENTS,
-    MSIGN_METHODS,
+    MUON_COEFFICIENTS,
+    NEWTON_SCHULZ_PRESETS,
     POLAR_EXPRESS_COEFFICIENTS,
-    msign,
+    gram_newton_schulz,
     newton_schulz,
+    newton_schulz_gain,
 )
 from .normal_space import diagonal_part, normal_metric, normal_multiplier
 from .oblique import (
@@ -46,6 +49,8 @@ from .stiefel import (
 __all__ = [
     "JORDAN5_COEFFICIENTS",
     "MSIGN_METHODS",
+    "MUON_COEFFICIENTS",
+    "NEWTON_SCHULZ_PRESETS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "cayley_coefficients",
     "dgram_alternating",
@@ -56,8 +61,10 @@ __all__ = [
     "diagonal_part",
     "exponential_coefficients",
     "gnomonic_coefficients",
+    "gram_newton_schulz",
     "msign",
     "newton_schulz",
+    "newton_schulz_gain",
     "normal_metric",
     "normal_multiplier",
     "oblique_constraint_deviation",

@@ -44,76 +44,21 @@ large inputs down (their ``eps`` floor still maps a tiny input to a small output
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .gram_rsqrt import products_only_rsqrt
+from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, newton_schulz
 from .scaling import into_safe_range
 
-__all__ = [
-    "CONVERGENT_NS_CAP",
-    "JORDAN5_COEFFICIENTS",
-    "MSIGN_METHODS",
-    "NEWTON_SCHULZ_PRESETS",
-    "POLAR_EXPRESS_COEFFICIENTS",
-    "NewtonSchulzPreset",
-    "msign",
-    "newton_schulz",
-]
+__all__ = ["CONVERGENT_NS_CAP", "GRAM_EIGH_ONE_PASS", "GRAM_EIGH_REFINE", "MSIGN_METHODS", "POLAR_METHODS", "msign"]
 
-#: Muon's quintic (a, b, c) by K. Jordan, run for 5 steps: fast, not convergent (singular
-#: values end in roughly [0.5, 1.2]); for update directions, not retractions.
-JORDAN5_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-
-_PE_SAFETY = 1.01
-_PE_RAW: tuple[tuple[float, float, float], ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-)
-#: Polar Express per-step coefficients, every triple but the final (1.875, -1.25, 0.375)
-#: divided by (1.01, 1.01^3, 1.01^5) for safety against rounding.
-POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = tuple(
-    (a / _PE_SAFETY, b / _PE_SAFETY**3, c / _PE_SAFETY**5) for a, b, c in _PE_RAW
-) + ((1.875, -1.25, 0.375),)
-
-_CONVERGENT_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
-
-
-@dataclass(frozen=True)
-class NewtonSchulzPreset:
-    r"""A fixed-count Newton–Schulz map :math:`y \mapsto y(a + by^2 + cy^4)`, step by step.
-
-    Attributes:
-        schedule: the ``(a, b, c)`` triples of the steps (the last one repeats).
-        steps: the fixed step count of the preset (what the dual solves and
-            :func:`~manifoldlib.optim.gram_msign_factor` run when ``steps`` is ``None``).
-        scale: the first normalization is by ``scale · ||X||_F`` (Polar Express: 1.01).
-    """
-
-    schedule: tuple[tuple[float, float, float], ...]
-    steps: int
-    scale: float = 1.0
-
-
-#: The single source of the Newton–Schulz presets, used by :func:`msign` and by the dual
-#: solves of :mod:`manifoldlib.optim`. ``"newton-schulz"`` is the convergent quintic: the dual
-#: runs it a fixed 30 steps (enough from a Frobenius-normalized start for singular values
-#: down to about 1e-2 of the largest), while :func:`msign` runs it to a tolerance with
-#: :data:`CONVERGENT_NS_CAP` steps at most.
-NEWTON_SCHULZ_PRESETS: dict[str, NewtonSchulzPreset] = {
-    "jordan5": NewtonSchulzPreset((JORDAN5_COEFFICIENTS,), 5),
-    "polar-express": NewtonSchulzPreset(POLAR_EXPRESS_COEFFICIENTS, 8, _PE_SAFETY),
-    "newton-schulz": NewtonSchulzPreset((_CONVERGENT_QUINTIC,), 30),
-}
 #: Iteration cap of the tolerance-stopped convergent quintic in :func:`msign`.
 CONVERGENT_NS_CAP = 60
 
+#: Polar-factor methods a retraction accepts: the exact or convergent ones of :func:`msign`
+#: (``"auto"``: the SVD, or the differentiable Newton iteration under autograd); the fixed-count
+#: presets ``jordan5`` and ``polar-express`` are not retractions (``R_x(0) != x``).
+POLAR_METHODS = ("auto", "svd", "newton", "newton-schulz", "gram-eigh")
 #: Valid ``method`` names of :func:`msign`.
 MSIGN_METHODS = ("svd", "newton", "newton-schulz", "jordan5", "polar-express", "gram-eigh")
 
@@ -139,61 +84,6 @@ def _check_matrix(x: torch.Tensor) -> None:
         raise ValueError(
             f"msign expects a matrix or a batch of matrices (..., m, n), got shape {tuple(x.shape)}"
         )
-
-
-def newton_schulz(
-    x: torch.Tensor,
-    coefficients: tuple[float, float, float] | tuple[tuple[float, float, float], ...],
-    steps: int,
-    *,
-    eps: float = 1e-7,
-    normalize_scale: float = 1.0,
-) -> torch.Tensor:
-    r"""Fixed-count Newton–Schulz iteration on the wide orientation.
-
-    Each step is :math:`X \leftarrow aX + b(XX^\top)X + c(XX^\top)^2X` after scaling
-    ``X`` by ``normalize_scale * ||X||_F + eps``.
-
-    Args:
-        x: ``(..., m, n)``.
-        coefficients: one ``(a, b, c)`` used at every step, or a schedule of triples whose
-            last entry repeats once the schedule is exhausted.
-        steps: number of iterations (``>= 0``).
-        eps: added to the norm so a zero matrix maps to zero.
-        normalize_scale: the Frobenius norm is multiplied by this before dividing.
-
-    Returns:
-        ``(..., m, n)`` approximation of :math:`\operatorname{msign}(x)`, in ``x``'s dtype.
-    """
-    _check_matrix(x)
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    if len(coefficients) == 0:
-        raise ValueError(
-            f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}"
-        )
-    schedule = (
-        (coefficients,) if isinstance(coefficients[0], (int, float)) else tuple(coefficients)
-    )
-    if any(len(triple) != 3 for triple in schedule):
-        raise ValueError(
-            f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}"
-        )
-    out_dtype = x.dtype
-    y = into_safe_range(x.to(_compute_dtype(x.dtype)), up=False)
-    transposed = y.size(-2) > y.size(-1)
-    if transposed:
-        y = y.mT
-    norm = torch.linalg.matrix_norm(y, keepdim=True)  # (..., 1, 1)
-    y = y / (normalize_scale * norm + eps)
-    for k in range(steps):
-        a, b, c = schedule[min(k, len(schedule) - 1)]
-        gram = y @ y.mT  # (..., m, m) with m <= n
-        poly = b * gram + c * (gram @ gram)
-        y = a * y + poly @ y
-    if transposed:
-        y = y.mT
-    return y.to(out_dtype)
 
 
 def _msign_svd(x: torch.Tensor) -> torch.Tensor:
@@ -288,7 +178,7 @@ def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int) -> torch.T
     gram = y @ y.mT
     bound = torch.linalg.matrix_norm(gram, ord=1, keepdim=True).sqrt()  # >= ||y||_2
     y = y / bound.clamp_min(torch.finfo(y.dtype).tiny)
-    a, b, c = _CONVERGENT_QUINTIC
+    a, b, c = CONVERGENT_QUINTIC
     eye = torch.eye(y.size(-2), dtype=y.dtype, device=y.device)
     scaled_tol = tol * y.size(-2) ** 0.5
     previous = float("inf")
@@ -332,10 +222,9 @@ def msign(
     n_steps = _DEFAULT_STEPS.get(method) if steps is None else steps
     if n_steps is not None and n_steps < 0:
         raise ValueError(f"steps must be >= 0, got {n_steps}")
-    if method == "jordan5":
-        return newton_schulz(x, JORDAN5_COEFFICIENTS, n_steps, eps=eps)
-    if method == "polar-express":
-        return newton_schulz(x, POLAR_EXPRESS_COEFFICIENTS, n_steps, eps=eps, normalize_scale=_PE_SAFETY)
+    if method in ("jordan5", "polar-express"):
+        preset = NEWTON_SCHULZ_PRESETS[method]
+        return newton_schulz(x, preset.schedule, n_steps, eps=eps, normalize_scale=preset.scale).to(x.dtype)
     work = into_safe_range(x.to(_compute_dtype(x.dtype)))
     tolerance = _default_tol(work.dtype) if tol is None else tol
     if method == "svd":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..functional.dgram import dgram_alternating, dgram_colnorm_polar
-from ..functional.msign import MSIGN_METHODS
+from ..functional.msign import MSIGN_METHODS, POLAR_METHODS
 from .base import Retraction, register_retraction
 
 __all__ = ["DGramAlternatingRetraction", "DGramColnormPolarRetraction"]
@@ -24,10 +24,10 @@ __all__ = ["DGramAlternatingRetraction", "DGramColnormPolarRetraction"]
 
 class _PolarBacked(Retraction):
     def __init__(self, method: str = "auto"):
-        if method != "auto" and method not in MSIGN_METHODS:
-            raise ValueError(
-                f"unknown polar method {method!r}; valid: auto, {', '.join(MSIGN_METHODS)}"
-            )
+        if method not in POLAR_METHODS:
+            hint = (" (a fixed-count Newton-Schulz preset is not a retraction: it leaves the point off "
+                    "the manifold, R_x(0) != x)" if method in MSIGN_METHODS else "")
+            raise ValueError(f"unknown polar method {method!r}; valid: {', '.join(POLAR_METHODS)}{hint}")
         self.method = method
 
     def options(self) -> dict:

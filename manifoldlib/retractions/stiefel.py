@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.msign import MSIGN_METHODS
+from ..functional.msign import MSIGN_METHODS, POLAR_METHODS
 from ..functional.stiefel import (
     stiefel_cayley,
     stiefel_exp,
@@ -38,17 +38,18 @@ class StiefelPolarRetraction(Retraction):
 
     Args:
         method: ``"auto"`` (exact SVD without autograd, the differentiable Newton iteration
-            with it) or any :data:`~manifoldlib.functional.MSIGN_METHODS` entry; the fixed-count
-            Newton–Schulz presets are *not* exact and leave points off the manifold.
+            with it), ``"svd"``, ``"newton"``, ``"newton-schulz"`` (convergent) or ``"gram-eigh"``
+            (:data:`~manifoldlib.functional.msign.POLAR_METHODS`); the fixed-count Newton–Schulz
+            presets are refused: they leave points off the manifold.
     """
 
     order = 2
 
     def __init__(self, method: str = "auto"):
-        if method != "auto" and method not in MSIGN_METHODS:
-            raise ValueError(
-                f"unknown polar method {method!r}; valid: auto, {', '.join(MSIGN_METHODS)}"
-            )
+        if method not in POLAR_METHODS:
+            hint = (" (a fixed-count Newton-Schulz preset is not a retraction: it leaves the point off "
+                    "the manifold, R_x(0) != x)" if method in MSIGN_METHODS else "")
+            raise ValueError(f"unknown polar method {method!r}; valid: {', '.join(POLAR_METHODS)}{hint}")
         self.method = method
 
     def options(self) -> dict:
