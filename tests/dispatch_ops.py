@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from manifoldlib.optim.matmul_precision import FULL_PRECISION, _matmul_backends
+from manifoldlib.optim.execution import FULL_PRECISION, _matmul_backends
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "linalg_eigh",
             "_linalg_eigh", "linalg_qr", "linalg_svd", "_linalg_svd", "linalg_cholesky_ex",

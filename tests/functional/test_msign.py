@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import scipy.linalg
 import torch
+from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
+from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, msign
 
-from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, msign, newton_schulz
+# the iteration msign runs; manifoldlib.functional.newton_schulz is the module of that name once imported
+from manifoldlib.functional.msign import newton_schulz
 
 EPS = torch.finfo(torch.float64).eps
 CONVERGENT = ("svd", "newton", "newton-schulz")

@@ -37,28 +37,35 @@ _SMALL = [c for c in HARD_INSTANCES if c[1] <= 64]
 _LARGE = [c for c in HARD_INSTANCES if c[1] > 64]
 
 
+# spectral="auto" takes one of the two paths (the products below 256 columns on the CPU): both are checked
+SPECTRAL = ["eigh", "products"]
+
+
 @pytest.mark.parametrize("case", _SMALL, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
 @pytest.mark.parametrize("seed", [0, 1])
-def test_default_arguments_reach_the_optimum(case, seed):
+@pytest.mark.parametrize("spectral", SPECTRAL)
+def test_default_arguments_reach_the_optimum(case, seed, spectral):
     manifold, m, n, rank, noise = case
     w, g = hard_instance(manifold, m, n, rank, noise, seed)
-    a, info = steepest_direction(w, g, manifold, return_info=True)
+    a, info = steepest_direction(w, g, manifold, spectral=spectral, return_info=True)
     _assert_optimal(w, g, manifold, a, info)
 
 
 @pytest.mark.parametrize("case", _LARGE, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("method", ["svd", "polar-express"])
-def test_default_arguments_reach_the_optimum_128x32(case, seed, method):
+@pytest.mark.parametrize("spectral", SPECTRAL)
+def test_default_arguments_reach_the_optimum_128x32(case, seed, method, spectral):
     manifold, m, n, rank, noise = case
     w, g = hard_instance(manifold, m, n, rank, noise, seed)
-    a, info = steepest_direction(w, g, manifold, msign_method=method, return_info=True)
+    a, info = steepest_direction(w, g, manifold, msign_method=method, spectral=spectral, return_info=True)
     _assert_optimal(w, g, manifold, a, info)
 
 
-def test_square_dgram_is_certified_within_the_gap():
+@pytest.mark.parametrize("spectral", SPECTRAL)
+def test_square_dgram_is_certified_within_the_gap(spectral):
     w, g = hard_instance("dgram", 24, 24, 3, 0.1, seed=0)
-    a, info = steepest_direction(w, g, "dgram", return_info=True)
+    a, info = steepest_direction(w, g, "dgram", spectral=spectral, return_info=True)
     assert info.gap is not None and info.gap <= 1e-3
     _assert_optimal(w, g, "dgram", a, info)
 
@@ -77,10 +84,11 @@ def test_never_reported_converged_outside_the_tolerances(manifold):
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_float32_hard_instances_raise_no_linalg_error(manifold, seed):
+@pytest.mark.parametrize("spectral", SPECTRAL)
+def test_float32_hard_instances_raise_no_linalg_error(manifold, seed, spectral):
     # these instances sent the exact-SVD dual to non-finite iterates (torch _LinAlgError) before
     w, g = hard_instance(manifold, 64, 16, 2, 0.05, seed, dtype=torch.float32)
-    a, info = steepest_direction(w, g, manifold, return_info=True)
+    a, info = steepest_direction(w, g, manifold, spectral=spectral, return_info=True)
     assert bool(torch.isfinite(a).all())
     if info.converged:
         assert float(tangent_residual(w.double(), a.double(), manifold)) <= 1e-3

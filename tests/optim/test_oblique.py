@@ -42,9 +42,10 @@ def test_single_column_is_the_normalized_projected_gradient(method):
 @pytest.mark.parametrize("shape", [(24, 6), (40, 30), (16, 16)])
 @pytest.mark.parametrize("method", ["svd", "polar-express"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_default_solve_is_optimal_against_scipy(shape, method, seed):
+@pytest.mark.parametrize("spectral", ["eigh", "products"])  # "auto" takes one of them
+def test_default_solve_is_optimal_against_scipy(shape, method, seed, spectral):
     w, g = _instance(*shape, seed)
-    a, info = steepest_direction(w, g, "oblique", msign_method=method, return_info=True)
+    a, info = steepest_direction(w, g, "oblique", msign_method=method, spectral=spectral, return_info=True)
     optimum = nuclear_dual_optimum(w, g, zero_diagonal=False, diagonal=True)
     value = float((g * a).sum())
     assert info.converged
