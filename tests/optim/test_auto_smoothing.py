@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from manifoldlib.optim import steepest_direction, tangent_residual
-from manifoldlib.optim.dual_solvers import SMOOTH_BELOW_ASPECT, _resolve_smoothing
-from manifoldlib.optim.execution import SMOOTHED_CUDA_DTYPE, ExecutionPolicy
+from manifoldlib.optim.execution import Execution
+from manifoldlib.optim.steepest import (
+    AUTO_SMOOTHING,
+    SMOOTH_BELOW_ASPECT,
+    matrix_manifold,
+    resolve_smoothing,
+)
 
 
 def _instance(m: int, n: int, manifold: str, seed: int):
@@ -31,16 +36,24 @@ def _instance(m: int, n: int, manifold: str, seed: int):
     ],
 )
 def test_which_shapes_smooth_from_the_start(manifold, shape, exact, expected):
-    assert SMOOTH_BELOW_ASPECT == 2.5
-    assert _resolve_smoothing("auto", manifold, shape, exact=exact) == expected
+    assert SMOOTH_BELOW_ASPECT == 2.5 and AUTO_SMOOTHING == 2e-2
+    assert resolve_smoothing("auto", matrix_manifold(manifold), shape, exact=exact) == expected
+
+
+@pytest.mark.parametrize("smoothing,expected", [(None, (None, None)), (0.05, (0.05, None))])
+def test_an_explicit_smoothing_is_kept_on_every_shape(smoothing, expected):
+    for shape in ((64, 64), (96, 64), (256, 64)):
+        assert resolve_smoothing(smoothing, matrix_manifold("dgram"), shape) == expected
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
-def test_near_square_tall_matrices_converge_fast_with_auto_and_crawl_without(manifold):
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
+def test_near_square_tall_matrices_converge_fast_with_auto_and_crawl_without(manifold, spectral):
     # aspect 1.5: the Gram matrix of G's part outside span(W) has rank m - n < n, the dual optimum
     # is close to rank deficient and the plain dual crawls
     w, g = _instance(96, 64, manifold, seed=3)
-    kw = dict(msign_method="jordan5", ns_steps=5, tol=1e-3, patience=6, return_info=True, gap_tol=None)
+    kw = {"msign_method": "jordan5", "ns_steps": 5, "tol": 1e-3, "patience": 6, "spectral": spectral,
+          "return_info": True, "gap_tol": None}
     a, info = steepest_direction(w, g, manifold, max_iter=30, **kw)
     assert info.converged and info.iterations <= 20 and info.stages == ("smoothed",)
     assert float(tangent_residual(w, a, manifold)) <= 1e-3
@@ -48,11 +61,12 @@ def test_near_square_tall_matrices_converge_fast_with_auto_and_crawl_without(man
     assert not plain.converged  # 20 plain iterations are not enough where the smoothed solve is done
 
 
-def test_auto_keeps_the_plain_dual_on_the_gpt_mlp_aspect():
+@pytest.mark.parametrize("spectral,plain", [("eigh", "anderson"), ("products", "bb")])
+def test_auto_keeps_the_plain_dual_on_the_gpt_mlp_aspect(spectral, plain):
     w, g = _instance(256, 64, "stiefel", seed=4)  # aspect 4
     _, info = steepest_direction(w, g, "stiefel", msign_method="jordan5", ns_steps=5, tol=1e-3,
-                                 max_iter=30, return_info=True)
-    assert info.converged and info.stages == ("anderson",) and info.hessian_products == 0
+                                 max_iter=30, spectral=spectral, return_info=True)
+    assert info.converged and info.stages == (plain,) and info.hessian_products == 0
 
 
 @pytest.mark.parametrize(
@@ -68,6 +82,6 @@ def test_auto_keeps_the_plain_dual_on_the_gpt_mlp_aspect():
     ],
 )
 def test_solve_dtype_widens_only_smoothed_float32_solves_on_cuda(dtype, device, smoothed, expected):
-    policy = ExecutionPolicy.resolve(device, bfloat16_native=False)  # no CUDA runtime needed
-    assert policy.work_dtype(dtype, smoothed) == expected
-    assert SMOOTHED_CUDA_DTYPE == torch.float64
+    execution = Execution.resolve(device, bfloat16_native=False)  # no CUDA runtime needed
+    assert execution.work_dtype(dtype, smoothed) == expected
+    assert execution.smoothed_dtype == (torch.float64 if device == "cuda" else None)

@@ -1,34 +1,20 @@
-"""The smoothed dual's line search: Armijo on the value where the value can see the predicted
-decrease, a lower residual where rounding hides it (float32 near the optimum)."""
+"""The smoothed dual's Newton steps: Armijo on the value where the value can see the predicted
+decrease, a lower residual where rounding hides it (float32 near the optimum).
+
+Evaluations are counted independently of the library's bookkeeping: every evaluation on the
+eigh path is one ``n × n`` eigendecomposition, which the dispatch recorder sees.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 
-from manifoldlib.optim import ExecutionPolicy, dual_solvers
-from manifoldlib.optim.dual_problem import _State
-from manifoldlib.optim.steepest import solve_dual
+from manifoldlib.optim import steepest_direction
+from manifoldlib.optim.dual import VALUE_NOISE_ULPS
 
-
-def _state(value: float) -> _State:
-    return _State(torch.zeros(2, 2), None, value=value)
-
-
-def test_armijo_decides_where_the_value_resolves_the_decrease():
-    accept = dual_solvers._accept
-    # predicted decrease 1e-3 against noise 1e-6: the value decides, the residual is ignored
-    # Armijo asks for 1e-4 of the predicted decrease: 1e-7 here
-    assert accept(_state(10.0), _state(10.0 - 5e-8), 1.0, 0.1, -1e-3, 1e-6) is False  # residual fell: ignored
-    assert accept(_state(10.0), _state(10.0 - 2e-7), 1.0, 5.0, -1e-3, 1e-6) is True  # residual rose: ignored
-
-
-def test_the_residual_decides_where_rounding_hides_the_decrease():
-    accept = dual_solvers._accept
-    # predicted decrease 1e-9 below noise 1e-6: a value that rose by rounding does not matter
-    assert accept(_state(10.0), _state(10.0 + 3e-6), 1e-3, 9e-4, -1e-9, 1e-6) is True
-    assert accept(_state(10.0), _state(10.0 - 3e-6), 1e-3, 1.1e-3, -1e-9, 1e-6) is False
-    assert accept(_state(10.0), _state(10.0), 1e-3, float("nan"), -1e-9, 1e-6) is False
+OPTIONS = {"msign_method": "jordan5", "gap_tol": None, "spectral": "eigh", "return_info": True}
 
 
 def _instance(n: int, seed: int):
@@ -38,33 +24,55 @@ def _instance(n: int, seed: int):
     return w, signal + 0.3 * torch.randn(n, n, generator=g) / n**0.5
 
 
-def test_float32_newton_steps_past_the_noise_floor_stop_wasting_evaluations(monkeypatch):
+def _counted(w, g, **options):
+    """``(info, eigendecompositions run)`` of a DGram :func:`steepest_direction` solve."""
+    with ProductRecorder() as recorder:
+        _, info = steepest_direction(w, g, "dgram", **OPTIONS, **options)
+    return info, recorder.factorizations().count("eigh")
+
+
+def test_float32_newton_steps_past_the_noise_floor_do_not_backtrack_on_noise():
     """Continue converged 64² DGram solves (float32) towards 1e-6: there the predicted decreases
-    (~1e-9) are below the value's rounding (~1e-6). Armijo alone (a noise allowance of zero ulps)
-    backtracks on noise (about ten evaluations per Newton step); the noise-aware test accepts
-    residual decreases instead."""
-    evaluations = {"armijo": 0, "noise-aware": 0}
-    options = dict(msign_method="jordan5", gap_tol=None, execution=ExecutionPolicy())  # float32 search products
+    (~1e-9) are below the value's rounding (~1e-6). Measured on these three instances (one
+    thread): Armijo alone (no noise allowance) backtracks on noise, 285 evaluations for 24 Newton
+    steps, and cuts the residual by 0.37-0.78; the noise-aware test 123 evaluations, cuts of
+    0.16-0.30."""
+    steps = evaluations = 0
+    assert VALUE_NOISE_ULPS == 16
     for seed in range(3):
         w, g = _instance(64, seed)
-        solution = solve_dual(w, g, "dgram", tol=1e-3, max_iter=30, **options)
-        assert solution.info.converged
-        residuals = {}
-        for name, ulps in (("armijo", 0), ("noise-aware", dual_solvers.VALUE_NOISE_ULPS)):
-            monkeypatch.setattr(dual_solvers, "VALUE_NOISE_ULPS", ulps)
-            info = solve_dual(w, g, "dgram", tol=1e-6, max_iter=8, multiplier=solution.info.multiplier,
-                              **options).info
-            assert info.stages == ("smoothed",) and info.iterations >= 1
-            evaluations[name] += info.evaluations
-            residuals[name] = info.residual
-        assert residuals["noise-aware"] <= 1.2 * residuals["armijo"], residuals
-    assert evaluations["noise-aware"] <= 0.7 * evaluations["armijo"], evaluations
+        _, first = steepest_direction(w, g, "dgram", tol=1e-3, max_iter=30, **OPTIONS)
+        assert first.converged and first.stages == ("smoothed",)
+        more, eighs = _counted(w, g, tol=1e-6, max_iter=8, multiplier=first.multiplier)
+        assert more.stages == ("smoothed",) and more.iterations >= 1
+        assert more.residual <= 0.5 * first.residual, (seed, more.residual, first.residual)
+        steps, evaluations = steps + more.iterations, evaluations + eighs
+    assert evaluations <= 8 * steps, (evaluations, steps)  # Armijo alone: about 12 a step
+
+
+def test_float64_continuation_reaches_the_tight_tolerance_in_few_evaluations():
+    w, g = _instance(64, seed=0)
+    w, g = w.double(), g.double()
+    _, first = steepest_direction(w, g, "dgram", tol=1e-3, max_iter=30, **OPTIONS)
+    more, eighs = _counted(w, g, tol=1e-6, max_iter=30, multiplier=first.multiplier)
+    assert more.converged and more.residual <= 1e-6
+    assert eighs <= 2 * more.iterations + 1, (eighs, more.iterations)  # Armijo accepts the full step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_square_dgram_solves_still_converge(dtype):
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
+def test_square_dgram_solves_still_converge(dtype, spectral):
     w, g = _instance(48, seed=4)
-    solution = solve_dual(w.to(dtype), g.to(dtype), "dgram", msign_method="jordan5", tol=1e-3, max_iter=30,
-                          gap_tol=None)  # the optimizer's budget; the certified default is tested elsewhere
-    assert solution.info.converged
-    assert dual_solvers.VALUE_NOISE_ULPS == 16
+    _, info = steepest_direction(w.to(dtype), g.to(dtype), "dgram", msign_method="jordan5", tol=1e-3, max_iter=30,
+                                 gap_tol=None, spectral=spectral, return_info=True)  # the optimizer's budget
+    assert info.converged and info.stages == ("smoothed",)
+
+
+@pytest.mark.xfail(strict=True, reason="SteepestInfo.evaluations counts only the plain dual's evaluations: the "
+                                       "smoothed Newton solve runs on copies of the DualProblem (with_smoothing, "
+                                       "select) whose evaluation counts solve_bank never adds; it reports 0")
+def test_reported_evaluations_count_the_smoothed_newton_steps():
+    w, g = _instance(64, seed=0)
+    info, eighs = _counted(w, g, tol=1e-3, max_iter=30)
+    assert info.stages == ("smoothed",) and eighs > info.iterations
+    assert info.evaluations == eighs
