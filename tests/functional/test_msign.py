@@ -11,10 +11,7 @@ from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, msign
-
-# the iteration msign runs; manifoldlib.functional.newton_schulz is the module of that name once imported
-from manifoldlib.functional.msign import newton_schulz
+from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, msign, newton_schulz
 
 EPS = torch.finfo(torch.float64).eps
 CONVERGENT = ("svd", "newton", "newton-schulz")
