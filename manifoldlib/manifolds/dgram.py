@@ -19,9 +19,13 @@ __all__ = ["DGram"]
 
 def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
     """Raise ``ValueError`` naming the rank when a tall ``(..., m, n)`` matrix is numerically rank
-    deficient (smallest singular value at most ``max(m, n)·eps`` of the largest)."""
+    deficient: a zero column, or, with every column scaled to unit norm, a smallest singular value
+    at most ``max(m, n)·eps`` of the largest. The scaling matters: DGram's columns are free in
+    norm, and float32 columns of norms 1e-3 and 1e3 are independent though the unscaled matrix's
+    singular values span 1e6."""
     work = x.detach().to(torch.float64)
-    sv = torch.linalg.svdvals(work)  # (..., n)
+    norms = work.norm(dim=-2, keepdim=True)  # (..., 1, n)
+    sv = torch.linalg.svdvals(work / torch.where(norms > 0, norms, 1.0))  # (..., n)
     floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(x.dtype).eps
     rank = (sv > floor).sum(-1)  # (...,)
     n = x.shape[-1]

@@ -493,6 +493,12 @@ class DualProblem:
         value = (ev.eig * ev.gain).sum() - 2.0 * (ev.lam * self.factor_transposed_times(ev.product())).sum()
         return float((nuclear - value) / nuclear.clamp_min(torch.finfo(nuclear.dtype).tiny))
 
+    def relative_gaps(self, ev: Evaluation) -> torch.Tensor:
+        """``(B,)`` :meth:`relative_gap` of every matrix of an eigh evaluation."""
+        nuclear = ev.eig.sqrt().sum(-1)
+        value = (ev.eig * ev.gain).sum(-1) - 2.0 * (ev.lam * self.factor_transposed_times(ev.product())).sum(_DIMS)
+        return (nuclear - value) / nuclear.clamp_min(torch.finfo(nuclear.dtype).tiny)
+
     def hessian_vector(self, ev: Evaluation, delta: torch.Tensor, cache: dict) -> torch.Tensor:
         r"""Second derivative of the smoothed dual along the symmetric ``delta``.
 
