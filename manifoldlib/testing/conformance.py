@@ -40,8 +40,10 @@ directly on ``.grad``. The checks:
 ``non_finite_gradient``
     after 2 steps one of two parameters gets a NaN (then an inf) gradient entry. The optimizer
     either raises ``ValueError`` and changes no parameter and no state, or leaves that
-    parameter and its state unchanged and warns (``warnings.warn``); no parameter or state
-    entry becomes non-finite.
+    parameter and its state unchanged and warns (``warnings.warn``), or — skipping on the device,
+    without a host read to warn from — leaves that parameter and its buffers (state tensors of
+    its shape) unchanged and counts the skip in ``state["skipped_steps"]`` (one more than
+    before); no parameter or state entry becomes non-finite.
 ``zero_gradient``
     3 steps with zero gradients from a fresh state move nothing beyond rounding (``64 eps``
     relative) and leave everything finite (skipped when the defaults have a nonzero
