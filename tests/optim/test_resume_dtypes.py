@@ -35,6 +35,17 @@ def _grads(steps: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(s, generator=generator).to(torch.bfloat16) for s in SHAPES] for _ in range(steps)]
 
 
+def _resumed(params, build):
+    """A checkpoint's order: fresh parameters, the optimizer built on them (it projects them),
+    then the saved values copied in (the optimizer's state is loaded by the caller)."""
+    twins = [nn.Parameter(torch.randn_like(p)) for p in params]
+    opt = build(twins)
+    with torch.no_grad():
+        for p, q in zip(params, twins):
+            q.copy_(p)
+    return twins, opt
+
+
 def _run(params, opt, grads) -> None:
     for step_grads in grads:
         for p, g in zip(params, step_grads):
@@ -48,8 +59,7 @@ def test_load_state_dict_keeps_the_float32_correction_of_a_bfloat16_matrix():
     _run(params, opt, _grads(2))
     saved = {id(p): opt.state[p]["dual_correction"].clone() for p in params}
     assert all(c.dtype == torch.float32 for c in saved.values())
-    twins = [nn.Parameter(p.detach().clone()) for p in params]
-    resumed = ManifoldMuon(twins, manifold="dgram", lr=0.1, weight_decay=0.0, project_init=False)
+    twins, resumed = _resumed(params, lambda ps: ManifoldMuon(ps, manifold="dgram", lr=0.1, weight_decay=0.0))
     resumed.load_state_dict(_round_trip(opt.state_dict()))
     for p, q in zip(params, twins):
         loaded = resumed.state[q]["dual_correction"]
@@ -68,8 +78,7 @@ def test_resumed_bfloat16_stiefel_run_equals_the_uninterrupted_one():
     first_opt = ManifoldMuon(first, manifold="stiefel", lr=0.1, weight_decay=0.0)
     _run(first, first_opt, grads[:3])
     saved = _round_trip(first_opt.state_dict())
-    resumed = [nn.Parameter(p.detach().clone()) for p in first]
-    resumed_opt = ManifoldMuon(resumed, manifold="stiefel", lr=0.1, weight_decay=0.0, project_init=False)
+    resumed, resumed_opt = _resumed(first, lambda ps: ManifoldMuon(ps, manifold="stiefel", lr=0.1, weight_decay=0.0))
     resumed_opt.load_state_dict(saved)
     _run(resumed, resumed_opt, grads[3:])
     for p, q in zip(reference, resumed):
