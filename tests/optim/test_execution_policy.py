@@ -1,4 +1,9 @@
-"""The execution policy: every device-dependent choice of a step resolved in one place, and obeyed."""
+"""How a step runs on its device: every device-dependent choice resolved in one place
+(:class:`~manifoldlib.optim.execution.Execution`), and the optimizer doing what it resolved.
+
+What the optimizer did is seen from outside: its parameters (bit for bit against an explicit
+choice) and :func:`~manifoldlib.testing.counting.count_ops` (host reads, eigendecompositions).
+"""
 
 from __future__ import annotations
 
@@ -6,68 +11,116 @@ import dataclasses
 
 import pytest
 import torch
-from core_step import core_step  # pytest puts this folder on sys.path
 from torch import nn
 
-from manifoldlib.manifolds import Stiefel
-from manifoldlib.optim import ExecutionPolicy, ManifoldMuon
-from manifoldlib.optim.execution import BFLOAT16_MIN_SIZE, SMOOTHED_CUDA_DTYPE
+from manifoldlib.optim import ManifoldMuon
+from manifoldlib.optim.execution import EIGH_MIN_COLUMNS, SMALL_SOLVE_FLOPS, Execution
+from manifoldlib.testing.counting import count_ops
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_a_cpu_policy(native):
-    policy = ExecutionPolicy.resolve("cpu", bfloat16_native=native, workers=2)
-    assert policy.ns_dtype == (torch.bfloat16 if native else torch.float32)
-    assert policy.spectral == "eigh"
-    assert policy.search_dtype == (torch.bfloat16 if native else None)
-    assert policy.search_min_size == BFLOAT16_MIN_SIZE
-    assert policy.smoothed_dtype is None  # LAPACK's float32 eigh follows the smoothed Newton steps
-    assert policy.workers == 2  # an int is taken as is
+def test_a_cpu_execution(native):
+    narrow = Execution.resolve("cpu", bfloat16_native=native, columns=EIGH_MIN_COLUMNS - 1)
+    wide = Execution.resolve("cpu", bfloat16_native=native, columns=EIGH_MIN_COLUMNS)
+    assert (narrow.spectral, narrow.sync_free) == ("products", True)  # a step of launches: no host reads
+    assert (wide.spectral, wide.sync_free) == ("eigh", False)  # early stopping where eigh pays
+    assert Execution.resolve("cpu", bfloat16_native=native).spectral == "eigh"  # columns unknown
+    for execution in (narrow, wide):
+        assert execution.ns_dtype == (torch.bfloat16 if native else torch.float32)
+        assert execution.search_dtype == (torch.bfloat16 if native else None)
+        assert execution.smoothed_dtype is None  # LAPACK's float32 eigh follows the smoothed Newton steps
 
 
-def test_a_cuda_policy_needs_no_cuda_runtime_when_told_the_hardware():
-    policy = ExecutionPolicy.resolve("cuda:0", bfloat16_native=True, workers=2)
-    assert policy.spectral == "products" and policy.ns_dtype == torch.bfloat16
-    assert policy.smoothed_dtype == SMOOTHED_CUDA_DTYPE == torch.float64
-    assert policy.workers == 1  # CPU threads never run CUDA solves
+def test_explicit_choices_override_the_device():
+    assert Execution.resolve("cpu", spectral="eigh", columns=8).spectral == "eigh"
+    assert Execution.resolve("cpu", spectral="products", columns=1024).spectral == "products"
+    assert Execution.resolve("cpu", spectral="products", sync_free=False).sync_free is False
+    assert Execution.resolve("cpu", spectral="eigh", sync_free=True).sync_free is True
+    for ns_dtype in ("bfloat16", "float32"):
+        for native in (False, True):
+            assert Execution.resolve("cpu", ns_dtype=ns_dtype, bfloat16_native=native).ns_dtype == getattr(torch, ns_dtype)
 
 
-def test_auto_workers_follow_the_shapes():
-    big = [(3072, 768), (3072, 768)]
-    assert ExecutionPolicy.resolve("cpu", workers="auto", shapes=[(8, 8), (8, 8)]).workers == 1  # tiny solves
-    expected = 2 if torch.get_num_threads() >= 2 else 1
-    assert ExecutionPolicy.resolve("cpu", workers="auto", shapes=big).workers == expected
+def test_a_cuda_execution_needs_no_cuda_runtime_when_told_the_hardware():
+    execution = Execution.resolve("cuda:0", bfloat16_native=True, columns=4096)
+    assert execution.spectral == "products" and execution.sync_free  # whatever the size
+    assert execution.ns_dtype == torch.bfloat16
+    assert execution.smoothed_dtype == torch.float64
 
 
-def test_a_policy_is_frozen_plain_data():
-    policy = ExecutionPolicy()
+def test_an_execution_is_frozen_plain_data():
+    # (its refusals of unknown values are in test_spectral_paths.py)
+    execution = Execution()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        policy.spectral = "products"
-    assert dataclasses.replace(policy, spectral="products").spectral == "products"
-    with pytest.raises(ValueError, match="ExecutionPolicy.workers must be an int >= 1, got 0"):
-        ExecutionPolicy(workers=0)
-    with pytest.raises(ValueError, match="search_min_size must be an int >= 1, got 0"):
-        ExecutionPolicy(search_min_size=0)
+        execution.spectral = "products"
+    assert dataclasses.replace(execution, spectral="products").spectral == "products"
 
 
-def test_the_optimizer_runs_the_policy_it_resolves():
-    # ManifoldMuon with dual spectral "products" on a CPU = the functional core handed the policy
-    # with spectral "products" (bit for bit); the eigh policy gives another point
-    g = torch.Generator().manual_seed(5)
-    w0 = torch.linalg.qr(torch.randn(48, 12, generator=g))[0]
-    grad = torch.randn(48, 12, generator=g)
-    param = nn.Parameter(w0.clone())
-    opt = ManifoldMuon([param], lr=0.05, manifold="stiefel", project_init=False, dual={"spectral": "products"})
-    param.grad = grad.clone()
-    opt.step()
-    group = opt.param_groups[0]
+def test_small_cpu_steps_run_on_one_thread():
+    side = round(SMALL_SOLVE_FLOPS ** (1 / 3))
+    assert Execution.threads("cpu", [(side - 1, side - 1), (8, 8)]) == 1
+    assert Execution.threads("cpu", [(side + 1, side + 1)]) is None  # torch's own setting
+    assert Execution.threads("cuda", [(8, 8)]) is None
+    assert Execution.threads("cpu", []) is None
 
-    def core(policy):
-        manifold = Stiefel(retraction="polar", method="gram-eigh")
-        return core_step(w0, grad, group, manifold, fuse_retraction=True, execution=policy)
 
-    products = core(ExecutionPolicy.resolve("cpu", spectral="products"))
-    torch.testing.assert_close(products, param.detach(), rtol=0, atol=0)
-    eigh = core(ExecutionPolicy.resolve("cpu", spectral="eigh"))
-    assert not torch.equal(eigh, products)  # a different path ...
-    torch.testing.assert_close(eigh, products, rtol=0, atol=1e-5)  # ... to the same step
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_step_restores_the_callers_thread_count(fails):
+    # a small step runs on one thread; the caller's count comes back, also when the step raises
+    # (here: a point moved off Stiefel behind the optimizer's back, refused on the eigh path)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        p = nn.Parameter(torch.randn(12, 4))
+        opt = ManifoldMuon([p], lr=0.05, manifold="stiefel", dual={"spectral": "eigh"})
+        p.grad = torch.randn(12, 4)
+        if fails:
+            with torch.no_grad():
+                p.mul_(3.0)
+            with pytest.raises(ValueError, match="W is not a Stiefel point"):
+                opt.step()
+        else:
+            opt.step()
+        assert torch.get_num_threads() == 2
+        assert torch.is_grad_enabled()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _step(shape, dual, seed=5, steps=2):
+    """The point after ``steps`` steps from a projected random start, the last step's op counts,
+    the start and the last dual residual."""
+    g = torch.Generator().manual_seed(seed)
+    param = nn.Parameter(torch.randn(*shape, generator=g))
+    opt = ManifoldMuon([param], lr=0.05, manifold="stiefel", dual=dual)
+    start = param.detach().clone()
+    counts = None
+    for _ in range(steps):
+        param.grad = torch.randn(*shape, generator=g)
+        counts = count_ops(opt.step)
+    return param.detach().clone(), counts, start, float(opt.state[param]["dual_residual"])
+
+
+@pytest.mark.parametrize("shape,resolved", [((96, 24), "products"), ((512, EIGH_MIN_COLUMNS), "eigh")])
+def test_the_optimizer_runs_the_path_it_resolves(shape, resolved):
+    # "auto" on the CPU is the explicit path the columns select, bit for bit; the other path
+    # gives another point, as far from it as the two directions' tangent residuals allow
+    auto, _, start, auto_residual = _step(shape, {}, steps=1)
+    explicit, *_ = _step(shape, {"spectral": resolved}, steps=1)
+    other, _, _, other_residual = _step(shape, {"spectral": "eigh" if resolved == "products" else "products"}, steps=1)
+    torch.testing.assert_close(auto, explicit, rtol=0, atol=0)
+    assert not torch.equal(auto, other)
+    moved = float((auto - start).norm())
+    assert float((auto - other).norm()) <= 5 * (auto_residual + other_residual) * moved
+
+
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
+@pytest.mark.parametrize("sync_free", [True, False])
+def test_the_sync_free_option_decides_the_host_reads(spectral, sync_free):
+    _, counts, _, _ = _step((48, 12), {"spectral": spectral, "sync_free": sync_free})
+    assert (counts.syncs == 0) == sync_free, counts.syncs
+    eighs = sum(n for name, n in counts.by_name.items() if "eigh" in name)
+    if spectral == "products" and sync_free:
+        assert eighs == 0  # products only
+    if spectral == "eigh":
+        assert eighs > 0

@@ -1,22 +1,23 @@
-"""The retraction formed from the solved reduced dual equals forming the direction and retracting it."""
+"""The manifold's default Muon retraction, taken in its Gram form from the solve's pieces, equals
+forming the direction and retracting it with the same retraction named explicitly.
+
+A group whose ``retraction`` is ``None`` takes the manifold's ``muon_retraction`` in Gram form
+(:math:`Y\\Phi` from :math:`Y^\\top Y`, built from the dual's ``n × n`` pieces or, on the sync-free
+path, from the formed :math:`Y`); a group that names that same retraction takes the manifold's own
+``retract``. The two must agree to rounding, keep points on the manifold over many steps, and
+remove a drift of the point in one step.
+"""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from core_step import core_step  # pytest puts this folder on sys.path
 
 from manifoldlib.functional.dgram import off_diagonal
 from manifoldlib.manifolds import get_manifold
-from manifoldlib.optim import ManifoldMuon
-from manifoldlib.optim.fused_retraction import FUSED_MIN_ASPECT, GRAM_DRIFT_EPS, fused_retraction
-from manifoldlib.optim.manifold_muon import DEFAULT_RETRACTIONS
-from manifoldlib.optim.muon_groups import group_manifold
-from manifoldlib.optim.steepest import solve_dual
+from manifoldlib.optim import ManifoldMuon, manifold_muon
 
-fused_module = sys.modules["manifoldlib.optim.fused_retraction"]
+MANIFOLDS = ("stiefel", "dgram", "oblique")
 
 
 def _point(m, n, manifold, dtype, seed=0, spread=0.3):
@@ -27,128 +28,102 @@ def _point(m, n, manifold, dtype, seed=0, spread=0.3):
     return q.to(dtype), torch.randn(m, n, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _plain_step(solution, w, manifold, eta, beta):
-    name, options = DEFAULT_RETRACTIONS[manifold]
-    retraction = get_manifold(manifold, retraction=name, **options)
-    return retraction.retr(w * beta, solution.direction().to(w.dtype).mul(-eta))
+def _explicit(manifold: str) -> dict:
+    """The manifold's default Muon retraction, named (so the group takes the manifold's ``retract``)."""
+    name, options = get_manifold(manifold).muon_retraction
+    return {"name": name, **options}
 
 
-def _solve(w, g, manifold, spectral="eigh"):
-    return solve_dual(w, g, manifold, tol=1e-6, max_iter=60, msign_method="jordan5", patience=None,
-                      gap_tol=None, spectral=spectral)  # the optimizer's solve (its work dtype)
+def _one_step(w, g, manifold, retraction, spectral, drift=None):
+    p = torch.nn.Parameter(w.clone())
+    opt = ManifoldMuon([p], lr=0.02, manifold=manifold, weight_decay=0.5 if manifold == "dgram" else 0.0,
+                       momentum=0.0, nesterov=False, retraction=retraction,
+                       dual={"spectral": spectral, "tol": 1e-6, "max_iter": 60})
+    if drift is not None:
+        with torch.no_grad():  # moved off the manifold behind the optimizer's back
+            p.copy_(p @ drift)
+    p.grad = g.clone()
+    opt.step()
+    return p.detach().clone()
 
 
-@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
-@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-12), (torch.float32, 2e-6)])
-@pytest.mark.parametrize("shape", [(96, 24), (64, 32)])
+def _relative_residual(w: torch.Tensor, manifold: str) -> float:
+    """Stiefel ``||W^T W - I|| / ||diag||``, DGram ``||Off(W^T W)|| / ||diag||``, Oblique ``||diag - 1|| / ||diag||``."""
+    gram = w.mT @ w
+    if manifold == "dgram":
+        residual = off_diagonal(gram)
+    elif manifold == "stiefel":
+        residual = gram - torch.eye(w.size(1), dtype=gram.dtype)
+    else:
+        residual = gram.diagonal() - 1.0
+    return float(residual.norm() / gram.diagonal().norm())
+
+
 @pytest.mark.parametrize("spectral", ["eigh", "products"])  # products: what CUDA solves with
-def test_fused_equals_direction_then_retraction(manifold, dtype, rtol, shape, spectral):
+@pytest.mark.parametrize("shape", [(96, 24), (64, 32), (24, 24)])
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("manifold", MANIFOLDS)
+def test_the_gram_form_equals_direction_then_retraction(manifold, dtype, rtol, shape, spectral):
     w, g = _point(*shape, manifold, dtype)
-    solution = _solve(w, g, manifold, spectral)
-    if shape == (96, 24):  # the products solve stays on its own path (no smoothed continuation)
-        assert (solution.state.vec is None) == (spectral == "products")
-    beta = 0.99 if manifold == "dgram" else 1.0  # decoupled weight decay (DGram only)
-    fused = fused_retraction(solution.problem, solution.state, 0.02, beta)
-    assert fused is not None and fused.dtype == dtype
-    plain = _plain_step(solution, w, manifold, 0.02, beta)
+    fused = _one_step(w, g, manifold, None, spectral)
+    plain = _one_step(w, g, manifold, _explicit(manifold), spectral)
+    assert fused.dtype == dtype
     assert float((fused - plain).norm() / plain.norm()) <= rtol
+    assert float((fused - w).norm()) > 1e3 * rtol * float(w.norm())  # the step is far larger
 
 
-def test_fused_declines_below_its_aspect_and_for_large_steps():
-    w, g = _point(48, 32, "stiefel", torch.float64)  # aspect 1.5 < FUSED_MIN_ASPECT
-    assert 48 < FUSED_MIN_ASPECT * 32
-    solution = _solve(w, g, "stiefel")
-    assert fused_retraction(solution.problem, solution.state, 0.05) is None
-    w, g = _point(96, 24, "dgram", torch.float64)
-    eigh = _solve(w, g, "dgram")
-    # a step as long as the point: the Gram matrix of W - eta A is far from diagonal, the products-only
-    # kernels give up and the caller takes the plain (eigh / SVD) retraction
-    assert fused_retraction(eigh.problem, eigh.state, 5.0) is None
-
-
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
-def test_a_drifted_point_is_retracted_with_its_exact_gram_matrix(manifold):
+def test_a_drifted_point_is_retracted_onto_the_manifold_in_one_step(manifold, spectral):
     w, g = _point(96, 24, manifold, torch.float64)
     tilt = torch.eye(24, dtype=torch.float64)
-    tilt[0, 1] = 1e-6  # W -> W (I + 1e-6 E_01): Off(W^T W) ~ 1e-6, above the float64 threshold
-    drifted = w @ tilt
-    solution = _solve(drifted, g, manifold)
-    exact = {"reads": 0}
-    real = fused_module._point_gram
-
-    def counted(problem):
-        found = real(problem)
-        exact["reads"] += found is not None
-        return found
-
-    fused_module._point_gram = counted
-    try:
-        fused = fused_retraction(solution.problem, solution.state, 0.02)
-        clean = _solve(w, g, manifold)
-        fused_retraction(clean.problem, clean.state, 0.02)
-    finally:
-        fused_module._point_gram = real
-    assert exact["reads"] == 1  # the drifted point, not the clean one
-    plain = _plain_step(solution, drifted, manifold, 0.02, 1.0)
+    tilt[0, 1] = 1e-6  # W -> W (I + 1e-6 E_01): Off(W^T W) ~ 1e-7, far above float64's rounding
+    assert _relative_residual(w @ tilt, manifold) > 1e-8
+    fused = _one_step(w, g, manifold, None, spectral, drift=tilt)
+    plain = _one_step(w, g, manifold, _explicit(manifold), spectral, drift=tilt)
     assert float((fused - plain).norm() / plain.norm()) <= 1e-12
-    gram = fused.mT @ fused
-    residual = off_diagonal(gram) if manifold == "dgram" else gram - torch.eye(24, dtype=gram.dtype)
-    assert float(residual.norm() / gram.diagonal().norm()) < 1e-13  # the drift is gone
+    assert _relative_residual(fused, manifold) < 1e-13  # the drift is gone
 
 
-def test_probe_threshold_is_in_units_of_the_dtype():
-    w, g = _point(96, 24, "dgram", torch.float32)
-    solution = _solve(w, g, "dgram")
-    assert fused_module._point_gram(solution.problem) is None  # a projected float32 point
-    tilt = torch.eye(24)
-    tilt[2, 5] = 50 * GRAM_DRIFT_EPS * torch.finfo(torch.float32).eps
-    drifted = _solve(w @ tilt, g, "dgram")
-    assert fused_module._point_gram(drifted.problem) is not None
-
-
-@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
-def test_manifold_muon_keeps_tall_points_on_the_manifold_over_many_fused_steps(manifold):
-    # the fused step reads W^T W only when the probe sees drift: 300 float32 steps stay at the level
-    # the four-product step keeps (Stiefel ||W^T W - I||, DGram ||Off(W^T W)|| / ||diag||)
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
+@pytest.mark.parametrize("manifold", MANIFOLDS)
+def test_many_float32_steps_keep_tall_points_on_the_manifold(manifold, spectral):
+    # 300 float32 steps stay within 2 * 64 float32 epsilons (1.5e-5) of the manifold, relative
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(128, 32))
-    opt = ManifoldMuon([p], lr=0.02, manifold=manifold, weight_decay=0.01)
+    opt = ManifoldMuon([p], lr=0.02, manifold=manifold, weight_decay=0.01, dual={"spectral": spectral})
     g = torch.Generator().manual_seed(1)
     for _ in range(300):
         p.grad = torch.randn(128, 32, generator=g)
         opt.step()
-    w = p.detach().double()
-    gram = w.mT @ w
-    residual = off_diagonal(gram) if manifold == "dgram" else gram - torch.eye(32, dtype=gram.dtype)
-    assert float(residual.norm() / gram.diagonal().norm()) <= 2 * GRAM_DRIFT_EPS * torch.finfo(torch.float32).eps
+    assert _relative_residual(p.detach().double(), manifold) <= 2 * 64 * torch.finfo(torch.float32).eps
+    assert int(opt.state[p]["skipped_steps"]) == 0
 
 
-def test_a_group_with_its_own_retraction_is_not_fused():
-    # the optimizer's step of each group equals the functional core with fuse_retraction as the
-    # group's retraction says: fused for the default one, plain for its own (bit for bit)
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
+def test_a_group_with_its_own_retraction_takes_the_manifolds_retract(spectral):
+    # the optimizer's step of each group equals the functional core given that group's options
+    # (bit for bit): the Gram form for the default retraction, the manifold's retract for a named
+    # one; the two round differently (float32)
     g = torch.Generator().manual_seed(2)
     w0 = [torch.randn(64, 16, generator=g) for _ in range(2)]
     grads = [torch.randn(64, 16, generator=g) for _ in range(2)]
     default, own = (torch.nn.Parameter(w.clone()) for w in w0)
-    opt = ManifoldMuon(
-        [{"params": [default]}, {"params": [own], "retraction_options": {"method": "svd"}}], lr=0.02, manifold="dgram"
-    )
+    opt = ManifoldMuon([{"params": [default]}, {"params": [own], "retraction": _explicit("dgram")}],
+                       lr=0.02, manifold="dgram", dual={"spectral": spectral})
     starts = [p.detach().clone() for p in (default, own)]  # projected onto DGram
     default.grad, own.grad = grads[0].clone(), grads[1].clone()
     opt.step()
 
-    def core(start, grad, group, fuse):
-        return core_step(start, grad, group, group_manifold(group), fuse_retraction=fuse)
+    def core(start, grad, group):
+        w = start.clone()
+        options = {k: v for k, v in group.items() if k != "params"}
+        manifold_muon([w], [grad.clone()], [torch.zeros_like(w)], [{}], options)
+        return w
 
     first, second = opt.param_groups
-    torch.testing.assert_close(default.detach(), core(starts[0], grads[0], first, True), rtol=0, atol=0)
-    assert not torch.equal(default.detach(), core(starts[0], grads[0], first, False))  # fusing changed rounding
-    torch.testing.assert_close(own.detach(), core(starts[1], grads[1], second, False), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize(("eta", "beta"), [(-0.1, 1.0), (float("nan"), 1.0), (0.02, 0.0), (0.02, float("inf"))])
-def test_bad_step_or_decay_is_refused_by_name(eta, beta):
-    w, g = _point(96, 24, "dgram", torch.float64)
-    solution = _solve(w, g, "dgram")
-    with pytest.raises(ValueError, match="eta=.*beta="):
-        fused_retraction(solution.problem, solution.state, eta, beta)
+    torch.testing.assert_close(default.detach(), core(starts[0], grads[0], first), rtol=0, atol=0)
+    torch.testing.assert_close(own.detach(), core(starts[1], grads[1], second), rtol=0, atol=0)
+    named = core(starts[0], grads[0], {**first, "retraction": _explicit("dgram")})
+    assert not torch.equal(default.detach(), named)  # the Gram form rounds differently ...
+    assert float((default.detach() - named).norm() / named.norm()) <= 2e-6  # ... from the same step
