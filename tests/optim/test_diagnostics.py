@@ -8,6 +8,7 @@ from torch import nn
 
 from manifoldlib import DGram, Stiefel
 from manifoldlib.optim import (
+    ManifoldMuon,
     build_optimizer,
     constraint_residual,
     max_attention_logit,
@@ -49,11 +50,33 @@ def test_optimizer_diagnostics_rows():
     rows = optimizer_diagnostics(opt)
     assert set(rows) == {f"blocks.0.attn.{k}.weight" for k in "qkvo"} | {"blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight"}
     for name, row in rows.items():
+        assert set(row) == {"manifold", "residual", "dual_iterations", "dual_residual", "retraction_residual",
+                            "skipped_steps", "spectral_norm"}
         assert row["manifold"] == ("stiefel" if ".attn." in name else "dgram")
         assert row["residual"] <= 1e-4
-        assert row["dual_iterations"] >= 0
+        # plain Python numbers read from the step's device tensors
+        assert type(row["dual_iterations"]) is int and row["dual_iterations"] >= 0
+        assert type(row["dual_residual"]) is float and 0.0 <= row["dual_residual"] <= 1.0
+        assert type(row["retraction_residual"]) is float and 0.0 <= row["retraction_residual"] <= 1e-2
+        assert row["skipped_steps"] == 0
         if row["manifold"] == "stiefel":
             assert row["spectral_norm"] == pytest.approx(1.0, abs=1e-4)
+    assert set(optimizer_diagnostics(opt, spectral=False)["blocks.0.mlp.fc.weight"]) == set(row) - {"spectral_norm"}
+
+
+def test_optimizer_diagnostics_of_a_plain_manifold_muon_name_groups_and_params():
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(12, 4, generator=gen)), nn.Parameter(torch.randn(6, 6, generator=gen))]
+    opt = ManifoldMuon([{"params": params[:1], "manifold": "oblique"}, {"params": params[1:]}], lr=0.02)
+    rows = optimizer_diagnostics(opt)  # before any step: zeros, not errors
+    assert rows["group0.param0"]["dual_iterations"] == 0 and rows["group1.param0"]["manifold"] == "euclidean"
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    rows = optimizer_diagnostics(opt)
+    assert set(rows) == {"group0.param0", "group1.param0"}
+    assert rows["group0.param0"]["residual"] <= 1e-5 and rows["group0.param0"]["dual_residual"] > 0
+    assert rows["group1.param0"]["residual"] == 0.0 and rows["group1.param0"]["dual_iterations"] == 0
 
 
 class _TinyAttn(nn.Module):
