@@ -549,8 +549,34 @@ class Progress:
     @classmethod
     def start(cls, ev: Evaluation, tol: float, sync_free: bool = True) -> Progress:
         r = ev.residual
+        if not sync_free:  # rows of the best iterate are written in place (record_rows)
+            ev = Evaluation(**{f.name: None if getattr(ev, f.name) is None else getattr(ev, f.name).clone()
+                               for f in fields(ev)})
         return cls(ev, torch.zeros_like(r, dtype=torch.long), (r > tol) & torch.isfinite(r), r.clone(),
                    torch.zeros_like(r, dtype=torch.long), [r], sync_free)
+
+    def record_rows(self, ev: Evaluation, rows: torch.Tensor, tol: float, patience: int | None) -> None:
+        """Take ``ev``, the evaluation of the matrices ``rows`` (an index tensor) that stepped: best
+        iterate, stall count, activity. Early-stopping loops only (a host read per call)."""
+        r = ev.residual
+        self.history.append(r)
+        self.iterations[rows] += 1
+        best_r = self.best.residual[rows]
+        improved = (r < best_r) | torch.isnan(best_r)
+        if bool(improved.any()):
+            take = rows if bool(improved.all()) else rows[improved]
+            sub = ev if bool(improved.all()) else ev.select(improved)
+            for f in fields(self.best):
+                mine, theirs = getattr(self.best, f.name), getattr(sub, f.name)
+                if mine is not None and theirs is not None:
+                    mine[take] = theirs
+        progress = r < 0.9 * self.mark[rows]
+        self.mark[rows] = torch.where(progress, r, self.mark[rows])
+        self.stall[rows] = torch.where(progress, 0, self.stall[rows] + 1)
+        still = (r > tol) & torch.isfinite(r)
+        if patience is not None:
+            still = still & (self.stall[rows] < patience)
+        self.active[rows] = still
 
     def record(self, ev: Evaluation, stepped: torch.Tensor, tol: float, patience: int | None) -> None:
         """Take ``ev`` for the matrices that ``stepped``: best iterate, stall count, activity."""
@@ -588,24 +614,43 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
 
     The first step is :math:`1/(4\sqrt n)` (about a quarter of a typical singular value of the
     normalized problem), then the long and short rules alternate. A matrix stops moving once it
-    is inactive (:class:`Progress`). ``sync_free``: exactly ``iterations`` iterations and no host
-    read; otherwise the loop also stops when no matrix is active (one read per iteration).
+    is inactive (:class:`Progress`). ``sync_free``: exactly ``iterations`` iterations, every matrix
+    evaluated each time under device-side masks, and no host read; otherwise the loop reads which
+    matrices are still active, works on those alone (:meth:`DualProblem.select`) and stops when
+    none is.
     """
     ev = problem.evaluate(lam)
     progress = Progress.start(ev, tol, sync_free)
     step = torch.full_like(ev.residual, 0.25 / math.sqrt(lam.size(-1)))
     lam_prev = grad_prev = None
+    work, rows = problem, None
     for taken in range(iterations):
-        if not sync_free and not bool(progress.active.any()):
-            break
-        active = progress.active
-        grad = ev.h / problem.metric  # preconditioned dual gradient
+        if sync_free:
+            active = progress.active
+        else:
+            keep = progress.active if rows is None else progress.active[rows]
+            if not bool(keep.any()):
+                break
+            if rows is None or not bool(keep.all()):  # narrow the work to the active matrices
+                index = keep.nonzero().flatten()
+                rows = index if rows is None else rows[index]
+                work, ev, lam, step = work.select(index), ev.select(index), lam[index], step[index]
+                if lam_prev is not None:
+                    lam_prev, grad_prev = lam_prev[index], grad_prev[index]
+            active = None
+        grad = ev.h / work.metric  # preconditioned dual gradient
         if lam_prev is not None:
-            step = torch.where(active, _barzilai_borwein(step, lam - lam_prev, grad - grad_prev, long=bool(taken % 2)), step)
+            proposed = _barzilai_borwein(step, lam - lam_prev, grad - grad_prev, long=bool(taken % 2))
+            step = proposed if active is None else torch.where(active, proposed, step)
         lam_prev, grad_prev = lam, grad
-        lam = torch.where(active.view(-1, 1, 1), lam - step.view(-1, 1, 1) * grad, lam)
-        ev = problem.evaluate(lam)
-        progress.record(ev, active, tol, patience)
+        moved = lam - step.view(-1, 1, 1) * grad
+        lam = moved if active is None else torch.where(active.view(-1, 1, 1), moved, lam)
+        ev = work.evaluate(lam)
+        if active is None:
+            progress.record_rows(ev, rows, tol, patience)
+        else:
+            progress.record(ev, active, tol, patience)
+    problem.evaluations += work.evaluations if work is not problem else 0
     return progress
 
 
@@ -639,34 +684,40 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
     + \Delta\delta)\gamma`, :math:`\gamma = \arg\min\|\delta_k - \Delta\delta\,\gamma\|`) about halves
     the iterations of Barzilai–Borwein steps. Steps are over-relaxed by
     :data:`PRECONDITIONED_RELAXATION` until a matrix's residual first grows; then its memory
-    restarts and its relaxation drops to 1. Eigh path only (the eigenbasis); stops when no
-    matrix is active.
+    restarts and its relaxation drops to 1. Eigh path only (the eigenbasis); it reads which
+    matrices are still active every iteration, works on those alone and stops when none is.
     """
     ev = problem.evaluate(lam, rotated=True)
     progress = Progress.start(ev, tol, sync_free=False)
-    batch = lam.size(0)
-    relaxation = torch.full((batch,), PRECONDITIONED_RELAXATION, dtype=lam.dtype, device=lam.device)
+    relaxation = torch.full((lam.size(0),), PRECONDITIONED_RELAXATION, dtype=lam.dtype, device=lam.device)
     points: list[torch.Tensor] = []
     steps: list[torch.Tensor] = []
-    valid: list[torch.Tensor] = []  # (B,) per history entry: not cleared by a restart
+    valid: list[torch.Tensor] = []  # per history entry, per matrix: not cleared by a restart
     previous = ev.residual
+    work, rows = problem, None
     for _ in range(iterations):
-        if not bool(progress.active.any()):
+        keep = progress.active if rows is None else progress.active[rows]
+        if not bool(keep.any()):
             break
-        active = progress.active
-        delta = _preconditioned_step(problem, ev, relaxation)
-        points, steps, valid = (points + [lam])[-(memory + 1):], (steps + [delta])[-(memory + 1):], \
-            (valid + [active])[-(memory + 1):]
-        new = lam + delta
+        if rows is None or not bool(keep.all()):  # narrow the work to the active matrices
+            index = keep.nonzero().flatten()
+            rows = index if rows is None else rows[index]
+            work, ev, lam = work.select(index), ev.select(index), lam[index]
+            relaxation, previous = relaxation[index], previous[index]
+            points, steps, valid = [p[index] for p in points], [d[index] for d in steps], [v[index] for v in valid]
+        delta = _preconditioned_step(work, ev, relaxation)
+        points, steps = (points + [lam])[-(memory + 1):], (steps + [delta])[-(memory + 1):]
+        valid = (valid + [torch.ones_like(previous, dtype=torch.bool)])[-(memory + 1):]
+        lam = lam + delta
         if len(steps) > 1:
-            new = new - _anderson_correction(points, steps, valid, delta)
-        lam = torch.where(active.view(-1, 1, 1), new, lam)
-        ev = problem.evaluate(lam, rotated=True)
-        progress.record(ev, active, tol, patience)
-        grew = active & ~(ev.residual < previous)
+            lam = lam - _anderson_correction(points, steps, valid, delta)
+        ev = work.evaluate(lam, rotated=True)
+        progress.record_rows(ev, rows, tol, patience)
+        grew = ~(ev.residual < previous)
         relaxation = torch.where(grew, torch.ones_like(relaxation), relaxation)
         valid = [v & ~grew for v in valid]  # the mixing overshot: restart from plain steps
-        previous = torch.where(active, ev.residual, previous)
+        previous = ev.residual
+    problem.evaluations += work.evaluations if work is not problem else 0
     return progress
 
 
