@@ -14,6 +14,7 @@ from manifoldlib.optim import (
     available_policies,
     build_optimizer,
     constraint_residual,
+    describe_assignment,
     get_policy,
     register_policy,
 )
@@ -297,3 +298,80 @@ def test_frozen_parameters_are_left_out_and_every_other_lands_in_one_group():
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert {id(p) for p in grouped} == trainable                       # nothing lost, none frozen
     assert not any(p is f for p in grouped for f in frozen)
+
+
+# ---- describe_assignment, verbose, charts -----------------------------------------------------
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's layout (the layout rule reads the class name): weight ``(in, out)``."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def _table_rows(table: str) -> dict[str, list[str]]:
+    lines = table.splitlines()
+    assert lines[0].split() == ["parameter", "shape", "layout", "optimizer", "why"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    rows = {}
+    for line in lines[2:-1]:
+        name, *cells = line.split(maxsplit=4)
+        rows[name] = cells
+    return rows
+
+
+def test_describe_assignment_names_every_parameter_its_shape_layout_optimizer_and_why():
+    model = _gpt(n_layer=1, n_embd=16)
+    table = describe_assignment(model, "hetero")
+    rows = _table_rows(table)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(rows) == trainable  # every parameter once (the tied head is the embedding)
+    assert rows["blocks.0.attn.q.weight"] == ["16x16", "out_in", "stiefel", "attention"]
+    assert rows["blocks.0.mlp.fc.weight"] == ["64x16", "out_in", "dgram", "MLP"]
+    assert rows["wte.weight"] == ["64x16", "out_in", "AdamW", "embedding"]
+    assert rows["norm_f.weight"] == ["16", "-", "AdamW", "not a matrix"]
+    assert table.splitlines()[-1] == "(AdamW: 5, stiefel: 4, dgram: 2)"
+    assignment = assign_parameters(model, "hetero")  # the table says what the optimizer does
+    assert {n: (c or "AdamW") for n, c in assignment.items()} == {n: r[2] for n, r in rows.items()}
+
+
+@_MIXER_FALLBACK_SEEN
+def test_describe_assignment_reads_layouts_heads_and_fallbacks():
+    model = _UserModel()
+    model.layers[0].attn["q"] = Conv1D(8, 8)
+    rows = _table_rows(describe_assignment(model, "hetero"))
+    assert rows["layers.0.attn.q.weight"] == ["8x8", "in_out", "stiefel", "attention"]
+    assert rows["head.weight"] == ["10x8", "out_in", "AdamW", "output head"]
+    assert rows["mixer.weight"] == ["8x8", "out_in", "euclidean", "unrecognized: fallback"]
+    assert rows["head.bias"] == ["10", "-", "AdamW", "not a matrix"]
+    custom = _table_rows(describe_assignment(model, lambda n, m, p: "oblique" if n == "mixer.weight" else None))
+    assert custom["mixer.weight"][2:] == ["oblique", "policy <lambda>"]
+
+
+def test_build_optimizer_verbose_prints_the_table(capsys):
+    model = _gpt(n_layer=1, n_embd=16)
+    build_optimizer(model, "hetero", verbose=True)
+    assert capsys.readouterr().out.strip() == describe_assignment(model, "hetero").strip()
+    build_optimizer(model, "hetero")
+    assert capsys.readouterr().out == ""
+
+
+def test_build_optimizer_warns_that_sel_charted_matrices_go_to_adamw():
+    from manifoldlib.charts import SEL, apply_chart
+
+    model = _gpt(n_layer=1, n_embd=16)
+    charted = apply_chart(model, SEL, include=lambda name, module: ".attn." in f"{name}.")
+    assert len(charted) == 4
+    with pytest.warns(UserWarning, match=r"charted matrices \(e.g. 'blocks.0.attn.q.parametrizations.weight."
+                                         r"original'\) go to AdamW.*merge the charts"):
+        opt = build_optimizer(model, "hetero")
+    kinds = {n: g["kind"] for g in opt.param_groups for n in g["param_names"]}
+    assert kinds["blocks.0.attn.q.parametrizations.weight.original"] == "adamw"
+    assert kinds["blocks.0.mlp.fc.weight"] == "muon"  # the uncharted matrices keep their manifold
+    rows = _table_rows(describe_assignment(model, "hetero"))
+    assert rows["blocks.0.attn.q.parametrizations.weight.original"][2:] == ["AdamW", "chart coordinates (Euclidean)"]
