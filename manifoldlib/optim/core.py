@@ -214,10 +214,9 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         if opts.fused and execution.sync_free:  # form Y, its Gram matrix, fixed chord steps
             base = w if isinstance(beta, float) and beta == 1.0 else w * beta
             new, residual = _gram_retraction(manifold, base - eta * solution.direction().to(w.dtype))
-            if residual is not None:
-                ok = ok & (residual <= RETRACTION_TOL)
-                for state, value in zip(bank.states, residual.unbind(0)):
-                    state["retraction_residual"] = value
+            ok = ok & (residual <= RETRACTION_TOL)
+            for state, value in zip(bank.states, residual.unbind(0)):
+                state["retraction_residual"] = value
         elif opts.fused and solution.best is not None:
             new = _fused_retraction(solution, eta, beta)
         if new is None:  # form the direction and take the manifold's own retraction
@@ -239,8 +238,9 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
 def _gram_retraction(manifold, y: Tensor) -> tuple[Tensor, Tensor | None]:
     r"""``(Y\Phi, residual)``: the manifold's Gram-form retraction of a formed ``y`` ``(B, m, n)``, with
     :math:`\Phi` from fixed chord steps (:func:`~manifoldlib.functional.gram_rsqrt.chord_rsqrt`) and
-    nothing read back; ``residual`` ``(B,)`` is their :math:`\|I - \Phi^\top T\Phi\|_1` (``None``
-    where the factor needs no inverse square root, Oblique's)."""
+    nothing read back; ``residual`` ``(B,)`` is their :math:`\|I - \Phi^\top T\Phi\|_1` (0 where the
+    factor needs no inverse square root, Oblique's; inf where :math:`\Phi` is not finite, e.g. a
+    zero column)."""
     found: list[Tensor] = []
 
     def rsqrt(t: Tensor) -> Tensor:
@@ -250,10 +250,9 @@ def _gram_retraction(manifold, y: Tensor) -> tuple[Tensor, Tensor | None]:
 
     gram = y.mT @ y
     phi = manifold.gram_retraction_factor(0.5 * (gram + gram.mT), rsqrt)
-    residual = None
-    if found:
-        residual = torch.where(torch.isfinite(found[0]), found[0], torch.full_like(found[0], float("inf")))
-    return y @ phi, residual
+    residual = found[0] if found else torch.zeros(y.size(0), dtype=y.dtype, device=y.device)
+    finite = torch.isfinite(residual) & torch.isfinite(phi.sum(dim=(-2, -1)))  # e.g. a zero column
+    return y @ phi, torch.where(finite, residual, torch.full_like(residual, float("inf")))
 
 
 def _fused_retraction(solution, eta, beta) -> Tensor | None:

@@ -241,8 +241,7 @@ class DualProblem:
         self.metric = normal_metric(self.d * self.d)  # (B, n, n): (d_i^2 + d_j^2)/2
         self.mask = manifold.multiplier_mask
         self.smoothing = smoothing
-        self.evaluations = 0
-        self.hessian_products = 0
+        self.counters = {"evaluations": 0, "hessian_products": 0}  # shared by the problem's parts
         self.wg = w.mT @ g  # (B, n, n) = W^T G = F^T B
         if exact_gram is None:
             exact_gram = self._drifted()
@@ -252,6 +251,16 @@ class DualProblem:
         self.reduced = False
         if reduced or (reduced is None and (spectral.method != "svd" or smoothing is not None)):
             self._reduce()
+
+    @property
+    def evaluations(self) -> int:
+        """Dual evaluations of this bank so far (its narrowed and smoothed parts included)."""
+        return self.counters["evaluations"]
+
+    @property
+    def hessian_products(self) -> int:
+        """Hessian-vector products of the smoothed dual so far."""
+        return self.counters["hessian_products"]
 
     def _drifted(self) -> bool:
         r"""Whether :math:`\|(W^\top W - F^\top F)z\|/\|F^\top F\|` exceeds :data:`GRAM_DRIFT_EPS` units of
@@ -327,6 +336,17 @@ class DualProblem:
         r""":math:`\Lambda_0 = -\mathcal{P}(W^\top G + G^\top W)/(4\cdot\text{metric})`: :math:`G + 2W\Lambda_0 = P_W(G)`."""
         return -self.mask(self.wg + self.wg.mT) / (4.0 * self.metric)
 
+    def x_norm(self, lam: torch.Tensor) -> torch.Tensor:
+        r"""``(B,)`` :math:`\|X\|_F = \operatorname{tr}(S)^{1/2}` at ``lam`` (the unit of the dual's steps;
+        1 where it is zero or not finite, a zero or diverged matrix)."""
+        if self.reduced:
+            m = self._m(lam)
+            sq = (m * m).sum(_DIMS) + torch.diagonal(self.c, dim1=-2, dim2=-1).sum(-1)
+        else:
+            sq = _add_product(self.g, self.w, lam, alpha=2.0).square().sum(_DIMS)
+        norm = sq.clamp_min(0).sqrt()
+        return torch.where(torch.isfinite(norm) & (norm > 0), norm, torch.ones_like(norm))
+
     def gram(self, lam: torch.Tensor) -> torch.Tensor:
         r"""``(B, n, n)`` :math:`S = C + M^\top M` and :math:`M`."""
         m = self._m(lam)
@@ -344,7 +364,7 @@ class DualProblem:
         :math:`N = V^\\top MV`, for the frozen-gain step instead of :math:`H` and :math:`K`: two
         ``n × n`` products fewer.
         """
-        self.evaluations += 1
+        self.counters["evaluations"] += 1
         if not self.reduced:
             return self._evaluate_unreduced(lam)
         s, m = self.gram(lam)
@@ -478,7 +498,6 @@ class DualProblem:
                 setattr(part, name, value[index])
         if isinstance(self.smoothing, torch.Tensor) and self.smoothing.dim():
             part.smoothing = self.smoothing[index]
-        part.evaluations = part.hessian_products = 0
         return part
 
     # -- the smoothed dual (one matrix, eigh) --------------------------------------------------
@@ -508,7 +527,7 @@ class DualProblem:
         answer is :math:`\mathcal{P}(F^\top dK + dK^\top F)`. Four ``n × n`` products, in the search
         dtype (they only steer conjugate gradients).
         """
-        self.hessian_products += 1
+        self.counters["hessian_products"] += 1
         if "vec" not in cache:
             low = self.execution.search_dtype_for(ev.vec)
             root = ev.gain.reciprocal()
@@ -612,8 +631,8 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
              sync_free: bool) -> Progress:
     r"""Barzilai–Borwein steps on every matrix of ``problem`` from ``lam`` ``(B, n, n)``.
 
-    The first step is :math:`1/(4\sqrt n)` (about a quarter of a typical singular value of the
-    normalized problem), then the long and short rules alternate. A matrix stops moving once it
+    The first step is :math:`\|X\|_F/(4\sqrt n)` at the start (about a quarter of a typical
+    singular value), then the long and short rules alternate. A matrix stops moving once it
     is inactive (:class:`Progress`). ``sync_free``: exactly ``iterations`` iterations, every matrix
     evaluated each time under device-side masks, and no host read; otherwise the loop reads which
     matrices are still active, works on those alone (:meth:`DualProblem.select`) and stops when
@@ -621,7 +640,9 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
     """
     ev = problem.evaluate(lam)
     progress = Progress.start(ev, tol, sync_free)
-    step = torch.full_like(ev.residual, 0.25 / math.sqrt(lam.size(-1)))
+    # ~ a quarter of a typical singular value of X: the curvature of the nuclear norm is ~ 1/sigma
+    # (for a gradient nearly normal to the tangent space X is small, and so is the first step)
+    step = 0.25 * problem.x_norm(lam) / math.sqrt(lam.size(-1))
     lam_prev = grad_prev = None
     work, rows = problem, None
     for taken in range(iterations):
@@ -650,7 +671,6 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
             progress.record_rows(ev, rows, tol, patience)
         else:
             progress.record(ev, active, tol, patience)
-    problem.evaluations += work.evaluations if work is not problem else 0
     return progress
 
 
@@ -717,7 +737,6 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
         relaxation = torch.where(grew, torch.ones_like(relaxation), relaxation)
         valid = [v & ~grew for v in valid]  # the mixing overshot: restart from plain steps
         previous = ev.residual
-    problem.evaluations += work.evaluations if work is not problem else 0
     return progress
 
 

@@ -44,8 +44,8 @@ __all__ = ["MUON_MANIFOLDS", "ManifoldMuon", "check_state_dict", "manifold_muon"
 
 #: Manifold names a ManifoldMuon group may use.
 MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram", "oblique")
-#: Per-matrix state that only the owner keeps in sharded mode.
-OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual")
+#: Per-matrix state that only the owner keeps in sharded mode (the momentum buffer is every rank's).
+OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual", "skipped_steps", "retraction_residual")
 
 
 class ManifoldMuon(Optimizer):
@@ -144,6 +144,22 @@ class ManifoldMuon(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+
+    @torch.no_grad()
+    def project_parameters(self) -> None:
+        """Move every parameter onto its group's manifold (what adding a group does).
+
+        Call it after changing the weights outside the optimizer (loading other weights into the
+        model, a manual edit): a step assumes its points are on their manifolds, and on the
+        sync-free path a matrix far off its manifold fails the retraction's check every step and
+        keeps its value (``state["skipped_steps"]`` counts it).
+
+        Raises:
+            ValueError: naming a parameter that has no nearest point (all zeros; DGram without
+                full column rank).
+        """
+        for group in self.param_groups:
+            self._project_group(group, MuonOptions.from_group(group))
 
     @torch.no_grad()
     def _project_group(self, group: MutableMapping, options: MuonOptions) -> None:
@@ -318,40 +334,49 @@ def restore_dual_corrections(optimizer: Optimizer, state_dict: Mapping) -> None:
 
 @torch.no_grad()
 def _share_owner_state(optimizer: ManifoldMuon) -> None:
-    """Copy every matrix's owner-only state to every rank (a collective)."""
+    """Copy every matrix's owner-only state (:data:`OWNER_STATE_KEYS`) to every rank (a collective).
+
+    Each owner packs its entries into one float64 vector per matrix (presence flags, the scalars,
+    the correction), :func:`~manifoldlib.distributed.sharded_apply` shares them, and every rank
+    unpacks them in the dtypes the step writes (the correction and residuals in the solve's dtype).
+    """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     owners = optimizer.owners()
     ranks = [owners[id(p)] for p in params]
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    scalars = OWNER_STATE_KEYS[1:]  # after the correction
 
-    def template(p: Tensor) -> Tensor:  # [has state, has correction, iterations, residual, correction...]
+    def template(p: Tensor) -> Tensor:  # [present per key..., value per scalar..., correction (k*k)]
         k = min(p.shape)
-        return torch.zeros(4 + k * k, dtype=torch.float64, device=p.device)
+        return torch.zeros(len(OWNER_STATE_KEYS) + len(scalars) + k * k, dtype=torch.float64, device=p.device)
 
     def owned(i: int, out: Tensor) -> Tensor:
         state = optimizer.state.get(params[i], {})
-        if "dual_iterations" not in state:
-            return out
-        corr = state.get("dual_correction")
         out = out.clone()
-        out[0], out[1] = 1.0, float(corr is not None)
-        out[2], out[3] = float(state["dual_iterations"]), float(state["dual_residual"])
+        for j, key in enumerate(OWNER_STATE_KEYS):
+            out[j] = float(state.get(key) is not None)
+        for j, key in enumerate(scalars):
+            if state.get(key) is not None:
+                out[len(OWNER_STATE_KEYS) + j] = float(state[key])
+        corr = state.get("dual_correction")
         if corr is not None:
-            out[4:] = corr.flatten().to(torch.float64)
+            out[len(OWNER_STATE_KEYS) + len(scalars):] = corr.flatten().to(torch.float64)
         return out
 
     shared = sharded_apply([template(p) for p in params], owned, process_group=optimizer.distribution.process_group,
                            owners=ranks)
     for p, values in zip(params, shared):
-        if not bool(values[0]):
+        present = [bool(v) for v in values[:len(OWNER_STATE_KEYS)].tolist()]
+        if not any(present):
             continue
         state = optimizer.state[p]
-        state["dual_iterations"] = values[2].to(torch.long)
-        state["dual_residual"] = values[3].to(torch.float32)
-        if group_of[id(p)]["manifold"] != "euclidean" and bool(values[1]):
+        work = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+        dtypes = {"dual_iterations": torch.long, "skipped_steps": torch.long}
+        for j, key in enumerate(scalars):
+            if present[j + 1]:
+                state[key] = values[len(OWNER_STATE_KEYS) + j].to(dtypes.get(key, work)).clone()
+        if present[0]:
             k = min(p.shape)
-            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
-            state["dual_correction"] = values[4:].view(k, k).to(dtype).clone()
+            state["dual_correction"] = values[len(OWNER_STATE_KEYS) + len(scalars):].view(k, k).to(work).clone()
 
 
 def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list[Tensor], states: list[dict],

@@ -225,11 +225,16 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             iterations *= SMOOTHED_ITERATION_FACTOR
         stages: list[str] = []
         gaps: list = [None] * w.size(0)
-        hessian, history = 0, []
+        history = []
         a = None
         if kappa is None or sync_free:
             if kappa is not None:  # sync-free smoothed dual: per-matrix mu, Barzilai–Borwein steps
                 problem.smoothing = kappa * _projected_scale(problem, lam0)
+            if options.update == "anderson" and (spectral.path != "eigh" or sync_free or not problem.reduced):
+                raise ValueError(
+                    f"dual update='anderson' needs the eigh path with early stopping (its steps use the eigenbasis), "
+                    f"but this solve runs the {spectral.path} path{' sync-free' if sync_free else ''} with the "
+                    f"{spectral.method!r} map: set spectral='eigh' (and sync_free=False), or update='auto' or 'bb'")
             anderson = (problem.reduced and spectral.path == "eigh" and options.update != "bb"
                         and not sync_free and kappa is None)
             stages.append("anderson" if anderson else "bb")
@@ -255,7 +260,6 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
                                                                  iterations, patience, cold=False,
                                                                  gap_tol=options.gap_tol)
                         counts[i] += more
-                        hessian += part.hessian_products
                         parts.append((ev, part))
                     if problem.reduced:
                         best = Evaluation.cat([ev.materialized() for ev, _ in parts])
@@ -272,7 +276,6 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
                 ev, more, gaps[i], part = smoothed_solve(sub, lam[i:i + 1], lam0[i:i + 1], kappa, tol, iterations,
                                                          patience, cold=start is None, gap_tol=options.gap_tol)
                 counts[i] = more
-                hessian += part.hessian_products
                 parts.append(ev)
             best = Evaluation.cat(parts)
         if not sync_free and best is not None and best.eig is not None:  # a certificate where it is free
@@ -285,7 +288,7 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             residual = problem.tangent_residual(a)
         lam_out = best.lam if best is not None else torch.cat([ev.lam for ev, _ in parts])
         return BankSolution(problem, best, a, residual, counts, lam_out, lam0, gaps, tuple(stages),
-                            problem.evaluations, hessian, history)
+                            problem.evaluations, problem.hessian_products, history)
 
 
 def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, multiplier=None, correction=None,

@@ -82,9 +82,6 @@ def test_unknown_or_impossible_dual_update_is_refused():
     assert DUAL_UPDATES == ("auto", "anderson", "bb")
 
 
-@pytest.mark.xfail(strict=True, reason="update='anderson' with spectral='auto' resolved to the products path "
-                                       "(CPU, n < EIGH_MIN_COLUMNS) silently runs Barzilai-Borwein steps; "
-                                       "DualOptions refuses the pair only for an explicit spectral='products'")
 def test_anderson_is_refused_where_auto_resolves_to_the_products_path():
     w, g = _instance(24, 6, "stiefel", seed=3)
     try:

@@ -68,9 +68,6 @@ def test_square_dgram_solves_still_converge(dtype, spectral):
     assert info.converged and info.stages == ("smoothed",)
 
 
-@pytest.mark.xfail(strict=True, reason="SteepestInfo.evaluations counts only the plain dual's evaluations: the "
-                                       "smoothed Newton solve runs on copies of the DualProblem (with_smoothing, "
-                                       "select) whose evaluation counts solve_bank never adds; it reports 0")
 def test_reported_evaluations_count_the_smoothed_newton_steps():
     w, g = _instance(64, seed=0)
     info, eighs = _counted(w, g, tol=1e-3, max_iter=30)

@@ -95,11 +95,6 @@ def test_a_sync_free_products_solve_does_not_continue_on_the_smoothed_dual():
     assert info.residual == pytest.approx(float(tangent_residual(w, a, "dgram")), rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="Barzilai-Borwein's first step 1/(4 sqrt n) is scaled to ||G|| = 1, not to the "
-                                       "tangent part ||P_W G||: with P_W G = 1e-3 G the plain dual makes no progress "
-                                       "in 30 iterations (residual 7.9e-2; the Anderson steps of the eigh path: "
-                                       "2.1e-4 in 3), and the products path is the default on CUDA and for n < 256 "
-                                       "on the CPU")
 def test_products_path_converges_on_a_mostly_normal_gradient():
     # G = W S + 1e-3 tangent noise, e.g. a gradient dominated by an L2 term on Stiefel
     w, _ = _instance(40, 10, "stiefel", seed=21)
