@@ -301,8 +301,9 @@ def _train_steps(models_and_opts, steps: int, shard: slice, first: int = 0) -> N
             opt.zero_grad(set_to_none=True)
 
 
-def _owner_state_keys(opt) -> list[list[str]]:
-    return [sorted(opt.state[p].keys()) for p in opt._all_params()]
+def _state_keys(opt, params) -> list[list[str]]:
+    """The state keys ``opt`` holds for each of ``params`` (in that order)."""
+    return [sorted(opt.state[p].keys()) for p in params]
 
 
 def muon_ddp_job(rank: int, steps: int, options: dict) -> dict:
@@ -323,30 +324,30 @@ def muon_ddp_job(rank: int, steps: int, options: dict) -> dict:
     shard = batch_shard(MUON_BATCH, rank, world_size)
     wrap = DistributedDataParallel if world_size > 1 else (lambda m: m)
     nets = {mode: MuonNet() for mode in ("sharded", "replicated")}
-    opts = {mode: make_muon(nets[mode], distributed=mode, **options) for mode in nets}
+    opts = {mode: make_muon(nets[mode], distribution=mode, **options) for mode in nets}
     _train_steps([(wrap(nets[m]), opts[m]) for m in nets], steps, shard)
     report: dict = {
         "weights": {m: [p.detach().clone() for p in nets[m].weights] for m in nets},
-        "held": _owner_state_keys(opts["sharded"]),
+        "held": _state_keys(opts["sharded"], nets["sharded"].weights),
+        "held_replicated": _state_keys(opts["replicated"], nets["replicated"].weights),
         "owners": [opts["sharded"].owners()[id(p)] for p in nets["sharded"].weights],
     }
     for opt in opts.values():
         opt.consolidate_state_dict()
     # a deep copy, as torch.save would write it: later steps update the buffers in place
     report["state_dicts"] = {m: copy.deepcopy(opts[m].state_dict()) for m in opts}
-    report["held_after"] = _owner_state_keys(opts["sharded"])
+    report["held_after"] = _state_keys(opts["sharded"], nets["sharded"].weights)
     saved = {m: [p.detach().clone() for p in nets[m].weights] for m in nets}
     # continue with the same optimizers ...
     _train_steps([(wrap(nets[m]), opts[m]) for m in nets], steps, shard, first=steps)
     report["continued"] = {m: [p.detach().clone() for p in nets[m].weights] for m in nets}
+    # ... and resume in a checkpoint's order: fresh optimizers (they project the current weights),
+    # then the saved weights and the saved state loaded into them
+    fresh = {m: make_muon(nets[m], distribution=m, **options) for m in nets}
     with torch.no_grad():
-        for m in nets:
-            for p, value in zip(nets[m].weights, saved[m]):
+        for m, net in nets.items():
+            for p, value in zip(net.weights, saved[m]):
                 p.copy_(value)
-    # ... and resume: fresh optimizers (no projection: the weights are on their manifolds)
-    fresh = {
-        m: make_muon(nets[m], distributed=m, project_init=False, **options) for m in nets
-    }
     for m in nets:
         fresh[m].load_state_dict(report["state_dicts"][m])
     _train_steps([(wrap(nets[m]), fresh[m]) for m in nets], steps, shard, first=steps)
@@ -373,7 +374,7 @@ def _muon_fsdp2_rejection() -> str:
     model.attn = torch.nn.Linear(8, 8, bias=False)
     fully_shard(model.attn, mesh=mesh)
     try:
-        build_optimizer(model, policy="all-stiefel", distributed="sharded")
+        build_optimizer(model, policy="all-stiefel", distribution="sharded")
     except TypeError as error:
         return f"{type(error).__name__}: {error}"
     return "accepted"
@@ -395,7 +396,7 @@ def combined_ddp_job(rank: int, steps: int) -> dict:
     for mode in ("sharded", "replicated"):
         torch.manual_seed(0)
         model = GPT(config).double()
-        opt = build_optimizer(model, policy="hetero", lr=0.02, adamw_lr=1e-3, distributed=mode)
+        opt = build_optimizer(model, policy="hetero", lr=0.02, adamw_lr=1e-3, distribution=mode)
         trained = DistributedDataParallel(model) if world_size > 1 else model
         for step in range(steps):
             generator = torch.Generator().manual_seed(200 + step)

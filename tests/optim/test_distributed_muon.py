@@ -16,7 +16,7 @@ import torch
 from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
 
 from manifoldlib.distributed import UnsupportedParameterError, run_workers
-from manifoldlib.optim import ManifoldMuon, build_optimizer
+from manifoldlib.optim import Distribution, ManifoldMuon, build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import workers  # after the path insert; the spawned workers import it by this name too
@@ -24,16 +24,16 @@ import workers  # after the path insert; the spawned workers import it by this n
 WORLD_SIZE = 2
 STEPS = 10
 JOB_TIMEOUT_S = 180.0
-#: "warm": the defaults (warm-started dual solves); "cold": warm_start=False; "concurrent": two
-#: matrices solved at once on pool threads (sharded: each rank's own, before the exchange);
-#: "batched": the products path with same-shape matrices solved as one batched dual (sharded: the
-#: matrices each rank owns; smoothing off, so that the tall Stiefel pair is batched). All are
-#: compared with a single process, whose gradients differ from DDP's by all-reduce rounding.
+#: "warm": the defaults (warm-started dual solves; on the CPU these narrow matrices take the
+#: sync-free products path); "cold": warm_start=False; "eigh": the early-stopping eigh path;
+#: "plain": the products path without smoothing, so that the tall Stiefel pair (16, 8) and (8, 16)
+#: is one bank of the plain dual (sharded: each rank solves the members it owns, a bank of one).
+#: All are compared with a single process, whose gradients differ from DDP's by all-reduce rounding.
 OPTION_SETS = {
     "warm": {},
     "cold": {"dual": {"warm_start": False}},
-    "concurrent": {"workers": 2},
-    "batched": {"batch": True, "dual": {"spectral": "products", "smoothing": None}},
+    "eigh": {"dual": {"spectral": "eigh"}},
+    "plain": {"dual": {"spectral": "products", "smoothing": None}},
 }
 MODES = ("sharded", "replicated")
 
@@ -111,19 +111,36 @@ def test_fsdp2_dtensor_parameters_are_refused_with_a_clear_error(reports: list[d
         assert "Shard(dim=0)" in message and "DistributedDataParallel" in message
 
 
-def test_owner_only_state_and_its_consolidation(reports: list[dict]) -> None:
-    owners = reports[0]["warm"]["owners"]
-    assert all(report["warm"]["owners"] == owners for report in reports)
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_the_owner_holds_a_matrix_state_and_every_rank_its_momentum(reports: list[dict], options: str) -> None:
+    owners = reports[0][options]["owners"]
+    assert all(report[options]["owners"] == owners for report in reports)
     assert set(owners) == set(range(WORLD_SIZE))  # both ranks solve something
     manifolds = [m for _, m in workers.MUON_LAYERS]
     for rank, report in enumerate(reports):
-        for i, (held, after) in enumerate(zip(report["warm"]["held"], report["warm"]["held_after"])):
-            solved = {"dual_iterations", "dual_residual"}
-            if manifolds[i] != "euclidean":
-                solved |= {"dual_correction"}
-            assert "momentum_buffer" in held  # replicated on every rank
-            assert (solved <= set(held)) == (owners[i] == rank), (rank, i, held)
-            assert solved | {"momentum_buffer"} == set(after)  # every rank, after consolidation
+        run = report[options]
+        for i, (held, replicated) in enumerate(zip(run["held"], run["held_replicated"])):
+            solved = {"dual_correction", "dual_iterations", "dual_residual"} if manifolds[i] != "euclidean" else set()
+            assert solved | {"momentum_buffer", "skipped_steps"} <= set(replicated), (i, replicated)
+            if owners[i] == rank:
+                assert set(held) == set(replicated), (rank, i, held)  # what one process holds
+            else:
+                assert set(held) == {"momentum_buffer"}, (rank, i, held)  # replicated on every rank
+
+
+CONSOLIDATION = ("consolidate_state_dict shares dual_correction, dual_iterations and dual_residual only (and the "
+                 "last as float32): "
+                 "skipped_steps (and retraction_residual on the products path) stay on the owner, so a "
+                 "sharded checkpoint saved by rank 0 loses the skip counts of rank 1's matrices")
+
+
+@pytest.mark.xfail(strict=True, reason=CONSOLIDATION)
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_consolidation_gives_every_rank_the_whole_state(reports: list[dict], options: str) -> None:
+    for report in reports:
+        run = report[options]
+        for i, (after, replicated) in enumerate(zip(run["held_after"], run["held_replicated"])):
+            assert set(after) == set(replicated), (i, after, replicated)
 
 
 def _assert_state_dicts_equal(a: dict, b: dict) -> None:
@@ -139,6 +156,39 @@ def _assert_state_dicts_equal(a: dict, b: dict) -> None:
                 assert value == other[key], (index, key)
 
 
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_the_consolidated_state_agrees_with_the_replicated_one_where_it_is_shared(
+    reports: list[dict], options: str
+) -> None:
+    # every entry the consolidated sharded state dict has equals the replicated one's bit for bit
+    # (which entries are missing, and the dtype of dual_residual: the strict xfails below)
+    for report in reports:
+        sharded, replicated = (report[options]["state_dicts"][m] for m in MODES)
+        assert sharded["param_groups"] == replicated["param_groups"]
+        assert sharded["state"].keys() == replicated["state"].keys()
+        for index, state in sharded["state"].items():
+            assert "momentum_buffer" in state, index
+            for key, value in state.items():
+                other = replicated["state"][index][key]
+                if key == "dual_residual":
+                    other = other.to(value.dtype)
+                assert torch.equal(value, other), (index, key)
+
+
+RESIDUAL_DTYPE = ("consolidate_state_dict stores every dual_residual as float32 (on every rank, the owner's "
+                  "own included), where the step stores it in the solve's dtype (float64 here)")
+
+
+@pytest.mark.xfail(strict=True, reason=RESIDUAL_DTYPE)
+def test_consolidation_keeps_the_dtype_of_the_dual_residual(reports: list[dict]) -> None:
+    for report in reports:
+        sharded, replicated = (report["warm"]["state_dicts"][m] for m in MODES)
+        for index, state in sharded["state"].items():
+            if "dual_residual" in state:
+                assert state["dual_residual"].dtype == replicated["state"][index]["dual_residual"].dtype, index
+
+
+@pytest.mark.xfail(strict=True, reason=CONSOLIDATION)
 @pytest.mark.parametrize("options", OPTION_SETS)
 def test_consolidated_state_dict_equals_the_replicated_one(
     reports: list[dict], options: str
@@ -164,12 +214,16 @@ def test_build_optimizer_under_ddp(combined: list[dict]) -> None:
 # ---- single process: options, guards, pass-through -----------------------------------------
 
 
-def test_bad_distributed_options_name_the_value() -> None:
+def test_bad_distribution_options_name_the_value() -> None:
     w = torch.nn.Parameter(torch.randn(4, 3))
-    with pytest.raises(ValueError, match="distributed must be one of replicated, sharded, got 'zero'"):
-        ManifoldMuon([w], distributed="zero")
-    with pytest.raises(ValueError, match="shard_strategy must be one of round-robin, size, got 'x'"):
-        ManifoldMuon([w], distributed="sharded", shard_strategy="x")
+    with pytest.raises(ValueError, match="distribution mode must be one of replicated, sharded, got 'zero'"):
+        ManifoldMuon([w], distribution="zero")
+    with pytest.raises(ValueError, match="distribution strategy must be one of .*, got 'x'"):
+        ManifoldMuon([w], distribution={"mode": "sharded", "strategy": "x"})
+    with pytest.raises(TypeError, match=r"unknown distribution option\(s\) \['shard_strategy'\]"):
+        ManifoldMuon([w], distribution={"mode": "sharded", "shard_strategy": "size"})
+    with pytest.raises(TypeError, match="distribution must be None, a mode name, a dict or a Distribution, got int"):
+        ManifoldMuon([w], distribution=2)
 
 
 def test_fsdp_flattened_parameters_are_refused_at_construction() -> None:
@@ -181,18 +235,21 @@ def test_fsdp_flattened_parameters_are_refused_at_construction() -> None:
 
 def test_sharded_mode_in_one_process_is_the_plain_step() -> None:
     nets = [workers.MuonNet(), workers.MuonNet()]
-    opts = [workers.make_muon(nets[0]), workers.make_muon(nets[1], distributed="sharded")]
+    opts = [workers.make_muon(nets[0]), workers.make_muon(nets[1], distribution="sharded")]
     workers._train_steps(list(zip(nets, opts)), 3, slice(None))
     assert _equal(list(nets[0].weights), list(nets[1].weights))
     opts[1].consolidate_state_dict()  # nothing to share: a no-op
     _assert_state_dicts_equal(opts[1].state_dict(), opts[0].state_dict())
 
 
-def test_build_optimizer_passes_the_distributed_options_through() -> None:
+@pytest.mark.parametrize("distribution", [{"mode": "sharded", "strategy": "round-robin"},
+                                          Distribution("sharded", strategy="round-robin")])
+def test_build_optimizer_passes_the_distribution_through(distribution) -> None:
     model = workers.MuonNet().float()
     model.attn = torch.nn.Linear(4, 4, bias=False)
-    opt = build_optimizer(model, policy="all-stiefel", distributed="sharded",
-                          shard_strategy="round-robin")
+    opt = build_optimizer(model, policy="all-stiefel", distribution=distribution)
     muon = opt.optimizers["muon"]
-    assert (muon.distributed, muon.shard_strategy) == ("sharded", "round-robin")
+    assert muon.distribution == Distribution(mode="sharded", process_group=None, strategy="round-robin")
+    assert ManifoldMuon([torch.nn.Parameter(torch.randn(4, 3))], distribution="sharded").distribution == \
+        Distribution("sharded")
     opt.consolidate_state_dict()  # forwards to ManifoldMuon; a no-op in one process

@@ -52,7 +52,7 @@ def test_euclidean_matches_torch_muon(adjust_lr_fn, nesterov, weight_decay):
     ours = _matrices(shapes)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     targets = [torch.randn(*s, generator=torch.Generator().manual_seed(1)) for s in shapes]
-    kw = dict(lr=0.03, weight_decay=weight_decay, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    kw = {"lr": 0.03, "weight_decay": weight_decay, "momentum": 0.9, "nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn}
     # ns_dtype is a group option: torch.optim.Muon iterates in bfloat16
     opt = ManifoldMuon([{"params": ours, "ns_dtype": "bfloat16"}], manifold="euclidean", **kw)
     ref_opt = torch.optim.Muon(ref, **kw)
