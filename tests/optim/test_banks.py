@@ -569,12 +569,7 @@ def test_a_point_the_dual_cannot_use_is_refused_on_the_eigh_path(manifold, messa
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))  # its bank did not move
 
 
-OBLIQUE_ZERO_COLUMN = ("products path: an Oblique matrix with a zero column is normalized to NaN, and "
-                       "skipped_steps stays 0 (DGram's is skipped and counted)")
-
-
-@pytest.mark.parametrize("manifold", [
-    "stiefel", "dgram", pytest.param("oblique", marks=pytest.mark.xfail(strict=True, reason=OBLIQUE_ZERO_COLUMN))])
+@pytest.mark.parametrize("manifold", MANIFOLDS)
 def test_the_products_path_never_writes_a_non_finite_point(manifold):
     # no host check of the point on the sync-free path: a zero column set behind the optimizer's
     # back must still not turn the matrix into NaN (it is retracted, or skipped and counted)
@@ -586,30 +581,34 @@ def test_the_products_path_never_writes_a_non_finite_point(manifold):
         p.grad = g
     opt.step()
     assert all(bool(torch.isfinite(p).all()) for p in params)
+    # (an Oblique matrix with a zero column became NaN here before 2026-12-06: now it is skipped)
+    assert int(opt.state[params[0]]["skipped_steps"]) == 0
 
 
-OFF_MANIFOLD_FROZEN = ("products path: a matrix moved far off its manifold (pretrained weights loaded after the "
-                       "optimizer was built, a manual edit) fails the sync-free retraction's residual test every "
-                       "step, so it is skipped and never moves again; only skipped_steps shows it (the eigh path "
-                       "retracts it, or refuses it with ValueError)")
-
-
-@pytest.mark.parametrize("manifold", [
-    pytest.param("stiefel", marks=pytest.mark.xfail(strict=True, reason=OFF_MANIFOLD_FROZEN)),
-    pytest.param("dgram", marks=pytest.mark.xfail(strict=True, reason=OFF_MANIFOLD_FROZEN)),
-    "oblique",
-])
-def test_a_matrix_loaded_off_its_manifold_is_brought_back_on_the_products_path(manifold):
+@pytest.mark.parametrize("manifold", MANIFOLDS)
+def test_weights_loaded_off_the_manifold_are_skipped_until_projected(manifold):
+    # e.g. model.load_state_dict(pretrained) after building the optimizer: on the products path a
+    # matrix far off its manifold fails the sync-free retraction's check and keeps its value, counted
+    # (Oblique's normalization needs no check and retracts it); project_parameters() moves every
+    # matrix onto its manifold, and the steps go on from there
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64, generator=gen))
     opt = ManifoldMuon([p], lr=0.05, manifold=manifold, dual={"spectral": "products"})
-    with torch.no_grad():  # e.g. model.load_state_dict(pretrained) after building the optimizer
+    with torch.no_grad():
         p.copy_(torch.randn(8, 8, dtype=torch.float64, generator=gen))
+    loaded = p.detach().clone()
+    p.grad = torch.randn(8, 8, dtype=torch.float64, generator=gen)
+    opt.step()
+    skipped = int(opt.state[p]["skipped_steps"])
+    assert skipped == (0 if manifold == "oblique" else 1)
+    assert torch.equal(p.detach(), loaded) == bool(skipped)
+    opt.project_parameters()
+    assert constraint_residual(p.detach(), manifold) <= 1e-12
     for _ in range(3):
         p.grad = torch.randn(8, 8, dtype=torch.float64, generator=gen)
         opt.step()
     assert constraint_residual(p.detach(), manifold) <= 1e-10
-    assert int(opt.state[p]["skipped_steps"]) == 0
+    assert int(opt.state[p]["skipped_steps"]) == skipped  # no more skips
 
 
 # ---- Euclidean banks and torch.optim.Muon -----------------------------------------------------

@@ -53,7 +53,8 @@ def test_optimizer_diagnostics_rows():
         assert set(row) == {"manifold", "residual", "dual_iterations", "dual_residual", "retraction_residual",
                             "skipped_steps", "spectral_norm"}
         assert row["manifold"] == ("stiefel" if ".attn." in name else "dgram")
-        assert row["residual"] <= 1e-4
+        # the sync-free retraction may leave the point off by about its own residual
+        assert row["residual"] <= max(1e-5, 2 * row["retraction_residual"]), (name, row)
         # plain Python numbers read from the step's device tensors
         assert type(row["dual_iterations"]) is int and row["dual_iterations"] >= 0
         assert type(row["dual_residual"]) is float and 0.0 <= row["dual_residual"] <= 1.0

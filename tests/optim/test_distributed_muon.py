@@ -128,15 +128,10 @@ def test_the_owner_holds_a_matrix_state_and_every_rank_its_momentum(reports: lis
                 assert set(held) == {"momentum_buffer"}, (rank, i, held)  # replicated on every rank
 
 
-CONSOLIDATION = ("consolidate_state_dict shares dual_correction, dual_iterations and dual_residual only (and the "
-                 "last as float32): "
-                 "skipped_steps (and retraction_residual on the products path) stay on the owner, so a "
-                 "sharded checkpoint saved by rank 0 loses the skip counts of rank 1's matrices")
-
-
-@pytest.mark.xfail(strict=True, reason=CONSOLIDATION)
 @pytest.mark.parametrize("options", OPTION_SETS)
 def test_consolidation_gives_every_rank_the_whole_state(reports: list[dict], options: str) -> None:
+    # skipped_steps and retraction_residual too (before 2026-12-06 they stayed on the owner, and a
+    # checkpoint saved by rank 0 lost the skip counts of rank 1's matrices)
     for report in reports:
         run = report[options]
         for i, (after, replicated) in enumerate(zip(run["held_after"], run["held_replicated"])):
@@ -161,7 +156,6 @@ def test_the_consolidated_state_agrees_with_the_replicated_one_where_it_is_share
     reports: list[dict], options: str
 ) -> None:
     # every entry the consolidated sharded state dict has equals the replicated one's bit for bit
-    # (which entries are missing, and the dtype of dual_residual: the strict xfails below)
     for report in reports:
         sharded, replicated = (report[options]["state_dicts"][m] for m in MODES)
         assert sharded["param_groups"] == replicated["param_groups"]
@@ -169,18 +163,11 @@ def test_the_consolidated_state_agrees_with_the_replicated_one_where_it_is_share
         for index, state in sharded["state"].items():
             assert "momentum_buffer" in state, index
             for key, value in state.items():
-                other = replicated["state"][index][key]
-                if key == "dual_residual":
-                    other = other.to(value.dtype)
-                assert torch.equal(value, other), (index, key)
+                assert torch.equal(value, replicated["state"][index][key]), (index, key)
 
 
-RESIDUAL_DTYPE = ("consolidate_state_dict stores every dual_residual as float32 (on every rank, the owner's "
-                  "own included), where the step stores it in the solve's dtype (float64 here)")
-
-
-@pytest.mark.xfail(strict=True, reason=RESIDUAL_DTYPE)
 def test_consolidation_keeps_the_dtype_of_the_dual_residual(reports: list[dict]) -> None:
+    # (before 2026-12-06 consolidation stored every dual_residual as float32)
     for report in reports:
         sharded, replicated = (report["warm"]["state_dicts"][m] for m in MODES)
         for index, state in sharded["state"].items():
@@ -188,7 +175,6 @@ def test_consolidation_keeps_the_dtype_of_the_dual_residual(reports: list[dict])
                 assert state["dual_residual"].dtype == replicated["state"][index]["dual_residual"].dtype, index
 
 
-@pytest.mark.xfail(strict=True, reason=CONSOLIDATION)
 @pytest.mark.parametrize("options", OPTION_SETS)
 def test_consolidated_state_dict_equals_the_replicated_one(
     reports: list[dict], options: str

@@ -75,10 +75,11 @@ def _policy(manifold):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_conv1d_and_linear_take_the_same_steps(manifold, shape):
     conv, linear = _pair([shape, shape[::-1]])
-    # a tight dual tolerance: two solves stopped at 1e-3 from inputs that differ by rounding may
-    # stop at different iterates; at 1e-11 both are the optimum (unique where the dual is)
+    # a tight dual tolerance on the eigh path: two solves stopped at 1e-3 from inputs that differ by
+    # rounding may stop at different iterates; at 1e-11 both are the optimum (unique where the dual
+    # is). The products path's fixed iterations: test_the_banked_solve_reads_the_layout_too
     opts = {"lr": 0.05, "adamw_lr": 1e-3, "weight_decay": 0.1, "ns_dtype": "float32",
-            "dual": {"tol": 1e-11, "max_iter": 200}}
+            "dual": {"tol": 1e-11, "max_iter": 200, "spectral": "eigh"}}
     opt_conv = build_optimizer(conv, _policy(manifold), **opts)
     opt_linear = build_optimizer(linear, _policy(manifold), **opts)
     assert {g["layout"] for g in opt_conv.param_groups} == {"in_out"}
