@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from manifoldlib import get_manifold
 from manifoldlib.optim import ManifoldMuon, build_optimizer, constraint_residual
-from manifoldlib.testing.counting import count_ops
+from manifoldlib.testing.counting import SYNC_OPS, OpCounts, count_ops
 from manifoldlib.testing.hard_instances import hard_instance
 
 MANIFOLDS = ("stiefel", "dgram", "oblique")
@@ -340,6 +340,20 @@ def _counted_step(blocks: int, attn_manifold: str, mlp_manifold: str, warmup: in
             p.grad = torch.randn(p.shape, generator=gen)
         counts.append(count_ops(opt.step))
     return counts
+
+
+def test_the_counter_sees_host_reads():
+    # what makes "syncs == 0" below mean something: .item(), bool() and nonzero are counted
+    x = torch.randn(8, 8)
+
+    def reads():
+        return float(x.sum()) + bool((x > 0).any()) + int(torch.nonzero(x > 10).numel())
+
+    counts = count_ops(reads)
+    assert isinstance(counts, OpCounts) and counts.result == reads()
+    assert counts.syncs == 3
+    assert {"_local_scalar_dense", "nonzero"} <= set(counts.by_name) and "nonzero" in SYNC_OPS
+    assert count_ops(lambda: x @ x).flops == 2 * 8**3
 
 
 @pytest.mark.parametrize("attn,mlp", [("stiefel", "dgram"), ("dgram", "stiefel"), ("oblique", "oblique"),
