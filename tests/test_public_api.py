@@ -13,6 +13,7 @@ import importlib
 import inspect
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -49,7 +50,7 @@ def _api_directives() -> tuple[set[str], set[str]]:
         for match in re.finditer(r"^\.\. automodule:: (\S+)\n((?:   :.*\n)*)", text, re.MULTILINE):
             if ":no-members:" not in match.group(2):
                 modules.add(match.group(1))
-        objects.update(re.findall(r"^\.\. auto(?:function|class):: (\S+)", text, re.MULTILINE))
+        objects.update(re.findall(r"^\.\. auto(?:function|class|data):: (\S+)", text, re.MULTILINE))
     return modules, objects
 
 
@@ -85,6 +86,15 @@ def _home(package: str, name: str) -> str:
             module = importlib.import_module(module_name)
             listed = name in getattr(module, "__all__", ()) and getattr(module, name, None) is obj
             if listed and module_name in MODULES:
+                return module_name
+    # not rendered with a module: the submodule that assigns it (its '#:' comment is there)
+    for module_name, module in sorted(sys.modules.items()):
+        if module_name.startswith(package + ".") and getattr(module, name, None) is obj:
+            try:
+                source = inspect.getsource(module)
+            except (OSError, TypeError):
+                continue
+            if re.search(rf"^{re.escape(name)}\b.*=", source, re.MULTILINE):
                 return module_name
     return package
 

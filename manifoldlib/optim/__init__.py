@@ -21,7 +21,7 @@ Log: :func:`optimizer_diagnostics`, :func:`constraint_residual`, :func:`spectral
 from .builder import CombinedOptimizer, assign_parameters, build_optimizer, describe_assignment
 from .diagnostics import constraint_residual, max_attention_logit, optimizer_diagnostics, spectral_norm
 from .layouts import LAYOUTS, weight_layout
-from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
+from .optimizer import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
 from .options import Distribution, DualOptions
 from .policies import (
     RolePolicy,

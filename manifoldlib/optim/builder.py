@@ -18,7 +18,7 @@ from torch import nn
 
 from .._numbers import is_real
 from .layouts import weight_layout
-from .manifold_muon import MUON_MANIFOLDS, ManifoldMuon, check_state_dict, restore_dual_corrections
+from .optimizer import MUON_MANIFOLDS, ManifoldMuon, check_state_dict, restore_dual_corrections
 from .policies import (
     Classifier,
     Policy,
@@ -176,7 +176,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 consolidate()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load after :func:`~manifoldlib.optim.manifold_muon.check_state_dict` (the Manifold Muon
+        """Load after :func:`~manifoldlib.optim.optimizer.check_state_dict` (the Manifold Muon
         groups must match: manifold, retraction, layout, shapes and dtypes)."""
         check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
@@ -386,8 +386,9 @@ def _warn_charted(model: nn.Module, policy, assignment: dict[str, str | None]) -
     if charted:
         import warnings
 
+        weights = sorted({name.split(".parametrizations.")[0] for name in charted})  # the charted tensors
         warnings.warn(
-            f"{len(charted)} charted matrices (e.g. {charted[0]!r}) go to AdamW: a chart's raw coordinates "
+            f"{len(weights)} charted matrices (e.g. {weights[0]!r}) go to AdamW: a chart's raw coordinates "
             f"are Euclidean coordinates of a curved map, not points of a matrix manifold, so policy "
             f"{policy!r} cannot constrain them; merge the charts (manifoldlib.charts.merge_charts) before "
             f"building a constrained optimizer, or use AdamW for the charted model", stacklevel=3)

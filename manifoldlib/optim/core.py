@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,7 +67,7 @@ RETRACTION_TOL = 1e-2
 WARM_START_RESIDUAL = 0.1
 #: Chord steps of the sync-free retraction factor per dtype (each gains about a factor
 #: :math:`\rho = \|T/(d_id_j) - I\|_1`, :math:`O(\eta^2)` for a tangent step).
-CHORD_STEPS = {torch.float64: 7, torch.float32: 3}
+CHORD_STEPS = {torch.float64: 12, torch.float32: 3}
 
 
 @dataclass
@@ -147,6 +146,29 @@ def _bank_buffer(bank: Bank) -> Tensor:
     return stacked
 
 
+def _check_bank(bank: Bank, execution: Execution) -> None:
+    """Raise ``ValueError`` before any matrix moves: a stored warm start of the wrong shape, or
+    (where host reads are free) a point its manifold's dual cannot use, naming the matrix."""
+    manifold = bank.options.manifold
+    if manifold.flat:
+        return
+    for j, (p, state) in enumerate(zip(bank.params, bank.states)):
+        n = min(p.shape)
+        given = state.get("dual_correction") if bank.options.dual.warm_start else None
+        label = f"a {tuple(p.shape)} matrix on {manifold.name}"
+        if given is not None and tuple(given.shape) != (n, n):
+            raise ValueError(f"ManifoldMuon: {label} has a stored dual_correction of shape {tuple(given.shape)}, "
+                             f"expected {(n, n)} (a state dict of other shapes?); no parameter or momentum buffer "
+                             f"was changed")
+        if not execution.sync_free:
+            tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0)
+            try:
+                manifold.dual_factor(tall.to(solve_dtype(p.dtype)), check=True)
+            except ValueError as err:
+                raise ValueError(f"ManifoldMuon: {label}: {err}; no parameter or momentum buffer was changed "
+                                 f"(ManifoldMuon.project_parameters moves every matrix onto its manifold)") from err
+
+
 def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
     """Update the members' momentum buffers (not where a gradient is non-finite); return the
     ``(B, m, n)`` updates (non-finite where the gradient is) in ``work`` and the ``(B,)`` finite mask."""
@@ -193,11 +215,6 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     work = solve_dtype(bank.params[0].dtype)
     n = min(bank.params[0].shape)
     starts = [s.get("dual_correction") if opts.dual.warm_start else None for s in bank.states]
-    for p, given in zip(bank.params, starts):
-        if given is not None and tuple(given.shape) != (n, n):
-            raise ValueError(f"ManifoldMuon: a stored dual_correction has shape {tuple(given.shape)}, expected "
-                             f"{(n, n)} for a matrix of shape {tuple(p.shape)} (a state dict of other shapes?); "
-                             f"no parameter or momentum buffer was changed")
     update, finite = _momentum(bank, work)
     w = bank.stack(bank.params, work)
     start = None
@@ -206,7 +223,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         start = torch.stack([zero if s is None else s.to(work) for s in starts])
     with ieee_float32_matmul():
         solution = solve_bank(w, update, manifold, opts.dual, execution, opts.spectral(execution.spectral),
-                              start=start, check_point=not execution.sync_free)
+                              start=start, check_point=False)  # checked before the step (_check_bank)
         eta = bank.scalar(bank.lrs, w)
         beta = bank.scalar(bank.decays, w)
         ok = finite
@@ -226,6 +243,8 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     # start that led it astray would otherwise be carried on and on)
     kept = (solution.residual <= WARM_START_RESIDUAL).view(-1, 1, 1)
     corrections = torch.where(kept, solution.lam - solution.lam0, 0.0)
+    if start is not None:  # a matrix that keeps its value keeps its warm start too
+        corrections = torch.where(ok.view(-1, 1, 1), corrections, start.to(corrections.dtype))
     for state, corr, it, res in zip(bank.states, corrections.unbind(0),
                                     solution.iterations.unbind(0), solution.residual.unbind(0)):
         state["dual_correction"] = corr
@@ -300,6 +319,8 @@ def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | N
     def execution(bank: Bank) -> Execution:
         return execution_for if isinstance(execution_for, Execution) else execution_for(bank)
 
+    for bank in banks:  # every refusal before anything moves
+        _check_bank(bank, execution(bank))
     if owners is None:
         for bank in banks:
             step = _euclidean if bank.options.manifold.flat else _constrained

