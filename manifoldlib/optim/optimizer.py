@@ -17,6 +17,8 @@ the parameters of a single process running the same steps.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Mapping, MutableMapping
 from itertools import chain
 from typing import Any
@@ -140,10 +142,7 @@ class ManifoldMuon(Optimizer):
         Raises:
             ValueError: naming the bad option or parameter; the group is then not added.
         """
-        removed = sorted(set(param_group) & set(REMOVED_GROUP_KEYS))
-        if removed:
-            hints = "; ".join(f"{key}: {REMOVED_GROUP_KEYS[key]}" for key in removed)
-            raise ValueError(f"ManifoldMuon parameter group: {', '.join(map(repr, removed))} no longer exist ({hints})")
+        _refuse_misspelt_keys(param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -286,6 +285,26 @@ class ManifoldMuon(Optimizer):
         """
         if self._sharded():
             _share_owner_state(self)
+
+
+def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:
+    """Raise ``TypeError`` for a group key that looks meant for the optimizer but is not one of its
+    options: a removed spelling (:data:`REMOVED_GROUP_KEYS`), a dual option outside ``"dual"``, or a
+    near miss of an option name. Other extra keys (a scheduler's ``initial_lr``, a user's labels)
+    are kept, as torch's optimizers keep them."""
+    known = set(defaults) | {"params", "param_names", "kind", "initial_lr"}
+    dual_fields = {f.name for f in dataclasses.fields(DualOptions)}
+    for key in group:
+        if key in known:
+            continue
+        if key in REMOVED_GROUP_KEYS:
+            raise TypeError(f"ManifoldMuon parameter group: {key!r} no longer exists ({REMOVED_GROUP_KEYS[key]})")
+        if key in dual_fields:
+            raise TypeError(f"ManifoldMuon parameter group: {key!r} is a dual option; give it as "
+                            f"'dual': {{{key!r}: ...}}")
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise TypeError(f"ManifoldMuon parameter group: unknown key {key!r}; did you mean {close[0]!r}?")
 
 
 def check_state_dict(optimizer: Optimizer, state_dict: Mapping) -> None:

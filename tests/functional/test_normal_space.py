@@ -83,7 +83,7 @@ def test_dual_options_validate_once_and_are_plain_data():
     options = DualOptions.coerce({"tol": 1e-4, "update": "bb"})
     assert options.as_dict()["tol"] == 1e-4 and DualOptions.coerce(options.as_dict()) == options
     assert DualOptions.coerce(None) == DualOptions()
-    with pytest.raises(ValueError, match="dual max_iter must be an int >= 0, got 1.5"):
+    with pytest.raises(ValueError, match="dual max_iter must be None or an int >= 0, got 1.5"):
         DualOptions(max_iter=1.5)
-    with pytest.raises(TypeError, match="dual must be None, a dict or a DualOptions, got list"):
+    with pytest.raises(TypeError, match="dual options must be None, a dict or a DualOptions, got list"):
         DualOptions.coerce([1])

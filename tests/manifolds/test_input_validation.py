@@ -134,7 +134,7 @@ def test_msign_rejects_vectors_and_negative_steps():
         msign(VECTOR)
     with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
         msign(WIDE, "jordan5", steps=-1)
-    with pytest.raises(ValueError, match="steps must be >= 0, got -2"):
+    with pytest.raises(ValueError, match="steps must be an int >= 0, got -2"):
         newton_schulz(WIDE, (1.5, -0.5, 0.0), -2)
 
 

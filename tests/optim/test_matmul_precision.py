@@ -87,12 +87,6 @@ def test_the_recorder_sees_a_product_outside_the_solves():
     assert rec.seen == [("mm", False), ("mm", True)]
 
 
-ANSWER_OUTSIDE_IEEE = ("steepest_direction forms the m x n answer (solution.direction(): X R, W F^-1 K) after "
-                       "solve_bank's ieee_float32_matmul block has ended, so a float32 answer takes the caller's "
-                       "TF32 / bfloat16 setting")
-
-
-@pytest.mark.xfail(strict=True, reason=ANSWER_OUTSIDE_IEEE)
 @pytest.mark.parametrize("spectral", ["eigh", "products"])
 def test_steepest_direction_solves_and_forms_its_answer_in_ieee_float32(spectral):
     torch.set_float32_matmul_precision("medium")
