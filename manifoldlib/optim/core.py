@@ -50,7 +50,7 @@ from ..distributed import get_rank_world, sharded_apply
 from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
-from .execution import Execution, ieee_float32_matmul, solve_dtype
+from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
 from .layouts import flipped
 from .options import MuonOptions, adjusted_lr
 from .steepest import solve_bank
@@ -286,7 +286,7 @@ def _fused_retraction(solution, eta, beta) -> Tensor | None:
     :math:`K' = K` where :math:`G_\perp` was formed, else :math:`G' = G`, :math:`K' = K - BR`.
     """
     problem, ev = solution.problem, solution.best
-    wta, ata = problem.pieces(ev)
+    wta, ata = solution.pieces if solution.pieces is not None else problem.pieces(ev)
     gram = beta * beta * problem.point_gram() - (beta * eta) * (wta + wta.mT) + (eta * eta) * ata
 
     def rsqrt(t):
@@ -323,8 +323,7 @@ def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | N
         _check_bank(bank, execution(bank))
     if owners is None:
         for bank in banks:
-            step = _euclidean if bank.options.manifold.flat else _constrained
-            torch._foreach_copy_(bank.params, bank.unstack(step(bank, execution(bank))))
+            torch._foreach_copy_(bank.params, bank.unstack(_step(bank, execution(bank))))
         return
     rank = get_rank_world(process_group)[0]
     values: dict[int, Tensor] = {}
@@ -339,13 +338,28 @@ def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | N
         part = _subset(bank, mine)
         if len(mine) < len(bank.params):
             _momentum(_subset(bank, [j for j in range(len(bank.params)) if j not in mine]), bank.params[0].dtype)
-        step = _euclidean if part.options.manifold.flat else _constrained
-        for i, value in zip(part.indices, part.unstack(step(part, execution(part)))):
+        for i, value in zip(part.indices, part.unstack(_step(part, execution(part)))):
             values[i] = value
     order = sorted(params)
     shared = sharded_apply([params[i] for i in order], lambda k, p: values[order[k]],
                            process_group=process_group, owners=[owners[i] for i in order])
     torch._foreach_copy_([params[i] for i in order], shared)
+
+
+def _step(bank: Bank, execution: Execution) -> Tensor:
+    """``(B, m, n)`` new values of a bank; a large constrained bank on the CPU is solved in equal
+    parts side by side (:func:`~manifoldlib.optim.execution.side_by_side`)."""
+    if bank.options.manifold.flat:
+        return _euclidean(bank, execution)
+    count = len(bank.params)
+    parts = side_by_side(bank.params[0].device, bank.params[0].shape, count)
+    if parts == 1:
+        return _constrained(bank, execution)
+    size = count // parts
+    subs = [_subset(bank, range(k * size, (k + 1) * size)) for k in range(parts)]
+    with ieee_float32_matmul():  # set here: the threads only read the process-wide setting
+        values = run_side_by_side([lambda sub=sub: _constrained(sub, execution) for sub in subs])
+    return torch.cat(values)
 
 
 def _subset(bank: Bank, members: Sequence[int]) -> Bank:

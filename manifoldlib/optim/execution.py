@@ -31,7 +31,9 @@ by :meth:`Execution.resolve`, and only *read* below it.
 * **Threads** (:meth:`Execution.threads`): small matrices gain nothing from a second intra-op
   thread, and on a loaded machine a parallel region waits for a descheduled thread; a CPU step
   whose largest solve is below :data:`SMALL_SOLVE_FLOPS` runs on one thread
-  (:func:`step_threads` sets it for the step and restores it).
+  (:func:`step_threads` sets it for the step and restores it). A bank of large constrained
+  matrices is split over the threads instead (:func:`side_by_side`, :func:`run_side_by_side`):
+  its eigendecompositions use a second thread poorly, two side by side well.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -52,6 +58,8 @@ __all__ = [
     "ieee_float32_matmul",
     "native_bfloat16",
     "solve_dtype",
+    "run_side_by_side",
+    "side_by_side",
     "step_threads",
 ]
 
@@ -92,6 +100,9 @@ def _matmul_backends() -> list:
 
 
 #: ``fp32_precision`` values that already mean IEEE float32 products (``"none"``: not set).
+#: A CPU bank of constrained matrices each with ``m·n·min(m, n)`` at least this is split over the
+#: intra-op threads (:func:`side_by_side`): smaller solves are mostly Python, which threads share.
+SIDE_BY_SIDE_FLOPS = 4_000_000
 FULL_PRECISION = ("ieee", "none")
 
 
@@ -126,6 +137,70 @@ def step_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def side_by_side(device: torch.device | str, shape: Sequence[int], members: int) -> int:
+    """Into how many equal parts a bank of ``members`` constrained ``shape`` matrices is split, each
+    part solved on its own thread with a share of the intra-op threads (1: not split).
+
+    Why: a CPU solve spends much of its time in ``n × n`` eigendecompositions, whose LAPACK routine
+    uses extra threads poorly (half its work is matrix–vector), while matrix products cost the
+    same either way; two matrices side by side on one thread each finish sooner than one after
+    the other on two. Only on the CPU, with at least two threads, parts of equal size (a lone
+    matrix left over would make its thread the step's tail), and matrices of at least
+    :data:`SIDE_BY_SIDE_FLOPS`. The decision depends on the shapes and the thread count alone (every
+    rank of a job with the same threads makes the same one); a part's result is its matrices' step
+    with ``threads // parts`` intra-op threads, equal to the unsplit step to rounding.
+    """
+    if torch.device(device).type != "cpu" or members < 2:
+        return 1
+    if shape[-2] * shape[-1] * min(shape[-2], shape[-1]) < SIDE_BY_SIDE_FLOPS:
+        return 1
+    parts = min(torch.get_num_threads(), members)
+    while parts > 1 and members % parts:
+        parts -= 1
+    return parts
+
+
+_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _forget_pools_in_child() -> None:  # a forked child has none of the pools' threads
+    global _pool_lock
+    _pools.clear()
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
+def _in_thread(task: Callable[[], Any], threads: int) -> Any:
+    torch.set_num_threads(threads)
+    with torch.no_grad():  # grad mode is per thread
+        return task()
+
+
+def run_side_by_side(tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+    """``[task() for task in tasks]``, each on a thread of a kept pool with ``threads // len(tasks)``
+    intra-op threads; the caller's thread count is restored, and the first failure (in task order)
+    raised after all have finished. The caller holds :func:`ieee_float32_matmul` around it (a
+    process-wide setting the threads then only read)."""
+    if len(tasks) <= 1:
+        return [task() for task in tasks]
+    threads = torch.get_num_threads()
+    with _pool_lock:
+        if len(tasks) not in _pools:  # kept: its threads keep their BLAS buffers from step to step
+            _pools[len(tasks)] = ThreadPoolExecutor(len(tasks), thread_name_prefix="manifoldlib-solve")
+        pool = _pools[len(tasks)]
+    try:
+        futures = [pool.submit(_in_thread, task, max(1, threads // len(tasks))) for task in tasks]
+        for future in futures:
+            future.exception()  # wait for every one
+    finally:
+        torch.set_num_threads(threads)
+    return [future.result() for future in futures]
 
 
 @dataclasses.dataclass(frozen=True)

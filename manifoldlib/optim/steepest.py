@@ -110,6 +110,7 @@ class BankSolution:
         lam, lam0: ``(B, n, n)`` final and closed-form multipliers (``lam - lam0`` warm-starts the next step).
         gap: per matrix, the certified gap of a smoothed answer (``None`` where none ran).
         stages, evaluations, hessian_products, history: what ran (see :class:`SteepestInfo`).
+        pieces: ``(W^T A, A^T A)`` ``(B, n, n)`` of a reduced answer (:meth:`DualProblem.pieces`), or ``None``.
     """
 
     problem: DualProblem
@@ -124,6 +125,7 @@ class BankSolution:
     evaluations: int = 0
     hessian_products: int = 0
     history: list = field(default_factory=list)
+    pieces: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def direction(self) -> torch.Tensor:
         """``(B, m, n)`` the directions, formed (two ``m·n²`` products) if they were not."""
@@ -283,14 +285,16 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
         if not sync_free and best is not None and best.eig is not None:  # a certificate where it is free
             plain = problem.relative_gaps(best)
             gaps = [float(plain[i]) if gap is None else gap for i, gap in enumerate(gaps)]
+        pieces = None
         if a is None and best.a is None:  # the reduced answer: its residual from n x n pieces
-            residual = problem.answer_residual(*problem.pieces(best))
+            pieces = problem.pieces(best)
+            residual = problem.answer_residual(*pieces)
         else:
             a = best.a if a is None else a
             residual = problem.tangent_residual(a)
         lam_out = best.lam if best is not None else torch.cat([ev.lam for ev, _ in parts])
         return BankSolution(problem, best, a, residual, counts, lam_out, lam0, gaps, tuple(stages),
-                            problem.evaluations, problem.hessian_products, history)
+                            problem.evaluations, problem.hessian_products, history, pieces)
 
 
 def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, multiplier=None, correction=None,

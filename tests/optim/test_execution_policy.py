@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 from manifoldlib.optim import ManifoldMuon
-from manifoldlib.optim.execution import EIGH_MIN_COLUMNS, SMALL_SOLVE_FLOPS, Execution
+from manifoldlib.optim.execution import (
+    EIGH_MIN_COLUMNS,
+    SIDE_BY_SIDE_FLOPS,
+    SMALL_SOLVE_FLOPS,
+    Execution,
+    run_side_by_side,
+    side_by_side,
+)
 from manifoldlib.testing.counting import count_ops
 
 
@@ -124,3 +131,71 @@ def test_the_sync_free_option_decides_the_host_reads(spectral, sync_free):
         assert eighs == 0  # products only
     if spectral == "eigh":
         assert eighs > 0
+
+
+def test_large_cpu_banks_are_split_into_equal_parts_over_the_threads():
+    before = torch.get_num_threads()
+    side = round(SIDE_BY_SIDE_FLOPS ** (1 / 3)) + 1
+    try:
+        torch.set_num_threads(2)
+        assert side_by_side("cpu", (side, side), 2) == 2
+        assert side_by_side("cpu", (4 * side, side), 4) == 2
+        assert side_by_side("cpu", (side, side), 3) == 1  # a lone matrix left over: not split
+        assert side_by_side("cpu", (side, side), 1) == 1
+        assert side_by_side("cpu", (side - 2, side - 2), 2) == 1  # small solves are mostly Python
+        assert side_by_side("cuda", (side, side), 2) == 1
+        torch.set_num_threads(1)
+        assert side_by_side("cpu", (side, side), 2) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_a_split_bank_steps_as_the_unsplit_one(manifold):
+    # two 320x160 matrices (above SIDE_BY_SIDE_FLOPS): on two threads solved side by side, on one
+    # thread one bank; the same points, states and caller settings
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            g = torch.Generator().manual_seed(3)
+            params = [nn.Parameter(torch.randn(320, 160, generator=g, dtype=torch.float64)) for _ in range(2)]
+            opt = ManifoldMuon(params, lr=0.05, manifold=manifold)
+            opt.project_parameters()
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+                opt.step()
+            assert torch.get_num_threads() == threads and torch.is_grad_enabled()
+            results.append(([p.detach().clone() for p in params],
+                            [opt.state[p]["dual_correction"].clone() for p in params],
+                            [int(opt.state[p]["dual_iterations"]) for p in params]))
+    finally:
+        torch.set_num_threads(before)
+    (split, split_corr, split_it), (whole, whole_corr, whole_it) = results
+    assert split_it == whole_it
+    for a, b in zip(split + split_corr, whole + whole_corr):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_side_by_side_raises_the_first_failure_after_all_finished_and_restores_threads():
+    before = torch.get_num_threads()
+    done = []
+
+    def fails():
+        raise RuntimeError("first")
+
+    def works():
+        done.append(torch.get_num_threads())
+        return 7
+
+    try:
+        torch.set_num_threads(2)
+        assert run_side_by_side([works, works]) == [7, 7]
+        assert done == [1, 1]  # each with its share of the threads
+        with pytest.raises(RuntimeError, match="first"):
+            run_side_by_side([fails, works])
+        assert len(done) == 3 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
