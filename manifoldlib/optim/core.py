@@ -352,7 +352,8 @@ def _step(bank: Bank, execution: Execution) -> Tensor:
     if bank.options.manifold.flat:
         return _euclidean(bank, execution)
     count = len(bank.params)
-    parts = side_by_side(bank.params[0].device, bank.params[0].shape, count)
+    parts = side_by_side(bank.params[0].device, bank.params[0].shape, count, path=execution.spectral,
+                         sync_free=execution.sync_free)
     if parts == 1:
         return _constrained(bank, execution)
     size = count // parts

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
     "BFLOAT16_MIN_SIZE",
@@ -139,20 +140,25 @@ def step_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def side_by_side(device: torch.device | str, shape: Sequence[int], members: int) -> int:
+def side_by_side(device: torch.device | str, shape: Sequence[int], members: int, *, path: str = "eigh",
+                 sync_free: bool = False) -> int:
     """Into how many equal parts a bank of ``members`` constrained ``shape`` matrices is split, each
     part solved on its own thread with a share of the intra-op threads (1: not split).
 
-    Why: a CPU solve spends much of its time in ``n × n`` eigendecompositions, whose LAPACK routine
-    uses extra threads poorly (half its work is matrix–vector), while matrix products cost the
-    same either way; two matrices side by side on one thread each finish sooner than one after
-    the other on two. Only on the CPU, with at least two threads, parts of equal size (a lone
-    matrix left over would make its thread the step's tail), and matrices of at least
-    :data:`SIDE_BY_SIDE_FLOPS`. The decision depends on the shapes and the thread count alone (every
+    Why: a CPU solve on the eigh path spends much of its time in ``n × n`` eigendecompositions,
+    whose LAPACK routine uses extra threads poorly (half its work is matrix–vector), while matrix
+    products cost the same either way; two matrices side by side on one thread each finish sooner
+    than one after the other on two. Only on the CPU, on the early-stopping eigh ``path`` (not
+    ``sync_free``: the products path has no eigendecomposition to gain on), with at least two
+    threads, parts of equal size (a lone matrix left over would make its thread the step's tail),
+    matrices of at least :data:`SIDE_BY_SIDE_FLOPS`, and no dispatch mode or compilation active
+    (a :func:`~manifoldlib.testing.counting.count_ops` counter or a tracer sees its own thread only). The decision depends on the shapes and the thread count alone (every
     rank of a job with the same threads makes the same one); a part's result is its matrices' step
     with ``threads // parts`` intra-op threads, equal to the unsplit step to rounding.
     """
-    if torch.device(device).type != "cpu" or members < 2:
+    if torch.device(device).type != "cpu" or members < 2 or path != "eigh" or sync_free:
+        return 1
+    if _get_current_dispatch_mode() is not None or torch.compiler.is_compiling():
         return 1
     if shape[-2] * shape[-1] * min(shape[-2], shape[-1]) < SIDE_BY_SIDE_FLOPS:
         return 1

@@ -199,3 +199,25 @@ def test_side_by_side_raises_the_first_failure_after_all_finished_and_restores_t
         assert len(done) == 3 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_banks_are_not_split_off_the_eigh_path_or_under_a_counter():
+    before = torch.get_num_threads()
+    side = round(SIDE_BY_SIDE_FLOPS ** (1 / 3)) + 1
+    try:
+        torch.set_num_threads(2)
+        assert side_by_side("cpu", (side, side), 2, path="products", sync_free=True) == 1
+        assert side_by_side("cpu", (side, side), 2, path="eigh", sync_free=True) == 1
+        seen = []
+        count_ops(lambda: seen.append(side_by_side("cpu", (side, side), 2)))
+        assert seen == [1]  # a counter sees its own thread only: everything stays on it
+        # and the counter then sees the whole solve of a bank that would be split
+        params = [nn.Parameter(torch.randn(320, 160)) for _ in range(2)]
+        opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", dual={"spectral": "eigh"})
+        opt.project_parameters()
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        counts = count_ops(opt.step)
+        assert counts.flops > 4 * 2 * 320 * 160 * 160  # at least W^T G, G^T G and the answer's products
+    finally:
+        torch.set_num_threads(before)
