@@ -78,9 +78,14 @@ EIGH_MIN_COLUMNS = 256
 SMALL_SOLVE_FLOPS = 128**3
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a fact of the hardware: a constant in compiled code
 def native_bfloat16(device_type: str) -> bool:
     """Whether bfloat16 matrix products run natively (faster than float32) on this device type."""
+    return _native_bfloat16(device_type)
+
+
+@functools.cache
+def _native_bfloat16(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device_type == "cpu":
@@ -100,10 +105,10 @@ def _matmul_backends() -> list:
     return [h for h in handles if h is not None and hasattr(h, "fp32_precision")]
 
 
-#: ``fp32_precision`` values that already mean IEEE float32 products (``"none"``: not set).
 #: A CPU bank of constrained matrices each with ``m·n·min(m, n)`` at least this is split over the
 #: intra-op threads (:func:`side_by_side`): smaller solves are mostly Python, which threads share.
 SIDE_BY_SIDE_FLOPS = 4_000_000
+#: ``fp32_precision`` values that already mean IEEE float32 products (``"none"``: not set).
 FULL_PRECISION = ("ieee", "none")
 
 
@@ -112,7 +117,12 @@ def ieee_float32_matmul() -> Iterator[None]:
     """Run the block with IEEE float32 matrix products; restore each backend's setting after.
 
     Usable as a decorator. Not thread-safe: the setting is global to the process, as torch's is.
+    Under :func:`torch.compile` it changes nothing (a compiled graph takes the process's setting
+    at compile time: leave float32 products at IEEE precision around a compiled step).
     """
+    if torch.compiler.is_compiling():
+        yield
+        return
     changed = []
     for handle in _matmul_backends():
         previous = handle.fp32_precision
@@ -128,9 +138,13 @@ def ieee_float32_matmul() -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with ``threads`` intra-op threads (``None``: leave them), then restore."""
+    """Run the block with ``threads`` intra-op threads (``None``: leave them), then restore; under
+    :func:`torch.compile` the compiled code's threads are left as they are."""
+    if threads is None or torch.compiler.is_compiling():
+        yield
+        return
     before = torch.get_num_threads()
-    if threads is None or threads == before:
+    if threads == before:
         yield
         return
     torch.set_num_threads(threads)
