@@ -151,7 +151,9 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
             keep = progress.active if rows is None else progress.active[rows]
             if not bool(keep.any()):
                 break
-            if rows is None or not bool(keep.all()):  # narrow the work to the active matrices
+            if rows is None and bool(keep.all()):  # every matrix active: nothing to narrow yet
+                rows = torch.arange(keep.numel(), device=keep.device)
+            elif not bool(keep.all()):  # narrow the work to the active matrices
                 index = keep.nonzero().flatten()
                 rows = index if rows is None else rows[index]
                 work, ev, lam, step = work.select(index), ev.select(index), lam[index], step[index]
@@ -218,7 +220,9 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
         keep = progress.active if rows is None else progress.active[rows]
         if not bool(keep.any()):
             break
-        if rows is None or not bool(keep.all()):  # narrow the work to the active matrices
+        if rows is None and bool(keep.all()):  # every matrix active: nothing to narrow yet
+            rows = torch.arange(keep.numel(), device=keep.device)
+        elif not bool(keep.all()):  # narrow the work to the active matrices
             index = keep.nonzero().flatten()
             rows = index if rows is None else rows[index]
             work, ev, lam = work.select(index), ev.select(index), lam[index]
