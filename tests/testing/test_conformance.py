@@ -86,16 +86,9 @@ def test_manifold_muon_conforms(manifold, check):
     assert report.ok, str(report)
 
 
-TALL_STIEFEL_PRODUCTS = (
-    "the sync-free (products) retraction's fixed chord steps leave a float64 (64, 8) Stiefel point "
-    "up to 8.5e-12 off the manifold at lr 0.2 (max |X^T X - I|; 1e3 eps is 2.2e-13), where the "
-    "eigh path keeps it at 4e-15"
-)
-
-
 @pytest.mark.parametrize("manifold", [
     "oblique",
-    pytest.param("stiefel", marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=TALL_STIEFEL_PRODUCTS)]),
+    pytest.param("stiefel", marks=pytest.mark.slow),  # float64 sync-free retractions take twelve chord steps
     pytest.param("dgram", marks=pytest.mark.slow),
     "euclidean",
 ])
