@@ -20,8 +20,11 @@ def _matrices(seed: int):
 
 
 def _options(manifold: str) -> MuonOptions:
+    # Euclidean: Newton-Schulz in float32, so that eager and compiled agree beyond bfloat16 rounding
+    # (inductor keeps a bfloat16 iteration's elementwise intermediates in float32)
     probe = torch.nn.Parameter(torch.randn(4, 4))
-    opt = ManifoldMuon([probe], lr=0.02, manifold=manifold, dual={"spectral": "products", "sync_free": True})
+    group = {"params": [probe], "ns_dtype": "float32"}
+    opt = ManifoldMuon([group], lr=0.02, manifold=manifold, dual={"spectral": "products", "sync_free": True})
     return MuonOptions.from_group(opt.param_groups[0])
 
 
