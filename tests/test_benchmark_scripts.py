@@ -32,6 +32,11 @@ CASES = {
         ["12 matrices (2 blocks of width 16)", "ManifoldMuon stiefel", "ManifoldMuon hetero", "x anchor",
          "syncs", "GFLOP"],
     ),
+    "bench_reference_dual.py": (
+        ["--rows", "48", "--cols", "12", "--rank", "2", "--steps", "5", "--threads", "1"],
+        ["stiefel 48x12, rank 2", "manifoldlib steepest_direction (float32)",
+         "reference dual, 5 steps, PE in float32", "reference dual, 5 steps, PE in bfloat16", "gap"],
+    ),
     "bench_tiny_model.py": (
         ["--layers", "1", "--width", "16", "--steps", "2", "--warmup", "1", "--load", "0", "--threads", "1"],
         ["tiny LLaMA: 1 layers, width 16", "load 0, threads       1: ManifoldMuon hetero"],
