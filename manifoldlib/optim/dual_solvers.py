@@ -143,19 +143,18 @@ def bb_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iterations: in
     # (for a gradient nearly normal to the tangent space X is small, and so is the first step)
     step = 0.25 * problem.x_norm(lam) / math.sqrt(lam.size(-1))
     lam_prev = grad_prev = None
-    work, rows = problem, None
+    # the bank rows still worked on (an early-stopping loop narrows them; a sync-free one masks)
+    work, rows = problem, None if sync_free else torch.arange(lam.size(0), device=lam.device)
     for taken in range(iterations):
         if sync_free:
             active = progress.active
         else:
-            keep = progress.active if rows is None else progress.active[rows]
+            keep = progress.active[rows]
             if not bool(keep.any()):
                 break
-            if rows is None and bool(keep.all()):  # every matrix active: nothing to narrow yet
-                rows = torch.arange(keep.numel(), device=keep.device)
-            elif not bool(keep.all()):  # narrow the work to the active matrices
+            if not bool(keep.all()):  # narrow the work to the active matrices
                 index = keep.nonzero().flatten()
-                rows = index if rows is None else rows[index]
+                rows = rows[index]
                 work, ev, lam, step = work.select(index), ev.select(index), lam[index], step[index]
                 if lam_prev is not None:
                     lam_prev, grad_prev = lam_prev[index], grad_prev[index]
@@ -215,16 +214,14 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
     steps: list[torch.Tensor] = []
     valid: list[torch.Tensor] = []  # per history entry, per matrix: not cleared by a restart
     previous = ev.residual
-    work, rows = problem, None
+    work, rows = problem, torch.arange(lam.size(0), device=lam.device)  # the bank rows still worked on
     for _ in range(iterations):
-        keep = progress.active if rows is None else progress.active[rows]
+        keep = progress.active[rows]
         if not bool(keep.any()):
             break
-        if rows is None and bool(keep.all()):  # every matrix active: nothing to narrow yet
-            rows = torch.arange(keep.numel(), device=keep.device)
-        elif not bool(keep.all()):  # narrow the work to the active matrices
+        if not bool(keep.all()):  # narrow the work to the active matrices
             index = keep.nonzero().flatten()
-            rows = index if rows is None else rows[index]
+            rows = rows[index]
             work, ev, lam = work.select(index), ev.select(index), lam[index]
             relaxation, previous = relaxation[index], previous[index]
             points, steps, valid = [p[index] for p in points], [d[index] for d in steps], [v[index] for v in valid]
