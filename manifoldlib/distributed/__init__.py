@@ -6,7 +6,11 @@
 - :mod:`~manifoldlib.distributed.env`: :func:`is_distributed`, :func:`get_rank_world`,
   :func:`init_from_env` (torchrun), :func:`import_before_init` and :func:`destroy_process_group`.
 - :mod:`~manifoldlib.distributed.guards`: :func:`reject_unsupported_parameter` refuses DTensor
-  and FSDP-flattened parameters, which a per-matrix manifold step would get wrong.
+  and FSDP-flattened parameters, which a per-matrix manifold step would get wrong, except FSDP2's
+  row shards where the caller gathers whole matrices (:func:`is_row_sharded`).
+- :mod:`~manifoldlib.distributed.redistribute`: :func:`exchange`, one all-to-all that moves
+  row shards to the rank solving a matrix and back; :func:`row_chunks` / :func:`row_range`,
+  FSDP2's rows per rank.
 - :mod:`~manifoldlib.distributed.batching`: :func:`batch_shard`, the rows of a global batch a
   rank trains on, so DDP keeps single-process batch semantics.
 - :mod:`~manifoldlib.distributed.collectives`: :func:`all_mean`, :func:`from_rank0`,
@@ -32,7 +36,8 @@ from .env import (
     init_from_env,
     is_distributed,
 )
-from .guards import UnsupportedParameterError, reject_unsupported_parameter
+from .guards import UnsupportedParameterError, is_row_sharded, reject_unsupported_parameter
+from .redistribute import exchange, exchange_bytes, row_chunks, row_range
 from .launch import WorkerError, WorkerTimeoutError, run_workers
 from .sharding import STRATEGIES, assign_owners, matrix_cost, rank_loads, sharded_apply
 
@@ -48,15 +53,20 @@ __all__ = [
     "assign_owners",
     "batch_shard",
     "destroy_process_group",
+    "exchange",
+    "exchange_bytes",
     "from_rank0",
     "get_rank_world",
     "import_before_init",
     "init_from_env",
     "is_distributed",
+    "is_row_sharded",
     "matrix_cost",
     "raise_together",
     "rank_loads",
     "reject_unsupported_parameter",
+    "row_chunks",
+    "row_range",
     "run_workers",
     "sharded_apply",
 ]

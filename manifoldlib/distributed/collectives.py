@@ -48,18 +48,19 @@ def from_rank0(value: float, device: torch.device | str = "cpu") -> float:
     return float(t)
 
 
-def all_gather_objects(obj) -> list:
-    """``[obj_rank0, obj_rank1, ...]`` on every rank."""
-    world = _world()
+def all_gather_objects(obj, process_group: dist.ProcessGroup | None = None) -> list:
+    """``[obj_rank0, obj_rank1, ...]`` on every rank (of ``process_group``; ``None``: the default)."""
+    world = get_rank_world(process_group)[1]
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=process_group)
     return out
 
 
 def raise_together(error: BaseException | None,
-                   wrap: type[Exception] = RankFailedError) -> None:
+                   wrap: type[Exception] = RankFailedError,
+                   process_group: dist.ProcessGroup | None = None) -> None:
     """Raise ``error`` on this rank, or ``wrap("rank R failed (KIND): MESSAGE")`` where another
     rank passed one; return on every rank when none did. Also a barrier.
 
@@ -67,8 +68,10 @@ def raise_together(error: BaseException | None,
         error: this rank's failure, or ``None``.
         wrap: the exception type raised for another rank's failure (a caller's own, so that
             its handlers treat both alike).
+        process_group: the ranks that decide together (``None``: the default group; ``R`` is
+            then a rank of that group).
     """
-    reports = all_gather_objects(None if error is None else (type(error).__name__, str(error)))
+    reports = all_gather_objects(None if error is None else (type(error).__name__, str(error)), process_group)
     if error is not None:
         raise error
     failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]

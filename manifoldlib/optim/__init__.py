@@ -6,7 +6,8 @@ Train a model:
   the rest to AdamW (:class:`CombinedOptimizer`); :func:`assign_parameters` and
   :func:`describe_assignment` say which matrix went where;
 - :class:`ManifoldMuon`: the optimizer, with :class:`DualOptions` (the dual solve) and
-  :class:`Distribution` (data-parallel jobs); :func:`manifold_muon` its functional core.
+  :class:`Distribution` (DDP jobs; FSDP2's ``fully_shard`` parameters are stepped on their
+  row shards, :mod:`~manifoldlib.optim.fsdp`); :func:`manifold_muon` its functional core.
 
 Choose manifolds per module: :func:`register_policy`, :func:`get_policy`,
 :func:`available_policies`, :class:`RolePolicy`, :func:`default_classifier`,
@@ -20,9 +21,8 @@ Log: :func:`optimizer_diagnostics`, :func:`constraint_residual`, :func:`spectral
 
 from .builder import CombinedOptimizer, assign_parameters, build_optimizer, describe_assignment
 from .diagnostics import constraint_residual, max_attention_logit, optimizer_diagnostics, spectral_norm
-from .layouts import LAYOUTS, weight_layout
 from .optimizer import MUON_MANIFOLDS, ManifoldMuon, manifold_muon
-from .options import Distribution, DualOptions
+from .options import LAYOUTS, Distribution, DualOptions, weight_layout
 from .policies import (
     RolePolicy,
     available_policies,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._numbers import is_real
-from .layouts import weight_layout
+from .options import weight_layout
 from .optimizer import MUON_MANIFOLDS, ManifoldMuon, check_state_dict, restore_dual_corrections
 from .policies import (
     Classifier,
@@ -246,7 +246,7 @@ def build_optimizer(
     """One optimizer for ``model``: Manifold Muon for the policy's matrices, AdamW for the rest.
 
     Muon groups: one per manifold and storage layout in use (``"manifold"`` and ``"layout"``
-    set; a Hugging Face ``Conv1D`` stores ``(in, out)``, :func:`~manifoldlib.optim.layouts.weight_layout`,
+    set; a Hugging Face ``Conv1D`` stores ``(in, out)``, :func:`~manifoldlib.optim.options.weight_layout`,
     so its matrices get the constraint of the equivalent ``nn.Linear``). AdamW groups: matrices
     (embeddings, head) with ``adamw_weight_decay`` and vectors (gains, biases) without decay.
 

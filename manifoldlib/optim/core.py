@@ -51,7 +51,7 @@ from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
-from .layouts import flipped
+from .options import flipped
 from .options import MuonOptions, adjusted_lr
 from .steepest import solve_bank
 
@@ -81,6 +81,9 @@ class Bank:
         flips: per member, whether its tall orientation is its transpose.
         lrs, decays: per member, the adjusted learning rate :math:`\\eta` and the decay factor :math:`\\beta`.
         indices: per member, its position in the caller's list (for sharded steps).
+        updates_given: ``grads`` already are the momentum updates :math:`U` (their momentum was
+            accumulated elsewhere, on FSDP2's row shards: :mod:`~manifoldlib.optim.fsdp`); the
+            bank has no buffers.
     """
 
     options: MuonOptions
@@ -92,6 +95,7 @@ class Bank:
     lrs: list[float] = field(default_factory=list)
     decays: list[float] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
+    updates_given: bool = False
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """``(B, m, n)`` the members' tall orientations, one copy."""
@@ -110,14 +114,16 @@ class Bank:
         return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
-def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]]) -> list[Bank]:
-    """Group ``(options, param, grad, momentum_buffer, state)`` items into banks, in first-seen order."""
+def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None, dict]], *,
+               updates_given: bool = False) -> list[Bank]:
+    """Group ``(options, param, grad, momentum_buffer, state)`` items into banks, in first-seen order
+    (``updates_given``: the "grads" are momentum updates and there are no buffers, see :class:`Bank`)."""
     banks: dict[tuple, Bank] = {}
     for index, (opts, p, g, buf, state) in enumerate(items):
         flip = flipped(p.shape, opts.layout)
         shape = (p.size(1), p.size(0)) if flip else tuple(p.shape)
         key = (opts.bank_key(), shape, p.dtype, p.device)
-        bank = banks.setdefault(key, Bank(opts))
+        bank = banks.setdefault(key, Bank(opts, updates_given=updates_given))
         lr = opts.lr
         bank.params.append(p)
         bank.grads.append(g)
@@ -174,11 +180,18 @@ def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
     ``(B, m, n)`` updates (non-finite where the gradient is) in ``work`` and the ``(B,)`` finite mask."""
     opts = bank.options
     g = bank.stack(bank.grads)
-    finite = torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.promote_types(g.dtype, torch.float32)))
+    finite = gradient_finite(g)
+    if bank.updates_given:
+        return g if g.dtype == work else g.to(work), finite
     buf = _bank_buffer(bank)
     torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf, out=buf)
     update = g.lerp_(buf, opts.momentum) if opts.nesterov else buf
     return update if update.dtype == work else update.to(work), finite
+
+
+def gradient_finite(g: Tensor) -> Tensor:
+    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite (one reduction, on the device)."""
+    return torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.promote_types(g.dtype, torch.float32)))
 
 
 def _count_skips(bank: Bank, skipped: Tensor) -> None:
@@ -367,5 +380,5 @@ def _subset(bank: Bank, members: Sequence[int]) -> Bank:
     """The bank of some of ``bank``'s members."""
     pick = lambda values: [values[j] for j in members]  # noqa: E731
     return Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
-                pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices))
+                pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices), bank.updates_given)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .steepest import matrix_manifold
-from .layouts import check_layout, tall
+from .options import check_layout, tall
 
 __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
 
@@ -29,7 +29,7 @@ def constraint_residual(w: torch.Tensor, manifold, layout: str = "out_in") -> fl
     """Distance of ``w`` (``(m, n)``, either orientation) from ``manifold`` (a name or a manifold
     object): the manifold's own :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.constraint_residual`
     in float64, on the map's matrix in its tall orientation (``layout``: how ``w`` is stored,
-    :mod:`~manifoldlib.optim.layouts`); 0 for Euclidean.
+    :mod:`~manifoldlib.optim.options`); 0 for Euclidean.
 
     Raises:
         ValueError: unknown manifold or layout, or a non-matrix ``w``.

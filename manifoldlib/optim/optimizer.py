@@ -13,6 +13,11 @@ cost) and shares the new matrices with one ``all_gather`` per dtype. The momentu
 replicated; the dual's warm-start state of a matrix lives on its owner until
 :meth:`ManifoldMuon.consolidate_state_dict` shares it for a checkpoint. Both modes give every rank
 the parameters of a single process running the same steps.
+
+FSDP2 (``fully_shard``): parameters that are DTensors placed ``Shard(0)`` on a one-dimensional mesh
+are stepped by :func:`~manifoldlib.optim.fsdp.fsdp_step`: each matrix's rows are gathered on one
+rank, solved there, and sent back; momentum and warm starts stay on the row shards. ``distribution``
+then does not apply to them (every step is a collective over their mesh).
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from ..distributed import assign_owners, get_rank_world, sharded_apply
+from ..distributed import assign_owners, get_rank_world, is_row_sharded, sharded_apply
 from ..functional.newton_schulz import MUON_COEFFICIENTS
 from ..retractions.base import available_retractions
 from .core import make_banks, muon_step
 from .execution import Execution, ieee_float32_matmul, step_threads
-from .layouts import tall
+from .fsdp import fsdp_step, project_row_sharded
+from .options import tall
 from .options import (
     Distribution,
     DualOptions,
@@ -89,7 +95,7 @@ class ManifoldMuon(Optimizer):
     Group options are plain data, so ``state_dict()`` round-trips through
     ``torch.load(weights_only=True)``. Besides the arguments above a group may set ``"layout"``
     (``"out_in"``, ``torch.nn.Linear``'s, or ``"in_out"``, a Hugging Face ``Conv1D``'s:
-    :mod:`~manifoldlib.optim.layouts`) and ``"ns_dtype"`` (``"auto"``: bfloat16 where bfloat16
+    :mod:`~manifoldlib.optim.options`) and ``"ns_dtype"`` (``"auto"``: bfloat16 where bfloat16
     products are native, float32 elsewhere; ``"bfloat16"``: always, as :class:`torch.optim.Muon`;
     ``"float32"``). Wide matrices are handled in their tall orientation: a ``(256, 1024)`` weight on
     Stiefel has orthonormal *rows*. Every parameter is projected onto its group's manifold when the
@@ -97,9 +103,10 @@ class ManifoldMuon(Optimizer):
 
     A matrix whose gradient has a NaN or inf keeps its value and momentum that step and
     ``state["skipped_steps"]`` counts it (:func:`~manifoldlib.optim.optimizer_diagnostics`
-    reports it); checking on the host would stall a GPU every step. Parameters must be whole
-    tensors: DTensor and FSDP1-flattened parameters raise
-    :class:`~manifoldlib.distributed.UnsupportedParameterError`.
+    reports it); checking on the host would stall a GPU every step. Parameters are whole tensors
+    or FSDP2's row shards (``fully_shard``: DTensors placed ``Shard(0)`` on a one-dimensional mesh,
+    :mod:`~manifoldlib.optim.fsdp`); other DTensor placements (tensor parallel) and FSDP1-flattened
+    parameters raise :class:`~manifoldlib.distributed.UnsupportedParameterError`.
 
     Example:
         >>> opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}], lr=0.02,
@@ -185,18 +192,26 @@ class ManifoldMuon(Optimizer):
             if p.numel() == 0:
                 continue
             label = repr(name) if name is not None else f"#{index} of its group"
-            if not bool(p.detach().ne(0).any()):
-                raise ValueError(
-                    f"parameter {label} of shape {tuple(p.shape)} is all zeros and cannot be projected onto "
-                    f"{group['manifold']}: initialize it with nonzero values (e.g. torch.nn.init.orthogonal_) "
-                    f"or assign it to 'euclidean' / AdamW")
-            w = tall(p, group["layout"])
-            work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
-            try:
-                with ieee_float32_matmul():
-                    w.copy_(manifold.projx(work))
-            except ValueError as err:
-                raise ValueError(f"parameter {label} of shape {tuple(p.shape)}: {err}") from err
+
+            def project(whole: Tensor, label: str = label) -> Tensor:
+                if not bool(whole.detach().ne(0).any()):
+                    raise ValueError(
+                        f"parameter {label} of shape {tuple(whole.shape)} is all zeros and cannot be projected "
+                        f"onto {group['manifold']}: initialize it with nonzero values (e.g. "
+                        f"torch.nn.init.orthogonal_) or assign it to 'euclidean' / AdamW")
+                w = tall(whole, group["layout"])
+                work = w.to(torch.float64) if w.dtype in (torch.float16, torch.bfloat16) else w
+                try:
+                    with ieee_float32_matmul():
+                        w.copy_(manifold.projx(work))
+                except ValueError as err:
+                    raise ValueError(f"parameter {label} of shape {tuple(whole.shape)}: {err}") from err
+                return whole
+
+            if is_row_sharded(p):  # every rank projects the gathered matrix and keeps its rows
+                project_row_sharded(p, project)
+            else:
+                project(p)
 
     def _gather(self) -> list[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]]:
         """``(options, param, grad, momentum buffer, state)`` of every matrix with a gradient;
@@ -220,9 +235,10 @@ class ManifoldMuon(Optimizer):
         return items
 
     def owners(self) -> dict[int, int]:
-        """``id(param) -> owner rank`` in sharded mode over every parameter (from the shapes alone:
-        the same on every rank, cached so each matrix keeps its owner and its owner-only state)."""
-        params = [p for group in self.param_groups for p in group["params"]]
+        """``id(param) -> owner rank`` in sharded mode over every whole parameter (from the shapes
+        alone: the same on every rank, cached so each matrix keeps its owner and its owner-only
+        state; FSDP2's row-sharded parameters are owned per step by :mod:`~manifoldlib.optim.fsdp`)."""
+        params = [p for group in self.param_groups for p in group["params"] if not is_row_sharded(p)]
         key = tuple(id(p) for p in params)
         _, world = get_rank_world(self.distribution.process_group)
         if self._owner_cache is None or self._owner_cache[:2] != (key, world):
@@ -248,25 +264,34 @@ class ManifoldMuon(Optimizer):
         items = self._gather()
         if not items:
             return loss
-        banks = make_banks(items)
         executions: dict[tuple, Execution] = {}
 
-        def execution_for(bank) -> Execution:
-            opts, device = bank.options, bank.params[0].device
-            columns = min(bank.params[0].shape)
+        def execution_of(opts: MuonOptions, device: torch.device, columns: int) -> Execution:
             key = (device, opts.dual.spectral, opts.ns_dtype, opts.dual.sync_free, columns)
             if key not in executions:
                 executions[key] = Execution.resolve(device, spectral=opts.dual.spectral, ns_dtype=opts.ns_dtype,
                                                     sync_free=opts.dual.sync_free, columns=columns)
             return executions[key]
 
+        def execution_for(bank) -> Execution:
+            return execution_of(bank.options, bank.params[0].device, min(bank.params[0].shape))
+
+        whole = [item for item in items if not is_row_sharded(item[1])]
+        meshes: dict[Any, list] = {}
+        for item in items:
+            if is_row_sharded(item[1]):
+                meshes.setdefault(item[1].device_mesh, []).append(item)
         owners = None
-        if self._sharded():
+        if whole and self._sharded():
             by_id = self.owners()
-            owners = [by_id[id(item[1])] for item in items]
+            owners = [by_id[id(item[1])] for item in whole]
         threads = Execution.threads(items[0][1].device, [tuple(item[1].shape) for item in items])
         with step_threads(threads):
-            muon_step(banks, execution_for, owners=owners, process_group=self.distribution.process_group)
+            if whole:
+                muon_step(make_banks(whole), execution_for, owners=owners,
+                          process_group=self.distribution.process_group)
+            for sharded in meshes.values():
+                fsdp_step(sharded, execution_of, strategy=self.distribution.strategy)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -373,7 +398,7 @@ def _share_owner_state(optimizer: ManifoldMuon) -> None:
     the correction), :func:`~manifoldlib.distributed.sharded_apply` shares them, and every rank
     unpacks them in the dtypes the step writes (the correction and residuals in the solve's dtype).
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"] if not is_row_sharded(p)]
     owners = optimizer.owners()
     ranks = [owners[id(p)] for p in params]
     scalars = OWNER_STATE_KEYS[1:]  # after the correction

@@ -9,6 +9,25 @@ added, and stores its numbers as Python floats; each step reads the validated va
 * :class:`Distribution`: how the steps of a data-parallel job are shared (an optimizer
   attribute, not a group option).
 * :func:`adjusted_lr`: Muon's shape adjustment of the learning rate.
+* The storage ``layout`` of a matrix (:data:`LAYOUTS`, :func:`tall`, :func:`weight_layout`), below.
+
+**Storage layouts.** How a matrix parameter is stored, and the orientation Manifold Muon constrains it in.
+
+A manifold of :mod:`manifoldlib.manifolds` constrains the linear map's own matrix
+:math:`W \in \mathbb{R}^{\text{out} \times \text{in}}` (:math:`y = W x`) in its tall orientation:
+a tall Stiefel point has orthonormal columns, :math:`W^\top W = I`; a wide one orthonormal rows.
+``torch.nn.Linear`` stores exactly :math:`W` (layout ``"out_in"``); Hugging Face's ``Conv1D``
+(GPT-2) stores :math:`W^\top` and computes :math:`x W^\top` (layout ``"in_out"``).
+
+For a rectangular matrix the layout makes no difference (the tall orientation of :math:`W` and of
+:math:`W^\top` is the same matrix), nor for square Stiefel (:math:`W^\top W = I \iff W W^\top = I`).
+For a *square* DGram or Oblique matrix it does: :math:`\operatorname{Off}(W^\top W) = 0` makes the
+map's input directions orthogonal, :math:`\operatorname{Off}(W W^\top) = 0` its output rows. A
+group's ``layout`` option tells :class:`~manifoldlib.optim.ManifoldMuon` which one it holds, so a
+GPT-2 ``Conv1D`` and the equivalent ``nn.Linear`` get the same constraint on the same map (and the
+same ``adjust_lr_fn`` shape factor, which reads :math:`W`'s rows and columns).
+:func:`~manifoldlib.optim.build_optimizer` sets it from each parameter's module
+(:func:`weight_layout`).
 """
 
 from __future__ import annotations
@@ -21,28 +40,79 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .._numbers import is_integer, is_real
 from ..distributed import STRATEGIES, reject_unsupported_parameter
 from ..manifolds import get_manifold
+from ..charts.blocks import SplitBlocks, output_dim
 from .dual import Spectral
 from .execution import NS_DTYPES, SPECTRAL_PATHS
-from .layouts import check_layout, map_shape
 
 __all__ = [
     "ADJUST_LR_FNS",
     "DISTRIBUTION_MODES",
     "DUAL_MSIGN_METHODS",
     "DUAL_UPDATES",
+    "LAYOUTS",
     "PRODUCTS_ITERATIONS",
     "Distribution",
     "DualOptions",
     "MuonOptions",
     "adjusted_lr",
+    "check_layout",
+    "flipped",
+    "map_shape",
+    "tall",
     "validate_group",
     "validate_group_params",
+    "weight_layout",
 ]
+
+#: Storage layouts of a matrix parameter: the map's ``(out, in)`` (``torch.nn.Linear``, the
+#: default) or its transpose ``(in, out)`` (Hugging Face ``Conv1D``).
+LAYOUTS = ("out_in", "in_out")
+
+
+def check_layout(layout) -> str:
+    """``layout``, or ``ValueError`` naming it and the accepted values."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (torch.nn.Linear's (out, in) or a "
+                         f"Hugging Face Conv1D's (in, out)), got {layout!r}")
+    return layout
+
+
+def flipped(shape, layout: str = "out_in") -> bool:
+    """Whether the stored matrix of ``shape`` is transposed to give the map's tall orientation."""
+    rows, cols = shape[-2], shape[-1]
+    return rows < cols or (rows == cols and layout == "in_out")
+
+
+def tall(t: Tensor, layout: str = "out_in") -> Tensor:
+    """``t`` as its manifold constrains it: the map's matrix in its tall orientation
+    (``(..., m, n)``, ``m >= n``); a view, and :func:`flipped` says whether it is transposed."""
+    return t.mT if flipped(t.shape, layout) else t
+
+
+def map_shape(shape, layout: str = "out_in") -> tuple[int, int]:
+    """``(out, in)`` of the map a stored matrix of ``shape`` holds."""
+    rows, cols = shape[-2], shape[-1]
+    return (cols, rows) if layout == "in_out" else (rows, cols)
+
+
+def weight_layout(module: nn.Module) -> str:
+    """The layout of the matrices ``module`` owns: ``"in_out"`` for a Hugging Face ``Conv1D`` and
+    for the blocks :func:`~manifoldlib.charts.split_blocks` cut from one (split along dim 1, the
+    output dimension of an ``(in, out)`` weight), ``"out_in"`` for everything else."""
+    if output_dim(module) == 1:
+        return "in_out"
+    if isinstance(module, parametrize.ParametrizationList) and any(
+        isinstance(p, SplitBlocks) and p.dim == 1 for p in module
+    ):
+        return "in_out"
+    return "out_in"
+
 
 #: Learning-rate adjustments (``None`` picks ``"original"`` on Euclidean groups, ``"spectral"`` else).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
@@ -223,7 +293,7 @@ class MuonOptions:
             :class:`torch.optim.Muon`'s.
         manifold: the manifold object, carrying its retraction.
         fused: the retraction is the manifold's default Muon retraction (its Gram form applies).
-        layout: ``"out_in"`` or ``"in_out"`` (:mod:`~manifoldlib.optim.layouts`).
+        layout: ``"out_in"`` or ``"in_out"`` (:mod:`~manifoldlib.optim.options`).
         ns_dtype: ``"auto"``, ``"bfloat16"`` or ``"float32"`` (Euclidean groups).
         dual: the dual-solver options.
     """
@@ -271,7 +341,7 @@ class MuonOptions:
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, flat: bool, shape, layout: str = "out_in") -> float:
     """The learning rate after the shape adjustment ``adjust_lr_fn`` (``None``: ``"original"`` on
     Euclidean groups, ``"spectral"`` — no adjustment — otherwise), from the map's ``(out, in)``
-    (:func:`~manifoldlib.optim.layouts.map_shape` of the stored ``shape``)."""
+    (:func:`~manifoldlib.optim.options.map_shape` of the stored ``shape``)."""
     rows, cols = map_shape(shape, layout)
     fn = adjust_lr_fn if adjust_lr_fn is not None else ("original" if flat else "spectral")
     if fn == "original":
@@ -365,12 +435,12 @@ def retraction_spec(group: Mapping) -> tuple[str | None, tuple]:
 
 def validate_group_params(group: MutableMapping) -> None:
     """Raise ``ValueError`` naming the first parameter of ``group`` that ManifoldMuon cannot take:
-    not a whole tensor (DTensor, FSDP-flattened), not 2-D, not a real floating-point dtype, or on
+    neither a whole tensor nor FSDP2's row shards (a tensor-parallel DTensor, FSDP1-flattened), not 2-D, not a real floating-point dtype, or on
     the meta device."""
     names = group.get("param_names") or [None] * len(group["params"])
     for index, (p, name) in enumerate(zip(group["params"], names)):
         label = repr(name) if name is not None else f"#{index} of its group"
-        reject_unsupported_parameter(p, name)
+        reject_unsupported_parameter(p, name, allow_row_shards=True)
         if p.ndim != 2:
             raise ValueError(f"ManifoldMuon only takes 2-D matrices; parameter {label} of shape "
                              f"{tuple(p.shape)} is in a group with manifold {group['manifold']!r}")

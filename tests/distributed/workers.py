@@ -356,28 +356,8 @@ def muon_ddp_job(rank: int, steps: int, options: dict) -> dict:
 
 
 def muon_ddp_jobs(rank: int, steps: int, option_sets: dict[str, dict]) -> dict:
-    """:func:`muon_ddp_job` for each named set of options, in one process group; plus what
-    ``build_optimizer`` says about an FSDP2-sharded (DTensor) matrix (key ``"fsdp2"``)."""
-    report = {name: muon_ddp_job(rank, steps, options) for name, options in option_sets.items()}
-    report["fsdp2"] = _muon_fsdp2_rejection()
-    return report
-
-
-def _muon_fsdp2_rejection() -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from manifoldlib.optim import build_optimizer
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = torch.nn.Module()
-    model.attn = torch.nn.Linear(8, 8, bias=False)
-    fully_shard(model.attn, mesh=mesh)
-    try:
-        build_optimizer(model, policy="all-stiefel", distribution="sharded")
-    except TypeError as error:
-        return f"{type(error).__name__}: {error}"
-    return "accepted"
+    """:func:`muon_ddp_job` for each named set of options, in one process group."""
+    return {name: muon_ddp_job(rank, steps, options) for name, options in option_sets.items()}
 
 
 def combined_ddp_job(rank: int, steps: int) -> dict:

@@ -104,13 +104,6 @@ def test_ddp_matches_one_process_within_1e_6_after_ten_steps(
     assert min(moved) > 1e-2
 
 
-def test_fsdp2_dtensor_parameters_are_refused_with_a_clear_error(reports: list[dict]) -> None:
-    for report in reports:
-        message = report["fsdp2"]
-        assert message.startswith("UnsupportedParameterError: parameter 'attn.weight' is a DTensor")
-        assert "Shard(dim=0)" in message and "DistributedDataParallel" in message
-
-
 @pytest.mark.parametrize("options", OPTION_SETS)
 def test_the_owner_holds_a_matrix_state_and_every_rank_its_momentum(reports: list[dict], options: str) -> None:
     owners = reports[0][options]["owners"]

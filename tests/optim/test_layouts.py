@@ -28,7 +28,7 @@ from manifoldlib.optim import (
     optimizer_diagnostics,
     weight_layout,
 )
-from manifoldlib.optim.layouts import check_layout
+from manifoldlib.optim.options import check_layout
 
 SHAPES = ((24, 24), (24, 40), (40, 24))  # (in, out): square, widening, narrowing
 

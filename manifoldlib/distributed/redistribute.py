@@ -1,0 +1,129 @@
+r"""Row shards to whole matrices and back: the exchange an FSDP2 optimizer step needs.
+
+FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) keeps each parameter as a
+:class:`~torch.distributed.tensor.DTensor` placed ``Shard(0)`` on a one-dimensional mesh of
+:math:`W` ranks: rank :math:`r` holds rows :math:`[rc, \min((r+1)c, m))` of an ``(m, ...)``
+tensor, :math:`c = \lceil m/W\rceil` (:func:`row_chunks`; the last ranks may hold fewer rows, or
+none). A manifold step needs whole matrices, so an optimizer moves every rank's rows of a matrix
+to the rank that solves it and the new rows back (Dion's all-to-all of "megabatches", torchtitan's
+DistMuon).
+
+:func:`exchange` is that move for any set of pieces: each rank names what it sends to every rank
+and what it expects from every rank (shapes and dtypes both sides compute from global shapes,
+without communication); the pieces of all dtypes travel as bytes in one
+:func:`torch.distributed.all_to_all_single`, each piece aligned to 8 bytes so it is unpacked as a
+view, not a copy. :func:`exchange_bytes` counts what one call moves between ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .env import get_rank_world
+
+__all__ = ["ALIGNMENT", "exchange", "exchange_bytes", "piece_bytes", "row_chunks", "row_range"]
+
+#: Every piece starts at a multiple of this many bytes in the exchanged buffer (the widest dtype
+#: a piece may have is 8 bytes), so a received piece is a view of the buffer in its own dtype.
+ALIGNMENT = 8
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+def row_chunks(rows: int, world_size: int) -> list[int]:
+    """Rows of each rank under ``Shard(0)`` (:func:`torch.chunk`'s split: ``ceil(rows / W)``
+    per rank, the last ranks fewer or none), e.g. ``row_chunks(5, 4) == [2, 2, 1, 0]``.
+
+    Raises:
+        ValueError: ``rows < 0`` or ``world_size < 1``.
+    """
+    if rows < 0 or world_size < 1:
+        raise ValueError(f"row_chunks needs rows >= 0 and world_size >= 1, got rows={rows!r}, "
+                         f"world_size={world_size!r}")
+    chunk = -(-rows // world_size)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
+
+
+def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, stop)`` of ``rank``'s rows under ``Shard(0)`` (see :func:`row_chunks`)."""
+    chunk = -(-rows // world_size)
+    start = min(rank * chunk, rows)
+    return start, start + row_chunks(rows, world_size)[rank]
+
+
+def piece_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes a piece of ``shape`` and ``dtype`` takes in the exchanged buffer (aligned)."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def exchange_bytes(outgoing: Sequence[Sequence[Spec]], rank: int) -> int:
+    """Bytes ``rank`` sends to *other* ranks when it sends ``outgoing[d]`` to rank ``d``
+    (what it keeps for itself moves nowhere)."""
+    return sum(piece_bytes(shape, dtype) for d, specs in enumerate(outgoing) if d != rank
+               for shape, dtype in specs)
+
+
+def _pack(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    offset = 0
+    for piece in pieces:
+        size = piece.numel() * piece.element_size()
+        if size:
+            out[offset:offset + size].copy_(piece.contiguous().view(-1).view(torch.uint8))
+        offset += piece_bytes(piece.shape, piece.dtype)
+
+
+def _unpack(buffer: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape, dtype in specs:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append(buffer[offset:offset + size].view(dtype).view(shape))
+        offset += piece_bytes(shape, dtype)
+    return out
+
+
+def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequence[Spec]],
+             process_group: dist.ProcessGroup | None = None) -> list[list[torch.Tensor]]:
+    """Send ``outgoing[d]`` to rank ``d`` and receive what every rank sends here, in one
+    all-to-all (a collective: every rank of the group calls it).
+
+    Args:
+        outgoing: one list of tensors per rank of the group (this rank's own entry included: it
+            is copied, not sent), on one device (CPU for gloo, CUDA for nccl).
+        incoming: per source rank, the ``(shape, dtype)`` of each tensor it sends here, in its
+            order (every rank computes the same plan, so both sides agree).
+        process_group: the group (``None``: the default group).
+
+    Returns:
+        Per source rank, its tensors as views of one received buffer.
+
+    Raises:
+        ValueError: ``outgoing`` or ``incoming`` does not have one entry per rank.
+    """
+    world = get_rank_world(process_group)[1]
+    if len(outgoing) != world or len(incoming) != world:
+        raise ValueError(f"exchange needs one outgoing and one incoming list per rank ({world}), got "
+                         f"{len(outgoing)} and {len(incoming)}")
+    device = next((t.device for pieces in outgoing for t in pieces), torch.device("cpu"))
+    send_sizes = [sum(piece_bytes(t.shape, t.dtype) for t in pieces) for pieces in outgoing]
+    recv_sizes = [sum(piece_bytes(shape, dtype) for shape, dtype in specs) for specs in incoming]
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+    starts = [0]
+    for size in send_sizes:
+        starts.append(starts[-1] + size)
+    for d, pieces in enumerate(outgoing):
+        _pack(pieces, send[starts[d]:starts[d + 1]])
+    if world == 1:
+        received = send
+    else:
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=process_group)
+    out, offset = [], 0
+    for size, specs in zip(recv_sizes, incoming):
+        out.append(_unpack(received[offset:offset + size], specs))
+        offset += size
+    return out

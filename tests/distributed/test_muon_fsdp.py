@@ -1,0 +1,138 @@
+"""ManifoldMuon on FSDP2's row shards (gloo, 2 and 4 processes) equals the single-process step.
+
+The optimizer cases give every manifold and option set the same matrices and gradients as a single
+process: tall, wide and square, rows not divisible by the world size (a rank with one row or none),
+float32, float64 and bfloat16 in one optimizer, a ``Conv1D``-layout matrix, one non-finite
+gradient, and a case where a rank owns no matrix. The model cases train a GPT under ``fully_shard``
+with every ``build_optimizer`` policy, and save and resume it with ``torch.distributed.checkpoint``
+on 1, 2 and 4 processes. Placements other than FSDP2's are refused, naming them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.distributed import run_workers, row_chunks
+
+try:  # tests laid out as packages
+    from . import muon_fsdp_workers as fw
+except ImportError:  # pytest's default rootdir-relative import puts this folder on sys.path
+    import muon_fsdp_workers as fw
+
+JOB_TIMEOUT_S = 240.0
+POLICIES = ("hetero", "hetero-inv", "all-stiefel", "all-dgram", "unconstrained")
+CASES_2 = [(m, o, None) for m in fw.MANIFOLDS for o in fw.OPTION_SETS] + [("stiefel", "default", (2,))]
+CASES_4 = [(m, "default", None) for m in fw.MANIFOLDS] + [("dgram", "products", None)]
+#: Tolerances of "equal to rounding" per dtype (the runs here agree bit for bit; a bank of other
+#: members may round differently on other BLAS builds).
+TOLERANCE = {torch.float64: (1e-12, 1e-14), torch.float32: (1e-5, 1e-7), torch.bfloat16: (1e-2, 1e-3)}
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers run one thread: the same reduction order
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    return {2: run_workers(fw.optimizer_job, 2, CASES_2, timeout=JOB_TIMEOUT_S),
+            4: run_workers(fw.optimizer_job, 4, CASES_4, timeout=JOB_TIMEOUT_S)}
+
+
+@pytest.fixture(scope="module")
+def references(single_thread) -> dict:
+    return {case: fw.single_process(case[0], fw.OPTION_SETS[case[1]], case[2]) for case in {*CASES_2, *CASES_4}}
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape, what
+    rtol, atol = TOLERANCE.get(expected.dtype, (0, 0))
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _all_cases():
+    return [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
+
+
+@pytest.mark.parametrize(("world", "case"), _all_cases(), ids=lambda v: str(v))
+def test_every_rank_gets_the_single_process_parameters_and_state(runs, references, world, case) -> None:
+    expected = references[case]
+    for rank, report in enumerate(runs[world]):
+        got = report[case]
+        for i, (p, e) in enumerate(zip(got["params"], expected["params"])):
+            _close(p, e, f"rank {rank}, matrix {i}")
+        for i, (state, e) in enumerate(zip(got["state"], expected["state"])):
+            assert set(state) == set(e), (rank, i, sorted(state), sorted(e))
+            for key in e:
+                _close(state[key], e[key], f"rank {rank}, matrix {i}, {key}")
+
+
+@pytest.mark.parametrize(("world", "case"), _all_cases(), ids=lambda v: str(v))
+def test_momentum_and_warm_start_stay_on_the_row_shards(runs, world, case) -> None:
+    for report in runs[world]:
+        for kinds in report[case]["kinds"]:
+            assert kinds["momentum_buffer"] == "(Shard(dim=0),)"
+            if case[0] != "euclidean":
+                assert kinds["dual_correction"] == "(Shard(dim=0),)"
+            assert all(kinds[key] == "plain" for key in fw.SCALAR_KEYS if key in kinds)
+
+
+def test_a_non_finite_gradient_skips_its_matrix_on_every_rank(runs, references) -> None:
+    case = ("stiefel", "default", None)
+    assert int(references[case]["state"][1]["skipped_steps"]) == 1  # the reference skipped it too
+    for world in (2, 4):
+        for report in runs[world]:
+            skips = [int(s["skipped_steps"]) for s in report[case]["state"]]
+            assert skips == [0, 1] + [0] * (len(skips) - 2)
+
+
+def test_the_cases_cover_uneven_rows_an_empty_rank_and_an_idle_owner(runs) -> None:
+    rows = runs[4][0][("stiefel", "default", None)]["local_rows"]
+    assert [row_chunks(m, 4)[0] for m, *_ in fw.MATRICES] == rows
+    last = [r[("stiefel", "default", None)]["local_rows"] for r in runs[4]][-1]
+    assert 0 in last  # the 3-row matrix: rank 3 holds none of it
+    assert any(m % 4 for m, *_ in fw.MATRICES)
+    # one matrix on two ranks: only one of them solves anything, and both end with its values
+    assert len(runs[2][0][("stiefel", "default", (2,))]["params"]) == 1
+
+
+@pytest.fixture(scope="module")
+def gpt_runs() -> dict[int, list[dict]]:
+    return {2: run_workers(fw.gpt_fsdp_job, 2, list(POLICIES), 3, timeout=JOB_TIMEOUT_S),
+            4: run_workers(fw.gpt_fsdp_job, 4, ["hetero"], 3, timeout=JOB_TIMEOUT_S)}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_fully_sharded_gpt_trains_as_in_one_process(gpt_runs, single_thread, policy) -> None:
+    expected = fw.gpt_single(policy, 3)
+    for world, reports in gpt_runs.items():
+        if policy not in reports[0]:
+            continue
+        for rank, report in enumerate(reports):
+            assert set(report[policy]) == set(expected)
+            for name, value in expected.items():
+                _close(report[policy][name], value, f"{world} ranks, rank {rank}, {name}")
+
+
+def test_a_checkpoint_resumes_bit_exactly_on_any_world_size(tmp_path) -> None:
+    folder = str(tmp_path / "checkpoint")
+    uninterrupted = run_workers(fw.checkpoint_job, 2, "save", folder, "hetero", 2, timeout=JOB_TIMEOUT_S)[0]
+    for world in (2, 4, 1):
+        resumed = run_workers(fw.checkpoint_job, world, "resume", folder, "hetero", 2, timeout=JOB_TIMEOUT_S)
+        for report in resumed:
+            assert set(report) == set(uninterrupted)
+            for name, value in uninterrupted.items():
+                assert torch.equal(report[name], value), (world, name)
+
+
+def test_tensor_parallel_placements_are_refused_naming_them() -> None:
+    for report in run_workers(fw.refusal_job, 2, timeout=JOB_TIMEOUT_S):
+        assert report["row_sharded"] == [True, False, False]  # is_row_sharded: FSDP2's placement only
+        assert report["shard1"].startswith("UnsupportedParameterError: ")
+        assert "(Shard(dim=1),)" in report["shard1"] and "fully_shard" in report["shard1"]
+        assert "(Replicate(),)" in report["replicate"]
+        assert "Shard(dim=1)" in report["builder"] and "attn.weight" in report["builder"]

@@ -1,0 +1,54 @@
+"""Row shards and the all-to-all of pieces, in one process (the multi-process exchange runs in
+tests/distributed/test_muon_fsdp.py, through ManifoldMuon)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib.distributed import exchange, exchange_bytes, is_row_sharded, row_chunks, row_range
+from manifoldlib.distributed.redistribute import ALIGNMENT, piece_bytes
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 8, 10, 768, 3072])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_row_chunks_are_torch_chunk_splits_padded_with_empty_ranks(rows, world):
+    chunks = [len(c) for c in torch.arange(rows).chunk(world)] if rows else []
+    assert row_chunks(rows, world) == chunks + [0] * (world - len(chunks))
+    starts = [row_range(rows, world, r) for r in range(world)]
+    assert [stop - start for start, stop in starts] == row_chunks(rows, world)
+    assert all(a[1] == b[0] for a, b in zip(starts, starts[1:]))  # contiguous, in rank order
+    assert (starts[0][0], starts[-1][1]) == (0, rows)
+
+
+def test_row_chunks_refuses_bad_sizes_naming_them():
+    with pytest.raises(ValueError, match="rows=-1"):
+        row_chunks(-1, 2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        row_chunks(4, 0)
+
+
+def test_exchange_in_one_process_returns_the_pieces_in_their_dtypes():
+    pieces = [torch.randn(3, 5, dtype=torch.float64), torch.arange(7, dtype=torch.int64),
+              torch.randn(2, 3).to(torch.bfloat16), torch.randn(0, 4), torch.randn(3, dtype=torch.float32)]
+    out = exchange([pieces], [[(tuple(p.shape), p.dtype) for p in pieces]])
+    assert len(out) == 1 and len(out[0]) == len(pieces)
+    for got, sent in zip(out[0], pieces):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
+
+
+def test_exchange_needs_one_list_per_rank():
+    with pytest.raises(ValueError, match="one outgoing and one incoming list per rank"):
+        exchange([[], []], [[], []])
+
+
+def test_exchange_bytes_counts_aligned_pieces_sent_to_other_ranks():
+    specs = [[((3, 5), torch.float32)], [((3,), torch.bfloat16), ((2, 2), torch.float64)]]
+    assert piece_bytes((3,), torch.bfloat16) == ALIGNMENT  # 6 bytes, aligned to 8
+    assert exchange_bytes(specs, rank=0) == 8 + 32
+    assert exchange_bytes(specs, rank=1) == 64  # 60 bytes of float32, aligned
+
+
+def test_a_whole_tensor_is_not_row_sharded():
+    assert not is_row_sharded(torch.zeros(4, 4))
+    assert not is_row_sharded(torch.nn.Parameter(torch.zeros(4, 4)))
