@@ -37,6 +37,10 @@ CASES = {
         ["stiefel 48x12, rank 2", "manifoldlib steepest_direction (float32)",
          "reference dual, 5 steps, PE in float32", "reference dual, 5 steps, PE in bfloat16", "gap"],
     ),
+    "bench_fsdp_exchange.py": (
+        ["--blocks", "1", "--width", "16", "--ranks", "2,3"],
+        ["6 matrices (1 blocks of width 16)", "stiefel / dgram", "euclidean", "x minimum"],
+    ),
     "bench_tiny_model.py": (
         ["--layers", "1", "--width", "16", "--steps", "2", "--warmup", "1", "--load", "0", "--threads", "1"],
         ["tiny LLaMA: 1 layers, width 16", "load 0, threads       1: ManifoldMuon hetero"],

@@ -18,8 +18,9 @@ import math
 import torch
 from torch import nn
 
-from .steepest import matrix_manifold
+from ..distributed import is_row_sharded
 from .options import check_layout, tall
+from .steepest import matrix_manifold
 
 __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics", "spectral_norm"]
 
@@ -57,7 +58,8 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
     Works on a :class:`~manifoldlib.optim.ManifoldMuon` or the combined optimizer of
     :func:`~manifoldlib.optim.build_optimizer` (keys are the parameter names recorded there, or
     ``"group{i}.param{j}"``). Reads the step's device values back (one host synchronization per
-    call): call it at logging time. ``spectral=False`` skips the SVD-based spectral norm.
+    call): call it at logging time. ``spectral=False`` skips the SVD-based spectral norm. With
+    FSDP2's row-sharded parameters each matrix is gathered whole (a collective: every rank calls it).
     """
     out: dict[str, dict] = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -66,9 +68,10 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
         names = group.get("param_names") or [f"group{gi}.param{j}" for j in range(len(group["params"]))]
         for name, p in zip(names, group["params"]):
             state = optimizer.state.get(p, {})
+            w = p.detach().full_tensor() if is_row_sharded(p) else p.detach()
             row = {
                 "manifold": group["manifold"],
-                "residual": constraint_residual(p.detach(), group["manifold"], group.get("layout", "out_in"))
+                "residual": constraint_residual(w, group["manifold"], group.get("layout", "out_in"))
                 if p.numel() else 0.0,
                 "dual_iterations": int(state.get("dual_iterations", 0)),
                 "dual_residual": float(state.get("dual_residual", 0.0)),
@@ -76,7 +79,7 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
                 "skipped_steps": int(state.get("skipped_steps", 0)),
             }
             if spectral:
-                row["spectral_norm"] = spectral_norm(p.detach()) if p.numel() else 0.0
+                row["spectral_norm"] = spectral_norm(w) if p.numel() else 0.0
             out[name] = row
     return out
 

@@ -12,17 +12,24 @@ matrix, so one step of the row-sharded matrices of a mesh is:
 2. **Rows to owners.** Each matrix has one owner rank
    (:func:`~manifoldlib.distributed.assign_owners` over the global shapes: longest processing
    time first by :math:`m\,n\min(m,n)`, the same on every rank without communication). One
-   all-to-all (:func:`~manifoldlib.distributed.exchange`) moves every rank's rows of :math:`W`, of
-   :math:`U` and of the dual's warm start :math:`\Lambda - \Lambda_0` (a ``(k, k)`` DTensor placed
-   like :math:`W`, :math:`k = \min(m, n)`) to the owner.
-3. **Solve.** Each owner runs the single-process step (:func:`~manifoldlib.optim.core.muon_step`)
-   on banks of its whole matrices, with :math:`U` given.
-4. **Rows back.** A second all-to-all returns to each rank its rows of the new :math:`W` and of the
-   new :math:`\Lambda - \Lambda_0`, and to *every* rank the matrix's scalars: whether its update was
-   finite, ``skipped_steps``, ``dual_iterations``, ``dual_residual``, ``retraction_residual``.
+   all-to-all (:func:`~manifoldlib.distributed.exchange`) moves every rank's rows of :math:`U` to
+   the owner, and on a manifold also its rows of :math:`W` and of the dual's warm start
+   :math:`\Lambda - \Lambda_0` (a ``(k, k)`` DTensor placed like :math:`W`, :math:`k = \min(m, n)`).
+3. **Solve.** On a manifold each owner runs the single-process step
+   (:func:`~manifoldlib.optim.core.muon_step`) on banks of its whole matrices, with :math:`U` given.
+   On Euclidean space the owner only needs Muon's direction :math:`D = \mathrm{NS}(U)`: the update
+   :math:`W \leftarrow \beta W - \eta D` is elementwise, so each rank applies it to its own rows.
+4. **Rows back.** A second all-to-all returns to each rank its rows of the new :math:`W` (of
+   :math:`D` on Euclidean space) and of the new :math:`\Lambda - \Lambda_0`, and to *every* rank the
+   matrix's scalars: whether its update was finite, ``skipped_steps``, ``dual_iterations``,
+   ``dual_residual``, ``retraction_residual``.
 5. **Commit.** Each rank writes its rows, keeps :math:`B'` where the update was finite (else the
    old buffer: a non-finite gradient skips the matrix, as in a single process) and stores the
    scalars, so they are identical on every rank.
+
+A Euclidean matrix so moves the minimum, its rows once each way (:math:`U` there, :math:`D` back);
+a manifold's dual and retraction need the whole :math:`W` as well, and the warm start travels with
+the rows (:func:`redistribution_plan` counts it; ``benchmarks/bench_fsdp_exchange.py`` prints it).
 
 So the momentum and the warm start stay with the shards they belong to, and
 :mod:`torch.distributed.checkpoint` saves and reshards them like the parameters (the scalars are
@@ -41,9 +48,10 @@ import torch
 from torch import Tensor
 
 from ..distributed import assign_owners, exchange, get_rank_world, raise_together, row_chunks, row_range
+from ..functional.newton_schulz import newton_schulz
 from .core import gradient_finite, make_banks, muon_step
 from .execution import Execution, solve_dtype
-from .options import MuonOptions
+from .options import MuonOptions, adjusted_lr
 
 __all__ = ["SCALARS", "fsdp_step", "project_row_sharded", "redistribution_plan"]
 
@@ -60,10 +68,11 @@ class _Matrix:
     state: dict
     owner: int
     new_buf: Tensor  # local rows of B'
-    fields: list[Tensor]  # local rows of W, U (and Λ - Λ0) sent to the owner
-    field_rows: list[int]  # global rows of each field: m, m (and k)
+    fields: list[Tensor]  # local rows sent to the owner: U (Euclidean); W, U (and Λ - Λ0)
+    field_rows: list[int]  # global rows of each field: m (Euclidean); m, m (and k)
     constrained: bool
     retraction: bool  # the step records a retraction residual
+    returned: torch.dtype  # dtype of the rows sent back: W's, or the Newton-Schulz direction's
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -143,14 +152,17 @@ def _prepare(item, owner: int, execution_of) -> _Matrix:
     new_buf = local_buf.lerp(local_grad, 1 - options.momentum)
     update = local_grad.lerp(new_buf, options.momentum) if options.nesterov else new_buf
     constrained = not options.manifold.flat
+    execution = execution_of(options, param.device, min(param.shape))
+    if not constrained:  # newton_schulz returns in its dtype: ns_dtype, else float32 for 16-bit, else U's
+        ns = execution.ns_dtype or (torch.float32 if update.dtype in (torch.float16, torch.bfloat16) else update.dtype)
+        return _Matrix(options, param, state, owner, new_buf, [update], [param.shape[0]], False, False, ns)
     fields, rows = [param.to_local(), update], [param.shape[0]] * 2
-    correction = state.get("dual_correction") if constrained and options.dual.warm_start else None
+    correction = state.get("dual_correction") if options.dual.warm_start else None
     if correction is not None:
         fields.append(correction.to_local())
         rows.append(min(param.shape))
-    execution = execution_of(options, param.device, min(param.shape))
-    return _Matrix(options, param, state, owner, new_buf, fields, rows, constrained,
-                   constrained and options.fused and execution.sync_free)
+    return _Matrix(options, param, state, owner, new_buf, fields, rows, True, options.fused and execution.sync_free,
+                   param.dtype)
 
 
 def _sent_rows(matrix: _Matrix, source: int, world: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -162,7 +174,7 @@ def _sent_rows(matrix: _Matrix, source: int, world: int) -> list[tuple[tuple[int
 def _returned_rows(matrix: _Matrix, rank: int, world: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """``(shape, dtype)`` of the pieces the owner of ``matrix`` sends back to ``rank``."""
     m, n = matrix.shape
-    out = [((row_chunks(m, world)[rank], n), matrix.param.dtype)]
+    out = [((row_chunks(m, world)[rank], n), matrix.returned)]
     if matrix.constrained:
         k = matrix.columns
         out.append(((row_chunks(k, world)[rank], k), solve_dtype(matrix.param.dtype)))
@@ -171,7 +183,47 @@ def _returned_rows(matrix: _Matrix, rank: int, world: int) -> list[tuple[tuple[i
 
 
 def _solve(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of):
-    """The owner's step on whole matrices: per matrix ``(new W, new Λ - Λ0 or None, scalars)``."""
+    """The owner's part: per matrix ``(new W or Euclidean direction D, new Λ - Λ0 or None, scalars)``."""
+    results: list = [None] * len(mine)
+    flat = [j for j, matrix in enumerate(mine) if not matrix.constrained]
+    for j, found in zip(flat, _directions([mine[j] for j in flat], [wholes[j] for j in flat], execution_of)):
+        results[j] = found
+    solved = [j for j, matrix in enumerate(mine) if matrix.constrained]
+    for j, found in zip(solved, _steps([mine[j] for j in solved], [wholes[j] for j in solved], execution_of)):
+        results[j] = found
+    return results
+
+
+def _scalars(finite: Tensor, state: dict) -> Tensor:
+    """The :data:`SCALARS` of one matrix as a float64 vector (0 where the state has none)."""
+    values = [finite.to(torch.float64)]
+    for key in SCALARS[1:]:
+        value = state.get(key)
+        values.append(value.to(torch.float64) if value is not None else torch.zeros((), dtype=torch.float64,
+                                                                                     device=finite.device))
+    return torch.stack(values)
+
+
+def _directions(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of):
+    r"""Muon's direction :math:`\mathrm{NS}(U)` of the owner's Euclidean matrices, banked by shape:
+    per matrix ``(D, None, scalars)`` (``D`` in the stored orientation)."""
+    if not mine:
+        return []
+    items = [(matrix.options, whole[0], whole[0], None, {}) for matrix, whole in zip(mine, wholes)]
+    out: list = [None] * len(mine)
+    for bank in make_banks(items, updates_given=True):
+        opts = bank.options
+        update = bank.stack(bank.grads)
+        finite = gradient_finite(update)
+        execution = execution_of(opts, update.device, min(update.shape[-2:]))
+        direction = newton_schulz(update, opts.ns_coefficients, opts.ns_steps, eps=opts.eps, dtype=execution.ns_dtype)
+        for index, d, ok in zip(bank.indices, bank.unstack(direction), finite.unbind(0)):
+            out[index] = (d, None, _scalars(ok, {}))
+    return out
+
+
+def _steps(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of):
+    """The owner's manifold step on whole matrices: per matrix ``(new W, new Λ - Λ0, scalars)``."""
     if not mine:
         return []
     items, finites = [], []
@@ -187,15 +239,8 @@ def _solve(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], executio
         return execution_of(bank.options, bank.params[0].device, min(bank.params[0].shape))
 
     muon_step(make_banks(items, updates_given=True), execution_for)
-    results = []
-    for (options, w, _, _, state), finite in zip(items, finites):
-        values = [finite.to(torch.float64)]
-        for key in SCALARS[1:]:
-            value = state.get(key)
-            values.append(value.to(torch.float64) if value is not None else torch.zeros((), dtype=torch.float64,
-                                                                                         device=w.device))
-        results.append((w, state.get("dual_correction"), torch.stack(values)))
-    return results
+    return [(w, state.get("dual_correction"), _scalars(finite, state))
+            for (_, w, _, _, state), finite in zip(items, finites)]
 
 
 def _commit(matrix: _Matrix, pieces: Sequence[Tensor], mesh) -> None:
@@ -205,12 +250,22 @@ def _commit(matrix: _Matrix, pieces: Sequence[Tensor], mesh) -> None:
 
     rows, scalars = pieces[0], pieces[-1]
     state = matrix.state
-    matrix.param.to_local().copy_(rows)
+    finite = scalars[0].bool()
+    w = matrix.param.to_local()
     buf = state["momentum_buffer"].to_local()
-    buf.copy_(torch.where(scalars[0].bool(), matrix.new_buf, buf))
-    state["skipped_steps"] = scalars[1].to(torch.long)
-    if not matrix.constrained:
+    buf.copy_(torch.where(finite, matrix.new_buf, buf))
+    if not matrix.constrained:  # rows of D: W <- beta W - eta D here, as the single-process step does
+        options = matrix.options
+        lr = adjusted_lr(options.lr, options.adjust_lr_fn, True, matrix.shape, options.layout)
+        decay = 1.0 - options.lr * options.weight_decay if options.weight_decay else 1.0
+        new = w * decay if decay != 1.0 else w.clone()
+        w.copy_(torch.where(finite, new.add_(rows, alpha=-lr), w))
+        previous = state.get("skipped_steps")
+        skipped = (~finite).to(torch.long)
+        state["skipped_steps"] = skipped if previous is None else previous + skipped
         return
+    w.copy_(rows)
+    state["skipped_steps"] = scalars[1].to(torch.long)
     work = solve_dtype(matrix.param.dtype)
     state["dual_iterations"] = scalars[2].to(torch.long)
     state["dual_residual"] = scalars[3].to(work)
@@ -236,12 +291,14 @@ def project_row_sharded(param: Tensor, project: Callable[[Tensor], Tensor]) -> N
 
 
 def redistribution_plan(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, world: int, *,
-                        constrained: bool = True, strategy: str = "size") -> dict[str, int]:
+                        constrained: bool = True, ns_dtype: torch.dtype | None = None,
+                        strategy: str = "size") -> dict[str, int]:
     """Bytes one step moves between ranks for matrices of ``shapes`` (stored orientation, all of
     ``dtype``, row-sharded over ``world`` ranks), by what moves, next to the minimum: each matrix's
     rows that are not on its owner moved once to it and once back. A step after the first (the
     dual's warm start exists and travels with the rows) with ``constrained``; Euclidean matrices
-    move no warm start.
+    move :math:`U` there and :math:`D` back only, :math:`D` in ``ns_dtype`` (the Newton–Schulz dtype
+    of the step, :class:`~manifoldlib.optim.execution.Execution`; default ``dtype``).
 
     Returns:
         ``{"to_owners": ..., "to_shards": ..., "total": ..., "minimum": ...}`` in bytes, summed over
@@ -259,8 +316,9 @@ def redistribution_plan(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, w
                 continue
             matrix = piece_bytes((rows, n), dtype)
             correction = piece_bytes((krows, k), work) if constrained else 0
-            out["to_owners"] += 2 * matrix + correction
-            out["to_shards"] += matrix + correction + piece_bytes((len(SCALARS),), torch.float64)
+            out["to_owners"] += (2 if constrained else 1) * matrix + correction
+            back = matrix if constrained else piece_bytes((rows, n), ns_dtype or dtype)
+            out["to_shards"] += back + correction + piece_bytes((len(SCALARS),), torch.float64)
             out["minimum"] += 2 * rows * n * torch.empty((), dtype=dtype).element_size()
     out["total"] = out["to_owners"] + out["to_shards"]
     return out

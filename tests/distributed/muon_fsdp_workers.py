@@ -48,7 +48,7 @@ def initial_matrices(which: tuple[int, ...] | None = None) -> list[torch.Tensor]
 def gradient(step: int, index: int, like: torch.Tensor) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + index)
     g = torch.randn(like.shape, generator=generator, dtype=torch.float64)
-    if step == 1 and index == 1:
+    if step == 1 and index == 1 and like.shape == MATRICES[1][:2]:
         g[0, 0] = float("nan")  # one non-finite gradient: that matrix skips the step
     return g.to(like.dtype)
 
@@ -136,13 +136,14 @@ def _train(model, optimizer, steps: range) -> None:
 
 def gpt_single(policy: str, steps: int) -> dict:
     """The reference: a float64 GPT trained by ``build_optimizer(policy)`` in this process."""
-    from manifoldlib.optim import build_optimizer
+    from manifoldlib.optim import build_optimizer, optimizer_diagnostics
     from models.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(gpt_config()).double()
-    _train(model, build_optimizer(model, policy=policy, lr=0.02, adamw_lr=1e-3), range(steps))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = build_optimizer(model, policy=policy, lr=0.02, adamw_lr=1e-3)
+    _train(model, optimizer, range(steps))
+    return {n: p.detach().clone() for n, p in model.named_parameters()} | {"diagnostics": optimizer_diagnostics(optimizer)}
 
 
 def _fsdp_gpt(mesh, policy: str):
@@ -162,8 +163,10 @@ def _fsdp_gpt(mesh, policy: str):
 
 def gpt_fsdp_job(rank: int, policies: list[str], steps: int) -> dict:
     """The fully sharded GPT, every rank on the whole batch (so the averaged gradient is the
-    single process's), for each policy."""
+    single process's), for each policy: its parameters and ``optimizer_diagnostics``."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from manifoldlib.optim import optimizer_diagnostics
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     report = {}
@@ -171,6 +174,7 @@ def gpt_fsdp_job(rank: int, policies: list[str], steps: int) -> dict:
         model, optimizer = _fsdp_gpt(mesh, policy)
         _train(model, optimizer, range(steps))
         report[policy] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        report[policy, "diagnostics"] = optimizer_diagnostics(optimizer)
     return report
 
 
@@ -228,3 +232,37 @@ def refusal_job(rank: int) -> dict:
     else:
         out["builder"] = "accepted"
     return out
+
+
+def bytes_job(rank: int, shapes: list[tuple[int, int]], manifold: str, steps: int) -> int:
+    """Bytes this rank sent to other ranks through the optimizer's exchanges in its last step
+    (``steps`` steps of float32 row-sharded matrices of ``shapes``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import manifoldlib.optim.fsdp as fsdp
+    from manifoldlib.distributed import exchange_bytes
+    from manifoldlib.optim import ManifoldMuon
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(m, n, generator=generator), mesh, [Shard(0)]))
+              for m, n in shapes]
+    optimizer = ManifoldMuon(params, manifold=manifold, lr=0.02)
+    sent = []
+    original = fsdp.exchange
+
+    def counting(outgoing, incoming, group):
+        sent.append(exchange_bytes([[(tuple(t.shape), t.dtype) for t in pieces] for pieces in outgoing], rank))
+        return original(outgoing, incoming, group)
+
+    fsdp.exchange = counting
+    try:
+        for step in range(steps):
+            sent.clear()
+            for i, p in enumerate(params):
+                p.grad = distribute_tensor(gradient(step, i, p), mesh, [Shard(0)])
+            optimizer.step()
+    finally:
+        fsdp.exchange = original
+    return sum(sent)

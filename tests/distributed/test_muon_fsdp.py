@@ -109,10 +109,18 @@ def gpt_runs() -> dict[int, list[dict]]:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_fully_sharded_gpt_trains_as_in_one_process(gpt_runs, single_thread, policy) -> None:
     expected = fw.gpt_single(policy, 3)
+    diagnostics = expected.pop("diagnostics")
     for world, reports in gpt_runs.items():
         if policy not in reports[0]:
             continue
         for rank, report in enumerate(reports):
+            assert report[policy, "diagnostics"].keys() == diagnostics.keys()
+            for name, row in diagnostics.items():  # the whole matrices' residuals and norms, every rank
+                got = report[policy, "diagnostics"][name]
+                assert got.keys() == row.keys() and got["manifold"] == row["manifold"], name
+                for key in ("residual", "spectral_norm", "dual_residual", "retraction_residual"):
+                    assert got[key] == pytest.approx(row[key], rel=1e-9, abs=1e-12), (name, key)
+                assert (got["dual_iterations"], got["skipped_steps"]) == (row["dual_iterations"], row["skipped_steps"])
             assert set(report[policy]) == set(expected)
             for name, value in expected.items():
                 _close(report[policy][name], value, f"{world} ranks, rank {rank}, {name}")
@@ -136,3 +144,19 @@ def test_tensor_parallel_placements_are_refused_naming_them() -> None:
         assert "(Shard(dim=1),)" in report["shard1"] and "fully_shard" in report["shard1"]
         assert "(Replicate(),)" in report["replicate"]
         assert "Shard(dim=1)" in report["builder"] and "attn.weight" in report["builder"]
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "euclidean"])
+def test_the_bytes_moved_are_the_plans(manifold) -> None:
+    from manifoldlib.optim.execution import Execution
+    from manifoldlib.optim.fsdp import redistribution_plan
+
+    shapes = [(12, 12)] * 3 + [(40, 12), (12, 40), (7, 5)]  # a GPT-like set; uneven rows on 3 ranks
+    sent = run_workers(fw.bytes_job, 3, shapes, manifold, 2, timeout=JOB_TIMEOUT_S)
+    plan = redistribution_plan(shapes, torch.float32, 3, constrained=manifold != "euclidean",
+                               ns_dtype=Execution.resolve("cpu").ns_dtype)
+    assert sum(sent) == plan["total"] > 0
+    if manifold == "euclidean":  # U there, D back: the minimum where D is in the weights' dtype
+        assert plan["total"] <= plan["minimum"]
+    else:
+        assert plan["minimum"] < plan["total"] <= 2.5 * plan["minimum"]
