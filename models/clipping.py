@@ -12,6 +12,15 @@ and, only when that is not finite, again with every tensor scaled by its largest
 :math:`\|x\| = s\,\|x/s\|` with :math:`s = \max_i |x_i|` (per tensor, then over the per-tensor
 norms), which is finite whenever the true norm is below the dtype's largest value. A gradient
 with an ``inf`` or ``nan`` entry keeps its non-finite norm, and is left unclipped.
+
+Under FSDP2 (:mod:`models.fsdp`) the gradients are :class:`~torch.distributed.tensor.DTensor`\ s,
+each rank holding some rows, beside the plain gradients of the parameters FSDP2 leaves whole.
+Both measurements are then the global norm, the same on every rank, without code of their own:
+the norm of a DTensor is a partial result that DTensor sums over the mesh (one all-reduce for the
+fast norm of all gradients; one per gradient for the rare rescaled one), a plain gradient counts
+once, and every rank scales its shards by the same factor. So the clipped gradient is a single
+process's up to the rounding of the sums (``tests/distributed/test_train_fsdp.py``). Every rank
+must clip: it is a collective.
 """
 
 from __future__ import annotations

@@ -154,6 +154,9 @@ class TrainConfig:
     # precision and speed
     dtype: str = "float32"            #: autocast dtype: float32 (off) | bfloat16 | float16
     compile: bool = False             #: ``torch.compile`` the model
+    #: shard parameters, gradients and optimizer state across the ranks with FSDP2
+    #: (``fully_shard``) instead of replicating them with DDP; checkpoints become sharded
+    fsdp: bool = False
     peak_flops: float = 0.0           #: per-device peak FLOP/s for MFU; 0 = look the device up
     # bookkeeping
     eval_interval: int = 100          #: evaluate every this many steps, at step 0 and at the end
@@ -224,6 +227,11 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.stop_at > self.steps:
             raise ConfigError(f"stop_at must be <= steps ({self.steps}), got {self.stop_at}")
+        if self.fsdp and self.dtype == "float16":
+            raise ConfigError("dtype 'float16' with fsdp is not supported: the float16 loss "
+                              "scaler would check each rank's gradient shards for overflow on "
+                              "their own, and the ranks could disagree on skipping a step; use "
+                              "dtype bfloat16 (no loss scaling) or float32")
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(f"batch_size {self.batch_size} is not divisible by "
                               f"grad_accum_steps {self.grad_accum_steps}; every micro-step "
@@ -407,6 +415,9 @@ def _apply(base: dict, updates: dict, source: str, extra_keys: tuple[str, ...] =
 def parse_overrides(tokens: list[str], flags: Sequence[str] = ()) -> dict[str, str]:
     """``["--lr", "1e-3", "--bias=true"]`` -> ``{"lr": "1e-3", "bias": "true"}``.
 
+    A boolean key given alone (last, or followed by another ``--`` option) is true:
+    ``["--fsdp", "--steps", "10"]`` -> ``{"fsdp": "true", "steps": "10"}``.
+
     Args:
         tokens: what a program's own parser left of its command line.
         flags: that program's own flags (``--preset``, ...): a misspelt one is suggested as a
@@ -416,7 +427,7 @@ def parse_overrides(tokens: list[str], flags: Sequence[str] = ()) -> dict[str, s
         ConfigError: a token that is not ``--key``, a key that is not a config key (with the
             closest flags and keys), or a key without a value.
     """
-    keys = set(config_keys())
+    types = _field_types()
     out: dict[str, str] = {}
     i = 0
     while i < len(tokens):
@@ -424,9 +435,12 @@ def parse_overrides(tokens: list[str], flags: Sequence[str] = ()) -> dict[str, s
         if not tok.startswith("--") or tok == "--":
             raise ConfigError(f"unexpected argument {tok!r}; overrides are --key value")
         key, eq, value = tok[2:].partition("=")
-        if key.replace("-", "_") not in keys:
+        if key.replace("-", "_") not in types:
             raise _unknown_option(key, flags)
-        if not eq:
+        if not eq and types[key.replace("-", "_")] is bool and (
+                i + 1 >= len(tokens) or tokens[i + 1].startswith("--")):
+            value = "true"  # a switch: --fsdp
+        elif not eq:
             if i + 1 >= len(tokens):
                 raise ConfigError(f"--{key} needs a value")
             value = tokens[i + 1]

@@ -7,7 +7,12 @@ import os
 
 import torch
 
-from manifoldlib.distributed import get_rank_world, init_from_env, is_distributed
+from manifoldlib.distributed import (
+    get_rank_world,
+    import_before_init,
+    init_from_env,
+    is_distributed,
+)
 
 from .storage import RunError
 
@@ -28,15 +33,22 @@ class Job:
         return self.rank == 0
 
 
-def start_job(device: torch.device) -> tuple[Job, bool]:
+def start_job(device: torch.device, *, fsdp: bool = False) -> tuple[Job, bool]:
     """Join the torchrun job (if any): ``(job, whether we own the process group)``.
 
     An already initialized default group (a test harness) is used as it is; otherwise
-    ``torchrun``'s variables start one (gloo on CPU, nccl on CUDA, one device per rank).
+    ``torchrun``'s variables start one (gloo on CPU, nccl on CUDA, one device per rank). With
+    ``fsdp`` and neither, a group of this one process is started: FSDP2 shards over a device
+    mesh, and a mesh of one is the single-process run (which a checkpoint written by several
+    processes resumes into).
 
     Raises:
-        RunError: an incomplete torchrun environment, or a device type without a backend.
+        RunError: an incomplete torchrun environment, or a device type without a backend (for
+            several processes, or for ``fsdp``).
     """
+    if fsdp and device.type not in ("cpu", "cuda"):
+        raise RunError(f"fsdp runs on cpu (gloo) or cuda (nccl), not on {device.type}; pass "
+                       f"--device cpu or --device cuda")
     if is_distributed():
         rank, world_size = get_rank_world()
         local_rank, owns = int(os.environ.get("LOCAL_RANK", rank)), False
@@ -50,11 +62,22 @@ def start_job(device: torch.device) -> tuple[Job, bool]:
                                                          else "gloo")
         except ValueError as exc:
             raise RunError(str(exc)) from None
+        if fsdp and not is_distributed():
+            _start_single_process_group(device)
         owns = is_distributed()
     if world_size > 1 and device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # nccl's object collectives use the current device
     return Job(rank, world_size, device), owns
+
+
+def _start_single_process_group(device: torch.device) -> None:
+    """A default process group of this process alone (an in-memory store, no network)."""
+    import torch.distributed as dist
+
+    import_before_init()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
 
 
 def set_rank_rng(seed: int, rank: int) -> None:

@@ -15,7 +15,8 @@ such step may not overflow yet, but a gradient of that size is a run far past di
 Only the groups of Adam-family optimizers (groups with ``"betas"``) are checked: Manifold Muon
 normalizes its update and takes such gradients. The check costs one comparison of the global
 norm, which bounds every entry, and a pass over the gradients only when that norm is past the
-smallest limit.
+smallest limit. Under FSDP2 a gradient's largest entry is taken over every rank's shard, so
+all ranks stop together.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def check_second_moments(optimizer: torch.optim.Optimizer, grad_norm: float, los
         for name, p in zip(names, group["params"]):
             if p.grad is None:
                 continue
-            top = float(p.grad.detach().abs().amax())
+            top = p.grad.detach().abs().amax()
+            if hasattr(top, "full_tensor"):  # an FSDP2 shard's largest entry: the largest of all
+                top = top.full_tensor()  # ranks' (a collective; every rank is in this loop)
+            top = float(top)
             limit = square_limit(p.dtype)
             if top > limit:
                 label = f"parameter {name!r}" if name is not None else f"a parameter of shape {tuple(p.shape)}"

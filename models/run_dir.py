@@ -22,12 +22,14 @@ from manifoldlib.distributed import all_gather_objects
 
 from .config import LEGACY_MUON_NS_DTYPE, RESUMABLE_FIELDS, ConfigError, TrainConfig
 from .data import Corpus, check_size, load_corpus, unigram_entropy
+from .sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from .storage import (  # noqa: F401 - the storage names are importable from here too
     CHECKPOINT,
     DAMAGED_CHECKPOINT,
     PREVIOUS_CHECKPOINT,
     REQUIRED_KEYS,
     RUN_FILES,
+    SHARDS,
     CheckpointError,
     RunDirLock,
     RunError,
@@ -298,7 +300,10 @@ def restore_state(ckpt: dict, model, optimizer, sampler, precision, rank: int,
     """Load a checkpoint's model, optimizer, sampler, loss scale and RNG state.
 
     Every rank takes its own saved RNG stream when the world size is the one the checkpoint
-    was written with; otherwise rank 0's, with fresh streams for the other ranks.
+    was written with; otherwise rank 0's, with fresh streams for the other ranks. A sharded
+    checkpoint (an FSDP run's) is read into this job's shards by every rank
+    (:func:`~models.sharded_checkpoint.load_sharded_checkpoint`), whatever number of processes
+    wrote it.
 
     Raises:
         CheckpointError: a part that does not fit (a sealed checkpoint of another version of
@@ -308,9 +313,13 @@ def restore_state(ckpt: dict, model, optimizer, sampler, precision, rank: int,
 
     per_rank = ckpt.get("rng_per_rank")
     same_world = per_rank is not None and len(per_rank) == world_size
-    _restore_part("model", out, model.load_state_dict, ckpt["model"])
-    _restore_part("optimizer", out, lambda s: load_optimizer_state(optimizer, s),
-                  ckpt["optimizer"])
+    if SHARDS in ckpt:  # an FSDP run's: every rank reads its shards (a collective)
+        _restore_part("model and optimizer", out,
+                      lambda s: load_sharded_checkpoint(Path(out), s, model, optimizer), ckpt)
+    else:
+        _restore_part("model", out, model.load_state_dict, ckpt["model"])
+        _restore_part("optimizer", out, lambda s: load_optimizer_state(optimizer, s),
+                      ckpt["optimizer"])
     _restore_part("sampler", out, sampler.load_state_dict, ckpt["sampler"])
     _restore_part("scaler", out, precision.load_state_dict, ckpt.get("scaler", {}))
     _restore_part("rng", out, set_rng_state, per_rank[rank] if same_world else ckpt["rng"])
@@ -352,7 +361,7 @@ def summary_of(run, ckpt: dict | None, wall: float, seconds: float) -> dict:
         "parameters": sum(p.numel() for p in run.model.parameters()),
         "finished": run.diverged is None and run.step >= cfg.steps,
         "diverged": run.diverged is not None, "device": str(job.device), "dtype": cfg.dtype,
-        "compile": cfg.compile, "grad_accum_steps": cfg.grad_accum_steps,
+        "compile": cfg.compile, "fsdp": cfg.fsdp, "grad_accum_steps": cfg.grad_accum_steps,
         "batch_size_per_rank": cfg.batch_size // job.world_size,
         "tokens_per_s": (run.tokens - (ckpt["tokens"] if ckpt else 0)) / max(seconds, 1e-9)}
 
@@ -362,9 +371,17 @@ def save_run_checkpoint(run) -> None:
 
     Collectives first, on every rank (owner-only optimizer state is consolidated, every rank's
     RNG state gathered); then rank 0 writes model, optimizer, sampler, loss scale, RNG states,
-    step, tokens, configuration and corpus fingerprint, sealed (:func:`save_checkpoint`).
+    step, tokens, configuration and corpus fingerprint, sealed (:func:`save_checkpoint`). Under
+    FSDP every rank writes its shards of the model and optimizer beside it
+    (:func:`~models.sharded_checkpoint.save_sharded_checkpoint`).
     """
     if not run.cfg.checkpoint:
+        return
+    if run.cfg.fsdp:
+        state = _checkpoint_state(run, all_gather_objects(rng_state(run.job.device)))
+        save_sharded_checkpoint(run.out, state, run.model, run.optimizer, run.saved_step,
+                                run.job.is_main)
+        run.saved_step = max(run.saved_step, run.step)
         return
     consolidate = getattr(run.optimizer, "consolidate_state_dict", None)
     if consolidate is not None:
@@ -373,7 +390,15 @@ def save_run_checkpoint(run) -> None:
     if not run.job.is_main:
         return
     state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-             "sampler": run.sampler.state_dict(), "rng": rngs[0], "step": run.step,
+             **_checkpoint_state(run, rngs)}
+    save_checkpoint(run.out / CHECKPOINT, state, run.saved_step)
+    run.saved_step = max(run.saved_step, run.step)
+
+
+def _checkpoint_state(run, rngs: list[dict]) -> dict:
+    """What a checkpoint holds besides the model and the optimizer (``rngs``: every rank's
+    RNG state)."""
+    state = {"sampler": run.sampler.state_dict(), "rng": rngs[0], "step": run.step,
              "tokens": run.tokens, "config": run.cfg.to_dict(),
              "world_size": run.job.world_size, "scaler": run.precision.state_dict(),
              "wall_time_s": run.wall_before + time.perf_counter() - run.t_start,
@@ -382,8 +407,7 @@ def save_run_checkpoint(run) -> None:
         state["tokens_fingerprint"] = run.corpus.tokens_fingerprint
     if run.job.world_size > 1:
         state["rng_per_rank"] = rngs
-    save_checkpoint(run.out / CHECKPOINT, state, run.saved_step)
-    run.saved_step = max(run.saved_step, run.step)
+    return state
 
 
 def describe_start(run) -> str:
@@ -391,7 +415,7 @@ def describe_start(run) -> str:
     cfg, job, corpus = run.cfg, run.job, run.corpus
     where = f"{job.world_size} processes ({job.device.type})" if job.world_size > 1 \
         else str(job.device)
-    how = f"{cfg.dtype}{', compiled' if cfg.compile else ''}" + \
+    how = f"{cfg.dtype}{', FSDP' if cfg.fsdp else ''}{', compiled' if cfg.compile else ''}" + \
         (f", {cfg.grad_accum_steps} micro-steps" if cfg.grad_accum_steps > 1 else "")
     if run.step:
         return f"resuming {run.out} at step {run.step} on {where} ({how})"

@@ -15,6 +15,13 @@ Guarantees (see ``docs/guides/training.rst``, "What happens when things go wrong
   ``torch.load(weights_only=True)`` (tensors and plain data only: a crafted pickle is refused,
   nothing in it runs), verifies the checksum, and falls back to the previous checkpoint when the
   newest is truncated, bit-flipped or incomplete.
+- **Sharded checkpoints** (``fsdp=True``, :mod:`models.sharded_checkpoint`). The tensors go
+  to a folder of shard files beside the checkpoint (:data:`SHARD_FOLDER`, one file per rank,
+  written under a temporary name and renamed when complete); ``checkpoint.pt`` holds the rest
+  and a manifest of the folder, the SHA-256 of every file in it (:func:`shard_manifest`), so
+  its checksum seals them too. :func:`load_checkpoint` checks the manifest: a missing or
+  altered shard file makes the checkpoint damaged, and the previous one (with its own folder)
+  is used, as for a damaged ``checkpoint.pt``.
 - **Plain-data RNG state.** :func:`rng_state` stores torch's, numpy's and Python's generators as
   tensors, numbers and tuples, so a checkpoint needs no pickled numpy objects.
 - **One writer.** :class:`RunDirLock` (``flock`` on the run directory itself, no lock file) is
@@ -46,11 +53,11 @@ except ImportError:  # pragma: no cover - not on POSIX: runs go on unlocked
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT", "DAMAGED_CHECKPOINT", "PREVIOUS_CHECKPOINT", "RUN_FILES",
-           "CheckpointError", "RunDirLock", "RunError", "atomic_write", "check_run_dir",
-           "clear_stale_run", "describe_os_error", "has_checkpoint", "load_checkpoint",
+__all__ = ["CHECKPOINT", "DAMAGED_CHECKPOINT", "PREVIOUS_CHECKPOINT", "RUN_FILES", "SHARDS",
+           "SHARD_FOLDER", "CheckpointError", "RunDirLock", "RunError", "atomic_write",
+           "check_run_dir", "clear_stale_run", "describe_os_error", "has_checkpoint", "load_checkpoint",
            "read_metrics", "remove_stale_temporaries", "rewrite_metrics", "rng_state",
-           "save_checkpoint", "set_rng_state", "state_checksum", "write_json"]
+           "save_checkpoint", "set_rng_state", "shard_manifest", "state_checksum", "write_json"]
 
 #: The newest checkpoint of a run directory.
 CHECKPOINT = "checkpoint.pt"
@@ -65,6 +72,13 @@ RUN_FILES = frozenset({"config.json", "corpus.json", "metrics.jsonl", "summary.j
 #: Keys every checkpoint written by :mod:`models.train` holds.
 REQUIRED_KEYS = ("model", "optimizer", "sampler", "rng", "step", "tokens", "config",
                  "wall_time_s", "corpus_fingerprint")
+#: The key of a sharded checkpoint's manifest: ``{"folder": NAME, "files": {file: sha256}}``;
+#: such a checkpoint keeps its ``model`` and ``optimizer`` tensors in that folder.
+SHARDS = "shards"
+#: The shard folder of a sharded checkpoint: ``checkpoint-<step>-<8 hex digits>.dcp``.
+SHARD_FOLDER = re.compile(r"checkpoint-(?P<step>[0-9]+)-[0-9a-f]{8}\.dcp")
+#: What a sharded checkpoint's folder stands in for.
+_IN_SHARDS = ("model", "optimizer")
 
 
 class RunError(Exception):
@@ -303,12 +317,55 @@ def _first_line(exc: Exception) -> str:
     return text[0][:160] if text else type(exc).__name__
 
 
+def shard_manifest(folder: str | Path) -> dict[str, str]:
+    """``{file name: SHA-256}`` of every file in ``folder`` (reading each one back)."""
+    return {path.name: _file_sha256(path) for path in sorted(Path(folder).iterdir())
+            if path.is_file()}
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_shards(path: Path, manifest) -> None:
+    """Raise :class:`CheckpointError` unless the shard folder ``manifest`` describes (beside
+    ``path``) holds every file it lists, each with its SHA-256."""
+    folder = manifest.get("folder") if isinstance(manifest, dict) else None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(folder, str) and SHARD_FOLDER.fullmatch(folder) and isinstance(files, dict)
+            and files and all(isinstance(k, str) and isinstance(v, str) and "/" not in k
+                              and k not in (".", "..") for k, v in files.items())):
+        raise CheckpointError(f"{path} is damaged (its shard manifest is not a folder name "
+                              f"and a list of file checksums)")
+    where = path.parent / folder
+    if not where.is_dir():
+        raise CheckpointError(f"{path} is damaged (its shard folder {folder} is missing)")
+    for name, checksum in files.items():
+        if not (where / name).is_file():
+            raise CheckpointError(f"{path} is damaged (shard file {folder}/{name} is missing)")
+        if _file_sha256(where / name) != checksum:
+            raise CheckpointError(f"{path} is damaged (shard file {folder}/{name} does not "
+                                  f"match its checksum)")
+
+
+def _missing_keys(state: dict, required: tuple[str, ...]) -> list[str]:
+    """The ``required`` keys ``state`` lacks (a sharded checkpoint's folder holds the model
+    and the optimizer)."""
+    present = set(state) | (set(_IN_SHARDS) if SHARDS in state else set())
+    return [k for k in required if k not in present]
+
+
 def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KEYS, *,
                     move_damaged: bool = True) -> tuple[dict, str | None]:
     """The newest good checkpoint of ``run_dir`` and a note when it is not ``checkpoint.pt``.
 
-    A damaged ``checkpoint.pt`` (unreadable, checksum mismatch, a required key missing) is moved
-    aside to ``checkpoint.damaged.pt`` and ``checkpoint.prev.pt`` is used instead; the note says
+    A damaged ``checkpoint.pt`` (unreadable, checksum mismatch, a required key missing, a shard
+    file missing or altered) is moved aside to ``checkpoint.damaged.pt`` and
+    ``checkpoint.prev.pt`` is used instead; the note says
     so. A file holding anything but tensors and plain data is refused outright. Under
     ``torchrun`` every rank loads and only rank 0 passes ``move_damaged=True``.
 
@@ -323,9 +380,11 @@ def load_checkpoint(run_dir: str | Path, required: tuple[str, ...] = REQUIRED_KE
             continue
         try:
             state = _read_verified(path)
-            missing = [k for k in required if k not in state]
+            missing = _missing_keys(state, required)
             if missing:
                 raise CheckpointError(f"{path} is damaged (missing {', '.join(missing)})")
+            if SHARDS in state:
+                _check_shards(path, state[SHARDS])
         except _Refused:
             raise
         except CheckpointError as exc:
@@ -370,7 +429,9 @@ def check_run_dir(out: str | Path, resume: bool) -> bool:
         raise RunError(f"run directory {out} exists and is not a directory")
     if not out.exists() or not any(out.iterdir()):
         return False
-    names = {p.name for p in out.iterdir() if not _is_temporary(p.name)}
+    # a shard folder without a checkpoint: killed between writing the two (removed at start)
+    names = {p.name for p in out.iterdir()
+             if not _is_temporary(p.name) and not SHARD_FOLDER.fullmatch(p.name)}
     if names <= RUN_FILES and not _finished(out / "summary.json"):
         return True
     raise RunError(f"run directory {out} is not empty; pass --resume to continue it, or "

@@ -52,12 +52,15 @@ from .clipping import clip_grad_norm
 from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
 from .data import BatchSampler, Corpus, CorpusError
 from .evaluation import diagnostics, evaluate, generate_sample, perplexity
+from .fsdp import average_replicated_grads, forget_sharding_caches, gradient_sync, shard_model
+from .fsdp import whole_parameters
 from .job import Job, set_rank_rng, start_job
 from .moment_overflow import SecondMomentOverflow, check_second_moments
 from .precision import MIN_LOSS_SCALE, Precision
 from .progress import Progress
 from .run_dir import MetricsLog, RunError
 from .run_dir import load_optimizer_state, read_metrics, save_checkpoint  # noqa: F401
+from .sharded_checkpoint import remove_stale_shard_folders
 from .throughput import Throughput, device_time, flops_per_token, peak_flops
 
 __all__ = ["Run", "main", "run_training", "train_step"]
@@ -75,7 +78,8 @@ class Run:
     job: Job
     corpus: Corpus
     model: torch.nn.Module          # the unwrapped model: checkpoints, diagnostics, samples
-    trained: torch.nn.Module        # what the steps call: compiled and/or DDP-wrapped
+    trained: torch.nn.Module        # what the steps call: compiled and/or DDP-wrapped (under
+    # fsdp the sharded model itself, compiled or not)
     evaluator: torch.nn.Module      # what evaluations call: compiled or the model
     optimizer: torch.optim.Optimizer
     multipliers: list               # one lr multiplier per param group, beside base_lrs
@@ -112,10 +116,12 @@ def run_training(cfg: TrainConfig, out: str | Path, *, resume: bool = False,
     Raises:
         CorpusError, ConfigError, RunError: bad input; nothing was trained (on every rank).
     """
-    job, owns_group = start_job(resolve_device(cfg.device))
+    job, owns_group = start_job(resolve_device(cfg.device), fsdp=cfg.fsdp)
     try:
         return _train(cfg, Path(out), resume, echo, job)
     finally:
+        if cfg.fsdp:
+            forget_sharding_caches()
         if owns_group:
             destroy_process_group()
 
@@ -169,6 +175,7 @@ def _remove_leftovers(out: Path, locked: bool, echo: bool) -> None:
     if not out.is_dir():
         return
     removed = run_dir.remove_stale_temporaries(out, _RUN_DIR_NAMES, locked=locked)
+    removed += remove_stale_shard_folders(out, locked=locked)
     if removed and echo:
         print(f"removed {len(removed)} temporary file{'s' * (len(removed) > 1)} that a killed "
               f"run left in {out}: {', '.join(removed)}", flush=True)
@@ -213,12 +220,15 @@ def _writer_lock(out: Path, job: Job):
 
 def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corpus: Corpus,
            ckpt: dict | None) -> Run:
-    """Model, optimizer, sampler and precision, identical on every rank; the checkpoint's
-    state restored; the run directory's files opened."""
+    """Model, optimizer, sampler and precision, identical on every rank (under fsdp the model
+    sharded across them before the optimizer is built); the checkpoint's state restored; the run
+    directory's files opened."""
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
     model = build_model(cfg, corpus.vocab_size).to(job.device)
+    if cfg.fsdp:  # before the optimizer, which must hold the sharded parameters
+        shard_model(model, job.device.type, job.world_size)
     optimizer, multipliers = build_train_optimizer(model, cfg, world_size=job.world_size)
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # before a checkpoint's
     # rank 0's sampler on every rank: all ranks draw the same global batch, then take a slice
@@ -235,9 +245,9 @@ def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corp
         if ckpt is not None:  # rows logged after the checkpoint will be produced again
             run_dir.rewrite_metrics(out / "metrics.jsonl", rows)
         run_dir.write_run_files(out, cfg, corpus, resume)
-    evaluator = torch.compile(model) if cfg.compile else model
+    evaluator = torch.compile(model) if cfg.compile else model  # under fsdp: after sharding
     trained = evaluator
-    if job.world_size > 1:
+    if job.world_size > 1 and not cfg.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(
@@ -268,8 +278,9 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
 
     The batch is cut into :math:`K` = ``grad_accum_steps`` micro-batches, each into
     :math:`W` rank shares; rank :math:`r` backpropagates :math:`\ell_{k,r}/K` for its share
-    of every micro-batch :math:`k` (DDP synchronizes only on the last one, averaging over
-    ranks), so the gradient is :math:`\frac{1}{KW}\sum_{k,r}\nabla\ell_{k,r}`, the gradient of
+    of every micro-batch :math:`k` (DDP all-reduces, FSDP2 reduce-scatters, only on the last
+    one, averaging over ranks; :func:`models.fsdp.gradient_sync`), so the gradient is
+    :math:`\frac{1}{KW}\sum_{k,r}\nabla\ell_{k,r}`, the gradient of
     the whole batch's mean loss. Then clipping to ``grad_clip``
     (:func:`models.clipping.clip_grad_norm`: a finite gradient whose float32 norm would
     overflow is measured and clipped, not taken for a non-finite one) and the step.
@@ -289,11 +300,12 @@ def train_step(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
     for k in range(k_steps):
         rows = batch_shard(cfg.batch_size, k * world + job.rank, k_steps * world)
         last = k == k_steps - 1
-        with contextlib.nullcontext() if last or world == 1 else trained.no_sync():
+        with gradient_sync(trained, last or world == 1):
             with precision.autocast():
                 _, loss = trained(x[rows].to(job.device), y[rows].to(job.device))
             total += loss.detach()
             precision.backward(loss / k_steps)
+    average_replicated_grads(trained)  # FSDP2's unsharded (0-d) parameters
     loss_value = all_mean(float(total) / k_steps, job.device)
     grad_norm = math.nan
     if math.isfinite(loss_value):
@@ -408,9 +420,11 @@ def _evaluate_into(run: Run, row: dict) -> bool:
         run.log.append({**row, "val_loss": None, "diverged": True})
         return False
     row.update(val_loss=val, val_ppl=_json_float(perplexity(val)))
-    if job.is_main:
-        with run.precision.autocast():
-            row.update(diagnostics(run.model, run.corpus, cfg, job.device))
+    if job.is_main or cfg.fsdp:  # under fsdp every rank gathers the weights and measures
+        with whole_parameters(run.model), run.precision.autocast():
+            stats = diagnostics(run.model, run.corpus, cfg, job.device)
+        if job.is_main:
+            row.update(stats)
     return True
 
 
@@ -429,11 +443,13 @@ def _finish(run: Run, ckpt: dict | None) -> dict:
         run_dir.write_json(out / "summary.json", summary)
         _plot(run, summary)
     if run.diverged is None and summary["finished"] and cfg.sample_tokens > 0 \
-            and run.job.is_main:
-        with cli.TERMINATION.immediate():  # the run is saved: a signal need not wait for this
+            and (run.job.is_main or cfg.fsdp):  # under fsdp every rank samples, on whole weights
+        # the run is saved: a signal need not wait for the sample
+        with cli.TERMINATION.immediate(), whole_parameters(run.model):
             sample = generate_sample(run.model, run.corpus, cfg, run.job.device)
-        run_dir.atomic_write(out / "sample.txt", sample.encode())
-        say("--- sample ---\n" + sample + "\n--------------")
+        if run.job.is_main:
+            run_dir.atomic_write(out / "sample.txt", sample.encode())
+            say("--- sample ---\n" + sample + "\n--------------")
     if summary["finished"]:
         say(f"done: val loss {run.last_val:.4f} (ppl {perplexity(run.last_val):.2f}, unigram "
             f"entropy {summary['unigram_entropy']:.3f}), {run.tokens:,} tokens in "

@@ -276,6 +276,8 @@ def test_missing_corpus_is_one_line_without_traceback(tmp_path):
     (["--threads", str(10**20)], "threads must be at most 4096, got 1000"),
     (["--n_embd", str(10**20)], "n_embd must be at most 2**31 - 1"),
     (["--vocab_size", "100"], "vocab_size 100 is smaller than the vocabulary of corpus"),
+    (["--fsdp", "--dtype", "float16"], "dtype 'float16' with fsdp is not supported"),
+    (["--fsdp", "--device", "mps"], "fsdp runs on cpu (gloo) or cuda (nccl), not on mps"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     argv = ["--preset", "smoke", *args] if "--preset" not in args else args
@@ -421,6 +423,10 @@ def test_every_field_can_be_overridden_with_its_type():
 def test_parse_overrides_forms():
     assert parse_overrides(["--lr", "1e-3", "--bias=true", "--p", "-1"]) == {
         "lr": "1e-3", "bias": "true", "p": "-1"}
+    # a boolean key alone is a switch; a value still wins
+    assert parse_overrides(["--fsdp", "--steps", "3", "--compile"]) == {
+        "fsdp": "true", "steps": "3", "compile": "true"}
+    assert build_config(overrides=parse_overrides(["--fsdp", "off"])).fsdp is False
     with pytest.raises(ConfigError, match=r"p must be a number in \(0, inf\], got -1.0"):
         build_config(overrides={"p": "-1"})
 
