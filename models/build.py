@@ -115,6 +115,9 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
         if cfg.sel != "none":
             raise ConfigError(f"sel={cfg.sel!r} with optimizer='manifold-muon' is not supported: "
                               f"the policy would constrain SEL's raw coordinates; use adamw")
+        if cfg.muon_recipe == "reference":
+            opt = _reference_optimizer(model, cfg, world_size)
+            return opt, [_constant] * len(opt.param_groups)
         builder = _import("manifoldlib.optim", "build_optimizer", "optimizer='manifold-muon'")
         extra = {"distribution": cfg.muon_distributed} if world_size > 1 else {}
         try:
@@ -139,6 +142,37 @@ def build_train_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, world_siz
         sel_lr_lambdas = _import("manifoldlib.charts", "sel_lr_lambdas", f"sel={cfg.sel!r}")
         return opt, sel_lr_lambdas(opt, cfg.sel_anneal_steps)
     return opt, [_constant] * len(opt.param_groups)
+
+
+def _reference_optimizer(model: torch.nn.Module, cfg: TrainConfig, world_size: int) -> torch.optim.Optimizer:
+    """``muon_recipe='reference'``: the policy's matrices to
+    :class:`~models.reference_muon.ReferenceManifoldMuon` (the paper's code: Euclidean matrices
+    decayed by ``muon_weight_decay``, constrained ones not), the rest to AdamW, as one optimizer."""
+    from manifoldlib.optim import CombinedOptimizer, assign_parameters
+
+    from .reference_muon import ReferenceManifoldMuon
+
+    if world_size > 1:
+        raise ConfigError("muon_recipe='reference' runs in one process (the paper's code solves every matrix on "
+                          "every rank); use muon_recipe='library' under torchrun")
+    try:
+        assignment = assign_parameters(model, cfg.policy)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    named = dict(model.named_parameters())
+    groups = []
+    for manifold in ("stiefel", "dgram", "oblique", "euclidean"):
+        names = [n for n, m in assignment.items() if m == manifold]
+        if names:
+            decay = cfg.muon_weight_decay if manifold == "euclidean" else 0.0
+            groups.append({"params": [named[n] for n in names], "param_names": names, "manifold": manifold,
+                           "weight_decay": decay})
+    rest = ((n, p) for n, p in model.named_parameters() if p.requires_grad and assignment.get(n) is None)
+    optimizers = {"adamw": torch.optim.AdamW(adamw_param_groups(rest, cfg.weight_decay), lr=cfg.adamw_lr,
+                                             betas=(cfg.beta1, cfg.beta2))}
+    if groups:
+        optimizers = {"muon": ReferenceManifoldMuon(groups, lr=cfg.lr), **optimizers}
+    return CombinedOptimizer(optimizers)
 
 
 #: ManifoldMuon groups the trainer never decays: DGram's column norms are the scale freedom the

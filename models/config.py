@@ -62,6 +62,9 @@ MUON_DISTRIBUTED = ("sharded", "replicated")
 #: bfloat16 where bfloat16 products are native and in float32 elsewhere (on an AVX2-only CPU the
 #: bfloat16 iteration was half the default run's time).
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
+#: ``muon_recipe`` values: the library's ManifoldMuon, or the step of the layer-wise-manifolds
+#: paper's public code (:mod:`models.reference_muon`: an inexact 20-step dual and its DGram map).
+MUON_RECIPES = ("library", "reference")
 #: ``dtype`` values: the autocast dtype of forward and loss (float16 adds a GradScaler).
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``log`` values: extra metric sinks besides ``metrics.jsonl``.
@@ -125,6 +128,7 @@ class TrainConfig:
     policy: str = "hetero"            #: ManifoldMuon assignment policy (``manifold-muon`` only)
     muon_distributed: str = "sharded"  #: ManifoldMuon under torchrun: ``sharded``|``replicated``
     muon_ns_dtype: str = "auto"       #: Euclidean Newton–Schulz dtype: auto|bfloat16|float32
+    muon_recipe: str = "library"      #: ``library`` (ManifoldMuon) or ``reference`` (the paper's code)
     sel: str = "none"                 #: SEL chart on block linear maps: none|mismatched|...
     sel_scale_lr: float = 0.0         #: AdamW lr of SEL scale parameters; 0 = same as ``lr``
     sel_anneal_steps: int = 0         #: steps of SEL's scale-lr annealing; 0 = no annealing
@@ -186,6 +190,7 @@ class TrainConfig:
         _check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
         _check_choice("muon_distributed", self.muon_distributed, MUON_DISTRIBUTED)
         _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
+        _check_choice("muon_recipe", self.muon_recipe, MUON_RECIPES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("log", self.log, LOGS)
         _check_choice("shard_dtype", self.shard_dtype, SHARD_DTYPES)

@@ -8,7 +8,7 @@ import dataclasses
 from ..config import ConfigError
 from ..train import _import
 
-__all__ = ["FULL_BASE", "MANIFOLD_POLICIES", "QUICK_BASE", "RETRACTION_ALPHA_INIT", "SUITES", "Suite",
+__all__ = ["FULL_BASE", "MANIFOLD_POLICIES", "QUICK_BASE", "REFERENCE_POLICIES", "RETRACTION_ALPHA_INIT", "SUITES", "Suite",
            "check_requirements", "narrow_suite"]
 
 
@@ -94,6 +94,9 @@ def _stress_arms() -> tuple[tuple[str, dict], ...]:
 
 #: ManifoldMuon policies of the manifolds suite, baseline first.
 MANIFOLD_POLICIES = ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv")
+#: Policies also run with the paper's public code (``muon_recipe="reference"``: its inexact
+#: 20-step dual and its DGram map), beside the library's exact solve.
+REFERENCE_POLICIES = ("all-dgram", "hetero", "hetero-inv")
 
 
 def _manifolds_suite(name: str, *, lr: float | None = None, **options) -> Suite:
@@ -102,7 +105,9 @@ def _manifolds_suite(name: str, *, lr: float | None = None, **options) -> Suite:
     return Suite(
         name=name,
         arms=tuple((policy, {"optimizer": "manifold-muon", "policy": policy})
-                   for policy in MANIFOLD_POLICIES),
+                   for policy in MANIFOLD_POLICIES)
+        + tuple((f"{policy}-reference", {"optimizer": "manifold-muon", "policy": policy, "muon_recipe": "reference"})
+                for policy in REFERENCE_POLICIES),
         baseline="unconstrained", requires=(("manifoldlib.optim", "build_optimizer"),),
         full={"connection": "pre-ln", "schedule": "constant", "adamw_lr": 3e-3, "n_layer": 2,
               "steps": 200, "warmup_steps": 10, "eval_interval": 20, "log_interval": 20, **fixed},

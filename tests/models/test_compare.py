@@ -17,6 +17,7 @@ import pytest
 
 from models import compare
 from models.compare import SUITES, Suite, run_suite
+from models.compare.suites import REFERENCE_POLICIES
 from models.config import ConfigError, build_config
 from models.train import MissingModuleError
 
@@ -33,8 +34,9 @@ def test_suites_cover_the_arms_of_the_issue():
     assert "pre-ln @stress" in stress and "spheret-p1 @stress" in stress
     assert all(a["lr"] > compare.FULL_BASE["lr"] for a in stress.values())
     manifolds = SUITES["manifolds"]
-    assert [a["policy"] for _, a in manifolds.arms] == [
-        "unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv"]
+    assert [(n, a["policy"], a.get("muon_recipe", "library")) for n, a in manifolds.arms] == [
+        (p, p, "library") for p in ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv")] + [
+        (f"{p}-reference", p, "reference") for p in ("all-dgram", "hetero", "hetero-inv")]  # the paper's code
     # seed 002's base and an lr budget in which singular values can grow far past 1
     assert manifolds.full["connection"] == "pre-ln" and manifolds.full["schedule"] == "constant"
     key, lrs = manifolds.sweep
@@ -278,8 +280,9 @@ def test_arm_configs_are_what_the_suites_say():
         assert {c["optimizer"] for c in cfgs.values()} == {"manifold-muon"}
         assert {c["schedule"] for c in cfgs.values()} == {"constant"}
         assert {c["lr"] for c in cfgs.values()} == lrs
-        assert {(arm, c["policy"]) for (arm, _), c in cfgs.items()} == {
-            (p, p) for p in compare.MANIFOLD_POLICIES}
+        assert {(arm, c["policy"], c["muon_recipe"]) for (arm, _), c in cfgs.items()} == {
+            (p, p, "library") for p in compare.MANIFOLD_POLICIES} | {
+            (f"{p}-reference", p, "reference") for p in REFERENCE_POLICIES}
     sel = _cfgs("sel")
     assert {c["optimizer"] for c in sel.values()} == {"adamw"}   # SEL is refused with Muon
     assert {(arm, c["sel"]) for (arm, _), c in sel.items()} == {
