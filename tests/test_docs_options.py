@@ -386,6 +386,7 @@ def _run_parser(name: str, argv: list[str]) -> None:
             arms=args.arms,
             sweep=None if args.sweep is None else tuple(args.sweep),
             tune_seeds=args.tune_seeds,
+            tuning_seeds=None if args.tuning_seeds is None else tuple(args.tuning_seeds),
         )
         build_config(overrides=overrides)
 

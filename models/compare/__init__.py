@@ -1,5 +1,5 @@
 """Comparison suites: ``python -m models.compare --suite NAME [--quick] [--out DIR]
-[--seeds 0 1 2 3 4] [--jobs N] [--arms ARM ...] [--sweep V ...] [--tune_seeds N]
+[--seeds 0 1 2 3 4] [--jobs N] [--arms ARM ...] [--sweep V ...] [--tuning_seeds S ...] [--tune_seeds N]
 [--key value ...]``.
 
 Each suite trains the reference GPT several times — a set of *arms* (configurations) times a
@@ -11,10 +11,16 @@ Finished runs of the same config already in ``--out`` are reused, whatever code 
 a fresh ``--out`` after a change of the code.
 
 A follow-up of one suite narrows it (:func:`narrow_suite`) instead of defining a new one:
-``--arms`` runs only the named arms, ``--sweep`` replaces the values of the suite's swept key
-and ``--tune_seeds`` sets how many of the first seeds run the whole sweep (e.g. an arm's lr
-window on a finer grid and more seeds:
+``--arms`` runs only the named arms, ``--sweep`` replaces the values of the suite's swept key,
+``--tuning_seeds`` the held-out seeds the sweep runs on, and ``--tune_seeds N`` tunes on the
+first ``N`` reported seeds instead (selection on reported seeds: a small winner's-curse bias;
+e.g. an arm's lr window on a finer grid and more seeds:
 ``--arms geonorm-literal --sweep 3e-4 5e-4 1e-3 2e-3 --seeds 0 1 2 3 4 5 6 7 8 9 --tune_seeds 10``).
+
+**Held-out tuning.** A swept suite chooses each arm's value on its tuning seeds (100, 101, 102),
+which no report uses, and reports every arm at its chosen value on the reported seeds (0-4):
+a difference between arms is then not inflated by having picked each arm's best-looking value
+on the very seeds it is judged on. ``results.md`` names both sets.
 
 - ``results.csv`` — one row per run: final validation loss and perplexity, diverged or not,
   learned or not (final validation loss at least :data:`LEARNED_MARGIN` below the corpus's
@@ -25,7 +31,7 @@ window on a finer grid and more seeds:
 - ``results.md`` — the same aggregated per arm (mean ± std over seeds, the distance to the
   baseline in standard errors, unpaired (Welch) and paired by seed) with the exact command, and
   the sweep table of a swept suite;
-- ``sweep.csv`` — a swept suite's tuning runs (its first ``tune_seeds`` seeds) at every value;
+- ``sweep.csv`` — a swept suite's tuning runs (its tuning seeds) at every value;
 - ``curves.png`` — the validation curves of every reported run.
 
 The *target* of "steps to target" is the mean final validation loss of the suite's baseline
@@ -37,9 +43,9 @@ Suites:
 ``spheret``
     The hidden-state connections: pre-ln (baseline), peri-ln, pre-dyt (with the DyT paper's LLM
     recipe), keel, geonorm, 1- and 2-SpheretNorm with the normalized step, and 1-SpheretNorm with
-    the seed's literal step, each at every AdamW learning rate of a grid on all five seeds: the
-    seed's protocol (one shared lr) is a column of the sweep table, and each arm is reported at
-    its own best.
+    the seed's literal step, each at every AdamW learning rate of a grid on the tuning seeds:
+    the seed's protocol (one shared lr) is a column of the sweep table, and each arm is reported
+    at its own best, on five other seeds.
 ``spheret-stress``
     A high-learning-rate, no-warmup, no-clipping setting for a subset (the seed reports Pre-LN
     and Keel diverging where SpheretNorms converge), evaluated every 5 steps from the initial
@@ -49,13 +55,15 @@ Suites:
 ``spheret-retractions``
     The seed's literal step for the exponential map (GeoNorm, baseline), Cayley (p = 2) and
     gnomonic (p = 1), started at angles of 0.17-0.64 rad (``alpha_init`` 100), each at its own
-    best lr of a grid (1e-4 to 1, wide enough that every arm's best is inside) run on all
-    five seeds: the test of "finite p beats the exponential map" that the normalized step
+    best lr of a grid (1e-4 to 1, wide enough that every arm's best is inside) run on the
+    tuning seeds: the test of "finite p beats the exponential map" that the normalized step
     cannot be (there every member is a reparametrization of one per-layer angle).
 ``manifolds``
     ManifoldMuon assignment policies on seed 002's base, a Pre-LN GPT: unconstrained
-    (baseline), all-stiefel, all-dgram, hetero, hetero-inv, at a constant learning rate swept per
-    arm on three seeds (each policy reported at its own best, over five seeds); logs the q/k
+    (baseline), all-stiefel, all-dgram, hetero, hetero-inv, and the DGram-attention policies and
+    hetero again with the paper's public code (``-reference``: ``muon_recipe="reference"``), at
+    a constant learning rate swept per arm on the three tuning seeds (each policy reported at
+    its own best, over five other seeds); logs the q/k
     spectral norms, the attention logit, entropy and max probability at every evaluation.
 ``manifolds-high-lr``
     The same policies at one large constant learning rate (0.1, three seeds): the regime in which
@@ -65,7 +73,7 @@ Suites:
     AdamW baseline against SEL mismatched, SEL congruent and SEL without the linear path, with
     the curvature calibrated from the weights' own initialization and the seed's scale-lr
     annealing (and mismatched without it), each at its own best ``block_lr`` (the attention and
-    MLP matrices' lr; everything else at 3e-3) of a grid run on all five seeds; steps to reach
+    MLP matrices' lr; everything else at 3e-3) of a grid run on the tuning seeds; steps to reach
     the baseline's final loss and the effective weights' heavy-tail statistics.
 ``sel-shared-lr``
     The same at the seed's protocol: one lr for every parameter, swept per arm.
@@ -79,8 +87,8 @@ from .cli import EXIT_USER_ERROR, main
 from .reports import write_reports
 from .results import LEARNED_MARGIN, learned, val_rise_max
 from .runner import run_suite, suite_configs
-from .suites import FULL_BASE, MANIFOLD_POLICIES, SUITES, Suite, narrow_suite
+from .suites import FULL_BASE, MANIFOLD_POLICIES, SUITES, TUNING_SEEDS, Suite, narrow_suite
 
-__all__ = ["EXIT_USER_ERROR", "FULL_BASE", "LEARNED_MARGIN", "MANIFOLD_POLICIES", "SUITES", "Suite",
+__all__ = ["EXIT_USER_ERROR", "FULL_BASE", "LEARNED_MARGIN", "MANIFOLD_POLICIES", "SUITES", "TUNING_SEEDS", "Suite",
            "learned", "main", "narrow_suite", "run_suite", "suite_configs", "val_rise_max",
            "write_reports"]

@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=float, nargs="+", metavar="VALUE",
                    help="values of the suite's swept key instead of its grid")
     p.add_argument("--tune_seeds", type=int, metavar="N",
-                   help="how many of the first seeds run the whole sweep (default: the suite's)")
+                   help="tune on the first N reported seeds instead of the suite's held-out tuning seeds")
+    p.add_argument("--tuning_seeds", type=int, nargs="+", metavar="SEED",
+                   help="held-out seeds the sweep runs on (default: the suite's, 100 101 102)")
     return p
 
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(rest, flags_of(parser))
         suite = narrow_suite(SUITES[args.suite], arms=args.arms,
                              sweep=None if args.sweep is None else tuple(args.sweep),
-                             tune_seeds=args.tune_seeds)
+                             tune_seeds=args.tune_seeds,
+                             tuning_seeds=None if args.tuning_seeds is None else tuple(args.tuning_seeds))
         out = Path(args.out) if args.out else \
             Path("runs") / f"compare-{suite.name}{'-quick' if args.quick else ''}"
         command = "python -m models.compare " + " ".join(shlex.quote(a) for a in argv)

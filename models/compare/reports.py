@@ -105,9 +105,9 @@ def _md_row(cells) -> str:
 
 def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *, quick: bool,
                   command: str, elapsed: float, base: dict, overrides: dict,
-                  sweep: tuple = (None, [])) -> None:
+                  sweep: tuple = (None, []), held_out: bool = False) -> None:
     """Write ``results.csv``, ``results.md`` (and ``sweep.csv`` for a swept suite) and
-    ``curves.png`` into ``out``."""
+    ``curves.png`` into ``out``; ``held_out``: the sweep ran on seeds that are not reported."""
     key, sweep_rows = sweep
     for name, rows in (("results.csv", results), ("sweep.csv", sweep_rows)):
         if rows or name == "results.csv":
@@ -143,8 +143,12 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
     if key:
         values = sorted({r["swept"] for r in sweep_rows})
         tuned = sorted({r["seed"] for r in sweep_rows})
-        over = "first seed" if len(tuned) == 1 else f"mean over seeds {', '.join(map(str, tuned))}"
-        lines += ["", f"Sweep of `{key}` ({over}; final validation loss, or diverged):", "",
+        over = f"seed {tuned[0]}" if len(tuned) == 1 else f"mean over seeds {', '.join(map(str, tuned))}"
+        reported = sorted({r["seed"] for r in results})
+        protocol = (f"Held-out tuning: each arm's `{key}` was chosen on seeds {', '.join(map(str, tuned))} and is "
+                    f"reported above on seeds {', '.join(map(str, reported))}, none of them used for the choice."
+                    if held_out else f"The `{key}` was chosen on seeds that are also reported above.")
+        lines += ["", protocol, "", f"Sweep of `{key}` ({over}; final validation loss, or diverged):", "",
                   _md_row(["arm"] + [f"{key}={v:g}" for v in values]),
                   "|---|" + "---|" * len(values)]
         for arm, _ in suite.arms:

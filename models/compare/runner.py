@@ -141,15 +141,18 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
               command: str = "", echo: bool = True, jobs: int = 1) -> list[dict]:
     """Run every arm and seed of ``suite`` into ``out`` and write the reports.
 
-    With a sweep (:attr:`Suite.sweep`), every arm first runs each swept value on the first
-    :attr:`Suite.tune_seeds` seeds (``out/<arm>/<key>=<value>/seed<k>``); the remaining seeds
-    then run at the arm's best value, and the reports aggregate each arm at that value.
+    With a sweep (:attr:`Suite.sweep`), every arm first runs each swept value on the tuning
+    seeds (``out/<arm>/<key>=<value>/seed<k>``): the held-out :attr:`Suite.tuning_seeds`, after
+    which every reported seed runs at the arm's best value; or, without them, the first
+    :attr:`Suite.tune_seeds` seeds, after which the remaining ones do. The reports aggregate each
+    arm at its best value over the reported seeds (never over held-out tuning seeds).
 
     Args:
         suite: the suite.
         out: output directory (run directories go to ``out/<arm>/seed<k>``).
         quick: the tiny version.
-        seeds: seeds to run (default: the suite's, or its first one with ``quick``).
+        seeds: seeds to report (default: the suite's, or its first one with ``quick``; the
+            held-out tuning seeds: the suite's, or their first one with ``quick``).
         overrides: config overrides applied to every arm (``--key value``).
         command: the command line, recorded in ``results.md``.
         echo: print one line per run.
@@ -186,7 +189,11 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
 
     # phase 1: every arm at every swept value on the tuning seeds (all seeds without a sweep)
     first = [(arm, arm_cfg, value) for arm, arm_cfg in suite.arms for value in values]
-    first_seeds = seeds[:suite.tune_seeds] if key else seeds
+    held_out = tuple(suite.tuning_seeds[:1] if quick else suite.tuning_seeds) if key else ()
+    if set(held_out) & set(seeds):
+        raise ConfigError(f"suite {suite.name!r}: tuning seeds {sorted(set(held_out) & set(seeds))} are also "
+                          f"reported seeds; held-out tuning needs disjoint sets")
+    first_seeds = held_out or (seeds[:suite.tune_seeds] if key else seeds)
     plan = [(arm, seed, value, configs(arm_cfg, seed, value))
             for arm, arm_cfg, value in first for seed in first_seeds]
     done = _execute([(cfg, _run_dir(out, arm, seed, label(value))) for arm, seed, value, cfg in plan],
@@ -198,11 +205,12 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
             rows = read_metrics(_run_dir(out, arm, seed, label(value)) / "metrics.jsonl")
             sweep_rows.append(result_row(suite, arm, seed, value, summary, rows))
         best = {arm: _best_value([r for r in sweep_rows if r["arm"] == arm]) for arm, _ in suite.arms}
+        reported = seeds if held_out else seeds[len(first_seeds):]
         plan = [(arm, seed, best[arm], configs(arm_cfg, seed, best[arm]))
-                for arm, arm_cfg in suite.arms for seed in seeds[len(first_seeds):]]
+                for arm, arm_cfg in suite.arms for seed in reported]
         done = _execute([(cfg, _run_dir(out, arm, seed, label(value)))
                          for arm, seed, value, cfg in plan], jobs, echo, suite.name, out)
-        runs = [r for r in runs if r[2] == best[r[0]]]
+        runs = [] if held_out else [r for r in runs if r[2] == best[r[0]]]
         runs += [(arm, seed, value, summary) for (arm, seed, value, _), summary in zip(plan, done)]
         order = {arm: i for i, (arm, _) in enumerate(suite.arms)}
         runs.sort(key=lambda r: (order[r[0]], seeds.index(r[1])))
@@ -221,5 +229,5 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         r.pop("_rows")
     write_reports(suite, out, results, curves, quick=quick, command=command,
                   elapsed=time.perf_counter() - started, base=base, overrides=overrides or {},
-                  sweep=(key, sweep_rows))
+                  sweep=(key, sweep_rows), held_out=bool(held_out))
     return results

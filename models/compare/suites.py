@@ -1,5 +1,6 @@
 """The comparison suites (:data:`SUITES`): the shared base configurations, each suite's arms,
-baseline and sweep, and :func:`narrow_suite` (``--arms``, ``--sweep``, ``--tune_seeds``)."""
+baseline and sweep, and :func:`narrow_suite` (``--arms``, ``--sweep``, ``--tune_seeds``,
+``--tuning_seeds``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import dataclasses
 from ..config import ConfigError
 from ..train import _import
 
-__all__ = ["FULL_BASE", "MANIFOLD_POLICIES", "QUICK_BASE", "REFERENCE_POLICIES", "RETRACTION_ALPHA_INIT", "SUITES", "Suite",
+__all__ = ["FULL_BASE", "MANIFOLD_POLICIES", "QUICK_BASE", "REFERENCE_POLICIES", "RETRACTION_ALPHA_INIT", "SUITES",
+           "Suite", "TUNING_SEEDS",
            "check_requirements", "narrow_suite"]
 
 
@@ -36,14 +38,18 @@ class Suite:
         full: base overrides of the full suite (on top of :data:`FULL_BASE`).
         quick: base overrides of ``--quick`` (on top of :data:`QUICK_BASE`).
         seeds: default seeds of the full suite (``--quick`` uses the first one).
-        sweep: ``(config key, values)`` swept per arm on the first ``tune_seeds`` seeds; each
+        sweep: ``(config key, values)`` swept per arm on the tuning seeds; each
             arm's remaining seeds run at its best value (lowest mean final validation loss over
             the tuning seeds; a value with a diverged run ranks after every value without one),
             so arms are compared each at its own tuned setting. ``()``: no sweep.
         quick_sweep: the values of the sweep under ``--quick`` (tuned on its one seed).
-        tune_seeds: how many of the first seeds the sweep runs on. One seed is cheap but can
-            pick a value for an outlier seed; all of them (the whole grid) selects on the
-            seeds it reports, a small winner's-curse bias towards the best-looking value.
+        tune_seeds: without ``tuning_seeds``: how many of the first seeds the sweep runs on.
+            One seed is cheap but can pick a value for an outlier seed; all of them (the whole
+            grid) selects on the seeds it reports, a small winner's-curse bias towards the
+            best-looking value.
+        tuning_seeds: held-out tuning: the sweep runs on these seeds (none of ``seeds``), and
+            every arm then runs at its best value on ``seeds``, which alone are reported; the
+            reports name both sets. ``()``: the sweep runs on the first ``tune_seeds`` seeds.
     """
 
     name: str
@@ -56,6 +62,11 @@ class Suite:
     sweep: tuple = ()
     quick_sweep: tuple = ()
     tune_seeds: int = 1
+    tuning_seeds: tuple[int, ...] = ()
+
+
+#: The tuning seeds of the swept suites: disjoint from every reported seed (0-9).
+TUNING_SEEDS = (100, 101, 102)
 
 
 def _spheret_arms() -> tuple[tuple[str, dict], ...]:
@@ -128,7 +139,7 @@ def _sel_suite(name: str, key: str, **full) -> Suite:
         full={"connection": "pre-ln", "sel_anneal_steps": 100, **full},
         quick={"connection": "pre-ln", "sel_anneal_steps": 10},
         sweep=(key, (0.0003, 0.001, 0.003, 0.01)), quick_sweep=(key, (0.003, 0.01)),
-        tune_seeds=5)
+        tuning_seeds=TUNING_SEEDS)
 
 
 #: The comparison suites by ``--suite`` name.
@@ -137,7 +148,7 @@ SUITES: dict[str, Suite] = {
     # (one shared lr, 3e-3) is the grid's column, and each arm is also reported at its own best
     "spheret": Suite(name="spheret", arms=_spheret_arms(), baseline="pre-ln",
                      sweep=("lr", (0.001, 0.003, 0.01, 0.03)), quick_sweep=("lr", (0.01, 0.03)),
-                     tune_seeds=5),
+                     tuning_seeds=TUNING_SEEDS),
     # the seed's stability claim: Pre-LN / Keel diverge at a high lr where SpheretNorms converge;
     # evaluated every 5 steps, so that a blow-up within the first few steps (which the final
     # loss hides once the run recovers) shows in val_rise_max
@@ -150,14 +161,14 @@ SUITES: dict[str, Suite] = {
                                  baseline="geonorm-literal",
                                  sweep=("lr", (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03,
                                                 0.1, 0.3, 1.0)),
-                                 quick_sweep=("lr", (0.01, 0.03)), tune_seeds=5),
+                                 quick_sweep=("lr", (0.01, 0.03)), tuning_seeds=TUNING_SEEDS),
     # seed 002 on its own base (a Pre-LN GPT), a constant lr whose budget lets singular values
     # grow far past 1 (sum of lr_t = 200 * lr), and a per-arm lr sweep on three seeds: each
     # policy is reported at its own best lr, so no arm is compared at a step size that suits
     # only another (three seeds: the square DGram solves make the whole grid ~1 h on a CPU)
     "manifolds": _manifolds_suite("manifolds", seeds=(0, 1, 2, 3, 4),
                                   sweep=("lr", (0.001, 0.003, 0.01, 0.03, 0.1)),
-                                  quick_sweep=("lr", (0.02, 0.1)), tune_seeds=3),
+                                  quick_sweep=("lr", (0.02, 0.1)), tuning_seeds=TUNING_SEEDS),
     # the same at one large constant lr (sum of lr_t = 20): the regime where the seed's DGram
     # mechanism (singular values -> attention logits -> saturated softmax) can act
     "manifolds-high-lr": _manifolds_suite("manifolds-high-lr", lr=0.1, seeds=(0, 1, 2)),
@@ -175,15 +186,18 @@ SUITES: dict[str, Suite] = {
 
 
 def narrow_suite(suite: Suite, *, arms: tuple[str, ...] | None = None,
-                 sweep: tuple[float, ...] | None = None, tune_seeds: int | None = None) -> Suite:
+                 sweep: tuple[float, ...] | None = None, tune_seeds: int | None = None,
+                 tuning_seeds: tuple[int, ...] | None = None) -> Suite:
     """``suite`` with only ``arms`` (kept in the suite's order), the swept key's values replaced
-    by ``sweep`` (under ``--quick`` too) and the sweep run on the first ``tune_seeds`` seeds;
+    by ``sweep`` (under ``--quick`` too), the sweep run on held-out ``tuning_seeds`` or else on
+    the first ``tune_seeds`` reported seeds (which drops the suite's held-out tuning seeds);
     ``None`` keeps the suite's. The baseline may be left out: its columns then read "—".
 
     Raises:
         ConfigError: an arm the suite does not have (the message lists its arms), a repeated
-            arm, ``sweep`` for a suite without a sweep, an empty or repeated ``sweep``, or a
-            ``tune_seeds`` that is not an integer >= 1.
+            arm, ``sweep`` for a suite without a sweep, an empty or repeated ``sweep``, a
+            ``tune_seeds`` that is not an integer >= 1, both ``tune_seeds`` and
+            ``tuning_seeds``, or repeated ``tuning_seeds``.
     """
     names = [name for name, _ in suite.arms]
     if arms is not None:
@@ -205,7 +219,14 @@ def narrow_suite(suite: Suite, *, arms: tuple[str, ...] | None = None,
     if tune_seeds is not None:
         if isinstance(tune_seeds, bool) or not isinstance(tune_seeds, int) or tune_seeds < 1:
             raise ConfigError(f"--tune_seeds must be an integer >= 1, got {tune_seeds!r}")
-        suite = dataclasses.replace(suite, tune_seeds=tune_seeds)
+        suite = dataclasses.replace(suite, tune_seeds=tune_seeds, tuning_seeds=())
+    if tuning_seeds is not None:
+        if tune_seeds is not None:
+            raise ConfigError("give --tune_seeds (tune on the first reported seeds) or --tuning_seeds (tune on "
+                              "held-out seeds), not both")
+        if not tuning_seeds or len(set(tuning_seeds)) != len(tuning_seeds):
+            raise ConfigError(f"--tuning_seeds needs distinct seeds, got {list(tuning_seeds)!r}")
+        suite = dataclasses.replace(suite, tuning_seeds=tuple(tuning_seeds))
     return suite
 
 

@@ -41,7 +41,8 @@ def test_suites_cover_the_arms_of_the_issue():
     assert manifolds.full["connection"] == "pre-ln" and manifolds.full["schedule"] == "constant"
     key, lrs = manifolds.sweep
     assert key == "lr" and max(lrs) * manifolds.full["steps"] >= 10
-    assert manifolds.tune_seeds >= 3  # one seed's best lr can be an outlier seed's
+    # tuned on three held-out seeds (one seed's best lr can be an outlier seed's), none reported
+    assert len(manifolds.tuning_seeds) >= 3 and not set(manifolds.tuning_seeds) & set(manifolds.seeds)
     high = SUITES["manifolds-high-lr"]
     assert high.full["lr"] * high.full["steps"] >= 10 and high.arms == manifolds.arms
     sel_suite = SUITES["sel"]
@@ -116,6 +117,25 @@ def test_sweep_tuned_on_several_seeds_picks_by_their_mean(tmp_path):
     md = (tmp_path / "a" / "results.md").read_text()
     mean = statistics.fmean(v for _, lr, v in sweep if lr == 2e-2)
     assert "Sweep of `lr` (mean over seeds 0, 1;" in md and f"| {mean:.4f} |" in md
+
+
+def test_held_out_tuning_reports_only_seeds_the_choice_did_not_see(tmp_path):
+    suite = Suite(name="mini", baseline="pre-ln", seeds=(0, 1), tuning_seeds=(5, 6),
+                  sweep=("lr", (1e-5, 2e-2)), quick_sweep=("lr", (1e-5, 2e-2)),
+                  arms=(("pre-ln", {"connection": "pre-ln"}),))
+    overrides = {"steps": "12", "eval_interval": "6", "n_layer": "1"}
+    results = run_suite(suite, tmp_path / "a", quick=False, seeds=(0, 1), echo=False,
+                        overrides={**overrides, "corpus": "synthetic:20000", "n_embd": "16", "n_head": "2",
+                                   "block_size": "16", "batch_size": "4"})
+    with open(tmp_path / "a" / "sweep.csv") as f:
+        sweep = sorted((r["seed"], float(r["swept"])) for r in csv.DictReader(f))
+    assert sweep == [("5", 1e-5), ("5", 2e-2), ("6", 1e-5), ("6", 2e-2)]  # the tuning seeds only
+    assert [(r["seed"], r["swept"]) for r in results] == [(0, 2e-2), (1, 2e-2)]  # reported: the others
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert "chosen on seeds 5, 6 and is reported above on seeds 0, 1" in md
+    with pytest.raises(ConfigError, match=r"tuning seeds \[1\] are also reported seeds"):
+        run_suite(dataclasses.replace(suite, tuning_seeds=(1, 6)), tmp_path / "b", seeds=(0, 1), echo=False,
+                  overrides=overrides)
 
 
 def test_sweep_runs_each_arm_at_its_best_value_and_jobs_do_not_change_results(tmp_path):
@@ -267,7 +287,7 @@ def test_arm_configs_are_what_the_suites_say():
     # the grid holds the shared lr, brackets it, and is run on every seed
     lrs = {c["lr"] for c in spheret.values()}
     assert shared in lrs and min(lrs) < shared < max(lrs)
-    assert SUITES["spheret"].tune_seeds == len(SUITES["spheret"].seeds)
+    assert SUITES["spheret"].tuning_seeds == compare.TUNING_SEEDS
     for (arm, _), cfg in _cfgs("spheret-stress").items():
         plain = spheret[(arm.removesuffix(" @stress"), shared)]
         assert {k for k in cfg if cfg[k] != plain[k]} == {"lr", "warmup_steps", "grad_clip",
@@ -348,7 +368,7 @@ def test_the_retraction_suite_starts_where_the_members_differ():
     suite = SUITES["spheret-retractions"]
     assert suite.baseline == "geonorm-literal"
     # each retraction at its own lr (the exponential map's uncapped angles may want a smaller one)
-    assert suite.sweep[0] == "lr" and suite.tune_seeds == len(suite.seeds)
+    assert suite.sweep[0] == "lr" and suite.tuning_seeds == compare.TUNING_SEEDS
     assert min(suite.sweep[1]) < compare.FULL_BASE["lr"] < max(suite.sweep[1])
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     for arm, _, cfg in suite_configs(suite):
@@ -366,6 +386,9 @@ def test_narrow_suite_keeps_the_named_arms_in_order_and_replaces_the_sweep():
     assert dict(narrow.arms) == {a: c for a, c in suite.arms if a != "spheret-p2-literal"}
     assert narrow.sweep == ("lr", (5e-4, 2e-3)) == narrow.quick_sweep
     assert narrow.tune_seeds == 10 and narrow.baseline == suite.baseline
+    assert narrow.tuning_seeds == ()  # --tune_seeds: tuned on the first reported seeds instead
+    held = compare.narrow_suite(suite, tuning_seeds=(7, 8))
+    assert held.tuning_seeds == (7, 8) and held.tune_seeds == suite.tune_seeds
     assert compare.narrow_suite(suite) == suite                 # nothing given: the suite itself
     lrs = sorted({v for _, v, _ in compare.suite_configs(narrow)})
     assert lrs == [5e-4, 2e-3] and len(compare.suite_configs(narrow)) == 4
@@ -380,6 +403,8 @@ def test_narrow_suite_keeps_the_named_arms_in_order_and_replaces_the_sweep():
     ("sel", {"sweep": ()}, "distinct values"),
     ("sel", {"tune_seeds": 0}, "integer >= 1, got 0"),
     ("sel", {"tune_seeds": True}, "integer >= 1, got True"),
+    ("sel", {"tune_seeds": 2, "tuning_seeds": (7,)}, "not both"),
+    ("sel", {"tuning_seeds": (7, 7)}, r"distinct seeds, got \[7, 7\]"),
 ])
 def test_narrow_suite_refuses_what_it_cannot_run_by_name(name, kwargs, match):
     with pytest.raises(ConfigError, match=match):
