@@ -144,6 +144,7 @@ class Spheret(nn.Module):
             damping=config.damping, step=config.sphere_step, alpha_init=config.alpha_init,
             fused=config.fused,
         )
+        self.residual.log_alpha.requires_grad_(config.learn_alpha)  # False: an ablation, alpha fixed
 
     def forward(self, h: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
         return self.residual(h, sublayer(h))
@@ -205,7 +206,9 @@ def make_entry(config) -> nn.Module:
     :class:`EmbeddingScale` for ``pre-dyt`` (``dyt_embed_scale``), a LayerNorm for ``peri-ln``
     (``periln_embed_norm``: the Peri-LN paper's initial embedding normalization), else identity."""
     if config.connection in SPHERE_CONNECTIONS:
-        return ScaleNorm(config.n_embd, eps=config.norm_eps)
+        entry = ScaleNorm(config.n_embd, eps=config.norm_eps)
+        entry.scale.requires_grad_(config.learn_radius)  # False: an ablation, radius fixed at sqrt(d)
+        return entry
     if config.connection == "pre-dyt" and config.dyt_embed_scale:
         return EmbeddingScale(math.sqrt(config.n_embd))
     if config.connection == "peri-ln" and config.periln_embed_norm:

@@ -101,6 +101,10 @@ class GPTConfig:
             must stay small against :math:`\\alpha x` for the highway to carry the state, so
             the lr a Keel model tolerates grows with :math:`\\alpha`, hence with depth.
         norm_eps: :math:`\\varepsilon` of the ScaleNorm that puts embeddings on the sphere.
+        learn_alpha: the sphere residuals' steps :math:`\\alpha_l` are learned (``False``: fixed at
+            ``alpha_init``, an ablation).
+        learn_radius: the sphere's radius (the entry ScaleNorm's scale, initially
+            :math:`\\sqrt d`) is learned (``False``: fixed at :math:`\\sqrt d`, an ablation).
         tie_weights: share the token embedding with the LM head.
         fused: use the analytic-backward sphere residual (``False``: plain autograd reference).
     """
@@ -125,6 +129,8 @@ class GPTConfig:
     periln_embed_norm: bool = True
     keel_alpha: float = 0.0
     norm_eps: float = 1e-6
+    learn_alpha: bool = True
+    learn_radius: bool = True
     tie_weights: bool = True
     fused: bool = True
 
@@ -171,6 +177,9 @@ class GPTConfig:
                              f"{', '.join(DAMPING_DEPTHS)}")
         if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
             raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        for name in ("learn_alpha", "learn_radius"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def on_sphere(self) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .storage import atomic_write
 
-__all__ = ["plot_curves", "plot_run"]
+__all__ = ["plot_curves", "plot_run", "plot_trend"]
 
 
 def _pyplot():
@@ -105,5 +105,24 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str | Path, ti
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    _save(plt, fig, path)
+
+
+def plot_trend(sizes, size_name: str, series: dict, baseline: str, path: str | Path) -> None:
+    """Each arm's gap to ``baseline`` ± its standard error against size (log scale), to ``path``:
+    ``series`` maps an arm to one ``(mean, se, seeds)`` or ``None`` per size."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, points in series.items():
+        shown = [(s, g) for s, g in zip(sizes, points) if g is not None]
+        ax.errorbar([s for s, _ in shown], [g[0] for _, g in shown], yerr=[g[1] for _, g in shown],
+                    marker="o", capsize=3, label=arm)
+    ax.axhline(0.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(sizes), [f"{s:g}" for s in sizes])
+    ax.set_xlabel(size_name)
+    ax.set_ylabel(f"final val loss - {baseline} (± SE)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     _save(plt, fig, path)

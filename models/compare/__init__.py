@@ -46,6 +46,13 @@ Suites:
     the seed's literal step, each at every AdamW learning rate of a grid on the tuning seeds:
     the seed's protocol (one shared lr) is a column of the sweep table, and each arm is reported
     at its own best, on five other seeds.
+``spheret-p``
+    Seed 000's p-family, p = 0.5, 1, 1.5, 2, 4 and inf, under the seed's literal step (alpha 1) and
+    the library's normalized step (alpha 0.5), each at its own lr; baseline: the seed's own arm
+    (p = 1, literal).
+``spheret-ablations``
+    1-SpheretNorm in both step forms, whole and without the depth damping, with a fixed step
+    alpha, and with a fixed radius.
 ``spheret-stress``
     A high-learning-rate, no-warmup, no-clipping setting for a subset (the seed reports Pre-LN
     and Keel diverging where SpheretNorms converge), evaluated every 5 steps from the initial
@@ -70,13 +77,20 @@ Suites:
     the seed's mechanism — DGram lets the attention maps' singular values, hence the logits,
     grow until the softmax saturates — can act.
 ``sel``
-    AdamW baseline against SEL mismatched, SEL congruent and SEL without the linear path, with
+    AdamW baseline (also on 150-, 200- and 250-step cosine schedules, which may reach the full
+    schedule's final loss sooner) against SEL mismatched, SEL congruent and SEL without the linear path, with
     the curvature calibrated from the weights' own initialization and the seed's scale-lr
     annealing (and mismatched without it), each at its own best ``block_lr`` (the attention and
     MLP matrices' lr; everything else at 3e-3) of a grid run on the tuning seeds; steps to reach
-    the baseline's final loss and the effective weights' heavy-tail statistics.
+    the baseline's final loss, the training seconds to it (the chart's overhead included) and the
+    effective weights' heavy-tail statistics.
 ``sel-shared-lr``
     The same at the seed's protocol: one lr for every parameter, swept per arm.
+
+A claim's trend with model size: run a suite at several sizes (``--n_embd``, ``--n_layer``,
+``--steps`` overrides, one ``--out`` each) and give the folders to ``python -m
+models.compare.trend`` (:mod:`models.compare.trend`): each arm's paired gap to the baseline
+against size, its slope per doubling, a figure and a table.
 
 Full suites are sized for about 30 minutes each on a 2-core CPU with ``--jobs 2`` (timings in
 ``docs/results``); ``--quick`` is a tiny version (synthetic corpus, one seed, a few dozen steps)

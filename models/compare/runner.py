@@ -72,6 +72,20 @@ def _steps_to(rows: list[dict], target: float) -> int | None:
     return None
 
 
+def _seconds_to(rows: list[dict], target: float) -> float | None:
+    """Training seconds until the first evaluation at or below ``target``: each logged interval's
+    tokens over its measured tokens/s, summed (evaluations and start-up not counted)."""
+    seconds, tokens = 0.0, 0
+    for row in rows:
+        if row.get("tokens_per_s"):
+            seconds += (row["tokens"] - tokens) / row["tokens_per_s"]
+            tokens = row["tokens"]
+        val = row.get("val_loss")
+        if val is not None and val <= target:
+            return round(seconds, 2)
+    return None
+
+
 def _reusable(run_dir: Path, cfg_dict: dict) -> dict | None:
     """The summary of a finished run of the same config in ``run_dir`` (a re-run skips it)."""
     try:
@@ -224,7 +238,9 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
     target = statistics.fmean(base_vals) if base_vals else None
     for r in results:
         r["target"] = target
-        r["steps_to_target"] = _steps_to(r.pop("_rows"), target) if target is not None else None
+        rows = r.pop("_rows")
+        r["steps_to_target"] = _steps_to(rows, target) if target is not None else None
+        r["seconds_to_target"] = _seconds_to(rows, target) if target is not None else None
     for r in sweep_rows:
         r.pop("_rows")
     write_reports(suite, out, results, curves, quick=quick, command=command,

@@ -71,7 +71,7 @@ TUNING_SEEDS = (100, 101, 102)
 
 def _spheret_arms() -> tuple[tuple[str, dict], ...]:
     arms: list[tuple[str, dict]] = [
-        (name, {"connection": name}) for name in ("pre-ln", "peri-ln", "pre-dyt", "keel",
+        (name, {"connection": name}) for name in ("pre-ln", "post-ln", "peri-ln", "pre-dyt", "keel",
                                                   "geonorm")]
     arms += [(f"spheret-p{p:g}", {"connection": "spheret", "retraction": "p", "p": p})
              for p in (1.0, 2.0)]
@@ -100,7 +100,36 @@ def _retraction_arms() -> tuple[tuple[str, dict], ...]:
 def _stress_arms() -> tuple[tuple[str, dict], ...]:
     stress = {"lr": 3e-2, "warmup_steps": 0, "grad_clip": 0.0}
     return tuple((f"{name} @stress", {**cfg, **stress}) for name, cfg in _spheret_arms()
-                 if name in ("pre-ln", "keel", "geonorm", "spheret-p1", "spheret-p2"))
+                 if name in ("pre-ln", "post-ln", "keel", "geonorm", "spheret-p1", "spheret-p2",
+                             "spheret-p1-literal"))
+
+
+#: The p of the p-family suite: 0.5 below gnomonic, 1 (gnomonic), 1.5, 2 (Cayley), 4, inf (the
+#: exponential map).
+P_VALUES = (0.5, 1.0, 1.5, 2.0, 4.0, float("inf"))
+#: The two step forms and their initial alpha: the seed's literal step at its alpha 1, the
+#: library's normalized step at 0.5.
+STEP_FORMS = (("literal", 1.0), ("normalized", 0.5))
+
+
+def _p_arms() -> tuple[tuple[str, dict], ...]:
+    """Every p of :data:`P_VALUES` under both step forms (``spheret-p<p>-<form>``)."""
+    return tuple((f"spheret-p{p:g}-{form}", {"connection": "spheret", "retraction": "p", "p": p,
+                                            "sphere_step": form, "alpha_init": alpha})
+                 for form, alpha in STEP_FORMS for p in P_VALUES)
+
+
+def _ablation_arms() -> tuple[tuple[str, dict], ...]:
+    """1-SpheretNorm in both step forms, whole and without each of: the depth damping
+    :math:`1/\\sqrt l`, the learnable step :math:`\\alpha_l`, the learnable radius."""
+    arms = []
+    for form, alpha in STEP_FORMS:
+        base = {"connection": "spheret", "retraction": "p", "p": 1.0, "sphere_step": form, "alpha_init": alpha}
+        arms += [(f"spheret-p1-{form}", base),
+                 (f"spheret-p1-{form} no-damping", {**base, "damping": "none"}),
+                 (f"spheret-p1-{form} fixed-alpha", {**base, "learn_alpha": False}),
+                 (f"spheret-p1-{form} fixed-radius", {**base, "learn_radius": False})]
+    return tuple(arms)
 
 
 #: ManifoldMuon policies of the manifolds suite, baseline first.
@@ -126,12 +155,20 @@ def _manifolds_suite(name: str, *, lr: float | None = None, **options) -> Suite:
         **options)
 
 
+#: Shorter schedules (steps) of the SEL suites' extra baseline arms (the full one is 300 steps).
+SEL_SHORT_SCHEDULES = (150, 200, 250)
+
+
 def _sel_suite(name: str, key: str, **full) -> Suite:
     """SEL's variants against the AdamW baseline, ``key`` (``lr`` or ``block_lr``) swept per arm
     on all five seeds."""
     return Suite(
         name=name,
-        arms=(("baseline", {"sel": "none"}), ("sel-mismatched", {"sel": "mismatched"}),
+        arms=(("baseline", {"sel": "none"}),
+              # the baseline on shorter cosine schedules: a shorter schedule may reach the full
+              # one's final loss (the target) sooner than the full one does
+              *((f"baseline@{steps}", {"sel": "none", "steps": steps}) for steps in SEL_SHORT_SCHEDULES),
+              ("sel-mismatched", {"sel": "mismatched"}),
               ("sel-congruent", {"sel": "congruent"}), ("sel-no-linear", {"sel": "no-linear"}),
               ("sel-mismatched-no-anneal", {"sel": "mismatched", "sel_anneal_steps": 0})),
         baseline="baseline",
@@ -152,6 +189,15 @@ SUITES: dict[str, Suite] = {
     # the seed's stability claim: Pre-LN / Keel diverge at a high lr where SpheretNorms converge;
     # evaluated every 5 steps, so that a blow-up within the first few steps (which the final
     # loss hides once the run recovers) shows in val_rise_max
+    # seed 000's "p = 1 is the best finite p": the whole p-family under both step forms, each at its
+    # own lr tuned on held-out seeds; the paper's own arm (p = 1, literal) is the baseline
+    "spheret-p": Suite(name="spheret-p", arms=_p_arms(), baseline="spheret-p1-literal",
+                       sweep=("lr", (0.001, 0.003, 0.01, 0.03)), quick_sweep=("lr", (0.01, 0.03)),
+                       tuning_seeds=TUNING_SEEDS),
+    # seed 000's three design choices, each removed from 1-SpheretNorm in both step forms
+    "spheret-ablations": Suite(name="spheret-ablations", arms=_ablation_arms(), baseline="spheret-p1-literal",
+                               sweep=("lr", (0.001, 0.003, 0.01, 0.03)), quick_sweep=("lr", (0.01, 0.03)),
+                               tuning_seeds=TUNING_SEEDS),
     "spheret-stress": Suite(name="spheret-stress", arms=_stress_arms(), baseline="pre-ln @stress",
                             seeds=(0, 1, 2), full={"eval_interval": 5, "log_interval": 5}),
     # seed 000's "finite p beats the exponential map" where it can show: the literal step, whose

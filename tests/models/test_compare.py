@@ -17,7 +17,7 @@ import pytest
 
 from models import compare
 from models.compare import SUITES, Suite, run_suite
-from models.compare.suites import REFERENCE_POLICIES
+from models.compare.suites import REFERENCE_POLICIES, SEL_SHORT_SCHEDULES
 from models.config import ConfigError, build_config
 from models.train import MissingModuleError
 
@@ -47,7 +47,10 @@ def test_suites_cover_the_arms_of_the_issue():
     assert high.full["lr"] * high.full["steps"] >= 10 and high.arms == manifolds.arms
     sel_suite = SUITES["sel"]
     assert [a["sel"] for _, a in sel_suite.arms] == [
-        "none", "mismatched", "congruent", "no-linear", "mismatched"]
+        "none", "none", "none", "none", "mismatched", "congruent", "no-linear", "mismatched"]
+    # the baseline also on shorter cosine schedules, each shorter than the full run
+    short = [a["steps"] for n, a in sel_suite.arms if n.startswith("baseline@")]
+    assert short and all(s < compare.FULL_BASE["steps"] for s in short)
     assert sel_suite.full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on...
     assert dict(sel_suite.arms)["sel-mismatched-no-anneal"]["sel_anneal_steps"] == 0  # ...but one
     # each arm at its own block-matrix lr, bracketing the shared lr everything else takes
@@ -307,7 +310,8 @@ def test_arm_configs_are_what_the_suites_say():
     assert {c["optimizer"] for c in sel.values()} == {"adamw"}   # SEL is refused with Muon
     assert {(arm, c["sel"]) for (arm, _), c in sel.items()} == {
         ("baseline", "none"), ("sel-mismatched", "mismatched"), ("sel-congruent", "congruent"),
-        ("sel-no-linear", "no-linear"), ("sel-mismatched-no-anneal", "mismatched")}
+        ("sel-no-linear", "no-linear"), ("sel-mismatched-no-anneal", "mismatched")} | {
+        (f"baseline@{s}", "none") for s in SEL_SHORT_SCHEDULES}
     assert {c["block_lr"] for c in sel.values()} == set(SUITES["sel"].sweep[1])
     assert {c["lr"] for c in sel.values()} == {SUITES["sel"].full["lr"]}
 
@@ -449,3 +453,15 @@ def test_reports_give_the_paired_difference_per_seed(tmp_path):
     assert "| -0.3 |" in rows[arm]                          # Welch, unpaired
     assert "paired Δ (SE; seeds below)" in rows["arm"]
     assert rows[suite.baseline].count("| — |") >= 2          # no difference to itself
+
+
+def test_seconds_to_target_sums_the_logged_intervals_until_the_first_evaluation_below_it():
+    from models.compare.runner import _seconds_to
+
+    rows = [{"step": 0, "tokens": 0, "val_loss": 5.0},
+            {"step": 10, "tokens": 1000, "tokens_per_s": 500.0, "val_loss": 3.0},
+            {"step": 20, "tokens": 2000, "tokens_per_s": 250.0, "val_loss": 2.0},
+            {"step": 30, "tokens": 3000, "tokens_per_s": 100.0, "val_loss": 1.5}]
+    assert _seconds_to(rows, 2.0) == 2.0 + 4.0   # two intervals: 1000/500 + 1000/250
+    assert _seconds_to(rows, 5.0) == 0.0         # the initial model already reaches it
+    assert _seconds_to(rows, 1.0) is None        # never reached
