@@ -26,9 +26,16 @@ def _suite_base(suite: Suite, quick: bool) -> dict:
 
 
 def _arm_config(base: dict, arm_overrides: dict, seed: int, key, value, overrides):
+    """The arm's config; an arm's ``schedule_fraction`` runs that fraction of the steps every
+    other arm runs (the base's, or ``--steps``), so a shorter schedule stays shorter in ``--quick``."""
     swept = {key: value} if key else {}
-    return build_config(base={**base, **arm_overrides, **swept, "seed": seed},
-                        overrides=overrides or {})
+    arm = dict(arm_overrides)
+    fraction = arm.pop("schedule_fraction", None)
+    cfg = build_config(base={**base, **arm, **swept, "seed": seed}, overrides=overrides or {})
+    if fraction is None:
+        return cfg
+    return build_config(base={**base, **arm, **swept, "seed": seed},
+                        overrides={**(overrides or {}), "steps": str(max(1, round(cfg.steps * fraction)))})
 
 
 def suite_configs(suite: Suite, *, quick: bool = False, seed: int | None = None,

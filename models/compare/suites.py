@@ -155,8 +155,9 @@ def _manifolds_suite(name: str, *, lr: float | None = None, **options) -> Suite:
         **options)
 
 
-#: Shorter schedules (steps) of the SEL suites' extra baseline arms (the full one is 300 steps).
-SEL_SHORT_SCHEDULES = (150, 200, 250)
+#: Shorter schedules of the SEL suites' extra baseline arms, as fractions of the full schedule's
+#: steps (300 in the full suite: 150, 200 and 250 steps).
+SEL_SHORT_SCHEDULES = (("1/2", 1 / 2), ("2/3", 2 / 3), ("5/6", 5 / 6))
 
 
 def _sel_suite(name: str, key: str, **full) -> Suite:
@@ -167,7 +168,7 @@ def _sel_suite(name: str, key: str, **full) -> Suite:
         arms=(("baseline", {"sel": "none"}),
               # the baseline on shorter cosine schedules: a shorter schedule may reach the full
               # one's final loss (the target) sooner than the full one does
-              *((f"baseline@{steps}", {"sel": "none", "steps": steps}) for steps in SEL_SHORT_SCHEDULES),
+              *((f"baseline {name} schedule", {"sel": "none", "schedule_fraction": f}) for name, f in SEL_SHORT_SCHEDULES),
               ("sel-mismatched", {"sel": "mismatched"}),
               ("sel-congruent", {"sel": "congruent"}), ("sel-no-linear", {"sel": "no-linear"}),
               ("sel-mismatched-no-anneal", {"sel": "mismatched", "sel_anneal_steps": 0})),

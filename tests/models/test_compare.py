@@ -49,8 +49,8 @@ def test_suites_cover_the_arms_of_the_issue():
     assert [a["sel"] for _, a in sel_suite.arms] == [
         "none", "none", "none", "none", "mismatched", "congruent", "no-linear", "mismatched"]
     # the baseline also on shorter cosine schedules, each shorter than the full run
-    short = [a["steps"] for n, a in sel_suite.arms if n.startswith("baseline@")]
-    assert short and all(s < compare.FULL_BASE["steps"] for s in short)
+    short = [a["schedule_fraction"] for n, a in sel_suite.arms if n.endswith(" schedule")]
+    assert short and all(0 < f < 1 for f in short)
     assert sel_suite.full["sel_anneal_steps"] > 0  # the seed's scale-lr annealing is on...
     assert dict(sel_suite.arms)["sel-mismatched-no-anneal"]["sel_anneal_steps"] == 0  # ...but one
     # each arm at its own block-matrix lr, bracketing the shared lr everything else takes
@@ -63,8 +63,8 @@ def test_suites_cover_the_arms_of_the_issue():
     for suite in SUITES.values():           # every arm is a valid configuration
         assert suite.baseline in dict(suite.arms)
         assert len(suite.seeds) >= 3
-        for _, arm in suite.arms:
-            build_config(base={**compare.FULL_BASE, **suite.full, **arm})
+        values = (suite.sweep or (None, (None,)))[1]
+        assert len(compare.suite_configs(suite)) == len(suite.arms) * len(values)  # each builds as run
 
 
 def test_val_rise_max_is_the_largest_relapse_above_the_running_minimum():
@@ -275,6 +275,8 @@ def test_arms_differ_exactly_in_what_they_name(name, quick):
         for (arm_b, val_b), b in cfgs.items():
             differing = {k for k in a if a[k] != b[k]}
             allowed = set(named[arm_a]) | set(named[arm_b]) | ({sweep_key} if sweep_key else set())
+            if "schedule_fraction" in allowed:  # a shorter schedule: fewer steps
+                allowed.add("steps")
             assert differing <= allowed, (arm_a, arm_b, differing - allowed)
 
 
@@ -311,7 +313,10 @@ def test_arm_configs_are_what_the_suites_say():
     assert {(arm, c["sel"]) for (arm, _), c in sel.items()} == {
         ("baseline", "none"), ("sel-mismatched", "mismatched"), ("sel-congruent", "congruent"),
         ("sel-no-linear", "no-linear"), ("sel-mismatched-no-anneal", "mismatched")} | {
-        (f"baseline@{s}", "none") for s in SEL_SHORT_SCHEDULES}
+        (f"baseline {name} schedule", "none") for name, _ in SEL_SHORT_SCHEDULES}
+    steps = {arm: c["steps"] for (arm, _), c in sel.items()}
+    assert [steps[f"baseline {name} schedule"] for name, _ in SEL_SHORT_SCHEDULES] == [150, 200, 250]  # of 300
+    assert steps["baseline"] == steps["sel-mismatched"] == compare.FULL_BASE["steps"]
     assert {c["block_lr"] for c in sel.values()} == set(SUITES["sel"].sweep[1])
     assert {c["lr"] for c in sel.values()} == {SUITES["sel"].full["lr"]}
 
