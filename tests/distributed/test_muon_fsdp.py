@@ -37,10 +37,19 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+class _Runs(dict):
+    """The optimizer jobs by world size, each started when a test first asks for it (the
+    4-process one only by the tests marked slow)."""
+
+    def __missing__(self, world: int) -> list[dict]:
+        self[world] = run_workers(fw.optimizer_job, world, CASES_2 if world == 2 else CASES_4,
+                                  timeout=JOB_TIMEOUT_S)
+        return self[world]
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
-    return {2: run_workers(fw.optimizer_job, 2, CASES_2, timeout=JOB_TIMEOUT_S),
-            4: run_workers(fw.optimizer_job, 4, CASES_4, timeout=JOB_TIMEOUT_S)}
+    return _Runs()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +64,8 @@ def _close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 def _all_cases():
-    return [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
+    """Two processes in the default suite, four under ``-m slow``."""
+    return [(2, c) for c in CASES_2] + [pytest.param(4, c, marks=pytest.mark.slow) for c in CASES_4]
 
 
 @pytest.mark.parametrize(("world", "case"), _all_cases(), ids=lambda v: str(v))
@@ -84,12 +94,13 @@ def test_momentum_and_warm_start_stay_on_the_row_shards(runs, world, case) -> No
 def test_a_non_finite_gradient_skips_its_matrix_on_every_rank(runs, references) -> None:
     case = ("stiefel", "default", None)
     assert int(references[case]["state"][1]["skipped_steps"]) == 1  # the reference skipped it too
-    for world in (2, 4):
+    for world in (2,):
         for report in runs[world]:
             skips = [int(s["skipped_steps"]) for s in report[case]["state"]]
             assert skips == [0, 1] + [0] * (len(skips) - 2)
 
 
+@pytest.mark.slow
 def test_the_cases_cover_uneven_rows_an_empty_rank_and_an_idle_owner(runs) -> None:
     rows = runs[4][0][("stiefel", "default", None)]["local_rows"]
     assert [row_chunks(m, 4)[0] for m, *_ in fw.MATRICES] == rows
@@ -102,17 +113,13 @@ def test_the_cases_cover_uneven_rows_an_empty_rank_and_an_idle_owner(runs) -> No
 
 @pytest.fixture(scope="module")
 def gpt_runs() -> dict[int, list[dict]]:
-    return {2: run_workers(fw.gpt_fsdp_job, 2, list(POLICIES), 3, timeout=JOB_TIMEOUT_S),
-            4: run_workers(fw.gpt_fsdp_job, 4, ["hetero"], 3, timeout=JOB_TIMEOUT_S)}
+    return {2: run_workers(fw.gpt_fsdp_job, 2, list(POLICIES), 3, timeout=JOB_TIMEOUT_S)}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_fully_sharded_gpt_trains_as_in_one_process(gpt_runs, single_thread, policy) -> None:
+def _check_gpt(reports_by_world: dict, policy: str) -> None:
     expected = fw.gpt_single(policy, 3)
     diagnostics = expected.pop("diagnostics")
-    for world, reports in gpt_runs.items():
-        if policy not in reports[0]:
-            continue
+    for world, reports in reports_by_world.items():
         for rank, report in enumerate(reports):
             assert report[policy, "diagnostics"].keys() == diagnostics.keys()
             for name, row in diagnostics.items():  # the whole matrices' residuals and norms, every rank
@@ -126,10 +133,21 @@ def test_a_fully_sharded_gpt_trains_as_in_one_process(gpt_runs, single_thread, p
                 _close(report[policy][name], value, f"{world} ranks, rank {rank}, {name}")
 
 
-def test_a_checkpoint_resumes_bit_exactly_on_any_world_size(tmp_path) -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_fully_sharded_gpt_trains_as_in_one_process(gpt_runs, single_thread, policy) -> None:
+    _check_gpt(gpt_runs, policy)
+
+
+@pytest.mark.slow
+def test_a_fully_sharded_gpt_on_four_processes_trains_as_in_one(single_thread) -> None:
+    _check_gpt({4: run_workers(fw.gpt_fsdp_job, 4, ["hetero"], 3, timeout=JOB_TIMEOUT_S)}, "hetero")
+
+
+@pytest.mark.parametrize("worlds", [(2, 1), pytest.param((4,), marks=pytest.mark.slow)])
+def test_a_checkpoint_resumes_bit_exactly_on_any_world_size(tmp_path, worlds) -> None:
     folder = str(tmp_path / "checkpoint")
     uninterrupted = run_workers(fw.checkpoint_job, 2, "save", folder, "hetero", 2, timeout=JOB_TIMEOUT_S)[0]
-    for world in (2, 4, 1):
+    for world in worlds:
         resumed = run_workers(fw.checkpoint_job, world, "resume", folder, "hetero", 2, timeout=JOB_TIMEOUT_S)
         for report in resumed:
             assert set(report) == set(uninterrupted)
