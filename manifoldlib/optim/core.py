@@ -51,8 +51,7 @@ from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
-from .options import flipped
-from .options import MuonOptions, adjusted_lr
+from .options import MuonOptions, adjusted_lr, flipped
 from .steepest import solve_bank
 
 __all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step"]
@@ -124,17 +123,25 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None,
         shape = (p.size(1), p.size(0)) if flip else tuple(p.shape)
         key = (opts.bank_key(), shape, p.dtype, p.device)
         bank = banks.setdefault(key, Bank(opts, updates_given=updates_given))
-        lr = opts.lr
+        lr, decay = step_sizes(opts, p.shape)
         bank.params.append(p)
         bank.grads.append(g)
         bank.bufs.append(buf)
         bank.states.append(state)
         bank.flips.append(flip)
-        bank.lrs.append(adjusted_lr(lr, opts.adjust_lr_fn, opts.manifold.flat, p.shape, opts.layout))
-        decays = opts.manifold.decays and opts.weight_decay
-        bank.decays.append(1.0 - lr * opts.weight_decay if decays else 1.0)
+        bank.lrs.append(lr)
+        bank.decays.append(decay)
         bank.indices.append(index)
     return list(banks.values())
+
+
+def step_sizes(opts: MuonOptions, shape) -> tuple[float, float]:
+    r"""``(eta, beta)`` of a matrix of the stored ``shape``: the learning rate after the shape
+    adjustment and the decoupled decay factor :math:`1 - \eta_0\lambda` (1 where the manifold has
+    no scale freedom or :math:`\lambda = 0`)."""
+    decays = opts.manifold.decays and opts.weight_decay
+    return (adjusted_lr(opts.lr, opts.adjust_lr_fn, opts.manifold.flat, shape, opts.layout),
+            1.0 - opts.lr * opts.weight_decay if decays else 1.0)
 
 
 def _bank_buffer(bank: Bank) -> Tensor:

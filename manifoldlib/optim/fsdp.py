@@ -48,10 +48,11 @@ import torch
 from torch import Tensor
 
 from ..distributed import assign_owners, exchange, get_rank_world, raise_together, row_chunks, row_range
+from ..distributed.redistribute import piece_bytes
 from ..functional.newton_schulz import newton_schulz
-from .core import gradient_finite, make_banks, muon_step
+from .core import gradient_finite, make_banks, muon_step, step_sizes
 from .execution import Execution, solve_dtype
-from .options import MuonOptions, adjusted_lr
+from .options import MuonOptions
 
 __all__ = ["SCALARS", "fsdp_step", "project_row_sharded", "redistribution_plan"]
 
@@ -153,9 +154,9 @@ def _prepare(item, owner: int, execution_of) -> _Matrix:
     update = local_grad.lerp(new_buf, options.momentum) if options.nesterov else new_buf
     constrained = not options.manifold.flat
     execution = execution_of(options, param.device, min(param.shape))
-    if not constrained:  # newton_schulz returns in its dtype: ns_dtype, else float32 for 16-bit, else U's
-        ns = execution.ns_dtype or (torch.float32 if update.dtype in (torch.float16, torch.bfloat16) else update.dtype)
-        return _Matrix(options, param, state, owner, new_buf, [update], [param.shape[0]], False, False, ns)
+    if not constrained:  # D comes back in the Newton-Schulz dtype (newton_schulz returns in it)
+        return _Matrix(options, param, state, owner, new_buf, [update], [param.shape[0]], False, False,
+                       execution.ns_dtype)
     fields, rows = [param.to_local(), update], [param.shape[0]] * 2
     correction = state.get("dual_correction") if options.dual.warm_start else None
     if correction is not None:
@@ -255,9 +256,7 @@ def _commit(matrix: _Matrix, pieces: Sequence[Tensor], mesh) -> None:
     buf = state["momentum_buffer"].to_local()
     buf.copy_(torch.where(finite, matrix.new_buf, buf))
     if not matrix.constrained:  # rows of D: W <- beta W - eta D here, as the single-process step does
-        options = matrix.options
-        lr = adjusted_lr(options.lr, options.adjust_lr_fn, True, matrix.shape, options.layout)
-        decay = 1.0 - options.lr * options.weight_decay if options.weight_decay else 1.0
+        lr, decay = step_sizes(matrix.options, matrix.shape)
         new = w * decay if decay != 1.0 else w.clone()
         w.copy_(torch.where(finite, new.add_(rows, alpha=-lr), w))
         previous = state.get("skipped_steps")
@@ -304,8 +303,6 @@ def redistribution_plan(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, w
         ``{"to_owners": ..., "to_shards": ..., "total": ..., "minimum": ...}`` in bytes, summed over
         ranks (pieces a rank keeps for itself are not counted).
     """
-    from ..distributed.redistribute import piece_bytes
-
     owners = assign_owners([tuple(s) for s in shapes], world, strategy)
     work = solve_dtype(dtype)
     out = {"to_owners": 0, "to_shards": 0, "minimum": 0}

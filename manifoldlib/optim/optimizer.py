@@ -38,12 +38,12 @@ from ..retractions.base import available_retractions
 from .core import make_banks, muon_step
 from .execution import Execution, ieee_float32_matmul, step_threads
 from .fsdp import fsdp_step, project_row_sharded
-from .options import tall
 from .options import (
     Distribution,
     DualOptions,
     MuonOptions,
     check_decay,
+    tall,
     validate_group,
     validate_group_params,
 )
@@ -276,11 +276,12 @@ class ManifoldMuon(Optimizer):
         def execution_for(bank) -> Execution:
             return execution_of(bank.options, bank.params[0].device, min(bank.params[0].shape))
 
-        whole = [item for item in items if not is_row_sharded(item[1])]
-        meshes: dict[Any, list] = {}
+        whole, meshes = [], {}  # meshes: FSDP2's row-sharded matrices by device mesh
         for item in items:
             if is_row_sharded(item[1]):
                 meshes.setdefault(item[1].device_mesh, []).append(item)
+            else:
+                whole.append(item)
         owners = None
         if whole and self._sharded():
             by_id = self.owners()

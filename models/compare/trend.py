@@ -23,21 +23,17 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["Gap", "gaps", "main", "slope", "trend_table", "verdict"]
 
 
-class Gap(tuple):
-    """``(mean, standard error, seeds)`` of one arm's paired gap at one size."""
+class Gap(NamedTuple):
+    """One arm's paired gap at one size: its mean, standard error and number of seeds."""
 
-    __slots__ = ()
-
-    def __new__(cls, mean: float, se: float, seeds: int):
-        return super().__new__(cls, (mean, se, seeds))
-
-    mean = property(lambda self: self[0])
-    se = property(lambda self: self[1])
-    seeds = property(lambda self: self[2])
+    mean: float
+    se: float
+    seeds: int
 
 
 def _finals(folder: Path) -> dict[str, dict[int, float]]:

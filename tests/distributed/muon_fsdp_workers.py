@@ -235,13 +235,11 @@ def refusal_job(rank: int) -> dict:
 
 
 def bytes_job(rank: int, shapes: list[tuple[int, int]], manifold: str, steps: int) -> int:
-    """Bytes this rank sent to other ranks through the optimizer's exchanges in its last step
-    (``steps`` steps of float32 row-sharded matrices of ``shapes``)."""
+    """Bytes this rank sent to other ranks by ``torch.distributed.all_to_all_single`` during its last
+    optimizer step (``steps`` steps of float32 row-sharded matrices of ``shapes``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import manifoldlib.optim.fsdp as fsdp
-    from manifoldlib.distributed import exchange_bytes
     from manifoldlib.optim import ManifoldMuon
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -250,19 +248,20 @@ def bytes_job(rank: int, shapes: list[tuple[int, int]], manifold: str, steps: in
               for m, n in shapes]
     optimizer = ManifoldMuon(params, manifold=manifold, lr=0.02)
     sent = []
-    original = fsdp.exchange
+    all_to_all_single = dist.all_to_all_single
 
-    def counting(outgoing, incoming, group):
-        sent.append(exchange_bytes([[(tuple(t.shape), t.dtype) for t in pieces] for pieces in outgoing], rank))
-        return original(outgoing, incoming, group)
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        splits = input_split_sizes or [input.numel() // dist.get_world_size()] * dist.get_world_size()
+        sent.append((sum(splits) - splits[rank]) * input.element_size())  # what leaves this rank
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
 
-    fsdp.exchange = counting
-    try:
-        for step in range(steps):
-            sent.clear()
-            for i, p in enumerate(params):
-                p.grad = distribute_tensor(gradient(step, i, p), mesh, [Shard(0)])
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = distribute_tensor(gradient(step, i, p), mesh, [Shard(0)])
+        sent.clear()
+        dist.all_to_all_single = counting
+        try:
             optimizer.step()
-    finally:
-        fsdp.exchange = original
+        finally:
+            dist.all_to_all_single = all_to_all_single
     return sum(sent)

@@ -205,6 +205,17 @@ def test_reports_and_steps_to_target(tmp_path):
             vals = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
         want = max(v - min(vals[:i + 1]) for i, v in enumerate(vals))
         assert len(vals) == 5 and r["val_rise_max"] == pytest.approx(want, abs=1e-12)
+    for r in results:  # training seconds to the target: the logged intervals' tokens / tokens_per_s
+        with open(tmp_path / r["arm"] / "seed0" / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        seconds, tokens = 0.0, 0
+        for row in rows:
+            if row.get("tokens_per_s"):
+                seconds, tokens = seconds + (row["tokens"] - tokens) / row["tokens_per_s"], row["tokens"]
+            if row.get("val_loss") is not None and row["step"] == r["steps_to_target"]:
+                break
+        assert r["seconds_to_target"] == pytest.approx(seconds, abs=0.01)
+        assert 0 < r["seconds_to_target"] <= r["wall_time_s"]
     # a second call reuses the finished runs instead of training again
     mtime = (tmp_path / "fast" / "seed0" / "summary.json").stat().st_mtime_ns
     again = run_suite(suite, tmp_path, quick=True, echo=False,
@@ -459,14 +470,3 @@ def test_reports_give_the_paired_difference_per_seed(tmp_path):
     assert "paired Δ (SE; seeds below)" in rows["arm"]
     assert rows[suite.baseline].count("| — |") >= 2          # no difference to itself
 
-
-def test_seconds_to_target_sums_the_logged_intervals_until_the_first_evaluation_below_it():
-    from models.compare.runner import _seconds_to
-
-    rows = [{"step": 0, "tokens": 0, "val_loss": 5.0},
-            {"step": 10, "tokens": 1000, "tokens_per_s": 500.0, "val_loss": 3.0},
-            {"step": 20, "tokens": 2000, "tokens_per_s": 250.0, "val_loss": 2.0},
-            {"step": 30, "tokens": 3000, "tokens_per_s": 100.0, "val_loss": 1.5}]
-    assert _seconds_to(rows, 2.0) == 2.0 + 4.0   # two intervals: 1000/500 + 1000/250
-    assert _seconds_to(rows, 5.0) == 0.0         # the initial model already reaches it
-    assert _seconds_to(rows, 1.0) is None        # never reached
