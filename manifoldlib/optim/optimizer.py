@@ -22,6 +22,7 @@ then does not apply to them (every step is a collective over their mesh).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from collections.abc import Mapping, MutableMapping
@@ -43,6 +44,7 @@ from .options import (
     DualOptions,
     MuonOptions,
     check_decay,
+    group_lr,
     tall,
     validate_group,
     validate_group_params,
@@ -132,6 +134,7 @@ class ManifoldMuon(Optimizer):
     ) -> None:
         self.distribution = Distribution.coerce(distribution)
         self._owner_cache: tuple | None = None
+        self._group_options: dict[int, tuple[dict, MuonOptions]] = {}
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list)) else ns_coefficients,
@@ -221,7 +224,7 @@ class ManifoldMuon(Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            options = MuonOptions.from_group(group)
+            options = self._options_of(group)
             check_decay(group, options.manifold.decays and not options.manifold.flat)
             for p in params:
                 if p.grad.is_sparse:
@@ -233,6 +236,28 @@ class ManifoldMuon(Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 items.append((options, p, p.grad, state["momentum_buffer"], state))
         return items
+
+    def _options_of(self, group: Mapping) -> MuonOptions:
+        """The group's :class:`~manifoldlib.optim.options.MuonOptions`: built again only when a
+        setting other than ``lr`` differs from the last step's (compared by value, so a setting
+        edited in place counts), else the last one with this step's ``lr``."""
+        settings = {key: value for key, value in group.items() if key not in _PER_STEP_KEYS}
+        known = self._group_options.get(id(group))
+        if known is not None and _same_settings(known[0], settings):
+            return dataclasses.replace(known[1], lr=group_lr(group))
+        options = MuonOptions.from_group(group)
+        self._group_options[id(group)] = (copy.deepcopy(settings), options)
+        return options
+
+    def __getstate__(self) -> dict[str, Any]:
+        """:class:`torch.optim.Optimizer`'s state plus the ``distribution`` (``copy.deepcopy`` and
+        ``pickle`` keep it; the caches are rebuilt)."""
+        return {**super().__getstate__(), "distribution": self.distribution}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__({"distribution": Distribution(), **state})
+        self._owner_cache = None
+        self._group_options = {}
 
     def owners(self) -> dict[int, int]:
         """``id(param) -> owner rank`` in sharded mode over every whole parameter (from the shapes
@@ -311,6 +336,18 @@ class ManifoldMuon(Optimizer):
         """
         if self._sharded():
             _share_owner_state(self)
+
+
+#: Group entries a step reads afresh every time (the rest decides whether its options are rebuilt).
+_PER_STEP_KEYS = frozenset({"params", "param_names", "lr"})
+
+
+def _same_settings(old: dict, new: dict) -> bool:
+    """Whether two groups' settings are equal by value (a tensor-valued setting never is: its
+    comparison would read the device)."""
+    if old.keys() != new.keys() or any(isinstance(v, Tensor) for v in new.values()):
+        return False
+    return old == new
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:

@@ -266,6 +266,10 @@ class Distribution:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"distribution strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
 
+    def __deepcopy__(self, memo: dict) -> Distribution:
+        """Itself: it is frozen, and its process group is a handle to share, not to copy."""
+        return self
+
     @classmethod
     def coerce(cls, value: Distribution | str | Mapping | None) -> Distribution:
         """``value`` as :class:`Distribution`: ``None``, a mode name, a mapping of fields or an instance."""

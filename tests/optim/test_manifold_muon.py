@@ -573,3 +573,63 @@ def test_a_decay_factor_that_flips_dgram_is_refused_at_the_door_and_at_the_step(
     assert torch.equal(w.detach(), before) and torch.equal(opt.state[w]["momentum_buffer"], buf)
     e = torch.nn.Parameter(torch.randn(12, 4, generator=g))
     ManifoldMuon([e], lr=20.0, weight_decay=0.1, manifold="euclidean")  # torch.optim.Muon's rule
+
+
+def _stepped(opt: ManifoldMuon, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The optimizer's only parameter after one step per gradient in ``grads``."""
+    (p,) = opt.param_groups[0]["params"]
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach().clone()
+
+
+@pytest.mark.parametrize("edit", ["dual", "momentum", "lr"])
+def test_a_group_setting_changed_between_steps_takes_effect(edit):
+    """The step reuses a group's resolved options while its settings are unchanged; a setting
+    edited between steps (in place, as a scheduler or a user would) must act on the next step
+    exactly as in an optimizer built with it."""
+    torch.manual_seed(0)
+    w0 = torch.linalg.qr(torch.randn(24, 8, dtype=torch.float64))[0]
+    grads = [torch.randn(24, 8, dtype=torch.float64) for _ in range(3)]
+    changed = {"dual": {"dual": {"max_iter": 1}}, "momentum": {"momentum": 0.5}, "lr": {"lr": 0.05}}[edit]
+
+    def fresh(**options) -> ManifoldMuon:
+        return ManifoldMuon([torch.nn.Parameter(w0.clone())], manifold="stiefel",
+                            **{"lr": 0.02, **options})
+
+    edited = fresh()
+    _stepped(edited, grads[:2])
+    group = edited.param_groups[0]
+    if edit == "dual":
+        group["dual"]["max_iter"] = 1  # in place: the group's own dict
+    else:
+        group.update(changed)
+    after_edit = _stepped(edited, grads[2:])
+
+    # the reference: the first two steps with the old settings, the third with the new
+    reference = fresh()
+    _stepped(reference, grads[:2])
+    state = reference.state_dict()
+    built = fresh(**changed)
+    built.load_state_dict({**state, "param_groups": built.state_dict()["param_groups"]})
+    built.param_groups[0]["params"][0].data.copy_(reference.param_groups[0]["params"][0])
+    expected = _stepped(built, grads[2:])
+    assert torch.equal(after_edit, expected)
+    unchanged = _stepped(reference, grads[2:])
+    assert not torch.equal(after_edit, unchanged)  # the edit changed the step
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_keeps_its_distribution_and_steps_like_the_original(copier):
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.linalg.qr(torch.randn(16, 6, dtype=torch.float64))[0])
+    opt = ManifoldMuon([p], lr=0.02, manifold="stiefel", distribution="sharded")
+    grads = [torch.randn(16, 6, dtype=torch.float64) for _ in range(3)]
+    _stepped(opt, grads[:1])
+    twin = copy.deepcopy(opt) if copier == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert twin.distribution == opt.distribution
+    assert torch.equal(_stepped(twin, grads[1:]), _stepped(opt, grads[1:]))
