@@ -20,13 +20,19 @@ __all__ = ["DGram"]
 def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
     """Raise ``ValueError`` naming the rank when a tall ``(..., m, n)`` matrix is numerically rank
     deficient: a zero column, or, with every column scaled to unit norm, a smallest singular value
-    at most ``max(m, n)·eps`` of the largest. The scaling matters: DGram's columns are free in
-    norm, and float32 columns of norms 1e-3 and 1e3 are independent though the unscaled matrix's
-    singular values span 1e6."""
+    at most ``max(m, n)·eps`` of the largest, ``eps`` of float64, the precision the projection
+    runs in (:func:`~manifoldlib.functional.dgram.dgram_metric_projection`).
+
+    The scaling matters: DGram's columns are free in norm, and float32 columns of norms 1e-3 and
+    1e3 are independent though the unscaled matrix's singular values span 1e6. So does the
+    precision: the matrix as stored is what is projected, and a float32 Gaussian initialization
+    of a square ``n × n`` map has a condition number above ``1/(n·eps₃₂)`` with a probability of
+    about ``2n²·eps₃₂`` (one in seven at ``n = 768``), so float32's ``eps`` would refuse valid
+    weights that float64 projects accurately."""
     work = x.detach().to(torch.float64)
     norms = work.norm(dim=-2, keepdim=True)  # (..., 1, n)
     sv = torch.linalg.svdvals(work / torch.where(norms > 0, norms, 1.0))  # (..., n)
-    floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(x.dtype).eps
+    floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(work.dtype).eps
     rank = (sv > floor).sum(-1)  # (...,)
     n = x.shape[-1]
     if bool((rank < n).any()):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from manifoldlib.functional import msign
+from manifoldlib.functional.dgram import dgram_metric_projection
 from manifoldlib.manifolds import DGram, Stiefel
 from manifoldlib.optim import ManifoldMuon, build_optimizer, constraint_residual, steepest_direction
 
@@ -86,3 +87,52 @@ def test_dgram_dual_refuses_zero_columns_instead_of_returning_nan():
     w = torch.cat([torch.eye(6)[:, :3], torch.zeros(6, 1)], 1)
     with pytest.raises(ValueError, match=r"W is not a DGram point: columns \[3\] \(tall orientation\) are zero"):
         steepest_direction(w, torch.randn(6, 4), "dgram")
+
+
+def _ill_conditioned_float32(m: int, n: int, seed: int) -> torch.Tensor:
+    """A full-rank float32 ``(m, n)`` Gaussian matrix whose smallest singular value is set to
+    1e-6 of its largest: its unit-norm columns have a condition number past
+    ``1/(max(m, n)·eps₃₂)``, as a square Gaussian initialization has with probability about
+    ``2n²·eps₃₂``."""
+    g = torch.Generator().manual_seed(seed)
+    x = 0.02 * torch.randn(m, n, generator=g, dtype=torch.float64)
+    u, sv, vh = torch.linalg.svd(x, full_matrices=False)
+    sv[-1] = 1e-6 * sv[0]
+    x = ((u * sv) @ vh).float()
+    unit = x.double() / x.double().norm(dim=0)
+    sv = torch.linalg.svdvals(unit)
+    assert float(sv[0] / sv[-1]) > 1 / (max(m, n) * torch.finfo(torch.float32).eps)  # float32's eps calls it rank deficient
+    assert float(sv[0] / sv[-1]) < 1e9  # float64's does not
+    return x
+
+
+@pytest.mark.parametrize(("m", "n"), [(64, 64), (96, 48)])
+def test_dgram_projects_a_full_rank_float32_matrix_float32_eps_would_call_deficient(m, n):
+    """A square float32 Gaussian init has such a condition number with probability about
+    2n²·eps₃₂ (one in seven at n = 768); the projection runs in float64 and returns a DGram point
+    as near as the nearest one (which exists: interior, certified by stationarity)."""
+    x = _ill_conditioned_float32(m, n, seed=m + n)
+    w = DGram().projx(x)
+    assert w.dtype == torch.float32 and bool(torch.isfinite(w).all())
+    w64 = DGram().projx(x.double())
+    gram = w64.T @ w64
+    off = gram - torch.diag(torch.diagonal(gram))
+    assert float(off.abs().max()) <= 1e-12 * float(torch.diagonal(gram).max())
+    # the nearest point, certified: x − W* normal to the tangent space at W*, every column well
+    # away from zero; the projection's 10 iterations come within 1e-6 of its distance
+    nearest = dgram_metric_projection(x.double(), iterations=2000)
+    normal = x.double() - nearest
+    assert float(DGram().proju(nearest, normal).norm()) <= 1e-9 * float(normal.norm())
+    d = nearest.norm(dim=0)
+    assert float(d.min()) >= 0.1 * float(d.max())
+    assert float((x.double() - w64).norm()) <= (1 + 1e-6) * float(normal.norm())
+    torch.testing.assert_close(w.double(), w64, rtol=0, atol=1e-6 * float(w64.abs().max()))
+
+
+def test_manifold_muon_takes_and_steps_such_a_dgram_matrix():
+    p = torch.nn.Parameter(_ill_conditioned_float32(64, 64, seed=1))
+    opt = ManifoldMuon([p], manifold="dgram", lr=0.01)
+    p.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    opt.step()
+    assert bool(torch.isfinite(p).all())
+    assert float(constraint_residual(p.detach(), "dgram")) <= 1e-4
