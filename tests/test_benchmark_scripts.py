@@ -33,9 +33,10 @@ CASES = {
          "syncs", "GFLOP"],
     ),
     "bench_reference_dual.py": (
-        ["--rows", "48", "--cols", "12", "--rank", "2", "--steps", "5", "--threads", "1"],
-        ["stiefel 48x12, rank 2", "manifoldlib steepest_direction (float32)",
-         "reference dual, 5 steps, PE in float32", "reference dual, 5 steps, PE in bfloat16", "gap"],
+        ["--rows", "48", "--cols", "12", "--rank", "2", "--steps", "5", "--threads", "1", "--families", "all"],
+        ["stiefel 48x12, rank 2", "manifoldlib steepest_direction (float32)", "manifoldlib, Polar Express",
+         "reference dual, 5 steps, PE in float32", "reference dual, 5 steps, PE in bfloat16", "gap",
+         "low-rank-1pct", "full-rank", "nearly-normal", "square"],
     ),
     "bench_fsdp_exchange.py": (
         ["--blocks", "1", "--width", "16", "--ranks", "2,3"],
@@ -48,6 +49,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # six subprocesses, about 5 s each; CI runs them with -m slow
 @pytest.mark.parametrize("script", list(CASES))
 def test_script_runs_and_prints_its_table(script):
     args, expected = CASES[script]

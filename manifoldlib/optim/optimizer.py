@@ -135,6 +135,7 @@ class ManifoldMuon(Optimizer):
         self.distribution = Distribution.coerce(distribution)
         self._owner_cache: tuple | None = None
         self._group_options: dict[int, tuple[dict, MuonOptions]] = {}
+        self._executions: dict[tuple, Execution] = {}  # facts of the device: kept from step to step
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list)) else ns_coefficients,
@@ -243,7 +244,9 @@ class ManifoldMuon(Optimizer):
         edited in place counts), else the last one with this step's ``lr``."""
         settings = {key: value for key, value in group.items() if key not in _PER_STEP_KEYS}
         known = self._group_options.get(id(group))
-        if known is not None and _same_settings(known[0], settings):
+        # equal by value (a tensor-valued setting never is: its comparison would read the device)
+        if (known is not None and known[0].keys() == settings.keys()
+                and not any(isinstance(v, Tensor) for v in settings.values()) and known[0] == settings):
             return dataclasses.replace(known[1], lr=group_lr(group))
         options = MuonOptions.from_group(group)
         self._group_options[id(group)] = (copy.deepcopy(settings), options)
@@ -258,6 +261,7 @@ class ManifoldMuon(Optimizer):
         super().__setstate__({"distribution": Distribution(), **state})
         self._owner_cache = None
         self._group_options = {}
+        self._executions = {}
 
     def owners(self) -> dict[int, int]:
         """``id(param) -> owner rank`` in sharded mode over every whole parameter (from the shapes
@@ -289,14 +293,16 @@ class ManifoldMuon(Optimizer):
         items = self._gather()
         if not items:
             return loss
-        executions: dict[tuple, Execution] = {}
+        executions = self._executions
 
         def execution_of(opts: MuonOptions, device: torch.device, columns: int) -> Execution:
             key = (device, opts.dual.spectral, opts.ns_dtype, opts.dual.sync_free, columns)
-            if key not in executions:
-                executions[key] = Execution.resolve(device, spectral=opts.dual.spectral, ns_dtype=opts.ns_dtype,
-                                                    sync_free=opts.dual.sync_free, columns=columns)
-            return executions[key]
+            known = executions.get(key)
+            if known is None:
+                known = executions[key] = Execution.resolve(device, spectral=opts.dual.spectral,
+                                                            ns_dtype=opts.ns_dtype, sync_free=opts.dual.sync_free,
+                                                            columns=columns)
+            return known
 
         def execution_for(bank) -> Execution:
             return execution_of(bank.options, bank.params[0].device, min(bank.params[0].shape))
@@ -340,14 +346,6 @@ class ManifoldMuon(Optimizer):
 
 #: Group entries a step reads afresh every time (the rest decides whether its options are rebuilt).
 _PER_STEP_KEYS = frozenset({"params", "param_names", "lr"})
-
-
-def _same_settings(old: dict, new: dict) -> bool:
-    """Whether two groups' settings are equal by value (a tensor-valued setting never is: its
-    comparison would read the device)."""
-    if old.keys() != new.keys() or any(isinstance(v, Tensor) for v in new.values()):
-        return False
-    return old == new
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from .cases import registered_manifolds
 from .counting import SYNC_OPS, OpCounts, count_ops
 from .conformance import OPTIMIZER_CHECKS, CheckResult, OptimizerReport, assert_optimizer, check_optimizer
-from .hard_instances import HARD_INSTANCES, hard_instance, nuclear_dual_optimum
+from .hard_instances import HARD_INSTANCES, hard_instance, nearly_normal_instance, nuclear_dual_optimum
 from .order import (
     DEFAULT_TS,
     ORDER_TOLERANCE,
@@ -47,6 +47,7 @@ __all__ = [
     "central_difference_error",
     "default_shape",
     "hard_instance",
+    "nearly_normal_instance",
     "nuclear_dual_optimum",
     "point_norm",
     "random_point",

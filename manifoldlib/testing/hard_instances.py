@@ -7,13 +7,20 @@ dual ascent stalls and a smoothed dual loses a visible part of the objective unl
 is driven down. :func:`nuclear_dual_optimum` gives the optimum independently (scipy L-BFGS on the
 unreduced dual, SVD of the ``m × n`` matrix every evaluation), to compare
 :func:`~manifoldlib.optim.steepest_direction` against.
+
+A *nearly normal* instance (:func:`nearly_normal_instance`) is a gradient almost entirely in the
+normal space, :math:`G = WS + \tau\|WS\|_F\,T` with :math:`T` a unit tangent vector: the
+tangent part the direction must follow is about a fraction :math:`\tau` of :math:`G`, so a solver that
+assumes :math:`W` exactly on its manifold, or reports the residual of a reduced problem rather
+than of the returned direction, is off by orders of magnitude (rounding :math:`W` to float32 is
+enough).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["HARD_INSTANCES", "hard_instance", "nuclear_dual_optimum"]
+__all__ = ["HARD_INSTANCES", "hard_instance", "nearly_normal_instance", "nuclear_dual_optimum"]
 
 #: ``(manifold, m, n, rank, noise)`` of the shared hard instances (tall, low-rank gradients).
 HARD_INSTANCES = (
@@ -40,20 +47,54 @@ def hard_instance(
         ValueError: a manifold other than ``"stiefel"``/``"dgram"``/``"oblique"``, a wide shape,
             or a rank outside ``1..n``.
     """
-    if manifold not in ("stiefel", "dgram", "oblique"):
-        raise ValueError(f"manifold must be 'stiefel', 'dgram' or 'oblique', got {manifold!r}")
-    if not m >= n >= 1:
-        raise ValueError(f"need a tall shape m >= n >= 1, got ({m}, {n})")
     if not 1 <= rank <= n:
         raise ValueError(f"rank must be in 1..{n}, got {rank}")
     gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-    w = torch.randn(m, n, generator=gen, dtype=f64)
-    w = w / w.norm(dim=0) if manifold == "oblique" else torch.linalg.qr(w)[0]
-    if manifold == "dgram":
-        w = w * torch.exp(0.5 * torch.randn(n, generator=gen, dtype=f64))
+    w = _point(manifold, m, n, gen)
     g = torch.randn(m, rank, generator=gen, dtype=f64) @ torch.randn(rank, n, generator=gen, dtype=f64)
     g = g + noise * torch.randn(m, n, generator=gen, dtype=f64)
+    return w.to(dtype), g.to(dtype)
+
+
+def _point(manifold: str, m: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """A float64 tall point of ``manifold`` (see :func:`hard_instance`), drawn from ``gen``."""
+    if manifold not in ("stiefel", "dgram", "oblique"):
+        raise ValueError(f"manifold must be 'stiefel', 'dgram' or 'oblique', got {manifold!r}")
+    if not m >= n >= 1:
+        raise ValueError(f"need a tall shape m >= n >= 1, got ({m}, {n})")
+    w = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    w = w / w.norm(dim=0) if manifold == "oblique" else torch.linalg.qr(w)[0]
+    if manifold == "dgram":
+        w = w * torch.exp(0.5 * torch.randn(n, generator=gen, dtype=torch.float64))
+    return w
+
+
+def nearly_normal_instance(
+    manifold: str, m: int, n: int, tangent: float, seed: int, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(W, G)``, both ``(m, n)``: a point and a gradient whose tangent part is ``tangent``
+    times its normal part (in Frobenius norm).
+
+    ``W`` as in :func:`hard_instance`; :math:`G = WS + 	au\|WS\|_F\,T/\|T\|_F` with :math:`S` a
+    Gaussian multiplier of the manifold (symmetric on Stiefel, zero diagonal on DGram, diagonal on
+    Oblique: :math:`WS` is normal) and :math:`T` the tangent projection of a Gaussian matrix.
+    Generated in float64 from ``seed``, then cast to ``dtype``.
+
+    Raises:
+        ValueError: as :func:`hard_instance`, or ``tangent`` outside ``(0, 1]``.
+    """
+    if not 0.0 < tangent <= 1.0:
+        raise ValueError(f"tangent must be in (0, 1], got {tangent!r}")
+    from ..manifolds import get_manifold  # the manifolds' own normal and tangent spaces
+
+    gen = torch.Generator().manual_seed(seed)
+    w = _point(manifold, m, n, gen)
+    space = get_manifold(manifold)
+    s = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    normal = w @ space.multiplier_mask(s + s.mT)
+    t = space.proju(w, torch.randn(m, n, generator=gen, dtype=torch.float64))
+    g = normal + tangent * normal.norm() * t / t.norm()
     return w.to(dtype), g.to(dtype)
 
 

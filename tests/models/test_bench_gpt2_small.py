@@ -7,9 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a subprocess training two tiny arms: about 5 s
 def test_bench_gpt2_small_quick_prints_both_arms():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpt2_small.py"),
                            "--quick", "--peak_flops", "1e12"], capture_output=True, text=True,

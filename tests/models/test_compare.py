@@ -141,6 +141,7 @@ def test_held_out_tuning_reports_only_seeds_the_choice_did_not_see(tmp_path):
                   overrides=overrides)
 
 
+@pytest.mark.slow  # about 15 s: a sweep of two arms, run twice (one and two jobs)
 def test_sweep_runs_each_arm_at_its_best_value_and_jobs_do_not_change_results(tmp_path):
     suite = Suite(name="mini", baseline="pre-ln", seeds=(0, 1), sweep=("lr", (1e-5, 2e-2)),
                   quick_sweep=("lr", (1e-5, 2e-2)),

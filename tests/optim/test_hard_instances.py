@@ -13,7 +13,7 @@ import torch
 from test_steepest import scipy_optimum  # nuclear_dual_optimum, once per instance
 
 from manifoldlib.optim import steepest_direction, tangent_residual
-from manifoldlib.testing import HARD_INSTANCES, hard_instance
+from manifoldlib.testing import HARD_INSTANCES, hard_instance, nearly_normal_instance
 
 
 def _upper_bound(w, g, info, manifold) -> float:
@@ -110,3 +110,32 @@ def test_hard_instance_rejects_bad_arguments():
         hard_instance("stiefel", 4, 8, 2, 0.1, 0)
     with pytest.raises(ValueError, match="rank"):
         hard_instance("stiefel", 8, 4, 5, 0.1, 0)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("m,n", [(40, 10), (12, 12)])
+def test_nearly_normal_instance_has_the_asked_tangent_fraction(manifold, m, n):
+    w, g = nearly_normal_instance(manifold, m, n, 1e-3, seed=3)
+    assert w.shape == g.shape == (m, n) and w.dtype == g.dtype == torch.float64
+    gram = w.mT @ w
+    if manifold == "stiefel":
+        assert torch.allclose(gram, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    elif manifold == "dgram":
+        assert float((gram - torch.diag(gram.diagonal())).abs().max()) <= 1e-12
+    else:
+        assert torch.allclose(gram.diagonal(), torch.ones(n, dtype=torch.float64), atol=1e-12)
+    fraction = float(tangent_residual(w, g, manifold))  # the normal part of G, relative
+    assert abs((1 - fraction**2) ** 0.5 - 1e-3 / (1 + 1e-6) ** 0.5) <= 1e-11  # tangent = 1e-3 x normal
+    again = nearly_normal_instance(manifold, m, n, 1e-3, seed=3, dtype=torch.float32)
+    assert again[1].dtype == torch.float32 and torch.equal(again[1], g.float())
+
+
+def test_nearly_normal_instance_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="tangent"):
+        nearly_normal_instance("stiefel", 8, 4, 0.0, 0)
+    with pytest.raises(ValueError, match="tangent"):
+        nearly_normal_instance("stiefel", 8, 4, 1.5, 0)
+    with pytest.raises(ValueError, match="manifold"):
+        nearly_normal_instance("sphere", 8, 4, 0.1, 0)
+    with pytest.raises(ValueError, match="tall"):
+        nearly_normal_instance("stiefel", 4, 8, 0.1, 0)

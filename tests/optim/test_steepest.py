@@ -17,7 +17,7 @@ from manifoldlib.optim import steepest_direction, tangent_residual
 from manifoldlib.optim.dual import DualProblem, Spectral
 from manifoldlib.optim.execution import Execution
 from manifoldlib.optim.steepest import matrix_manifold
-from manifoldlib.testing import nuclear_dual_optimum
+from manifoldlib.testing import nearly_normal_instance, nuclear_dual_optimum
 
 
 def _instance(m, n, manifold, seed, dtype=torch.float64, lowrank=False):
@@ -360,19 +360,6 @@ def test_explicit_smoothing_on_tall_stiefel_is_tangent_and_inside_the_ball():
     assert float(torch.linalg.matrix_norm(a, ord=2)) < 1.0
 
 
-def _tangent_noise(w, manifold, gen):
-    from manifoldlib.functional import (
-        dgram_project_tangent,
-        oblique_project_tangent,
-        stiefel_project_tangent,
-    )
-
-    project = {"stiefel": stiefel_project_tangent, "dgram": dgram_project_tangent,
-               "oblique": oblique_project_tangent}[manifold]
-    noise = project(w, torch.randn(w.shape, generator=gen, dtype=w.dtype))
-    return noise / noise.norm()
-
-
 def _normal_fraction(w, a, manifold) -> float:
     """||A - P_W A||_F / ||A||_F in float64 by least squares on the normal space {W S}, S in the
     manifold's multipliers (symmetric; zero diagonal on DGram; diagonal on Oblique)."""
@@ -408,15 +395,7 @@ def test_reported_residual_is_that_of_the_returned_direction(manifold, m, n, dty
     # G = W S + 1e-4 tangent noise: the tangent part is 1e-4 of G, so any residual taken from
     # W^T G - B^T B or from a reduced problem that assumes W exactly on its manifold would be off
     # by orders of magnitude; the reported residual must be the returned A's own
-    gen = torch.Generator().manual_seed(21)
-    w, _ = _instance(m, n, manifold, seed=21)
-    if manifold == "oblique":
-        w = torch.randn(m, n, generator=gen, dtype=torch.float64)
-        w = w / w.norm(dim=0)
-    sym = torch.randn(n, n, generator=gen, dtype=torch.float64)
-    sym = matrix_manifold(manifold).multiplier_mask(sym + sym.mT)
-    normal = w @ sym
-    g = normal + 1e-4 * normal.norm() * _tangent_noise(w, manifold, gen)
+    w, g = nearly_normal_instance(manifold, m, n, 1e-4, seed=21)
     w, g = w.to(dtype), g.to(dtype)
     a, info = steepest_direction(w, g, manifold, return_info=True, **options)
     assert a.dtype == dtype and bool(torch.isfinite(a).all())

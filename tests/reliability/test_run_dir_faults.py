@@ -211,7 +211,8 @@ def test_atomic_write_names_the_path_of_a_failure(tmp_path):
     assert describe_os_error(info.value) == f"{target}: No such file or directory (ENOENT)"
 
 
-@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), pytest.param(0o077, 0o600, marks=pytest.mark.slow),
+                                             pytest.param(0o002, 0o664, marks=pytest.mark.slow)])
 def test_run_files_get_the_mode_of_any_new_file_under_the_umask(tmp_path, umask, mode):
     """Atomic writes go through mkstemp (owner-only 0o600); the written files must be readable
     as the umask says, like the files ``open`` creates. Each umask in a fresh process (the
@@ -311,7 +312,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("writes_seen", [2, 5])
+@pytest.mark.parametrize("writes_seen", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_kill_9_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path, writes_seen):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], cwd=REPO, env=env,
