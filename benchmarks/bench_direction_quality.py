@@ -32,7 +32,9 @@ from manifoldlib.testing import hard_instance
 
 CASES = [(256, 64, 4, 0.01), (256, 64, 4, 0.1), (512, 128, 16, 0.1), (128, 128, 4, 0.1)]
 CANDIDATES = {
-    "eigh, Muon's map": {"msign_method": "jordan5"},
+    # the optimizer's dual options (DualOptions' defaults: tol 1e-3, patience 6, no certificate)
+    "eigh, Muon's map": {"msign_method": "jordan5", "spectral": "eigh", "tol": 1e-3, "max_iter": None,
+                         "patience": 6, "gap_tol": None},
     "products, 3 it.": {"msign_method": "jordan5", "spectral": "products", "max_iter": 3, "sync_free": True},
     "products, PE, 3 it.": {"msign_method": "polar-express", "spectral": "products", "max_iter": 3,
                             "sync_free": True},

@@ -59,9 +59,11 @@ SMOOTHED_ITERATION_FACTOR = 4
 #: Largest certified relative duality gap of a smoothed answer that :func:`steepest_direction`
 #: reports converged (its default ``gap_tol``).
 GAP_TOL = 1e-3
-#: :func:`steepest_direction`'s defaults (the optimizer's are :class:`DualOptions`'): the exact map,
-#: a tight tolerance and a certified smoothed answer.
-STEEPEST_DEFAULTS = {"msign_method": "svd", "tol": 1e-4, "max_iter": 100, "patience": None, "gap_tol": GAP_TOL}
+#: :func:`steepest_direction`'s defaults over :class:`DualOptions`' (whose ``patience`` it keeps: a
+#: plain iteration that stops improving hands over to the smoothed dual, rather than running to
+#: ``max_iter`` — on tall low-rank instances the exact map's iteration can climb to a residual of 1
+#: and stay there): the exact map, a tight tolerance and a certified smoothed answer.
+STEEPEST_DEFAULTS = {"msign_method": "svd", "tol": 1e-4, "max_iter": 100, "gap_tol": GAP_TOL}
 #: Manifold names :func:`steepest_direction` knows.
 STEEPEST_MANIFOLDS = ("stiefel", "dgram", "oblique", "euclidean")
 
@@ -319,7 +321,7 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
         eps: floor of the Newton–Schulz normalization.
         return_info: also return a :class:`SteepestInfo`.
         **options: fields of :class:`~manifoldlib.optim.DualOptions`, over :data:`STEEPEST_DEFAULTS`
-            (the exact ``"svd"`` map, ``tol=1e-4``, ``max_iter=100``, no patience, a certified
+            (the exact ``"svd"`` map, ``tol=1e-4``, ``max_iter=100``, ``patience=6``, a certified
             gap for smoothed answers): ``msign_method``, ``ns_steps``, ``tol``, ``max_iter``,
             ``patience``, ``smoothing``, ``update``, ``spectral``, ``gap_tol``.
 

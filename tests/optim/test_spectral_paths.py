@@ -50,7 +50,7 @@ def test_products_path_factorizes_nothing(manifold, sync_free):
     # Oblique's point is W = QF with F triangular: its one QR is the setup, not an iteration
     w, g = _dominant(manifold)
     with ProductRecorder() as recorder:
-        a, info = steepest_direction(w, g, manifold, tol=1e-3, max_iter=60, msign_method="jordan5",
+        a, info = steepest_direction(w, g, manifold, tol=1e-3, max_iter=60, msign_method="jordan5", patience=None,
                                      spectral="products", sync_free=sync_free, return_info=True)
     assert recorder.factorizations() == (["qr"] if manifold == "oblique" else [])
     assert "mm" in recorder.names or "bmm" in recorder.names  # the recorder saw the products
