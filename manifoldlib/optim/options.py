@@ -142,8 +142,9 @@ class DualOptions:
         tol: relative tangent residual :math:`\|A - P_WA\|_F/\|A\|_F` at which a matrix has converged.
         max_iter: dual iterations. ``None``: :data:`PRODUCTS_ITERATIONS` on a sync-free solve (a
             fixed count), :data:`EARLY_STOP_MAX_ITER` as the cap of an early-stopping one.
-        patience: a matrix stops after this many iterations without a 10% cut of its best
-            residual (``None``: never).
+        patience: a matrix's plain dual stops after this many iterations without a 10% cut of its
+            best residual (``None``: never); where smoothing is ``"auto"`` it then continues on the
+            smoothed dual, whose Newton steps run to ``tol`` or the iteration budget.
         warm_start: start from the previous step's correction :math:`\Lambda - \Lambda_0`.
         smoothing: ``"auto"`` (the smoothed dual where the plain one cannot converge — square
             DGram — or crawls), ``None`` (never) or a relative smoothing :math:`\kappa > 0`.

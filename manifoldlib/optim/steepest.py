@@ -263,8 +263,7 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
                         sub = problem.select(slice(i, i + 1))
                         start_lam = sub_best.lam if bool(torch.isfinite(sub_best.lam).all()) else lam0[i:i + 1]
                         ev, more, gaps[i], part = smoothed_solve(sub, start_lam, lam0[i:i + 1], fallback, tol,
-                                                                 iterations, patience, cold=False,
-                                                                 gap_tol=options.gap_tol)
+                                                                 iterations, cold=False, gap_tol=options.gap_tol)
                         counts[i] += more
                         parts.append((ev, part))
                     if problem.reduced:
@@ -280,7 +279,7 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             for i in range(w.size(0)):
                 sub = problem.select(slice(i, i + 1))
                 ev, more, gaps[i], part = smoothed_solve(sub, lam[i:i + 1], lam0[i:i + 1], kappa, tol, iterations,
-                                                         patience, cold=start is None, gap_tol=options.gap_tol)
+                                                         cold=start is None, gap_tol=options.gap_tol)
                 counts[i] = more
                 parts.append(ev)
             best = Evaluation.cat(parts)

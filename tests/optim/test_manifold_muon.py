@@ -11,6 +11,7 @@ import torch
 from manifoldlib.manifolds import get_manifold
 from manifoldlib.optim import ManifoldMuon, constraint_residual
 from manifoldlib.optim.execution import Execution
+from manifoldlib.testing import hard_instance
 
 
 def _weights_only_round_trip(state: dict) -> dict:
@@ -633,3 +634,19 @@ def test_a_copied_optimizer_keeps_its_distribution_and_steps_like_the_original(c
     twin = copy.deepcopy(opt) if copier == "deepcopy" else pickle.loads(pickle.dumps(opt))
     assert twin.distribution == opt.distribution
     assert torch.equal(_stepped(twin, grads[1:]), _stepped(opt, grads[1:]))
+
+
+def test_a_stalled_plain_dual_is_finished_by_the_smoothed_one_not_cut_short_by_patience():
+    # tall DGram, rank 4 + 1 % noise, float32, the eigh path: the plain dual stalls and hands over
+    # to the smoothed dual after `patience` (6) iterations; the smoothed Newton steps must then run
+    # to the tolerance (its damped first steps once counted as a stall too, and the step went out
+    # with a relative tangent residual of 0.36)
+    w, g = hard_instance("dgram", 256, 64, 4, 0.01, seed=0, dtype=torch.float32)
+    p = torch.nn.Parameter(w.clone())
+    opt = ManifoldMuon([p], lr=1e-3, manifold="dgram", dual={"spectral": "eigh"})
+    p.grad = g.clone()
+    opt.step()
+    state = opt.state[p]
+    assert float(state["dual_residual"]) <= 1e-3  # the default tol
+    assert int(state["dual_iterations"]) > 6 and int(state["skipped_steps"]) == 0
+    assert constraint_residual(p.detach(), "dgram") < 1e-5
