@@ -11,7 +11,7 @@ import torch
 from manifoldlib.manifolds import get_manifold
 from manifoldlib.optim import ManifoldMuon, constraint_residual
 from manifoldlib.optim.execution import Execution
-from manifoldlib.testing import hard_instance
+from manifoldlib.testing import hard_instance, nearly_normal_instance
 
 
 def _weights_only_round_trip(state: dict) -> dict:
@@ -650,3 +650,19 @@ def test_a_stalled_plain_dual_is_finished_by_the_smoothed_one_not_cut_short_by_p
     assert float(state["dual_residual"]) <= 1e-3  # the default tol
     assert int(state["dual_iterations"]) > 6 and int(state["skipped_steps"]) == 0
     assert constraint_residual(p.detach(), "dgram") < 1e-5
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("spectral", ["products", "eigh"])
+def test_a_nearly_normal_gradient_moves_the_matrix_by_about_the_learning_rate(manifold, spectral):
+    # the tangent part is 1e-4 of G: a solve that assumed W exactly on its manifold (float32 W is
+    # off it by ~1e-7) once moved a matrix by 62x the learning rate; the step's size is the
+    # learning rate times the spectral norm of Muon's map (its singular values reach about 1.13)
+    w, g = nearly_normal_instance(manifold, 256, 64, 1e-4, seed=0, dtype=torch.float32)
+    p = torch.nn.Parameter(w.clone())
+    opt = ManifoldMuon([p], lr=1e-3, manifold=manifold, weight_decay=0.0, dual={"spectral": spectral})
+    p.grad = g.clone()
+    opt.step()
+    moved = float(torch.linalg.matrix_norm((p.detach() - w).double(), ord=2)) / 1e-3
+    assert 0.9 <= moved <= 1.2, moved
+    assert float(opt.state[p]["dual_residual"]) <= 1e-2 and int(opt.state[p]["skipped_steps"]) == 0
