@@ -1,6 +1,6 @@
 """How far below the exact steepest direction the optimizer's direction lies, beside Muon's own loss.
 
-    python benchmarks/bench_direction_quality.py [--seeds 3] [--dtype float64]
+    python benchmarks/bench_direction_quality.py [--seeds 3] [--dtype float64] [--sequence 0]
 
 Counts, not times. For Stiefel and DGram instances of ``manifoldlib.testing.hard_instance``
 (low rank plus noise; tall and square) the exact optimum :math:`p^* = \\max\\langle G, A\\rangle` over
@@ -15,6 +15,11 @@ Barzilai-Borwein iterations of a sync-free step, cold), and Polar Express on the
 Beside them, Muon's own loss on the same gradient in Euclidean space (its five-step direction against
 the nuclear norm), which is what "loses no more than Muon" compares with. Printed: the median and
 the largest loss over the seeds.
+
+``--sequence K`` then follows a training step more closely for the products path: at a fixed
+point, ``K`` gradients :math:`G_t = G + 0.3\\,\\|G\\|_F/\\sqrt{mn}\\,N_t` (seed 0 of each case), each
+solved from the previous solve's warm start (its ``correction``, as the optimizer carries it);
+printed, the median loss over steps 4 to ``K`` beside Muon's over the same gradients.
 """
 
 from __future__ import annotations
@@ -67,11 +72,46 @@ def loss(manifold, w, g, a, optimum) -> float:
     return 1.0 - float((g * a).sum()) / scale / optimum
 
 
+def muon_loss(g) -> float:
+    """Muon's own loss: its five-step direction against the nuclear norm (Euclidean optimum)."""
+    direction = newton_schulz(g, MUON_COEFFICIENTS, 5).double()
+    nuclear = float(torch.linalg.matrix_norm(g.double(), ord="nuc"))
+    spectral = max(float(torch.linalg.matrix_norm(direction, ord=2)), 1.0)
+    return 1.0 - float((g.double() * direction).sum()) / spectral / nuclear
+
+
+def warm_sequence(steps: int, dtype: torch.dtype) -> None:
+    """The ``--sequence`` table (module docstring)."""
+    options = CANDIDATES["products, 3 it."]
+    print(f"\nwarm-started products path, {steps} correlated gradients per case (median over steps 4..{steps})")
+    print(f"{'manifold, m x n, rank, noise':34s} {'Muon (Euclidean)':>17s} {'cold':>8s} {'warm':>8s}")
+    for name, manifold in (("stiefel", Stiefel()), ("dgram", DGram())):
+        for m, n, rank, noise in CASES:
+            w, g0 = hard_instance(name, m, n, rank, noise, 0, dtype=torch.float64)
+            gen = torch.Generator().manual_seed(1)
+            correction, muon, cold, warm = None, [], [], []
+            for _ in range(steps):
+                g = g0 + 0.3 * g0.norm() / (m * n) ** 0.5 * torch.randn(m, n, generator=gen, dtype=torch.float64)
+                optimum = exact_optimum(w, g, name)
+                a, info = steepest_direction(w.to(dtype), g.to(dtype), name, correction=correction,
+                                             return_info=True, **options)
+                correction = info.correction
+                muon.append(muon_loss(g))
+                warm.append(loss(manifold, w, g, a.double(), optimum))
+                cold.append(loss(manifold, w, g, steepest_direction(w.to(dtype), g.to(dtype), name, **options).double(),
+                                 optimum))
+            print(f"{f'{name} {m}x{n}, {rank}, {noise}':34s} {statistics.median(muon[3:]):17.3f} "
+                  f"{statistics.median(cold[3:]):8.3f} {statistics.median(warm[3:]):8.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    parser.add_argument("--sequence", type=int, default=0, help="also the warm-started sequence table (>= 4 steps)")
     args = parser.parse_args()
+    if args.sequence and args.sequence < 4:
+        parser.error(f"--sequence must be 0 or at least 4, got {args.sequence}")
     dtype = getattr(torch, args.dtype)
     print(f"{'manifold, m x n, rank, noise':34s} {'Muon (Euclidean)':>17s} "
           + " ".join(f"{name:>20s}" for name in CANDIDATES))
@@ -81,16 +121,15 @@ def main() -> None:
             for seed in range(args.seeds):
                 w, g = hard_instance(name, m, n, rank, noise, seed, dtype=dtype)
                 optimum = exact_optimum(w, g, name)
-                direction = newton_schulz(g, MUON_COEFFICIENTS, 5)
-                nuclear = float(torch.linalg.matrix_norm(g.double(), ord="nuc"))
-                spectral = max(float(torch.linalg.matrix_norm(direction.double(), ord=2)), 1.0)
-                rows["muon"].append(1.0 - float((g.double() * direction.double()).sum()) / spectral / nuclear)
+                rows["muon"].append(muon_loss(g))
                 for key, options in CANDIDATES.items():
                     a = steepest_direction(w, g, name, **options)
                     rows[key].append(loss(manifold, w.double(), g.double(), a.double(), optimum))
             cells = [f"{statistics.median(v):7.3f} ({max(v):5.3f})" for v in rows.values()]
             print(f"{f'{name} {m}x{n}, {rank}, {noise}':34s} {cells[0]:>17s} " + " ".join(f"{c:>20s}" for c in cells[1:]),
                   flush=True)
+    if args.sequence:
+        warm_sequence(args.sequence, dtype)
 
 
 if __name__ == "__main__":
