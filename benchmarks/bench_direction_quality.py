@@ -7,8 +7,9 @@ Counts, not times. For Stiefel and DGram instances of ``manifoldlib.testing.hard
 the tangent unit ball comes from :func:`~manifoldlib.optim.steepest_direction` with the exact map, a
 tight tolerance and, where the solve smooths the dual, a certified duality gap of at most 1e-6
 (:func:`exact_optimum`: the default ``gap_tol`` of 1e-3 would leave :math:`p^*` up to 0.1 % low;
-where the smoothing floor stops short of 1e-6, square DGram, the gap reached is printed). Each candidate direction is projected onto the tangent space and scaled into the
-unit ball (divided by its spectral norm when that exceeds 1), and its loss is
+where the smoothing floor stops short of 1e-6, square DGram, the gap reached is printed). Each
+candidate direction is projected onto the tangent space and scaled into the unit ball (divided by
+its spectral norm when that exceeds 1), and its loss is
 :math:`1 - \\langle G, A\\rangle/p^*`. Candidates: the optimizer's direction on the eigh path (Muon's
 quintic inside the dual, solved to ``tol``) and on the products path (the same map, the fixed three
 Barzilai-Borwein iterations of a sync-free step, cold), and Polar Express on the products path.

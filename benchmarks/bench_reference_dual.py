@@ -11,8 +11,8 @@ Stiefel one matrix at a time by plain subgradient ascent: start from
 :math:`\\Lambda \\leftarrow \\Lambda - \\alpha(1 - k/K)H`, with Polar Express (eight steps) for
 msign, iterated in ``--dtypes``. It is written here from that description (not their code), and
 timed beside :func:`~manifoldlib.optim.steepest_direction` (float32) with its defaults (the exact
-map) and with Polar Express on the eigh and the products path, on Stiefel
-instances of each of ``--families`` (comma-separated), each gradient scaled to unit Frobenius norm
+map) and with Polar Express on the eigh and the products path, on Stiefel instances of each of
+``--families`` (comma-separated), each gradient scaled to unit Frobenius norm
 (``--alpha`` is a step in those units: the reference's step is not scale free):
 
 * ``low-rank``: :func:`manifoldlib.testing.hard_instance`, rank ``--rank`` plus ``--noise``;
@@ -25,7 +25,8 @@ instances of each of ``--families`` (comma-separated), each gradient scaled to u
 Printed for each: seconds (one run, ``--threads`` intra-op threads) and the *gap*
 :math:`1 - \\langle G, A'\\rangle/p^*` of its answer :math:`A'` (projected onto the tangent
 space and scaled into the spectral unit ball), :math:`p^*` from a float64 solve at tolerance
-1e-7 with a certified duality gap of 1e-6 (``bench_direction_quality.exact_optimum``); and the tangent residual of the raw answer.
+1e-7 with a certified duality gap of 1e-6 (``bench_direction_quality.exact_optimum``); and the
+tangent residual of the raw answer.
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ def _newton(problem: DualProblem, lam: torch.Tensor, tol: float, max_iter: int):
     rounding noise (:data:`VALUE_NOISE_ULPS`) a trial is accepted when it lowers the residual.
     Runs to ``tol`` or ``max_iter`` (or a NaN): no ``patience`` — its damped first steps often cut
     the residual by less than 10 % for a while before the quadratic phase, and a solve cut short
-    there leaves a direction far from tangent (relative residual 0.4 on a tall DGram instance).
+    there leaves a direction far from tangent.
     Returns ``(best evaluation, iterations)``.
     """
     ev = problem.evaluate(lam)

@@ -61,7 +61,7 @@ SMOOTHED_ITERATION_FACTOR = 4
 GAP_TOL = 1e-3
 #: :func:`steepest_direction`'s defaults over :class:`DualOptions`' (whose ``patience`` it keeps: a
 #: plain iteration that stops improving hands over to the smoothed dual, rather than running to
-#: ``max_iter`` — on tall low-rank instances the exact map's iteration can climb to a residual of 1
+#: ``max_iter`` — on tall low-rank instances the exact map's iteration can climb far from tangent
 #: and stay there): the exact map, a tight tolerance and a certified smoothed answer.
 STEEPEST_DEFAULTS = {"msign_method": "svd", "tol": 1e-4, "max_iter": 100, "gap_tol": GAP_TOL}
 #: Manifold names :func:`steepest_direction` knows.

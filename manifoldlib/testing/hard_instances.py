@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..manifolds import get_manifold
+
 __all__ = ["HARD_INSTANCES", "hard_instance", "nearly_normal_instance", "nuclear_dual_optimum"]
 
 #: ``(manifold, m, n, rank, noise)`` of the shared hard instances (tall, low-rank gradients).
@@ -47,11 +49,11 @@ def hard_instance(
         ValueError: a manifold other than ``"stiefel"``/``"dgram"``/``"oblique"``, a wide shape,
             or a rank outside ``1..n``.
     """
+    gen = torch.Generator().manual_seed(seed)
+    w = _point(manifold, m, n, gen)  # checks the manifold and the shape first
     if not 1 <= rank <= n:
         raise ValueError(f"rank must be in 1..{n}, got {rank}")
-    gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-    w = _point(manifold, m, n, gen)
     g = torch.randn(m, rank, generator=gen, dtype=f64) @ torch.randn(rank, n, generator=gen, dtype=f64)
     g = g + noise * torch.randn(m, n, generator=gen, dtype=f64)
     return w.to(dtype), g.to(dtype)
@@ -76,7 +78,7 @@ def nearly_normal_instance(
     r"""``(W, G)``, both ``(m, n)``: a point and a gradient whose tangent part is ``tangent``
     times its normal part (in Frobenius norm).
 
-    ``W`` as in :func:`hard_instance`; :math:`G = WS + 	au\|WS\|_F\,T/\|T\|_F` with :math:`S` a
+    ``W`` as in :func:`hard_instance`; :math:`G = WS + \tau\|WS\|_F\,T/\|T\|_F` with :math:`S` a
     Gaussian multiplier of the manifold (symmetric on Stiefel, zero diagonal on DGram, diagonal on
     Oblique: :math:`WS` is normal) and :math:`T` the tangent projection of a Gaussian matrix.
     Generated in float64 from ``seed``, then cast to ``dtype``.
@@ -86,11 +88,9 @@ def nearly_normal_instance(
     """
     if not 0.0 < tangent <= 1.0:
         raise ValueError(f"tangent must be in (0, 1], got {tangent!r}")
-    from ..manifolds import get_manifold  # the manifolds' own normal and tangent spaces
-
     gen = torch.Generator().manual_seed(seed)
     w = _point(manifold, m, n, gen)
-    space = get_manifold(manifold)
+    space = get_manifold(manifold)  # the manifold's own normal and tangent spaces
     s = torch.randn(n, n, generator=gen, dtype=torch.float64)
     normal = w @ space.multiplier_mask(s + s.mT)
     t = space.proju(w, torch.randn(m, n, generator=gen, dtype=torch.float64))
