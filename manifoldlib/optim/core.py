@@ -40,7 +40,7 @@ it. Everywhere else the manifold's own retraction runs (it checks its own accura
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +83,7 @@ class Bank:
         updates_given: ``grads`` already are the momentum updates :math:`U` (their momentum was
             accumulated elsewhere, on FSDP2's row shards: :mod:`~manifoldlib.optim.fsdp`); the
             bank has no buffers.
+        execution: the device's choices for this bank (:class:`~manifoldlib.optim.execution.Execution`).
     """
 
     options: MuonOptions
@@ -95,6 +96,7 @@ class Bank:
     decays: list[float] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
     updates_given: bool = False
+    execution: Execution | None = None
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """``(B, m, n)`` the members' tall orientations, one copy."""
@@ -113,16 +115,21 @@ class Bank:
         return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
-def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None, dict]], *,
+def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None, dict]],
+               execution_of: Callable[[MuonOptions, torch.device, int], Execution], *,
                updates_given: bool = False) -> list[Bank]:
-    """Group ``(options, param, grad, momentum_buffer, state)`` items into banks, in first-seen order
+    """Group ``(options, param, grad, momentum_buffer, state)`` items into banks, in first-seen order;
+    ``execution_of(options, device, columns)`` gives each bank its :class:`Execution`
     (``updates_given``: the "grads" are momentum updates and there are no buffers, see :class:`Bank`)."""
     banks: dict[tuple, Bank] = {}
     for index, (opts, p, g, buf, state) in enumerate(items):
         flip = flipped(p.shape, opts.layout)
         shape = (p.size(1), p.size(0)) if flip else tuple(p.shape)
         key = (opts.bank_key(), shape, p.dtype, p.device)
-        bank = banks.setdefault(key, Bank(opts, updates_given=updates_given))
+        bank = banks.get(key)
+        if bank is None:
+            bank = banks[key] = Bank(opts, updates_given=updates_given,
+                                     execution=execution_of(opts, p.device, min(shape)))
         lr, decay = step_sizes(opts, p.shape)
         bank.params.append(p)
         bank.grads.append(g)
@@ -159,7 +166,7 @@ def _bank_buffer(bank: Bank) -> Tensor:
     return stacked
 
 
-def _check_bank(bank: Bank, execution: Execution) -> None:
+def _check_bank(bank: Bank) -> None:
     """Raise ``ValueError`` before any matrix moves: a stored warm start of the wrong shape, or
     (where host reads are free) a point its manifold's dual cannot use, naming the matrix."""
     manifold = bank.options.manifold
@@ -173,7 +180,7 @@ def _check_bank(bank: Bank, execution: Execution) -> None:
             raise ValueError(f"ManifoldMuon: {label} has a stored dual_correction of shape {tuple(given.shape)}, "
                              f"expected {(n, n)} (a state dict of other shapes?); no parameter or momentum buffer "
                              f"was changed")
-        if not execution.sync_free:
+        if not bank.execution.sync_free:
             tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0)
             try:
                 manifold.dual_factor(tall.to(solve_dtype(p.dtype)), check=True)
@@ -324,26 +331,20 @@ def _fused_retraction(solution, eta, beta) -> Tensor | None:
     return new if bool(torch.isfinite(new).all()) else None
 
 
-def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | None = None,
-              process_group=None) -> None:
+def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, process_group=None) -> None:
     """One step of every bank, in place.
 
     Args:
         banks: from :func:`make_banks`.
-        execution_for: ``bank -> Execution`` (resolved once per device and options by the caller)
-            or an :class:`~manifoldlib.optim.execution.Execution`.
         owners: sharded mode: the owner rank of each item (by the banks' ``indices``); a rank solves
             the items it owns and :func:`~manifoldlib.distributed.sharded_apply` shares the new
             values (a collective over ``process_group``). ``None``: every item is solved here.
     """
-    def execution(bank: Bank) -> Execution:
-        return execution_for if isinstance(execution_for, Execution) else execution_for(bank)
-
     for bank in banks:  # every refusal before anything moves
-        _check_bank(bank, execution(bank))
+        _check_bank(bank)
     if owners is None:
         for bank in banks:
-            torch._foreach_copy_(bank.params, bank.unstack(_step(bank, execution(bank))))
+            torch._foreach_copy_(bank.params, bank.unstack(_step(bank)))
         return
     rank = get_rank_world(process_group)[0]
     values: dict[int, Tensor] = {}
@@ -358,7 +359,7 @@ def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | N
         part = _subset(bank, mine)
         if len(mine) < len(bank.params):
             _momentum(_subset(bank, [j for j in range(len(bank.params)) if j not in mine]), bank.params[0].dtype)
-        for i, value in zip(part.indices, part.unstack(_step(part, execution(part)))):
+        for i, value in zip(part.indices, part.unstack(_step(part))):
             values[i] = value
     order = sorted(params)
     shared = sharded_apply([params[i] for i in order], lambda k, p: values[order[k]],
@@ -366,9 +367,10 @@ def muon_step(banks: Sequence[Bank], execution_for, *, owners: Sequence[int] | N
     torch._foreach_copy_([params[i] for i in order], shared)
 
 
-def _step(bank: Bank, execution: Execution) -> Tensor:
+def _step(bank: Bank) -> Tensor:
     """``(B, m, n)`` new values of a bank; a large constrained bank on the CPU is solved in equal
     parts side by side (:func:`~manifoldlib.optim.execution.side_by_side`)."""
+    execution = bank.execution
     if bank.options.manifold.flat:
         return _euclidean(bank, execution)
     count = len(bank.params)
@@ -387,5 +389,6 @@ def _subset(bank: Bank, members: Sequence[int]) -> Bank:
     """The bank of some of ``bank``'s members."""
     pick = lambda values: [values[j] for j in members]  # noqa: E731
     return Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
-                pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices), bank.updates_given)
+                pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices), bank.updates_given,
+                bank.execution)
 

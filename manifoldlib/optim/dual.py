@@ -167,10 +167,6 @@ class Evaluation:
                              for f in fields(self)})
 
 
-def _add_product(base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    return torch.baddbmm(base, left, right, alpha=alpha)
-
-
 class DualProblem:
     r"""The reduced dual of a bank: tall points ``w`` and normalized gradients ``g``, ``(B, m, n)``.
 
@@ -258,7 +254,7 @@ class DualProblem:
             self.c = self.gperp.mT @ self.gperp  # (B, n, n)
         else:
             self.gtg = self.g.mT @ self.g
-            c = _add_product(self.gtg, self.b.mT, self.b, alpha=-1.0)
+            c = torch.baddbmm(self.gtg, self.b.mT, self.b, alpha=-1.0)
             self.c = 0.5 * (c + c.mT)
 
     def assumed_gram(self) -> torch.Tensor:
@@ -316,18 +312,18 @@ class DualProblem:
             m = self._m(lam)
             sq = (m * m).sum(_DIMS) + torch.diagonal(self.c, dim1=-2, dim2=-1).sum(-1)
         else:
-            sq = _add_product(self.g, self.w, lam, alpha=2.0).square().sum(_DIMS)
+            sq = torch.baddbmm(self.g, self.w, lam, alpha=2.0).square().sum(_DIMS)
         norm = sq.clamp_min(0).sqrt()
         return torch.where(torch.isfinite(norm) & (norm > 0), norm, torch.ones_like(norm))
 
     def gram(self, lam: torch.Tensor) -> torch.Tensor:
         r"""``(B, n, n)`` :math:`S = C + M^\top M` and :math:`M`."""
         m = self._m(lam)
-        return (m.mT @ m if self.square else _add_product(self.c, m.mT, m)), m
+        return (m.mT @ m if self.square else torch.baddbmm(self.c, m.mT, m)), m
 
     def _m(self, lam: torch.Tensor) -> torch.Tensor:
         if self.full:
-            return _add_product(self.b, self.f, lam, alpha=2.0)
+            return torch.baddbmm(self.b, self.f, lam, alpha=2.0)
         return torch.add(self.b, lam, alpha=2.0) if self.unit else torch.addcmul(self.b, 2.0 * self.d.unsqueeze(-1), lam)
 
     def evaluate(self, lam: torch.Tensor, rotated: bool = False) -> Evaluation:
@@ -385,7 +381,7 @@ class DualProblem:
         return (mu * mu).reshape(-1, 1) if mu.dim() else mu * mu
 
     def _evaluate_unreduced(self, lam: torch.Tensor) -> Evaluation:
-        x = _add_product(self.g, self.w, lam, alpha=2.0)  # (B, m, n) = G + 2 W Lambda
+        x = torch.baddbmm(self.g, self.w, lam, alpha=2.0)  # (B, m, n) = G + 2 W Lambda
         finite = torch.isfinite(x.sum(_DIMS))
         x = torch.where(finite.view(-1, 1, 1), x, torch.zeros_like(x))
         a = msign(x, "svd")
@@ -410,9 +406,9 @@ class DualProblem:
         if self.square:
             return self.times_q(k)
         if self.gperp is not None:
-            return _add_product(self.times_q(k), self.gperp, ev.factor())
+            return torch.baddbmm(self.times_q(k), self.gperp, ev.factor())
         # G_perp R + Q K = G R + Q (K - B R)
-        return _add_product(self.times_q(k - self.b @ ev.factor()), self.g, ev.factor())
+        return torch.baddbmm(self.times_q(k - self.b @ ev.factor()), self.g, ev.factor())
 
     def pieces(self, ev: Evaluation) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(W^T A, A^T A)`` ``(B, n, n)`` of the answer :math:`A = G_\perp R + QK`, from ``n × n`` work.
@@ -452,10 +448,6 @@ class DualProblem:
             ata = ata + r.mT @ (c @ r) + cross + cross.mT
             wta = wta + wtg_perp @ r
         return wta, 0.5 * (ata + ata.mT)
-
-    def answer_residual(self, wta: torch.Tensor, ata: torch.Tensor) -> torch.Tensor:
-        r"""``(B,)`` relative tangent residual of the answer from its :meth:`pieces`."""
-        return self.normal_residual(wta, torch.diagonal(ata, dim1=-2, dim2=-1).sum(-1))[1]
 
     def tangent_residual(self, a: torch.Tensor) -> torch.Tensor:
         r"""``(B,)`` relative normal component :math:`\|A - P_WA\|_F/\|A\|_F` of a formed ``a``,

@@ -1,7 +1,7 @@
 r"""How a Manifold Muon step runs on its device: precision, spectral path, host synchronization, threads.
 
-Everything that depends on the hardware and not on the mathematics is decided here, once per step,
-by :meth:`Execution.resolve`, and only *read* below it.
+Everything that depends on the hardware and not on the mathematics is decided here, once per bank
+(kept by the optimizer from step to step), by :meth:`Execution.resolve`, and only *read* below it.
 
 * **Precision** (:func:`solve_dtype`, :func:`ieee_float32_matmul`). A solve runs in float32 for
   16-bit matrices and in the matrix's own dtype otherwise (the one 16-bit rule of the package).

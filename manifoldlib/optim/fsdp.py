@@ -212,12 +212,12 @@ def _directions(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], exe
         return []
     items = [(matrix.options, whole[0], whole[0], None, {}) for matrix, whole in zip(mine, wholes)]
     out: list = [None] * len(mine)
-    for bank in make_banks(items, updates_given=True):
+    for bank in make_banks(items, execution_of, updates_given=True):
         opts = bank.options
         update = bank.stack(bank.grads)
         finite = gradient_finite(update)
-        execution = execution_of(opts, update.device, min(update.shape[-2:]))
-        direction = newton_schulz(update, opts.ns_coefficients, opts.ns_steps, eps=opts.eps, dtype=execution.ns_dtype)
+        direction = newton_schulz(update, opts.ns_coefficients, opts.ns_steps, eps=opts.eps,
+                                  dtype=bank.execution.ns_dtype)
         for index, d, ok in zip(bank.indices, bank.unstack(direction), finite.unbind(0)):
             out[index] = (d, None, _scalars(ok, {}))
     return out
@@ -236,10 +236,7 @@ def _steps(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], executio
         items.append((matrix.options, w, update, None, state))
         finites.append(gradient_finite(update.unsqueeze(0))[0])
 
-    def execution_for(bank) -> Execution:
-        return execution_of(bank.options, bank.params[0].device, min(bank.params[0].shape))
-
-    muon_step(make_banks(items, updates_given=True), execution_for)
+    muon_step(make_banks(items, execution_of, updates_given=True))
     return [(w, state.get("dual_correction"), _scalars(finite, state))
             for (_, w, _, _, state), finite in zip(items, finites)]
 

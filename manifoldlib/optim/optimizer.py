@@ -2,9 +2,13 @@ r"""The optimizer :class:`ManifoldMuon`, on the template of :class:`torch.optim.
 
 ``__init__`` takes Muon's nine options plus ``manifold``, ``retraction``, the dual-solver options
 (:class:`~manifoldlib.optim.DualOptions`) and the ``distribution`` of a data-parallel job
-(:class:`~manifoldlib.optim.Distribution`), validated once. ``step()`` resolves every group once
-(:class:`~manifoldlib.optim.options.MuonOptions`), gathers the matrices of all groups into banks
-and runs the functional core (:mod:`~manifoldlib.optim.core`).
+(:class:`~manifoldlib.optim.Distribution`), validated once. The first ``step()`` resolves every
+group (:class:`~manifoldlib.optim.options.MuonOptions`), gathers the matrices of all groups into
+banks and keeps them (a step plan); later steps reuse it while the groups, their matrices with a
+gradient, their states and every setting but ``lr`` stay the same (a setting edited in place, a
+matrix that loses its gradient, a loaded state dict or a parameter of another dtype build a new
+one), so a step reads only the gradients, the momentum buffers and ``lr``, and runs the
+functional core (:mod:`~manifoldlib.optim.core`).
 
 Distributed training (DDP): after DDP's gradient all-reduce every rank holds the same gradients.
 ``distribution="replicated"`` (default) lets every rank solve every matrix; ``"sharded"`` solves
@@ -36,7 +40,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from ..distributed import assign_owners, get_rank_world, is_row_sharded, sharded_apply
 from ..functional.newton_schulz import MUON_COEFFICIENTS
 from ..retractions.base import available_retractions
-from .core import make_banks, muon_step
+from .core import make_banks, muon_step, step_sizes
 from .execution import Execution, ieee_float32_matmul, step_threads
 from .fsdp import fsdp_step, project_row_sharded
 from .options import (
@@ -134,7 +138,7 @@ class ManifoldMuon(Optimizer):
     ) -> None:
         self.distribution = Distribution.coerce(distribution)
         self._owner_cache: tuple | None = None
-        self._group_options: dict[int, tuple[dict, MuonOptions]] = {}
+        self._step_plan: _StepPlan | None = None
         self._executions: dict[tuple, Execution] = {}  # facts of the device: kept from step to step
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
@@ -154,6 +158,7 @@ class ManifoldMuon(Optimizer):
             ValueError: naming the bad option or parameter; the group is then not added.
         """
         _refuse_misspelt_keys(param_group, self.defaults)
+        self._step_plan = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -217,40 +222,78 @@ class ManifoldMuon(Optimizer):
             else:
                 project(p)
 
-    def _gather(self) -> list[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]]:
-        """``(options, param, grad, momentum buffer, state)`` of every matrix with a gradient;
-        each group resolved once, its decay factor checked before anything moves."""
-        items = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            options = self._options_of(group)
-            check_decay(group, options.manifold.decays and not options.manifold.flat)
-            for p in params:
+    def _plan(self) -> _StepPlan:
+        """This step's :class:`_StepPlan`: the last one while every group, its matrices with a
+        gradient, their states and every setting but ``lr`` are what it was built from (compared by
+        value, so a setting edited in place counts), with its step sizes brought up to this step's
+        ``lr``; else a new one. Its banks get this step's gradients and momentum buffers."""
+        state = self.state
+        key = tuple((id(group), tuple((id(p), id(state[p]), p.grad.is_sparse, p.shape, p.dtype, p.device)
+                                      for p in group["params"] if p.grad is not None))
+                    for group in self.param_groups)
+        plan = self._step_plan
+        settings = [{k: v for k, v in group.items() if k not in _PER_STEP_KEYS} for group in self.param_groups]
+        # equal by value (a tensor-valued setting never is: its comparison would read the device)
+        if (plan is None or plan.key != key or any(isinstance(v, Tensor) for group in settings for v in group.values())
+                or plan.settings != settings):
+            plan = self._step_plan = self._build_plan(key, settings)
+        lrs = [group_lr(group) for group in self.param_groups]
+        if lrs != plan.lrs:
+            for group, options, lr, (_, matrices) in zip(self.param_groups, plan.options, lrs, key):
+                if matrices:  # before anything moves: a scheduler may raise lr
+                    check_decay(group, options.manifold.decays and not options.manifold.flat)
+            plan.options = [dataclasses.replace(options, lr=lr) for options, lr in zip(plan.options, lrs)]
+            for bank, groups in zip(plan.banks, plan.groups):
+                sizes = [step_sizes(plan.options[g], p.shape) for g, p in zip(groups, bank.params)]
+                bank.lrs, bank.decays = [lr for lr, _ in sizes], [decay for _, decay in sizes]
+            plan.lrs = lrs
+        for bank in plan.banks:
+            bank.grads = [p.grad for p in bank.params]
+            bank.bufs = [s["momentum_buffer"] for s in bank.states]
+        return plan
+
+    def _build_plan(self, key: tuple, settings: list[dict]) -> _StepPlan:
+        """A new :class:`_StepPlan` (each group resolved once, every parameter checked before
+        anything moves; its step sizes are set by :meth:`_plan`)."""
+        self._step_plan = None  # a failure below leaves no plan half built
+        options, whole, groups, meshes = [], [], [], {}
+        for position, group in enumerate(self.param_groups):
+            opts = MuonOptions.from_group(group)
+            options.append(opts)
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:  # nothing to step
+                    continue
                 if p.grad.is_sparse:
                     raise RuntimeError("ManifoldMuon does not support sparse gradients")
-                if p.numel() == 0:
-                    continue  # nothing to step
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                items.append((options, p, p.grad, state["momentum_buffer"], state))
-        return items
+                if is_row_sharded(p):
+                    meshes.setdefault(p.device_mesh, []).append((position, p, state))
+                else:
+                    whole.append((opts, p, p.grad, state["momentum_buffer"], state))
+                    groups.append(position)
+        owners = None
+        if whole and self._sharded():
+            by_id = self.owners()
+            owners = [by_id[id(item[1])] for item in whole]
+        banks = make_banks(whole, self._execution_of)
+        shapes = [tuple(item[1].shape) for item in whole] + [tuple(p.shape) for m in meshes.values() for _, p, _ in m]
+        device = whole[0][1].device if whole else next(iter(meshes.values()))[0][1].device if meshes else None
+        return _StepPlan(key, copy.deepcopy(settings), [None] * len(options), options, banks,
+                         [[groups[i] for i in bank.indices] for bank in banks], owners, list(meshes.values()),
+                         Execution.threads(device, shapes) if device is not None else None)
 
-    def _options_of(self, group: Mapping) -> MuonOptions:
-        """The group's :class:`~manifoldlib.optim.options.MuonOptions`: built again only when a
-        setting other than ``lr`` differs from the last step's (compared by value, so a setting
-        edited in place counts), else the last one with this step's ``lr``."""
-        settings = {key: value for key, value in group.items() if key not in _PER_STEP_KEYS}
-        known = self._group_options.get(id(group))
-        # equal by value (a tensor-valued setting never is: its comparison would read the device)
-        if (known is not None and known[0].keys() == settings.keys()
-                and not any(isinstance(v, Tensor) for v in settings.values()) and known[0] == settings):
-            return dataclasses.replace(known[1], lr=group_lr(group))
-        options = MuonOptions.from_group(group)
-        self._group_options[id(group)] = (copy.deepcopy(settings), options)
-        return options
+    def _execution_of(self, opts: MuonOptions, device: torch.device, columns: int) -> Execution:
+        """The :class:`~manifoldlib.optim.execution.Execution` of a bank (facts of the device: kept
+        from step to step)."""
+        key = (device, opts.dual.spectral, opts.ns_dtype, opts.dual.sync_free, columns)
+        known = self._executions.get(key)
+        if known is None:
+            known = self._executions[key] = Execution.resolve(device, spectral=opts.dual.spectral,
+                                                              ns_dtype=opts.ns_dtype, sync_free=opts.dual.sync_free,
+                                                              columns=columns)
+        return known
 
     def __getstate__(self) -> dict[str, Any]:
         """:class:`torch.optim.Optimizer`'s state plus the ``distribution`` (``copy.deepcopy`` and
@@ -260,7 +303,7 @@ class ManifoldMuon(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__({"distribution": Distribution(), **state})
         self._owner_cache = None
-        self._group_options = {}
+        self._step_plan = None
         self._executions = {}
 
     def owners(self) -> dict[int, int]:
@@ -282,54 +325,28 @@ class ManifoldMuon(Optimizer):
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the loss (optional).
 
-        Every group is resolved once; the matrices of all groups are banked by manifold, shape,
-        dtype and device and each bank is solved as one batched problem. In sharded mode this is
-        a collective: every rank of the group must call it.
+        The matrices of all groups are banked by manifold, shape, dtype and device (kept from step
+        to step, see the module docstring) and each bank is solved as one batched problem. In
+        sharded mode this is a collective: every rank of the group must call it.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = self._gather()
-        if not items:
-            return loss
-        executions = self._executions
-
-        def execution_of(opts: MuonOptions, device: torch.device, columns: int) -> Execution:
-            key = (device, opts.dual.spectral, opts.ns_dtype, opts.dual.sync_free, columns)
-            known = executions.get(key)
-            if known is None:
-                known = executions[key] = Execution.resolve(device, spectral=opts.dual.spectral,
-                                                            ns_dtype=opts.ns_dtype, sync_free=opts.dual.sync_free,
-                                                            columns=columns)
-            return known
-
-        def execution_for(bank) -> Execution:
-            return execution_of(bank.options, bank.params[0].device, min(bank.params[0].shape))
-
-        whole, meshes = [], {}  # meshes: FSDP2's row-sharded matrices by device mesh
-        for item in items:
-            if is_row_sharded(item[1]):
-                meshes.setdefault(item[1].device_mesh, []).append(item)
-            else:
-                whole.append(item)
-        owners = None
-        if whole and self._sharded():
-            by_id = self.owners()
-            owners = [by_id[id(item[1])] for item in whole]
-        threads = Execution.threads(items[0][1].device, [tuple(item[1].shape) for item in items])
-        with step_threads(threads):
-            if whole:
-                muon_step(make_banks(whole), execution_for, owners=owners,
-                          process_group=self.distribution.process_group)
-            for sharded in meshes.values():
-                fsdp_step(sharded, execution_of, strategy=self.distribution.strategy)
+        plan = self._plan()
+        with step_threads(plan.threads):
+            if plan.banks:
+                muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group)
+            for sharded in plan.meshes:
+                items = [(plan.options[g], p, p.grad, state["momentum_buffer"], state) for g, p, state in sharded]
+                fsdp_step(items, self._execution_of, strategy=self.distribution.strategy)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`torch.optim.Optimizer.load_state_dict` after :func:`check_state_dict`, keeping
         each ``"dual_correction"`` in its saved dtype."""
         check_state_dict(self, state_dict)
+        self._step_plan = None
         super().load_state_dict(state_dict)
         restore_dual_corrections(self, state_dict)
 
@@ -344,8 +361,35 @@ class ManifoldMuon(Optimizer):
             _share_owner_state(self)
 
 
-#: Group entries a step reads afresh every time (the rest decides whether its options are rebuilt).
+#: Group entries a step reads afresh every time (the rest decides whether its plan is rebuilt).
 _PER_STEP_KEYS = frozenset({"params", "param_names", "lr"})
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What :meth:`ManifoldMuon.step` is made of, kept from step to step (:meth:`ManifoldMuon._plan`).
+
+    Attributes:
+        key: per group, its id and ``(id(param), id(state), sparse)`` of each matrix with a gradient.
+        settings: per group, the settings other than ``lr`` the plan was built from (a copy).
+        lrs: per group, the ``lr`` the banks' step sizes were computed at (``None``: not yet).
+        options: per group, its :class:`~manifoldlib.optim.options.MuonOptions` at that ``lr``.
+        banks: the banks of the whole (not row-sharded) matrices (:func:`~manifoldlib.optim.core.make_banks`).
+        groups: per bank, each member's group position.
+        owners: sharded mode: the owner rank of each whole matrix (by the banks' ``indices``).
+        meshes: FSDP2's row-sharded matrices per device mesh, ``(group position, param, state)``.
+        threads: intra-op threads of the step (:meth:`~manifoldlib.optim.execution.Execution.threads`).
+    """
+
+    key: tuple
+    settings: list[dict]
+    lrs: list
+    options: list[MuonOptions]
+    banks: list
+    groups: list[list[int]]
+    owners: list[int] | None
+    meshes: list[list[tuple[int, Tensor, dict]]]
+    threads: int | None
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:
@@ -496,12 +540,12 @@ def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list
         return
     device = items[0][1].device
 
-    def execution_for(bank) -> Execution:
-        return Execution.resolve(device, spectral=options.dual.spectral, ns_dtype=options.ns_dtype,
-                                 sync_free=options.dual.sync_free, columns=min(bank.params[0].shape))
+    def execution_of(opts: MuonOptions, device: torch.device, columns: int) -> Execution:
+        return Execution.resolve(device, spectral=opts.dual.spectral, ns_dtype=opts.ns_dtype,
+                                 sync_free=opts.dual.sync_free, columns=columns)
 
     with step_threads(Execution.threads(device, [tuple(p.shape) for p in params])):
-        muon_step(make_banks(items), execution_for)
+        muon_step(make_banks(items, execution_of))
     # a step keeps a bank's buffers as views of one tensor in the states: the caller's buffers
     # get the new values too
     moved = [(b, s["momentum_buffer"]) for b, s in zip(momentum_bufs, states) if s.get("momentum_buffer") is not b]

@@ -288,14 +288,14 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             gaps = [float(plain[i]) if gap is None else gap for i, gap in enumerate(gaps)]
         pieces = None
         if a is None and best.a is None:  # the reduced answer: its residual from n x n pieces
-            pieces = problem.pieces(best)
-            residual = problem.answer_residual(*pieces)
+            pieces = problem.pieces(best)  # the residual from W^T A and tr(A^T A)
+            residual = problem.normal_residual(pieces[0], torch.diagonal(pieces[1], dim1=-2, dim2=-1).sum(-1))[1]
         else:
             a = best.a if a is None else a
             residual = problem.tangent_residual(a)
         lam_out = best.lam if best is not None else torch.cat([ev.lam for ev, _ in parts])
         return BankSolution(problem, best, a, residual, counts, lam_out, lam0, gaps, tuple(stages),
-                            problem.evaluations, problem.hessian_products, history, pieces)
+                            problem.counters["evaluations"], problem.counters["hessian_products"], history, pieces)
 
 
 def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, multiplier=None, correction=None,
