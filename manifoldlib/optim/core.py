@@ -17,7 +17,7 @@ Euclidean space :math:`A` is Muon's Newton–Schulz direction and the step is
 **Banks.** Every matrix of every group whose manifold, retraction, tall shape, dtype, device and
 solve options agree joins one bank (a ``(768, 3072)`` and a ``(3072, 768)`` weight share the tall
 shape ``(3072, 768)``). A bank is stacked once, solved as one batched problem
-(:func:`~manifoldlib.optim.steepest.solve_bank`), retracted as one, and written back with one
+(:func:`~manifoldlib.optim.dual_solvers.solve_bank`), retracted as one, and written back with one
 ``_foreach_copy_``: the number of launches is per bank, not per matrix. Learning rates and decay
 factors that differ inside a bank are per-matrix tensors.
 
@@ -50,9 +50,10 @@ from ..distributed import get_rank_world, sharded_apply
 from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
+from .dual import Spectral
+from .dual_solvers import solve_bank
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
 from .options import MuonOptions, adjusted_lr, flipped
-from .steepest import solve_bank
 
 __all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step"]
 
@@ -84,6 +85,7 @@ class Bank:
             accumulated elsewhere, on FSDP2's row shards: :mod:`~manifoldlib.optim.fsdp`); the
             bank has no buffers.
         execution: the device's choices for this bank (:class:`~manifoldlib.optim.execution.Execution`).
+        spectral: the dual's spectral map on the execution's path (constrained banks).
     """
 
     options: MuonOptions
@@ -97,6 +99,7 @@ class Bank:
     indices: list[int] = field(default_factory=list)
     updates_given: bool = False
     execution: Execution | None = None
+    spectral: Spectral | None = None
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """``(B, m, n)`` the members' tall orientations, one copy."""
@@ -128,8 +131,9 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None,
         key = (opts.bank_key(), shape, p.dtype, p.device)
         bank = banks.get(key)
         if bank is None:
-            bank = banks[key] = Bank(opts, updates_given=updates_given,
-                                     execution=execution_of(opts, p.device, min(shape)))
+            execution = execution_of(opts, p.device, min(shape))
+            bank = banks[key] = Bank(opts, updates_given=updates_given, execution=execution,
+                                     spectral=Spectral.of_group(opts, execution.spectral))
         lr, decay = step_sizes(opts, p.shape)
         bank.params.append(p)
         bank.grads.append(g)
@@ -249,7 +253,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         zero = torch.zeros(n, n, dtype=work, device=w.device)
         start = torch.stack([zero if s is None else s.to(work) for s in starts])
     with ieee_float32_matmul():
-        solution = solve_bank(w, update, manifold, opts.dual, execution, opts.spectral(execution.spectral),
+        solution = solve_bank(w, update, manifold, opts.dual, execution, bank.spectral,
                               start=start, check_point=False)  # checked before the step (_check_bank)
         eta = bank.scalar(bank.lrs, w)
         beta = bank.scalar(bank.decays, w)
@@ -390,5 +394,5 @@ def _subset(bank: Bank, members: Sequence[int]) -> Bank:
     pick = lambda values: [values[j] for j in members]  # noqa: E731
     return Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
                 pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices), bank.updates_given,
-                bank.execution)
+                bank.execution, bank.spectral)
 

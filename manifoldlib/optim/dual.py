@@ -91,6 +91,16 @@ class Spectral:
     eps: float = 1e-7
     path: str = "eigh"
 
+    @classmethod
+    def of_group(cls, options, path: str) -> Spectral:
+        """The map of a group's :class:`~manifoldlib.optim.options.MuonOptions` on ``path``:
+        ``msign_method="ns"`` is the group's own Newton–Schulz."""
+        dual = options.dual
+        if dual.msign_method == "ns":
+            return cls("jordan5", options.ns_steps if dual.ns_steps is None else dual.ns_steps,
+                       options.ns_coefficients, options.eps, path)
+        return cls(dual.msign_method, dual.ns_steps, None, options.eps, path)
+
 
 @dataclass
 class Evaluation:

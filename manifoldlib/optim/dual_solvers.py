@@ -10,20 +10,60 @@ eigh path): Newton–CG on the smoothed dual :math:`\operatorname{tr}(X^\top X +
 whose optimum is tangent with :math:`\|A\|_2 < 1` and loses at most :math:`n\mu` of the
 objective — for square DGram, whose plain dual optimum is rank deficient, and for plain solves
 that stall.
+
+:func:`solve_bank` runs them on a bank, the solve of every :class:`~manifoldlib.optim.ManifoldMuon`
+step and of :func:`~manifoldlib.optim.steepest_direction`:
+
+* **smoothing** (:func:`resolve_smoothing`): ``"auto"`` smooths from the start where the plain
+  dual cannot converge or crawls — square DGram (rank-deficient optimum) and tall matrices with
+  ``m < 2.5 n`` other than square Stiefel (:data:`SMOOTH_BELOW_ASPECT`) — with
+  :math:`\kappa =` :data:`AUTO_SMOOTHING`; elsewhere it runs the plain dual, and on the eigh path a
+  matrix the plain dual leaves above ``tol`` continues on the smoothed dual from its best iterate;
+* **the plain dual**: :func:`anderson_solve` on the eigh path, :func:`bb_solve` on the products
+  path or when asked for;
+* **host reads**: none on a sync-free solve (the products path: a fixed iteration count, the
+  smoothed dual by Barzilai–Borwein on :math:`(S + \mu^2I)` with per-matrix :math:`\mu`); an
+  early-stopping solve reads the residuals once per iteration.
+
+The reported residual is that of the returned direction, computed from the exact
+:math:`W^\top A` (not the reduced problem's, which assumes :math:`W` exactly on the manifold).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .dual import _DIMS, DualProblem, Evaluation, with_smoothing
+from ..functional.scaling import into_safe_range
+from ..manifolds import MatrixConstraintManifold
+from .dual import _DIMS, DualProblem, Evaluation, Spectral, with_smoothing
+from .execution import Execution, ieee_float32_matmul
+from .options import DualOptions
 
-__all__ = ["Progress", "anderson_solve", "bb_solve", "smoothed_solve"]
+__all__ = [
+    "AUTO_SMOOTHING",
+    "SMOOTH_BELOW_ASPECT",
+    "BankSolution",
+    "Progress",
+    "anderson_solve",
+    "bb_solve",
+    "resolve_smoothing",
+    "smoothed_solve",
+    "solve_bank",
+]
 
+#: Relative smoothing :math:`\kappa` of ``smoothing="auto"``.
+AUTO_SMOOTHING = 2e-2
+#: ``smoothing="auto"`` smooths from the start below this aspect ratio ``m/n`` (tall orientation;
+#: square Stiefel excepted): there :math:`G_\perp^\top G_\perp` has rank ``m - n`` or sits at the
+#: Marchenko–Pastur edge, the optimum is close to rank deficient and the plain dual crawls.
+SMOOTH_BELOW_ASPECT = 2.5
+#: A sync-free solve smoothed from the start (square DGram) runs this many times the default
+#: iterations: its Barzilai–Borwein steps face curvatures up to :math:`1/\mu`.
+SMOOTHED_ITERATION_FACTOR = 4
 #: Past steps Anderson mixing combines.
 ANDERSON_MEMORY = 2
 #: Over-relaxation of the frozen-gain Newton step until a matrix's residual first grows.
@@ -374,3 +414,194 @@ def smoothed_solve(problem: DualProblem, lam: torch.Tensor, lam0: torch.Tensor, 
             break  # the smaller smoothing did not get to tol: keep the last answer that did
         ev, gap = more, problem.relative_gap(more)
     return ev, iterations, gap, problem
+
+
+# -- the bank solve ------------------------------------------------------------------------
+
+
+@dataclass
+class BankSolution:
+    """The steepest directions of a bank (tall orientation, the solve's dtype).
+
+    Attributes:
+        problem: the solved :class:`~manifoldlib.optim.dual.DualProblem` (its setup, the factor
+            :math:`F`, :math:`P = W^\top W` where computed).
+        best: the answer's evaluation per matrix (``None`` where ``a`` holds formed answers).
+        a: ``(B, m, n)`` formed directions, or ``None`` (form them with :meth:`direction`).
+        residual: ``(B,)`` relative tangent residual of each answer (its exact :math:`W^\top A`).
+        iterations: ``(B,)`` dual updates each matrix took.
+        lam, lam0: ``(B, n, n)`` final and closed-form multipliers (``lam - lam0`` warm-starts the next step).
+        gap: per matrix, the certified gap of a smoothed answer (``None`` where none ran).
+        stages, evaluations, hessian_products, history: what ran (see :class:`SteepestInfo`).
+        pieces: ``(W^T A, A^T A)`` ``(B, n, n)`` of a reduced answer (:meth:`DualProblem.pieces`), or ``None``.
+    """
+
+    problem: DualProblem
+    best: Evaluation | None
+    a: torch.Tensor | None
+    residual: torch.Tensor
+    iterations: torch.Tensor
+    lam: torch.Tensor
+    lam0: torch.Tensor
+    gap: list = field(default_factory=list)
+    stages: tuple[str, ...] = ()
+    evaluations: int = 0
+    hessian_products: int = 0
+    history: list = field(default_factory=list)
+    pieces: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def direction(self) -> torch.Tensor:
+        """``(B, m, n)`` the directions, formed (two ``m·n²`` products) if they were not."""
+        if self.a is None:
+            with ieee_float32_matmul():
+                self.a = self.problem.answer(self.best)
+        return self.a
+
+
+
+def _normalized(g: torch.Tensor) -> torch.Tensor:
+    r"""Each ``(m, n)`` matrix of ``g`` divided by its Frobenius norm; zero where the norm is 0 or not
+    finite (a non-finite gradient gives a zero direction). The norm is accumulated in float64, so
+    float32 entries of any size neither overflow nor underflow it, and a gradient times :math:`2^k`
+    gives the same unit matrix bit for bit; float64 input is first brought into range by a power
+    of two (:func:`~manifoldlib.functional.scaling.into_safe_range`)."""
+    if g.dtype == torch.float64:
+        g = into_safe_range(g)
+    norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    usable = torch.isfinite(norm) & (norm > 0)
+    inv = torch.where(usable, norm.reciprocal(), 0.0).to(g.dtype)
+    return torch.where(usable, g * inv, 0.0)
+
+
+
+def resolve_smoothing(smoothing, manifold, shape, exact: bool = False) -> tuple[float | None, float | None]:
+    r"""``(kappa, fallback)``: the relative smoothing to solve with from the start (``None``: the
+    plain dual) and the one a stalled plain solve continues with (``None``: keep its best iterate).
+    ``shape``: the tall ``(m, n)``; ``exact``: the exact-SVD plain dual was asked for, which smooths
+    from the start only where it cannot converge (square DGram)."""
+    if smoothing == "auto":
+        rows, cols = shape[-2], shape[-1]
+        square = rows == cols
+        if square and manifold.square_dual == "rank-deficient":
+            return AUTO_SMOOTHING, None
+        closed_form = square and manifold.square_dual == "closed-form"
+        if not exact and rows < SMOOTH_BELOW_ASPECT * cols and not closed_form:
+            return AUTO_SMOOTHING, None
+        return None, AUTO_SMOOTHING
+    if smoothing is None:
+        return None, None
+    return float(smoothing), None
+
+
+def _projected_scale(problem: DualProblem, lam0: torch.Tensor) -> torch.Tensor:
+    r"""``(B,)`` :math:`\|P_WG\|_F/\sqrt n` (the smoothing's unit), from the Gram matrix at :math:`\Lambda_0`."""
+    n = lam0.size(-1)
+    s0, _ = problem.gram(lam0)
+    scale = torch.diagonal(s0, dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt() / math.sqrt(n)
+    return torch.where(scale > 0, scale, torch.full_like(scale, 1.0 / math.sqrt(n)))
+
+
+def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManifold, options: DualOptions,
+               execution: Execution, spectral: Spectral, *, start: torch.Tensor | None = None,
+               multiplier: bool = False, check_point: bool = True) -> BankSolution:
+    r"""Solve the dual of a bank: tall points ``w`` and gradients ``g`` ``(B, m, n)`` in the solve's dtype.
+
+    Each ``g`` is normalized by its Frobenius norm here (after an exact power-of-two rescaling
+    into range), so the multipliers refer to the normalized problem; a zero gradient gives a zero
+    direction. ``start``: ``(B, n, n)`` warm start, a correction :math:`\Lambda - \Lambda_0` (added
+    to the closed-form start) or, with ``multiplier=True``, the multiplier itself. A sync-free solve
+    forms :math:`G_\perp` always; an early-stopping one forms it, and computes :math:`W^\top W`, where
+    a host read says they are needed (:class:`~manifoldlib.optim.dual.DualProblem`). Runs with IEEE
+    float32 products.
+    """
+    with ieee_float32_matmul():
+        g = _normalized(g)
+        sync_free = execution.sync_free
+        kappa, fallback = resolve_smoothing(options.smoothing, manifold, w.shape, exact=spectral.method == "svd")
+        smooth_dtype = execution.work_dtype(w.dtype, smoothed=kappa is not None and not sync_free)
+        if kappa is not None and spectral.method == "svd" and not sync_free:
+            spectral = replace(spectral, path="eigh")
+        if smooth_dtype != w.dtype:
+            w, g = w.to(smooth_dtype), g.to(smooth_dtype)
+            start = None if start is None else start.to(smooth_dtype)
+        problem = DualProblem(w, g, manifold, spectral, execution, check_point=check_point,
+                              reduced=True if kappa is not None else None,
+                              explicit=True if sync_free else None, exact_gram=False if sync_free else None)
+        lam0 = problem.initial_multiplier()
+        lam = lam0
+        closed_form = problem.square and manifold.square_dual == "closed-form" and kappa is None and problem.reduced
+        if closed_form:  # Lambda_0 is optimal for every odd spectral map: no iterations, no warm start
+            start = None
+        if start is not None:
+            given = problem.mask(0.5 * (start + start.mT)).to(lam0.dtype)
+            lam = given if multiplier else lam0 + given
+        tol, iterations, patience = options.tol, 0 if closed_form else options.iterations(sync_free), options.patience
+        if sync_free and kappa is not None and options.max_iter is None:
+            iterations *= SMOOTHED_ITERATION_FACTOR
+        stages: list[str] = []
+        gaps: list = [None] * w.size(0)
+        history = []
+        a = None
+        if kappa is None or sync_free:
+            if kappa is not None:  # sync-free smoothed dual: per-matrix mu, Barzilai–Borwein steps
+                problem.smoothing = kappa * _projected_scale(problem, lam0)
+            if options.update == "anderson" and (spectral.path != "eigh" or sync_free or not problem.reduced):
+                raise ValueError(
+                    f"dual update='anderson' needs the eigh path with early stopping (its steps use the eigenbasis), "
+                    f"but this solve runs the {spectral.path} path{' sync-free' if sync_free else ''} with the "
+                    f"{spectral.method!r} map: set spectral='eigh' (and sync_free=False), or update='auto' or 'bb'")
+            anderson = (problem.reduced and spectral.path == "eigh" and options.update != "bb"
+                        and not sync_free and kappa is None)
+            stages.append("anderson" if anderson else "bb")
+            if anderson:
+                progress = anderson_solve(problem, lam, tol, iterations, patience)
+            else:
+                progress = bb_solve(problem, lam, tol, iterations, patience, sync_free)
+            best, counts, history = progress.best, progress.iterations, progress.history
+            if fallback is not None and not sync_free:
+                stalled = ~(best.residual <= tol)
+                if bool(stalled.any()):
+                    stages.append("smoothed")
+                    counts = counts.clone()
+                    parts = []
+                    for i in range(w.size(0)):
+                        sub_best = best.select(slice(i, i + 1))
+                        if not bool(stalled[i]):
+                            parts.append((sub_best, None))
+                            continue
+                        sub = problem.select(slice(i, i + 1))
+                        start_lam = sub_best.lam if bool(torch.isfinite(sub_best.lam).all()) else lam0[i:i + 1]
+                        ev, more, gaps[i], part = smoothed_solve(sub, start_lam, lam0[i:i + 1], fallback, tol,
+                                                                 iterations, cold=False, gap_tol=options.gap_tol)
+                        counts[i] += more
+                        parts.append((ev, part))
+                    if problem.reduced:
+                        best = Evaluation.cat([ev.materialized() for ev, _ in parts])
+                    else:  # the exact unreduced path: form every answer
+                        a = torch.cat([problem.select(slice(i, i + 1)).answer(ev) if part is None else part.answer(ev)
+                                       for i, (ev, part) in enumerate(parts)])
+                        best = None
+        else:  # smoothed from the start, one matrix at a time (Newton needs the eigenbasis)
+            stages.append("smoothed")
+            parts = []
+            counts = torch.zeros(w.size(0), dtype=torch.long, device=w.device)
+            for i in range(w.size(0)):
+                sub = problem.select(slice(i, i + 1))
+                ev, more, gaps[i], part = smoothed_solve(sub, lam[i:i + 1], lam0[i:i + 1], kappa, tol, iterations,
+                                                         cold=start is None, gap_tol=options.gap_tol)
+                counts[i] = more
+                parts.append(ev)
+            best = Evaluation.cat(parts)
+        if not sync_free and best is not None and best.eig is not None:  # a certificate where it is free
+            plain = problem.relative_gaps(best)
+            gaps = [float(plain[i]) if gap is None else gap for i, gap in enumerate(gaps)]
+        pieces = None
+        if a is None and best.a is None:  # the reduced answer: its residual from n x n pieces
+            pieces = problem.pieces(best)  # the residual from W^T A and tr(A^T A)
+            residual = problem.normal_residual(pieces[0], torch.diagonal(pieces[1], dim1=-2, dim2=-1).sum(-1))[1]
+        else:
+            a = best.a if a is None else a
+            residual = problem.tangent_residual(a)
+        lam_out = best.lam if best is not None else torch.cat([ev.lam for ev, _ in parts])
+        return BankSolution(problem, best, a, residual, counts, lam_out, lam0, gaps, tuple(stages),
+                            problem.counters["evaluations"], problem.counters["hessian_products"], history, pieces)

@@ -47,7 +47,6 @@ from .._numbers import is_integer, is_real
 from ..distributed import STRATEGIES, reject_unsupported_parameter
 from ..manifolds import get_manifold
 from ..charts.blocks import SplitBlocks, output_dim
-from .dual import Spectral
 from .execution import NS_DTYPES, SPECTRAL_PATHS
 
 __all__ = [
@@ -316,13 +315,6 @@ class MuonOptions:
     layout: str = "out_in"
     ns_dtype: str = "auto"
     dual: DualOptions = field(default_factory=DualOptions)
-
-    def spectral(self, path: str) -> Spectral:
-        """The dual's spectral map on ``path``: ``"ns"`` is this group's own Newton–Schulz."""
-        if self.dual.msign_method == "ns":
-            return Spectral("jordan5", self.ns_steps if self.dual.ns_steps is None else self.dual.ns_steps,
-                            self.ns_coefficients, self.eps, path)
-        return Spectral(self.dual.msign_method, self.dual.ns_steps, None, self.eps, path)
 
     @classmethod
     def from_group(cls, group: Mapping) -> MuonOptions:

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from manifoldlib.optim import steepest_direction, tangent_residual
+from manifoldlib.optim.dual_solvers import AUTO_SMOOTHING, SMOOTH_BELOW_ASPECT, resolve_smoothing
 from manifoldlib.optim.execution import Execution
-from manifoldlib.optim.steepest import (
-    AUTO_SMOOTHING,
-    SMOOTH_BELOW_ASPECT,
-    matrix_manifold,
-    resolve_smoothing,
-)
+from manifoldlib.optim.steepest import matrix_manifold
 
 
 def _instance(m: int, n: int, manifold: str, seed: int):

@@ -14,9 +14,10 @@ from test_steepest import CASES, _dual_optimum, _instance
 
 from manifoldlib.optim import DualOptions, ManifoldMuon, steepest_direction, tangent_residual
 from manifoldlib.optim.dual import Spectral
+from manifoldlib.optim.dual_solvers import solve_bank
 from manifoldlib.optim.execution import BFLOAT16_MIN_SIZE, Execution
 from manifoldlib.optim.options import DUAL_UPDATES
-from manifoldlib.optim.steepest import matrix_manifold, solve_bank
+from manifoldlib.optim.steepest import matrix_manifold
 
 
 @pytest.mark.parametrize("manifold,m,n", [c for c in CASES if c[1] > c[2]])
