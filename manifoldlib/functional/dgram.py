@@ -7,6 +7,8 @@ Tangent space :math:`\{V: w_i^\top v_j + v_i^\top w_j = 0,\ i \ne j\}`; normal s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .msign import msign
@@ -65,24 +67,133 @@ def dgram_colnorm_polar(w: torch.Tensor, v: torch.Tensor, method: str = "auto") 
     return _polar(y / c, method) * c
 
 
-def dgram_metric_projection(y: torch.Tensor, iterations: int = 10, method: str = "svd") -> torch.Tensor:
-    r"""Nearest DGram point to ``y`` by alternating minimization of :math:`\|Y - QD\|_F`.
+#: Relative stationarity :math:`\|d - c\|/\|d\|` (:func:`dgram_metric_projection`) at which the
+#: nearest point is taken as found (the Frobenius distance's accuracy: large columns weigh most).
+PROJECTION_TOL = 1e-12
+#: Where the search stops improving (column norms spread over many orders put the polar factor's
+#: small columns, and so :math:`c`, at float64's rounding floor), the stationarity it must have
+#: reached for its best point to be returned.
+PROJECTION_FLOOR = 1e-8
+#: Largest relative stationarity :math:`|d_j - c_j|/d_j` of any one column of a returned point: a
+#: column above it has a norm float64 does not determine (columns whose norms span many orders,
+#: the small ones drowned in the large ones' rounding), and the projection raises.
+PROJECTION_COLUMN_TOL = 1e-2
+#: Evaluations without a 10 % better stationarity after which the search counts as stalled.
+PROJECTION_PATIENCE = 20
+#: Evaluations (one polar factor each) the nearest-point search may take.
+PROJECTION_MAX_EVALUATIONS = 500
+#: Past values the non-monotone line search of the nearest-point search compares against.
+_LINE_SEARCH_MEMORY = 10
 
-    Starts from :math:`d_j = \|y_j\|` (the first step *is* the alternating retraction of
-    :math:`Y`); each step sets :math:`Q = \operatorname{msign}(Y\operatorname{diag}(d))` and then
-    :math:`d_j = q_j^\top y_j`. Every iterate lies exactly on DGram; the iteration converges to
-    the metric projection. ``y``: ``(..., m, n)`` with :math:`m \ge n`, full column rank.
+
+def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, method: str = "svd") -> torch.Tensor:
+    r"""Nearest DGram point to ``y``: :math:`\min_{Q, d}\|Y - Q\operatorname{diag}(d)\|_F`.
+
+    For fixed :math:`d` the best :math:`Q` is :math:`\operatorname{msign}(Y\operatorname{diag}(d))`,
+    which leaves
+
+    .. math::
+
+        arphi(d) = \|d\|^2 - 2\|Y\operatorname{diag}(d)\|_*,\qquad
+        
+ablaarphi = 2(d - c),\quad c_j = q_j^	op y_j,
+
+    (plus :math:`\|Y\|_F^2`). The alternating minimization :math:`d \leftarrow c` is gradient descent
+    on :math:`arphi` with step :math:`1/2`: every iterate lies exactly on DGram, but it converges
+    slowly where columns are nearly dependent or their norms spread (after ten rounds a column
+    norm can still be off by 1e-3 to 1e-1). ``iterations=None`` (default) minimizes :math:`arphi`
+    to stationarity :data:`PROJECTION_TOL` instead, by Barzilai–Borwein steps with a non-monotone
+    line search (its first step is one alternating round); an ``int`` runs that many alternating
+    rounds (one round is the alternating retraction).
+
+    Args:
+        y: ``(..., m, n)`` with :math:`m \ge n` and full column rank (DGram.projx checks it).
+        iterations: ``None`` or the number of alternating rounds (>= 1).
+        method: the polar factor's method (:func:`~manifoldlib.functional.msign`).
+
+    Raises:
+        ValueError: ``iterations < 1``.
+        ValueError: a column whose norm float64 does not determine (:data:`PROJECTION_COLUMN_TOL`;
+            column norms spread over too many orders), naming the columns.
+        RuntimeError: the search stalled above :data:`PROJECTION_FLOOR`, naming the stationarity.
     """
-    if iterations < 1:
-        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    if iterations is not None and iterations < 1:
+        raise ValueError(f"iterations must be >= 1 (or None: to convergence), got {iterations}")
     # Y diag(d) is graded like the squared spread of the column norms; a float32 SVD resolves its
     # singular values only down to ~1e-7 of the largest and would zero the smaller columns, so the
-    # iteration runs in float64 (the projection is not on a hot path)
+    # search runs in float64 (the projection is not on a hot path)
     out_dtype = y.dtype
     y = y.to(torch.float64) if y.dtype in (torch.float16, torch.bfloat16, torch.float32) else y
+    if iterations is None:
+        flat = y.reshape((-1,) + y.shape[-2:])
+        found = [_nearest(matrix, method) for matrix in flat.unbind(0)]
+        return torch.stack(found).reshape(y.shape).to(out_dtype) if found else y.to(out_dtype)
     d = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(y.dtype).tiny
     for _ in range(iterations):
         q = msign(y * d, method)
         d = (q * y).sum(-2, keepdim=True).clamp_min(tiny)
     return (q * d).to(out_dtype)
+
+
+def _nearest(y: torch.Tensor, method: str) -> torch.Tensor:
+    r"""The nearest DGram point of one ``(m, n)`` matrix: Barzilai–Borwein on :math:`\varphi(d)`
+    (:func:`dgram_metric_projection`), Grippo's non-monotone Armijo test over the last
+    :data:`_LINE_SEARCH_MEMORY` values."""
+    tiny = torch.finfo(y.dtype).tiny
+
+    def evaluate(d):  # (phi, gradient, Q)
+        q = msign(y * d, method)
+        c = (q * y).sum(-2, keepdim=True)  # (1, n)
+        return float((d * d).sum() - 2.0 * (d * c).sum()), 2.0 * (d - c), q
+
+    d = y.norm(dim=-2, keepdim=True)  # (1, n)
+    value, grad, q = evaluate(d)
+    values, step, evaluations = [value], 0.5, 1
+    best, best_point, since = math.inf, None, 0
+    while True:
+        stationarity = float(grad.norm() / (2.0 * d.norm()).clamp_min(tiny))
+        if stationarity <= PROJECTION_TOL:
+            return _checked(q * d, grad, d)
+        if stationarity < 0.9 * best:
+            best, best_point, since = stationarity, (q * d, grad, d), 0
+        if since >= PROJECTION_PATIENCE or evaluations >= PROJECTION_MAX_EVALUATIONS:
+            if best <= PROJECTION_FLOOR:
+                return _checked(*best_point)
+            raise RuntimeError(
+                f"dgram_metric_projection: the nearest DGram point of a {tuple(y.shape)} matrix was not found "
+                f"within {evaluations} evaluations (relative stationarity {best:.3e}, needed {PROJECTION_TOL:g}, "
+                f"or {PROJECTION_FLOOR:g} where it stops improving); its columns may be dependent to working "
+                f"precision")
+        reference = max(values[-_LINE_SEARCH_MEMORY:])
+        t = step
+        while True:
+            trial = (d - t * grad).clamp_min(tiny)
+            trial_value, trial_grad, trial_q = evaluate(trial)
+            evaluations += 1
+            since += 1
+            decrease = float((grad * (d - trial)).sum())
+            if (trial_value <= reference - 1e-4 * decrease or evaluations >= PROJECTION_MAX_EVALUATIONS
+                    or since >= PROJECTION_PATIENCE):
+                break
+            t *= 0.5
+        s_vec, y_vec = trial - d, trial_grad - grad
+        sy = float((s_vec * y_vec).sum())
+        step = min(max(float((s_vec * s_vec).sum()) / sy, 1e-6), 1e6) if sy > 0 else 0.5
+        d, value, grad, q = trial, trial_value, trial_grad, trial_q
+        values.append(value)
+
+
+def _checked(point: torch.Tensor, grad: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``point``, unless a column's norm is not a fixed point to :data:`PROJECTION_COLUMN_TOL`."""
+    column = grad.abs().squeeze(-2) / (2.0 * d.squeeze(-2))  # (n,) |d_j - c_j| / d_j
+    bad = (column > PROJECTION_COLUMN_TOL).nonzero().flatten().tolist()
+    if bad:
+        norms = d.squeeze(-2)
+        raise ValueError(
+            f"dgram_metric_projection: float64 does not determine the nearest DGram point's columns {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''} of a {tuple(point.shape)} matrix (relative stationarity up to "
+            f"{float(column.max()):.3e}, accepted {PROJECTION_COLUMN_TOL:g}): their norms are drowned by the "
+            f"other columns' rounding (column norms of the point from {float(norms.min()):.3e} to "
+            f"{float(norms.max()):.3e}); rescale the columns of the input into a narrower range")
+    return point

@@ -115,11 +115,15 @@ class DGram(MatrixConstraintManifold):
         return ok, None if ok else f"max |Off(W^T U + U^T W)| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     def projx(self, x):
-        """Nearest DGram point (alternating minimization, exactly on DGram after any iteration).
+        """Nearest DGram point, searched to stationarity
+        (:func:`~manifoldlib.functional.dgram.dgram_metric_projection`).
 
         ``x`` must have full column rank: DGram points have nonzero, mutually orthogonal
         columns, and for a rank-deficient ``x`` (a zero column, two parallel ones) no nearest
-        point exists — ever smaller columns come ever closer. That raises ``ValueError``.
+        point exists — ever smaller columns come ever closer; full column rank is enough for one
+        to exist (:doc:`/theory/dgram`). A rank-deficient ``x``, and one whose nearest point has a
+        column norm float64 does not determine (column norms spread over many orders), raise
+        ``ValueError``.
         """
         self._validate(x, "x")
         check_tensor(x, "x", "dgram.projx", finite=True)

@@ -213,8 +213,8 @@ class ManifoldMuon(Optimizer):
                 try:
                     with ieee_float32_matmul():
                         w.copy_(manifold.projx(work))
-                except ValueError as err:
-                    raise ValueError(f"parameter {label} of shape {tuple(whole.shape)}: {err}") from err
+                except (ValueError, RuntimeError) as err:  # no nearest point, or none float64 determines
+                    raise type(err)(f"parameter {label} of shape {tuple(whole.shape)}: {err}") from err
                 return whole
 
             if is_row_sharded(p):  # every rank projects the gathered matrix and keeps its rows

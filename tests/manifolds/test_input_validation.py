@@ -139,7 +139,7 @@ def test_msign_rejects_vectors_and_negative_steps():
 
 
 def test_metric_projection_iterations():
-    with pytest.raises(ValueError, match="iterations must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="iterations must be >= 1 \\(or None: to convergence\\), got 0"):
         dgram_metric_projection(WIDE.mT, iterations=0)
 
 

@@ -8,6 +8,8 @@ matrix into NaNs on its first step.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -119,13 +121,13 @@ def test_dgram_projects_a_full_rank_float32_matrix_float32_eps_would_call_defici
     off = gram - torch.diag(torch.diagonal(gram))
     assert float(off.abs().max()) <= 1e-12 * float(torch.diagonal(gram).max())
     # the nearest point, certified: x − W* normal to the tangent space at W*, every column well
-    # away from zero; the projection's 10 iterations come within 1e-6 of its distance
-    nearest = dgram_metric_projection(x.double(), iterations=2000)
-    normal = x.double() - nearest
-    assert float(DGram().proju(nearest, normal).norm()) <= 1e-9 * float(normal.norm())
-    d = nearest.norm(dim=0)
+    # away from zero; 2000 alternating rounds reach it too, no nearer than the projection
+    normal = x.double() - w64
+    assert float(DGram().proju(w64, normal).norm()) <= 1e-10 * float(normal.norm())
+    d = w64.norm(dim=0)
     assert float(d.min()) >= 0.1 * float(d.max())
-    assert float((x.double() - w64).norm()) <= (1 + 1e-6) * float(normal.norm())
+    rounds = dgram_metric_projection(x.double(), iterations=2000)
+    assert float(normal.norm()) <= (1 + 1e-12) * float((x.double() - rounds).norm())
     torch.testing.assert_close(w.double(), w64, rtol=0, atol=1e-6 * float(w64.abs().max()))
 
 
@@ -136,3 +138,74 @@ def test_manifold_muon_takes_and_steps_such_a_dgram_matrix():
     opt.step()
     assert bool(torch.isfinite(p).all())
     assert float(constraint_residual(p.detach(), "dgram")) <= 1e-4
+
+
+@pytest.mark.parametrize("eps", [1e-2, 1e-4, 1e-7])
+def test_nearly_dependent_dgram_columns_have_an_interior_nearest_point(eps):
+    """Full column rank is enough for a nearest DGram point (docs/theory/dgram.rst): two nearly
+    parallel columns give one with both column norms near 1/sqrt(2), not a vanishing column. The
+    projection is checked against a dense search over every 2 x 2 orthogonal Q (d_j = max(0, q_j^T x_j))."""
+    x = torch.tensor([[1.0, 1.0], [0.0, eps]], dtype=torch.float64)
+    p = DGram().projx(x)
+    a = torch.linspace(0, 2 * math.pi, 2_000_001, dtype=torch.float64)
+    c, s = torch.cos(a), torch.sin(a)
+    best = math.inf
+    for sign in (1.0, -1.0):  # rotations and reflections
+        d1 = (c * x[0, 0] + s * x[1, 0]).clamp_min(0)  # q_1 = (c, s)
+        d2 = (-sign * s * x[0, 1] + sign * c * x[1, 1]).clamp_min(0)  # q_2 = sign * (-s, c)
+        best = min(best, float(((x * x).sum() - d1 * d1 - d2 * d2).min()))
+    cost = float(((x - p) ** 2).sum())
+    assert cost <= best + 1e-10
+    assert float((p.mT @ p - torch.diag(torch.diagonal(p.mT @ p))).abs().max()) <= 1e-12
+    norms = p.norm(dim=0)
+    assert float((norms - 2 ** -0.5).abs().max()) < 0.01
+
+
+def _spread(m: int, n: int, decades: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(m + n)
+    return torch.randn(m, n, generator=g, dtype=torch.float64) * torch.logspace(-decades, decades, n, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("m", "n", "decades"), [(128, 128, 1.0), (256, 256, 2.0), (64, 64, 0.0)])
+def test_dgram_projection_is_the_nearest_point_where_alternating_rounds_crawl(m, n, decades):
+    """Square matrices, plain Gaussian or with column norms spread over ``2 * decades`` orders: ten
+    alternating rounds (the projection before it searched to stationarity) leave a column norm
+    off by 2e-4 to 7e-2; projx is stationary (x - W normal at W) to 1e-10 and no farther from x
+    than ten or 200 rounds."""
+    x = _spread(m, n, decades)
+    w = DGram().projx(x)
+    normal = x - w
+    assert float(DGram().proju(w, normal).norm()) <= 1e-10 * float(normal.norm())
+    assert float(constraint_residual(w, "dgram")) <= 1e-12
+    ten = dgram_metric_projection(x, iterations=10)
+    assert float(((ten.norm(dim=0) - w.norm(dim=0)).abs() / w.norm(dim=0)).max()) > 1e-4  # stopped short
+    for rounds in (ten, dgram_metric_projection(x, iterations=200)):
+        assert float(normal.norm()) <= float((x - rounds).norm()) * (1 + 1e-14)
+
+
+def test_a_dgram_projection_that_does_not_converge_says_so(monkeypatch):
+    import manifoldlib.functional.dgram as kernels
+
+    monkeypatch.setattr(kernels, "PROJECTION_MAX_EVALUATIONS", 2)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"\(64, 64\) matrix was not found within 2 evaluations \(relative stationarity"):
+        DGram().projx(x)
+
+
+def test_a_dgram_projection_float64_cannot_determine_is_refused_naming_the_columns():
+    """Column norms over six orders in a square matrix: the small columns of the nearest point
+    drown in the large ones' rounding. Ten alternating rounds returned such columns silently."""
+    x = _spread(128, 128, 3)
+    with pytest.raises(ValueError, match=r"float64 does not determine the nearest DGram point's columns \[1, 5\]"):
+        DGram().projx(x)
+    p = torch.nn.Parameter(x.clone())
+    with pytest.raises(ValueError, match=r"parameter #0 of its group of shape \(128, 128\): .*columns \[1, 5\]"):
+        ManifoldMuon([p], manifold="dgram")
+    assert torch.equal(p.detach(), x)  # refused before anything moved
+
+
+def test_the_same_spread_over_fewer_columns_is_projected():
+    x = _spread(64, 64, 3)  # stationary at float64's floor for this spread (PROJECTION_FLOOR)
+    w = DGram().projx(x)
+    assert float(DGram().proju(w, x - w).norm()) <= 1e-8 * float((x - w).norm())
+    assert float(w.norm(dim=0).min()) > 0
