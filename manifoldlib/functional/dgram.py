@@ -90,18 +90,17 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
     r"""Nearest DGram point to ``y``: :math:`\min_{Q, d}\|Y - Q\operatorname{diag}(d)\|_F`.
 
     For fixed :math:`d` the best :math:`Q` is :math:`\operatorname{msign}(Y\operatorname{diag}(d))`,
-    which leaves
+    which leaves (up to :math:`\|Y\|_F^2`)
 
     .. math::
 
-        arphi(d) = \|d\|^2 - 2\|Y\operatorname{diag}(d)\|_*,\qquad
-        
-ablaarphi = 2(d - c),\quad c_j = q_j^	op y_j,
+        \varphi(d) = \|d\|^2 - 2\|Y\operatorname{diag}(d)\|_*,\qquad
+        \nabla\varphi = 2(d - c),\quad c_j = q_j^\top y_j.
 
-    (plus :math:`\|Y\|_F^2`). The alternating minimization :math:`d \leftarrow c` is gradient descent
-    on :math:`arphi` with step :math:`1/2`: every iterate lies exactly on DGram, but it converges
-    slowly where columns are nearly dependent or their norms spread (after ten rounds a column
-    norm can still be off by 1e-3 to 1e-1). ``iterations=None`` (default) minimizes :math:`arphi`
+    The alternating minimization :math:`d \leftarrow c` is gradient descent on :math:`\varphi` with
+    step :math:`1/2`: every iterate lies exactly on DGram, but it converges slowly where columns
+    are nearly dependent or their norms spread, and a fixed number of rounds can leave column
+    norms far from the nearest point's. ``iterations=None`` (default) minimizes :math:`\varphi`
     to stationarity :data:`PROJECTION_TOL` instead, by Barzilai–Borwein steps with a non-monotone
     line search (its first step is one alternating round); an ``int`` runs that many alternating
     rounds (one round is the alternating retraction).
