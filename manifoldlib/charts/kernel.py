@@ -39,6 +39,8 @@ The sign convention is :math:`s = +1` for :math:`w \ge 0`, ``-0.0`` included.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -120,15 +122,28 @@ class _SELKernelRule(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _cpu_kernels_for(raw: torch.Tensor):
-    """The C++ kernels' namespace when they apply to ``raw``, else ``None`` (cheap checks first,
-    so only a call that could use them ever triggers the build)."""
+def _kernel_exponent_limit(dtype: torch.dtype) -> float:
+    r"""The largest clamp :math:`M` the C++ kernels' ``expm1`` takes in ``dtype``.
+
+    They build :math:`2^n`, :math:`n = \operatorname{round}(x/\ln 2)`, from the exponent bits,
+    which must stay below the all-ones (inf/NaN) field: :math:`n \le n_\text{max} - 1` with
+    :math:`2^{n_\text{max}} \approx` ``finfo.max``, i.e. :math:`x \le \ln(\text{max}) - \ln 2`.
+    Past it the bits wrap into the sign and the result is garbage (``-1`` or NaN instead of the
+    large or infinite value the plain expression gives), so a larger ``max_exponent`` runs in ATen.
+    """
+    return math.log(torch.finfo(dtype).max) - math.log(2.0)
+
+
+def _cpu_kernels_for(raw: torch.Tensor, max_exponent: float):
+    """The C++ kernels' namespace when they apply to ``raw`` and the clamp ``max_exponent``, else
+    ``None`` (cheap checks first, so only a call that could use them ever triggers the build)."""
     if (
         raw.device.type != "cpu"
         or raw.dtype not in (torch.float32, torch.float64)
         or raw.dim() != 2
         or not raw.is_contiguous()
         or torch.compiler.is_compiling()
+        or not max_exponent <= _kernel_exponent_limit(raw.dtype)
     ):
         return None
     return _cpu_kernels.enabled()
@@ -174,7 +189,7 @@ def sel_forward_rule(
     c_r, c_c = (None, None) if c is None else c
     args = (raw, a[0], a[1], b[0], b[1], c_r, c_c, float(max_exponent))
     if impl == "fused":
-        ops = _cpu_kernels_for(raw) if all(t.dtype == raw.dtype for t in args[1:7] if t is not None) else None
+        ops = _cpu_kernels_for(raw, args[7]) if all(t.dtype == raw.dtype for t in args[1:7] if t is not None) else None
         if ops is not None:
             return _SELKernelRule.apply(*args, ops)
         if raw.device.type == "cuda" and not torch.compiler.is_compiling():

@@ -3,6 +3,8 @@ expression, and the ATen fallback wherever the kernels do not apply."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -128,3 +130,23 @@ def test_a_charted_layer_trains_on_the_kernels_as_on_aten():
         (x @ chart(raw).T).square().mean().backward()
     for got, want in zip(grads, [raw.grad] + [p.grad for p in chart.parameters()]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_clamp_beyond_the_kernels_exponent_range_gives_the_plain_values(dtype):
+    # the kernels' expm1 builds 2^n from exponent bits: for b|w| past ln(max) - ln 2 those bits
+    # wrapped into the sign (float32, b|w| = 90: E = -a, i.e. W = c|w| instead of inf; b|w| = 88.5:
+    # NaN instead of a e^88.5). A max_exponent there must give the plain expression's values.
+    log_max = math.log(torch.finfo(dtype).max)
+    exponents = torch.tensor([0.5, 1.0, 0.99, 0.997, 1.0005, 1.02, 1.5], dtype=torch.float64) * log_max
+    raw = exponents.to(dtype).reshape(1, -1).repeat(3, 1)  # b = 1: b|w| = the exponent
+    raw[1] = -raw[1]
+    ones_r, ones_c = torch.ones(3, 1, dtype=dtype), torch.ones(1, raw.shape[1], dtype=dtype)
+    tiny = torch.full((3, 1), float(torch.finfo(dtype).tiny) ** 0.5, dtype=dtype)  # a: finite a e^x
+    factors = [tiny, ones_c, ones_r, ones_c, 0.25 * ones_r, ones_c]
+    for max_exponent in (0.98 * log_max, log_max, 2.0 * log_max, 1e4):
+        want = _rule(raw, factors, max_exponent, "autograd")
+        got = _rule(raw, factors, max_exponent, "fused")
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got[finite], want[finite], rtol=4 * torch.finfo(dtype).eps, atol=0)
