@@ -104,7 +104,7 @@ MANIFOLDLIB_ROW_KERNEL void block_dots2(const T* g, const T* x, const T* y, int6
   total[1] += lane_sum(gy) + tgy;
 }
 
-// [||u||², <x, u>] of u = y - c x over one block, added to the row's totals (the normalized step's
+// [||u||², <x, u>] of u = y - c x over one block, added to the row's totals (the step's
 // ||P_h f||², formed from P_h f itself: the difference ||f||² - <h, f>²/||h||² cancels when f is
 // nearly parallel to h; <x, u> is what rounding left of h in u, removed by a second projection).
 template <typename T>
@@ -378,34 +378,27 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
         double dots[3] = {};  // ||h||², <h, f>, ||f||²
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
         const double q = std::max(dots[0], tiny), a = dots[1];
-        double tangent, normal = 0.0;
-        if (eps > 0.0) {  // ||P_h f||² from P_h f itself (the difference form cancels for f ∥ h)
-          double total[2] = {};
-          for (int64_t b = 0; b < d; b += kBlock) {
-            block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
-          }
-          normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
-          tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
-        } else {
-          tangent = std::max(dots[2] - a * a / q, 0.0);
+        // ||P_h f||² from P_h f itself, for both step forms (the difference form
+        // ||f||² - <h, f>²/||h||² cancels for f nearly parallel to h)
+        double total[2] = {};
+        for (int64_t b = 0; b < d; b += kBlock) {
+          block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
         }
+        const double normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
+        const double tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
         const RowStep st = row_step(q, tangent, s, family, p, eps);
         const double ks = st.k * st.step;
         scalar_t* o = op + r * d;
-        if (eps > 0.0) {
-          // The normalized step multiplies u by up to 1/eps: formed as A h + B f in the input
-          // dtype, the cancellation between B f and B (a/q) h would be magnified as much (for
-          // f nearly parallel to h, norms off by 10 % in float32). In double, from u itself,
-          // projected twice, the result keeps the norm of h to rounding.
-          const double alpha = a / q;
-          for (int64_t i = 0; i < d; ++i) {
-            const double xi = static_cast<double>(x[i]);
-            const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
-            o[i] = static_cast<scalar_t>(st.c * xi + ks * u);
-          }
-        } else {
-          const scalar_t coef_h = static_cast<scalar_t>(st.c - ks * a / q), coef_f = static_cast<scalar_t>(ks);
-          for (int64_t i = 0; i < d; ++i) o[i] = coef_h * x[i] + coef_f * y[i];
+        // c h + ks u in double, from u itself, projected twice: the result keeps the norm of h
+        // to rounding. Formed as A h + B f in the input dtype, B f and B (a/q) h would cancel
+        // in their normal part: for f nearly parallel to h the norm drifted (float32, f = 1000 h
+        // plus a tangent of norm r: 1.5e-5 for the literal step; the normalized step's rho, up
+        // to 1/eps, magnifies it to 10 %).
+        const double alpha = a / q;
+        for (int64_t i = 0; i < d; ++i) {
+          const double xi = static_cast<double>(x[i]);
+          const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
+          o[i] = static_cast<scalar_t>(st.c * xi + ks * u);
         }
         sp[3 * r] = q;
         sp[3 * r + 1] = a;

@@ -47,9 +47,12 @@ while :math:`\sigma` and :math:`z^2` are below :math:`10^{-5}`) (``sphere_step_f
 ``sphere_step_backward``): each row is read once per direction, its reductions, per-row math (in
 double) and combination done while it is in cache — 2 reads and 1 write forward, 3 reads and 2
 writes backward, against 6 + 1 and 6 + 2 for the separate passes (the update is bound by memory
-traffic, so the pass count is its cost). Everywhere else (CUDA, other layouts, ``torch.compile``
-tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the same passes are composed of ATen
-kernels.
+traffic, so the pass count is its cost); they too form the result as :math:`\cos\theta\,h + ks\,u`
+from :math:`u` itself, in double. Everywhere else (CUDA, other layouts, ``torch.compile``
+tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the passes are composed of ATen kernels,
+and both step forms take :math:`\|u\|^2` and the result from :math:`u = P_h f` itself (projected
+twice): :math:`\|f\|^2 - a^2/q` and :math:`A h + B f` cancel when :math:`f` is nearly parallel
+to :math:`h`, which would turn rounding into a step and move the result off the sphere.
 """
 
 from __future__ import annotations
@@ -196,34 +199,34 @@ class _SphereResidual(torch.autograd.Function):
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
             a = out.sum(-1, keepdim=True)  # (..., 1)
-            f_sq = _rowsq(f) if eps is None else None  # (..., 1); the normalized step reads P_h f
         else:
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (..., d)
-            dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3)
+            dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3), accumulated in double
             q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
         q = q.clamp_min(torch.finfo(h.dtype).tiny)
         s = scale.to(h.dtype)
-        if eps is None:  # literal step
-            n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
-            rho = None
-        else:  # normalized: ||P_h f||² from P_h f itself (the difference form cancels for f ∥ h)
+        if kernels is None:
+            # ||P_h f||² from P_h f itself, for both step forms: the difference form
+            # ||f||² - <h, f>²/||h||² cancels when f is nearly parallel to h (its rounding,
+            # eps ||f||², then stands for the step), and so does A h + B f, whose B f and
+            # B (a/q) h agree in their normal part: with f = 1000 h + (a tangent of norm r) the
+            # literal step left the sphere by 3 % in float32
             torch.addcmul(f, h, -a / q, out=out)  # (..., d): u = P_h f, kept for the combination
             normal = (h.unsqueeze(-2) @ out.unsqueeze(-1)).squeeze(-1) / q  # (..., 1): h left in u
             out.addcmul_(h, -normal)  # projected twice: tangent to rounding
             n = _rowsq(out)  # (..., 1)
+        else:  # the dots in double: the difference form loses only eps_64 ||f||²
+            n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
+        rho = None
+        if eps is not None:  # normalized
             rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
             s = s * rho  # the per-row step of the literal form
         sigma = s * s * n / q  # (..., 1)
         c, k = retraction.coefficients(sigma)
         ks = k * s
         coef_h = c - ks * a / q  # A, (..., 1)
-        if eps is not None:
-            # c h + ks u, not A h + B f: rho (up to 1/eps) would magnify the cancellation between
-            # B f and B (a/q) h (for f nearly parallel to h, norms off by 10 % in float32)
-            out.mul_(ks).addcmul_(h, c)  # (..., d)
-        elif kernels is None:
-            torch.mul(h, coef_h, out=out)  # (..., d)
-            out.addcmul_(f, ks)
+        if kernels is None:
+            out.mul_(ks).addcmul_(h, c)  # (..., d): c h + ks u, on the sphere to rounding
         else:
             coef = [coef_h.contiguous(), ks.expand_as(coef_h).contiguous()]  # A, B: (..., 1)
             kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
