@@ -200,3 +200,42 @@ def test_stiefel_cayley_order_depends_on_the_shape(shape, expected):
     assert abs(retraction_order(manifold, x, generator=gen) - expected) < 0.1
     measured = assert_retraction(manifold, x=x, generator=gen)  # checks against order_at
     assert abs(measured - expected) < 0.1
+
+
+def _polar_in_40_digits(y: torch.Tensor) -> torch.Tensor:
+    """The orthogonal polar factor of a tall float64 ``(m, n)`` matrix, :math:`Y(Y^\top Y)^{-1/2}`
+    in 40-digit arithmetic (the float64 SVD itself loses the small columns of a graded matrix)."""
+    mpmath = pytest.importorskip("mpmath")
+
+    with mpmath.workdps(40):
+        a = mpmath.matrix(y.tolist())
+        lam, vec = mpmath.eigsy(a.T * a)
+        rsqrt = vec * mpmath.diag([1 / mpmath.sqrt(lam[i]) for i in range(y.shape[1])]) * vec.T
+        return torch.tensor((a * rsqrt).tolist(), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype, spread, tol", [(torch.float32, 1e3, 2e-6), (torch.float32, 1e5, 2e-6),
+                                                 (torch.float64, 1e5, 1e-14)])
+@pytest.mark.parametrize("shape", [(20, 5), (8, 8)])
+def test_dgram_alternating_resolves_every_column_when_column_norms_spread(dtype, spread, tol, shape):
+    # the polar factor is taken of Y diag(c), column norms c_j^2: an SVD maps the small ones to 0
+    # from a column-norm spread of about 1e3 in float32 (the point's column collapsed to zero,
+    # relative column error 1.0, silently) and resolves them only to ~eps c_max^2 / c_j^2 below
+    # that (9e-9 in float64 at a spread of 1e5); every column must match the oracle relative to
+    # its own norm
+    from manifoldlib import DGram
+
+    manifold = DGram()
+    g = torch.Generator().manual_seed(5)
+    m, n = shape
+    q = torch.linalg.qr(torch.randn(m, n, generator=g, dtype=torch.float64))[0]
+    d = spread ** torch.linspace(-0.5, 0.5, n, dtype=torch.float64)[torch.randperm(n, generator=g)]
+    x = q * d  # (m, n), column norms from spread^-1/2 to spread^1/2
+    v = manifold.proju(x, 0.1 * torch.randn(m, n, generator=g, dtype=torch.float64) * d)
+    x, v = x.to(dtype), v.to(dtype)
+    y = (x + v).double()  # the input as rounded, in float64
+    polar = _polar_in_40_digits(y * y.norm(dim=-2, keepdim=True))  # (m, n)
+    ref = polar * (polar * y).sum(-2, keepdim=True)  # Q' diag(q_j'^T y_j)
+    out = manifold.retr(x, v).double()
+    column_error = (out - ref).norm(dim=-2) / ref.norm(dim=-2)  # (n,)
+    assert float(column_error.max()) <= tol, column_error.tolist()
