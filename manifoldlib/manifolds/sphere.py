@@ -44,7 +44,7 @@ class Sphere(RetractionManifold):
     (:func:`~manifoldlib.manifolds.default_tolerance`), naming the row and its norm otherwise.
     :meth:`retr` and :meth:`expmap` name a non-finite ``x`` or ``u``, and return each point
     rescaled to norm :math:`r` exactly (to rounding), so chained steps do not drift. A step so long
-    that :math:`\beta^2 = \|P_xu\|^2/r^2` overflows is computed from the angle itself
+    that :math:`\beta^2 = \|P_xu\|^2/r^2` (or its numerator) overflows is computed from the angle itself
     (:meth:`~manifoldlib.retractions.AngleRetraction.retract_long_step`). These value checks
     cost a reduction and a host synchronization per call; skip them in a hot loop with
     :func:`~manifoldlib.manifolds.skip_value_checks`.
@@ -192,12 +192,16 @@ class Sphere(RetractionManifold):
 
     def _repair_long_steps(self, x, u, y, bad_y, retraction, where) -> torch.Tensor:
         """After a failed check of :meth:`_rotate`: name a bad ``x`` or ``u``, or recompute the
-        rows whose :math:`\\beta^2` overflowed from the angle; anything else is an error."""
+        rows whose :math:`\\beta^2` or :math:`\\|P_xu\\|^2` overflowed from the angle; anything else
+        is an error."""
         self._require_points(where, x=x)
         check_tensor(u, "u", where, finite=True)
         beta, _ = sphere_step_length(sphere_project_tangent(x, u.to(x.dtype), self.radius**2), self.radius)
         beta = beta.to(torch.promote_types(x.dtype, torch.float32))
-        long_rows = ~torch.isfinite(beta * beta)  # (..., 1): sigma overflows
+        # the rotation forms sigma = ||P_x u||^2 / r^2: the numerator overflows first when r > 1
+        # (float32, r = 1e15: from beta ~ 1.8e4), sigma itself first when r < 1
+        length = beta * self.radius  # ||P_x u||, (..., 1)
+        long_rows = ~torch.isfinite(beta * beta) | ~torch.isfinite(length * length)
         if isinstance(retraction, AngleRetraction) and bool((bad_y <= long_rows).all()):
             try:
                 y = torch.where(long_rows, retraction.retract_long_step(x, u, radius=self.radius), y)

@@ -133,10 +133,12 @@ class AngleRetraction(Retraction):
         Returns:
             ``(..., d)`` points of ``x``'s dtype. float16 and bfloat16 inputs are rotated in
             float32: :math:`\|v\|^2` overflows float16 from :math:`\|v\| \approx 256`, which
-            would turn the point into NaN (or zero). Past :math:`\beta \approx 1.8\cdot 10^{19}`
-            (float32) or :math:`1.3\cdot 10^{154}` (float64) :math:`\sigma = \beta^2` overflows
-            here too; :meth:`retract_long_step` is the form for such steps (no check is made
-            here: :meth:`~manifoldlib.Sphere.retr` checks and switches).
+            would turn the point into NaN (or zero). Past :math:`\beta` or :math:`\|v\|` of
+            about :math:`1.8\cdot 10^{19}` (float32) or :math:`1.3\cdot 10^{154}` (float64),
+            :math:`\sigma = \|v\|^2/r^2` or its numerator overflows here too (on a sphere of
+            radius :math:`r > 1` already from :math:`\beta \approx 1.8\cdot 10^{19}/r`);
+            :meth:`retract_long_step` is the form for such steps (no check is made here:
+            :meth:`~manifoldlib.Sphere.retr` checks and switches).
         """
         work = torch.promote_types(x.dtype, torch.float32)
         xw, vw = x.to(work), v.to(work)

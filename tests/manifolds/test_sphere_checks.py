@@ -116,6 +116,24 @@ def test_the_long_step_form_continues_the_usual_one(name):
     assert torch.allclose(below, above, rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("name", ["gnomonic", "exp", "cayley"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("radius, beta", [(1e15, 1e5), (1e3, 1e17)])
+def test_long_step_on_a_large_sphere_where_only_the_step_norm_overflows(name, dtype, radius, beta):
+    # ||P_x u||^2 = (beta r)^2 overflows float32 while beta^2 does not: the step is still taken
+    # from the angle (it used to be refused as "cannot take this step")
+    s = Sphere(radius, retraction=name)
+    x = torch.tensor([radius, 0.0, 0.0], dtype=dtype)
+    u = torch.tensor([0.0, beta * radius, 0.0], dtype=dtype)
+    y = s.retr(x, u).double() / radius
+    b = float(u[1]) / float(x[0])  # beta of the input as rounded to dtype
+    theta = {"gnomonic": math.atan(b), "exp": None, "cayley": 2.0 * math.atan(b / 2.0)}[name]
+    assert abs(float(y.norm()) - 1.0) <= 4 * torch.finfo(dtype).eps
+    if theta is not None:  # the exponential map's angle is beta itself: only the norm is determined
+        ref = torch.tensor([math.cos(theta), math.sin(theta), 0.0], dtype=torch.float64)
+        assert float((y - ref).abs().max()) <= 4 * torch.finfo(dtype).eps
+
+
 def test_expmap_takes_long_steps_too():
     s = Sphere(1.0)
     x = _points(s, 3, 5, torch.float64)
