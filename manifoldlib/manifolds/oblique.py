@@ -85,8 +85,17 @@ class Oblique(MatrixConstraintManifold):
         return x / norms
 
     def expmap(self, x, u):
+        r"""The geodesic of every column along the tangent part :math:`P_W u` (a normal part of
+        ``u`` is dropped, as :meth:`~manifoldlib.manifolds.Stiefel.expmap` and
+        :meth:`~manifoldlib.manifolds.Sphere.expmap` drop it).
+
+        :math:`\cos\|v_j\|\,w_j + \operatorname{sinc}\|v_j\|\,v_j` stays on the unit sphere only
+        for :math:`w_j^\top v_j = 0`: for a vector with a normal part (a momentum buffer seeded
+        with a raw gradient) it would leave the manifold.
+        """
         self._validate_pair(x, u)
-        return check_finite_result(oblique_exp(x, u), f"{self.name}.expmap", x=x, u=u)
+        y = oblique_exp(x, self.proju(x, u))
+        return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Uniform points (normalized Gaussian columns): ``random(m, n)``."""

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
+from manifoldlib import DGram, Euclidean, Oblique, Sphere, Stiefel, get_manifold
 from manifoldlib.manifolds import RetractionManifold, available_manifolds, default_tolerance
 from manifoldlib.testing import random_point, random_tangent
 from manifoldlib.testing import strategies as mst
@@ -211,3 +211,16 @@ def test_stiefel_projx_is_the_same_point_with_and_without_a_gradient(shape):
     traced = Stiefel().projx(x.clone().requires_grad_(True))
     assert traced.requires_grad and not plain.requires_grad
     assert _norm(traced.detach() - plain) <= 1e-13 * _norm(plain)
+
+
+@pytest.mark.parametrize("manifold", [Oblique(), Stiefel()], ids=["oblique", "stiefel"])
+def test_expmap_of_a_vector_with_a_normal_part_stays_on_the_manifold(manifold):
+    # geoopt's momentum starts from the raw gradient; the Oblique geodesic formula
+    # cos|v_j| w_j + sinc|v_j| v_j leaves the unit sphere unless w_j^T v_j = 0
+    g = torch.Generator().manual_seed(3)
+    x = manifold.random(3, 7, 4, generator=g, dtype=torch.float64)
+    u = torch.randn(x.shape, generator=g, dtype=torch.float64) + 0.7 * x
+    y = manifold.expmap(x, u)
+    ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=1e-13)
+    assert ok, reason
+    assert _norm(y - manifold.expmap(x, manifold.proju(x, u))) <= 1e-14 * _norm(y)
