@@ -49,11 +49,15 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
 
     With :math:`Y = W + V`, :math:`c_j = \|y_j\|`: :math:`Q' = \operatorname{msign}(Y\operatorname{diag}(c))`,
     :math:`d'_j = q_j'^\top y_j` (clamped positive), :math:`R = Q'\operatorname{diag}(d')`.
+    :math:`Y\operatorname{diag}(c)` has column norms :math:`c_j^2`: ``method="auto"`` takes the
+    scaled Newton polar factor, whose QR resolves each column relative to its own norm (an SVD
+    maps the small ones to 0 once the spread passes its rank threshold, and the point's column
+    collapses with no error).
     """
     _check_tall_pair(w, v, "dgram_alternating")
     y = w + v
     c = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
-    q = _polar(y * c, method)
+    q = msign(y * c, "newton" if method == "auto" else method)
     d = (q * y).sum(-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(d.dtype).tiny
     return q * d.clamp_min(tiny)
@@ -74,10 +78,11 @@ PROJECTION_TOL = 1e-12
 #: small columns, and so :math:`c`, at float64's rounding floor), the stationarity it must have
 #: reached for its best point to be returned.
 PROJECTION_FLOOR = 1e-8
-#: Largest relative stationarity :math:`|d_j - c_j|/d_j` of any one column of a returned point: a
-#: column above it has a norm float64 does not determine (columns whose norms span many orders,
-#: the small ones drowned in the large ones' rounding), and the projection raises.
-PROJECTION_COLUMN_TOL = 1e-2
+#: Largest relative stationarity :math:`|d_j - c_j|/d_j` of any one column of a returned point:
+#: above it the column's norm is not determined (column norms spread over many orders, the small
+#: ones drowned in the polar factor's rounding): the search is repeated with the Newton polar
+#: factor, and raises where that does not determine it either.
+PROJECTION_COLUMN_TOL = 1e-4
 #: Evaluations without a 10 % better stationarity after which the search counts as stalled.
 PROJECTION_PATIENCE = 20
 #: Evaluations (one polar factor each) the nearest-point search may take.
@@ -108,12 +113,14 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
     Args:
         y: ``(..., m, n)`` with :math:`m \ge n` and full column rank (DGram.projx checks it).
         iterations: ``None`` or the number of alternating rounds (>= 1).
-        method: the polar factor's method (:func:`~manifoldlib.functional.msign`).
+        method: the polar factor's method (:func:`~manifoldlib.functional.msign`); with the
+            default ``"svd"``, a search that leaves a column undetermined or stalls is repeated
+            with ``"newton"``, whose QR resolves every column relative to its own norm.
 
     Raises:
-        ValueError: ``iterations < 1``.
-        ValueError: a column whose norm float64 does not determine (:data:`PROJECTION_COLUMN_TOL`;
-            column norms spread over too many orders), naming the columns.
+        ValueError: ``iterations < 1``, or a column whose norm the search does not determine
+            (:data:`PROJECTION_COLUMN_TOL`; column norms spread over too many orders), naming
+            the columns.
         RuntimeError: the search stalled above :data:`PROJECTION_FLOOR`, naming the stationarity.
     """
     if iterations is not None and iterations < 1:
@@ -125,7 +132,7 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
     y = y.to(torch.float64) if y.dtype in (torch.float16, torch.bfloat16, torch.float32) else y
     if iterations is None:
         flat = y.reshape((-1,) + y.shape[-2:])
-        found = [_nearest(matrix, method) for matrix in flat.unbind(0)]
+        found = [_nearest_resolved(matrix, method) for matrix in flat.unbind(0)]
         return torch.stack(found).reshape(y.shape).to(out_dtype) if found else y.to(out_dtype)
     d = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(y.dtype).tiny
@@ -133,6 +140,21 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
         q = msign(y * d, method)
         d = (q * y).sum(-2, keepdim=True).clamp_min(tiny)
     return (q * d).to(out_dtype)
+
+
+def _nearest_resolved(y: torch.Tensor, method: str) -> torch.Tensor:
+    r""":func:`_nearest` with ``method``; where that is the SVD and it leaves a column undetermined
+    or the search stalls, again with the QR-based Newton polar factor. :math:`Y\operatorname{diag}(d)`
+    has column norms :math:`d_j\|y_j\|`, graded like the squared spread of the point's column
+    norms; an SVD resolves a column only to about :math:`\epsilon\,\sigma_{\max}` absolutely, the
+    Newton iteration's QR column by column (:func:`~manifoldlib.functional.msign`), at a few times
+    the SVD's cost."""
+    try:
+        return _nearest(y, method)
+    except (ValueError, RuntimeError):
+        if method != "svd":
+            raise
+    return _nearest(y, "newton")
 
 
 def _nearest(y: torch.Tensor, method: str) -> torch.Tensor:
@@ -190,7 +212,7 @@ def _checked(point: torch.Tensor, grad: torch.Tensor, d: torch.Tensor) -> torch.
     if bad:
         norms = d.squeeze(-2)
         raise ValueError(
-            f"dgram_metric_projection: float64 does not determine the nearest DGram point's columns {bad[:8]}"
+            f"dgram_metric_projection: the search does not determine the nearest DGram point's columns {bad[:8]}"
             f"{' ...' if len(bad) > 8 else ''} of a {tuple(point.shape)} matrix (relative stationarity up to "
             f"{float(column.max()):.3e}, accepted {PROJECTION_COLUMN_TOL:g}): their norms are drowned by the "
             f"other columns' rounding (column norms of the point from {float(norms.min()):.3e} to "

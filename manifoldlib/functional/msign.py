@@ -228,6 +228,8 @@ def msign(
     n_steps = _DEFAULT_STEPS.get(method) if steps is None else steps
     if n_steps is not None and n_steps < 0:
         raise ValueError(f"steps must be >= 0, got {n_steps}")
+    if x.numel() == 0:  # an empty matrix or batch is its own polar factor
+        return x.clone()
     if method in ("jordan5", "polar-express"):
         preset = NEWTON_SCHULZ_PRESETS[method]
         return newton_schulz(x, preset.schedule, n_steps, eps=eps, normalize_scale=preset.scale).to(x.dtype)

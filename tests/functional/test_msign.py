@@ -313,3 +313,11 @@ def test_gram_eigh_hands_unresolvable_singular_values_to_the_svd():
     torch.testing.assert_close(torch.linalg.svdvals(y.double()), torch.ones(6, dtype=torch.float64), rtol=0, atol=1e-5)
     # (an exactly rank-deficient input still maps its zero singular values to 0: the float64 test
     # test_gram_eigh_maps_zero_singular_values_to_zero)
+
+
+@pytest.mark.parametrize("method", MSIGN_METHODS)
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0, 0), (2, 0, 4), (0, 3, 2)], ids=str)
+def test_an_empty_matrix_or_batch_is_its_own_polar_factor(method, shape):
+    x = torch.empty(shape, dtype=torch.float64)
+    out = msign(x, method)
+    assert out.shape == x.shape and out.dtype == x.dtype

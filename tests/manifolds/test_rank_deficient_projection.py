@@ -192,14 +192,28 @@ def test_a_dgram_projection_that_does_not_converge_says_so(monkeypatch):
         DGram().projx(x)
 
 
-def test_a_dgram_projection_float64_cannot_determine_is_refused_naming_the_columns():
-    """Column norms over six orders in a square matrix: the small columns of the nearest point
-    drown in the large ones' rounding. Ten alternating rounds returned such columns silently."""
+def test_columns_the_svd_drowns_are_resolved_by_the_newton_polar_factor():
+    """Column norms over six orders in a square matrix: with the SVD's polar factor the small
+    columns of the nearest point drown in the large ones' rounding (a column of norm 1e-308 came
+    back; ten alternating rounds returned ~1e-11 for inputs of norm 0.02). The search is repeated
+    with the QR-based Newton polar factor, which resolves each column relative to its own norm."""
     x = _spread(128, 128, 3)
-    with pytest.raises(ValueError, match=r"float64 does not determine the nearest DGram point's columns \[1, 5\]"):
+    w = DGram().projx(x)
+    assert float(DGram().proju(w, x - w).norm()) <= 1e-10 * float((x - w).norm())
+    assert float(w.norm(dim=0).min()) > 1e-3  # the nearest point's smallest column is 1.2e-3
+    newton = dgram_metric_projection(x, method="newton")
+    torch.testing.assert_close(w, newton, rtol=0, atol=1e-9 * float(w.abs().max()))
+
+
+def test_a_column_the_search_does_not_determine_is_refused_naming_it(monkeypatch):
+    import manifoldlib.functional.dgram as kernels
+
+    monkeypatch.setattr(kernels, "PROJECTION_COLUMN_TOL", 1e-30)  # no column is a fixed point to 1e-30
+    x = _spread(32, 32, 1)
+    with pytest.raises(ValueError, match=r"does not determine the nearest DGram point's columns \[\d"):
         DGram().projx(x)
     p = torch.nn.Parameter(x.clone())
-    with pytest.raises(ValueError, match=r"parameter #0 of its group of shape \(128, 128\): .*columns \[1, 5\]"):
+    with pytest.raises(ValueError, match=r"parameter #0 of its group of shape \(32, 32\): .*does not determine"):
         ManifoldMuon([p], manifold="dgram")
     assert torch.equal(p.detach(), x)  # refused before anything moved
 
