@@ -1,4 +1,4 @@
-r"""Exact inverses of the SEL magnitude maps by monotone Newton iteration.
+r"""Exact inverses of the SEL magnitude maps by monotone Newton iteration, scale-safe.
 
 Both solvers invert a convex function of a non-negative magnitude :math:`x` built from
 
@@ -10,20 +10,45 @@ Both solvers invert a convex function of a non-negative magnitude :math:`x` buil
 * :func:`solve_expm1_minus_linear` inverts the *forward rule on negatives*,
   :math:`h(t) = E(t) - c t`, on the branch beyond its minimum (where it increases).
 
-Newton's method on an increasing convex function started to the right of the root
-(:math:`f(x_0) \ge y`) decreases monotonically to the root and converges quadratically near it,
-so both solvers only need a starting point that is a provable upper bound:
+Newton's method on an increasing convex function started to the right of the root decreases
+monotonically onto it and converges quadratically near it, so both solvers need a starting
+point that is a provable upper bound. Every coefficient may lie anywhere in the floating range,
+so products such as :math:`y/a`, :math:`ab` or :math:`a e^{bx}` can overflow or underflow even
+where the root is an ordinary number; hence
 
-* congruent: :math:`x_0 = \min(y/c,\ \log1p(y/a)/b)` — each term alone already overshoots, because
-  :math:`f(x) \ge c x` and :math:`f(x) \ge E(x)`;
-* negatives: the positive root :math:`t_q` of the quadratic lower bound
-  :math:`\tfrac12 a b^2 t^2 + (ab - c)t = y` (from :math:`\operatorname{expm1}(u) \ge u + u^2/2`),
-  improved in log space by :math:`\log1p((y + c\,t_q)/a)/b`, which is valid whenever it is below
-  :math:`t_q`. Both satisfy :math:`h(t_0) \ge y > 0`, hence lie beyond the minimum.
+* the **starting point** is formed in log space, where nothing overflows
+  (:math:`\ell(z) = \log\log1p(e^z)` is evaluated stably for every :math:`z`):
 
-The degenerate cases have closed forms that the starting point already hits exactly:
-``c = 0`` gives :math:`\log1p(y/a)/b` and ``a = 0`` gives :math:`y/c`. Arguments broadcast
-against each other; the solvers run under :func:`torch.no_grad` semantics (no autograd graph).
+  - congruent: :math:`\log x_0 = \min(\log y - \log c,\ \ell(\log y - \log a) - \log b)`, the
+    smaller of :math:`y/c` and :math:`\log1p(y/a)/b`, each an upper bound alone since
+    :math:`f(x) \ge c x` and :math:`f(x) \ge E(x)`;
+  - negatives: the positive root :math:`t_q` of the quadratic lower bound
+    :math:`\tfrac12 ab^2 t^2 + (ab - c)t = y` (from :math:`\operatorname{expm1}(u) \ge u + u^2/2`),
+    so :math:`h(t_q) \ge y`, tightened by a few steps of :math:`g(t) = \log1p((y + ct)/a)/b`,
+    which maps every point right of the root to a point right of it and has the root as fixed
+    point (:math:`t \ge g(t) \iff h(t) \ge y`); :math:`t_q` is close where the exponential is
+    nearly quadratic (near a double root), :math:`g` where it is not.
+
+  The start is nudged up by :math:`2^{-26}` relative, more than the rounding of the logarithms,
+  so it stays right of the root in floating point too.
+* each **Newton step** divides the equation by a power of two :math:`N = 2^k` with :math:`k` the
+  binary exponent of the largest of :math:`y`, :math:`ct` and :math:`E(t)` (of :math:`abt` for
+  :math:`bt \le 1`, of :math:`a e^{bt}` beyond). Every product is
+  formed from the mantissas of ``torch.frexp`` and an integer exponent sum, and the exponential
+  term as :math:`E/N = \exp(bt + \log a - k\ln 2) - a/N` (with :math:`\ln 2` split in two parts so
+  that :math:`k\ln 2` is exact) where :math:`bt > 1`, else as
+  :math:`(abt/N)\,\operatorname{expm1}(bt)/(bt)`; for the negatives there, :math:`h` and
+  :math:`th'` are formed as :math:`a(bt)^2\varphi(bt) + (ab - c)t` and
+  :math:`abt\operatorname{expm1}(bt) + (ab - c)t`, :math:`\varphi(u) = (\operatorname{expm1}(u) - u)/u^2`,
+  which do not cancel near a double root. The step is the relative one,
+  :math:`\delta x = x\,(f(x) - y)/(x f'(x))`, whose ratio does not depend on :math:`N`.
+
+All arithmetic runs in float64 (float32 and half-precision inputs are promoted; float64 holds
+every product of their values), and the root is rounded to ``y``'s dtype at the end; a root that
+does not fit that dtype raises a ``ValueError`` naming the coefficients. The degenerate cases
+have closed forms that the iteration reaches: ``c = 0`` gives :math:`\log1p(y/a)/b` and
+``a = 0`` gives :math:`y/c`. Arguments broadcast against each other; the solvers run under
+:func:`torch.no_grad` semantics (no autograd graph).
 """
 
 from __future__ import annotations
@@ -35,6 +60,16 @@ import torch
 __all__ = ["solve_expm1_linear", "solve_expm1_minus_linear"]
 
 _MAX_ITER = 100
+_WORK = torch.float64
+#: ln 2 = _LN2_HI + _LN2_LO, the high part with 32 trailing zero bits: n * _LN2_HI is exact
+#: for every binary exponent n of float64 (fdlibm's split).
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+#: Relative nudge of the starting point: above the rounding of its logarithms (a few hundred
+#: float64 eps), far below the distance Newton closes in one quadratic step.
+_NUDGE = 2.0**-26
+#: Refinements of the negatives' starting point by the fixed-point map g.
+_LOG_REFINEMENTS = 4
 
 
 def _as_tensors(y, a, b, c) -> tuple[torch.Tensor, ...]:
@@ -57,56 +92,163 @@ def _check(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -
         raise ValueError(f"c must be finite and >= 0, got min {c.min().item()}")
 
 
-def _newton_from_right(x, y, value_and_slope, tol: float) -> torch.Tensor:
-    # Monotone Newton: the step is >= 0 in exact arithmetic; clamping it keeps rounding from
-    # sending an iterate to the left of the root, where convergence would no longer be monotone.
+def _ldexp(m: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``m * 2**e`` for a mantissa ``m`` of order 1 and an integer-valued float exponent ``e``. The
+    exponent is clamped to ``[-1100, 1000]``: below, the value is 0 (negligible next to the terms
+    of order 1 it is added to); above, it never occurs for the scaled terms (all at most of order
+    1), and the clamp keeps ``0 * inf`` out."""
+    return m * torch.exp2(e.clamp(-1100.0, 1000.0))
+
+
+def _log_softplus(z: torch.Tensor) -> torch.Tensor:
+    r""":math:`\log\log1p(e^z)` for every :math:`z` in :math:`[-\infty, \infty]`: for :math:`z < 0`
+    as :math:`z + \log(\log1p(e^z)/e^z)`, which stays finite where :math:`e^z` underflows."""
+    ez = torch.exp(z.clamp(max=0.0))  # (...), in [0, 1]
+    ratio = torch.where(ez > 0, torch.log1p(ez) / torch.where(ez > 0, ez, 1.0), 1.0)
+    negative = z + torch.log(ratio)
+    positive = torch.log(z.clamp(min=0.0) + torch.log1p(torch.exp(-z.abs())))
+    return torch.where(z < 0, negative, positive)
+
+
+def _expm1_excess_ratio(u: torch.Tensor) -> torch.Tensor:
+    r""":math:`\varphi(u) = (\operatorname{expm1}(u) - u)/u^2` for :math:`0 \le u \le 1`: its Taylor
+    series :math:`\sum_{j \ge 0} u^j/(j + 2)!` up to :math:`u = 1/2` (the difference would lose
+    :math:`\log_2(2/u)` bits), the difference beyond."""
+    w = u.clamp(max=0.5)
+    series = torch.full_like(u, 1.0 / math.factorial(15))
+    for j in range(12, -1, -1):  # Horner, terms up to u^13/15!
+        series = series * w + 1.0 / math.factorial(j + 2)
+    direct = (torch.expm1(u) - u) / torch.where(u > 0.5, u * u, 1.0)
+    return torch.where(u > 0.5, direct, series)
+
+
+class _ScaledTerms:
+    r"""The terms of :math:`E(t) \pm ct - y` and of :math:`t\,\tfrac{d}{dt}`, divided by :math:`N = 2^k`.
+
+    ``__call__(t)`` returns ``(Y, L, E, D)`` = :math:`(y, ct, E(t), tE'(t)) / N` with
+    :math:`tE'(t) = abt\,e^{bt}`, each at most a small multiple of 1 (module docstring), then
+    ``small`` (:math:`bt \le 1`), :math:`abt/N` and :math:`u = bt`.
+    """
+
+    def __init__(self, y, a, b, c):
+        (self.my, ey), (self.ma, ea) = torch.frexp(y), torch.frexp(a)
+        (mb, eb), (self.mc, ec) = torch.frexp(b), torch.frexp(c)
+        self.ey, self.ea, self.ec = (e.to(y.dtype) for e in (ey, ea, ec))  # exact integers
+        self.b = b
+        self.mab, self.eab = self.ma * mb, self.ea + eb.to(y.dtype)  # ab = mab 2^eab
+        self.log_ma = torch.log(self.ma)  # -inf where a = 0
+        self.has_exp = a > 0
+        # Binary exponents of y, c and a b (-inf where that term is 0), for the choice of N.
+        self.k_y = torch.where(y > 0, self.ey, -math.inf)
+        self.k_c = torch.where(c > 0, self.ec, -math.inf)
+        self.k_ab = torch.where(self.has_exp, self.eab, -math.inf)
+
+    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mt, et = torch.frexp(t)
+        et = et.to(t.dtype)
+        u = self.b * t  # the exponent b t, at most a few thousand at every iterate where a > 0
+        small = u <= 1.0  # E = (a u) expm1(u)/u, else a e^u - a
+        log2_exp = (u.clamp(max=1e5) + self.log_ma) * (1.0 / math.log(2.0)) + self.ea  # log2(a e^u)
+        k_exp = torch.where(small, self.k_ab + et, log2_exp.floor())
+        k = torch.maximum(torch.maximum(self.k_y, self.k_c + et), k_exp)
+        k = torch.where(torch.isinf(k), 0.0, k)  # every term 0 (t = 0 or y = c = a = 0)
+
+        y_n = _ldexp(self.my, self.ey - k)
+        lin_n = _ldexp(self.mc * mt, self.ec + et - k)
+        abt_n = _ldexp(self.mab * mt, self.eab + et - k)  # a u / N
+        n = self.ea - k
+        a_eu_n = torch.exp((n * _LN2_HI + u) + (n * _LN2_LO + self.log_ma))  # a e^u / N
+        ratio = torch.expm1(u) / torch.where(u > 0, u, 1.0)  # expm1(u)/u where u > 0
+        ratio = torch.where(u > 0, ratio, 1.0)
+        exp_n = torch.where(small, abt_n * ratio, a_eu_n - _ldexp(self.ma, n))
+        slope_n = torch.where(small, abt_n * torch.exp(u), a_eu_n * u)
+        exp_n = torch.where(self.has_exp, exp_n, 0.0)
+        slope_n = torch.where(self.has_exp, slope_n, 0.0)
+        return y_n, lin_n, exp_n, slope_n, small, abt_n, u
+
+
+def _newton_from_right(t, residual_and_slope, tol: float) -> torch.Tensor:
+    # Monotone Newton on the relative step: it is >= 0 in exact arithmetic; clamping it keeps
+    # rounding from sending an iterate to the left of the root, where convergence would no longer
+    # be monotone. t = 0 (a zero root, or a masked entry) stays put.
     for _ in range(_MAX_ITER):
-        value, slope = value_and_slope(x)
-        step = ((value - y) / slope).clamp(min=0.0)
-        step = torch.where(torch.isfinite(step), step, torch.zeros_like(step))
-        x = x - step
-        if not bool((step > tol * x.abs()).any()):
+        residual, slope = residual_and_slope(t)
+        step = (t * (residual / slope)).clamp(min=0.0)
+        step = torch.where(torch.isfinite(step) & (slope > 0) & (t > 0), step, torch.zeros_like(step))
+        t = t - step
+        if not bool((step > tol * t).any()):
             break
-    return x
+    return t
+
+
+def _start(log_t: torch.Tensor) -> torch.Tensor:
+    """The nudged starting point from its logarithm, clamped to the largest float64."""
+    t = torch.exp(log_t) * (1.0 + _NUDGE)
+    return t.clamp(max=torch.finfo(_WORK).max)
+
+
+def _raise_if(bad: torch.Tensor, what: str, dtype: torch.dtype, y, a, b, c) -> None:
+    if bool(bad.any()):
+        i = bad.flatten().nonzero()[0, 0]
+        y0, a0, b0, c0 = (v.flatten()[i].item() for v in (y, a, b, c))
+        raise ValueError(
+            f"{what} has no root in {dtype} at y={y0:.6g}, a={a0:.6g}, b={b0:.6g}, c={c0:.6g}: "
+            f"the root is beyond the largest {dtype} ({torch.finfo(dtype).max:.4g})"
+        )
+
+
+def _to_dtype(t: torch.Tensor, dtype: torch.dtype, what: str, y, a, b, c) -> torch.Tensor:
+    out = t.to(dtype)
+    _raise_if(torch.isinf(out), what, dtype, y, a, b, c)
+    return out
 
 
 def solve_expm1_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
     r"""Solve :math:`a\,\operatorname{expm1}(b x) + c x = y` for :math:`x \ge 0`.
 
     The left side is increasing and convex in :math:`x \ge 0`, so the root is unique; Newton from
-    :math:`x_0 = \min(y/c, \log1p(y/a)/b)` decreases monotonically onto it.
+    :math:`x_0 = \min(y/c, \log1p(y/a)/b)` (formed in log space) decreases monotonically onto it,
+    for coefficients anywhere in the floating range (module docstring).
 
     Args:
         y: ``(...)`` target magnitudes, finite and :math:`\ge 0`.
         a: exponential scale :math:`a \ge 0`, broadcastable to ``y``.
         b: curvature :math:`b > 0`, broadcastable to ``y``.
         c: linear slope :math:`c \ge 0`, broadcastable to ``y``; ``a`` and ``c`` may not both be 0.
-        tol: relative step size at which to stop (default :math:`4\varepsilon` of the dtype).
+        tol: relative step size at which to stop (default :math:`4\varepsilon` of float64, the
+            working precision).
 
     Returns:
         ``(...)`` the root :math:`x`, in ``y``'s dtype (broadcast shape).
 
     Raises:
-        ValueError: on negative or non-finite inputs, or where ``a = c = 0`` (no root).
+        ValueError: on negative or non-finite inputs, where ``a = c = 0`` (no root), or where the
+            root is beyond the largest number of ``y``'s dtype.
     """
     with torch.no_grad():
         y, a, b, c = _as_tensors(y, a, b, c)
         _check(y, a, b, c)
         if bool(((a == 0) & (c == 0)).any()):
             raise ValueError("a and c are both 0 somewhere: a*expm1(b*x) + c*x = y has no root")
-        tol = 4.0 * torch.finfo(y.dtype).eps if tol is None else tol
-        inf = torch.full_like(y, math.inf)
-        x_lin = torch.where(c > 0, y / torch.where(c > 0, c, torch.ones_like(c)), inf)
-        x_exp = torch.where(
-            a > 0, torch.log1p(y / torch.where(a > 0, a, torch.ones_like(a))) / b, inf
-        )
-        x0 = torch.minimum(x_lin, x_exp)
+        dtype = y.dtype
+        y64, a64, b64, c64 = (v.to(_WORK) for v in (y, a, b, c))
+        tol = 4.0 * torch.finfo(_WORK).eps if tol is None else tol
+        log_y = torch.log(torch.where(y64 > 0, y64, 1.0))  # y = 0 is masked to x = 0 below
+        log_lin = log_y - torch.log(c64)  # log(y/c), inf where c = 0
+        log_exp = _log_softplus(log_y - torch.log(a64)) - torch.log(b64)  # log(log1p(y/a)/b)
+        x0 = torch.where(y64 > 0, _start(torch.minimum(log_lin, log_exp)), 0.0)
+        terms = _ScaledTerms(y64, a64, b64, c64)
 
-        def value_and_slope(x):
-            ebx = torch.exp(b * x)
-            return a * torch.expm1(b * x) + c * x, a * b * ebx + c
+        def residual_and_slope(x):
+            y_n, lin_n, exp_n, slope_n = terms(x)[:4]
+            return exp_n + lin_n - y_n, slope_n + lin_n
 
-        return _newton_from_right(x0, y, value_and_slope, tol)
+        clamped = x0 == torch.finfo(_WORK).max  # both bounds overflowed: is f(max) >= y?
+        if bool(clamped.any()):
+            _raise_if(clamped & (residual_and_slope(x0)[0] < 0), "a*expm1(b*x) + c*x = y",
+                      _WORK, y, a, b, c)
+        x = _newton_from_right(x0, residual_and_slope, tol)
+        return _to_dtype(x, dtype, "a*expm1(b*x) + c*x = y", y, a, b, c)
 
 
 def solve_expm1_minus_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
@@ -116,45 +258,66 @@ def solve_expm1_minus_linear(y, a, b, c, *, tol: float | None = None) -> torch.T
     :math:`ab < c` it first dips below 0 (minimum at :math:`t_m = \log(c/(ab))/b`), then grows.
     For :math:`y > 0` the root is unique on :math:`t > t_m`; for :math:`y = 0` the largest root is
     returned (:math:`0` when :math:`ab \ge c`). This inverts SEL's forward rule on negative weights,
-    where :math:`|w_\text{eff}| = h(|w|)`.
+    where :math:`|w_\text{eff}| = h(|w|)`. Newton starts from the log-space bound of the module
+    docstring, for coefficients anywhere in the floating range.
 
     Args:
         y: ``(...)`` target magnitudes, finite and :math:`\ge 0`.
         a: exponential scale :math:`a \ge 0`, broadcastable to ``y``.
         b: curvature :math:`b > 0`, broadcastable to ``y``.
         c: linear slope :math:`c \ge 0`, broadcastable to ``y``.
-        tol: relative step size at which to stop (default :math:`4\varepsilon` of the dtype).
+        tol: relative step size at which to stop (default :math:`4\varepsilon` of float64, the
+            working precision).
 
     Returns:
         ``(...)`` the root :math:`t`; ``nan`` where ``a = 0`` and ``y > 0`` (then
         :math:`h(t) = -ct \le 0` has no root).
 
     Raises:
-        ValueError: on negative or non-finite inputs.
+        ValueError: on negative or non-finite inputs, or where the root is beyond the largest
+            number of ``y``'s dtype.
     """
     with torch.no_grad():
         y, a, b, c = _as_tensors(y, a, b, c)
         _check(y, a, b, c)
-        tol = 4.0 * torch.finfo(y.dtype).eps if tol is None else tol
-        ok = a > 0
-        a_safe = torch.where(ok, a, torch.ones_like(a))
-        d = a_safe * b - c  # h'(0)
-        two_q = a_safe * b * b  # h(t) >= q t^2 + d t with q = a b^2 / 2
-        root = torch.sqrt(d * d + 2.0 * two_q * y)
-        # The two algebraically equal forms of the positive root; pick the one without cancellation.
-        t_q = torch.where(
-            d > 0,
-            2.0 * y / torch.where(d + root > 0, d + root, torch.ones_like(root)),
-            (root - d) / two_q,
+        dtype = y.dtype
+        y64, a64, b64, c64 = (v.to(_WORK) for v in (y, a, b, c))
+        tol = 4.0 * torch.finfo(_WORK).eps if tol is None else tol
+        ok = a64 > 0
+        a64 = torch.where(ok, a64, 1.0)  # a = 0 is masked below
+        log_y, log_a, log_b, log_c = (torch.log(v) for v in (y64, a64, b64, c64))
+        (ma, ea), (mb, eb), (mc, ec) = torch.frexp(a64), torch.frexp(b64), torch.frexp(c64)
+        # t_q: the positive root of q t^2 + d t = y, q = ab^2/2, d = ab - c (h's quadratic lower
+        # bound), in log space: log|d| from the mantissas, s = sqrt(d^2 + 4qy) by logaddexp.
+        ea, eb, ec = (e.to(_WORK) for e in (ea, eb, ec))
+        e_d = torch.maximum(ea + eb, ec)
+        d_m = _ldexp(ma * mb, ea + eb - e_d) - _ldexp(mc, ec - e_d)  # d / 2^e_d
+        log_abs_d = torch.log(d_m.abs()) + e_d * math.log(2.0)
+        log_s = 0.5 * torch.logaddexp(2.0 * log_abs_d, math.log(2.0) + log_a + 2.0 * log_b + log_y)
+        log_t = torch.where(
+            d_m > 0,
+            math.log(2.0) + log_y - torch.logaddexp(log_abs_d, log_s),  # 2y / (d + s)
+            torch.logaddexp(log_s, log_abs_d) - log_a - 2.0 * log_b,  # (s + |d|) / (ab^2)
         )
-        t_log = torch.log1p((y + c * t_q) / a_safe) / b
-        t0 = torch.minimum(t_q, t_log)
+        zero_root = (y64 == 0) & (d_m >= 0)  # ab >= c: h increases from h(0) = 0
+        for _ in range(_LOG_REFINEMENTS):  # t <- g(t) = log1p((y + ct)/a)/b, in log space
+            log_t = _log_softplus(torch.logaddexp(log_y, log_c + log_t) - log_a) - log_b
+        t0 = torch.where(ok & ~zero_root, _start(log_t), 0.0)
+        terms = _ScaledTerms(y64, a64, b64, c64)
 
-        def value_and_slope(t):
-            bt = b * t
-            return a_safe * torch.expm1(bt) - c * t, a_safe * b * torch.exp(bt) - c
+        def residual_and_slope(t):
+            y_n, lin_n, exp_n, slope_n, small, abt_n, u = terms(t)
+            # For bt <= 1, h = a u^2 phi(u) + (ab - c) t and t h' = abt expm1(u) + (ab - c) t:
+            # E - ct and tE' - ct would cancel to rounding of E where h is of order a u^2.
+            drift = abt_n - lin_n  # (ab - c) t / N
+            residual = torch.where(small, abt_n * u * _expm1_excess_ratio(u) + drift, exp_n - lin_n)
+            slope = torch.where(small, abt_n * torch.expm1(u) + drift, slope_n - lin_n)
+            return residual - y_n, slope
 
-        t = _newton_from_right(t0, y, value_and_slope, tol)
-        return torch.where(
-            ok | (y == 0), torch.where(ok, t, torch.zeros_like(t)), torch.full_like(t, math.nan)
-        )
+        clamped = t0 == torch.finfo(_WORK).max
+        if bool(clamped.any()):
+            _raise_if(clamped & (residual_and_slope(t0)[0] < 0), "a*expm1(b*t) - c*t = y",
+                      _WORK, y, a, b, c)
+        t = _newton_from_right(t0, residual_and_slope, tol)
+        t = torch.where(ok | (y64 == 0), t, math.nan)
+        return _to_dtype(t, dtype, "a*expm1(b*t) - c*t = y", y, a, b, c)

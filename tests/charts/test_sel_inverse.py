@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -123,3 +124,99 @@ def test_large_targets_converge_in_log_space():
 def test_bad_inputs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         solve_expm1_linear(**kwargs)
+
+
+# Extreme coefficients: every root checked against mpmath at 50 digits by a sign change of
+# f(t) - y across [t_lo, t_hi] around the returned t (f increasing there, so the exact root lies
+# inside). The interval is one ulp of the dtype either side, widened by the root's condition
+# number under relative perturbations of y, a, b, c when that is larger.
+
+mpmath = pytest.importorskip("mpmath")
+
+_GRIDS = {
+    torch.float64: [0.0, 1e-300, 1e-100, 1e-5, 1.0, 1e5, 1e100, 1e300],
+    torch.float32: [0.0, 1e-38, 1e-20, 1e-5, 1.0, 1e5, 1e20, 1e38],
+}
+
+
+def _mp_residual(t, y, a, b, c, sign):
+    """f(t) - y in mpmath (a huge exponent settles the sign without forming e^u)."""
+    u = b * t
+    if u > 1e5:
+        return mpmath.mpf(1)
+    return a * mpmath.expm1(u) + sign * c * t - y
+
+
+def _brackets_root(t: float, y, a, b, c, sign: float, dtype: torch.dtype) -> bool:
+    with mpmath.workdps(50):
+        y, a, b, c, t_mp = (mpmath.mpf(v) for v in (y, a, b, c, t))
+        u = b * t_mp
+        if t > 0 and u < 1e5:
+            grow = a * u * mpmath.exp(u)  # t E'(t)
+            num = y + a * mpmath.expm1(u) + c * t_mp + grow
+            den = grow + sign * c * t_mp
+            kappa = float(num / den) if den > 0 else math.inf
+        else:
+            kappa = 1.0
+        ulp = torch.finfo(dtype).eps
+        delta = max(ulp, 16 * EPS64 * kappa) * t + 2 * torch.finfo(dtype).smallest_normal * ulp
+        if y == 0 and (sign > 0 or a * b >= c):
+            return t == 0  # the root itself (the largest one for h when ab >= c)
+        # Left end: not below 0, nor below the minimum of h (where h < 0 <= y).
+        floor = mpmath.log(c / (a * b)) / b if sign < 0 and c > a * b else 0
+        lo, hi = max(mpmath.mpf(t - delta), floor), mpmath.mpf(t + delta)
+        return _mp_residual(lo, y, a, b, c, sign) < 0 < _mp_residual(hi, y, a, b, c, sign)
+
+
+def _grid(dtype):
+    values = _GRIDS[dtype]
+    rows = [v for v in itertools.product(values, repeat=4) if v[1] > 0 and v[2] > 0]
+    return [torch.tensor(col, dtype=dtype) for col in zip(*rows)]
+
+
+def _overflows(y, a, b, c, sign, dtype) -> bool:
+    """f(max) < y in mpmath: the root is beyond the dtype."""
+    with mpmath.workdps(50):
+        big = mpmath.mpf(torch.finfo(dtype).max)
+        return _mp_residual(big, *(mpmath.mpf(v) for v in (y, a, b, c)), sign) < 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_roots_over_the_whole_range_agree_with_mpmath(dtype, sign):
+    solve = solve_expm1_linear if sign > 0 else solve_expm1_minus_linear
+    y, a, b, c = _grid(dtype)
+    cases = list(zip(*(v.tolist() for v in (y, a, b, c))))
+    beyond = torch.tensor([_overflows(*case, sign, dtype) for case in cases])
+    t = solve(y[~beyond], a[~beyond], b[~beyond], c[~beyond])
+    assert t.dtype == dtype and bool(torch.isfinite(t).all())
+    kept = [case for case, out in zip(cases, beyond.tolist()) if not out]
+    wrong = [(case, r) for case, r in zip(kept, t.tolist()) if not _brackets_root(r, *case, sign, dtype)]
+    assert not wrong, f"{len(wrong)} roots off, e.g. {wrong[:3]}"
+    for case in [case for case, out in zip(cases, beyond.tolist()) if out][:20]:
+        with pytest.raises(ValueError, match="no root in"):
+            solve(*(torch.tensor([v], dtype=dtype) for v in case))
+
+
+@pytest.mark.parametrize(
+    "solve, dtype, args, expected",
+    [  # the old starting point log1p(y/a) overflowed and Newton stalled on inf
+        (solve_expm1_minus_linear, torch.float64, (5.0, 1e-300, 1e-3, 1e-5), 693254.797746),
+        (solve_expm1_linear, torch.float64, (1e300, 1.0, 1e-300, 1.0), 1e300),
+        (solve_expm1_linear, torch.float64, (1e-300, 1e100, 1e-300, 0.0), 1e-100),  # y/a underflowed: 0
+        (solve_expm1_linear, torch.float32, (1e30, 1e-30, 1.0, 1.0), 138.155106),  # was 1e30
+        (solve_expm1_linear, torch.float32, (1e20, 1e-20, 1e20, 1e-20), 9.2103404e-19),  # was inf
+    ],
+)
+def test_extreme_coefficients_regressions(solve, dtype, args, expected):
+    y, a, b, c = (torch.tensor(v, dtype=dtype) for v in args)
+    assert solve(y, a, b, c).item() == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_root_beyond_the_dtype_raises_naming_the_values():
+    with pytest.raises(ValueError, match=r"no root in torch.float32 at y=1e\+38, a=1e-38"):
+        solve_expm1_linear(torch.tensor([1e38]), 1e-38, 1e-38, 1e-38)
+    with pytest.raises(ValueError, match="no root in torch.float64"):
+        solve_expm1_linear(_t([1e300]), 1e-300, 1e-307, 1e-300)
+    with pytest.raises(ValueError, match="no root in torch.float64"):
+        solve_expm1_minus_linear(_t([1e300]), 1e-300, 1e-307, 0.0)
