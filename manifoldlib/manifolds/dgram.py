@@ -14,7 +14,7 @@ from .base import _random_normal, _size_tuple, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
 from .stiefel import check_tall_matrix
 
-__all__ = ["DGram"]
+__all__ = ["DGram", "column_cosines"]
 
 
 def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
@@ -42,6 +42,20 @@ def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
             f"{manifold} needs a matrix of full column rank {n} (nonzero, linearly independent "
             f"columns), got rank {int(rank.min())}{detail}: no nearest {manifold} point exists"
         )
+
+
+def column_cosines(w: torch.Tensor) -> torch.Tensor:
+    r"""The cosines :math:`C = D^{-1}W^\top W D^{-1}`, :math:`D = \operatorname{diag}(\|w_j\|)`, of
+    the columns of ``w`` ``(..., m, n)``: ``(..., n, n)``, in at least float32.
+
+    Each column is divided by its largest entry before its norm is taken, so neither the norm
+    nor the products over- or underflow for entries anywhere in the dtype's range. A zero column
+    has no direction: its row and column of :math:`C` are NaN."""
+    work = w.to(torch.promote_types(w.dtype, torch.float32))
+    largest = torch.linalg.vector_norm(work, ord=float("inf"), dim=-2, keepdim=True)  # (..., 1, n)
+    u = work / largest  # (..., m, n), largest |entry| 1 per column
+    u = u / u.norm(dim=-2, keepdim=True)  # unit columns
+    return u.mT @ u
 
 
 class DGram(MatrixConstraintManifold):
@@ -78,9 +92,19 @@ class DGram(MatrixConstraintManifold):
         return dgram_normal_multiplier(w, z)
 
     def constraint_deviation(self, w):
-        r""":math:`\operatorname{Off}(W^\top W)/\|W^\top W\|_F` (scale free), ``(..., n, n)``."""
-        gram = w.mT @ w
-        return off_diagonal(gram) / gram.norm(dim=(-2, -1), keepdim=True)
+        r""":math:`\operatorname{Off}(C)/\|C\|_F` for the column cosines
+        :math:`C = D^{-1}W^\top W D^{-1}`, :math:`D = \operatorname{diag}(\|w_j\|)`
+        (:func:`column_cosines`), ``(..., n, n)``.
+
+        Invariant under :math:`W \mapsto WD'` for every positive diagonal :math:`D'`, DGram's own
+        symmetry: entry :math:`(i, j)` is :math:`\cos\angle(w_i, w_j)/\|C\|_F` whatever the
+        two norms, so a small column far from orthogonal to a large one counts in full (in
+        :math:`\operatorname{Off}(W^\top W)/\|W^\top W\|_F` it is weighted by
+        :math:`\|w_i\|\|w_j\|/\|W^\top W\|_F` and vanishes). Where the columns have equal
+        norms the two agree. A zero column has no angle: the deviation is NaN (DGram needs
+        nonzero columns). :meth:`constraint_residual` is its Frobenius norm."""
+        cos = column_cosines(w)  # (..., n, n)
+        return (off_diagonal(cos) / cos.norm(dim=(-2, -1), keepdim=True)).to(w.dtype)
 
     def dual_factor(self, w, check=True):
         d = w.norm(dim=-2)  # (..., n) column norms
@@ -96,16 +120,29 @@ class DGram(MatrixConstraintManifold):
         return alternating_gram_factor(gram, rsqrt)
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        gram = x.mT @ x
-        off = off_diagonal(gram).norm(dim=(-2, -1))
-        scale = gram.norm(dim=(-2, -1))
-        ok = bool((off <= atol + rtol * scale).all())
-        if not ok:
-            rel = (off / scale.clamp_min(torch.finfo(x.dtype).tiny)).max().item()
-            return False, f"||Off(W^T W)|| / ||W^T W|| = {rel:.3e} exceeds atol={atol}, rtol={rtol}"
-        if not bool((torch.diagonal(gram, dim1=-2, dim2=-1) > 0).all()):
-            return False, "a column of W is zero: DGram needs full column rank"
-        return True, None
+        r"""Nonzero columns, and every cosine :math:`|w_i^\top w_j| / (\|w_i\|\|w_j\|)`,
+        :math:`i \ne j`, at most ``atol + rtol``.
+
+        The cosines form the off-diagonal of a matrix whose diagonal is 1, so ``rtol`` is
+        relative to that unit scale and ``atol`` adds to it, as in Stiefel's check of
+        :math:`X^\top X - I`. Each pair of columns is judged at its own scale: the rounding of a
+        computed :math:`w_i^\top w_j` is of order :math:`m\,\epsilon\,\|w_i\|\|w_j\|`, so a
+        cosine's is of order :math:`m\,\epsilon` whatever the norms."""
+        zero = (x == 0).all(dim=-2)  # (..., n)
+        if bool(zero.any()):
+            cols = sorted(set(zero.nonzero()[:, -1].tolist()))
+            return False, f"columns {cols} of W are zero: DGram needs nonzero orthogonal columns"
+        cos = off_diagonal(column_cosines(x)).abs()  # (..., n, n)
+        err = max_abs(cos)
+        if bool(err <= atol + rtol):
+            return True, None
+        flat = int(torch.nan_to_num(cos, nan=float("inf")).flatten().argmax())
+        n = x.size(-1)
+        i, j = (flat // n) % n, flat % n
+        return False, (
+            f"max |w_i^T w_j| / (||w_i|| ||w_j||) = {err.item():.3e} (columns {i}, {j}) "
+            f"exceeds atol={atol}, rtol={rtol}"
+        )
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
         s = x.mT @ u

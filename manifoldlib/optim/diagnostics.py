@@ -1,8 +1,10 @@
 r"""Numbers worth logging while training with Manifold Muon.
 
 - :func:`constraint_residual`: how far a matrix is from its manifold, Stiefel
-  :math:`\|W^\top W - I\|_F`, DGram :math:`\|\operatorname{Off}(W^\top W)\|_F / \|W^\top W\|_F`,
-  Oblique :math:`\|\operatorname{diag}(W^\top W) - 1\|` (tall orientation; the manifolds' own checks);
+  :math:`\|W^\top W - I\|_F`, DGram :math:`\|\operatorname{Off}(C)\|_F / \|C\|_F` of the column
+  cosines :math:`C = D^{-1}W^\top W D^{-1}`, :math:`D = \operatorname{diag}(\|w_j\|)` (each pair
+  of columns at its own scale; NaN for a zero column), Oblique :math:`\|\operatorname{diag}(W^\top W) - 1\|` (tall
+  orientation; the manifolds' own checks);
 - :func:`spectral_norm`: :math:`\|W\|_2`;
 - :func:`optimizer_diagnostics`: both per Muon matrix, plus the dual iterations and residual of
   the last step (recorded in the optimizer state);
@@ -27,10 +29,14 @@ __all__ = ["constraint_residual", "max_attention_logit", "optimizer_diagnostics"
 
 @torch.no_grad()
 def constraint_residual(w: torch.Tensor, manifold, layout: str = "out_in") -> float:
-    """Distance of ``w`` (``(m, n)``, either orientation) from ``manifold`` (a name or a manifold
+    r"""Distance of ``w`` (``(m, n)``, either orientation) from ``manifold`` (a name or a manifold
     object): the manifold's own :meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.constraint_residual`
     in float64, on the map's matrix in its tall orientation (``layout``: how ``w`` is stored,
-    :mod:`~manifoldlib.optim.options`); 0 for Euclidean.
+    :mod:`~manifoldlib.optim.options`); 0 for Euclidean. For DGram it is
+    :math:`\|\operatorname{Off}(C)\|_F / \|C\|_F` of the column cosines
+    :math:`C_{ij} = w_i^\top w_j / (\|w_i\|\|w_j\|)`: a small column far from orthogonal to a
+    large one counts in full. It was :math:`\|\operatorname{Off}(W^\top W)\|_F / \|W^\top W\|_F`,
+    in which such a column vanished; the two agree where the columns have equal norms.
 
     Raises:
         ValueError: unknown manifold or layout, or a non-matrix ``w``.

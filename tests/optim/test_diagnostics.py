@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -28,7 +30,11 @@ def test_constraint_residuals():
     assert constraint_residual(2.0 * st, "stiefel") == pytest.approx(3.0 * 2.0, rel=1e-12)  # ||3I||_F
     off = st.clone()
     off[:, 1] += 0.1 * off[:, 0]
-    assert constraint_residual(off, "dgram") > 1e-3
+    cosine = 0.1 / math.sqrt(1.01)  # of columns 0 and 1: Off(C) holds it twice, C has 4 ones
+    expected = math.sqrt(2) * cosine / math.sqrt(4 + 2 * cosine**2)  # ||Off(C)||_F / ||C||_F
+    assert constraint_residual(off, "dgram") == pytest.approx(expected, rel=1e-12)
+    off[:, 1] *= 1e-6  # column by column scale free: a small column is not drowned by the others
+    assert constraint_residual(off, "dgram") == pytest.approx(expected, rel=1e-12)
     assert constraint_residual(off, "euclidean") == 0.0
     with pytest.raises(ValueError, match="unknown manifold 'sphere'"):
         constraint_residual(st, "sphere")

@@ -1,0 +1,122 @@
+"""DGram's point check and constraint deviation judge each pair of columns by its cosine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib import DGram
+from manifoldlib.manifolds.dgram import column_cosines
+from manifoldlib.optim import constraint_residual
+
+DTYPES = [torch.float32, torch.float64]
+
+
+def _orthonormal(m, n, seed, batch=()):
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(batch + (m, n), generator=g, dtype=torch.float64))
+    return q  # (..., m, n)
+
+
+def _collapsed_point(dtype):
+    """20x5, column norms 0.036..39, the 0.036 column collapsed to norm 5e-11 at cosine 0.98 with
+    column 1 (what an SVD polar factor once made of a retraction step)."""
+    q = _orthonormal(20, 5, 0)
+    w = q * torch.logspace(math.log10(0.036), math.log10(39.0), 5, dtype=torch.float64)
+    w[:, 0] = 5e-11 * (0.98 * q[:, 1] + math.sqrt(1 - 0.98**2) * q[:, 0])
+    return w.to(dtype)
+
+
+def _tiny_at_cosine(dtype, batch=()):
+    """Columns of norms 1e-3 .. 1e3; the 1e-3 column at cosine 0.5 with the 1e3 one."""
+    q = _orthonormal(12, 4, 1, batch)
+    w = q * torch.tensor([1e-3, 1.0, 10.0, 1e3], dtype=torch.float64)
+    w[..., 0] = 1e-3 * (0.5 * q[..., 3] + math.sqrt(0.75) * q[..., 0])
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_collapsed_small_column_is_refused(dtype):
+    w = _collapsed_point(dtype)
+    ok, reason = DGram().check_point_on_manifold(w, explain=True)
+    assert not ok and "columns 0, 1" in reason and "exceeds" in reason
+    with pytest.raises(ValueError, match="exceeds"):
+        DGram().assert_check_point_on_manifold(w)
+    assert float(column_cosines(w)[0, 1]) == pytest.approx(0.98, abs=1e-5)
+    # Off(C) / ||C||_F: the pair counts with its cosine, not weighted by ||w_0|| ||w_1|| / ||W^T W||_F
+    unit = math.sqrt(5 + 2 * 0.98**2)  # ||C||_F
+    assert float(DGram().constraint_deviation(w)[0, 1]) == pytest.approx(0.98 / unit, abs=1e-5)
+    assert float(constraint_residual(w, "dgram")) == pytest.approx(0.98 * math.sqrt(2) / unit, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tiny_column_at_cosine_one_half_with_a_big_one_is_refused(dtype):
+    w = _tiny_at_cosine(dtype)
+    ok, reason = DGram().check_point_on_manifold(w, explain=True)
+    assert not ok and "columns 0, 3" in reason
+    assert float(column_cosines(w)[0, 3]) == pytest.approx(0.5, abs=1e-6)
+    assert float(DGram().constraint_deviation(w)[0, 3]) == pytest.approx(0.5 / math.sqrt(4.5), abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_check_refuses_one_bad_matrix_and_passes_good_ones(dtype):
+    bad = _tiny_at_cosine(dtype, batch=(3,))
+    good = _orthonormal(12, 4, 2, (3,)).to(dtype) * torch.tensor([1e-3, 1.0, 10.0, 1e3], dtype=dtype)
+    assert DGram().check_point_on_manifold(good)
+    mixed = good.clone()
+    mixed[1] = bad[1]
+    assert not DGram().check_point_on_manifold(mixed)
+    dev = DGram().constraint_deviation(mixed)  # (3, 4, 4)
+    assert dev.shape == (3, 4, 4)
+    assert float(dev[1, 0, 3]) == pytest.approx(0.5 / math.sqrt(4.5), abs=1e-6)  # ||C||_F^2 = 4 + 2/4
+    assert float(dev[[0, 2]].abs().max()) <= 16 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_check_is_scale_free_to_the_ends_of_the_dtype_range(dtype):
+    """Orthogonal columns pass whatever their norms, where W^T W itself over- or underflows."""
+    big = math.log10(torch.finfo(dtype).max) - 2
+    tiny = math.log10(torch.finfo(dtype).tiny) + 2
+    q = _orthonormal(16, 3, 3)
+    for norms in ([10**tiny, 1.0, 10**big], [10**big] * 3, [10**tiny] * 3):
+        w = (q * torch.tensor(norms, dtype=torch.float64)).to(dtype)
+        ok, reason = DGram().check_point_on_manifold(w, explain=True, atol=0.0, rtol=16 * torch.finfo(dtype).eps)
+        assert ok, (norms, reason)
+        assert float(DGram().constraint_deviation(w).abs().max()) <= 16 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tolerance_is_compared_with_the_largest_cosine(dtype):
+    """The check passes exactly when max |cos| <= atol + rtol."""
+    q = _orthonormal(10, 3, 4)
+    c = 1e-3
+    w = q.clone()
+    w[:, 2] = 1e-4 * (c * q[:, 0] + math.sqrt(1 - c**2) * q[:, 2])
+    w = w.to(dtype)
+    assert DGram().check_point_on_manifold(w, atol=0.0, rtol=1.01 * c)
+    assert DGram().check_point_on_manifold(w, atol=0.5 * c, rtol=0.51 * c)
+    assert not DGram().check_point_on_manifold(w, atol=0.0, rtol=0.99 * c)
+    assert not DGram().check_point_on_manifold(w, atol=0.99 * c, rtol=0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_columns_are_refused_and_have_no_cosine(dtype):
+    w = _orthonormal(8, 3, 5, (2,)).to(dtype)
+    w[1, :, 2] = 0
+    ok, reason = DGram().check_point_on_manifold(w, explain=True)
+    assert not ok and "columns [2]" in reason and "zero" in reason
+    dev = DGram().constraint_deviation(w)
+    assert dev[1].isnan().all() and not dev[0].isnan().any()
+
+
+def test_non_finite_columns_fail_and_cosines_are_taken_in_at_least_float32():
+    w = _orthonormal(8, 3, 6)
+    for value in (float("nan"), float("inf")):
+        bad = w.clone()
+        bad[0, 1] = value
+        ok, reason = DGram().check_point_on_manifold(bad, explain=True)
+        assert not ok and "nan" in reason
+    assert column_cosines(w).dtype == torch.float64
+    assert column_cosines(w.to(torch.bfloat16)).dtype == torch.float32
