@@ -144,7 +144,7 @@ def _msign_gram_eigh(x: torch.Tensor) -> torch.Tensor:
 def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
     # Scaled Newton iteration X <- (zeta X + X^{-T}/zeta)/2 on the tall orientation, with
     # X^{-T} = X (X^T X)^{-1} = Q R^{-T} from X = QR (through X^T X it would square the condition
-    # number: a polar factor wrong by ~kappa^2 eps, 0.6 at kappa = 1e10 in float64, yet orthonormal);
+    # number: a polar factor wrong by about kappa^2 eps, yet orthonormal);
     # the Frobenius scaling makes it converge in ~10 steps for any condition number. A QR and a
     # triangular inverse: gradients stay finite where SVD's do not (equal singular values).
     transposed = x.size(-2) < x.size(-1)
@@ -165,7 +165,9 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
             (torch.linalg.matrix_norm(y_next - y) / torch.linalg.matrix_norm(y_next)).detach().max()
         )
         y = y_next
-        if delta != delta:  # NaN: R had a zero on its diagonal
+        if delta != delta:  # a non-finite input (NaN out, as the SVD gives), or a zero on R's diagonal
+            if not bool(torch.isfinite(x).all()):
+                break
             raise ValueError(f"msign(method='newton') needs matrices of full rank {y.size(-1)}; got a "
                              f"rank-deficient {tuple(x.shape)} input (use method='svd', which maps zero "
                              f"singular values to 0)")
