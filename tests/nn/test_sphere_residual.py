@@ -345,3 +345,40 @@ def test_literal_step_keeps_the_norm_for_an_update_mostly_along_h(retraction, dt
     # and the step itself: theta(0.5 ||P_h f|| / r) from the reference in float64
     want = sphere_residual_reference(h.double(), f.double(), 0.5, ret)
     assert _rel(out.double(), want) <= (1e-6 if dtype == torch.float32 else 1e-9)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "exp", "user-p3"])
+@pytest.mark.parametrize(("dtype", "exponent"), [(torch.float64, -532), (torch.float32, -66), (torch.float32, -100)])
+def test_rows_of_tiny_norm_stay_on_their_sphere(dtype, exponent, retraction, normalize_eps, kernels):
+    """Rows scaled by 2^exponent (1.1e-160 float64; 1.4e-20 and 7.9e-31 float32), where ||h||²
+    underflows. The update is homogeneous of degree 1 in (h, f), its gradients in h, f of degree 0
+    and in s of degree 1, and the rows are rescaled by powers of two, so the values are exactly
+    2^exponent times those of the unscaled rows and the gradients exactly theirs. With ||h||²
+    clamped at the dtype's smallest normal the rows left the sphere: ||out||/||h|| of 1.3-1.6
+    (literal), 4.5-5.4 (normalized, 2^-66) and 7e5-1.2e6 (normalized, 2^-532 and 2^-100), or NaN,
+    and the ATen path's gradients of the normalized step were NaN."""
+    from manifoldlib import _cpu_kernels
+
+    ret = RETRACTIONS[retraction]
+    h, f = _case(9, 8, 64, radius=1.0, f_scale=1.5, dtype=dtype)
+    factor = 2.0**exponent
+
+    def run(h, f):
+        def fn(h, f, s, r):
+            return sphere_residual(h, f, s, r, normalize_eps=normalize_eps)
+
+        if kernels:
+            return _values_and_grads(fn, h, f, 0.7, ret)
+        with _cpu_kernels.disabled():
+            return _values_and_grads(fn, h, f, 0.7, ret)
+
+    out, grad_h, grad_f, grad_s = run(factor * h, factor * f)
+    ratio = (out.double() / factor).norm(dim=-1) / h.double().norm(dim=-1)  # (rows,), exact rescale
+    assert float((ratio - 1.0).abs().max()) <= 16 * torch.finfo(dtype).eps
+    assert all(bool(torch.isfinite(t).all()) for t in (grad_h, grad_f, grad_s))
+    unit = run(h, f)
+    assert torch.equal(out, factor * unit[0])
+    assert torch.equal(grad_h, unit[1]) and torch.equal(grad_f, unit[2])
+    assert torch.equal(grad_s, factor * unit[3])
