@@ -12,18 +12,9 @@
 // and, for the built-in angle retractions (gnomonic, Cayley, the p-family θ = p arctan(β/p) with
 // the exponential map as p = inf), the whole update row by row, its per-row math in double:
 //
-//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 4) double: [q, a, n, e])  reads h, f
+//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [q, a, n])   reads h, f
 //   sphere_step_backward(g, h, f, stats, s, family, p, eps, want_h, want_f)
 //       -> (grad_h?, grad_f?, dL/ds per row (N,) double)                               reads g, h, f
-//
-// The row kernels work on each row of (h, f) scaled by one power of two, 2^-e, that brings its
-// largest |entry| into [1/2, 1): q = ||h||² underflows even in double for float64 rows of norm
-// below about 1e-154 (and overflows above 1e154), while the update h' = R_h(s P_h f) is
-// homogeneous of degree 1 in (h, f) together (σ, ρ, cos θ, k are ratios), its gradients in h and
-// f of degree 0 and its gradient in s of degree 1. So the row is computed at the scaled (h, f),
-// its output multiplied by 2^e, its gradient in s likewise; [q, a, n] in stats are the scaled
-// row's and e its exponent. Scaling by a power of two is exact (short of subnormal results), so a
-// row whose squares are in range gets the bits it would get unscaled.
 //
 // Each row is read from memory once per direction: its reductions, the per-row coefficients and
 // its combination run while the row is in L1 (the separate passes above read every row two or
@@ -66,15 +57,14 @@ double lane_sum(const double* acc) {
 // Dot products over one block of at most kBlock elements, added to the row's totals. Summing
 // each block in fresh lanes first keeps a lane's chain of roundings short on long rows (about
 // kBlock / kLanes + d / kBlock additions instead of d / kLanes).
-// x and y are multiplied by `scale` (a power of two) as they are read.
 template <typename T>
-MANIFOLDLIB_ROW_KERNEL void block_dots3(const T* x, const T* y, int64_t len, double scale, double* total) {
+MANIFOLDLIB_ROW_KERNEL void block_dots3(const T* x, const T* y, int64_t len, double* total) {
   double xx[kLanes] = {}, xy[kLanes] = {}, yy[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= len; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) {
-      const double a = static_cast<double>(x[i + j]) * scale;
-      const double b = static_cast<double>(y[i + j]) * scale;
+      const double a = static_cast<double>(x[i + j]);
+      const double b = static_cast<double>(y[i + j]);
       xx[j] += a * a;
       xy[j] += a * b;
       yy[j] += b * b;
@@ -82,8 +72,8 @@ MANIFOLDLIB_ROW_KERNEL void block_dots3(const T* x, const T* y, int64_t len, dou
   }
   double txx = 0.0, txy = 0.0, tyy = 0.0;  // the tail; indexing the lanes here by a variable
   for (; i < len; ++i) {                   // would keep them in memory instead of registers
-    const double a = static_cast<double>(x[i]) * scale;
-    const double b = static_cast<double>(y[i]) * scale;
+    const double a = static_cast<double>(x[i]);
+    const double b = static_cast<double>(y[i]);
     txx += a * a;
     txy += a * b;
     tyy += b * b;
@@ -93,24 +83,22 @@ MANIFOLDLIB_ROW_KERNEL void block_dots3(const T* x, const T* y, int64_t len, dou
   total[2] += lane_sum(yy) + tyy;
 }
 
-// x and y (not g) are multiplied by `scale` (a power of two) as they are read.
 template <typename T>
-MANIFOLDLIB_ROW_KERNEL void block_dots2(const T* g, const T* x, const T* y, int64_t len, double scale,
-                                        double* total) {
+MANIFOLDLIB_ROW_KERNEL void block_dots2(const T* g, const T* x, const T* y, int64_t len, double* total) {
   double gx[kLanes] = {}, gy[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= len; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) {
       const double c = static_cast<double>(g[i + j]);
-      gx[j] += c * (static_cast<double>(x[i + j]) * scale);
-      gy[j] += c * (static_cast<double>(y[i + j]) * scale);
+      gx[j] += c * static_cast<double>(x[i + j]);
+      gy[j] += c * static_cast<double>(y[i + j]);
     }
   }
   double tgx = 0.0, tgy = 0.0;  // the tail, as in block_dots3
   for (; i < len; ++i) {
     const double c = static_cast<double>(g[i]);
-    tgx += c * (static_cast<double>(x[i]) * scale);
-    tgy += c * (static_cast<double>(y[i]) * scale);
+    tgx += c * static_cast<double>(x[i]);
+    tgy += c * static_cast<double>(y[i]);
   }
   total[0] += lane_sum(gx) + tgx;
   total[1] += lane_sum(gy) + tgy;
@@ -120,22 +108,21 @@ MANIFOLDLIB_ROW_KERNEL void block_dots2(const T* g, const T* x, const T* y, int6
 // ||P_h f||², formed from P_h f itself: the difference ||f||² - <h, f>²/||h||² cancels when f is
 // nearly parallel to h; <x, u> is what rounding left of h in u, removed by a second projection).
 template <typename T>
-MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c, int64_t len, double scale,
-                                                double* total) {
+MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c, int64_t len, double* total) {
   double uu[kLanes] = {}, xu[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= len; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) {
-      const double a = static_cast<double>(x[i + j]) * scale;
-      const double u = static_cast<double>(y[i + j]) * scale - c * a;
+      const double a = static_cast<double>(x[i + j]);
+      const double u = static_cast<double>(y[i + j]) - c * a;
       uu[j] += u * u;
       xu[j] += a * u;
     }
   }
   double tuu = 0.0, txu = 0.0;  // the tail, as in block_dots3
   for (; i < len; ++i) {
-    const double a = static_cast<double>(x[i]) * scale;
-    const double u = static_cast<double>(y[i]) * scale - c * a;
+    const double a = static_cast<double>(x[i]);
+    const double u = static_cast<double>(y[i]) - c * a;
     tuu += u * u;
     txu += a * u;
   }
@@ -147,7 +134,7 @@ MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c
 template <typename T>
 void row_dots3(const T* x, const T* y, int64_t d, T* out) {
   double total[3] = {};
-  for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), 1.0, total);
+  for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), total);
   for (int k = 0; k < 3; ++k) out[k] = static_cast<T>(total[k]);
 }
 
@@ -155,7 +142,7 @@ void row_dots3(const T* x, const T* y, int64_t d, T* out) {
 template <typename T>
 void row_dots2(const T* g, const T* x, const T* y, int64_t d, T* out) {
   double total[2] = {};
-  for (int64_t b = 0; b < d; b += kBlock) block_dots2(g + b, x + b, y + b, std::min(kBlock, d - b), 1.0, total);
+  for (int64_t b = 0; b < d; b += kBlock) block_dots2(g + b, x + b, y + b, std::min(kBlock, d - b), total);
   for (int k = 0; k < 2; ++k) out[k] = static_cast<T>(total[k]);
 }
 
@@ -315,50 +302,6 @@ constexpr int64_t kP = 2;         // θ = p arctan(β/p), p in (0, inf] (inf: th
 // below this σ (and σ/p²) the p-family's k'(σ) = (cos θ/(1 + z²) - k)/(2σ) cancels: its series instead
 constexpr double kSeriesSigma = 1e-5;
 
-// Bound on the row exponent e: 2^e and 2^-e stay normal doubles, so both are exact factors.
-constexpr int kMaxRowExponent = 1020;
-
-// The exponent e of a row of (x, y): its largest |entry| is m 2^e with m in [1/2, 1) (frexp),
-// clamped to ±kMaxRowExponent; 0 for a zero row or one with an infinite entry (NaN entries are
-// passed over by the comparisons: they reach the result through the sums).
-template <typename T>
-MANIFOLDLIB_ROW_KERNEL int row_exponent(const T* x, const T* y, int64_t d) {
-  T lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      lanes[j] = std::max(lanes[j], std::max(std::abs(x[i + j]), std::abs(y[i + j])));
-    }
-  }
-  T largest = 0;
-  for (; i < d; ++i) largest = std::max(largest, std::max(std::abs(x[i]), std::abs(y[i])));
-  for (int64_t j = 0; j < kLanes; ++j) largest = std::max(largest, lanes[j]);
-  if (!std::isfinite(static_cast<double>(largest))) return 0;
-  int e = 0;
-  std::frexp(static_cast<double>(largest), &e);
-  return std::clamp(e, -kMaxRowExponent, kMaxRowExponent);
-}
-
-// o = a g + b (x scale) + c (y scale) in double: the coefficients belong to the scaled row and
-// may be out of T's range, their products with it not.
-template <typename T>
-void combine3_scaled(const T* g, const T* x, const T* y, double a, double b, double c, double scale, int64_t d,
-                     T* o) {
-  for (int64_t i = 0; i < d; ++i) {
-    o[i] = static_cast<T>(a * g[i] + b * (x[i] * scale) + c * (y[i] * scale));
-  }
-}
-
-template <typename T>
-void combine3x2_scaled(const T* g, const T* x, const T* y, const double* c, const double* e, double scale,
-                       int64_t d, T* o1, T* o2) {
-  for (int64_t i = 0; i < d; ++i) {
-    const double gi = g[i], xi = x[i] * scale, yi = y[i] * scale;
-    o1[i] = static_cast<T>(c[0] * gi + c[1] * xi + c[2] * yi);
-    o2[i] = static_cast<T>(e[0] * gi + e[1] * xi + e[2] * yi);
-  }
-}
-
 struct RowStep {
   double rho;   // the normalized step's factor (1 for the literal step)
   double step;  // s rho
@@ -421,28 +364,25 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
   check_family(family, p);
   const int64_t n = h.size(0), d = h.size(1);
   at::Tensor out = at::empty({n, d}, h.options());
-  at::Tensor stats = at::empty({n, 4}, h.options().dtype(at::kDouble));
+  at::Tensor stats = at::empty({n, 3}, h.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "sphere_step_forward", [&] {
     const scalar_t* hp = h.const_data_ptr<scalar_t>();
     const scalar_t* fp = f.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     double* sp = stats.mutable_data_ptr<double>();
-    // q is a double: a zero row of h is the only one that reaches this floor after the rescale
-    const double tiny = std::numeric_limits<double>::min();
+    const double tiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* x = hp + r * d;
         const scalar_t* y = fp + r * d;
-        const int e = row_exponent(x, y, d);  // the row is computed at (h, f) 2^-e
-        const double down = std::ldexp(1.0, -e), up = std::ldexp(1.0, e);
-        double dots[3] = {};  // ||h||², <h, f>, ||f||² of the scaled row
-        for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), down, dots);
+        double dots[3] = {};  // ||h||², <h, f>, ||f||²
+        for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
         const double q = std::max(dots[0], tiny), a = dots[1];
         // ||P_h f||² from P_h f itself, for both step forms (the difference form
         // ||f||² - <h, f>²/||h||² cancels for f nearly parallel to h)
         double total[2] = {};
         for (int64_t b = 0; b < d; b += kBlock) {
-          block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), down, total);
+          block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
         }
         const double normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
         const double tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
@@ -453,17 +393,16 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
         // to rounding. Formed as A h + B f in the input dtype, B f and B (a/q) h would cancel
         // in their normal part: for f nearly parallel to h the norm drifted (float32, f = 1000 h
         // plus a tangent of norm r: 1.5e-5 for the literal step; the normalized step's rho, up
-        // to 1/eps, magnifies it to 10 %). The scaled row's result, times 2^e.
+        // to 1/eps, magnifies it to 10 %).
         const double alpha = a / q;
         for (int64_t i = 0; i < d; ++i) {
-          const double xi = static_cast<double>(x[i]) * down;
-          const double u = (static_cast<double>(y[i]) * down - alpha * xi) - normal * xi;
-          o[i] = static_cast<scalar_t>((st.c * xi + ks * u) * up);
+          const double xi = static_cast<double>(x[i]);
+          const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
+          o[i] = static_cast<scalar_t>(st.c * xi + ks * u);
         }
-        sp[4 * r] = q;
-        sp[4 * r + 1] = a;
-        sp[4 * r + 2] = tangent;
-        sp[4 * r + 3] = e;
+        sp[3 * r] = q;
+        sp[3 * r + 1] = a;
+        sp[3 * r + 2] = tangent;
       }
     });
   });
@@ -481,8 +420,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
   check_family(family, p);
   const int64_t n = h.size(0), d = h.size(1);
   TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.dim() == 2 &&
-                  stats.size(0) == n && stats.size(1) == 4,
-              "sphere_step_backward: stats must be the forward's contiguous (N, 4) float64 tensor");
+                  stats.size(0) == n && stats.size(1) == 3,
+              "sphere_step_backward: stats must be the forward's contiguous (N, 3) float64 tensor");
   at::Tensor grad_h = want_h ? at::empty({n, d}, h.options()) : at::Tensor();
   at::Tensor grad_f = want_f ? at::empty({n, d}, h.options()) : at::Tensor();
   at::Tensor step_rows = at::empty({n}, h.options().dtype(at::kDouble));
@@ -497,15 +436,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t o = r * d;
-        // the forward's scaled row (h, f) 2^-e: its gradients in h and f are the row's own
-        // (degree 0), the row's dL/ds is 2^e times the scaled row's (degree 1)
-        const double q = sp[4 * r], a = sp[4 * r + 1], tangent = sp[4 * r + 2];
-        const int e = static_cast<int>(sp[4 * r + 3]);
-        const double down = std::ldexp(1.0, -e), up = std::ldexp(1.0, e);
-        double dots[2] = {};  // <g, h>, <g, f> of the scaled row
+        double dots[2] = {};  // <g, h>, <g, f>
         for (int64_t b = 0; b < d; b += kBlock) {
-          block_dots2(gp + o + b, hp + o + b, fp + o + b, std::min(kBlock, d - b), down, dots);
+          block_dots2(gp + o + b, hp + o + b, fp + o + b, std::min(kBlock, d - b), dots);
         }
+        const double q = sp[3 * r], a = sp[3 * r + 1], tangent = sp[3 * r + 2];
         const RowStep st = row_step(q, tangent, s, family, p, eps);
         const double g_h = dots[0], g_u = dots[1] - a / q * g_h;  // <g, h>, <g, P_h f>
         const double g_sigma = coefficients_vjp(st, family, p, g_h, st.step * g_u);
@@ -523,16 +458,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
           t -= w * a / q;
           coef_h += -w * (a / q) * (a / q) + g_step * st.step * (1.0 / q - eps * eps / denominator);
         }
-        rp[r] = g_step * st.rho * up;  // d(s rho)/ds = rho
-        const double cf[3] = {ks, -t, mu_f};
-        const double ch[3] = {coef_g, coef_h, -t};
-        // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f (h, f scaled)
+        rp[r] = g_step * st.rho;  // d(s rho)/ds = rho
+        const scalar_t c[3] = {static_cast<scalar_t>(ks), static_cast<scalar_t>(-t), static_cast<scalar_t>(mu_f)};
+        const scalar_t e[3] = {static_cast<scalar_t>(coef_g), static_cast<scalar_t>(coef_h),
+                               static_cast<scalar_t>(-t)};
+        // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f
         if (want_f && want_h) {
-          combine3x2_scaled(gp + o, hp + o, fp + o, cf, ch, down, d, gfp + o, ghp + o);
+          combine3x2(gp + o, hp + o, fp + o, c, e, d, gfp + o, ghp + o);
         } else if (want_f) {
-          combine3_scaled(gp + o, hp + o, fp + o, cf[0], cf[1], cf[2], down, d, gfp + o);
+          combine3(gp + o, hp + o, fp + o, c[0], c[1], c[2], d, gfp + o);
         } else if (want_h) {
-          combine3_scaled(gp + o, hp + o, fp + o, ch[0], ch[1], ch[2], down, d, ghp + o);
+          combine3(gp + o, hp + o, fp + o, e[0], e[1], e[2], d, ghp + o);
         }
       }
     });

@@ -31,8 +31,7 @@ product through its coefficients on the small ``(..., 1)`` tensor :math:`\sigma`
 On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ kernels of
 :mod:`manifoldlib._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
 :math:`A h + B f` (4 reads, 1 write); backward: one pass for :math:`\langle g,h\rangle,
-\langle g,f\rangle` and one writing both gradients (6 reads, 2 writes), each after the ATen
-passes that rescale the rows (below) — while the per-row
+\langle g,f\rangle` and one writing both gradients (6 reads, 2 writes) — while the per-row
 coefficient math above stays here (the literal step; the normalized step of a retraction
 other than the built-ins is formed in ATen as :math:`\cos\theta\,h + ks\,u` from
 :math:`u = P_h f` itself, projected twice, since its :math:`\rho` up to :math:`1/\varepsilon`
@@ -54,12 +53,6 @@ tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the passes are composed 
 and both step forms take :math:`\|u\|^2` and the result from :math:`u = P_h f` itself (projected
 twice): :math:`\|f\|^2 - a^2/q` and :math:`A h + B f` cancel when :math:`f` is nearly parallel
 to :math:`h`, which would turn rounding into a step and move the result off the sphere.
-
-Every path computes each row at :math:`2^{-e}(h, f)`, :math:`2^e` the power of two of the row's
-largest entry, and multiplies the result by :math:`2^e` (:func:`_row_scales`; the row kernels
-likewise, row by row): the update is homogeneous of degree 1 in :math:`(h, f)` together and a
-power of two scales exactly, so a row in range gets the same bits, while :math:`q = \|h\|^2` of a row of tiny norm would underflow (and
-leave the sphere through a clamped :math:`q`) and that of a huge one overflow.
 """
 
 from __future__ import annotations
@@ -91,28 +84,6 @@ def _rowsq(x: torch.Tensor) -> torch.Tensor:
     """Row-wise squared norm, ``(..., d) -> (..., 1)``: ``vector_norm`` is a single-pass reduction,
     about 3x faster on CPU than ``vecdot(x, x)`` (which materializes ``x * x``)."""
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
-
-
-def _row_scales(h: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Per-row powers of two :math:`(2^{-e}, 2^e)`, ``(..., d) -> (..., 1)`` each, that bring the
-    largest :math:`|{\rm entry}|` of the row of ``h`` and ``f`` together into :math:`[1/2, 1)`.
-
-    The update is homogeneous of degree 1 in :math:`(h, f)` together (:math:`\sigma`, :math:`\rho`
-    and the coefficients are ratios), its gradients in :math:`h, f` of degree 0 and in :math:`s`
-    of degree 1; so :class:`_SphereResidual` computes each row at :math:`2^{-e}(h, f)` and scales
-    back, and :math:`q = \|h\|^2` neither underflows for rows of tiny norm nor overflows for huge
-    ones. A power of two scales exactly (short of subnormal results): a row whose squares are in
-    range gets the bits it would get unscaled. :math:`e` is clamped so that both factors are
-    normal numbers; a zero or non-finite row gets :math:`e = 0`. Tensor ops only (no host sync).
-    """
-    largest = torch.maximum(
-        torch.linalg.vector_norm(h, ord=math.inf, dim=-1, keepdim=True),
-        torch.linalg.vector_norm(f, ord=math.inf, dim=-1, keepdim=True),
-    )  # (..., 1)
-    bound = int(-math.log2(torch.finfo(h.dtype).tiny))  # 2^±bound are normal numbers
-    exponent = torch.frexp(largest).exponent.clamp(-bound, bound)  # (..., 1), 0 for 0, inf, NaN
-    one = torch.ones_like(largest)
-    return torch.ldexp(one, -exponent), torch.ldexp(one, exponent)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +153,7 @@ class _SphereStepKernel(torch.autograd.Function):
     def forward(ctx, h, f, scale, family: tuple[int, float], eps: float, kernels):
         shape = h.shape
         step = float(scale.detach())
-        out, stats = kernels.sphere_step_forward(_rows(h), _rows(f), step, *family, eps)  # (N, d), (N, 4)
+        out, stats = kernels.sphere_step_forward(_rows(h), _rows(f), step, *family, eps)  # (N, d), (N, 3)
         ctx.save_for_backward(h, f, stats)
         ctx.step, ctx.family, ctx.eps, ctx.kernels = step, family, eps, kernels
         return out.view(shape)
@@ -219,15 +190,11 @@ class _SphereResidual(torch.autograd.Function):
         # for A h + B f. ATen: ||h||², ||f||² (single-pass norms), h∘f into the output buffer and
         # its row sum, then A·h + B·f written over that same buffer; the normalized step instead
         # forms P_h f in that buffer (projected twice) and writes c h + ks P_h f over it, in ATen
-        # whatever the device. Either way the output is the only (..., d) allocation besides the
-        # rows rescaled by powers of two (_row_scales): on CPU a fresh large tensor costs page
-        # faults comparable to a pass. Both paths allocate it after the rescale and before the
-        # other small (..., 1) tensors (the backward likewise its gradients), so the allocator
-        # sees one pattern whichever path runs.
+        # whatever the device. Either way the output is the only (..., d) allocation: on CPU a
+        # fresh large tensor costs page faults comparable to a pass. Both paths allocate it
+        # before the small (..., 1) tensors (the backward likewise its gradients), so the
+        # allocator sees one pattern whichever path runs.
         kernels = _cpu_kernels_for(h, f) if eps is None else None
-        down, up = _row_scales(h, f)  # (..., 1): the row is computed at 2^-e (h, f), see there
-        rows = (h, f, down, up)  # saved for the backward, which scales again
-        h, f = h * down, f * down  # (..., d)
         if kernels is None:
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
@@ -236,7 +203,7 @@ class _SphereResidual(torch.autograd.Function):
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (..., d)
             dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3), accumulated in double
             q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
-        q = q.clamp_min(torch.finfo(h.dtype).tiny)  # after the rescale, only a zero row of h needs it
+        q = q.clamp_min(torch.finfo(h.dtype).tiny)
         s = scale.to(h.dtype)
         if kernels is None:
             # ||P_h f||² from P_h f itself, for both step forms: the difference form
@@ -263,8 +230,7 @@ class _SphereResidual(torch.autograd.Function):
         else:
             coef = [coef_h.contiguous(), ks.expand_as(coef_h).contiguous()]  # A, B: (..., 1)
             kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
-        out.mul_(up)  # back to the row's own scale
-        ctx.save_for_backward(*rows, s, q, a, n, sigma, c, k, rho)
+        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho)
         ctx.retraction, ctx.eps = retraction, eps
         ctx.kernels = kernels
         return out
@@ -277,10 +243,7 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g):
-        h, f, down, up, s, q, a, n, sigma, c, k, rho = ctx.saved_tensors
-        # the forward's scaled rows: their gradients in h and f are the rows' own (degree 0); the
-        # rows' dL/ds is 2^e times theirs (degree 1)
-        h, f = h * down, f * down  # (..., d)
+        h, f, s, q, a, n, sigma, c, k, rho = ctx.saved_tensors
         want_h, want_f, want_s = ctx.needs_input_grad[:3]
         kernels = ctx.kernels
         if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
@@ -340,7 +303,7 @@ class _SphereResidual(torch.autograd.Function):
             )
         if want_s:
             per_row = g_step if rho is None else g_step * rho  # d(s rho)/ds = rho
-            grad_s = (per_row * up).sum().reshape(())
+            grad_s = per_row.sum().reshape(())
         return grad_h, grad_f, grad_s, None, None
 
 
@@ -392,8 +355,8 @@ def sphere_residual(
     the backward carrying the derivatives of :math:`\rho` in :math:`h` and :math:`f`.
 
     Args:
-        h: ``(..., d)`` points with nonzero rows of any norm (each row is computed rescaled by a
-            power of two); the sphere radius of each row is read from :math:`\|h\|`.
+        h: ``(..., d)`` points with nonzero rows; the sphere radius of each row is read from
+            :math:`\|h\|`.
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
         scale: step size :math:`s` (a scalar tensor, may require grad, or a finite number).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere

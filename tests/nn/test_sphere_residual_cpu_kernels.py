@@ -333,30 +333,3 @@ def test_row_kernels_across_the_series_switch_of_k_prime(spy, p, normalize_eps):
         truth = _values_and_grads(ref, h, f, scale, retraction)
         for a, b in zip(mine, truth):
             assert _err(a, b) <= 1e-12 * max(float(b.norm()), 1.0)
-
-
-@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
-@pytest.mark.parametrize("name", ["gnomonic", "p=1.5", "user-p3"])
-@pytest.mark.parametrize(("dtype", "exponent"), [(torch.float64, -532), (torch.float32, -66), (torch.float32, -100)])
-def test_kernels_rescale_rows_of_tiny_norm(spy, dtype, exponent, name, normalize_eps):
-    """Rows scaled by 2^exponent, where ||h||² underflows (the row kernels clamped it at the input
-    dtype's smallest normal; in float64 the double sums underflow themselves): the kernels scale
-    each row by a power of two, so values are 2^exponent times the unit rows' and gradients theirs,
-    bit for bit, and the rows stay on their sphere."""
-    h, f = _case(10, (6, 40), radius=1.0, f_scale=1.5, dtype=dtype)
-    factor = 2.0**exponent
-
-    def fn(h, f, s, retraction):
-        return sphere_residual(h, f, s, retraction, normalize_eps=normalize_eps)
-
-    tiny = _values_and_grads(fn, factor * h, factor * f, 0.7, RETRACTIONS[name])
-    if name == "user-p3" and normalize_eps is not None:  # a user's normalized step runs in ATen
-        assert spy.calls == []
-    else:
-        assert spy.calls == list(_kernels_of(name))
-    unit = _values_and_grads(fn, h, f, 0.7, RETRACTIONS[name])
-    assert torch.equal(tiny[0], factor * unit[0])
-    assert torch.equal(tiny[1], unit[1]) and torch.equal(tiny[2], unit[2])
-    assert torch.equal(tiny[3], factor * unit[3])
-    ratio = (tiny[0].double() / factor).norm(dim=-1) / h.double().norm(dim=-1)  # (rows,)
-    assert float((ratio - 1.0).abs().max()) <= 16 * torch.finfo(dtype).eps
