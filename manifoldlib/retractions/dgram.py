@@ -55,7 +55,7 @@ class DGramAlternatingRetraction(_PolarBacked):
     order = 2
 
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return dgram_alternating(x, v, "newton" if self.method == "auto" else self.method)
+        return dgram_alternating(x, v, self.method)  # "auto": the Newton polar factor (see there)
 
 
 @register_retraction("dgram", "colnorm-polar")
