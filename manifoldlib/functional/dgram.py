@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .msign import msign
+from .msign import _gram_eigh_polar, msign
 from .normal_space import normal_multiplier, off_diagonal
 from .stiefel import _check_tall_pair
 
@@ -52,12 +52,17 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
     :math:`Y\operatorname{diag}(c)` has column norms :math:`c_j^2`: ``method="auto"`` takes the
     scaled Newton polar factor, whose QR resolves each column relative to its own norm (an SVD
     maps the small ones to 0 once the spread passes its rank threshold, and the point's column
-    collapses with no error).
+    collapses with no error). ``method="gram-eigh"`` refines its eigh in the column-scaled
+    variables (the grading costs it no accuracy) and, where the Gram matrix cannot resolve the
+    columns at all, takes the Newton polar factor too, not the SVD.
     """
     _check_tall_pair(w, v, "dgram_alternating")
     y = w + v
     c = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
-    q = msign(y * c, "newton" if method == "auto" else method)
+    if method == "gram-eigh":
+        q = _gram_eigh_polar(y * c, fallback="newton")
+    else:
+        q = msign(y * c, "newton" if method == "auto" else method)
     d = (q * y).sum(-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(d.dtype).tiny
     return q * d.clamp_min(tiny)

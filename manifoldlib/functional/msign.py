@@ -22,8 +22,11 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   products and one ``n × n`` eigh, against about ten ``m·n²`` products for the convergent
   Newton–Schulz iteration. Forming the Gram matrix squares the condition number, so the error
   is about :math:`\kappa(X)^2\epsilon`: exact to rounding for well-conditioned inputs (the
-  retraction of a small step, :math:`\kappa \approx 1`). The eigenvalues tell the method its
-  own error: above :math:`\kappa^2\epsilon = 10^{-6}` it repeats the pass on its result (which
+  retraction of a small step, :math:`\kappa \approx 1`). Where the condition number comes from
+  the columns' norms alone (a graded input with well-conditioned column cosines: DGram's
+  alternating retraction), Newton steps on the inverse square root, judged in column-scaled
+  variables, bring the answer to rounding for ``n × n`` work (``_refine_rsqrt``). Otherwise the
+  eigenvalues tell the method its own error: above :math:`\kappa^2\epsilon = 10^{-6}` it repeats the pass on its result (which
   is orthonormal to rounding afterwards, the answer within :math:`\kappa^2\epsilon`), above
   :math:`10^{-4}` it computes the SVD instead (float32: :math:`\kappa` above 2.9 and 29). An
   eigenvalue at or below :math:`\max(m, n)\,\epsilon\,\lambda_{\max}` (a singular value
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from .gram_rsqrt import products_only_rsqrt
+from .gram_rsqrt import CHORD_TOL_EPS, products_only_rsqrt
 from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, newton_schulz
 from .scaling import into_safe_range
 
@@ -101,13 +104,79 @@ GRAM_EIGH_ONE_PASS = 1e-6
 GRAM_EIGH_REFINE = 1e-4
 
 
-def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, float]:
+#: :math:`\kappa^2\epsilon`, in units of the dtype's ``eps``, up to which one Gram-form pass is at
+#: rounding level and is kept without a residual check.
+GRAM_EIGH_ROUNDING_EPS = 16.0
+#: Newton steps of the scaled refinement (:func:`_refine_rsqrt`) at most.
+GRAM_EIGH_REFINE_STEPS = 3
+
+
+def _refine_rsqrt(gram: torch.Tensor, lam: torch.Tensor, vec: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    r"""``(S, residual, bound)``: :math:`S \approx T^{-1/2}` from the eigendecomposition
+    :math:`T = V\operatorname{diag}(\lambda)V^\top` of a symmetric positive definite ``(..., n, n)``
+    ``gram``, refined by Newton steps judged in the column-scaled variables.
+
+    With :math:`D = \operatorname{diag}(T)^{1/2}`, :math:`C = D^{-1}TD^{-1}` and :math:`U = DS`, the
+    polar factor :math:`XS` has the Gram matrix :math:`SX^\top XS = U^\top CU`, so
+    :math:`R = I - U^\top CU` is its orthogonality defect, computed from bounded quantities whatever
+    the grading of :math:`T`. The eigh resolves an eigenvalue only to :math:`\epsilon\lambda_{\max}`:
+    a Gram matrix graded by column norms (DGram's alternating retraction takes the polar factor of
+    :math:`Y\operatorname{diag}(c)`, whose column norms square the spread) loses orthogonality in
+    its small columns although :math:`C` is well conditioned. Each step solves the linearized
+    :math:`(S + \Delta)T(S + \Delta) = I`, :math:`\Delta T^{1/2} + T^{1/2}\Delta = R`, in the
+    eigenbasis: :math:`\Delta = V[(V^\top RV)_{ij}/(\mu_i + \mu_j)]V^\top`, :math:`\mu = \lambda^{1/2}`
+    (four ``n × n`` products, and two for each residual); it contracts by about
+    :math:`\kappa^2\epsilon`, the eigenbasis' own error. Steps stop at the tolerance
+    (:data:`~manifoldlib.functional.gram_rsqrt.CHORD_TOL_EPS` ``eps`` times :math:`\sqrt n`), after
+    :data:`GRAM_EIGH_REFINE_STEPS`, or where a step gains less than a factor 4; the best ``S`` is
+    returned with its residual (largest :math:`\|R\|_1` over the batch) and the largest
+    :math:`\|U\|_1\|U\|_\infty \ge \|U\|_2^2 = 1/\lambda_{\min}(C)` (at :math:`U^\top CU = I`),
+    which bounds how far the rounding of ``gram`` itself moves the result."""
+    n = gram.size(-1)
+    tol = CHORD_TOL_EPS * float(torch.finfo(gram.dtype).eps) * max(1.0, n**0.5)
+    eye = torch.eye(n, dtype=gram.dtype, device=gram.device)
+    d = torch.diagonal(gram, dim1=-2, dim2=-1).sqrt()  # (..., n), positive: T is positive definite
+    scaled = gram / (d.unsqueeze(-1) * d.unsqueeze(-2))  # C, unit diagonal
+    mu = lam.sqrt()
+    denominator = mu.unsqueeze(-1) + mu.unsqueeze(-2)  # (..., n, n)
+    s = (vec * lam.rsqrt().unsqueeze(-2)) @ vec.mT
+    best, best_residual, best_u = s, float("inf"), None
+    for step in range(GRAM_EIGH_REFINE_STEPS + 1):
+        u = d.unsqueeze(-1) * s  # U = D S
+        r = eye - u.mT @ (scaled @ u)
+        r = 0.5 * (r + r.mT)
+        residual = float(r.detach().abs().sum(-2).amax())
+        if not residual < 0.25 * best_residual:  # stalled (or NaN): keep the best
+            break
+        best, best_residual, best_u = s, residual, u
+        if residual <= tol or step == GRAM_EIGH_REFINE_STEPS:
+            break
+        s = s + vec @ (((vec.mT @ r) @ vec) / denominator) @ vec.mT
+        s = 0.5 * (s + s.mT)
+    if best_u is None:
+        return best, float("inf"), float("inf")
+    a = best_u.detach().abs()
+    bound = float((a.sum(-2).amax(-1) * a.sum(-1).amax(-1)).amax())
+    return best, best_residual, bound
+
+
+def _gram_eigh_pass(y: torch.Tensor, refine: bool = False) -> tuple[torch.Tensor, float]:
     r"""One Gram-form pass on a tall ``(..., m, n)`` input: the result and :math:`\kappa^2\epsilon`
     (largest over the batch; infinite when an eigenvalue is at or under the resolution floor
     :math:`\max(m, n)\,\epsilon\,\lambda_{\max}`, where the Gram matrix cannot tell a small
     singular value from zero). A Gram matrix close to diagonal (the retraction of a small step)
     takes :mod:`~manifoldlib.functional.gram_rsqrt`'s product-only kernels instead of the eigh;
-    their error bound or residual stands in for :math:`\kappa^2\epsilon`."""
+    their error bound or residual stands in for :math:`\kappa^2\epsilon`.
+
+    ``refine``: where :math:`\kappa^2\epsilon` exceeds :data:`GRAM_EIGH_ROUNDING_EPS` ``eps`` (or the
+    floor is hit), the inverse square root is refined in the column-scaled variables
+    (:func:`_refine_rsqrt`; ``n × n`` work only: from the same eigh, or, for a float32 input whose
+    :math:`\kappa^2\epsilon` exceeds :data:`GRAM_EIGH_REFINE`, from a float64 eigh of its Gram
+    matrix, which holds each entry to float32's rounding). Where that brings the orthogonality defect to its
+    tolerance and the column cosines are well conditioned (the bound on :math:`1/\lambda_{\min}(C)`
+    at most the tolerance in units of ``eps``, so that the Gram matrix's own rounding, amplified by
+    it, stays under the tolerance too: the condition number came from the column norms' spread),
+    the refined result is returned with error 0; else the refinement is discarded."""
     if y.numel() == 0:
         return y.clone(), 0.0
     gram = y.mT @ y  # (..., n, n); eigh reads its lower triangle
@@ -119,26 +188,56 @@ def _gram_eigh_pass(y: torch.Tensor) -> tuple[torch.Tensor, float]:
     eps = torch.finfo(y.dtype).eps
     top = lam.amax(dim=-1, keepdim=True)
     floor = top * max(y.shape[-2:]) * eps
-    if not bool((lam > floor).all()):
+    resolved = bool((lam > floor).all())
+    ratio = float((top / lam.amin(dim=-1, keepdim=True)).detach().amax()) if resolved else float("inf")
+    tol = CHORD_TOL_EPS * max(1.0, y.size(-1) ** 0.5)  # the refinement's tolerance, in units of eps
+    # lambda_min(T) >= lambda_min(C) min_j T_jj: where even the eigh's lambda_min plus its error is
+    # below min_j T_jj / tol, the cosines are ill conditioned and the refinement cannot be accepted
+    graded = bool((lam.amin(-1) + floor.squeeze(-1) >= torch.diagonal(gram_sym, dim1=-2, dim2=-1).amin(-1) / tol).all())
+    if refine and ratio > GRAM_EIGH_ROUNDING_EPS and graded:
+        work, lam_w, vec_w = gram_sym, lam, vec
+        if y.dtype == torch.float32 and ratio * eps > GRAM_EIGH_REFINE:
+            # float32's eigenbasis too far off to contract from: the n x n work in float64
+            work = gram_sym.to(torch.float64)
+            lam_w, vec_w = torch.linalg.eigh(work)
+        if bool((lam_w > 0).all()):
+            s, residual, bound = _refine_rsqrt(work, lam_w, vec_w)
+            if residual <= tol * float(torch.finfo(work.dtype).eps) and bound <= tol:
+                return y @ s.to(y.dtype), 0.0
+    if not resolved:
         return y, float("inf")
-    ratio = float((top / lam.amin(dim=-1, keepdim=True)).detach().amax())
     return y @ ((vec * lam.rsqrt().unsqueeze(-2)) @ vec.mT), ratio * eps  # (..., m, n)
 
 
-def _msign_gram_eigh(x: torch.Tensor) -> torch.Tensor:
-    # X (X^T X)^{-1/2} on the tall orientation, from one n x n eigendecomposition; a second pass
-    # on the result when kappa^2 eps says the first lost orthogonality, the SVD when even that
-    # would leave an error above GRAM_EIGH_REFINE
+def _msign_gram_eigh(x: torch.Tensor, fallback: str = "svd") -> torch.Tensor:
+    # X (X^T X)^{-1/2} on the tall orientation, from one n x n eigendecomposition, refined in the
+    # column-scaled variables where kappa^2 eps is above rounding; a second pass on the result when
+    # the error still says the first lost orthogonality, the fallback (the SVD, or the Newton
+    # iteration for callers that need every column resolved) when even that would leave an error
+    # above GRAM_EIGH_REFINE
     transposed = x.size(-2) < x.size(-1)
     y = x.mT if transposed else x  # (..., m, n), m >= n
-    out, error = _gram_eigh_pass(y)
+    out, error = _gram_eigh_pass(y, refine=True)
     if error > GRAM_EIGH_REFINE:
-        # the rare ill-conditioned case: an SVD in float64, which resolves singular values down to
-        # 1e-16 of the largest (float32's own SVD stops at about 1e-7 and would zero the rest)
-        out = _msign_svd(y.to(torch.float64)).to(y.dtype)
+        if fallback == "newton":  # resolves every column relative to its own norm; refuses rank deficiency
+            out = _msign_newton(y, _default_tol(y.dtype), _DEFAULT_STEPS["newton"])
+        else:
+            # the rare ill-conditioned case: an SVD in float64, which resolves singular values down to
+            # 1e-16 of the largest (float32's own SVD stops at about 1e-7 and would zero the rest)
+            out = _msign_svd(y.to(torch.float64)).to(y.dtype)
     elif error > GRAM_EIGH_ONE_PASS:
         out = _gram_eigh_pass(out)[0]
     return out.mT if transposed else out
+
+
+def _gram_eigh_polar(x: torch.Tensor, fallback: str = "svd") -> torch.Tensor:
+    """``msign(x, "gram-eigh")`` with the ill-conditioned fallback named: ``"svd"`` (msign's) or
+    ``"newton"`` (:func:`msign`'s QR-based Newton iteration: every column resolved relative to its
+    own norm, a ``ValueError`` for rank-deficient input)."""
+    _check_matrix(x)
+    if x.numel() == 0:
+        return x.clone()
+    return _msign_gram_eigh(into_safe_range(x.to(_compute_dtype(x.dtype))), fallback).to(x.dtype)
 
 
 def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:

@@ -49,7 +49,9 @@ class DGramAlternatingRetraction(_PolarBacked):
     :math:`X^{-\top}` comes from a QR factorization, which is backward stable column by column,
     so a column is resolved relative to its own norm whatever the others' are, and a matrix
     whose columns cannot be resolved is refused with a ``ValueError``. ``"svd"`` named
-    explicitly keeps the limit above.
+    explicitly keeps the limit above. ``"gram-eigh"`` (ManifoldMuon's) refines its eigh in
+    column-scaled variables, so the grading costs it no accuracy, and takes the Newton polar factor
+    where the Gram matrix cannot resolve the columns.
     """
 
     order = 2
