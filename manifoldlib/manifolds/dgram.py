@@ -145,11 +145,44 @@ class DGram(MatrixConstraintManifold):
         )
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
-        s = x.mT @ u
-        err = max_abs(off_diagonal(s + s.mT))
-        bound = atol + rtol * (max_abs(x) * max_abs(u))
-        ok = bool(err <= bound)
-        return ok, None if ok else f"max |Off(W^T U + U^T W)| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+        r"""Every :math:`i \ne j`: :math:`|w_i^\top u_j + u_i^\top w_j| \le \|w_i\|\|w_j\|\,(\mathrm{atol}
+        + \mathrm{rtol}\,(\|u_i\|/\|w_i\| + \|u_j\|/\|w_j\|))`.
+
+        DGram's symmetry :math:`W \mapsto WD'` (positive diagonal :math:`D'`) carries tangent
+        vectors :math:`U \mapsto UD'` and multiplies entry :math:`(i, j)` of
+        :math:`\operatorname{Off}(W^\top U + U^\top W)` by :math:`d'_id'_j`; so is every term of the
+        bound, so the check is invariant under it: dividing by :math:`\|w_i\|\|w_j\|`, the entry is
+        :math:`\operatorname{Off}(D^{-1}(W^\top U + U^\top W)D^{-1})` at :math:`W = QD`, judged against
+        ``atol`` and ``rtol`` times the columns' relative sizes :math:`\|u_j\|/\|w_j\|`. The
+        rounding of a computed :math:`w_i^\top u_j` is of order
+        :math:`m\,\epsilon\,\|w_i\|\|u_j\|`, a term of the bound. (One scale for the whole
+        matrix let a small column's clearly normal component pass where a large column
+        dominated the norms.) Columns are scaled by ``w``'s largest entry per column (the check's
+        own symmetry) and the products taken in at least float32, so no product over- or
+        underflows."""
+        work = torch.promote_types(torch.promote_types(x.dtype, u.dtype), torch.float32)
+        w, v = x.to(work), u.to(work)
+        largest = torch.linalg.vector_norm(w, ord=float("inf"), dim=-2, keepdim=True)  # (..., 1, n)
+        largest = torch.where(largest > 0, largest, torch.ones_like(largest))
+        w, v = w / largest, v / largest  # W D'^{-1}, U D'^{-1}: the same check
+        wn, un = w.norm(dim=-2), v.norm(dim=-2)  # (..., n)
+        s = w.mT @ v  # (..., n, n): w_i^T u_j
+        err = off_diagonal(s + s.mT).abs()
+        scale = wn.unsqueeze(-1) * wn.unsqueeze(-2)  # ||w_i|| ||w_j||
+        bound = atol * scale + rtol * (wn.unsqueeze(-1) * un.unsqueeze(-2) + un.unsqueeze(-1) * wn.unsqueeze(-2))
+        ok = bool((err <= bound).all())
+        if ok:
+            return True, None
+        excess = torch.nan_to_num((err - bound) / torch.where(scale > 0, scale, 1.0), nan=float("inf"))
+        flat = int(excess.flatten().argmax())
+        n = x.size(-1)
+        i, j = (flat // n) % n, flat % n
+        sc = float(scale.reshape(-1)[flat]) or 1.0
+        rel, bd = float(err.reshape(-1)[flat]) / sc, float(bound.reshape(-1)[flat]) / sc
+        return False, (
+            f"|w_i^T u_j + u_i^T w_j| / (||w_i|| ||w_j||) = {rel:.3e} (columns {i}, {j}) exceeds "
+            f"atol + rtol (||u_i||/||w_i|| + ||u_j||/||w_j||) = {bd:.3e} (atol={atol}, rtol={rtol})"
+        )
 
     def projx(self, x):
         """Nearest DGram point, searched to stationarity

@@ -120,3 +120,63 @@ def test_non_finite_columns_fail_and_cosines_are_taken_in_at_least_float32():
         assert not ok and "nan" in reason
     assert column_cosines(w).dtype == torch.float64
     assert column_cosines(w.to(torch.bfloat16)).dtype == torch.float32
+
+
+# -- tangent check ------------------------------------------------------------------------------
+
+
+def _spread_tangent(dtype, m=40, n=8, seed=3, batch=()):
+    """A DGram point with column norms 1e-3 .. 1e3 and a tangent vector scaled like it (float64
+    projection, then rounded to ``dtype``)."""
+    q = _orthonormal(m, n, seed, batch)
+    d = torch.logspace(-3, 3, n, dtype=torch.float64)
+    w = q * d
+    g = torch.Generator().manual_seed(seed + 1)
+    u = DGram().proju(w, torch.randn(w.shape, generator=g, dtype=torch.float64) * d)
+    return q, w, u
+
+
+def _tangent_defect(w, u):
+    """Oracle, float64: max over i != j of |w_i^T u_j + u_i^T w_j| / (||w_i|| ||w_j||)."""
+    w, u = w.double(), u.double()
+    s = w.mT @ u
+    off = (s + s.mT) * (1 - torch.eye(w.size(-1), dtype=torch.float64))
+    wn = w.norm(dim=-2)
+    return float((off.abs() / (wn.unsqueeze(-1) * wn.unsqueeze(-2))).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tangent_vector_with_column_norms_over_six_orders_passes(dtype):
+    _, w, u = _spread_tangent(dtype)
+    assert _tangent_defect(w.to(dtype), u.to(dtype)) <= 50 * torch.finfo(dtype).eps  # the oracle agrees
+    ok, reason = DGram().check_vector_on_tangent(w.to(dtype), u.to(dtype), explain=True)
+    assert ok, reason
+    # and under DGram's symmetry W -> W D', U -> U D' (norms now 1e-6 .. 1e6 or all equal)
+    for d in (torch.logspace(-3, 3, 8, dtype=torch.float64), torch.logspace(3, -3, 8, dtype=torch.float64)):
+        assert DGram().check_vector_on_tangent((w * d).to(dtype), (u * d).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_normal_part_in_a_small_column_is_refused_whatever_the_big_ones(dtype):
+    # one scale for the whole matrix (atol + rtol max|W| max|U|, 10 here) let this pass: column 1
+    # (norm 1e-3) of U is 1e-3 q_2, so w_2^T u_1 / (||w_1|| ||w_2||) = 1 — fully normal
+    q = _orthonormal(12, 3, 4)
+    d = torch.tensor([1e3, 1e-3, 1.0], dtype=torch.float64)
+    w = q * d
+    g = torch.Generator().manual_seed(5)
+    u = DGram().proju(w, torch.randn(12, 3, generator=g, dtype=torch.float64) * d)
+    u[:, 1] += 1e-3 * q[:, 2]
+    assert _tangent_defect(w, u) >= 0.99  # the oracle: clearly not tangent
+    ok, reason = DGram().check_vector_on_tangent(w.to(dtype), u.to(dtype), explain=True)
+    assert not ok
+    assert "columns 1, 2" in reason and "1.000e+00" in reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_tangent_check_finds_the_one_bad_matrix_of_a_batch(dtype):
+    q, w, u = _spread_tangent(dtype, batch=(2, 3))
+    assert DGram().check_vector_on_tangent(w.to(dtype), u.to(dtype))
+    u = u.clone()
+    u[1, 2, :, 0] += 1e-3 * q[1, 2, :, 5]  # column 0 has norm 1e-3: normal to column 5 in full
+    ok, reason = DGram().check_vector_on_tangent(w.to(dtype), u.to(dtype), explain=True)
+    assert not ok and "columns 0, 5" in reason
