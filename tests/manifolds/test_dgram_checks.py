@@ -180,3 +180,21 @@ def test_the_tangent_check_finds_the_one_bad_matrix_of_a_batch(dtype):
     u[1, 2, :, 0] += 1e-3 * q[1, 2, :, 5]  # column 0 has norm 1e-3: normal to column 5 in full
     ok, reason = DGram().check_vector_on_tangent(w.to(dtype), u.to(dtype), explain=True)
     assert not ok and "columns 0, 5" in reason
+
+
+@pytest.mark.parametrize("exponents", [(15, 21), (-21, -15), (-30, -25)], ids=str)
+def test_float32_proju_keeps_columns_far_from_unit_norm_tangent(exponents):
+    # d_i^2 + d_j^2 overflowed (norms 1e15 .. 1e21: NaN) or fell into the subnormals (1e-21 ..
+    # 1e-15: off tangent by 2e-5 relative; 1e-30 .. 1e-25: NaN) in float32
+    q = _orthonormal(30, 6, 6)
+    d = torch.logspace(*exponents, 6, dtype=torch.float64)
+    w = q * d
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(30, 6, generator=g, dtype=torch.float64) * d
+    w32, z32 = w.float(), z.float()
+    ref = DGram().proju(w32.double(), z32.double())  # oracle: the same inputs in float64
+    out = DGram().proju(w32, z32)
+    assert bool(torch.isfinite(out).all())
+    column_error = (out.double() - ref).norm(dim=-2) / ref.norm(dim=-2)
+    assert float(column_error.max()) <= 1e-6, column_error.tolist()
+    assert DGram().check_vector_on_tangent(w32, out)
