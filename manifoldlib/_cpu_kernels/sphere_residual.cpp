@@ -3,7 +3,7 @@
 // floating dtype (float32 or float64); a per-row coefficient is a contiguous tensor of N values.
 // The per-row coefficient math stays in Python; these kernels only read and write (N, d) tensors:
 //
-//   forward_dots(h, f)                -> (N, 3): [||h||², <h, f>, ||f||²]      reads h, f
+//   forward_dots(h, f)                -> ((N, 3): [||h||², <h, f>, ||f||²], row factors)  reads h, f
 //   forward_combine(h, f, [a, b], out)   out = a h + b f                       reads h, f
 //   backward_dots(g, h, f)            -> (N, 2): [<g, h>, <g, f>]              reads g, h, f
 //   backward_combine(g, h, f, [c0, c1, c2], [e0, e1, e2], grad_f?, grad_h?)
@@ -12,7 +12,7 @@
 // and, for the built-in angle retractions (gnomonic, Cayley, the p-family θ = p arctan(β/p) with
 // the exponential map as p = inf), the whole update row by row, its per-row math in double:
 //
-//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [q, a, n])   reads h, f
+//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [±q, a, n])  reads h, f
 //   sphere_step_backward(g, h, f, stats, s, family, p, eps, want_h, want_f)
 //       -> (grad_h?, grad_f?, dL/ds per row (N,) double)                               reads g, h, f
 //
@@ -24,21 +24,59 @@
 // in double), in kLanes independent lanes so that g++ vectorizes the loop without reassociation
 // flags; the lanes are summed at the end of each block of kBlock elements. Rows are split across threads. The
 // combinations write into outputs the caller allocates (see _fused.py for why).
+//
+// Rows of tiny or huge norm. The update is homogeneous of degree 1 in (h, f) together (σ, ρ, cos θ
+// and k are ratios), its gradients in h and f of degree 0 and in s of degree 1. A row whose
+// q = ||h||² (the double sum) falls outside [RowRange<T>::low, RowRange<T>::high] — float32 rows
+// of norm outside [2^-24, 2^24], float64 rows outside [2^-200, 2^200] — is therefore computed on
+// (h, f) 2^-e, 2^e the power of two of its largest |h_i| (row_exponent): the double sums of a
+// float64 row underflow below a norm of about 1e-154 (q clamped at a floor left such rows off their
+// sphere, by up to 1e6 in the normalized step), the per-row math of the separate passes runs in
+// the input dtype and meets a² ~ ||h||⁴ far earlier, and a float32 row's gradient coefficients
+// (about 1/||h||) leave float32. The decision is one comparison of q per row, taken after the
+// row's first reduction: a row in range runs exactly the code it ran before, and only a row out
+// of range pays (it is copied, scaled, while in cache). A power of two scales exactly (short of
+// subnormal numbers), so a rescaled row gets the bits of its twin in range: its values times
+// 2^e, the same gradients in h and f, its dL/ds times 2^e.
+//   - sphere_step_forward redoes such a row on its scaled copy and multiplies the output by 2^e
+//     (in double, before rounding); its stats are the scaled row's, q negated to mark the row,
+//     and sphere_step_backward then redoes the row's backward on the same scaled copy.
+//   - forward_dots returns the scaled row's dots, and as second output the (N,) factors 2^-e
+//     (1 for rows in range), or an empty tensor when no row was rescaled: the coefficients of
+//     A h + B f are ratios of the dots (the same for the scaled row), and the backward's Python
+//     math multiplies <g, h>, <g, f> and the coefficients of h and f by 2^-e, dL/ds by 2^e.
+// A zero row (outside the contract: its sphere has radius 0) is not rescaled; the row kernels floor
+// its q at the smallest normal double (they floored it at the input dtype's, which for float32 is
+// what left rows of norm below 1e-19 off their sphere), the separate passes' caller at the dtype's.
+// The exponent e is clamped so that 2^±e are normal numbers of the input dtype, which the separate
+// passes multiply in it.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "row_kernel.h"  // MANIFOLDLIB_ROW_KERNEL
+
+// The per-row body shared by a row in range and a rescaled one: inlined into the loop over rows
+// as the body was before it became a function, so a row in range runs the same code.
+#if defined(__GNUC__)
+#define MANIFOLDLIB_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define MANIFOLDLIB_ALWAYS_INLINE inline
+#endif
 
 namespace {
 
@@ -130,12 +168,62 @@ MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c
   total[1] += lane_sum(xu) + txu;
 }
 
-// [||x||², <x, y>, ||y||²] of one row.
+// The range of q = ||h||² (summed in double) in which a row is computed as it is; outside it the
+// row is computed rescaled by a power of two (see the top of this file). The per-row math of the
+// separate passes runs in T and forms a² ~ q ||f||²: for q in 2^±48 float32 keeps it normal while
+// ||f|| / ||h|| stays within 2^±15; float64's 2^±400 keeps q² and the backward's terms of degree
+// three (a <g, h> ~ q^(3/2)) at least 2^200 inside the range of a double.
 template <typename T>
-void row_dots3(const T* x, const T* y, int64_t d, T* out) {
-  double total[3] = {};
-  for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), total);
-  for (int k = 0; k < 3; ++k) out[k] = static_cast<T>(total[k]);
+struct RowRange;
+template <>
+struct RowRange<float> {
+  static constexpr double low = 0x1p-48, high = 0x1p48;
+};
+template <>
+struct RowRange<double> {
+  static constexpr double low = 0x1p-400, high = 0x1p400;
+};
+
+template <typename T>
+inline bool in_range(double q) {
+  return q >= RowRange<T>::low && q <= RowRange<T>::high;  // false for NaN
+}
+
+// The exponent e of the row's largest |x_i| = m 2^e, m in [1/2, 1) (frexp), clamped so that 2^e
+// and 2^-e are normal numbers of T; 0 for a zero row or one with an infinite entry (NaN entries
+// are passed over: they reach the result through the sums).
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL int row_exponent(const T* x, int64_t d) {
+  T largest = 0;
+  for (int64_t i = 0; i < d; ++i) largest = std::max(largest, std::abs(x[i]));
+  if (!(largest > 0) || !std::isfinite(largest)) return 0;
+  int e = 0;
+  std::frexp(static_cast<double>(largest), &e);
+  constexpr int bound = std::numeric_limits<T>::max_exponent - 2;  // 126 (float), 1022 (double)
+  return std::clamp(e, -bound, bound);
+}
+
+// out = x 2^-e, exact (short of subnormal results, entries below 2^-126 resp. 2^-1022 of the row's largest)
+template <typename T>
+void scaled_copy(const T* x, int64_t d, int e, T* out) {
+  const double factor = std::ldexp(1.0, -e);
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(static_cast<double>(x[i]) * factor);
+}
+
+// [||x||², <x, y>, ||y||²] of one row; a row whose ||x||² is out of range: those of (x, y) 2^-e,
+// its factor 2^-e returned (1 for a row in range).
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, double* total) {
+  const int e = row_exponent(x, d);
+  if (e == 0) return 1.0;  // a zero or non-finite row: its dots as they are
+  std::vector<T> copy(2 * d);
+  scaled_copy(x, d, e, copy.data());
+  scaled_copy(y, d, e, copy.data() + d);
+  total[0] = total[1] = total[2] = 0.0;
+  for (int64_t b = 0; b < d; b += kBlock) {
+    block_dots3(copy.data() + b, copy.data() + d + b, std::min(kBlock, d - b), total);
+  }
+  return std::ldexp(1.0, -e);
 }
 
 // [<g, x>, <g, y>] of one row.
@@ -171,21 +259,45 @@ void check_dtype(const at::Tensor& t) {
               "sphere residual kernels take float32 or float64, got ", t.scalar_type());
 }
 
-at::Tensor forward_dots(const at::Tensor& h, const at::Tensor& f) {
+// The dots of the rows, and the rows' factors 2^-e: an (N,) tensor if any row was rescaled (1 for
+// the others), else an empty one (see the top of this file). The rescaled rows are collected under a
+// lock that a call whose rows are all in range never takes.
+std::tuple<at::Tensor, at::Tensor> forward_dots(const at::Tensor& h, const at::Tensor& f) {
   check_dtype(h);
   check_rows(h, "h", h);
   check_rows(f, "f", h);
   const int64_t n = h.size(0), d = h.size(1);
   at::Tensor out = at::empty({n, 3}, h.options());
+  std::mutex lock;
+  std::vector<std::pair<int64_t, double>> rescaled;  // (row, 2^-e)
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "forward_dots", [&] {
     const scalar_t* hp = h.const_data_ptr<scalar_t>();
     const scalar_t* fp = f.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) row_dots3(hp + r * d, fp + r * d, d, op + 3 * r);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* x = hp + r * d;
+        const scalar_t* y = fp + r * d;
+        double total[3] = {};
+        for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), total);
+        if (!in_range<scalar_t>(total[0])) {
+          const double factor = rescaled_dots3(x, y, d, total);
+          if (factor != 1.0) {
+            std::lock_guard<std::mutex> guard(lock);
+            rescaled.emplace_back(r, factor);
+          }
+        }
+        for (int k = 0; k < 3; ++k) op[3 * r + k] = static_cast<scalar_t>(total[k]);
+      }
     });
   });
-  return out;
+  if (rescaled.empty()) return {out, at::empty({0}, h.options())};
+  at::Tensor factors = at::ones({n}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "forward_dots_factors", [&] {
+    scalar_t* fp = factors.mutable_data_ptr<scalar_t>();
+    for (const auto& [r, factor] : rescaled) fp[r] = static_cast<scalar_t>(factor);
+  });
+  return {out, factors};
 }
 
 void forward_combine(const at::Tensor& h, const at::Tensor& f, at::TensorList coef, const at::Tensor& out) {
@@ -356,6 +468,68 @@ void check_family(int64_t family, double p) {
   TORCH_CHECK(family != kP || p > 0.0, "sphere_step kernels: p must be in (0, inf], got ", p);
 }
 
+// One row of sphere_step_forward after its first reduction (dots = [||x||², <x, y>, ||y||²]): its
+// ||P_h f||², coefficients and output, and its stats [q, a, n]. kRescaled: (x, y) are the row's
+// scaled copy and the output is multiplied by `up` = 2^e before it is rounded to T.
+template <typename T, bool kRescaled>
+MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, const double* dots, double s,
+                                           int64_t family, double p, double eps, double up, T* o,
+                                           double* stats) {
+  const double q = dots[0], a = dots[1];
+  // ||P_h f||² from P_h f itself, for both step forms (the difference form
+  // ||f||² - <h, f>²/||h||² cancels for f nearly parallel to h)
+  double total[2] = {};
+  for (int64_t b = 0; b < d; b += kBlock) {
+    block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
+  }
+  const double normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
+  const double tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
+  const RowStep st = row_step(q, tangent, s, family, p, eps);
+  const double ks = st.k * st.step;
+  // c h + ks u in double, from u itself, projected twice: the result keeps the norm of h
+  // to rounding. Formed as A h + B f in the input dtype, B f and B (a/q) h would cancel
+  // in their normal part: for f nearly parallel to h the norm drifted (float32, f = 1000 h
+  // plus a tangent of norm r: 1.5e-5 for the literal step; the normalized step's rho, up
+  // to 1/eps, magnifies it to 10 %).
+  const double alpha = a / q;
+  for (int64_t i = 0; i < d; ++i) {
+    const double xi = static_cast<double>(x[i]);
+    const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
+    if constexpr (kRescaled) {
+      o[i] = static_cast<T>((st.c * xi + ks * u) * up);
+    } else {
+      o[i] = static_cast<T>(st.c * xi + ks * u);
+    }
+  }
+  stats[0] = q;
+  stats[1] = a;
+  stats[2] = tangent;
+}
+
+// A row of sphere_step_forward whose q is out of range (see the top of this file): computed on its
+// copy scaled by 2^-e, its output times 2^e, its stats the scaled row's with q negated (the mark
+// the backward reads). A zero or non-finite row is computed as it is, q floored at the smallest
+// normal double.
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t d, const double* dots, double s,
+                                                 int64_t family, double p, double eps, T* o, double* stats) {
+  const int e = row_exponent(x, d);
+  if (e == 0) {
+    const double floored[3] = {std::max(dots[0], std::numeric_limits<double>::min()), dots[1], dots[2]};
+    forward_row<T, false>(x, y, d, floored, s, family, p, eps, 1.0, o, stats);
+    return;
+  }
+  std::vector<T> copy(2 * d);
+  const T* xs = copy.data();
+  const T* ys = copy.data() + d;
+  scaled_copy(x, d, e, copy.data());
+  scaled_copy(y, d, e, copy.data() + d);
+  double scaled[3] = {};
+  for (int64_t b = 0; b < d; b += kBlock) block_dots3(xs + b, ys + b, std::min(kBlock, d - b), scaled);
+  forward_row<T, true>(xs, ys, d, scaled, s, family, p, eps, std::ldexp(1.0, e), o, stats);
+  stats[0] = -stats[0];
+}
+
 std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, const at::Tensor& f, double s,
                                                        int64_t family, double p, double eps) {
   check_dtype(h);
@@ -370,43 +544,77 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
     const scalar_t* fp = f.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     double* sp = stats.mutable_data_ptr<double>();
-    const double tiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* x = hp + r * d;
         const scalar_t* y = fp + r * d;
         double dots[3] = {};  // ||h||², <h, f>, ||f||²
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
-        const double q = std::max(dots[0], tiny), a = dots[1];
-        // ||P_h f||² from P_h f itself, for both step forms (the difference form
-        // ||f||² - <h, f>²/||h||² cancels for f nearly parallel to h)
-        double total[2] = {};
-        for (int64_t b = 0; b < d; b += kBlock) {
-          block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
+        if (in_range<scalar_t>(dots[0])) {
+          forward_row<scalar_t, false>(x, y, d, dots, s, family, p, eps, 1.0, op + r * d, sp + 3 * r);
+        } else {
+          forward_rescaled_row(x, y, d, dots, s, family, p, eps, op + r * d, sp + 3 * r);
         }
-        const double normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
-        const double tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
-        const RowStep st = row_step(q, tangent, s, family, p, eps);
-        const double ks = st.k * st.step;
-        scalar_t* o = op + r * d;
-        // c h + ks u in double, from u itself, projected twice: the result keeps the norm of h
-        // to rounding. Formed as A h + B f in the input dtype, B f and B (a/q) h would cancel
-        // in their normal part: for f nearly parallel to h the norm drifted (float32, f = 1000 h
-        // plus a tangent of norm r: 1.5e-5 for the literal step; the normalized step's rho, up
-        // to 1/eps, magnifies it to 10 %).
-        const double alpha = a / q;
-        for (int64_t i = 0; i < d; ++i) {
-          const double xi = static_cast<double>(x[i]);
-          const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
-          o[i] = static_cast<scalar_t>(st.c * xi + ks * u);
-        }
-        sp[3 * r] = q;
-        sp[3 * r + 1] = a;
-        sp[3 * r + 2] = tangent;
       }
     });
   });
   return {out, stats};
+}
+
+// One row of sphere_step_backward, from its stats [q, a, n]: writes its gradients in h and f (those
+// asked for) and returns its dL/ds. (x, y) are the row of (h, f) the stats belong to: for a
+// rescaled row its scaled copy, whose gradients in h and f are the row's own (degree 0).
+template <typename T>
+MANIFOLDLIB_ALWAYS_INLINE double backward_row(const T* g, const T* x, const T* y, int64_t d, double q, double a,
+                                              double tangent, double s, int64_t family, double p, double eps,
+                                              T* gf, T* gh) {
+  double dots[2] = {};  // <g, h>, <g, f>
+  for (int64_t b = 0; b < d; b += kBlock) {
+    block_dots2(g + b, x + b, y + b, std::min(kBlock, d - b), dots);
+  }
+  const RowStep st = row_step(q, tangent, s, family, p, eps);
+  const double g_h = dots[0], g_u = dots[1] - a / q * g_h;  // <g, h>, <g, P_h f>
+  const double g_sigma = coefficients_vjp(st, family, p, g_h, st.step * g_u);
+  const double ks = st.k * st.step;
+  const double mu = 2.0 * g_sigma * st.step * st.step / q;
+  double t = (mu * a + ks * g_h) / q;
+  const double g_step = st.k * g_u + 2.0 * g_sigma * st.step * tangent / q;  // dL/d(s rho)
+  const double coef_g = st.c - ks * a / q;
+  double coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * st.sigma) / q;
+  double mu_f = mu;
+  if (eps > 0.0) {  // s rho depends on h and f through ||P_h f||² and ||h||²
+    const double denominator = tangent + eps * eps * q;
+    const double w = g_step * st.step / denominator;
+    mu_f = mu - w;
+    t -= w * a / q;
+    coef_h += -w * (a / q) * (a / q) + g_step * st.step * (1.0 / q - eps * eps / denominator);
+  }
+  const T c[3] = {static_cast<T>(ks), static_cast<T>(-t), static_cast<T>(mu_f)};
+  const T e[3] = {static_cast<T>(coef_g), static_cast<T>(coef_h), static_cast<T>(-t)};
+  // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f
+  if (gf != nullptr && gh != nullptr) {
+    combine3x2(g, x, y, c, e, d, gf, gh);
+  } else if (gf != nullptr) {
+    combine3(g, x, y, c[0], c[1], c[2], d, gf);
+  } else if (gh != nullptr) {
+    combine3(g, x, y, e[0], e[1], e[2], d, gh);
+  }
+  return g_step * st.rho;  // d(s rho)/ds = rho
+}
+
+// A row the forward rescaled (q < 0 in its stats): its backward on the same scaled copy (the same
+// e, from the same row); its gradients in h and f as they come, its dL/ds times 2^e.
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL double backward_rescaled_row(const T* g, const T* x, const T* y, int64_t d,
+                                                    const double* stats, double s, int64_t family, double p,
+                                                    double eps, T* gf, T* gh) {
+  const int e = row_exponent(x, d);
+  std::vector<T> copy(2 * d);
+  scaled_copy(x, d, e, copy.data());
+  scaled_copy(y, d, e, copy.data() + d);
+  const double per_row = backward_row(g, copy.data(), copy.data() + d, d, -stats[0], stats[1], stats[2], s,
+                                      family, p, eps, gf, gh);
+  return per_row * std::ldexp(1.0, e);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Tensor& g, const at::Tensor& h,
@@ -436,39 +644,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t o = r * d;
-        double dots[2] = {};  // <g, h>, <g, f>
-        for (int64_t b = 0; b < d; b += kBlock) {
-          block_dots2(gp + o + b, hp + o + b, fp + o + b, std::min(kBlock, d - b), dots);
-        }
-        const double q = sp[3 * r], a = sp[3 * r + 1], tangent = sp[3 * r + 2];
-        const RowStep st = row_step(q, tangent, s, family, p, eps);
-        const double g_h = dots[0], g_u = dots[1] - a / q * g_h;  // <g, h>, <g, P_h f>
-        const double g_sigma = coefficients_vjp(st, family, p, g_h, st.step * g_u);
-        const double ks = st.k * st.step;
-        const double mu = 2.0 * g_sigma * st.step * st.step / q;
-        double t = (mu * a + ks * g_h) / q;
-        const double g_step = st.k * g_u + 2.0 * g_sigma * st.step * tangent / q;  // dL/d(s rho)
-        const double coef_g = st.c - ks * a / q;
-        double coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * st.sigma) / q;
-        double mu_f = mu;
-        if (eps > 0.0) {  // s rho depends on h and f through ||P_h f||² and ||h||²
-          const double denominator = tangent + eps * eps * q;
-          const double w = g_step * st.step / denominator;
-          mu_f = mu - w;
-          t -= w * a / q;
-          coef_h += -w * (a / q) * (a / q) + g_step * st.step * (1.0 / q - eps * eps / denominator);
-        }
-        rp[r] = g_step * st.rho;  // d(s rho)/ds = rho
-        const scalar_t c[3] = {static_cast<scalar_t>(ks), static_cast<scalar_t>(-t), static_cast<scalar_t>(mu_f)};
-        const scalar_t e[3] = {static_cast<scalar_t>(coef_g), static_cast<scalar_t>(coef_h),
-                               static_cast<scalar_t>(-t)};
-        // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f
-        if (want_f && want_h) {
-          combine3x2(gp + o, hp + o, fp + o, c, e, d, gfp + o, ghp + o);
-        } else if (want_f) {
-          combine3(gp + o, hp + o, fp + o, c[0], c[1], c[2], d, gfp + o);
-        } else if (want_h) {
-          combine3(gp + o, hp + o, fp + o, e[0], e[1], e[2], d, ghp + o);
+        const double* row_stats = sp + 3 * r;
+        scalar_t* gf = want_f ? gfp + o : nullptr;
+        scalar_t* gh = want_h ? ghp + o : nullptr;
+        if (row_stats[0] < 0.0) {  // rescaled by the forward
+          rp[r] = backward_rescaled_row(gp + o, hp + o, fp + o, d, row_stats, s, family, p, eps, gf, gh);
+        } else {
+          rp[r] = backward_row(gp + o, hp + o, fp + o, d, row_stats[0], row_stats[1], row_stats[2], s, family, p,
+                               eps, gf, gh);
         }
       }
     });
@@ -479,7 +662,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
-  m.def("forward_dots(Tensor h, Tensor f) -> Tensor");
+  m.def("forward_dots(Tensor h, Tensor f) -> (Tensor, Tensor)");
   m.def("forward_combine(Tensor h, Tensor f, Tensor[] coef, Tensor(a!) out) -> ()");
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
   m.def("backward_combine(Tensor grad, Tensor h, Tensor f, Tensor[] coef_f, Tensor[] coef_h, "

@@ -53,6 +53,28 @@ tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the passes are composed 
 and both step forms take :math:`\|u\|^2` and the result from :math:`u = P_h f` itself (projected
 twice): :math:`\|f\|^2 - a^2/q` and :math:`A h + B f` cancel when :math:`f` is nearly parallel
 to :math:`h`, which would turn rounding into a step and move the result off the sphere.
+
+Rows of tiny (or huge) norm. :math:`q = \|h\|^2` underflows for float32 rows of norm below about
+:math:`10^{-19}` and float64 rows below :math:`10^{-154}`, and the per-row math meets terms such as
+:math:`a^2 \sim \|h\|^4` and :math:`a\langle g,h\rangle \sim \|h\|^3` far earlier; with :math:`q`
+floored at the dtype's smallest normal, such rows came back off their sphere without a sign. The
+update is homogeneous of degree 1 in :math:`(h, f)` together, its gradients in :math:`h, f` of
+degree 0 and in :math:`s` of degree 1. So the C++ kernels compute a row whose :math:`q` (summed in
+double) is out of their range (float32: norms outside :math:`2^{\pm 24}`, float64:
+:math:`2^{\pm 200}`) on :math:`(h, f)\,2^{-e}`, :math:`2^e` the power of two of its largest
+:math:`|h_i|`, while the row is in cache, and scale back; a power of two scales exactly, so such a
+row gets the bits of its twin in range (for rows whose largest entry is a normal number), and a
+row in range pays one comparison (``sphere_residual.cpp`` has the details). The ATen path cannot
+do that without another pass over every row (the row's largest entry, or scaled copies:
+``vector_norm`` does not rescale, :math:`\|h\|` underflows with :math:`q`), so there a row whose
+:math:`q` is not above :data:`_ATEN_Q_FLOOR` (float32 :math:`2^{-64}`: norms below
+:math:`2^{-32} \approx 2.3\cdot 10^{-10}`; float64 :math:`2^{-600}`: norms below
+:math:`2^{-300} \approx 4.9\cdot 10^{-91}`) comes out NaN, its values and gradients, and with them
+the gradient in :math:`s` (a sum over rows): loud rather than silently off the sphere, at the cost
+of one elementwise op on the :math:`(\ldots, 1)` tensor :math:`q` (it replaces the floor's clamp).
+Rows above the floor get the bits they got before. Huge rows are left as they were on the ATen
+path: there the per-row math overflows to inf or NaN gradients (float32 norms above about
+:math:`2^{42}`), which is loud already, while the values stay right until :math:`q` overflows.
 """
 
 from __future__ import annotations
@@ -78,6 +100,13 @@ __all__ = ["sphere_residual", "sphere_residual_reference"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = (torch.float32, torch.float64)
+#: The ATen path's floor on :math:`q = \|h\|^2`: a row below it comes out NaN (module docstring).
+#: The per-row math has terms of degree three in the row's scale (:math:`a\langle g,h\rangle`,
+#: :math:`\mu a^2`) that leave the normal range first: the floor's norm, :math:`2^{-32}` (float32)
+#: and :math:`2^{-300}` (float64), sits about :math:`2^6` and :math:`2^{30}` above the norms where the
+#: values or gradients start to lose accuracy (for updates with :math:`\|f\|` down to
+#: :math:`10^{-6}\|h\|`).
+_ATEN_Q_FLOOR = {torch.float32: 2.0**-64, torch.float64: 2.0**-600}
 
 
 def _rowsq(x: torch.Tensor) -> torch.Tensor:
@@ -195,15 +224,23 @@ class _SphereResidual(torch.autograd.Function):
         # before the small (..., 1) tensors (the backward likewise its gradients), so the
         # allocator sees one pattern whichever path runs.
         kernels = _cpu_kernels_for(h, f) if eps is None else None
+        down = None  # (..., 1): the factors 2^-e of rows the kernels rescaled, if any
         if kernels is None:
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
             a = out.sum(-1, keepdim=True)  # (..., 1)
+            # a row of tiny norm: NaN rather than off its sphere (one op, as the clamp it replaces)
+            q = torch.nn.functional.threshold(q, _ATEN_Q_FLOOR.get(h.dtype, torch.finfo(h.dtype).tiny), math.nan)
         else:
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (..., d)
-            dots = kernels.forward_dots(_rows(h), _rows(f))  # (N, 3), accumulated in double
+            # (N, 3), accumulated in double; a row whose ||h||² is out of range: the dots of
+            # (h, f) 2^-e, and its factor 2^-e in `factors` (empty if no row was rescaled). The
+            # coefficients A, B below are ratios of the dots, the same for the scaled row.
+            dots, factors = kernels.forward_dots(_rows(h), _rows(f))
             q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
-        q = q.clamp_min(torch.finfo(h.dtype).tiny)
+            q = q.clamp_min(torch.finfo(h.dtype).tiny)  # a zero row of h
+            if factors.numel():
+                down = factors.view(*h.shape[:-1], 1)
         s = scale.to(h.dtype)
         if kernels is None:
             # ||P_h f||² from P_h f itself, for both step forms: the difference form
@@ -215,7 +252,13 @@ class _SphereResidual(torch.autograd.Function):
             normal = (h.unsqueeze(-2) @ out.unsqueeze(-1)).squeeze(-1) / q  # (..., 1): h left in u
             out.addcmul_(h, -normal)  # projected twice: tangent to rounding
             n = _rowsq(out)  # (..., 1)
-        else:  # the dots in double: the difference form loses only eps_64 ||f||²
+        else:
+            # The dots are summed in double but come back in the input dtype: the difference form
+            # loses eps ||f||² of that dtype, and A h + B f below cancels in its normal part, when
+            # f is nearly parallel to h (float32, f = 1000 h plus a tangent of norm r: off the
+            # sphere by 2e-5; 1e4 h: 12 %). Forming ||P_h f||² and the result from P_h f itself,
+            # as the row kernels do, takes a second sweep over each row after a/q is known and a
+            # combination in double: a limit of these separate passes (a user's literal step).
             n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
         rho = None
         if eps is not None:  # normalized
@@ -230,7 +273,7 @@ class _SphereResidual(torch.autograd.Function):
         else:
             coef = [coef_h.contiguous(), ks.expand_as(coef_h).contiguous()]  # A, B: (..., 1)
             kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
-        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho)
+        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho, down)
         ctx.retraction, ctx.eps = retraction, eps
         ctx.kernels = kernels
         return out
@@ -243,7 +286,7 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g):
-        h, f, s, q, a, n, sigma, c, k, rho = ctx.saved_tensors
+        h, f, s, q, a, n, sigma, c, k, rho, down = ctx.saved_tensors
         want_h, want_f, want_s = ctx.needs_input_grad[:3]
         kernels = ctx.kernels
         if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
@@ -260,6 +303,8 @@ class _SphereResidual(torch.autograd.Function):
             grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if want_h else None
             dots = kernels.backward_dots(_rows(g), _rows(h), _rows(f))  # (N, 2)
             g_h, g_f = dots.view(*h.shape[:-1], 2).split(1, dim=-1)  # (..., 1) each
+        if down is not None:  # the per-row math below is that of the rescaled rows (h, f) 2^-e
+            g_h, g_f = g_h * down, g_f * down
         g_u = g_f - a / q * g_h  # <g, u>, (..., 1)
         g_sigma = ctx.retraction.coefficients_vjp(sigma, c, k, g_h, s * g_u)
         ks = k * s
@@ -282,6 +327,10 @@ class _SphereResidual(torch.autograd.Function):
             t = t - w * a / q
             if want_h:
                 coef_h = coef_h - w * (a / q) ** 2 + g_step * s * (1.0 / q - floor_sq / denominator)
+        if down is not None:  # the coefficients of h and f act on (h, f) 2^-e (exact: powers of two)
+            t, mu_f = t * down, mu_f * down
+            if want_h:
+                coef_h = coef_h * down
         if kernels is None:
             grad_h = grad_f = None
             if want_f:
@@ -303,6 +352,8 @@ class _SphereResidual(torch.autograd.Function):
             )
         if want_s:
             per_row = g_step if rho is None else g_step * rho  # d(s rho)/ds = rho
+            if down is not None:  # a rescaled row's dL/ds is 2^e times the scaled row's
+                per_row = per_row / down
             grad_s = per_row.sum().reshape(())
         return grad_h, grad_f, grad_s, None, None
 
@@ -356,7 +407,10 @@ def sphere_residual(
 
     Args:
         h: ``(..., d)`` points with nonzero rows; the sphere radius of each row is read from
-            :math:`\|h\|`.
+            :math:`\|h\|`. Rows of any norm whose largest entry is a normal number are exact where
+            the C++ kernels run them; on the ATen path (CUDA, kernels off, a user's retraction in
+            the normalized step, ...) a row of norm below :math:`2^{-32}` (float32) or
+            :math:`2^{-300}` (float64) comes out NaN (see the module docstring).
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
         scale: step size :math:`s` (a scalar tensor, may require grad, or a finite number).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere

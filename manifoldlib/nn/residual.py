@@ -109,7 +109,10 @@ class SphereResidual(nn.Module):
             small C++ kernels, compiled on first use into torch's extension cache
             (``TORCH_EXTENSIONS_DIR``); ``MANIFOLDLIB_CPU_KERNELS=0`` switches them off, and
             if they cannot be built it warns once and uses ATen, as on every other device.
-            The normalized step's per-row factor is plain autograd in both cases.
+            The normalized step's per-row factor is plain autograd in both cases. Rows of tiny
+            norm (float32 below :math:`2^{-32}`, float64 below :math:`2^{-300}`) are exact where
+            the C++ kernels run them and come out NaN on the ATen path (which includes a user's
+            retraction in the normalized step; :func:`~manifoldlib.nn.sphere_residual`).
 
     Shapes: ``h`` and ``f`` are ``(..., d)``; the output is ``(..., d)`` in ``h``'s dtype.
     """

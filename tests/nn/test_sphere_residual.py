@@ -345,3 +345,93 @@ def test_literal_step_keeps_the_norm_for_an_update_mostly_along_h(retraction, dt
     # and the step itself: theta(0.5 ||P_h f|| / r) from the reference in float64
     want = sphere_residual_reference(h.double(), f.double(), 0.5, ret)
     assert _rel(out.double(), want) <= (1e-6 if dtype == torch.float32 else 1e-9)
+
+
+def _exact_on(kernels: bool, retraction: str, normalize_eps) -> bool:
+    """Whether the path a call takes computes rows of tiny norm exactly (rescaled by powers of two):
+    the C++ kernels (the row kernels of the built-ins; the separate passes of a user's literal step)
+    where they are built and switched on; the ATen path returns such rows NaN."""
+    from manifoldlib import _cpu_kernels
+
+    return kernels and _cpu_kernels.available() and (retraction != "user-p3" or normalize_eps is None)
+
+
+def _on_path(kernels: bool, fn):
+    from manifoldlib import _cpu_kernels
+
+    if kernels:
+        return fn()
+    with _cpu_kernels.disabled():
+        return fn()
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "aten"])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+@pytest.mark.parametrize(("dtype", "norm"), [(torch.float32, 1e-20), (torch.float32, 1e-30), (torch.float64, 1e-160)])
+def test_rows_of_tiny_norm_stay_on_their_sphere_or_come_out_nan(dtype, norm, retraction, normalize_eps, kernels):
+    """Rows whose ||h||² underflows. With ||h||² floored at the dtype's smallest normal every fused
+    path returned them off their sphere without a sign: here ||out||/||h|| of 1.6 (literal) and 5
+    to 1.2e6 (normalized), gradients off by 50 % to inf, or NaN. The C++ kernels now compute them
+    rescaled by a power of two: on the sphere to rounding, values and gradients those of the float64
+    reference on the rows scaled up by a power of two (the update is homogeneous of degree 1 in
+    (h, f), its gradients in h, f of degree 0 and in s of degree 1). The ATen path returns them
+    NaN, values and gradients."""
+    ret = RETRACTIONS[retraction]
+    h, f = _case(31, 7, 40, radius=norm, f_scale=1.5, dtype=dtype)
+    up = 2.0 ** -math.floor(math.log2(norm))  # brings the rows to norm in [1, 2)
+
+    def fn(a, b, s, r):
+        return sphere_residual(a, b, s, r, normalize_eps=normalize_eps)
+
+    def reference(a, b, s, r):
+        return sphere_residual_reference(a, b, s, r, normalize_eps=normalize_eps)
+
+    out, grad_h, grad_f, grad_s = _on_path(kernels, lambda: _values_and_grads(fn, h, f, 0.7, ret))
+    if not _exact_on(kernels, retraction, normalize_eps):
+        assert all(bool(torch.isnan(t).all()) for t in (out, grad_h, grad_f, grad_s))
+        return
+    eps = torch.finfo(dtype).eps
+    ratio = (up * out.double()).norm(dim=-1) / (up * h.double()).norm(dim=-1)  # (rows,), norms in range
+    assert float((ratio - 1.0).abs().max()) <= 4 * eps
+    truth = _values_and_grads(reference, up * h.double(), up * f.double(), 0.7, ret)  # exact scaling
+    assert _rel(up * out.double(), truth[0]) <= 4 * eps
+    assert _rel(grad_h.double(), truth[1]) <= 8 * eps
+    assert _rel(grad_f.double(), truth[2]) <= 8 * eps
+    assert abs(up * float(grad_s) - float(truth[3])) <= 8 * eps * abs(float(truth[3]))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "aten"])
+@pytest.mark.parametrize(("retraction", "normalize_eps"), [("gnomonic", None), ("exp", 1e-6), ("user-p3", None),
+                                                          ("user-p3", 1e-6)])
+@pytest.mark.parametrize(("dtype", "exponent", "edge"), [(torch.float32, -100, -30), (torch.float64, -532, -290)])
+def test_rows_of_tiny_norm_leave_the_other_rows_alone(dtype, exponent, edge, retraction, normalize_eps, kernels):
+    """A batch of rows in range, rows just above the ATen path's floor (norm 2^edge) and rows of
+    tiny norm (2^exponent): the rows in range get the bits they get in a batch without the others,
+    the rows at the edge are right on every path, and the tiny rows are exact multiples of their
+    twins in range where the path computes them (C++ kernels), NaN where it does not (ATen)."""
+    ret = RETRACTIONS[retraction]
+    h, f = _case(32, 9, 24, radius=1.0, f_scale=1.5, dtype=dtype)
+    row_scale = torch.ones(9, 1, dtype=dtype)
+    row_scale[3:6], row_scale[6:] = 2.0**edge, 2.0**exponent  # powers of two: exact
+
+    def fn(a, b, s, r):
+        return sphere_residual(a, b, s, r, normalize_eps=normalize_eps)
+
+    unit = _on_path(kernels, lambda: _values_and_grads(fn, h, f, 0.7, ret))
+    mixed = _on_path(kernels, lambda: _values_and_grads(fn, row_scale * h, row_scale * f, 0.7, ret))
+    assert torch.equal(mixed[0][:3], unit[0][:3])
+    assert torch.equal(mixed[1][:3], unit[1][:3]) and torch.equal(mixed[2][:3], unit[2][:3])
+    # at the edge: the values and gradients of the twins in range, to the rounding of the path
+    tolerance = 64 * torch.finfo(dtype).eps
+    assert _rel(mixed[0][3:6] / row_scale[3:6], unit[0][3:6]) <= tolerance
+    for k in (1, 2):
+        assert _rel(mixed[k][3:6], unit[k][3:6]) <= tolerance
+    tiny = [mixed[0][6:], mixed[1][6:], mixed[2][6:]]
+    if _exact_on(kernels, retraction, normalize_eps):
+        assert torch.equal(tiny[0], unit[0][6:] * 2.0**exponent)
+        assert torch.equal(tiny[1], unit[1][6:]) and torch.equal(tiny[2], unit[2][6:])
+        assert bool(torch.isfinite(mixed[3]))
+    else:
+        assert all(bool(torch.isnan(t).all()) for t in tiny)
+        assert bool(torch.isnan(mixed[3]))  # the gradient in s sums over the rows

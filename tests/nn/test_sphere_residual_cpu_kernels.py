@@ -193,7 +193,8 @@ def _dot_cases(dtype, rows=16, dim=8191):
     x = (1.0 + 1e-2 * torch.randn(rows, dim, generator=g, dtype=torch.float64)).to(dtype)
     y = (1.0 + 1e-2 * torch.randn(rows, dim, generator=g, dtype=torch.float64)).to(dtype)
     z = torch.randn(rows, dim, generator=g, dtype=torch.float64).to(dtype)
-    fwd, bwd = ops.forward_dots(x, y), ops.backward_dots(z, x, y)
+    (fwd, factors), bwd = ops.forward_dots(x, y), ops.backward_dots(z, x, y)
+    assert factors.numel() == 0  # rows in range: none rescaled
     assert fwd.dtype == bwd.dtype == dtype
     assert fwd.shape == (rows, 3) and bwd.shape == (rows, 2)
     return [
@@ -333,3 +334,82 @@ def test_row_kernels_across_the_series_switch_of_k_prime(spy, p, normalize_eps):
         truth = _values_and_grads(ref, h, f, scale, retraction)
         for a, b in zip(mine, truth):
             assert _err(a, b) <= 1e-12 * max(float(b.norm()), 1.0)
+
+
+@pytest.mark.parametrize(("name", "normalize_eps"), [("gnomonic", None), ("cayley", 1e-6), ("p=1.5", None),
+                                                     ("exp", 1e-6), ("user-p3", None)])
+@pytest.mark.parametrize(("dtype", "exponent"), [(torch.float32, -66), (torch.float32, -100), (torch.float32, 40),
+                                                 (torch.float64, -532), (torch.float64, -360), (torch.float64, 400)])
+def test_kernels_compute_rows_out_of_range_rescaled_bit_for_bit(spy, dtype, exponent, name, normalize_eps):
+    """Rows scaled by 2^exponent: tiny ones whose ||h||² underflows (float32 2^-66, 2^-100; float64
+    2^-532) or whose per-row math does (float64 2^-360: terms like a <g, h> ~ ||h||³), and huge ones
+    (float32 2^40, float64 2^400). The kernels compute a row out of range on its copy scaled by a
+    power of two, so its values are 2^exponent times those of its twin in range and its gradients
+    the twin's, bit for bit, next to rows in range that keep their own bits. Before, the row kernels
+    floored ||h||² at float32's smallest normal and under- or overflowed in float64 (off the sphere
+    by up to 1e6, gradients off by 100 % at 2^-360, NaN at 2^400), and the separate passes of a
+    user's retraction, whose per-row math in the input dtype forms a² ~ ||h||⁴, lost the step
+    (float32 2^40, float64 2^-360 and 2^400 included)."""
+    retraction = RETRACTIONS[name]
+    h, f = _case(10, (9, 40), radius=1.0, f_scale=1.5, dtype=dtype)
+    factor = 2.0**exponent
+    row_scale = torch.ones(9, 1, dtype=dtype)
+    row_scale[4:] = factor
+
+    def fn(a, b, s, r):
+        return sphere_residual(a, b, s, r, normalize_eps=normalize_eps)
+
+    unit = _values_and_grads(fn, h, f, 0.7, retraction)
+    spy.calls.clear()
+    mixed = _values_and_grads(fn, row_scale * h, row_scale * f, 0.7, retraction)
+    assert spy.calls == list(_kernels_of(name))
+    assert torch.equal(mixed[0], row_scale * unit[0])
+    assert torch.equal(mixed[1], unit[1]) and torch.equal(mixed[2], unit[2])
+    scaled = _values_and_grads(fn, factor * h, factor * f, 0.7, retraction)  # every row rescaled
+    assert torch.equal(scaled[3], factor * unit[3])  # dL/ds: degree 1, a sum of exactly scaled rows
+    ratio = (mixed[0] / row_scale).double().norm(dim=-1) / h.double().norm(dim=-1)  # (rows,)
+    assert float((ratio - 1.0).abs().max()) <= 4 * torch.finfo(dtype).eps
+
+
+def test_kernels_mark_the_rows_they_rescale():
+    # forward_dots: the dots of the scaled row and its factor 2^-e (e of the largest |h_i|), 1 for
+    # the rows in range; sphere_step_forward: the scaled row's stats, its q negated
+    ops = _cpu_kernels.load()
+    h, f = _case(3, (4, 16), radius=1.0, f_scale=1.0, dtype=torch.float32)
+    row_scale = torch.tensor([[1.0], [2.0**-90], [1.0], [2.0**70]])
+    dots, factors = ops.forward_dots(row_scale * h, row_scale * f)
+    _, e = torch.frexp(h.abs().amax(-1))  # the unit rows' exponents
+    expected = torch.ones(4)
+    expected[1], expected[3] = math.ldexp(1.0, 90 - int(e[1])), math.ldexp(1.0, -70 - int(e[3]))
+    assert torch.equal(factors, expected)
+    twin, _ = ops.forward_dots(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f)
+    assert torch.equal(dots, twin)
+    _, stats = ops.sphere_step_forward(row_scale * h, row_scale * f, 0.5, 0, 1.0, 0.0)
+    _, twin_stats = ops.sphere_step_forward(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f,
+                                            0.5, 0, 1.0, 0.0)
+    assert torch.equal(stats[:, 0], torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64) * twin_stats[:, 0])
+    assert torch.equal(stats[:, 1:], twin_stats[:, 1:])
+
+
+@pytest.mark.parametrize("name", ["cayley", "user-p3"])
+@pytest.mark.parametrize("which", ["h", "f", "expanded"])
+def test_rescaled_rows_with_one_input_gradient_or_an_expanded_upstream_gradient(spy, which, name):
+    # the backward's other branches (one gradient; an expanded upstream gradient, which the
+    # separate passes' backward reads with ATen) on rows the forward rescaled: the twin's gradients
+    h, f = _case(8, (7, 16))
+    retraction = RETRACTIONS[name]
+    grads = []
+    for factor in (1.0, 2.0**-600):
+        a = (factor * h).requires_grad_(which != "f")
+        b = (factor * f).requires_grad_(which != "h")
+        out = sphere_residual(a, b, 0.5, retraction)
+        if which == "expanded":
+            out.sum().backward()
+        else:
+            (out * torch.arange(16.0, dtype=torch.float64)).sum().backward()
+        grads.append((a.grad, b.grad))
+    assert _kernels_of(name)[0] in spy.calls and set(spy.calls) <= set(_kernels_of(name))
+    (grad_h, grad_f), (twin_h, twin_f) = grads
+    assert (grad_h is None, grad_f is None) == {"h": (False, True), "f": (True, False)}.get(which, (False, False))
+    for mine, twin in ((grad_h, twin_h), (grad_f, twin_f)):
+        assert (mine is None and twin is None) or torch.equal(mine, twin)
