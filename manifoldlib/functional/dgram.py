@@ -30,18 +30,12 @@ def dgram_normal_multiplier(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
     ``WS`` is the normal component of ``Z`` at ``W``: ``(..., n, n)``.
 
-    ``S`` is unchanged by :math:`(W, Z) \mapsto (\alpha W, \alpha Z)`: both are divided by the power
-    of two of each matrix's largest :math:`|w_{ij}|` first (exact), so that :math:`d_i^2` neither
-    overflows (float32 columns of norm 1e20 gave NaN) nor underflows into the subnormals (columns
-    of norms 1e-21 .. 1e-15 left the projection off tangent by 2e-5 relative). One reduction and
-    two scaled copies.
+    Scale-safe (:func:`~manifoldlib.functional.normal_space.normal_multiplier` brings ``W``'s
+    largest entry into :math:`[0.5, 1)` by a power of two), so :math:`d_i^2` neither overflows
+    (float32 columns of norm 1e20 gave NaN) nor underflows into the subnormals (columns of norms
+    1e-21 .. 1e-15 left the projection off tangent by 2e-5 relative).
     """
-    if w.numel() == 0:
-        return normal_multiplier(w, z, off_diagonal)
-    top = w.detach().abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
-    exponent = torch.frexp(top)[1]
-    scale = torch.ldexp(torch.ones_like(top), -exponent)  # 2^-e: max |w| in [0.5, 1); 1 for a zero w
-    return normal_multiplier(w * scale, z * scale, off_diagonal)
+    return normal_multiplier(w, z, off_diagonal)
 
 
 def dgram_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from ..functional.gram_rsqrt import normalize_gram_factor
 from ..functional.normal_space import diagonal_part, normal_multiplier
-from ..functional.oblique import oblique_constraint_deviation, oblique_exp
+from ..functional.oblique import oblique_constraint_deviation, oblique_exp, oblique_project_tangent
 from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
@@ -45,6 +45,12 @@ class Oblique(MatrixConstraintManifold):
 
     def normal_multiplier(self, w, z):
         return normal_multiplier(w, z, diagonal_part)
+
+    def proju(self, x, u):
+        r""":math:`u - x\operatorname{diag}(x_j^\top u_j/\|x_j\|^2)`, column by column (``O(mn)``, no
+        ``n x n`` product; scale-safe, :func:`~manifoldlib.functional.oblique_project_tangent`)."""
+        self._validate_pair(x, u)
+        return oblique_project_tangent(x, u)
 
     def constraint_deviation(self, w):
         r""":math:`\|w_j\|^2 - 1`, ``(..., n)``."""

@@ -87,3 +87,44 @@ def test_dual_options_validate_once_and_are_plain_data():
         DualOptions(max_iter=1.5)
     with pytest.raises(TypeError, match="dual options must be None, a dict or a DualOptions, got list"):
         DualOptions.coerce([1])
+
+
+@pytest.mark.parametrize("exponent", [20, 25, -20, -22, -25, -30], ids=str)
+def test_float32_normal_multiplier_and_oblique_projection_at_any_column_scale(exponent):
+    # d_i^2 + d_j^2 overflowed (columns of norm 1e20: NaN) or fell into the subnormals (1e-20:
+    # 1.6e-6, 1e-22: 5e-3 off tangent relative; 1e-25: NaN) in float32
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(30, 6, generator=gen, dtype=F64) * 10.0**exponent).float()
+    z = (torch.randn(30, 6, generator=gen, dtype=F64) * 10.0**exponent).float()
+    ref = z.double() - w.double() @ normal_multiplier(w.double(), z.double(), diagonal_part)  # float64 oracle
+    for out in (oblique_project_tangent(w, z), z - w @ normal_multiplier(w, z, diagonal_part)):
+        assert bool(torch.isfinite(out).all())
+        column_error = (out.double() - ref).norm(dim=-2) / ref.norm(dim=-2)
+        assert float(column_error.max()) <= 1e-6, column_error.tolist()
+        cosines = (w.double() * out.double()).sum(-2) / (w.double().norm(dim=-2) * out.double().norm(dim=-2))
+        assert float(cosines.abs().max()) <= 1e-6
+
+
+def test_oblique_projection_keeps_each_column_whatever_the_spread_of_column_norms():
+    # one scale per column: norms from 1e-30 to 1e30 in one float32 matrix (a per-matrix scale
+    # would leave the small columns' ||w_j||^2 at zero)
+    gen = torch.Generator().manual_seed(12)
+    d = torch.logspace(-30, 30, 6, dtype=F64)
+    w = (torch.randn(30, 6, generator=gen, dtype=F64) * d).float()
+    z = (torch.randn(30, 6, generator=gen, dtype=F64) * d).float()
+    ref = oblique_project_tangent(w.double(), z.double())
+    out = oblique_project_tangent(w, z)
+    column_error = (out.double() - ref).norm(dim=-2) / ref.norm(dim=-2)
+    assert float(column_error.max()) <= 1e-6, column_error.tolist()
+
+
+def test_float64_oblique_projection_matches_the_multiplier_form():
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(3, 11, 5, generator=gen, dtype=F64) * torch.logspace(-200, 200, 5, dtype=F64)
+    z = torch.randn(3, 11, 5, generator=gen, dtype=F64)
+    out = oblique_project_tangent(w, z)
+    w1 = w / w.abs().amax(dim=-2, keepdim=True)
+    w1 = w1 / w1.norm(dim=-2, keepdim=True)  # the same projection at unit columns
+    ref = z - w1 * (w1 * z).sum(-2, keepdim=True)
+    torch.testing.assert_close(out, ref, atol=1e-15, rtol=1e-13)
+    torch.testing.assert_close(Oblique().proju(w1, z), ref, atol=1e-15, rtol=1e-13)
