@@ -11,11 +11,14 @@ every result to every rank. That single-buffer all_gather (``all_gather_single``
 
 Every rank must call :func:`sharded_apply` with the same list of shapes and dtypes in the same
 order (true for the parameters of a DDP-replicated model), and ``fn`` must be deterministic for
-the results to equal a single-process run bit for bit.
+the results to equal a single-process run bit for bit. Each rank's payload ends in a digest of
+its shapes, dtypes and owners, so ranks that disagree (parameters in another order, of another
+shape or dtype) raise on every rank instead of unpacking each other's results as their own.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -169,6 +172,52 @@ def _checked_result(i: int, tensor: torch.Tensor, out: object) -> torch.Tensor:
     return out
 
 
+#: Bytes of the layout digest that ends every rank's payload (:func:`_layout_digest`).
+_DIGEST_BYTES = 8
+
+
+def _layout(tensors: Sequence[torch.Tensor], owners: Sequence[int], world_size: int) -> list:
+    return [[(tuple(t.shape), str(t.dtype)) for t in tensors], list(owners), world_size]
+
+
+def _layout_digest(layout: list) -> torch.Tensor:
+    """8 bytes (uint8) of a hash of what a call's layout is: shapes, dtypes, owners, world size
+    (``hashlib``: the same in every process, unlike ``hash`` of a string)."""
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=_DIGEST_BYTES).digest()
+    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+
+
+def _check_same_layout(tags: list[torch.Tensor], mine: torch.Tensor, layout: list,
+                       process_group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank (all see the same gathered digests) where a rank's digest differs
+    from this one's, naming the first tensor whose shape, dtype or owner differs."""
+    seen = [t.cpu() for t in tags]  # (W, 8) per dtype; the first read waits for every gather
+    if all(bool((t == mine).all()) for t in seen):
+        return
+    from .collectives import all_gather_objects  # the error path only: every rank is here
+
+    layouts = all_gather_objects(layout, process_group)
+    rank = next((r for r in range(len(layouts)) if layouts[r] != layouts[0]), None)
+    if rank is None:  # equal layouts, different digests: the payloads were damaged in transit
+        raise ValueError("sharded_apply: the gathered payloads do not end in the digest every "
+                         "rank sent; the results are not trustworthy")
+    (specs_0, owners_0, _), (specs_r, owners_r, _) = layouts[0], layouts[rank]
+    if len(specs_0) != len(specs_r):
+        detail = f"rank 0 passed {len(specs_0)} tensors, rank {rank} {len(specs_r)}"
+    else:
+        i = next((i for i in range(len(specs_0)) if specs_0[i] != specs_r[i]), None)
+        if i is not None:
+            detail = (f"tensor {i} is {specs_0[i][0]} {specs_0[i][1]} on rank 0 and "
+                      f"{specs_r[i][0]} {specs_r[i][1]} on rank {rank}")
+        else:
+            i = next(i for i in range(len(owners_0)) if owners_0[i] != owners_r[i])
+            detail = f"tensor {i} is owned by rank {owners_0[i]} on rank 0 and by rank " \
+                     f"{owners_r[i]} on rank {rank}"
+    raise ValueError(f"sharded_apply: the ranks passed different tensors or owners ({detail}); "
+                     f"every rank must pass the same shapes and dtypes in the same order, and "
+                     f"the same owners")
+
+
 def sharded_apply(
     tensors: Sequence[torch.Tensor],
     fn: Callable[[int, torch.Tensor], torch.Tensor],
@@ -206,6 +255,11 @@ def sharded_apply(
         ValueError: ``fn`` returned a wrong shape or dtype, a bad ``owners``/``strategy``, or
             tensors of one dtype on different devices. Raised before any collective on the
             rank that detects it; the other ranks then fail at the process group's timeout.
+            Also, on every rank, where the ranks passed different shapes, dtypes or order, or
+            different ``owners``: each rank's payload ends in an 8-byte digest of them, checked
+            after the gathers (one host read per call, which waits for the gathers on CUDA).
+            Ranks whose payloads differ in size, or that gather a different number of dtypes,
+            fail in the collective instead (a size error, or the timeout).
     """
     rank, world_size = get_rank_world(process_group)
     tensors = list(tensors)
@@ -218,6 +272,9 @@ def sharded_apply(
         return [_checked_result(i, t, fn(i, t)) for i, t in enumerate(tensors)]
 
     results: list[torch.Tensor | None] = [None] * len(tensors)
+    layout = _layout(tensors, owners, world_size)
+    digest = _layout_digest(layout)
+    tags: list[torch.Tensor] = []
     # one buffer per dtype, in first-appearance order (the same on every rank)
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -236,16 +293,22 @@ def sharded_apply(
             for i in indices:
                 offsets[i] = payload[owners[i]]
                 payload[owners[i]] += tensors[i].numel()
-            width = max(payload)
+            size = torch.empty((), dtype=dtype).element_size()
+            data = max(payload)
+            width = data + -(-_DIGEST_BYTES // size)  # the digest after the largest payload
             send = torch.zeros(width, dtype=dtype, device=device)
+            send[data:].view(torch.uint8)[:_DIGEST_BYTES].copy_(digest)
             for i in indices:
                 if owners[i] == rank:
                     out = _checked_result(i, tensors[i], fn(i, tensors[i]))
                     send[offsets[i] : offsets[i] + out.numel()].copy_(out.reshape(-1))
             gathered = torch.empty(world_size * width, dtype=dtype, device=device)
-            if width > 0:  # every rank agrees: width depends only on shapes and owners
-                _all_gather_flat(gathered, send, process_group)
+            _all_gather_flat(gathered, send, process_group)
+            rows = gathered.view(torch.uint8).view(world_size, width * size)
+            tags.append(rows[:, data * size:data * size + _DIGEST_BYTES])
             for i in indices:
                 start = owners[i] * width + offsets[i]
                 results[i] = gathered[start : start + tensors[i].numel()].view(tensors[i].shape)
+    if tags:
+        _check_same_layout(tags, digest, layout, process_group)
     return results  # type: ignore[return-value]

@@ -93,6 +93,21 @@ def test_sharded_parameters_are_rejected_on_every_rank(reports: list[dict]) -> N
         assert "'fsdp2.weight'" in messages[1] and "'fsdp2.bias'" in messages[2]
 
 
+def test_ranks_passing_different_tensors_or_owners_fail_together_naming_the_first(
+    reports: list[dict],
+) -> None:
+    # the same payload sizes on both ranks, so the gathers succeed: each rank used to unpack
+    # the other's results as its own (a (2, 3) result read as (3, 2), int32 bits as float32)
+    for report in reports:
+        errors = report["mismatches"]
+        assert "tensor 0 is (2, 3) torch.float64 on rank 0 and (3, 2) torch.float64 on rank 1" \
+            in errors["order"]
+        assert "tensor 0 is (4, 4) torch.float32 on rank 0 and (4, 4) torch.int32 on rank 1" \
+            in errors["dtype"]
+        assert "tensor 0 is owned by rank 0 on rank 0 and by rank 1 on rank 1" in errors["owners"]
+        assert all("same shapes and dtypes in the same order" in e for e in errors.values())
+
+
 MUON_STEPS = 10
 
 

@@ -83,7 +83,28 @@ def sharding_job(rank: int) -> dict:
     report["singleton_rank_world"] = get_rank_world(own_group)
     report["singleton"] = sharded_apply(tensors, reference_fn, process_group=own_group)
     report["rejections"] = _dtensor_rejections()
+    report["mismatches"] = _mismatch_errors(rank)
     return report
+
+
+def _mismatch_errors(rank: int) -> dict[str, str]:
+    """What :func:`sharded_apply` says where the ranks pass the same payload sizes but another
+    order, dtype or owners (each case once per rank; ``"no error"`` where it returned)."""
+    swapped = [(2, 3), (3, 2)] if rank == 0 else [(3, 2), (2, 3)]  # equal costs: same owners
+    cases = {
+        "order": ([torch.full(s, float(rank), dtype=torch.float64) for s in swapped], None),
+        "dtype": ([torch.ones(4, 4, dtype=torch.float32 if rank == 0 else torch.int32)] * 2,
+                  None),
+        "owners": ([torch.ones(4, 4)] * 2, [0, 1] if rank == 0 else [1, 0]),
+    }
+    out = {}
+    for name, (tensors, owners) in cases.items():
+        try:
+            sharded_apply(tensors, lambda i, t: t * 2, owners=owners)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
 
 
 def _dtensor_rejections() -> list[str]:
