@@ -102,12 +102,25 @@ def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequ
         Per source rank, its tensors as views of one received buffer.
 
     Raises:
-        ValueError: ``outgoing`` or ``incoming`` does not have one entry per rank.
+        ValueError: ``outgoing`` or ``incoming`` does not have one entry per rank, or what this
+            rank sends itself (``outgoing[rank]``) is not what it expects from itself
+            (``incoming[rank]``), naming the first piece that differs. What another rank sends
+            is not checked against ``incoming`` (that would cost communication): a plan that
+            disagrees in byte counts fails in the all-to-all, one that agrees in bytes only
+            unpacks the pieces as ``incoming`` says.
     """
-    world = get_rank_world(process_group)[1]
+    rank, world = get_rank_world(process_group)
     if len(outgoing) != world or len(incoming) != world:
         raise ValueError(f"exchange needs one outgoing and one incoming list per rank ({world}), got "
                          f"{len(outgoing)} and {len(incoming)}")
+    sent = [(tuple(t.shape), t.dtype) for t in outgoing[rank]]
+    expected = [(tuple(shape), dtype) for shape, dtype in incoming[rank]]
+    if sent != expected:
+        i = next((i for i, (a, b) in enumerate(zip(sent, expected)) if a != b), min(len(sent), len(expected)))
+        got = f"{sent[i][0]} {sent[i][1]}" if i < len(sent) else "nothing"
+        want = f"{expected[i][0]} {expected[i][1]}" if i < len(expected) else "nothing"
+        raise ValueError(f"exchange: rank {rank} sends itself {len(sent)} pieces and expects {len(expected)} "
+                         f"from itself; piece {i} is {got} in outgoing[{rank}] and {want} in incoming[{rank}]")
     device = next((t.device for pieces in outgoing for t in pieces), torch.device("cpu"))
     send_sizes = [sum(piece_bytes(t.shape, t.dtype) for t in pieces) for pieces in outgoing]
     recv_sizes = [sum(piece_bytes(shape, dtype) for shape, dtype in specs) for specs in incoming]

@@ -42,6 +42,18 @@ def test_exchange_needs_one_list_per_rank():
         exchange([[], []], [[], []])
 
 
+@pytest.mark.parametrize("expected, needle", [
+    ([((2, 3), torch.float32)], r"piece 0 is \(3, 2\) torch.float32 in outgoing\[0\] and \(2, 3\) torch.float32"),
+    ([((3, 2), torch.int32)], r"piece 0 is \(3, 2\) torch.float32 in outgoing\[0\] and \(3, 2\) torch.int32"),
+    ([((3, 2), torch.float32), ((1,), torch.float32)], r"1 pieces and expects 2 .* piece 1 is nothing"),
+])
+def test_exchange_refuses_pieces_this_rank_sends_itself_in_another_layout(expected, needle):
+    # the received bytes used to be unpacked as incoming says: a (3, 2) piece came back as
+    # (2, 3), float32 bits as int32 (1.0 as 1065353216), silently
+    with pytest.raises(ValueError, match=needle):
+        exchange([[torch.ones(3, 2)]], [expected])
+
+
 def test_exchange_bytes_counts_aligned_pieces_sent_to_other_ranks():
     specs = [[((3, 5), torch.float32)], [((3,), torch.bfloat16), ((2, 2), torch.float64)]]
     assert piece_bytes((3,), torch.bfloat16) == ALIGNMENT  # 6 bytes, aligned to 8
