@@ -76,16 +76,22 @@ class Sphere(RetractionManifold):
         return True, None
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        norm = x.norm(dim=-1)
-        err = (norm - self.radius).abs()
-        ok = bool((err <= atol + rtol * self.radius).all())
-        return ok, None if ok else f"||x|| - r = {err.max().item():.3e} exceeds atol={atol}, rtol={rtol} (r={self.radius})"
+        # judged in units of r (|| x/r || = 1): an absolute atol let any point of a small sphere
+        # pass (radius 1e-10: the zero vector, 3x the radius)
+        err = (self._row_norms(x) / self.radius - 1.0).abs()
+        ok = bool((err <= atol + rtol).all())
+        return ok, None if ok else (
+            f"| ||x||/r - 1 | = {err.max().item():.3e} exceeds atol={atol}, rtol={rtol} (r={self.radius})"
+        )
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        # <x/r, u/r>: the normal component of u in units of r, as the step beta = ||u||/r is (an
+        # absolute bound on <x, u> let u = x pass on spheres of radius 1e-4 and below)
+        x, u = x / self.radius, u / self.radius
         inner = (x * u).sum(-1).abs()
-        bound = atol + rtol * self.radius * u.norm(dim=-1)
+        bound = atol + rtol * u.norm(dim=-1)
         ok = bool((inner <= bound).all())
-        return ok, None if ok else f"<x, u> = {inner.max().item():.3e} exceeds atol={atol}, rtol={rtol}"
+        return ok, None if ok else f"<x/r, u/r> = {inner.max().item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     # -- value checks -------------------------------------------------------------------
     def _row_norms(self, x: torch.Tensor) -> torch.Tensor:

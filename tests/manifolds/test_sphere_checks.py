@@ -254,3 +254,22 @@ def test_skipped_checks_give_the_same_points_on_valid_input():
     checked = s.retr(x, 0.7 * u)
     with skip_value_checks():
         assert torch.equal(s.retr(x, 0.7 * u), checked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("radius", [1e-10, 1e-4, 1.0, 1e4, 1e12])
+def test_point_and_tangent_checks_are_judged_in_units_of_the_radius(dtype, radius):
+    # an absolute atol let any point of a small sphere pass (radius 1e-10: the zero vector and
+    # 3x the radius) and u = x (fully normal) pass as tangent from radius 1e-4 down
+    s = Sphere(radius)
+    x = _points(s, 6, 9, torch.float64)
+    u = s.proju(x, radius * torch.randn(6, 9, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    assert s.check_point_on_manifold(x.to(dtype))  # valid, rounded to the dtype
+    assert s.check_vector_on_tangent(x.to(dtype), u.to(dtype))
+    for bad in (torch.zeros_like(x), 3 * x, 1.001 * x):
+        assert not s.check_point_on_manifold(bad.to(dtype))
+    normal = u.clone()
+    normal[2] += 1e-3 * x[2]  # cosine ~ 1e-3 with the normal in row 2
+    for v in (x, normal):
+        ok, reason = s.check_vector_on_tangent(x.to(dtype), v.to(dtype), explain=True)
+        assert not ok and "exceeds" in reason
