@@ -51,7 +51,7 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
 
 __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
            "finished_summary", "load_optimizer_state", "prepare_run", "read_saved_config",
-           "resumed_rows", "with_legacy_defaults"]
+           "resumed_changes", "resumed_rows", "with_legacy_defaults"]
 
 
 def with_legacy_defaults(saved: dict) -> dict:
@@ -95,6 +95,29 @@ def check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
                        + f"; only {', '.join(sorted(RESUMABLE_FIELDS))} may change")
 
 
+def resumed_changes(saved: TrainConfig, new: TrainConfig, saved_world: int | None = None,
+                    world_size: int = 1) -> str | None:
+    """The line a resume prints when it changes resumable fields (``stop_at`` aside, which
+    every resume clears), or ``None``. With ``dropout > 0`` a change of ``grad_accum_steps`` or
+    of the number of processes draws other dropout masks from then on (each micro-batch or rank
+    share runs its own forward), so the run no longer follows the uninterrupted one; the line
+    says so."""
+    old_values, new_values = saved.to_dict(), new.to_dict()
+    changed = [f"{k} {old_values[k]!r} -> {new_values[k]!r}" for k in sorted(RESUMABLE_FIELDS)
+               if k != "stop_at" and old_values[k] != new_values[k]]
+    if saved_world is not None and saved_world != world_size:
+        changed.append(f"processes {saved_world} -> {world_size}")
+    if not changed:
+        return None
+    line = "resuming with changed settings: " + ", ".join(changed)
+    split = saved.grad_accum_steps != new.grad_accum_steps or (
+        saved_world is not None and saved_world != world_size)
+    if split and new.dropout > 0:
+        line += (f" (with dropout {new.dropout} the batch's forwards are split otherwise, so the "
+                 f"dropout masks from here on differ from an uninterrupted run's)")
+    return line
+
+
 def _check_world_size(cfg: TrainConfig, world_size: int) -> None:
     parts = world_size * cfg.grad_accum_steps
     if cfg.batch_size % parts:
@@ -105,7 +128,8 @@ def _check_world_size(cfg: TrainConfig, world_size: int) -> None:
                           f"across micro-steps and ranks, so choose a multiple of {parts}")
 
 
-def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool) -> dict:
+def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
+                     world_size: int = 1) -> dict:
     ckpt, note = load_checkpoint(out, move_damaged=is_main)
     if note is not None and echo and is_main:
         print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -118,6 +142,9 @@ def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool) -> 
     if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
         raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
                        f"is already at step {ckpt['step']}")
+    changes = resumed_changes(saved_cfg, cfg, ckpt.get("world_size"), world_size)
+    if changes is not None and echo and is_main and ckpt["step"] < cfg.steps:
+        print(changes, flush=True)
     return ckpt
 
 
@@ -167,7 +194,7 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
     stale = check_run_dir(out, resume)
     if stale:
         _check_own_run_files(out)
-    ckpt = _open_checkpoint(out, cfg, is_main, echo) if resume else None
+    ckpt = _open_checkpoint(out, cfg, is_main, echo, world_size) if resume else None
     if ckpt is not None and ckpt["step"] >= cfg.steps:
         return ckpt, None, stale
     corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,

@@ -185,6 +185,22 @@ def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
 
 
+def test_a_resume_that_changes_settings_names_them_and_what_dropout_makes_of_it(tmp_path, capsys):
+    # with dropout, grad_accum_steps 2 draws other masks than 1 (step 1's loss differs in the
+    # third digit), so such a resume leaves the uninterrupted run; it used to pass unsaid
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "8", "--eval_interval", "4", "--dropout", "0.1",
+                         "--stop_at", "4"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["--resume", "--steps", "6", "--grad_accum_steps", "2", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "resuming with changed settings: grad_accum_steps 1 -> 2, steps 8 -> 6 (with " \
+           "dropout 0.1" in said and "dropout masks from here on differ" in said
+    assert main(["--resume", "--steps", "8", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "resuming with changed settings: steps 6 -> 8\n" in said  # saved: the resumed config
+
+
 def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 0
