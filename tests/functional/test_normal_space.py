@@ -128,3 +128,17 @@ def test_float64_oblique_projection_matches_the_multiplier_form():
     ref = z - w1 * (w1 * z).sum(-2, keepdim=True)
     torch.testing.assert_close(out, ref, atol=1e-15, rtol=1e-13)
     torch.testing.assert_close(Oblique().proju(w1, z), ref, atol=1e-15, rtol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_oblique_tangent_check_judges_each_column_by_its_own_norm(dtype):
+    # one bound rtol max|u| for the whole matrix let a fully normal column of norm 1e-2 pass next
+    # to columns of norm 1e4
+    x = _oblique_point(50, 4, seed=5)
+    u = oblique_project_tangent(x, torch.randn(50, 4, generator=torch.Generator().manual_seed(6), dtype=F64))
+    u = u / u.norm(dim=0) * torch.tensor([1e4, 1e4, 1e4, 1e-2], dtype=F64)
+    assert Oblique().check_vector_on_tangent(x.to(dtype), u.to(dtype))
+    bad = u.clone()
+    bad[:, 3] = 1e-2 * x[:, 3]
+    ok, reason = Oblique().check_vector_on_tangent(x.to(dtype), bad.to(dtype), explain=True)
+    assert not ok and "column 3" in reason
