@@ -49,10 +49,18 @@ def row_chunks(rows: int, world_size: int) -> list[int]:
 
 
 def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(start, stop)`` of ``rank``'s rows under ``Shard(0)`` (see :func:`row_chunks`)."""
+    """``(start, stop)`` of ``rank``'s rows under ``Shard(0)`` (see :func:`row_chunks`).
+
+    Raises:
+        ValueError: ``rows < 0``, ``world_size < 1``, or ``rank`` not an int in
+            ``[0, world_size)``.
+    """
+    chunks = row_chunks(rows, world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"row_range needs a rank in [0, {world_size}), got rank={rank!r}")
     chunk = -(-rows // world_size)
     start = min(rank * chunk, rows)
-    return start, start + row_chunks(rows, world_size)[rank]
+    return start, start + chunks[rank]
 
 
 def piece_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -3,6 +3,8 @@ tests/distributed/test_muon_fsdp.py, through ManifoldMuon)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -26,6 +28,14 @@ def test_row_chunks_refuses_bad_sizes_naming_them():
         row_chunks(-1, 2)
     with pytest.raises(ValueError, match="world_size=0"):
         row_chunks(4, 0)
+
+
+@pytest.mark.parametrize("args, needle", [((8, 2, -1), "rank=-1"), ((8, 2, 2), "rank=2"),
+                                          ((8, 0, 0), "world_size=0"), ((8, 2, 1.0), "rank=1.0")])
+def test_row_range_refuses_a_rank_outside_the_world_naming_it(args, needle):
+    # row_range(8, 2, -1) was (-4, 0), silently: Python's negative index into the chunks
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        row_range(*args)
 
 
 def test_exchange_in_one_process_returns_the_pieces_in_their_dtypes():
