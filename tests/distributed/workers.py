@@ -34,7 +34,7 @@ CASES: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (
     ((9,), torch.bfloat16),
     ((32, 8), torch.float64),
     ((5,), torch.int64),
-    ((0, 3), torch.int32),  # a dtype whose tensors are all empty: no gather for it
+    ((0, 3), torch.int32),  # a dtype whose tensors are all empty: only the layout digest is gathered
 )
 
 
