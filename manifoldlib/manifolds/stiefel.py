@@ -91,10 +91,34 @@ class Stiefel(MatrixConstraintManifold):
         return ok, None if ok else f"max |X^T X - I| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
-        s = x.mT @ u
-        err = max_abs(s + s.mT)
-        ok = bool(err <= atol + rtol * max_abs(u))
-        return ok, None if ok else f"max |X^T U + U^T X| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+        r"""Every entry :math:`(i, j)`, the diagonal included:
+        :math:`|x_i^\top u_j + u_i^\top x_j| \le \mathrm{atol} + \mathrm{rtol}\,(\|u_i\| + \|u_j\|)`.
+
+        Each entry is judged against the norms of the two columns it involves (DGram's check at
+        unit column norms), so a small column's normal part counts in full whatever the other
+        columns' sizes: one bound ``rtol max|U|`` for the whole matrix let a fully normal column
+        of norm 1e-2 pass next to columns of norm 1e4. The rounding of a computed
+        :math:`x_i^\top u_j`, of order :math:`m\,\epsilon\,\|u_j\|`, is inside the bound. Products
+        in at least float32; each column norm of ``u`` is taken after dividing the column by its
+        largest entry, so it neither over- nor underflows."""
+        work = torch.promote_types(torch.promote_types(x.dtype, u.dtype), torch.float32)
+        w, v = x.to(work), u.to(work)
+        s = w.mT @ v  # (..., n, n): x_i^T u_j
+        err = (s + s.mT).abs()
+        largest = torch.linalg.vector_norm(v, ord=float("inf"), dim=-2, keepdim=True)  # (..., 1, n)
+        largest = torch.where(largest > 0, largest, torch.ones_like(largest))
+        un = (v / largest).norm(dim=-2) * largest.squeeze(-2)  # (..., n) column norms of u
+        bound = atol + rtol * (un.unsqueeze(-1) + un.unsqueeze(-2))
+        if bool((err <= bound).all()):  # (NaN fails)
+            return True, None
+        excess = torch.nan_to_num(err - bound, nan=float("inf"))
+        flat = int(excess.flatten().argmax())
+        n = x.size(-1)
+        i, j = (flat // n) % n, flat % n
+        return False, (
+            f"|x_i^T u_j + u_i^T x_j| = {float(err.reshape(-1)[flat]):.3e} (columns {i}, {j}) exceeds "
+            f"atol + rtol (||u_i|| + ||u_j||) = {float(bound.reshape(-1)[flat]):.3e} (atol={atol}, rtol={rtol})"
+        )
 
     def projx(self, x):
         r"""Nearest Stiefel point: :math:`UV^\top` from the thin SVD :math:`X = U\Sigma V^\top`.

@@ -224,3 +224,50 @@ def test_expmap_of_a_vector_with_a_normal_part_stays_on_the_manifold(manifold):
     ok, reason = manifold.check_point_on_manifold(y, explain=True, atol=0.0, rtol=1e-13)
     assert ok, reason
     assert _norm(y - manifold.expmap(x, manifold.proju(x, u))) <= 1e-14 * _norm(y)
+
+
+def _stiefel_spread_tangent(m, n, norms, seed):
+    """A Stiefel point ``q`` and, built in float64 (oracle), a tangent vector ``u = Q_perp B + Q A``
+    (``A`` skew) whose column norms are ``norms``; the frame ``[q, Q_perp]`` comes with them."""
+    g = torch.Generator().manual_seed(seed)
+    frame, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
+    q, perp = frame[:, :n], frame[:, n:]
+    b = torch.randn(m - n, n, generator=g, dtype=torch.float64)
+    b = b / b.norm(dim=0) * torch.as_tensor(norms, dtype=torch.float64)
+    a = 1e-3 * torch.randn(n, n, generator=g, dtype=torch.float64)
+    return q, perp @ b + q @ (a - a.mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("normal_to", [3, 2], ids=["own-column", "other-column"])
+def test_stiefel_tangent_check_judges_each_entry_by_its_columns(dtype, normal_to):
+    # one bound rtol max|U| for the whole matrix (0.05 here) let a fully normal column of norm 1e-2
+    # pass next to columns of norm 1e4: u_3 = 1e-2 q_3 (|2 q_3^T u_3| = 2e-2) or u_3 = 1e-2 q_2 with
+    # u_2 of norm 1e-2 too (|q_2^T u_3 + u_2^T q_3| ~ 1e-2)
+    q, u = _stiefel_spread_tangent(30, 4, [1e4, 1e4, 1e-2, 1e-2], seed=0)
+    s = q.mT @ u
+    assert float((s + s.mT).abs().max()) <= 1e-11  # the oracle: tangent
+    assert Stiefel().check_vector_on_tangent(q.to(dtype), u.to(dtype))
+    bad = u.clone()
+    bad[:, 3] = 1e-2 * q[:, normal_to]
+    s = q.mT @ bad
+    i, j = sorted((normal_to, 3))
+    defect = float((s + s.mT)[i, j].abs())
+    assert defect >= 0.5e-2  # the oracle: half the size of column 3, clearly normal
+    ok, reason = Stiefel().check_vector_on_tangent(q.to(dtype), bad.to(dtype), explain=True)
+    assert not ok
+    assert f"columns {i}, {j}" in reason or f"columns {j}, {i}" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(30, 4), (256, 64), (3, 64, 64)], ids=str)
+def test_stiefel_tangent_vectors_with_spread_column_norms_pass(dtype, shape):
+    g = torch.Generator().manual_seed(11)
+    q = Stiefel().random(*shape, generator=g, dtype=torch.float64)
+    d = torch.logspace(-2, 4, shape[-1], dtype=torch.float64)[torch.randperm(shape[-1], generator=g)]
+    z = torch.randn(shape, generator=g, dtype=torch.float64) * d
+    u = Stiefel().proju(q, z)  # float64 tangent vector, rounded to dtype
+    ok, reason = Stiefel().check_vector_on_tangent(q.to(dtype), u.to(dtype), explain=True)
+    assert ok, reason
+    ok, reason = Stiefel().check_vector_on_tangent(q.to(dtype), Stiefel().proju(q.to(dtype), z.to(dtype)), explain=True)
+    assert ok, reason
