@@ -225,6 +225,7 @@ def sharded_apply(
     process_group: dist.ProcessGroup | None = None,
     strategy: str = "size",
     owners: Sequence[int] | None = None,
+    check_layout: bool = True,
 ) -> list[torch.Tensor]:
     r"""Compute ``fn(i, tensors[i])`` on the owner of each ``i`` only; every rank gets every result.
 
@@ -246,6 +247,12 @@ def sharded_apply(
         process_group: the group to shard over; ``None`` for the default group.
         strategy: ownership strategy of :func:`assign_owners`, used when ``owners`` is None.
         owners: a precomputed owner rank per tensor (e.g. cached by an optimizer).
+        check_layout: end each payload in a digest of the shapes, dtypes and owners and compare
+            the gathered digests (below). The check reads them on the host, which on CUDA waits
+            for the gathers: a caller that repeats one layout call after call (an optimizer's
+            step) checks it on the first call and passes ``False`` after. Every rank must pass
+            the same value (the payload sizes differ by the digest: ranks that disagree fail in
+            the collective).
 
     Returns:
         ``[(*shape_i)]``: the results in input order, identical on every rank. Under
@@ -256,8 +263,9 @@ def sharded_apply(
             tensors of one dtype on different devices. Raised before any collective on the
             rank that detects it; the other ranks then fail at the process group's timeout.
             Also, on every rank, where the ranks passed different shapes, dtypes or order, or
-            different ``owners``: each rank's payload ends in an 8-byte digest of them, checked
-            after the gathers (one host read per call, which waits for the gathers on CUDA).
+            different ``owners`` (``check_layout``): each rank's payload ends in an 8-byte digest
+            of them, checked after the gathers (one host read per call, which waits for the
+            gathers on CUDA).
             Ranks whose payloads differ in size, or that gather a different number of dtypes,
             fail in the collective instead (a size error, or the timeout).
     """
@@ -273,7 +281,7 @@ def sharded_apply(
 
     results: list[torch.Tensor | None] = [None] * len(tensors)
     layout = _layout(tensors, owners, world_size)
-    digest = _layout_digest(layout)
+    digest = _layout_digest(layout) if check_layout else None
     tags: list[torch.Tensor] = []
     # one buffer per dtype, in first-appearance order (the same on every rank)
     groups: dict[torch.dtype, list[int]] = {}
@@ -295,17 +303,20 @@ def sharded_apply(
                 payload[owners[i]] += tensors[i].numel()
             size = torch.empty((), dtype=dtype).element_size()
             data = max(payload)
-            width = data + -(-_DIGEST_BYTES // size)  # the digest after the largest payload
+            width = data + -(-_DIGEST_BYTES // size) if check_layout else data  # the digest last
             send = torch.zeros(width, dtype=dtype, device=device)
-            send[data:].view(torch.uint8)[:_DIGEST_BYTES].copy_(digest)
+            if check_layout:
+                send[data:].view(torch.uint8)[:_DIGEST_BYTES].copy_(digest)
             for i in indices:
                 if owners[i] == rank:
                     out = _checked_result(i, tensors[i], fn(i, tensors[i]))
                     send[offsets[i] : offsets[i] + out.numel()].copy_(out.reshape(-1))
             gathered = torch.empty(world_size * width, dtype=dtype, device=device)
-            _all_gather_flat(gathered, send, process_group)
-            rows = gathered.view(torch.uint8).view(world_size, width * size)
-            tags.append(rows[:, data * size:data * size + _DIGEST_BYTES])
+            if width > 0:  # every rank agrees: width depends only on shapes, owners and check_layout
+                _all_gather_flat(gathered, send, process_group)
+            if check_layout:
+                rows = gathered.view(torch.uint8).view(world_size, width * size)
+                tags.append(rows[:, data * size:data * size + _DIGEST_BYTES])
             for i in indices:
                 start = owners[i] * width + offsets[i]
                 results[i] = gathered[start : start + tensors[i].numel()].view(tensors[i].shape)

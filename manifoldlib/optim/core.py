@@ -335,7 +335,8 @@ def _fused_retraction(solution, eta, beta) -> Tensor | None:
     return new if bool(torch.isfinite(new).all()) else None
 
 
-def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, process_group=None) -> None:
+def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, process_group=None,
+              check_layout: bool = True) -> None:
     """One step of every bank, in place.
 
     Args:
@@ -343,6 +344,9 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
         owners: sharded mode: the owner rank of each item (by the banks' ``indices``); a rank solves
             the items it owns and :func:`~manifoldlib.distributed.sharded_apply` shares the new
             values (a collective over ``process_group``). ``None``: every item is solved here.
+        check_layout: sharded mode: let :func:`~manifoldlib.distributed.sharded_apply` check that
+            every rank passed the same shapes, dtypes and owners (a host read; the optimizer
+            checks on the first step of each plan only). The same on every rank.
     """
     for bank in banks:  # every refusal before anything moves
         _check_bank(bank)
@@ -367,7 +371,8 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
             values[i] = value
     order = sorted(params)
     shared = sharded_apply([params[i] for i in order], lambda k, p: values[order[k]],
-                           process_group=process_group, owners=[owners[i] for i in order])
+                           process_group=process_group, owners=[owners[i] for i in order],
+                           check_layout=check_layout)
     torch._foreach_copy_([params[i] for i in order], shared)
 
 

@@ -336,7 +336,9 @@ class ManifoldMuon(Optimizer):
         plan = self._plan()
         with step_threads(plan.threads):
             if plan.banks:
-                muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group)
+                muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group,
+                          check_layout=not plan.layout_checked)
+                plan.layout_checked = True
             for sharded in plan.meshes:
                 items = [(plan.options[g], p, p.grad, state["momentum_buffer"], state) for g, p, state in sharded]
                 fsdp_step(items, self._execution_of, strategy=self.distribution.strategy)
@@ -379,6 +381,8 @@ class _StepPlan:
         owners: sharded mode: the owner rank of each whole matrix (by the banks' ``indices``).
         meshes: FSDP2's row-sharded matrices per device mesh, ``(group position, param, state)``.
         threads: intra-op threads of the step (:meth:`~manifoldlib.optim.execution.Execution.threads`).
+        layout_checked: sharded mode: the ranks' agreement on the banks' shapes, dtypes and owners
+            was checked (on the plan's first step; a host read, not repeated while the plan lasts).
     """
 
     key: tuple
@@ -390,6 +394,7 @@ class _StepPlan:
     owners: list[int] | None
     meshes: list[list[tuple[int, Tensor, dict]]]
     threads: int | None
+    layout_checked: bool = False
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:

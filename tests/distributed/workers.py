@@ -376,9 +376,34 @@ def muon_ddp_job(rank: int, steps: int, options: dict) -> dict:
     return report
 
 
+def sharded_step_syncs(steps: int) -> list[int]:
+    """Host synchronizations of each sharded (products-path) :meth:`ManifoldMuon.step` of a DDP
+    copy of MuonNet (:func:`~manifoldlib.testing.count_ops`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from manifoldlib.distributed import batch_shard, get_rank_world
+    from manifoldlib.testing import count_ops
+
+    rank, world_size = get_rank_world()
+    shard = batch_shard(MUON_BATCH, rank, world_size)
+    net = MuonNet()
+    opt = make_muon(net, distribution="sharded", dual={"spectral": "products"})
+    model = DistributedDataParallel(net) if world_size > 1 else net
+    syncs = []
+    for step in range(steps):
+        x, y = muon_batch(step)
+        (model(x[shard]) - y[shard]).pow(2).mean().backward()
+        syncs.append(count_ops(opt.step).syncs)
+        opt.zero_grad(set_to_none=True)
+    return syncs
+
+
 def muon_ddp_jobs(rank: int, steps: int, option_sets: dict[str, dict]) -> dict:
-    """:func:`muon_ddp_job` for each named set of options, in one process group."""
-    return {name: muon_ddp_job(rank, steps, options) for name, options in option_sets.items()}
+    """:func:`muon_ddp_job` for each named set of options, in one process group, and the host
+    synchronizations of the sharded steps (``"sharded_step_syncs"``, :func:`sharded_step_syncs`)."""
+    report = {name: muon_ddp_job(rank, steps, options) for name, options in option_sets.items()}
+    report["sharded_step_syncs"] = sharded_step_syncs(4)
+    return report
 
 
 def combined_ddp_job(rank: int, steps: int) -> dict:

@@ -63,6 +63,16 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def test_a_sharded_step_checks_the_ranks_layout_once_and_then_reads_nothing_back(reports: list[dict]) -> None:
+    # the first step of a plan checks that every rank passed the same shapes, dtypes and owners
+    # (sharded_apply reads the gathered digests on the host); later steps of the sync-free
+    # products path read nothing back, on every rank
+    for report in reports:
+        first, *later = report["sharded_step_syncs"]
+        assert first >= 1
+        assert later == [0] * len(later)
+
+
 @pytest.mark.parametrize("options", OPTION_SETS)
 def test_sharded_equals_replicated_bit_for_bit(reports: list[dict], options: str) -> None:
     for report in reports:
