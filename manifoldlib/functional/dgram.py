@@ -12,7 +12,7 @@ import math
 import torch
 
 from .msign import _gram_eigh_polar, msign
-from .normal_space import normal_multiplier, off_diagonal
+from .normal_space import _normal_component, normal_multiplier, off_diagonal
 from .stiefel import _check_tall_pair
 
 __all__ = [
@@ -39,8 +39,12 @@ def dgram_normal_multiplier(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def dgram_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    r"""Orthogonal projection :math:`P_W(Z) = Z - WS` (assumes :math:`W^\top W` diagonal)."""
-    return z - w @ dgram_normal_multiplier(w, z)
+    r"""Orthogonal projection :math:`P_W(Z) = Z - WS` (assumes :math:`W^\top W` diagonal).
+
+    :math:`WS` is formed column-scaled, never :math:`S` at its own scale (of order
+    :math:`|z|/|w|`), so a ``Z`` far larger than ``W`` and columns far smaller than the largest
+    are projected wherever :math:`WS` is representable."""
+    return z - _normal_component(w, z, off_diagonal)
 
 
 def _polar(y: torch.Tensor, method: str) -> torch.Tensor:

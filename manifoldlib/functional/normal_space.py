@@ -79,3 +79,35 @@ def _normal_multiplier(w: torch.Tensor, z: torch.Tensor, mask) -> torch.Tensor:
     wz = w.mT @ z  # (..., n, n)
     d2 = (w * w).sum(-2)  # (..., n)
     return mask(wz + wz.mT) / (2.0 * normal_metric(d2))
+
+
+def _normal_component(w: torch.Tensor, z: torch.Tensor, mask) -> torch.Tensor:
+    r""":math:`WS`, :math:`S` of :func:`normal_multiplier`, without forming :math:`S` at its own scale.
+
+    :math:`S_{ij}` is of order :math:`|z|/|w|` and leaves the dtype's range where ``Z`` is much
+    larger than ``W`` (float32 ``W`` ~ 1e-20, ``Z`` ~ 1e20: :math:`S` ~ 1e40, NaN), or where two
+    columns are both far smaller than the largest (``d_i^2 + d_j^2`` underflows), though
+    :math:`WS` is of the order of ``Z``. With :math:`W = W'\operatorname{diag}(a)^{-1}`, ``a_j``
+    the power of two that brings column ``j``'s largest entry into :math:`[0.5, 1)` (exact),
+    :math:`WS = W'T`, :math:`T_{ij} = S_{ij}/a_i`, and with :math:`p_i = \min(a_i, a_j)/a_i \le 1`
+
+    .. math::
+
+        T_{ij} = rac{p_i^2\, w_i'^	op z_j + p_i p_j\, z_i^	op w_j'}{p_i^2 \|w_i'\|^2 + p_j^2 \|w_j'\|^2},
+
+    whose denominator is at least 1/4 (one of :math:`p_i, p_j` is 1) and whose numerator is of
+    the order of ``Z``. Powers of two only: the same bits as :math:`W(\mathcal{P}(W^	op Z +
+    Z^	op W)/(d_i^2 + d_j^2))` where nothing over- or underflows. Returns ``(..., m, n)``."""
+    if w.numel() == 0:
+        return w @ _normal_multiplier(w, z, mask)
+    a = _power_of_two_scale(w.detach().abs().amax(dim=-2, keepdim=True))  # (..., 1, n)
+    ws = w * a  # W'
+    a_col = a.mT  # (..., n, 1): a_i
+    low = torch.minimum(a_col, a)  # (..., n, n): min(a_i, a_j)
+    p_i, p_j = low / a_col, low / a  # powers of two in (0, 1], exact
+    wz = ws.mT @ z  # (..., n, n): w_i'^T z_j
+    d2 = (ws * ws).sum(-2)  # (..., n)
+    num = p_i * torch.addcmul(p_j * wz.mT, p_i, wz)
+    den = torch.addcmul((p_j * p_j) * d2.unsqueeze(-2), p_i * p_i, d2.unsqueeze(-1))
+    return ws @ mask(num / den)
+

@@ -8,6 +8,7 @@ import torch
 
 from ..functional.dgram import dgram_metric_projection, dgram_normal_multiplier, off_diagonal
 from ..functional.gram_rsqrt import alternating_gram_factor
+from ..functional.normal_space import _normal_component
 from ..functional.stiefel import stiefel_qr
 from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_tensor, max_abs
@@ -90,6 +91,11 @@ class DGram(MatrixConstraintManifold):
 
     def normal_multiplier(self, w, z):
         return dgram_normal_multiplier(w, z)
+
+    def normal_component(self, w, z):
+        """:math:`WS` formed column-scaled (:func:`~manifoldlib.functional.dgram.dgram_project_tangent`):
+        finite wherever :math:`WS` is, however much larger than ``w`` ``z`` is."""
+        return _normal_component(w, z, off_diagonal)
 
     def constraint_deviation(self, w):
         r""":math:`\operatorname{Off}(C)/\|C\|_F` for the column cosines

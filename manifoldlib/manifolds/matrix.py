@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..functional.normal_space import _power_of_two_scale
 from .base import RetractionManifold
 
 __all__ = ["MatrixConstraintManifold"]
@@ -74,14 +75,23 @@ class MatrixConstraintManifold(RetractionManifold):
         r"""Scalar distance of ``w`` (``(m, n)``, tall) from the manifold: :math:`\|\text{deviation}\|_F`."""
         return self.constraint_deviation(w).norm()
 
+    def normal_component(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        r"""``(..., m, n)`` :math:`WS`, :math:`S` = :meth:`normal_multiplier`: the normal component
+        of ``z`` at ``w``. A subclass whose ``S`` can leave the dtype's range where :math:`WS` does
+        not (DGram, Oblique: ``S`` scales like :math:`|z|/|w|`) forms it without ``S`` at scale."""
+        return w @ self.normal_multiplier(w, z)
+
     def tangent_residual(self, w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         r"""Relative normal component :math:`\|A - P_W A\|_F / \|A\|_F` of ``a`` at ``w`` (tall ``(m, n)``)."""
-        normal = w @ self.normal_multiplier(w, a)  # (m, n)
+        normal = self.normal_component(w, a)  # (m, n)
+        if a.numel():  # both divided by the power of two of max |a|: the squares neither over- nor underflow
+            scale = _power_of_two_scale(a.detach().abs().amax())
+            normal, a = normal * scale, a * scale
         return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
 
     def proju(self, x, u):
         self._validate_pair(x, u)
-        return u - x @ self.normal_multiplier(x, u)
+        return u - self.normal_component(x, u)
 
     def gram_retraction_factor(self, gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
         r""":math:`\Phi` with :math:`R(Y) = Y\Phi` for the :attr:`muon_retraction`, from :math:`T = Y^\top Y`;

@@ -8,7 +8,12 @@ import torch
 
 from ..functional.gram_rsqrt import normalize_gram_factor
 from ..functional.normal_space import diagonal_part, normal_multiplier
-from ..functional.oblique import oblique_constraint_deviation, oblique_exp, oblique_project_tangent
+from ..functional.oblique import (
+    _oblique_normal_coefficients,
+    oblique_constraint_deviation,
+    oblique_exp,
+    oblique_project_tangent,
+)
 from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
@@ -45,6 +50,11 @@ class Oblique(MatrixConstraintManifold):
 
     def normal_multiplier(self, w, z):
         return normal_multiplier(w, z, diagonal_part)
+
+    def normal_component(self, w, z):
+        """:math:`W\\operatorname{diag}(w_j^\\top z_j/\\|w_j\\|^2)`, column-scaled (finite wherever it is representable)."""
+        ws, s = _oblique_normal_coefficients(w, z)
+        return ws * s
 
     def proju(self, x, u):
         r""":math:`u - x\operatorname{diag}(x_j^\top u_j/\|x_j\|^2)`, column by column (``O(mn)``, no

@@ -142,3 +142,15 @@ def test_oblique_tangent_check_judges_each_column_by_its_own_norm(dtype):
     bad[:, 3] = 1e-2 * x[:, 3]
     ok, reason = Oblique().check_vector_on_tangent(x.to(dtype), bad.to(dtype), explain=True)
     assert not ok and "column 3" in reason
+
+
+@pytest.mark.parametrize("manifold", [Oblique(), DGram(), Stiefel()], ids=["oblique", "dgram", "stiefel"])
+@pytest.mark.parametrize("dtype, exponent", [(torch.float32, 20), (torch.float64, 160)], ids=str)
+def test_tangent_residual_of_a_huge_vector_is_its_relative_normal_part(manifold, dtype, exponent):
+    # ||A||^2 overflowed (float32 entries 1e20, float64 1e160): inf / inf = NaN
+    x = _oblique_point(30, 5, seed=7) if isinstance(manifold, Oblique) else Stiefel().random(
+        30, 5, generator=torch.Generator().manual_seed(7), dtype=F64)
+    z = torch.randn(30, 5, generator=torch.Generator().manual_seed(8), dtype=F64)
+    ref = float((z - manifold.proju(x, z)).norm() / z.norm())  # float64 oracle at unit scale
+    out = float(manifold.tangent_residual(x.to(dtype), (z * 10.0**exponent).to(dtype)))
+    assert abs(out - ref) <= 1e-5 * ref if dtype == torch.float32 else abs(out - ref) <= 1e-13 * ref

@@ -198,3 +198,79 @@ def test_float32_proju_keeps_columns_far_from_unit_norm_tangent(exponents):
     column_error = (out.double() - ref).norm(dim=-2) / ref.norm(dim=-2)
     assert float(column_error.max()) <= 1e-6, column_error.tolist()
     assert DGram().check_vector_on_tangent(w32, out)
+
+
+def _dense_projection_oracle(w, z):
+    """Oracle independent of P_W(Z) = Z - WS and of floating point: the orthogonal projection onto
+    the null space of the constraints w_i^T v_j + v_i^T w_j = 0 (i < j) of the given (rounded) W,
+    from the explicit constraint matrix A (rows normalized), Z - A^T (A A^T)^{-1} A Z in 600-bit
+    mpmath arithmetic. Returns float64."""
+    import mpmath
+
+    mp = mpmath.mp.clone() if hasattr(mpmath.mp, "clone") else mpmath.mp
+    old_prec = mp.prec
+    mp.prec = 600
+    try:
+        m, n = w.shape
+        W = [[mpmath.mpf(float(v)) for v in row] for row in w.double().tolist()]
+        zf = [mpmath.mpf(float(v)) for v in z.double().flatten().tolist()]
+        rows = []
+        for i in range(n):
+            for j in range(i + 1, n):
+                a = [mpmath.mpf(0)] * (m * n)
+                for k in range(m):
+                    a[k * n + j] += W[k][i]
+                    a[k * n + i] += W[k][j]
+                scale = mpmath.sqrt(mpmath.fsum(v * v for v in a))  # (same null space)
+                rows.append([v / scale for v in a])
+        A = mpmath.matrix(rows)
+        Z = mpmath.matrix(zf)
+        coef = mpmath.lu_solve(A * A.T, A * Z)
+        out = Z - A.T * coef
+        return torch.tensor([float(out[k]) for k in range(m * n)], dtype=torch.float64).reshape(m, n)
+    finally:
+        mp.prec = old_prec
+
+
+def _column_error(out, ref):
+    """||out_j - ref_j|| / ||ref_j|| per column, each column scaled by its largest |ref| first."""
+    scale = ref.abs().amax(dim=-2, keepdim=True)
+    return ((out.double() - ref) / scale).norm(dim=-2) / (ref / scale).norm(dim=-2)
+
+
+@pytest.mark.parametrize(
+    "dtype, w_exp, z_exp",
+    [(torch.float32, -20, 20), (torch.float32, -30, 10), (torch.float64, -160, 160), (torch.float64, -300, 20)],
+    ids=str,
+)
+def test_proju_of_a_z_far_larger_than_w_matches_the_oracle(dtype, w_exp, z_exp):
+    # S ~ |z|/|w| (1e40 in float32, 1e320 in float64) left the dtype's range though WS ~ |z| does
+    # not: proju and tangent_residual came back NaN
+    q = _orthonormal(20, 4, 8)
+    w = (q * torch.tensor([1.0, 2.0, 3.0, 0.5], dtype=torch.float64) * 10.0**w_exp).to(dtype)
+    z = (torch.randn(20, 4, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 10.0**z_exp).to(dtype)
+    ref = _dense_projection_oracle(w, z)
+    out = DGram().proju(w, z)
+    assert bool(torch.isfinite(out).all())
+    column_error = _column_error(out, ref)
+    assert float(column_error.max()) <= 8 * torch.finfo(dtype).eps, column_error.tolist()
+    residual = float(DGram().tangent_residual(w, z))
+    zs = z.double() / float(z.abs().max())
+    assert math.isclose(residual, float((zs - ref / float(z.abs().max())).norm() / zs.norm()), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, low", [(torch.float32, -25), (torch.float32, -30), (torch.float64, -170)], ids=str)
+def test_proju_with_columns_far_below_the_largest(dtype, low):
+    # with one scale for the whole matrix, d_i^2 + d_j^2 of two small columns fell into the
+    # subnormals or to 0 (float32 norms 1e-25 .. 1: NaN, silently; the point passes its check)
+    q = _orthonormal(30, 6, 10)
+    d = torch.logspace(low, 0, 6, dtype=torch.float64)
+    w = (q * d).to(dtype)
+    z = (torch.randn(30, 6, generator=torch.Generator().manual_seed(11), dtype=torch.float64) * d).to(dtype)
+    assert DGram().check_point_on_manifold(w)
+    ref = _dense_projection_oracle(w, z)
+    out = DGram().proju(w, z)
+    assert bool(torch.isfinite(out).all())
+    column_error = _column_error(out, ref)
+    assert float(column_error.max()) <= 8 * torch.finfo(dtype).eps, column_error.tolist()
+    assert DGram().check_vector_on_tangent(w, out)
