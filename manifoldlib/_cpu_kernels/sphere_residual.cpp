@@ -3,8 +3,10 @@
 // floating dtype (float32 or float64); a per-row coefficient is a contiguous tensor of N values.
 // The per-row coefficient math stays in Python; these kernels only read and write (N, d) tensors:
 //
-//   forward_dots(h, f)                -> ((N, 3): [||h||², <h, f>, ||f||²], row factors)  reads h, f
-//   forward_combine(h, f, [a, b], out)   out = a h + b f                       reads h, f
+//   forward_dots(h, f)                -> ((N, 3): [||h||², <h, f>, ||f||²], row factors,
+//                                         (N, 3) double [a/q, ν, ||P_h f||²] of nearly parallel rows)  reads h, f
+//   forward_combine(h, f, [a, b(, c)], out, parallel?)
+//                                        out = a h + b f; a nearly parallel row: c h + b u    reads h, f
 //   backward_dots(g, h, f)            -> (N, 2): [<g, h>, <g, f>]              reads g, h, f
 //   backward_combine(g, h, f, [c0, c1, c2], [e0, e1, e2], grad_f?, grad_h?)
 //       grad_f = c0 g + c1 h + c2 f,  grad_h = e0 g + e1 h + e2 f              reads g, h, f
@@ -50,15 +52,31 @@
 // what left rows of norm below 1e-19 off their sphere), the separate passes' caller at the dtype's.
 // The exponent e is clamped so that 2^±e are normal numbers of the input dtype, which the separate
 // passes multiply in it.
+//
+// Rows nearly parallel (the separate passes). With f nearly parallel to h, ||P_h f||² as
+// ||f||² - a²/q (the dots rounded to the input dtype) and the result as A h + B f (in the input
+// dtype, B f and B (a/q) h cancelling in their normal part) both lose eps ||f||²/||P_h f||² of
+// that dtype: float32 f = 1e3 h + (a tangent of norm ||h||) left the sphere by 2e-5, 1e4 h by 12 %;
+// float64 1e6 h by 6e-5, 1e8 h by 30 %. forward_dots flags a row whose double sums give
+// ||f||² - a²/q < ||f||² 2^-3 (kParallel: cancellation would cost more than 3 bits; one division
+// and one comparison per row) and, while the row is in cache, sweeps it once more for
+// ||u||² and <h, u> of u = f - (a/q) h in double (on the scaled copy of a rescaled row, as the row
+// kernels do): its third output holds [a/q, ν = <h, u>/q, ||u - ν h||²] for such rows (NaN a/q
+// for the others), or is empty when no row was flagged. The caller takes ||P_h f||² of those
+// rows from it, and forward_combine writes them as c h + b ((f - (a/q) h) - ν h) in double (the
+// coefficient c = cos θ as a third coefficient tensor): on the sphere to a few roundings. A call
+// without flagged rows runs the code it ran before, and unflagged rows get the bits they got.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -210,12 +228,38 @@ void scaled_copy(const T* x, int64_t d, int e, T* out) {
   for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(static_cast<double>(x[i]) * factor);
 }
 
-// [||x||², <x, y>, ||y||²] of one row; a row whose ||x||² is out of range: those of (x, y) 2^-e,
-// its factor 2^-e returned (1 for a row in range).
+// A row is nearly parallel (see the top of this file) when ||y||² - <x, y>²/||x||² from its double
+// sums is below ||y||² kParallel: cancellation in the input dtype would cost more than 3 bits.
+constexpr double kParallel = 0x1p-3;
+
+inline bool nearly_parallel(const double* dots) {
+  return dots[2] - dots[1] * (dots[1] / dots[0]) < kParallel * dots[2];  // false for NaN (x = 0)
+}
+
+// [a/q, ν, ||u - ν x||²] of a nearly parallel row, u = y - (a/q) x, ν = <x, u>/q (what rounding
+// left of x in u), from one more sweep over the row in double.
 template <typename T>
-MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, double* total) {
+MANIFOLDLIB_ROW_KERNEL void parallel_row(const T* x, const T* y, int64_t d, const double* dots, double* par) {
+  const double alpha = dots[1] / dots[0];
+  double total[2] = {};
+  for (int64_t b = 0; b < d; b += kBlock) block_residual_dots(x + b, y + b, alpha, std::min(kBlock, d - b), total);
+  const double normal = total[1] / dots[0];
+  par[0] = alpha;
+  par[1] = normal;
+  par[2] = std::max(total[0] - total[1] * normal, 0.0);
+}
+
+// [||x||², <x, y>, ||y||²] of one row; a row whose ||x||² is out of range: those of (x, y) 2^-e,
+// its factor 2^-e returned (1 for a row in range). A nearly parallel row: its [a/q, ν, ||u||²] in
+// par (from the scaled copy), `*parallel` set.
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, double* total, double* par,
+                                             bool* parallel) {
   const int e = row_exponent(x, d);
-  if (e == 0) return 1.0;  // a zero or non-finite row: its dots as they are
+  if (e == 0) {  // a zero or non-finite row: its dots as they are
+    if ((*parallel = nearly_parallel(total))) parallel_row(x, y, d, total, par);
+    return 1.0;
+  }
   std::vector<T> copy(2 * d);
   scaled_copy(x, d, e, copy.data());
   scaled_copy(y, d, e, copy.data() + d);
@@ -223,6 +267,7 @@ MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, 
   for (int64_t b = 0; b < d; b += kBlock) {
     block_dots3(copy.data() + b, copy.data() + d + b, std::min(kBlock, d - b), total);
   }
+  if ((*parallel = nearly_parallel(total))) parallel_row(copy.data(), copy.data() + d, d, total, par);
   return std::ldexp(1.0, -e);
 }
 
@@ -259,17 +304,20 @@ void check_dtype(const at::Tensor& t) {
               "sphere residual kernels take float32 or float64, got ", t.scalar_type());
 }
 
-// The dots of the rows, and the rows' factors 2^-e: an (N,) tensor if any row was rescaled (1 for
-// the others), else an empty one (see the top of this file). The rescaled rows are collected under a
-// lock that a call whose rows are all in range never takes.
-std::tuple<at::Tensor, at::Tensor> forward_dots(const at::Tensor& h, const at::Tensor& f) {
+// The dots of the rows, the rows' factors 2^-e: an (N,) tensor if any row was rescaled (1 for the
+// others), else an empty one, and the [a/q, ν, ||P_h f||²] of the nearly parallel rows: an (N, 3)
+// double tensor if any row was flagged (NaN a/q for the others), else an empty one (see the top of
+// this file). The rescaled and flagged rows are collected under a lock that a call whose rows are
+// all in range and not nearly parallel never takes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_dots(const at::Tensor& h, const at::Tensor& f) {
   check_dtype(h);
   check_rows(h, "h", h);
   check_rows(f, "f", h);
   const int64_t n = h.size(0), d = h.size(1);
   at::Tensor out = at::empty({n, 3}, h.options());
   std::mutex lock;
-  std::vector<std::pair<int64_t, double>> rescaled;  // (row, 2^-e)
+  std::vector<std::pair<int64_t, double>> rescaled;                // (row, 2^-e)
+  std::vector<std::pair<int64_t, std::array<double, 3>>> flagged;  // (row, [a/q, ν, ||u||²])
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "forward_dots", [&] {
     const scalar_t* hp = h.const_data_ptr<scalar_t>();
     const scalar_t* fp = f.const_data_ptr<scalar_t>();
@@ -280,46 +328,98 @@ std::tuple<at::Tensor, at::Tensor> forward_dots(const at::Tensor& h, const at::T
         const scalar_t* y = fp + r * d;
         double total[3] = {};
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), total);
+        std::array<double, 3> par;
+        bool parallel = false;
         if (!in_range<scalar_t>(total[0])) {
-          const double factor = rescaled_dots3(x, y, d, total);
+          const double factor = rescaled_dots3(x, y, d, total, par.data(), &parallel);
           if (factor != 1.0) {
             std::lock_guard<std::mutex> guard(lock);
             rescaled.emplace_back(r, factor);
           }
+        } else if (nearly_parallel(total)) {
+          parallel_row(x, y, d, total, par.data());
+          parallel = true;
+        }
+        if (parallel) {
+          std::lock_guard<std::mutex> guard(lock);
+          flagged.emplace_back(r, par);
         }
         for (int k = 0; k < 3; ++k) op[3 * r + k] = static_cast<scalar_t>(total[k]);
       }
     });
   });
-  if (rescaled.empty()) return {out, at::empty({0}, h.options())};
-  at::Tensor factors = at::ones({n}, h.options());
-  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "forward_dots_factors", [&] {
-    scalar_t* fp = factors.mutable_data_ptr<scalar_t>();
-    for (const auto& [r, factor] : rescaled) fp[r] = static_cast<scalar_t>(factor);
-  });
-  return {out, factors};
+  at::Tensor factors = at::empty({0}, h.options());
+  if (!rescaled.empty()) {
+    factors = at::ones({n}, h.options());
+    AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "forward_dots_factors", [&] {
+      scalar_t* fp = factors.mutable_data_ptr<scalar_t>();
+      for (const auto& [r, factor] : rescaled) fp[r] = static_cast<scalar_t>(factor);
+    });
+  }
+  at::Tensor parallel = at::empty({0}, h.options().dtype(at::kDouble));
+  if (!flagged.empty()) {
+    parallel = at::full({n, 3}, std::numeric_limits<double>::quiet_NaN(), h.options().dtype(at::kDouble));
+    double* pp = parallel.mutable_data_ptr<double>();
+    for (const auto& [r, par] : flagged) std::copy(par.begin(), par.end(), pp + 3 * r);
+  }
+  return {out, factors, parallel};
 }
 
-void forward_combine(const at::Tensor& h, const at::Tensor& f, at::TensorList coef, const at::Tensor& out) {
+// out = a h + b f row by row; with `parallel` (forward_dots' third output, not empty) the rows it
+// flags (a/q not NaN) are written as c h + b ((f - (a/q) h) - ν h) in double instead, c the third
+// coefficient tensor.
+template <typename T>
+inline void combine2(T a, T b, const T* x, const T* y, int64_t d, T* o) {
+  for (int64_t i = 0; i < d; ++i) o[i] = a * x[i] + b * y[i];
+}
+
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL void combine_parallel_row(double c, double b, const double* par, const T* x, const T* y,
+                                                 int64_t d, T* o) {
+  const double alpha = par[0], normal = par[1];
+  for (int64_t i = 0; i < d; ++i) {
+    const double xi = static_cast<double>(x[i]);
+    const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
+    o[i] = static_cast<T>(c * xi + b * u);
+  }
+}
+
+void forward_combine(const at::Tensor& h, const at::Tensor& f, at::TensorList coef, const at::Tensor& out,
+                     const std::optional<at::Tensor>& parallel) {
   check_dtype(h);
   check_rows(h, "h", h);
   check_rows(f, "f", h);
-  check_coefs(coef, "coef", h, 2);
+  const bool with_parallel = parallel.has_value() && parallel->defined() && parallel->numel() > 0;
+  check_coefs(coef, "coef", h, with_parallel ? 3 : 2);
   check_rows(out, "out", h);
   const int64_t n = h.size(0), d = h.size(1);
+  if (with_parallel) {
+    TORCH_CHECK(parallel->scalar_type() == at::kDouble && parallel->is_contiguous() && parallel->dim() == 2 &&
+                    parallel->size(0) == n && parallel->size(1) == 3,
+                "forward_combine: parallel must be forward_dots' contiguous (N, 3) float64 tensor");
+  }
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "forward_combine", [&] {
     const scalar_t* hp = h.const_data_ptr<scalar_t>();
     const scalar_t* fp = f.const_data_ptr<scalar_t>();
     const scalar_t* ap = coef[0].const_data_ptr<scalar_t>();
     const scalar_t* bp = coef[1].const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    if (!with_parallel) {
+      at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) combine2(ap[r], bp[r], hp + r * d, fp + r * d, d, op + r * d);
+      });
+      return;
+    }
+    const scalar_t* cp = coef[2].const_data_ptr<scalar_t>();
+    const double* pp = parallel->const_data_ptr<double>();
     at::parallel_for(0, n, grain_rows(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const scalar_t a = ap[r], b = bp[r];
-        const scalar_t* x = hp + r * d;
-        const scalar_t* y = fp + r * d;
-        scalar_t* o = op + r * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = a * x[i] + b * y[i];
+        if (std::isnan(pp[3 * r])) {
+          combine2(ap[r], bp[r], hp + r * d, fp + r * d, d, op + r * d);
+        } else {
+          combine_parallel_row(static_cast<double>(cp[r]), static_cast<double>(bp[r]), pp + 3 * r, hp + r * d,
+                               fp + r * d, d, op + r * d);
+        }
       }
     });
   });
@@ -662,8 +762,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
-  m.def("forward_dots(Tensor h, Tensor f) -> (Tensor, Tensor)");
-  m.def("forward_combine(Tensor h, Tensor f, Tensor[] coef, Tensor(a!) out) -> ()");
+  m.def("forward_dots(Tensor h, Tensor f) -> (Tensor, Tensor, Tensor)");
+  m.def("forward_combine(Tensor h, Tensor f, Tensor[] coef, Tensor(a!) out, Tensor? parallel=None) -> ()");
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
   m.def("backward_combine(Tensor grad, Tensor h, Tensor f, Tensor[] coef_f, Tensor[] coef_h, "
         "Tensor(a!)? grad_f, Tensor(b!)? grad_h) -> ()");

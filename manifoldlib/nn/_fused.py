@@ -35,7 +35,14 @@ On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ 
 coefficient math above stays here (the literal step; the normalized step of a retraction
 other than the built-ins is formed in ATen as :math:`\cos\theta\,h + ks\,u` from
 :math:`u = P_h f` itself, projected twice, since its :math:`\rho` up to :math:`1/\varepsilon`
-would magnify the cancellation in :math:`A h + B f`). For the built-in retractions —
+would magnify the cancellation in :math:`A h + B f`). A row nearly parallel to :math:`h`
+(:math:`\|f\|^2 - a^2/q < \|f\|^2/8` from the double sums, where :math:`\|f\|^2 - a^2/q` and
+:math:`A h + B f` in the input dtype would lose more than 3 bits: float32 :math:`f = 10^4 h` plus
+a tangent of norm :math:`r` left the sphere by 12 %, float64 :math:`10^8 h` by 30 %) is swept once
+more by the first pass while it is in cache, for :math:`\|u\|^2` and :math:`\langle h, u\rangle`
+of :math:`u = f - (a/q)h` in double, and the second pass writes it as :math:`\cos\theta\,h + ks\,u`
+from :math:`u` itself, projected twice, in double; the other rows pay one comparison and get the
+bits they got before. For the built-in retractions —
 :class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
 :class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
 :class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), and a user's subclass of
@@ -225,6 +232,7 @@ class _SphereResidual(torch.autograd.Function):
         # allocator sees one pattern whichever path runs.
         kernels = _cpu_kernels_for(h, f) if eps is None else None
         down = None  # (..., 1): the factors 2^-e of rows the kernels rescaled, if any
+        parallel = None  # (N, 3) double: [a/q, ν, ||P_h f||²] of nearly parallel rows, if any
         if kernels is None:
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
@@ -235,12 +243,16 @@ class _SphereResidual(torch.autograd.Function):
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (..., d)
             # (N, 3), accumulated in double; a row whose ||h||² is out of range: the dots of
             # (h, f) 2^-e, and its factor 2^-e in `factors` (empty if no row was rescaled). The
-            # coefficients A, B below are ratios of the dots, the same for the scaled row.
-            dots, factors = kernels.forward_dots(_rows(h), _rows(f))
+            # coefficients A, B below are ratios of the dots, the same for the scaled row. A
+            # nearly parallel row: its a/q, ν and ||P_h f||² from P_h f itself in `parallel`
+            # (empty if no row was flagged).
+            dots, factors, parallel = kernels.forward_dots(_rows(h), _rows(f))
             q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
             q = q.clamp_min(torch.finfo(h.dtype).tiny)  # a zero row of h
             if factors.numel():
                 down = factors.view(*h.shape[:-1], 1)
+            if not parallel.numel():
+                parallel = None
         s = scale.to(h.dtype)
         if kernels is None:
             # ||P_h f||² from P_h f itself, for both step forms: the difference form
@@ -254,12 +266,15 @@ class _SphereResidual(torch.autograd.Function):
             n = _rowsq(out)  # (..., 1)
         else:
             # The dots are summed in double but come back in the input dtype: the difference form
-            # loses eps ||f||² of that dtype, and A h + B f below cancels in its normal part, when
-            # f is nearly parallel to h (float32, f = 1000 h plus a tangent of norm r: off the
-            # sphere by 2e-5; 1e4 h: 12 %). Forming ||P_h f||² and the result from P_h f itself,
-            # as the row kernels do, takes a second sweep over each row after a/q is known and a
-            # combination in double: a limit of these separate passes (a user's literal step).
+            # loses eps ||f||²/||P_h f||² of that dtype, and A h + B f below cancels in its normal
+            # part, when f is nearly parallel to h (float32, f = 1000 h plus a tangent of norm r:
+            # off the sphere by 2e-5; 1e4 h: 12 %). forward_dots flags such rows (cancellation
+            # beyond 3 bits) and sweeps them once more while they are in cache: their ||P_h f||²
+            # comes from P_h f itself, and forward_combine writes them as c h + ks u in double.
             n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)
+            if parallel is not None:
+                par = parallel.view(*h.shape[:-1], 3)
+                n = torch.where(par[..., :1].isnan(), n, par[..., 2:].to(h.dtype))
         rho = None
         if eps is not None:  # normalized
             rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
@@ -272,7 +287,11 @@ class _SphereResidual(torch.autograd.Function):
             out.mul_(ks).addcmul_(h, c)  # (..., d): c h + ks u, on the sphere to rounding
         else:
             coef = [coef_h.contiguous(), ks.expand_as(coef_h).contiguous()]  # A, B: (..., 1)
-            kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
+            if parallel is None:
+                kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out))
+            else:  # the flagged rows: c h + ks u in double
+                coef.append(c.expand_as(coef_h).contiguous())
+                kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out), parallel)
         ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho, down)
         ctx.retraction, ctx.eps = retraction, eps
         ctx.kernels = kernels

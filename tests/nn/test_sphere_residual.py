@@ -347,6 +347,61 @@ def test_literal_step_keeps_the_norm_for_an_update_mostly_along_h(retraction, dt
     assert _rel(out.double(), want) <= (1e-6 if dtype == torch.float32 else 1e-9)
 
 
+def _along_h(along: float, dtype, rows: int = 16, dim: int = 64, radius: float = 8.0, seed: int = 8):
+    """Rows f = along * h + (a tangent of norm r): nearly parallel to h for along >> 1."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+    h = radius * h / h.norm(dim=-1, keepdim=True)
+    t = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+    t = t - (t * h).sum(-1, keepdim=True) / (h * h).sum(-1, keepdim=True) * h
+    t = radius * t / t.norm(dim=-1, keepdim=True)
+    return h.to(dtype), (along * h + t).to(dtype)
+
+
+def _exact_reference(h, f, scale, retraction, seed=7):
+    """Values and gradients (as :func:`_values_and_grads`) of the literal step in float64 from
+    u = P_h f formed exactly (fractions) on the given inputs, then rounded: the update depends on f
+    only through u, so out and the gradients in f and s are those at (h, u), where u is tangent
+    and nothing cancels; the gradient in h at (h, f) is that at (h, u) minus (a/q) grad_f
+    (d(P_h f)/dh carries a/q times the tangent projection of the upstream gradient)."""
+    from fractions import Fraction
+
+    tangents, ratios = [], []
+    for h_row, f_row in zip(h.double().tolist(), f.double().tolist()):
+        x, y = [Fraction(v) for v in h_row], [Fraction(v) for v in f_row]
+        ratio = sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x)
+        tangents.append([float(b - ratio * a) for a, b in zip(x, y)])
+        ratios.append([float(ratio)])
+    u = torch.tensor(tangents, dtype=torch.float64)
+    out, grad_h, grad_f, grad_s = _values_and_grads(sphere_residual_reference, h.double(), u, scale, retraction, seed)
+    return out, grad_h - torch.tensor(ratios, dtype=torch.float64) * grad_f, grad_f, grad_s
+
+
+@pytest.mark.parametrize(
+    ("dtype", "along"),
+    [(torch.float32, a) for a in (1e2, 1e3, 1e4, 1e5)] + [(torch.float64, a) for a in (1e2, 1e4, 1e6, 1e7, 1e8)],
+)
+def test_user_retraction_literal_step_for_an_update_nearly_parallel_to_h(dtype, along):
+    """A user's retraction in the literal step (on CPU: the C++ separate passes), f = along * h + (a
+    tangent of norm r). ||P_h f||² as ||f||² - <h, f>²/r² from dots rounded to the input dtype and
+    the output as A h + B f in that dtype both cancelled: off the sphere by 6.5 eps (float32, along
+    1e2), 2e-5 (1e3) and 12 % (1e4); float64 by 2700 eps (1e2), 6e-5 (1e6), 30 % (1e8), the
+    gradients off by up to 8 %. Now on the sphere to rounding, values to a few eps of the exact
+    reference, gradients within the problem's conditioning (the inputs' rounding, eps along
+    relative to ||f||, moves P_h f by eps along relative to itself)."""
+    ret = RETRACTIONS["user-p3"]
+    h, f = _along_h(along, dtype)
+    eps = torch.finfo(dtype).eps
+    out, grad_h, grad_f, grad_s = _values_and_grads(sphere_residual, h, f, 0.5, ret)
+    ratio = out.double().norm(dim=-1) / h.double().norm(dim=-1)
+    assert float((ratio - 1.0).abs().max()) <= 4 * eps
+    truth = _exact_reference(h, f, 0.5, ret)
+    assert _rel(out.double(), truth[0]) <= 8 * eps
+    assert _rel(grad_h.double(), truth[1]) <= 0.25 * along * eps
+    assert _rel(grad_f.double(), truth[2]) <= 0.25 * along * eps
+    assert abs(float(grad_s) - float(truth[3])) <= 4 * along * eps * abs(float(truth[3]))
+
+
 def _exact_on(kernels: bool, retraction: str, normalize_eps) -> bool:
     """Whether the path a call takes computes rows of tiny norm exactly (rescaled by powers of two):
     the C++ kernels (the row kernels of the built-ins; the separate passes of a user's literal step)

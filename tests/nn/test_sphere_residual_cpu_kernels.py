@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from dispatch_ops import KernelRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
-from test_sphere_residual import _UserP3  # pytest puts this folder on sys.path
+from test_sphere_residual import _along_h, _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib import _cpu_kernels
 from manifoldlib.nn import sphere_residual, sphere_residual_reference
@@ -193,7 +193,7 @@ def _dot_cases(dtype, rows=16, dim=8191):
     x = (1.0 + 1e-2 * torch.randn(rows, dim, generator=g, dtype=torch.float64)).to(dtype)
     y = (1.0 + 1e-2 * torch.randn(rows, dim, generator=g, dtype=torch.float64)).to(dtype)
     z = torch.randn(rows, dim, generator=g, dtype=torch.float64).to(dtype)
-    (fwd, factors), bwd = ops.forward_dots(x, y), ops.backward_dots(z, x, y)
+    (fwd, factors, _), bwd = ops.forward_dots(x, y), ops.backward_dots(z, x, y)
     assert factors.numel() == 0  # rows in range: none rescaled
     assert fwd.dtype == bwd.dtype == dtype
     assert fwd.shape == (rows, 3) and bwd.shape == (rows, 2)
@@ -377,13 +377,14 @@ def test_kernels_mark_the_rows_they_rescale():
     ops = _cpu_kernels.load()
     h, f = _case(3, (4, 16), radius=1.0, f_scale=1.0, dtype=torch.float32)
     row_scale = torch.tensor([[1.0], [2.0**-90], [1.0], [2.0**70]])
-    dots, factors = ops.forward_dots(row_scale * h, row_scale * f)
+    dots, factors, parallel = ops.forward_dots(row_scale * h, row_scale * f)
     _, e = torch.frexp(h.abs().amax(-1))  # the unit rows' exponents
     expected = torch.ones(4)
     expected[1], expected[3] = math.ldexp(1.0, 90 - int(e[1])), math.ldexp(1.0, -70 - int(e[3]))
     assert torch.equal(factors, expected)
-    twin, _ = ops.forward_dots(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f)
+    twin, _, _ = ops.forward_dots(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f)
     assert torch.equal(dots, twin)
+    assert parallel.numel() == 0  # random rows: none nearly parallel
     _, stats = ops.sphere_step_forward(row_scale * h, row_scale * f, 0.5, 0, 1.0, 0.0)
     _, twin_stats = ops.sphere_step_forward(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f,
                                             0.5, 0, 1.0, 0.0)
@@ -413,3 +414,79 @@ def test_rescaled_rows_with_one_input_gradient_or_an_expanded_upstream_gradient(
     assert (grad_h is None, grad_f is None) == {"h": (False, True), "f": (True, False)}.get(which, (False, False))
     for mine, twin in ((grad_h, twin_h), (grad_f, twin_f)):
         assert (mine is None and twin is None) or torch.equal(mine, twin)
+
+
+def test_forward_dots_flags_the_nearly_parallel_rows():
+    # A row whose ||f||² - <h, f>²/||h||² (double sums) is below ||f||² / 8: [a/q, ν, ||P_h f||²]
+    # from one more sweep over the row (ν = <h, u>/q of u = f - (a/q) h: what rounding left of h),
+    # NaN a/q for the other rows; an empty tensor when no row is flagged.
+    ops = _cpu_kernels.load()
+    for dtype in (torch.float32, torch.float64):
+        h, f = _along_h(1.0, dtype, rows=6)  # ||f||²/||P_h f||² = 2: none flagged
+        assert ops.forward_dots(h, f)[2].numel() == 0
+        along = torch.tensor([[1e4], [0.0], [3.0], [2.5], [-1e3], [1.0]], dtype=torch.float64)  # ratios 1 + along²
+        f = (along * h.double() + (f.double() - h.double())).to(dtype)
+        _, factors, parallel = ops.forward_dots(h, f)
+        assert factors.numel() == 0 and parallel.shape == (6, 3) and parallel.dtype == torch.float64
+        flagged = ~parallel[:, 0].isnan()
+        assert flagged.tolist() == [True, False, True, False, True, False]  # 1 + along² > 8
+        hd, fd = h.double(), f.double()
+        ratio = (hd * fd).sum(-1) / (hd * hd).sum(-1)
+        tangent = fd - ratio[:, None] * hd
+        tangent = tangent - (hd * tangent).sum(-1, keepdim=True) / (hd * hd).sum(-1, keepdim=True) * hd
+        assert torch.allclose(parallel[flagged, 0], ratio[flagged], rtol=1e-15, atol=0)
+        assert float(parallel[flagged, 1].abs().max()) <= 1e-13 * float(ratio.abs().max())
+        assert torch.allclose(parallel[flagged, 2], (tangent**2).sum(-1)[flagged], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "along", "exponent"),
+    [(torch.float32, 1e2, -100), (torch.float32, 1e4, 40), (torch.float32, 1e5, -70),
+     (torch.float64, 1e2, -600), (torch.float64, 1e6, 400), (torch.float64, 1e8, -532)],
+)
+def test_separate_passes_nearly_parallel_rows_beside_ordinary_and_rescaled_ones(spy, dtype, along, exponent):
+    """A user's literal step on the separate passes, a batch of ordinary rows (random f), rows
+    nearly parallel (f = along * h + a tangent of norm r) and copies of both scaled by 2^exponent
+    (computed rescaled). The nearly parallel rows left the sphere (float32 along 1e4: by 12 %,
+    float64 1e8: by 30 %); now every row is on its sphere to a few eps. The ordinary rows get the
+    bits of the old path (forward_dots, the coefficient math, forward_combine of A h + B f: what
+    ran before, reproduced here with the kernels themselves), and their gradients the bits they
+    get in a batch of ordinary rows alone; the rescaled rows are their twins' bit for bit."""
+    ops = _cpu_kernels.load()
+    retraction = RETRACTIONS["user-p3"]
+    h_par, f_par = _along_h(along, dtype, rows=6, dim=48)
+    h_ord, f_ord = _case(14, (6, 48), radius=8.0, f_scale=1.0, dtype=dtype)
+    h = torch.cat([h_ord, h_par, h_ord, h_par])
+    f = torch.cat([f_ord, f_par, f_ord, f_par])
+    row_scale = torch.ones(24, 1, dtype=dtype)
+    row_scale[12:] = 2.0**exponent
+    h, f = row_scale * h, row_scale * f
+    leaf_h, leaf_f = h.clone().requires_grad_(True), f.clone().requires_grad_(True)
+    out = sphere_residual(leaf_h, leaf_f, torch.tensor(0.6, dtype=dtype, requires_grad=True), retraction)
+    w = torch.randn(6, 48, generator=torch.Generator().manual_seed(7)).to(dtype)
+    (out * torch.cat([w] * 4)).sum().backward()  # a row and its twin: the same upstream gradient
+    out, grad_h, grad_f = out.detach(), leaf_h.grad, leaf_f.grad
+    assert spy.calls == list(KERNELS)
+    eps = torch.finfo(dtype).eps
+    ratio = (out / row_scale).double().norm(dim=-1) / (h / row_scale).double().norm(dim=-1)
+    assert float((ratio - 1.0).abs().max()) <= 4 * eps
+    # rescaled rows: their twins' bits
+    assert torch.equal(out[12:], row_scale[12:] * out[:12])
+    assert torch.equal(grad_h[12:], grad_h[:12]) and torch.equal(grad_f[12:], grad_f[:12])
+    # ordinary rows: the old path's values, and the gradients of a batch of ordinary rows alone
+    dots, _, parallel = ops.forward_dots(h_ord, f_ord)
+    assert parallel.numel() == 0
+    q, a, f_sq = dots.split(1, dim=-1)
+    q = q.clamp_min(torch.finfo(dtype).tiny)
+    s = torch.tensor(0.6, dtype=dtype)
+    n = (f_sq - a * a / q).clamp_min(0.0)
+    c, k = retraction.coefficients(s * s * n / q)
+    ks = k * s
+    old = torch.empty_like(h_ord)
+    ops.forward_combine(h_ord, f_ord, [(c - ks * a / q).contiguous(), ks.contiguous()], old)
+    assert torch.equal(out[:6], old) and torch.equal(out[12:18], row_scale[12:18] * old)
+    alone_h, alone_f = h_ord.clone().requires_grad_(True), f_ord.clone().requires_grad_(True)
+    alone = sphere_residual(alone_h, alone_f, torch.tensor(0.6, dtype=dtype, requires_grad=True), retraction)
+    (alone * w).sum().backward()
+    assert torch.equal(alone.detach(), old)
+    assert torch.equal(grad_h[:6], alone_h.grad) and torch.equal(grad_f[:6], alone_f.grad)
