@@ -2,6 +2,8 @@ r"""DGram :math:`= \{W \in \mathbb{R}^{m\times n}: \operatorname{Off}(W^\top W) 
 
 from __future__ import annotations
 
+import math
+
 from typing import Union
 
 import torch
@@ -57,6 +59,27 @@ def column_cosines(w: torch.Tensor) -> torch.Tensor:
     u = work / largest  # (..., m, n), largest |entry| 1 per column
     u = u / u.norm(dim=-2, keepdim=True)  # unit columns
     return u.mT @ u
+
+
+def _ldexp_wide(t: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``t * 2**e`` (``e`` an integer tensor broadcasting against ``t``) in float64, in steps of at
+    most 2^1000, so that a result in float64's range is reached even where ``2**e`` is not in it."""
+    out = t.to(torch.float64)
+    e = e.to(torch.int64)
+    while True:
+        step = e.clamp(-1000, 1000)
+        if not bool((step != 0).any()):
+            return out
+        out = torch.ldexp(out, step)
+        e = e - step
+
+
+def _ldexp_float(x: float, e: int) -> float:
+    """``x * 2**e`` as a Python float, ``inf`` where it overflows."""
+    try:
+        return math.ldexp(x, e)
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 class DGram(MatrixConstraintManifold):
@@ -163,19 +186,30 @@ class DGram(MatrixConstraintManifold):
         rounding of a computed :math:`w_i^\top u_j` is of order
         :math:`m\,\epsilon\,\|w_i\|\|u_j\|`, a term of the bound. (One scale for the whole
         matrix let a small column's clearly normal component pass where a large column
-        dominated the norms.) Columns are scaled by ``w``'s largest entry per column (the check's
-        own symmetry) and the products taken in at least float32, so no product over- or
-        underflows."""
+        dominated the norms.) Both are multiplied column by column by the power of two that brings
+        ``w``'s largest entry into :math:`[0.5, 1)` (the check's own symmetry, exact), and ``u``
+        as a whole by the power of two :math:`g \le 1` that brings its largest scaled entry to at
+        most 1 (``atol`` multiplied by :math:`g` with it), so neither the ratios
+        :math:`\|u_j\|/\|w_j\|` nor the products and norms over- or underflow (float32 ``W`` ~ 1e-20
+        with ``U`` ~ 1 gave :math:`\|u_j\|/\|w_j\| = \infty` and passed a fully normal ``U``);
+        products in at least float32."""
         work = torch.promote_types(torch.promote_types(x.dtype, u.dtype), torch.float32)
-        w, v = x.to(work), u.to(work)
+        w = x.to(work)
         largest = torch.linalg.vector_norm(w, ord=float("inf"), dim=-2, keepdim=True)  # (..., 1, n)
         largest = torch.where(largest > 0, largest, torch.ones_like(largest))
-        w, v = w / largest, v / largest  # W D'^{-1}, U D'^{-1}: the same check
+        e_w = torch.frexp(largest)[1]  # (..., 1, n): 2^(e_w - 1) <= largest < 2^e_w
+        w = torch.ldexp(w, -e_w)  # W D'^{-1}, D' = diag(2^e_w): largest entry per column in [0.5, 1)
+        top_u = torch.linalg.vector_norm(u.to(work), ord=float("inf"), dim=-2, keepdim=True)  # (..., 1, n)
+        e_u = torch.frexp(top_u)[1]
+        ratio = torch.where(top_u > 0, e_u - e_w, torch.zeros_like(e_u))  # |u_j| / 2^e_w <= 2^ratio
+        e_g = ratio.amax(dim=-1, keepdim=True).clamp_min(0)  # (..., 1, 1): g = 2^-e_g
+        v = _ldexp_wide(u, -(e_w + e_g)).to(work)  # U D'^{-1} g, |entries| <= 1
+        g = torch.ldexp(torch.ones_like(e_g, dtype=torch.float64), -e_g).to(work)  # (..., 1, 1), may be 0
         wn, un = w.norm(dim=-2), v.norm(dim=-2)  # (..., n)
-        s = w.mT @ v  # (..., n, n): w_i^T u_j
+        s = w.mT @ v  # (..., n, n): g w_i^T u_j / (d'_i d'_j)
         err = off_diagonal(s + s.mT).abs()
         scale = wn.unsqueeze(-1) * wn.unsqueeze(-2)  # ||w_i|| ||w_j||
-        bound = atol * scale + rtol * (wn.unsqueeze(-1) * un.unsqueeze(-2) + un.unsqueeze(-1) * wn.unsqueeze(-2))
+        bound = (atol * g) * scale + rtol * (wn.unsqueeze(-1) * un.unsqueeze(-2) + un.unsqueeze(-1) * wn.unsqueeze(-2))
         ok = bool((err <= bound).all())
         if ok:
             return True, None
@@ -184,7 +218,8 @@ class DGram(MatrixConstraintManifold):
         n = x.size(-1)
         i, j = (flat // n) % n, flat % n
         sc = float(scale.reshape(-1)[flat]) or 1.0
-        rel, bd = float(err.reshape(-1)[flat]) / sc, float(bound.reshape(-1)[flat]) / sc
+        e = int(e_g.reshape(-1)[flat // (n * n)])  # undo g in the message
+        rel, bd = (_ldexp_float(float(t.reshape(-1)[flat]) / sc, e) for t in (err, bound))
         return False, (
             f"|w_i^T u_j + u_i^T w_j| / (||w_i|| ||w_j||) = {rel:.3e} (columns {i}, {j}) exceeds "
             f"atol + rtol (||u_i||/||w_i|| + ||u_j||/||w_j||) = {bd:.3e} (atol={atol}, rtol={rtol})"

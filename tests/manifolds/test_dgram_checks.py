@@ -254,6 +254,7 @@ def test_proju_of_a_z_far_larger_than_w_matches_the_oracle(dtype, w_exp, z_exp):
     assert bool(torch.isfinite(out).all())
     column_error = _column_error(out, ref)
     assert float(column_error.max()) <= 8 * torch.finfo(dtype).eps, column_error.tolist()
+    assert DGram().check_vector_on_tangent(w, out)
     residual = float(DGram().tangent_residual(w, z))
     zs = z.double() / float(z.abs().max())
     assert math.isclose(residual, float((zs - ref / float(z.abs().max())).norm() / zs.norm()), rel_tol=1e-5)
@@ -274,3 +275,28 @@ def test_proju_with_columns_far_below_the_largest(dtype, low):
     column_error = _column_error(out, ref)
     assert float(column_error.max()) <= 8 * torch.finfo(dtype).eps, column_error.tolist()
     assert DGram().check_vector_on_tangent(w, out)
+
+
+@pytest.mark.parametrize(
+    "dtype, w_exp, u_exp",
+    [(torch.float32, -20, 0), (torch.float32, -30, -5), (torch.float32, -20, 10), (torch.float64, -160, 0),
+     (torch.float64, -200, 90)],
+    ids=str,
+)
+def test_the_tangent_check_refuses_a_normal_part_in_a_u_far_larger_than_w(dtype, w_exp, u_exp):
+    # ||u_j|| / ||w_j|| was formed at full scale: float32 W ~ 1e-20 with U ~ 1 made the norms of
+    # U D^-1 overflow to inf, so the bound was inf and a fully normal U passed, silently
+    q = _orthonormal(12, 3, 12)
+    w = q * torch.tensor([1.0, 3.0, 0.5], dtype=torch.float64) * 10.0**w_exp
+    g = torch.Generator().manual_seed(13)
+    u = DGram().proju(w, torch.randn(12, 3, generator=g, dtype=torch.float64) * 10.0**u_exp)
+    bad = u.clone()
+    bad[:, 0] += 10.0**u_exp * q[:, 1]
+    ws = w / w.abs().max()  # the oracle's defect is invariant under W -> cW
+    ratio = 10.0 ** (u_exp - w_exp)  # ||u_j|| / ||w_j||, the unit of the defect
+    assert _tangent_defect(ws, u / w.abs().max()) <= 1e-12 * ratio  # the oracle: tangent
+    assert _tangent_defect(ws, bad / w.abs().max()) >= 0.1 * ratio  # and clearly normal
+    ok, reason = DGram().check_vector_on_tangent(w.to(dtype), u.to(dtype), explain=True)
+    assert ok, reason
+    ok, reason = DGram().check_vector_on_tangent(w.to(dtype), bad.to(dtype), explain=True)
+    assert not ok and "columns 0, 1" in reason
