@@ -51,7 +51,7 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
 
 __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
            "finished_summary", "load_optimizer_state", "prepare_run", "read_saved_config",
-           "resumed_changes", "resumed_rows", "with_legacy_defaults"]
+           "resumed_rows", "with_legacy_defaults"]
 
 
 def with_legacy_defaults(saved: dict) -> dict:
@@ -95,8 +95,8 @@ def check_resumable(saved: TrainConfig, new: TrainConfig) -> None:
                        + f"; only {', '.join(sorted(RESUMABLE_FIELDS))} may change")
 
 
-def resumed_changes(saved: TrainConfig, new: TrainConfig, saved_world: int | None = None,
-                    world_size: int = 1) -> str | None:
+def _resumed_changes(saved: TrainConfig, new: TrainConfig, saved_world: int | None = None,
+                     world_size: int = 1) -> str | None:
     """The line a resume prints when it changes resumable fields (``stop_at`` aside, which
     every resume clears), or ``None``. With ``dropout > 0`` a change of ``grad_accum_steps`` or
     of the number of processes draws other dropout masks from then on (each micro-batch or rank
@@ -142,7 +142,7 @@ def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
     if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
         raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
                        f"is already at step {ckpt['step']}")
-    changes = resumed_changes(saved_cfg, cfg, ckpt.get("world_size"), world_size)
+    changes = _resumed_changes(saved_cfg, cfg, ckpt.get("world_size"), world_size)
     if changes is not None and echo and is_main and ckpt["step"] < cfg.steps:
         print(changes, flush=True)
     return ckpt
