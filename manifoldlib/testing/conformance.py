@@ -21,8 +21,9 @@ are those of the quadratic :math:`\tfrac12\|x - t\|^2` for a target :math:`t`, s
 directly on ``.grad``. The checks:
 
 ``on_manifold``
-    100 steps towards a random target, in float64 and float32: every 10th point is finite and on
-    the manifold to :math:`10^3\varepsilon` (relative, the dtype's :math:`\varepsilon`).
+    100 steps towards a random target, in float64 and float32: every point is finite and on
+    the manifold to :math:`10^3\varepsilon` (relative, the dtype's :math:`\varepsilon`), not
+    only some (an optimizer that projects back every few steps drifts off in between).
 ``descent``
     from :math:`x_0 = R_{x^*}(0.3\,\|x^*\|\,\hat v)` towards a target :math:`x^*` on the
     manifold (a minimizer of the quadratic; geodesically convex near it): after 60 steps the
@@ -45,8 +46,9 @@ directly on ``.grad``. The checks:
     its shape) unchanged and counts the skip in ``state["skipped_steps"]`` (one more than
     before); no parameter or state entry becomes non-finite.
 ``zero_gradient``
-    3 steps with zero gradients from a fresh state move nothing beyond rounding (``64 eps``
-    relative) and leave everything finite (skipped when the defaults have a nonzero
+    3 steps with zero gradients from a fresh state, in float64 and float32, move nothing beyond
+    rounding (``64 eps`` relative, the dtype's) and leave everything finite (an epsilon guard
+    such as ``g / (||g|| + 1e-50)`` underflows to ``0 / 0`` in float32 only) (skipped when the defaults have a nonzero
     ``weight_decay``, which moves parameters by design).
 ``degenerate_shapes``
     a one-column point (``(m, 1)``, or ``(1,)`` on the sphere), a zero-size point (``(0, n)``,

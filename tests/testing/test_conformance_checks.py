@@ -21,7 +21,7 @@ from manifoldlib.testing import (
 
 FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forgets_added_groups",
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
-         "accepts_bad_lr")
+         "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -61,14 +61,19 @@ class ToySGD(torch.optim.Optimizer):
     def _update(self, p, grad, group):
         m = p.manifold
         store = self._hidden.setdefault(p, {}) if self.flaw == "unsaved_state" else self.state[p]
+        if self.flaw == "zero_guard_underflows_in_float32":  # 1e-50 is 0 in float32: 0 / 0
+            grad = grad * (grad.norm() / (grad.norm() + 1e-50))
         rgrad = m.egrad2rgrad(p, grad)
         buf = store.get("momentum_buffer")
         buf = rgrad.clone() if buf is None else m.proju(p, group["momentum"] * buf + rgrad)
         store["momentum_buffer"] = buf
         lr = self.defaults["lr"] if self.flaw == "ignores_group_lr" else group["lr"]
         step = (lr if self.flaw == "ascent" else -lr) * buf
+        store["steps"] = store.get("steps", 0) + 1
         if self.flaw == "euclidean_step":
             new = p + step
+        elif self.flaw == "projects_every_tenth_step":  # 1e-3 off the manifold between the projections
+            new = m.projx(p + step) * (1 + 1e-3 * bool(store["steps"] % 10))
         else:
             new = m.retr(p, step)
         if self.flaw == "moves_on_zero":
@@ -91,6 +96,8 @@ CAUGHT_BY = {
     "loses_a_dimension": "degenerate_shapes",
     "joint_norm": "batched",
     "accepts_bad_lr": "bad_lr",
+    "projects_every_tenth_step": "on_manifold",
+    "zero_guard_underflows_in_float32": "zero_gradient",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
