@@ -21,7 +21,8 @@ class DyT(nn.Module):
         alpha_init: initial :math:`\alpha`, finite.
 
     Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (as LayerNorm's), computed
-    in the promoted dtype of the input and the parameters.
+    in the promoted dtype of the input and the parameters; an integer, boolean or complex input
+    raises ``ValueError``.
     """
 
     def __init__(self, dim: int, alpha_init: float = 0.5):
@@ -39,6 +40,10 @@ class DyT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"DyT expects inputs (..., {self.dim}), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():  # the output is returned in the input's dtype: an integer
+            # input came back as the formula truncated to integers (0 for |gamma tanh| < 1)
+            raise ValueError(f"DyT expects a real floating-point input (float16, bfloat16, float32, "
+                             f"float64), got dtype {x.dtype}")
         # computed in the promoted dtype of input and parameters (the 0-dim alpha alone would not
         # promote: tanh ran in bfloat16), returned in the input's, as LayerNorm does: float32
         # parameters would otherwise turn a bfloat16 stream into float32

@@ -168,3 +168,14 @@ def test_dyt_keeps_the_input_dtype_like_layernorm(dtype):
     want = (torch.tanh(0.7 * x.float()) * dyt.weight + dyt.bias).to(dtype)
     assert y.dtype == dtype == torch.nn.LayerNorm(16)(x).dtype
     assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_dyt_refuses_non_real_float_inputs(dtype):
+    # the output is returned in the input's dtype: an integer input came back as the formula
+    # truncated to integers (tanh(0.5 * [1, 2, 3]) = [0.46, 0.76, 0.91] as [0, 0, 0]), silently
+    dyt = DyT(3)
+    with pytest.raises(ValueError, match=f"real floating-point input.*got dtype {dtype}"):
+        dyt(torch.tensor([[1, 2, 3]]).to(dtype))
+    assert torch.equal(dyt(torch.tensor([[1.0, 2.0, 3.0]])).detach(),
+                       torch.tanh(0.5 * torch.tensor([[1.0, 2.0, 3.0]])))
