@@ -284,6 +284,34 @@ def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
                          f"{lo} to {hi}")
 
 
+def _check_tied_entries(state_dict, prefix: str) -> None:
+    """Refuse a state dict whose ``wte.weight`` and ``lm_head.weight`` differ, for a model that
+    ties them: both entries are copied into the one shared tensor, so the one loaded last
+    (``lm_head.weight``) would silently replace the embedding."""
+    emb, head = state_dict.get(prefix + "wte.weight"), state_dict.get(prefix + "lm_head.weight")
+    if not (isinstance(emb, torch.Tensor) and isinstance(head, torch.Tensor)) or emb is head:
+        return
+    if type(emb) is not torch.Tensor and not isinstance(emb, nn.Parameter):
+        return  # a DTensor (sharded load) or another subclass: its entries are not compared here
+    if type(head) is not torch.Tensor and not isinstance(head, nn.Parameter):
+        return
+    if emb.is_meta or head.is_meta:
+        return
+    if (emb.shape == head.shape and emb.dtype == head.dtype and emb.device == head.device
+            and emb.stride() == head.stride() and emb.data_ptr() == head.data_ptr()):
+        return  # one storage (a tied model's own state dict, saved and loaded)
+    if emb.shape != head.shape:
+        return  # load_state_dict reports the size mismatch itself
+    if not torch.equal(emb, head.to(device=emb.device, dtype=emb.dtype)):
+        diff = float((emb.double() - head.to(emb.device).double()).abs().max())
+        raise ValueError(
+            f"the state dict's {prefix}wte.weight and {prefix}lm_head.weight differ (largest "
+            f"|difference| {diff:.3g}), but this model ties them (tie_weights=True): loading would "
+            f"keep {prefix}lm_head.weight as the token embedding and lose {prefix}wte.weight. Load "
+            f"it into a GPT with tie_weights=False"
+        )
+
+
 class GPT(nn.Module):
     """Decoder-only transformer; ``logits, loss = model(idx, targets)``.
 
@@ -317,6 +345,11 @@ class GPT(nn.Module):
             # the DyT paper's LLM recipe: embeddings at std d^(-1/2), a learnable sqrt(d) after them
             for emb in (self.wte, self.wpe):
                 nn.init.normal_(emb.weight, mean=0.0, std=config.n_embd ** -0.5)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.config.tie_weights:  # one comparison per load, never in the forward
+            _check_tied_entries(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

@@ -505,3 +505,25 @@ def test_each_connection_computes_its_formula(connection):
         gamma, beta = params["weight"], params["bias"]
         want = x + sublayer(gamma * torch.tanh(params["alpha"] * x) + beta)
     torch.testing.assert_close(conn(x, sublayer), want, rtol=0, atol=1e-12)
+
+
+def test_tied_model_refuses_a_state_dict_whose_embedding_and_head_differ():
+    # both entries were copied into the one shared tensor, lm_head.weight last: an untied
+    # checkpoint loaded into a tied model kept the head as the token embedding, silently
+    untied = _model(1, tie_weights=False)
+    tied = _model(2)
+    before = tied.wte.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"wte\.weight and lm_head\.weight differ.*tie_weights=True"):
+        tied.load_state_dict(untied.state_dict())
+    assert torch.equal(tied.wte.weight, before)  # nothing was loaded
+    holder = nn.ModuleDict({"gpt": tied})  # under a prefix too
+    with pytest.raises(ValueError, match=r"gpt\.wte\.weight and gpt\.lm_head\.weight differ"):
+        holder.load_state_dict({f"gpt.{k}": v for k, v in untied.state_dict().items()})
+    # a tied model's own state dict (one storage, or equal copies) loads, tie kept
+    source = _model(3)
+    tied.load_state_dict(source.state_dict())
+    assert tied.lm_head.weight is tied.wte.weight and torch.equal(tied.wte.weight, source.wte.weight)
+    copies = {k: v.clone() for k, v in source.state_dict().items()}
+    _model(4).load_state_dict(copies)
+    untied.load_state_dict(source.state_dict())  # untied models take both entries as they are
+    assert torch.equal(untied.wte.weight, untied.lm_head.weight)
