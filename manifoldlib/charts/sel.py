@@ -230,26 +230,30 @@ class SEL(Chart):
 
     # -- scales -----------------------------------------------------------------------------------
     def _factor(
-        self, *pairs: tuple[float, str], scale: torch.Tensor | None = None
+        self, *pairs: tuple[float, str], scale: torch.Tensor | None = None,
+        work: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # exp(sum_k sign_k (u_k,i + v_k,j)) as a row factor (out, 1) and a column factor (1, in);
         # a 1-D tensor is handled as one row, (1, n), with a constant column of ones.
-        row = torch.exp(self._signed_sum(pairs, "row"))
+        row = torch.exp(self._signed_sum(pairs, "row", work))
         if scale is not None:
-            row = row * scale
+            row = row * (scale if work is None else scale.to(work))
         if self._is_vector:
             return row.view(1, 1), torch.ones(1, self._numel, dtype=row.dtype, device=row.device)
-        col = torch.exp(self._signed_sum(pairs, "col"))
+        col = torch.exp(self._signed_sum(pairs, "col", work))
         return row, col
 
-    def _signed_sum(self, pairs: tuple[tuple[float, str], ...], side: str) -> torch.Tensor:
+    def _signed_sum(self, pairs: tuple[tuple[float, str], ...], side: str,
+                    work: torch.dtype | None = None) -> torch.Tensor:
         # sum_k sign_k p_k, one op per extra term (no Python-scalar products: on small vectors the
         # chart's cost is op dispatch, counted per training step for every charted matrix)
         (first_sign, first), *rest = pairs
         total = getattr(self, f"{first}_{side}")
+        total = total if work is None else total.to(work)
         total = total if first_sign > 0 else -total
         for sign, name in rest:
             term = getattr(self, f"{name}_{side}")
+            term = term if work is None else term.to(work)
             total = total + term if sign > 0 else total - term
         return total
 
@@ -258,9 +262,12 @@ class SEL(Chart):
 
         The :math:`l_w` entry is None without the linear path.
         """
-        a = self._factor((1.0, "log_e_w"), (-1.0, "n"))
-        b = self._factor((1.0, "log_m"), scale=self.beta)
-        c = self._factor((1.0, "log_l_w")) if self.linear else None
+        return self._factors()
+
+    def _factors(self, work: torch.dtype | None = None):
+        a = self._factor((1.0, "log_e_w"), (-1.0, "n"), work=work)
+        b = self._factor((1.0, "log_m"), scale=self.beta, work=work)
+        c = self._factor((1.0, "log_l_w"), work=work) if self.linear else None
         return a, b, c
 
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -299,12 +306,19 @@ class SEL(Chart):
         ``sign(0)`` is taken as +1 and :math:`|w|` as :math:`w\,\operatorname{sign}(w)` with the
         sign held constant, so the gradient at :math:`w = 0` is the one-sided slope
         :math:`E'(0) + l_w` instead of 0.
+
+        float16 raw coordinates are evaluated in float32 and the weight rounded once to float16:
+        :math:`\operatorname{expm1}(b|w|)` overflows float16 from :math:`b|w| = 11.1`, where
+        :math:`a\,\operatorname{expm1}(b|w|)` may still be well inside its range (a chart built
+        in float32 keeps its clamp of 44.4 after ``module.half()``).
         """
-        a, b, c = self.factors()
+        work = torch.float32 if raw.dtype == torch.float16 else None  # None: raw's own dtype
+        a, b, c = self._factors(work)
+        flat = raw.view(1, -1) if self._is_vector else raw
         weight = sel_forward_rule(
-            raw.view(1, -1) if self._is_vector else raw, a, b, c, self.max_exponent, self.impl
+            flat if work is None else flat.to(work), a, b, c, self.max_exponent, self.impl
         )
-        weight = weight.view_as(raw)  # (out, in) or (n,)
+        weight = weight.view_as(raw).to(raw.dtype)  # (out, in) or (n,)
         if self.rank > 0:
             weight = weight + self.delta()
         return weight

@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
-from manifoldlib.charts import SEL, SEL_CALIBRATIONS, SEL_IMPLS, SEL_INITS, Chart
+from manifoldlib.charts import (SEL, SEL_CALIBRATIONS, SEL_IMPLS, SEL_INITS, Chart, apply_chart,
+                                merge_charts)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 
@@ -363,3 +365,48 @@ def test_every_listed_init_and_impl_is_accepted():
         assert (SEL(w, impl=impl)(raw) - SEL(w)(raw)).abs().max() <= TOL[torch.float64]
     with pytest.raises(ValueError, match="init must be one of"):
         SEL(w, init="exact")
+
+
+def _sel_weight_float64(chart: SEL, raw: torch.Tensor) -> torch.Tensor:
+    """The forward rule from the chart's own (rounded) raw coordinates and scales, in float64."""
+    def full(name):
+        row = getattr(chart, f"{name}_row").double()
+        col = getattr(chart, f"{name}_col", None)
+        return row if col is None else row + col.double()
+    a = torch.exp(full("log_e_w") - full("n"))
+    b = torch.exp(full("log_m")) * chart.beta.double()
+    c = torch.exp(full("log_l_w"))
+    w = raw.double()
+    t = w.abs()
+    sign = torch.where(w >= 0, 1.0, -1.0).double()
+    return sign * a * torch.expm1((b * t).clamp(max=chart.max_exponent)) + c * t
+
+
+def test_float16_chart_evaluates_in_float32():
+    # a chart built in float32 keeps its clamp (44.4) after module.half(); expm1(b|w|) in float16
+    # overflowed from b|w| = 11.1, so b|w| = 12 gave an inf weight (merged as inf) where the
+    # forward rule is about 2.7e3, well inside float16's range
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.02)
+    apply_chart(lin, SEL)
+    chart = lin.parametrizations.weight[0]
+    _, b, _ = chart.coefficients()
+    with torch.no_grad():
+        original = lin.parametrizations.weight.original
+        original[0, 0] = 12.0 / b[0, 0]
+        original[1, 1] = -6.0 / b[1, 1]
+    lin.half()
+    raw = lin.parametrizations.weight.original.detach()
+    want = _sel_weight_float64(chart, raw)
+    got = lin.weight.detach()
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    # float32 evaluation rounded once to float16: within one float16 rounding of the float64 rule
+    rel = ((got.double() - want) / want.abs().clamp_min(2.0**-14)).abs().max()
+    assert float(rel) <= torch.finfo(torch.float16).eps
+    assert 2.0e3 < float(got[0, 0]) < 4.0e3
+    x = torch.randn(3, 64, dtype=torch.float16)
+    before = lin(x).detach()
+    merge_charts(lin)
+    assert torch.equal(lin.weight.detach(), got) and torch.equal(lin(x).detach(), before)
