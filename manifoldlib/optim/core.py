@@ -208,8 +208,11 @@ def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def gradient_finite(g: Tensor) -> Tensor:
-    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite (one reduction, on the device)."""
-    return torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.promote_types(g.dtype, torch.float32)))
+    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite (one reduction, on the device).
+
+    The sum is accumulated in float64: a float32 or bfloat16 one overflows for finite entries of
+    ~1e37 (float64 entries past ~1e308 / mn would still read as non-finite)."""
+    return torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.float64))
 
 
 def _count_skips(bank: Bank, skipped: Tensor) -> None:

@@ -115,3 +115,27 @@ def test_a_finite_float64_gradient_beyond_float32s_range_steps(manifold):
         assert torch.isfinite(p).all()
         assert int(opt.state[p]["skipped_steps"]) == 0
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("manifold", MANIFOLDS)
+def test_a_finite_gradient_whose_float32_sum_overflows_steps(manifold, dtype):
+    # entries of ~2^125 ≈ 4e37 to 8e37, all positive: finite in float32 and bfloat16, but 36 of them sum
+    # past float32's 3.4e38; the finiteness test must not read that sum as a non-finite gradient
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen).to(dtype)) for s in SHAPES]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ManifoldMuon(params, manifold=manifold, lr=0.02)
+    twin_opt = ManifoldMuon(twins, manifold=manifold, lr=0.02)
+    for p, q in zip(params, twins):
+        g = (torch.rand(p.shape, generator=gen) + 1.0).to(dtype)
+        p.grad, q.grad = 2.0**125 * g, g  # a power of two: the same mantissas
+    opt.step()
+    twin_opt.step()
+    assert [int(opt.state[p]["skipped_steps"]) for p in params] == [0, 0, 0]
+    if manifold == "euclidean" and dtype == torch.bfloat16:
+        # newton_schulz scales only float32/float64 input into range: a bfloat16 update cast to
+        # float32 has ||X||_F^2 = inf, the direction comes back ~0 (the step 1/37 of the twin's)
+        pytest.xfail("newton_schulz: bfloat16 input of norm > 1.8e19 is not scaled into range")
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p.detach(), q.detach())
