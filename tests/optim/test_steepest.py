@@ -429,3 +429,30 @@ def test_reported_residual_is_that_of_the_returned_direction(manifold, m, n, dty
     # which the 1e-4 tangent fraction amplifies to ~1e-3 in the Gram matrix of G + 2 W Lambda
     slack = 1e-6 if dtype == torch.float64 else 1e-3
     assert float(torch.linalg.matrix_norm(a.double(), ord=2)) <= 1 + slack
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_direction_reports_its_own_rounded_residual(manifold, dtype):
+    # the solve runs in float32/float64; the returned A is rounded to G's dtype, which alone puts
+    # ~eps_16 of it in the normal space (bfloat16: 5e-4 > tol = 1e-4): the residual and converged
+    # must describe that A, not the solve's unrounded one (reported 9e-5, converged, before)
+    w, g = hard_instance(manifold, 32, 8, 2, 0.05, seed=1, dtype=dtype)
+    a, info = steepest_direction(w, g, manifold, return_info=True)
+    assert a.dtype == dtype
+    recomputed = _normal_fraction(w.double(), a.double(), manifold)
+    assert abs(info.residual - recomputed) <= 0.05 * recomputed, (info.residual, recomputed)
+    assert info.converged == (info.residual <= 1e-4)
+    if dtype == torch.bfloat16:
+        assert not info.converged
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique", "euclidean"])
+def test_a_finite_gradient_whose_float32_sum_overflows_is_solved(manifold):
+    # entries ~4e37 to 8e37 are finite in float32; their float32 sum is inf, which read as
+    # "G has non-finite entries" and refused a finite G. The direction is scale-free in G.
+    w, _ = hard_instance("stiefel" if manifold == "euclidean" else manifold, 16, 4, 4, 0.0, seed=2)
+    g = torch.rand(16, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 1.0
+    a_big = steepest_direction(w.float(), (2.0**125 * g).float(), manifold)
+    a = steepest_direction(w.float(), g.float(), manifold)
+    torch.testing.assert_close(a_big, a)
