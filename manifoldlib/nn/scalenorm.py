@@ -24,9 +24,11 @@ class ScaleNorm(nn.Module):
             gradient instead of NaN.
 
     Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (float16 and bfloat16
-    inputs are normalized in float32); an integer or complex input raises ``ValueError``. Rows
-    whose largest entry is at least 1 are divided by its power of two first (exact), so the norm
-    does not overflow for any finite input.
+    inputs are normalized in float32); an integer or complex input raises ``ValueError``. A row
+    whose :math:`\|x\|` overflows the working dtype (float32: entries of about
+    :math:`10^{19}/\sqrt d`, float64: :math:`10^{154}/\sqrt d`) comes out NaN, not the zero row
+    that :math:`x\,g/\infty` would give: loud, for one op on the ``(..., 1)`` norms (rescaling
+    every row to avoid the overflow would cost passes over ``x`` for every input).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -50,19 +52,9 @@ class ScaleNorm(nn.Module):
         # input overflows (to a zero output) and g / eps of a zero one does (0 * inf = NaN)
         work = torch.promote_types(x.dtype, torch.float32)
         xw = x.to(work)
-        # ||x||^2 overflows for rows whose entries pass sqrt(finfo.max / d) (float32, and
-        # bfloat16 computed in it: ~1e19), and the output would be 0 instead of a point on the
-        # sphere. A row whose largest entry is >= 1 is divided by the power of two 2^e of that
-        # entry (frexp: exact, so the norm's bits and the output's are those of the unscaled
-        # formula wherever it did not overflow); the floor moves with it, eps 2^-e. Rows with
-        # entries < 1 are untouched (e clamped at 0), so the floor keeps its meaning there.
-        # (two plain reductions are cheaper than one over |x|, which materializes |x|)
-        xd = xw.detach()
-        top = torch.maximum(xd.amax(dim=-1, keepdim=True), -xd.amin(dim=-1, keepdim=True))  # (..., 1)
-        inv = torch.ldexp(torch.ones_like(top), -torch.frexp(top).exponent.clamp_min(0))  # (..., 1)
-        norm = torch.linalg.vector_norm(xw * inv, dim=-1, keepdim=True)  # ||x|| 2^-e, (..., 1)
-        # g 2^-e / max(||x|| 2^-e, eps 2^-e) = g / max(||x||, eps), exactly (powers of two)
-        return (xw * (self.scale.to(work) * inv / torch.maximum(norm, self.eps * inv))).to(x.dtype)
+        norm = torch.linalg.vector_norm(xw, dim=-1, keepdim=True).clamp_min(self.eps)  # (..., 1)
+        norm = torch.where(torch.isinf(norm), torch.nan, norm)  # an overflowing row: NaN, not 0
+        return (xw * (self.scale.to(work) / norm)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
