@@ -30,6 +30,9 @@ __all__ = ["SEL_ROLES", "SELLRMultiplier", "sel_lr_lambdas", "sel_lr_scheduler",
 #: Roles of an :class:`~manifoldlib.charts.SEL` chart's parameters (the ``"sel_role"`` tag of
 #: the groups made by :func:`sel_param_groups`).
 SEL_ROLES = ("e_w", "l_w", "m", "n", "delta")
+#: Every ``"sel_role"`` :func:`sel_param_groups` tags a group with (what
+#: :class:`SELLRMultiplier` accepts as ``role``).
+_GROUP_ROLES = ("weight", "other", *SEL_ROLES)
 
 
 def sel_param_groups(
@@ -84,11 +87,17 @@ class SELLRMultiplier:
     """LR multiplier for one param group: ``multiplier(step) -> float`` (see the module formulas).
 
     Args:
-        role: the group's ``"sel_role"`` (``"e_w"`` and ``"m"`` are annealed, others constant).
+        role: the group's ``"sel_role"``: ``"e_w"`` and ``"m"`` are annealed; ``"weight"``,
+            ``"other"`` and the other roles of :data:`SEL_ROLES` are constant. Any other value is
+            refused (a misspelt ``"e-w"`` would otherwise get no annealing, silently).
         anneal_steps: :math:`T`, steps over which the ramp runs (>= 1).
         e_w_boost: initial multiplier of the ``e_w`` group (>= 1).
         m_start: initial multiplier of the ``m`` group (in (0, 1]).
         base: optional schedule ``base(step) -> float`` multiplied into every group.
+
+    Raises:
+        ValueError: for an unknown ``role``, a bad ``anneal_steps``, ``e_w_boost`` or
+            ``m_start``, or a ``base`` that is not callable.
     """
 
     def __init__(
@@ -99,6 +108,11 @@ class SELLRMultiplier:
         m_start: float = 0.1,
         base: Callable[[int], float] | None = None,
     ) -> None:
+        if not (isinstance(role, str) and role in _GROUP_ROLES):
+            raise ValueError(f"role must be one of {_GROUP_ROLES} (the 'sel_role' tags of "
+                             f"sel_param_groups), got {role!r}")
+        if base is not None and not callable(base):
+            raise ValueError(f"base must be None or a callable base(step) -> float, got {base!r}")
         if not isinstance(anneal_steps, int) or isinstance(anneal_steps, bool) or anneal_steps < 1:
             raise ValueError(f"anneal_steps must be an int >= 1, got {anneal_steps!r}")
         if not (is_real(e_w_boost) and math.isfinite(e_w_boost) and e_w_boost >= 1):
@@ -124,13 +138,18 @@ def sel_lr_lambdas(
 ) -> list[SELLRMultiplier]:
     """One :class:`SELLRMultiplier` per param group, read from each group's ``"sel_role"``.
 
-    Groups without a role (built by hand) get the constant multiplier (times ``base``).
+    Groups without a role (built by hand) get the constant multiplier (times ``base``); a group
+    whose ``"sel_role"`` is not one :func:`sel_param_groups` makes is refused (``ValueError``).
     ``kwargs`` go to :class:`SELLRMultiplier`.
     """
-    return [
-        SELLRMultiplier(g.get("sel_role", "weight"), anneal_steps, **kwargs)
-        for g in optimizer.param_groups
-    ]
+    out = []
+    for i, group in enumerate(optimizer.param_groups):
+        role = group.get("sel_role", "weight")
+        if not (isinstance(role, str) and role in _GROUP_ROLES):
+            raise ValueError(f"param group {i} has sel_role {role!r}; expected one of "
+                             f"{_GROUP_ROLES} (the tags of sel_param_groups)")
+        out.append(SELLRMultiplier(role, anneal_steps, **kwargs))
+    return out
 
 
 def sel_lr_scheduler(

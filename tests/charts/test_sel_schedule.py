@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -113,3 +114,25 @@ def test_lambda_lr_applies_per_group_multipliers():
 def test_multiplier_rejects_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SELLRMultiplier("e_w", **kwargs)
+
+
+@pytest.mark.parametrize("role", ["e-w", "E_W", " m", "lw", "", None, 0])
+def test_multiplier_refuses_an_unknown_role(role):
+    """A misspelt role ("e-w") got the constant multiplier silently: no annealing at all."""
+    with pytest.raises(ValueError, match=r"role must be one of \('weight', 'other', 'e_w'.*got "
+                       + re.escape(repr(role))):
+        SELLRMultiplier(role, 10)
+
+
+def test_every_role_of_the_groups_is_accepted_and_a_bad_group_tag_is_named():
+    for role in ("weight", "other", *SEL_ROLES):
+        SELLRMultiplier(role, 10)(0)
+    opt = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "sel_role": "e-w"}], lr=0.1)
+    with pytest.raises(ValueError, match=r"param group 0 has sel_role 'e-w'"):
+        sel_lr_lambdas(opt, 10)
+
+
+def test_multiplier_refuses_a_base_that_is_not_callable():
+    """base=0.5 (a number where a schedule is meant) was accepted and failed at the first step."""
+    with pytest.raises(ValueError, match=r"base must be None or a callable .*got 0.5"):
+        SELLRMultiplier("e_w", 10, base=0.5)
