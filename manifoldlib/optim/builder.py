@@ -22,8 +22,10 @@ from .optimizer import MUON_MANIFOLDS, ManifoldMuon, check_state_dict, restore_d
 from .policies import (
     Classifier,
     Policy,
+    HEAD_NAMES,
     RolePolicy,
     _belongs_to_chart,
+    _foreign_parametrization,
     get_policy,
     is_hidden_matrix,
     warn_stacked,
@@ -88,7 +90,43 @@ def assign_parameters(
     named = [(*owners[id(p)], p) for p in model.parameters() if p.requires_grad]
     warn_unclassified(resolved, named)
     warn_stacked(resolved, named)
+    _warn_parametrized(policy, resolved, named, assignment)
     return assignment
+
+
+def _warn_parametrized(policy, resolved: Policy, named, assignment: dict[str, str | None]) -> None:
+    """Warn about the raw tensors of a foreign ``torch.nn.utils.parametrize`` parametrization (not a
+    chart, not split blocks; :func:`~manifoldlib.optim.policies.is_hidden_matrix`): once naming those
+    a policy put on a manifold (the constraint holds for them, not for the weight the model uses),
+    once naming those a role policy sent to AdamW where it constrains the plain weight."""
+    constrained, to_adamw = [], []
+    for name, module, param in named:
+        kinds = _foreign_parametrization(module)
+        if not kinds or param.dim() != 2:
+            continue
+        label = f"{name} ({', '.join(kinds)})"
+        if assignment.get(name) is not None:
+            constrained.append(label)
+        elif isinstance(resolved, RolePolicy) and not any(p in HEAD_NAMES for p in name.split(".")[:-1]) \
+                and {"attn": resolved.attn, "mlp": resolved.mlp}.get(resolved.classifier(name, module),
+                                                                     resolved.other) is not None:
+            to_adamw.append(label)
+    import warnings
+
+    remove = ("torch.nn.utils.parametrize.remove_parametrizations(module, name, leave_parametrized=True) "
+              "before building the optimizer")
+    if constrained:
+        warnings.warn(
+            f"policy {policy!r} put {len(constrained)} raw parametrization tensors on a manifold: "
+            f"{', '.join(constrained)}. The model uses the parametrized weight, not these tensors, so the "
+            f"constraint does not hold for it; return None (AdamW) for them, or call {remove}",
+            UserWarning, stacklevel=3)
+    if to_adamw:
+        warnings.warn(
+            f"{len(to_adamw)} parametrized matrices go to AdamW: {', '.join(to_adamw)}. "
+            f"torch.nn.utils.parametrize hands the optimizer these raw tensors, not the weight the model "
+            f"uses, so policy {policy!r} cannot constrain those weights; to constrain them call {remove}",
+            UserWarning, stacklevel=3)
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -344,6 +382,8 @@ def _reason(policy: Policy, name: str, module: nn.Module, param: torch.Tensor) -
         return "embedding"
     if _belongs_to_chart(module):
         return "chart coordinates (Euclidean)"
+    if _foreign_parametrization(module):
+        return "parametrization tensor (Euclidean)"
     if not is_hidden_matrix(name, module, param):
         return "output head"
     role = policy.classifier(name, module)

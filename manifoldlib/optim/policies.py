@@ -18,7 +18,11 @@ hetero-inv      dgram                       stiefel                     euclidea
 =============== =========================== =========================== =====================
 
 Embeddings, the output head, gains, biases and every non-matrix go to AdamW under every
-built-in policy. Attention and MLP are recognized by :func:`default_classifier` from the parameter's
+built-in policy, and so do the raw tensors of a :mod:`torch.nn.utils.parametrize` parametrization
+(a chart of :mod:`manifoldlib.charts`, or ``orthogonal``, ``weight_norm``, a user's own: the model
+uses the parametrized weight, not them), with a warning naming them
+(:func:`is_hidden_matrix`; the blocks of :func:`~manifoldlib.charts.split_blocks` are the fused
+weight's own entries and keep their manifold). Attention and MLP are recognized by :func:`default_classifier` from the parameter's
 qualified name, innermost component first: a block name (``attn``, ``self_attn``, ``attention``,
 ``mlp``, ``ffn``, T5's ``EncDecAttention`` / ``DenseReluDense``, BERT's ``intermediate``, ...;
 :data:`ATTN_NAMES`, :data:`MLP_NAMES`) or a projection name (``q_proj`` ... ``o_proj``,
@@ -58,6 +62,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..charts.base import Chart
+from ..charts.blocks import SplitBlocks
 
 __all__ = [
     "ATTN_NAMES",
@@ -218,6 +223,16 @@ def _belongs_to_chart(module: nn.Module) -> bool:
     return isinstance(module, parametrize.ParametrizationList) and any(isinstance(p, Chart) for p in module)
 
 
+def _foreign_parametrization(module: nn.Module) -> list[str]:
+    """The class names of the parametrizations that make ``module``'s tensors raw coordinates of
+    another weight: a ParametrizationList holding anything but :class:`~manifoldlib.charts.SplitBlocks`
+    (whose blocks are the weight's own entries) and no chart (charts are handled by
+    :func:`_belongs_to_chart`); empty for every other module."""
+    if not isinstance(module, parametrize.ParametrizationList) or _belongs_to_chart(module):
+        return []
+    return [type(p).__name__ for p in module if not isinstance(p, SplitBlocks)]
+
+
 def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
     """A 2-D weight of a hidden layer: not an embedding, not in a head, not a vector, not a chart's.
 
@@ -225,11 +240,16 @@ def is_hidden_matrix(name: str, module: nn.Module, param: torch.Tensor) -> bool:
 
     Raw chart coordinates and chart scales (:mod:`manifoldlib.charts`) are Euclidean coordinates of
     a curved map, never points of a matrix manifold, so every built-in policy sends them to AdamW
-    (see :func:`~manifoldlib.charts.assert_chart_compatible`).
+    (see :func:`~manifoldlib.charts.assert_chart_compatible`). So are the raw tensors
+    (``parametrizations.weight.original``, ``original0``, ...) of any other
+    :mod:`torch.nn.utils.parametrize` parametrization (``orthogonal``, ``weight_norm``,
+    ``spectral_norm``, a user's own): the model uses the parametrized weight, not them, and a
+    constraint on them would not hold for it. Only the blocks of
+    :func:`~manifoldlib.charts.split_blocks` (the fused weight's own entries) stay hidden matrices.
     """
     if param.dim() != 2 or isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return False
-    if _belongs_to_chart(module):
+    if _belongs_to_chart(module) or _foreign_parametrization(module):
         return False
     return not any(part in HEAD_NAMES for part in name.split(".")[:-1])  # inside a head module
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -374,3 +375,48 @@ def test_build_optimizer_warns_that_sel_charted_matrices_go_to_adamw():
     assert kinds["blocks.0.mlp.fc.weight"] == "muon"  # the uncharted matrices keep their manifold
     rows = _table_rows(describe_assignment(model, "hetero"))
     assert rows["blocks.0.attn.q.parametrizations.weight.original"][2:] == ["AdamW", "chart coordinates (Euclidean)"]
+
+
+class _Scale2(nn.Module):
+    """A user's own parametrization: the model uses 2 * original."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+def test_foreign_parametrizations_go_to_adamw_with_a_warning_naming_their_raw_tensors():
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import orthogonal, weight_norm
+
+    from manifoldlib.charts import split_blocks
+
+    torch.manual_seed(0)
+    model = _gpt(n_layer=1, n_embd=16)
+    block = model.blocks[0]
+    orthogonal(block.attn.q)
+    weight_norm(block.mlp.fc)  # original0 is g, (64, 1): a 2-D tensor that is no matrix of the map
+    parametrize.register_parametrization(block.attn.k, "weight", _Scale2())
+    raw = ["blocks.0.attn.q.parametrizations.weight.original", "blocks.0.mlp.fc.parametrizations.weight.original0",
+           "blocks.0.mlp.fc.parametrizations.weight.original1", "blocks.0.attn.k.parametrizations.weight.original"]
+    with pytest.warns(UserWarning, match=r"^4 parametrized matrices go to AdamW: .*weight\.original \(_Orthogonal\)"
+                      r".*original \(_Scale2\).*original0 \(_WeightNorm\).*original1 \(_WeightNorm\)\. .*remove_parametrizations"):
+        opt = build_optimizer(model, "hetero")
+    kinds = {n: g["kind"] for g in opt.param_groups for n in g["param_names"]}
+    assert all(kinds[n] == "adamw" for n in raw)
+    assert kinds["blocks.0.attn.v.weight"] == kinds["blocks.0.mlp.proj.weight"] == "muon"  # the plain ones keep theirs
+    with pytest.warns(UserWarning, match="parametrized matrices go to AdamW"):
+        rows = _table_rows(describe_assignment(model, "hetero"))
+    assert rows[raw[0]][2:] == ["AdamW", "parametrization tensor (Euclidean)"]
+    # a custom policy that puts a raw tensor on a manifold is told the constraint misses the weight
+    with pytest.warns(UserWarning, match=r"put 1 raw parametrization tensors on a manifold: "
+                      r"blocks\.0\.attn\.k\.parametrizations\.weight\.original \(_Scale2\)"):
+        assign_parameters(model, lambda n, m, p: "stiefel" if n == raw[3] else None)
+    # the library's own split blocks are the fused weight's entries: constrained, no warning
+    fused = nn.Module()
+    fused.attn = nn.Module()
+    fused.attn.c_attn = nn.Linear(8, 24)
+    assert split_blocks(fused) == ["attn.c_attn.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assignment = assign_parameters(fused, "hetero")
+    assert [assignment[f"attn.c_attn.parametrizations.weight.original{i}"] for i in range(3)] == ["stiefel"] * 3
