@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._numbers import is_integer
 from .base import _own_parametrized_class, output_dim  # output_dim: also read from here by optim
 
 __all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
@@ -60,17 +61,29 @@ class SplitBlocks(nn.Module):
     """Parametrization ``(B_1, ..., B_k) -> cat(B_1, ..., B_k, dim)``; ``right_inverse`` splits.
 
     Args:
-        sizes: the block sizes along ``dim``, all > 0.
-        dim: the dimension that stacks the blocks (the output dimension of the fused map).
+        sizes: the block sizes along ``dim``, integers > 0.
+        dim: the dimension that stacks the blocks (the output dimension of the fused map), an int.
         heads: the number of equal slices along ``dim`` that each hold ``size // heads`` entries of
             every block in turn (a per-head layout such as GPT-NeoX's); 1: contiguous blocks.
     """
 
     def __init__(self, sizes: Sequence[int], dim: int, heads: int = 1):
         super().__init__()
+        try:
+            if isinstance(sizes, (str, bytes)):
+                raise TypeError
+            sizes = list(sizes)
+        except TypeError:
+            raise ValueError(f"sizes must be a sequence of block sizes (ints), got {sizes!r}") from None
+        bad = [s for s in sizes if not is_integer(s)]
+        if bad:  # int(2.5) == 2 would split silently at the wrong place
+            raise ValueError(f"block sizes must be integers (not bools), got {bad[0]!r} in {sizes}")
         sizes = [int(s) for s in sizes]
         if len(sizes) < 2 or min(sizes) < 1:
             raise ValueError(f"sizes must list at least two block sizes > 0, got {list(sizes)}")
+        if not is_integer(dim):
+            raise ValueError(f"dim must be an integer (not a bool), got {dim!r}")
+        dim = int(dim)
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or any(s % heads for s in sizes):
             raise ValueError(f"heads must be an int >= 1 dividing every block size {sizes}, got {heads!r}")
         self.sizes, self.dim, self.heads = sizes, dim, heads
@@ -164,6 +177,11 @@ def split_blocks(
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_integer(blocks):
+        blocks = int(blocks)
+    elif isinstance(blocks, (bool, str, bytes, float)) or not hasattr(blocks, "__iter__"):
+        raise ValueError(f"blocks must be a number of equal blocks (an int >= 2) or a list of "
+                         f"block sizes, got {blocks!r}")
     include = _default_include if include is None else include
     holders: dict[int, list[tuple[str, nn.Module]]] = {}  # a module used twice is no tie
     for mname, module in model.named_modules(remove_duplicate=False):

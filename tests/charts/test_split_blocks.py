@@ -68,3 +68,48 @@ def test_a_module_used_twice_is_split_once():
     model = nn.ModuleDict({"first": layer, "second": layer})
     assert split_blocks(model) == ["first.c_attn.weight"]
     assert model["second"].c_attn is layer.c_attn
+
+
+@pytest.mark.parametrize("sizes, bad", [((2.5, 1.5), "2.5"), ((2.0, 2.0), "2.0"), ((True, True, 2), "True"),
+                                        (("2", "2"), "'2'")])
+def test_split_blocks_refuse_sizes_that_are_not_integers(sizes, bad):
+    """SplitBlocks((2.5, 1.5), 0) split a 4-row matrix as [2, 1] (int() truncated each size), so
+    the sum check of split_blocks (4 == 2.5 + 1.5) did not catch it."""
+    from manifoldlib.charts import SplitBlocks
+
+    with pytest.raises(ValueError, match=rf"block sizes must be integers \(not bools\), got {bad}"):
+        SplitBlocks(sizes, dim=0)
+    model = nn.Sequential()
+    model.add_module("qkv", nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=rf"got {bad}"):
+        split_blocks(model, blocks=sizes)
+    assert not parametrize.is_parametrized(model.qkv)
+
+
+@pytest.mark.parametrize("dim", [1.5, True, "0"])
+def test_split_blocks_refuse_a_dim_that_is_not_an_integer(dim):
+    """dim=True stacked along dim 1 and dim=1.5 was stored as given."""
+    from manifoldlib.charts import SplitBlocks
+
+    with pytest.raises(ValueError, match=rf"dim must be an integer \(not a bool\), got {dim!r}"):
+        SplitBlocks([2, 2], dim=dim)
+
+
+@pytest.mark.parametrize("blocks", [3.0, True, "3", None])
+def test_split_blocks_refuse_a_block_count_that_is_not_an_int_or_a_list(blocks):
+    """blocks=3.0 raised TypeError ('float' object is not iterable); with no module selected
+    any blocks value passed."""
+    with pytest.raises(ValueError, match=r"blocks must be a number of equal blocks"):
+        split_blocks(_Model(), blocks=blocks)
+    with pytest.raises(ValueError, match=r"blocks must be a number of equal blocks"):
+        split_blocks(nn.Linear(2, 2), blocks=blocks)
+
+
+def test_split_blocks_accept_numpy_integers():
+    import numpy as np
+
+    from manifoldlib.charts import SplitBlocks
+
+    assert SplitBlocks(np.array([4, 2]), dim=np.int64(0)).sizes == [4, 2]
+    model = _Model()
+    assert split_blocks(model, blocks=np.int64(3)) == ["a.c_attn.weight", "b.c_attn.weight"]
