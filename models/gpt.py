@@ -49,6 +49,12 @@ __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
 SIZE_MAX = 2**31 - 1
 
 
+def _number(value) -> bool:
+    """Whether ``value`` is a plain number for a float field: an int or a float, not a bool
+    (``True`` would pass as 1.0, ``False`` as 0.0)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -142,7 +148,7 @@ class GPTConfig:
         for name in ("bias", "tie_weights", "fused", "dyt_embed_scale", "periln_embed_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+        if not (_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.connection not in CONNECTIONS:
             raise ValueError(
@@ -154,20 +160,18 @@ class GPTConfig:
                 f"unknown sphere retraction {self.retraction!r}; valid names: {', '.join(valid)} "
                 "(register your own with manifoldlib.retractions.register_retraction('sphere', name))"
             )
-        if not (isinstance(self.p, (int, float)) and not isinstance(self.p, bool) and self.p > 0):
+        if not (_number(self.p) and self.p > 0):
             raise ValueError(f"p must be a number in (0, inf], got {self.p!r}")
         if self.damping not in DAMPINGS:
             raise ValueError(f"unknown damping {self.damping!r}; valid dampings: {', '.join(DAMPINGS)}")
         for name in ("dyt_alpha_init", "dyt_alpha_attn"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+            if not (_number(value) and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not (isinstance(self.keel_alpha, (int, float)) and not isinstance(self.keel_alpha, bool)
-                and math.isfinite(self.keel_alpha) and self.keel_alpha >= 0):
+        if not (_number(self.keel_alpha) and math.isfinite(self.keel_alpha) and self.keel_alpha >= 0):
             raise ValueError(f"keel_alpha must be a finite number >= 0 (0: 2 * n_layer), "
                              f"got {self.keel_alpha!r}")
-        if not (isinstance(self.alpha_init, (int, float)) and math.isfinite(self.alpha_init)
-                and self.alpha_init > 0):
+        if not (_number(self.alpha_init) and math.isfinite(self.alpha_init) and self.alpha_init > 0):
             raise ValueError(f"alpha_init must be a finite number > 0, got {self.alpha_init!r}")
         if self.sphere_step not in STEP_FORMS:
             raise ValueError(f"unknown sphere_step {self.sphere_step!r}; valid step forms: "
@@ -175,7 +179,7 @@ class GPTConfig:
         if self.damping_depth not in DAMPING_DEPTHS:
             raise ValueError(f"unknown damping_depth {self.damping_depth!r}; valid: "
                              f"{', '.join(DAMPING_DEPTHS)}")
-        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+        if not (_number(self.norm_eps) and 0 < self.norm_eps < 1):
             raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
         for name in ("learn_alpha", "learn_radius"):
             if not isinstance(getattr(self, name), bool):

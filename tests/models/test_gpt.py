@@ -160,6 +160,11 @@ def test_unknown_connection_lists_the_valid_ones():
         ({"damping": "cubic"}, "valid dampings"),
         ({"alpha_init": math.nan}, "alpha_init must be a finite number"),
         ({"bias": 1}, "bias must be True or False"),
+        # a bool where a number is meant passed as 1.0 / 0.0
+        ({"alpha_init": True}, "alpha_init must be a finite number > 0, got True"),
+        ({"dropout": False}, r"dropout must be in \[0, 1\), got False"),
+        ({"dyt_alpha_init": True}, "dyt_alpha_init must be a finite number, got True"),
+        ({"dyt_alpha_attn": False}, "dyt_alpha_attn must be a finite number, got False"),
     ],
 )
 def test_config_validation(overrides, message):

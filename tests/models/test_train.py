@@ -488,6 +488,15 @@ def test_config_round_trips_through_its_flat_dict():
         cfg.colour  # noqa: B018
 
 
+@pytest.mark.parametrize("key", ["alpha_init", "dyt_alpha_init", "dyt_alpha_attn", "dropout"])
+def test_a_boolean_model_number_in_a_saved_config_is_refused(key):
+    """A hand-edited config.json with "alpha_init": true built a model with alpha_init 1.0 (and
+    "dropout": false one with dropout 0.0): the training fields refuse a bool for a number, the
+    model's did not."""
+    with pytest.raises(ConfigError, match=rf"{key} must be .*got (True|False)"):
+        TrainConfig.from_dict({**TrainConfig().to_dict(), key: key != "dropout"})
+
+
 def _groups_by_lr(opt) -> dict[float, set[int]]:
     out: dict[float, set[int]] = {}
     for g in opt.param_groups:
