@@ -82,6 +82,30 @@ def _ldexp_float(x: float, e: int) -> float:
         return math.copysign(math.inf, x)
 
 
+def _columns(mask: torch.Tensor) -> list[int]:
+    """The column indices where ``mask`` ``(..., n)`` is set, in any matrix of a batch."""
+    return sorted(set(mask.nonzero()[:, -1].tolist()))
+
+
+def _unusable_columns(w: torch.Tensor, d: torch.Tensor) -> str:
+    """Why ``w``'s column norms ``d`` are not all finite and > 0: its non-finite columns, its
+    zero columns, or the columns whose norm under- or overflows ``w``'s dtype."""
+    finite = torch.isfinite(w).all(dim=-2)  # (..., n)
+    if not bool(finite.all()):
+        return (f"W is not a DGram point: columns {_columns(~finite)} (tall orientation) hold "
+                f"non-finite entries (nan or inf); a DGram point is finite")
+    zero = (w == 0).all(dim=-2)
+    if bool(zero.any()):
+        return (f"W is not a DGram point: columns {_columns(zero)} (tall orientation) are zero; "
+                f"DGram points have nonzero orthogonal columns (project W first)")
+    under, over = _columns(d == 0), _columns(d == math.inf)
+    parts = ([f"columns {under} have norms that underflow to 0"] if under else []) + (
+        [f"columns {over} have norms that overflow to inf"] if over else [])
+    return (f"W is not usable by the DGram dual in {w.dtype}: {' and '.join(parts)} (tall "
+            f"orientation; every entry is finite and each column nonzero); rescale W or use a "
+            f"wider dtype")
+
+
 class DGram(MatrixConstraintManifold):
     r"""Matrices with orthogonal, non-zero columns: :math:`W = QD`, :math:`Q` Stiefel, :math:`D > 0` diagonal.
 
@@ -136,13 +160,12 @@ class DGram(MatrixConstraintManifold):
         return (off_diagonal(cos) / cos.norm(dim=(-2, -1), keepdim=True)).to(w.dtype)
 
     def dual_factor(self, w, check=True):
+        """The column norms ``(..., n)``. With ``check``, ``ValueError`` naming the columns
+        (tall orientation) that hold a NaN or inf, that are zero, or whose norm is 0 or inf in
+        ``w``'s dtype though every entry is finite (one host read; a failing check costs more)."""
         d = w.norm(dim=-2)  # (..., n) column norms
-        if check and not bool((d > 0).all()):
-            zero = sorted(set((d == 0).nonzero()[:, -1].tolist()))
-            raise ValueError(
-                f"W is not a DGram point: columns {zero} (tall orientation) are zero; DGram "
-                f"points have nonzero orthogonal columns (project W first)"
-            )
+        if check and not bool(((d > 0) & (d < math.inf)).all()):  # NaN fails too
+            raise ValueError(_unusable_columns(w, d))
         return d
 
     def gram_retraction_factor(self, gram, rsqrt):
@@ -157,6 +180,11 @@ class DGram(MatrixConstraintManifold):
         :math:`X^\top X - I`. Each pair of columns is judged at its own scale: the rounding of a
         computed :math:`w_i^\top w_j` is of order :math:`m\,\epsilon\,\|w_i\|\|w_j\|`, so a
         cosine's is of order :math:`m\,\epsilon` whatever the norms."""
+        finite = torch.isfinite(x).all(dim=-2)  # (..., n)
+        if not bool(finite.all()):
+            cols = sorted(set((~finite).nonzero()[:, -1].tolist()))
+            return False, (f"columns {cols} of W hold non-finite entries (nan or inf): a DGram "
+                           f"point is finite")
         zero = (x == 0).all(dim=-2)  # (..., n)
         if bool(zero.any()):
             cols = sorted(set(zero.nonzero()[:, -1].tolist()))

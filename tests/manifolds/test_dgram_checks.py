@@ -122,6 +122,33 @@ def test_non_finite_columns_fail_and_cosines_are_taken_in_at_least_float32():
     assert column_cosines(w.to(torch.bfloat16)).dtype == torch.float32
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_columns_are_named_as_non_finite_not_as_zero(value):
+    """A NaN in W made dual_factor say 'columns [] ... are zero' and the point check blame the
+    cosine of columns (0, 1); an inf passed dual_factor's check (norm inf > 0)."""
+    w = _orthonormal(8, 4, 7, (2,)).float()
+    w[1, 3, 2] = value
+    ok, reason = DGram().check_point_on_manifold(w, explain=True)
+    assert not ok and reason.startswith("columns [2] of W hold non-finite entries (nan or inf)")
+    with pytest.raises(ValueError, match=r"^W is not a DGram point: columns \[2\] \(tall orientation\) "
+                                         r"hold non-finite entries \(nan or inf\)"):
+        DGram().dual_factor(w)
+    DGram().dual_factor(w, check=False)  # no host read, no error
+
+
+@pytest.mark.parametrize("scale, what", [(1e-25, "underflow to 0"), (1e25, "overflow to inf")])
+def test_dual_factor_names_column_norms_out_of_range_instead_of_zero_columns(scale, what):
+    """A float32 DGram point at scale 1e-25 (nonzero, orthogonal columns; its point check passes)
+    was refused as 'columns [0, 1, 2] ... are zero'; at 1e25 its inf norms passed the check."""
+    w = (_orthonormal(8, 3, 8) * scale).float()
+    assert DGram().check_point_on_manifold(w)
+    with pytest.raises(ValueError, match=rf"W is not usable by the DGram dual in torch.float32: "
+                                         rf"columns \[0, 1, 2\] have norms that {what}"):
+        DGram().dual_factor(w)
+    d = DGram().dual_factor(w.double())  # in range in float64
+    assert torch.allclose(d, torch.full((3,), scale, dtype=torch.float64), rtol=1e-6)
+
+
 # -- tangent check ------------------------------------------------------------------------------
 
 
