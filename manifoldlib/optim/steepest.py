@@ -96,7 +96,10 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     :math:`A \in T_W\mathcal{M}`; the descent step is :math:`W - \eta A^\star`. ``"euclidean"``:
     :math:`\operatorname{msign}(G)`. ``G`` is normalized first (the dual is not scale invariant;
     the multiplier refers to the normalized problem); a wide input is solved transposed and the
-    multiplier lives in the tall orientation (``min(m, n)`` square).
+    multiplier lives in the tall orientation (``min(m, n)`` square). A ``G`` with no tangent part
+    at ``W`` above the rounding of the inputs (a normal gradient such as :math:`G = WS` on Stiefel)
+    gives ``A = 0`` like ``G = 0`` (every tangent ``A`` has :math:`\langle G, A\rangle = 0`), with
+    ``converged=True``, no gap and the exact multiplier.
 
     Args:
         W: ``(m, n)`` point on the manifold (ignored for ``"euclidean"``).
@@ -156,6 +159,11 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     if start is not None and tuple(start.shape) != (n, n):
         label = "multiplier" if multiplier is not None else "correction"
         raise ValueError(f"{label} must have shape {(n, n)}, got {tuple(start.shape)}")
+    normal = _normal_multiplier_if_normal(geometry, w, g.to(work), (W.dtype, G.dtype))
+    if normal is not None:  # no tangent part above the inputs' rounding: every tangent A has <G, A> = 0
+        a = torch.zeros_like(G)
+        info = SteepestInfo(0, 0.0, True, normal, torch.zeros_like(normal), [0.0])
+        return (a, info) if return_info else a
     spectral = Spectral(dual.msign_method, dual.ns_steps, None if ns_coefficients is None else tuple(ns_coefficients),
                         eps, execution.spectral)
     solution = solve_bank(w.unsqueeze(0), g.to(work).unsqueeze(0), geometry, dual, execution, spectral,
@@ -194,6 +202,27 @@ def tangent_residual(W: torch.Tensor, A: torch.Tensor, manifold="stiefel") -> fl
         raise ValueError(f"W and A must be matrices of the same shape, got {tuple(W.shape)} and {tuple(A.shape)}")
     w, a = (W.mT, A.mT) if W.size(0) < W.size(1) else (W, A)
     return float(geometry.tangent_residual(w, a))
+
+
+def _normal_multiplier_if_normal(geometry, w: torch.Tensor, g: torch.Tensor, dtypes) -> torch.Tensor | None:
+    r"""The optimal multiplier :math:`\Lambda_0` (the closed-form start, for ``g`` normalized) when ``g``'s
+    tangent part at ``w`` is below the rounding of the inputs, ``None`` otherwise (and for ``g = 0``,
+    which the solve handles). Then ``g`` is normal: the steepest direction is ``A = 0``, and a solve would
+    chase rounding noise (its relative duality gap divides by :math:`\langle G, A\rangle \approx 0`).
+    The threshold is :math:`8\sqrt{n}\,u\,\|G\|_F`, ``u`` the unit roundoff of the least precise of
+    ``W``, ``G`` and the work dtype (the rounding of a normal ``G`` leaves a tangent part of about
+    :math:`0.3\,u\,\|G\|_F`, the float64 projection of an exactly normal one about :math:`\sqrt{n}\,u`)."""
+    g = into_safe_range(g)
+    size = g.norm()
+    if not bool(size > 0):
+        return None
+    g = g / size
+    multiplier = geometry.normal_multiplier(w, g)
+    tangent = (g - w @ multiplier).norm()
+    u = max(torch.finfo(d).eps for d in (*dtypes, g.dtype))
+    if not bool(tangent <= 8 * g.size(-1) ** 0.5 * u):
+        return None
+    return -0.5 * multiplier
 
 
 def _check_inputs(w: torch.Tensor, g: torch.Tensor, manifold) -> None:

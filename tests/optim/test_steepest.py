@@ -456,3 +456,24 @@ def test_a_finite_gradient_whose_float32_sum_overflows_is_solved(manifold):
     a_big = steepest_direction(w.float(), (2.0**125 * g).float(), manifold)
     a = steepest_direction(w.float(), g.float(), manifold)
     torch.testing.assert_close(a_big, a)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("m, n", [(24, 6), (8, 8), (6, 24)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_normal_gradient_gives_the_zero_direction_like_a_zero_one(manifold, m, n, dtype):
+    """G = W S (S a multiplier of the manifold: no tangent part) gives A = 0, converged, no gap: every
+    tangent A has <G, A> = 0. The solve used to chase the rounding noise: float64 Stiefel 24x6 came back
+    converged=False with a relative gap ~1e13 and ||A||_2 = 1.06-1.29 (outside the unit ball)."""
+    space = matrix_manifold(manifold)
+    tall_w, _ = nearly_normal_instance(manifold, max(m, n), min(m, n), 0.5, seed=4)
+    s = torch.randn(min(m, n), min(m, n), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    tall_g = tall_w @ space.multiplier_mask(s + s.mT)
+    w, g = (tall_w, tall_g) if m >= n else (tall_w.mT, tall_g.mT)
+    a, info = steepest_direction(w.to(dtype), g.to(dtype), manifold, return_info=True)
+    assert a.dtype == dtype and torch.equal(a, torch.zeros_like(a))
+    assert info.converged and info.gap is None and info.residual == 0.0
+    # the multiplier is the closed-form start, the exact one here: a near-normal solve starts from it
+    _, near = steepest_direction(w, g + 1e-6 * g.norm() * torch.randn_like(g), manifold, return_info=True)
+    torch.testing.assert_close(info.multiplier.double(), near.multiplier - near.correction, atol=1e-5, rtol=0)
+    assert torch.equal(info.correction, torch.zeros_like(info.correction))
