@@ -48,6 +48,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from .._numbers import is_real
 from .base import Chart
 from .inverse import solve_expm1_linear, solve_expm1_minus_linear
 from .kernel import SEL_IMPLS, sel_forward_rule
@@ -69,10 +70,12 @@ _SCALE_KEYS = ("e_w", "l_w", "m", "n")
 
 
 def _positive(name: str, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}") from None
+    """``value`` as a float; ``ValueError`` naming ``name`` unless it is a finite number > 0 (a
+    real or a one-element floating tensor; a bool or a string is not a number)."""
+    tensor = isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+    if not (tensor or is_real(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    v = float(value)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return v
@@ -106,14 +109,20 @@ class SEL(Chart):
         fan_in: overrides the fan-in (default: the map's input size, ``weight.shape[1]`` for
             ``layout="out_in"`` and ``weight.shape[0]`` for ``"in_out"``; ``numel`` for 1-D).
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
-            gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32).
+            gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32); at most
+            :math:`\log(\text{finfo.max})` of the dtype the rule runs in (88.7 for float32,
+            bfloat16 and float16, which runs in float32; 709.8 for float64), beyond which
+            ``expm1`` overflows to inf before the clamp applies.
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
             hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
 
     Raises:
         ValueError: for an unknown ``init`` or ``layout``, non-positive or non-finite scales,
-            ``kappa`` or ``gain``, a weight that is not finite or not 1-/2-D, or a bad ``rank``.
+            ``kappa``, ``gain`` or ``slope`` (bools and strings are not numbers), a ``linear``
+            that is not a bool, a ``max_exponent`` out of range, initial scales whose
+            :math:`b` is not a positive finite number in the weight's dtype, a weight that is
+            not finite or not 1-/2-D, or a bad ``rank``.
     """
 
     def __init__(
@@ -152,6 +161,8 @@ class SEL(Chart):
             raise ValueError(f"rank must be an int >= 0 (and 0 for 1-D tensors), got {rank!r}")
         if rank > min(weight.shape):
             raise ValueError(f"rank must be <= min(weight.shape) = {min(weight.shape)}, got {rank}")
+        if not isinstance(linear, bool):  # bool("False") is True
+            raise ValueError(f"linear must be True or False, got {linear!r}")
         kappa = _positive("kappa", kappa)
         gain = _positive("gain", gain)
         if calibration not in SEL_CALIBRATIONS:
@@ -185,6 +196,14 @@ class SEL(Chart):
             if max_exponent is None
             else _positive("max_exponent", max_exponent)
         )
+        rule_dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype  # forward's
+        overflow = math.log(torch.finfo(rule_dtype).max)
+        if self.max_exponent > overflow:
+            raise ValueError(
+                f"max_exponent must be at most log(finfo.max) = {overflow:.4g} for a "
+                f"{weight.dtype} weight (expm1 of a larger b|w| overflows to inf before the "
+                f"clamp), got {max_exponent!r}"
+            )
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
         self.init, self.impl, self.layout = init, impl, layout
@@ -198,19 +217,25 @@ class SEL(Chart):
         self.calibration, self.sigma0 = calibration, sigma0
         b0 = kappa / sigma0  # b * sigma_0 = kappa
         m0 = values["m"]
+        beta = torch.tensor(b0 / m0, dtype=weight.dtype, device=weight.device)
+        if not (b0 < math.inf and 0 < float(beta) < math.inf):
+            raise ValueError(
+                f"the curvature b = kappa / sigma0 = {kappa!r} / {sigma0:.4g} = {b0:.4g} and "
+                f"beta = b / scale_init['m'] = {b0 / m0:.4g} must be finite and > 0 in "
+                f"{weight.dtype}; choose kappa (or m) nearer the weight's scale"
+            )
         if "e_w" in values:
-            e_w0 = values["e_w"]
+            log_e_w0 = math.log(values["e_w"])
         else:
             s0 = _positive("slope", DEFAULT_SLOPE if slope is None else slope)
-            e_w0 = s0 / b0 * math.exp(n0)  # a = e_w e^{-n} = s0 / b
-        self.register_buffer(
-            "beta", torch.tensor(b0 / m0, dtype=weight.dtype, device=weight.device)
-        )
+            # a = e_w e^{-n} = s0 / b, in logs: exp(n) overflows (n = 1000) or underflows
+            log_e_w0 = math.log(s0) - math.log(b0) + n0
+        self.register_buffer("beta", beta)
 
         factory = {"dtype": weight.dtype, "device": weight.device}
         row_shape = (weight.shape[0], 1) if weight.dim() == 2 else (1,)
         col_shape = (1, weight.shape[1]) if weight.dim() == 2 else None
-        init_values = {"log_e_w": math.log(e_w0), "log_m": math.log(m0), "n": n0}
+        init_values = {"log_e_w": log_e_w0, "log_m": math.log(m0), "n": n0}
         if self.linear:
             init_values["log_l_w"] = math.log(values["l_w"])
         for pname, value in init_values.items():

@@ -256,6 +256,23 @@ BAD_OPTIONS = [
     ({"scale_init": {"n": True}}, r"scale_init\['n'\] must be a finite number, got True"),
     ({"max_exponent": -5.0}, r"max_exponent .* got -5\.0"),
     ({"impl": "triton"}, r"impl must be one of \('fused', 'autograd', 'compile'\), got 'triton'"),
+    # bools and strings were numbers through float(): kappa=True was 1.0, max_exponent="3" 3.0
+    ({"kappa": True}, r"kappa must be a finite number > 0, got True"),
+    ({"gain": "2"}, r"gain must be a finite number > 0, got '2'"),
+    ({"slope": True}, r"slope must be a finite number > 0, got True"),
+    ({"scale_init": {"m": True}}, r"scale_init\['m'\] must be a finite number > 0, got True"),
+    ({"max_exponent": True}, r"max_exponent must be a finite number > 0, got True"),
+    ({"max_exponent": "3"}, r"max_exponent must be a finite number > 0, got '3'"),
+    # bool("False") is True: the linear path was kept
+    ({"linear": "False"}, r"linear must be True or False, got 'False'"),
+    ({"linear": 0}, r"linear must be True or False, got 0"),
+    # a clamp past log(finfo.max) clamps nothing: expm1 was inf, so W was inf, silently
+    ({"max_exponent": 89.0}, r"max_exponent must be at most log\(finfo.max\) = 88.72 for a "
+                             r"torch.float32 weight .* got 89.0"),
+    # beta = b / m overflowed float32 to inf (or b underflowed to 0) and failed later, unnamed
+    ({"kappa": 1e300}, r"the curvature b = kappa / sigma0 = 1e\+300 / .* must be finite and > 0 in "
+                       r"torch.float32"),
+    ({"scale_init": {"m": 1e-300}}, r"beta = b / scale_init\['m'\] = .*e\+300 must be finite"),
 ]
 
 
@@ -263,6 +280,26 @@ BAD_OPTIONS = [
 def test_bad_options_raise_value_error_naming_the_value(options, match):
     with pytest.raises(ValueError, match=match):
         SEL(torch.zeros(8, 16), **options)
+
+
+def test_a_clamp_up_to_log_finfo_max_is_accepted_and_keeps_the_weight_finite():
+    w = torch.full((2, 2), 0.5)
+    chart = SEL(w, max_exponent=88.0)
+    raw = torch.full((2, 2), 88.0 / float(chart.beta) * 10)  # b|w| = 880, clamped to 88
+    assert torch.isfinite(chart(raw)).all()
+    assert SEL(w.double(), max_exponent=700.0).max_exponent == 700.0
+    assert SEL(w.half(), max_exponent=80.0).max_exponent == 80.0  # float16 runs in float32
+
+
+@pytest.mark.parametrize("n", [1000.0, -1000.0])
+def test_a_large_offset_n_sets_e_w_in_logs(n):
+    """scale_init={'n': 1000} raised OverflowError (math.exp(1000) in e_w = s0 / b * e^n); the
+    chart only uses e_w e^{-n}, which is s0 / b whatever n."""
+    w = 0.1 * torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    chart = SEL(w, init="congruent", scale_init={"n": n})
+    a, b, _ = chart.coefficients()
+    torch.testing.assert_close(a * b, torch.full_like(w, 0.75), rtol=1e-12, atol=0)
+    torch.testing.assert_close(chart(chart.right_inverse(w)), w, rtol=1e-12, atol=1e-15)
 
 
 def test_bad_weights_raise():
