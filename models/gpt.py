@@ -506,14 +506,14 @@ class GPT(nn.Module):
         logits are shifted by their maximum before the division by ``temperature``, so a tiny
         temperature tends to greedy decoding instead of overflowing to NaN.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
+        if not (_number(temperature) and temperature > 0):
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
         vocab = self.config.vocab_size
-        if vocab_limit is not None and (not isinstance(vocab_limit, int)
+        if vocab_limit is not None and (not isinstance(vocab_limit, int) or isinstance(vocab_limit, bool)
                                         or not 1 <= vocab_limit <= vocab):
             raise ValueError(f"vocab_limit must be None or an integer in [1, {vocab}], got "
                              f"{vocab_limit!r}")

@@ -320,6 +320,21 @@ def test_generate_samples_only_inside_the_vocab_limit():
             model.generate(prompt, 1, vocab_limit=bad)
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"top_k": True}, r"top_k must be None or an integer >= 1, got True"),
+    ({"vocab_limit": True}, r"vocab_limit must be None or an integer in \[1, 32\], got True"),
+    ({"temperature": True}, r"temperature must be > 0, got True"),
+    ({"max_new_tokens": True}, r"max_new_tokens must be an integer >= 0, got True"),
+])
+def test_generate_refuses_a_bool_where_a_number_is_meant(option, message):
+    """top_k=True decoded greedily (top_k 1), vocab_limit=True sampled token 0 only, and
+    max_new_tokens=True generated one token, silently."""
+    model = _model().eval()
+    kwargs = {"max_new_tokens": 3, **option}
+    with pytest.raises(ValueError, match=message):
+        model.generate(_tokens(3, 1, 4), **kwargs)
+
+
 @pytest.mark.parametrize("connection", ["spheret", "pre-ln"])
 def test_bf16_autocast_forward(connection):
     model = _model(connection=connection)
