@@ -465,14 +465,18 @@ def check_state_dict(optimizer: Optimizer, state_dict: Mapping) -> None:
 
 
 def restore_dual_corrections(optimizer: Optimizer, state_dict: Mapping) -> None:
-    """After ``load_state_dict``: each ``"dual_correction"`` as saved (its dtype: float32 for a
-    16-bit matrix), not cast to the parameter's dtype as torch casts floating state."""
+    """After ``load_state_dict``: each ``"dual_correction"`` and each integer entry (the counts
+    ``"skipped_steps"``, ``"dual_iterations"``) as saved, not cast to the parameter's dtype as torch
+    casts every tensor of a floating parameter's state (float32 for a 16-bit matrix's correction; a
+    count in bfloat16 is exact only up to 256 and stops counting at 256 or beyond)."""
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
     for saved_id, p in zip(saved_ids, params):
-        correction = state_dict["state"].get(saved_id, {}).get("dual_correction")
-        if isinstance(correction, Tensor) and p in optimizer.state:
-            optimizer.state[p]["dual_correction"] = correction.to(device=p.device, copy=True)
+        if p not in optimizer.state:
+            continue
+        for key, value in state_dict["state"].get(saved_id, {}).items():
+            if isinstance(value, Tensor) and (key == "dual_correction" or not value.is_floating_point()):
+                optimizer.state[p][key] = value.to(device=p.device, copy=True)
 
 
 @torch.no_grad()

@@ -108,3 +108,38 @@ def test_combined_optimizer_load_state_dict_keeps_the_float32_correction():
         assert loaded.dtype == expected.dtype == torch.float32, name
         assert torch.equal(loaded, expected), name
         assert resumed.optimizers["muon"].state[q]["dual_correction"] is loaded  # one shared state
+
+
+def test_resumed_counts_stay_integers_and_keep_counting_on_a_bfloat16_matrix():
+    """torch casts every state tensor of a floating parameter to its dtype: a bfloat16 matrix's
+    ``skipped_steps`` of 301 came back as 300.0 (bfloat16) and three more skipped steps left it at
+    300 (bfloat16 counts by 2 past 256); optimizer_diagnostics reported 300 where 304 were skipped."""
+    from manifoldlib.optim import optimizer_diagnostics
+
+    def build(params):
+        return ManifoldMuon([{"params": params[:1], "manifold": "stiefel"}, {"params": params[1:]}], lr=0.02)
+
+    params = _bf16_params()
+    opt = build(params)
+    for p, g in zip(params, _grads(1)[0]):
+        p.grad = g
+    opt.step()
+    for p in params:
+        opt.state[p]["skipped_steps"] = torch.tensor(301)
+    resumed = _bf16_params(seed=1)
+    opt2 = build(resumed)
+    opt2.load_state_dict(_round_trip(opt.state_dict()))
+    for _ in range(3):  # non-finite gradients: skipped, counted
+        for p in resumed:
+            p.grad = torch.full_like(p, float("nan"))
+        opt2.step()
+    for p in resumed:
+        assert opt2.state[p]["skipped_steps"].dtype == torch.long and int(opt2.state[p]["skipped_steps"]) == 304
+    assert opt2.state[resumed[0]]["dual_iterations"].dtype == torch.long
+    assert {row["skipped_steps"] for row in optimizer_diagnostics(opt2, spectral=False).values()} == {304}
+    combined = build_optimizer(nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16), "all-stiefel", classifier=lambda n, m: "attn")
+    combined.state[next(iter(combined.optimizers["muon"].param_groups[0]["params"]))]["skipped_steps"] = torch.tensor(301)
+    again = build_optimizer(nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16), "all-stiefel", classifier=lambda n, m: "attn")
+    again.load_state_dict(_round_trip(combined.state_dict()))
+    count = again.state[again.optimizers["muon"].param_groups[0]["params"][0]]["skipped_steps"]
+    assert count.dtype == torch.long and int(count) == 301
