@@ -50,7 +50,7 @@ from ..distributed import get_rank_world, sharded_apply
 from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
-from .dual import Spectral
+from .dual import NORMAL_GRADIENT_ULPS, Spectral
 from .dual_solvers import solve_bank
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
 from .options import MuonOptions, adjusted_lr, flipped
@@ -260,6 +260,12 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
                               start=start, check_point=False)  # checked before the step (_check_bank)
         eta = bank.scalar(bank.lrs, w)
         beta = bank.scalar(bank.decays, w)
+        # a gradient with no tangent part above its rounding (e.g. G = WS on Stiefel: a loss of
+        # W^T W alone) takes no step rather than a unit step along the rounding noise
+        floor = NORMAL_GRADIENT_ULPS * (2 * torch.finfo(bank.params[0].dtype).eps
+                                        + n**0.5 * torch.finfo(solution.lam0.dtype).eps)
+        moves = solution.problem.x_norm(solution.lam0, raw=True) > floor  # (B,); False for a zero G
+        eta = eta * moves.view(-1, 1, 1).to(w.dtype)
         ok = finite
         new = None
         if opts.fused and execution.sync_free:  # form Y, its Gram matrix, fixed chord steps
@@ -275,12 +281,13 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
             new = manifold.retraction.retract(base, solution.direction().to(w.dtype) * -eta)
     # the next step starts from this correction, unless the solve ended far from tangent (a warm
     # start that led it astray would otherwise be carried on and on)
-    kept = (solution.residual <= WARM_START_RESIDUAL).view(-1, 1, 1)
+    kept = ((solution.residual <= WARM_START_RESIDUAL) & moves).view(-1, 1, 1)
     corrections = torch.where(kept, solution.lam - solution.lam0, 0.0)
     if start is not None:  # a matrix that keeps its value keeps its warm start too
         corrections = torch.where(ok.view(-1, 1, 1), corrections, start.to(corrections.dtype))
+    residual = torch.where(moves, solution.residual, 0.0)  # A = 0 is tangent
     for state, corr, it, res in zip(bank.states, corrections.unbind(0),
-                                    solution.iterations.unbind(0), solution.residual.unbind(0)):
+                                    solution.iterations.unbind(0), residual.unbind(0)):
         state["dual_correction"] = corr
         state["dual_iterations"] = it
         state["dual_residual"] = res

@@ -51,7 +51,7 @@ from ..functional.newton_schulz import gram_newton_schulz, newton_schulz_gain
 from ..functional.normal_space import normal_metric
 from .execution import Execution
 
-__all__ = ["DualProblem", "Evaluation", "Spectral", "with_smoothing"]
+__all__ = ["NORMAL_GRADIENT_ULPS", "DualProblem", "Evaluation", "Spectral", "with_smoothing"]
 
 _DIMS = (-2, -1)
 #: The Newton–Schulz preset of a smoothed evaluation on the products path: :math:`S + \mu^2I` has a
@@ -60,6 +60,12 @@ SMOOTHED_PRESET = "polar-express"
 #: A unit gradient whose part outside the span of :math:`W` has :math:`\|G_\perp\|_F^2` below this
 #: gets :math:`G_\perp` formed explicitly (``explicit=None``).
 NEARLY_NORMAL = 0.1
+#: A gradient whose tangent part is at most ``NORMAL_GRADIENT_ULPS`` times its rounding, relative to
+#: its norm :math:`2u_{\text{in}} + \sqrt n\,u_{\text{work}}` (the unit roundoffs of the inputs and of
+#: the solve: rounding a normal ``G`` leaves a tangent part of about :math:`0.3u`, projecting one
+#: about :math:`\sqrt n\,u`), is normal: every tangent direction has inner product 0 with it, a solve
+#: would return a unit direction made of rounding, and the steepest direction is ``A = 0``.
+NORMAL_GRADIENT_ULPS = 8.0
 #: Estimated constraint residual of the point, in units of its dtype's machine epsilon, above which
 #: the exact :math:`W^\top W` is computed (``exact_gram=None``): float32 7.6e-6.
 GRAM_DRIFT_EPS = 64.0
@@ -315,15 +321,18 @@ class DualProblem:
         r""":math:`\Lambda_0 = -\mathcal{P}(W^\top G + G^\top W)/(4\cdot\text{metric})`: :math:`G + 2W\Lambda_0 = P_W(G)`."""
         return -self.mask(self.wg + self.wg.mT) / (4.0 * self.metric)
 
-    def x_norm(self, lam: torch.Tensor) -> torch.Tensor:
+    def x_norm(self, lam: torch.Tensor, raw: bool = False) -> torch.Tensor:
         r"""``(B,)`` :math:`\|X\|_F = \operatorname{tr}(S)^{1/2}` at ``lam`` (the unit of the dual's steps;
-        1 where it is zero or not finite, a zero or diverged matrix)."""
+        1 where it is zero or not finite, a zero or diverged matrix; ``raw``: as computed). At
+        :math:`\Lambda_0` it is :math:`\|P_W G\|_F`, the tangent part of the (unit) gradient."""
         if self.reduced:
             m = self._m(lam)
             sq = (m * m).sum(_DIMS) + torch.diagonal(self.c, dim1=-2, dim2=-1).sum(-1)
         else:
             sq = torch.baddbmm(self.g, self.w, lam, alpha=2.0).square().sum(_DIMS)
         norm = sq.clamp_min(0).sqrt()
+        if raw:
+            return norm
         return torch.where(torch.isfinite(norm) & (norm > 0), norm, torch.ones_like(norm))
 
     def gram(self, lam: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch
 
 from ..functional.scaling import into_safe_range
 from ..manifolds import Euclidean, MatrixConstraintManifold, get_manifold
-from .dual import Spectral
+from .dual import NORMAL_GRADIENT_ULPS, Spectral
 from .dual_solvers import solve_bank
-from .execution import Execution
+from .execution import Execution, ieee_float32_matmul
 from .options import DualOptions
 
 __all__ = [
@@ -159,7 +159,8 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     if start is not None and tuple(start.shape) != (n, n):
         label = "multiplier" if multiplier is not None else "correction"
         raise ValueError(f"{label} must have shape {(n, n)}, got {tuple(start.shape)}")
-    normal = _normal_multiplier_if_normal(geometry, w, g.to(work), (W.dtype, G.dtype))
+    with ieee_float32_matmul():  # a TF32 product's error (~1e-3) would hide the rounding it looks for
+        normal = _normal_multiplier_if_normal(geometry, w, g.to(work), (W.dtype, G.dtype))
     if normal is not None:  # no tangent part above the inputs' rounding: every tangent A has <G, A> = 0
         a = torch.zeros_like(G)
         info = SteepestInfo(0, 0.0, True, normal, torch.zeros_like(normal), [0.0])
@@ -209,9 +210,9 @@ def _normal_multiplier_if_normal(geometry, w: torch.Tensor, g: torch.Tensor, dty
     tangent part at ``w`` is below the rounding of the inputs, ``None`` otherwise (and for ``g = 0``,
     which the solve handles). Then ``g`` is normal: the steepest direction is ``A = 0``, and a solve would
     chase rounding noise (its relative duality gap divides by :math:`\langle G, A\rangle \approx 0`).
-    The threshold is :math:`8\sqrt{n}\,u\,\|G\|_F`, ``u`` the unit roundoff of the least precise of
-    ``W``, ``G`` and the work dtype (the rounding of a normal ``G`` leaves a tangent part of about
-    :math:`0.3\,u\,\|G\|_F`, the float64 projection of an exactly normal one about :math:`\sqrt{n}\,u`)."""
+    The threshold is :data:`~manifoldlib.optim.dual.NORMAL_GRADIENT_ULPS` times
+    :math:`(2u_{\text{in}} + \sqrt n\,u_{\text{work}})\|G\|_F`, :math:`u_{\text{in}}` the unit roundoff of the
+    less precise of ``W`` and ``G``, :math:`u_{\text{work}}` the solve's (the optimizer's step uses the same)."""
     g = into_safe_range(g)
     size = g.norm()
     if not bool(size > 0):
@@ -219,8 +220,9 @@ def _normal_multiplier_if_normal(geometry, w: torch.Tensor, g: torch.Tensor, dty
     g = g / size
     multiplier = geometry.normal_multiplier(w, g)
     tangent = (g - w @ multiplier).norm()
-    u = max(torch.finfo(d).eps for d in (*dtypes, g.dtype))
-    if not bool(tangent <= 8 * g.size(-1) ** 0.5 * u):
+    u_in = max(torch.finfo(d).eps for d in dtypes)
+    floor = NORMAL_GRADIENT_ULPS * (2 * u_in + g.size(-1) ** 0.5 * torch.finfo(g.dtype).eps)
+    if not bool(tangent <= floor):
         return None
     return -0.5 * multiplier
 

@@ -666,3 +666,29 @@ def test_a_nearly_normal_gradient_moves_the_matrix_by_about_the_learning_rate(ma
     moved = float(torch.linalg.matrix_norm((p.detach() - w).double(), ord=2)) / 1e-3
     assert 0.9 <= moved <= 1.2, moved
     assert float(opt.state[p]["dual_residual"]) <= 1e-2 and int(opt.state[p]["skipped_steps"]) == 0
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("spectral", ["products", "eigh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_gradient_normal_to_the_manifold_takes_no_step(manifold, spectral, dtype):
+    # G = W S with S a multiplier (a loss of W^T W alone): every tangent direction has <G, A> = 0.
+    # The dual's unit answer was made of rounding, and the step moved W by about lr (spectral
+    # norm 0.02-0.026 here, float32 and float64) along it; the steepest direction is A = 0.
+    lr = 0.02
+    w, g = nearly_normal_instance(manifold, 96, 24, 1e-30, seed=3, dtype=dtype)
+    p = torch.nn.Parameter(w.clone())
+    opt = ManifoldMuon([p], lr=lr, manifold=manifold, weight_decay=0.0, dual={"spectral": spectral})
+    p.grad = g
+    opt.step()
+    moved = float(torch.linalg.matrix_norm((p.detach() - w).double(), ord=2))
+    assert moved <= 64 * torch.finfo(dtype).eps, moved  # the retraction's rounding only
+    assert float(opt.state[p]["dual_residual"]) == 0.0  # A = 0 is tangent
+    assert int(opt.state[p]["skipped_steps"]) == 0  # not a skipped step: a step of size 0
+    # a tangent part of 1e-3 of the normal part is far above rounding: a full step
+    w, g = nearly_normal_instance(manifold, 96, 24, 1e-3, seed=3, dtype=dtype)
+    q = torch.nn.Parameter(w.clone())
+    opt = ManifoldMuon([q], lr=lr, manifold=manifold, weight_decay=0.0, dual={"spectral": spectral})
+    q.grad = g
+    opt.step()
+    assert float(torch.linalg.matrix_norm((q.detach() - w).double(), ord=2)) >= 0.5 * lr
