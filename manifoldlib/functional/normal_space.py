@@ -19,9 +19,9 @@ projections of :mod:`manifoldlib.manifolds` both take these formulas from here.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .scaling import _power_of_two_scale
 
 __all__ = ["diagonal_part", "normal_metric", "normal_multiplier", "off_diagonal"]
 
@@ -40,19 +40,6 @@ def normal_metric(d2: torch.Tensor) -> torch.Tensor:
     r"""``(..., n, n)`` metric :math:`(d_i^2 + d_j^2)/2` of the normal space in the entries of ``S``,
     from the squared column norms ``d2`` ``(..., n)``."""
     return 0.5 * (d2.unsqueeze(-1) + d2.unsqueeze(-2))
-
-
-def _power_of_two_scale(top: torch.Tensor) -> torch.Tensor:
-    r""":math:`2^{-e}` with :math:`\text{top} \cdot 2^{-e} \in [0.5, 1)` (``frexp``), ``top``'s shape and dtype.
-
-    Multiplying by it is exact. ``1`` where ``top`` is zero or not finite; the exponent is clamped
-    so that the scale itself stays finite (a subnormal ``top`` is brought up to the normal range,
-    not to ``inf``).
-    """
-    exponent = torch.frexp(top)[1]
-    max_exponent = int(math.log2(torch.finfo(top.dtype).max)) + 1  # 128 for float32, 1024 for float64
-    exponent = exponent.clamp_min(2 - max_exponent)
-    return torch.ldexp(torch.ones_like(top), -exponent)
 
 
 def normal_multiplier(w: torch.Tensor, z: torch.Tensor, mask) -> torch.Tensor:

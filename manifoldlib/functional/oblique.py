@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .normal_space import _power_of_two_scale
+from .scaling import _power_of_two_scale
 from .stiefel import _check_tall_pair
 
 __all__ = [

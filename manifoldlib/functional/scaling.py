@@ -12,6 +12,8 @@ wherever nothing over- or underflowed; matrices inside the range are returned as
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["SAFE_EXPONENT", "into_safe_range"]
@@ -26,6 +28,19 @@ def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float64:
         return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _power_of_two_scale(top: torch.Tensor) -> torch.Tensor:
+    r""":math:`2^{-e}` with :math:`\text{top} \cdot 2^{-e} \in [0.5, 1)` (``frexp``), ``top``'s shape and dtype.
+
+    Multiplying by it is exact. ``1`` where ``top`` is zero or not finite; the exponent is clamped
+    so that the scale itself stays finite (a subnormal ``top`` is brought up to the normal range,
+    not to ``inf``).
+    """
+    exponent = torch.frexp(top)[1]
+    max_exponent = int(math.log2(torch.finfo(top.dtype).max)) + 1  # 128 for float32, 1024 for float64
+    exponent = exponent.clamp_min(2 - max_exponent)
+    return torch.ldexp(torch.ones_like(top), -exponent)
 
 
 def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.normal_space import _power_of_two_scale
+from ..functional.scaling import _power_of_two_scale
 from .base import RetractionManifold
 
 __all__ = ["MatrixConstraintManifold"]
