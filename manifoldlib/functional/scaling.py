@@ -16,7 +16,7 @@ import math
 
 import torch
 
-__all__ = ["SAFE_EXPONENT", "into_safe_range"]
+__all__ = ["SAFE_EXPONENT", "into_safe_range", "out_of_range_scale"]
 
 #: Matrices whose largest entry lies outside ``[2^-SAFE_EXPONENT, 2^SAFE_EXPONENT]`` are rescaled.
 SAFE_EXPONENT = 32
@@ -41,6 +41,22 @@ def _power_of_two_scale(top: torch.Tensor) -> torch.Tensor:
     max_exponent = int(math.log2(torch.finfo(top.dtype).max)) + 1  # 128 for float32, 1024 for float64
     exponent = exponent.clamp_min(2 - max_exponent)
     return torch.ldexp(torch.ones_like(top), -exponent)
+
+
+def out_of_range_scale(x: torch.Tensor, limit: int) -> torch.Tensor:
+    r"""``(..., 1, 1)`` per matrix of ``x`` ``(..., m, n)``: the power of two :math:`u = 2^{-e}` that
+    brings its largest entry into :math:`[1/2, 1)` where that entry lies outside
+    :math:`[2^{-\text{limit}}, 2^{\text{limit}}]`, else 1 (also for a zero or non-finite matrix), in
+    ``x``'s dtype; no host synchronization.
+
+    For a map with :math:`f(sX) = sf(X)` (:math:`s > 0`), :math:`f(X) = f(uX)/u`, computed from a
+    matrix whose Gram products neither over- nor underflow; exact wherever nothing does (a power
+    of two changes exponents only), and bit for bit :math:`f(X)` for matrices in range.
+    """
+    top = x.detach().abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
+    exponent = torch.frexp(top)[1]
+    outside = ((exponent > limit) | (exponent < -limit)) & (top > 0) & torch.isfinite(top)
+    return torch.where(outside, _power_of_two_scale(top), torch.ones_like(top))
 
 
 def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:

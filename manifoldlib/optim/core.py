@@ -50,6 +50,7 @@ from ..distributed import get_rank_world, sharded_apply
 from ..functional.gram_rsqrt import chord_rsqrt, products_only_rsqrt
 from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
+from ..functional.scaling import out_of_range_scale
 from .dual import NORMAL_GRADIENT_ULPS, Spectral
 from .dual_solvers import solve_bank
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
@@ -68,6 +69,10 @@ WARM_START_RESIDUAL = 0.1
 #: Chord steps of the sync-free retraction factor per dtype (each gains about a factor
 #: :math:`\rho = \|T/(d_id_j) - I\|_1`, :math:`O(\eta^2)` for a tangent step).
 CHORD_STEPS = {torch.float64: 12, torch.float32: 3}
+#: A scale-free (DGram) matrix whose largest entry lies outside ``[2^-16, 2^16]`` is solved and
+#: retracted at the power-of-two scale that brings it into ``[1/2, 1)``: float32 fourth powers of
+#: its column norms then stay in range for column norms spread over about four decades.
+SCALE_FREE_EXPONENT = 16
 
 
 @dataclass
@@ -185,9 +190,11 @@ def _check_bank(bank: Bank) -> None:
                              f"expected {(n, n)} (a state dict of other shapes?); no parameter or momentum buffer "
                              f"was changed")
         if not bank.execution.sync_free:
-            tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0)
+            tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0).to(solve_dtype(p.dtype))
+            if manifold.decays:  # solved at a power-of-two scale (see _constrained)
+                tall = tall * out_of_range_scale(tall, SCALE_FREE_EXPONENT)
             try:
-                manifold.dual_factor(tall.to(solve_dtype(p.dtype)), check=True)
+                manifold.dual_factor(tall, check=True)
             except ValueError as err:
                 raise ValueError(f"ManifoldMuon: {label}: {err}; no parameter or momentum buffer was changed "
                                  f"(ManifoldMuon.project_parameters moves every matrix onto its manifold)") from err
@@ -251,14 +258,24 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     starts = [s.get("dual_correction") if opts.dual.warm_start else None for s in bank.states]
     update, finite = _momentum(bank, work)
     w = bank.stack(bank.params, work)
+    # DGram's scale freedom: uW has the tangent space and steepest direction of W, and its
+    # retractions commute with scaling, R_{uW}(uV) = u R_W(V); a matrix whose entries lie far from
+    # 1 is solved and retracted as uW, u a power of two (exact), so that its Gram products (fourth
+    # powers of the column norms in the alternating factor) stay in range. Multipliers scale as
+    # 1/u: the stored correction is in W's units.
+    unit = out_of_range_scale(w, SCALE_FREE_EXPONENT) if manifold.decays else None  # (B, 1, 1)
+    point = w if unit is None else w * unit
     start = None
     if any(s is not None for s in starts):
         zero = torch.zeros(n, n, dtype=work, device=w.device)
         start = torch.stack([zero if s is None else s.to(work) for s in starts])
     with ieee_float32_matmul():
-        solution = solve_bank(w, update, manifold, opts.dual, execution, bank.spectral,
-                              start=start, check_point=False)  # checked before the step (_check_bank)
+        solution = solve_bank(point, update, manifold, opts.dual, execution, bank.spectral,
+                              start=start if unit is None or start is None else start / unit,
+                              check_point=False)  # checked before the step (_check_bank)
         eta = bank.scalar(bank.lrs, w)
+        if unit is not None:
+            eta = eta * unit
         beta = bank.scalar(bank.decays, w)
         # a gradient with no tangent part above its rounding (e.g. G = WS on Stiefel: a loss of
         # W^T W alone) takes no step rather than a unit step along the rounding noise
@@ -269,7 +286,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         ok = finite
         new = None
         if opts.fused and execution.sync_free:  # form Y, its Gram matrix, fixed chord steps
-            base = w if isinstance(beta, float) and beta == 1.0 else w * beta
+            base = point if isinstance(beta, float) and beta == 1.0 else point * beta
             new, residual = _gram_retraction(manifold, base - eta * solution.direction().to(w.dtype))
             ok = ok & (residual <= RETRACTION_TOL)
             for state, value in zip(bank.states, residual.unbind(0)):
@@ -277,12 +294,16 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         elif opts.fused and solution.best is not None:
             new = _fused_retraction(solution, eta, beta)
         if new is None:  # form the direction and take the manifold's own retraction
-            base = w if isinstance(beta, float) and beta == 1.0 else w * beta
+            base = point if isinstance(beta, float) and beta == 1.0 else point * beta
             new = manifold.retraction.retract(base, solution.direction().to(w.dtype) * -eta)
+        if unit is not None:
+            new = new / unit
     # the next step starts from this correction, unless the solve ended far from tangent (a warm
     # start that led it astray would otherwise be carried on and on)
     kept = ((solution.residual <= WARM_START_RESIDUAL) & moves).view(-1, 1, 1)
     corrections = torch.where(kept, solution.lam - solution.lam0, 0.0)
+    if unit is not None:
+        corrections = corrections * unit.to(corrections.dtype)
     if start is not None:  # a matrix that keeps its value keeps its warm start too
         corrections = torch.where(ok.view(-1, 1, 1), corrections, start.to(corrections.dtype))
     residual = torch.where(moves, solution.residual, 0.0)  # A = 0 is tangent

@@ -75,3 +75,37 @@ def test_a_float32_dgram_matrix_with_large_columns_takes_a_step():
     off = gram / (d[:, None] * d[None, :]) - torch.eye(8, dtype=torch.float64)
     assert bool(torch.isfinite(w).all())
     assert float(off.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("scale", [2.0**40, 2.0**-40, 2.0**66, 2.0**-80])
+@pytest.mark.parametrize("spectral", ["eigh", "products"])
+def test_a_dgram_point_scaled_by_a_power_of_two_takes_the_scaled_steps(scale, spectral):
+    """DGram has a scale freedom: ``sW`` has the tangent space and steepest direction of ``W``, and
+    ``R_{sW}(sV) = s R_W(V)``. A float32 point whose entries lie far from 1 (here 2^±40 and beyond:
+    column norms ~1e12 or ~1e-12) used to be skipped every step, counted but never moved, because
+    the fourth powers of its column norms over- or underflow the retraction's Gram products."""
+    w0, g = _matrices((48, 12), seed=3)
+    w0 = w0 * torch.logspace(-1, 1, 12)  # columns graded over two decades
+    runs = []
+    for factor in (1.0, scale):
+        w = torch.nn.Parameter(w0.clone())
+        opt = ManifoldMuon([w], manifold="dgram", lr=0.05 * factor, weight_decay=0.0, dual={"spectral": spectral})
+        if factor == 1.0:  # the projected point, its largest entry brought into [1/2, 1) exactly
+            top = w.detach().abs().amax()
+            w.data.mul_(2.0 ** -float(torch.frexp(top)[1]))
+            base = w.detach().clone()
+        else:
+            w.data.copy_(base * factor)  # exact: a power of two
+        trace = []
+        for k in range(3):
+            w.grad = g.roll(k, 0)
+            opt.step()
+            trace.append((w.detach().clone(), opt.state[w]["dual_correction"].clone()))
+        assert int(opt.state[w]["skipped_steps"]) == 0
+        runs.append(trace)
+    (w1, lam1), (ws, lams) = runs[0][0], runs[1][0]
+    assert float(torch.linalg.matrix_norm(w1 - base, ord=2)) > 0.02  # a real step
+    assert torch.equal(ws, w1 * scale)  # the first step: bit for bit the scaled one
+    assert torch.equal(lams, lam1 / scale)  # its multipliers (the warm start) in the point's units
+    for (w1, _), (ws, _) in zip(runs[0][1:], runs[1][1:]):  # later steps, from points not scaled into [1/2, 1)
+        torch.testing.assert_close(ws / scale, w1, rtol=1e-5, atol=1e-6)
