@@ -11,9 +11,11 @@ every result to every rank. That single-buffer all_gather (``all_gather_single``
 
 Every rank must call :func:`sharded_apply` with the same list of shapes and dtypes in the same
 order (true for the parameters of a DDP-replicated model), and ``fn`` must be deterministic for
-the results to equal a single-process run bit for bit. Each rank's payload ends in a digest of
-its shapes, dtypes and owners, so ranks that disagree (parameters in another order, of another
-shape or dtype) raise on every rank instead of unpacking each other's results as their own.
+the results to equal a single-process run bit for bit. With ``check_layout`` the ranks first
+exchange an 8-byte digest of their shapes, dtypes and owners, so ranks that disagree (parameters
+in another order, of another shape or dtype, another set of dtypes, or none at all) raise on
+every rank before the per-dtype gathers, instead of waiting in different collectives or
+unpacking each other's results as their own.
 """
 
 from __future__ import annotations
@@ -172,8 +174,10 @@ def _checked_result(i: int, tensor: torch.Tensor, out: object) -> torch.Tensor:
     return out
 
 
-#: Bytes of the layout digest that ends every rank's payload (:func:`_layout_digest`).
+#: Bytes of the layout digest the ranks exchange before any gather (:func:`_layout_digest`).
 _DIGEST_BYTES = 8
+#: Tensors of a layout an error message lists per rank before it abbreviates.
+_LAYOUT_SHOWN = 4
 
 
 def _layout(tensors: Sequence[torch.Tensor], owners: Sequence[int], world_size: int) -> list:
@@ -187,35 +191,62 @@ def _layout_digest(layout: list) -> torch.Tensor:
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
 
 
-def _check_same_layout(tags: list[torch.Tensor], mine: torch.Tensor, layout: list,
-                       process_group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank (all see the same gathered digests) where a rank's digest differs
-    from this one's, naming the first tensor whose shape, dtype or owner differs."""
-    seen = [t.cpu() for t in tags]  # (W, 8) per dtype; the first read waits for every gather
-    if all(bool((t == mine).all()) for t in seen):
+def _digest_device(process_group: dist.ProcessGroup | None) -> torch.device:
+    # chosen from the backend alone, so that a rank with no tensors picks what the others pick
+    if str(dist.get_backend(process_group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _describe(layout: list) -> str:
+    """``2 tensors: (4, 4) torch.float32 on rank 0, (5,) torch.int64 on rank 1``."""
+    specs, owners, _ = layout
+    shown = [f"{shape} {dtype} on rank {owner}" for (shape, dtype), owner in
+             zip(specs[:_LAYOUT_SHOWN], owners)]
+    more = f", ... {len(specs) - _LAYOUT_SHOWN} more" if len(specs) > _LAYOUT_SHOWN else ""
+    return f"{len(specs)} tensor{'' if len(specs) == 1 else 's'}" + (": " if specs else "") \
+        + ", ".join(shown) + more
+
+
+def _first_difference(layouts: list, rank: int) -> str:
+    (specs_0, owners_0, _), (specs_r, owners_r, _) = layouts[0], layouts[rank]
+    if len(specs_0) != len(specs_r):
+        return f"rank 0 passed {len(specs_0)} tensors, rank {rank} {len(specs_r)}"
+    i = next((i for i in range(len(specs_0)) if specs_0[i] != specs_r[i]), None)
+    if i is not None:
+        return (f"tensor {i} is {specs_0[i][0]} {specs_0[i][1]} on rank 0 and "
+                f"{specs_r[i][0]} {specs_r[i][1]} on rank {rank}")
+    i = next(i for i in range(len(owners_0)) if owners_0[i] != owners_r[i])
+    return f"tensor {i} is owned by rank {owners_0[i]} on rank 0 and by rank {owners_r[i]} on rank {rank}"
+
+
+def _check_same_layout(layout: list, rank: int, process_group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank, before any gather of results, where a rank's layout differs from
+    another's: one all_gather of an 8-byte digest and one host read (all ranks see the same
+    digests, so all take the same branch; the error path gathers the layouts themselves)."""
+    world_size = layout[2]
+    device = _digest_device(process_group)
+    mine = _layout_digest(layout).to(device)
+    digests = torch.empty(world_size * _DIGEST_BYTES, dtype=torch.uint8, device=device)
+    _all_gather_flat(digests, mine, process_group)
+    if bool((digests.view(world_size, _DIGEST_BYTES) == mine).all()):  # the host read
         return
     from .collectives import all_gather_objects  # the error path only: every rank is here
 
     layouts = all_gather_objects(layout, process_group)
-    rank = next((r for r in range(len(layouts)) if layouts[r] != layouts[0]), None)
-    if rank is None:  # equal layouts, different digests: the payloads were damaged in transit
-        raise ValueError("sharded_apply: the gathered payloads do not end in the digest every "
-                         "rank sent; the results are not trustworthy")
-    (specs_0, owners_0, _), (specs_r, owners_r, _) = layouts[0], layouts[rank]
-    if len(specs_0) != len(specs_r):
-        detail = f"rank 0 passed {len(specs_0)} tensors, rank {rank} {len(specs_r)}"
-    else:
-        i = next((i for i in range(len(specs_0)) if specs_0[i] != specs_r[i]), None)
-        if i is not None:
-            detail = (f"tensor {i} is {specs_0[i][0]} {specs_0[i][1]} on rank 0 and "
-                      f"{specs_r[i][0]} {specs_r[i][1]} on rank {rank}")
-        else:
-            i = next(i for i in range(len(owners_0)) if owners_0[i] != owners_r[i])
-            detail = f"tensor {i} is owned by rank {owners_0[i]} on rank 0 and by rank " \
-                     f"{owners_r[i]} on rank {rank}"
-    raise ValueError(f"sharded_apply: the ranks passed different tensors or owners ({detail}); "
-                     f"every rank must pass the same shapes and dtypes in the same order, and "
-                     f"the same owners")
+    first = next((r for r in range(len(layouts)) if layouts[r] != layouts[0]), None)
+    if first is None:  # equal layouts, different digests: the digests were damaged in transit
+        raise ValueError("sharded_apply: the gathered layout digests differ although every rank "
+                         "passed the same layout; the exchange is not trustworthy")
+    groups: dict[str, list[int]] = {}
+    for r, other in enumerate(layouts):
+        groups.setdefault(_describe(other), []).append(r)
+    seen = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        f"{' (this rank)' if rank in ranks else ''}: {text}" for text, ranks in groups.items())
+    raise ValueError(f"sharded_apply: the ranks passed different tensors or owners "
+                     f"({_first_difference(layouts, first)}); every rank must pass the same shapes "
+                     f"and dtypes in the same order, and the same owners; passed: {seen}")
 
 
 def sharded_apply(
@@ -247,12 +278,12 @@ def sharded_apply(
         process_group: the group to shard over; ``None`` for the default group.
         strategy: ownership strategy of :func:`assign_owners`, used when ``owners`` is None.
         owners: a precomputed owner rank per tensor (e.g. cached by an optimizer).
-        check_layout: end each payload in a digest of the shapes, dtypes and owners and compare
-            the gathered digests (below). The check reads them on the host, which on CUDA waits
-            for the gathers: a caller that repeats one layout call after call (an optimizer's
-            step) checks it on the first call and passes ``False`` after. Every rank must pass
-            the same value (the payload sizes differ by the digest: ranks that disagree fail in
-            the collective).
+        check_layout: before any gather of results, all_gather an 8-byte digest of every
+            rank's shapes, dtypes and owners and compare them on the host (one small collective
+            and one host read, which on CUDA waits for the work queued so far); a caller that
+            repeats one layout call after call (an optimizer's step) checks it on the first
+            call and passes ``False`` after, which adds nothing to the gathers. Every rank must
+            pass the same value (a rank that checks waits in the digest's gather).
 
     Returns:
         ``[(*shape_i)]``: the results in input order, identical on every rank. Under
@@ -262,12 +293,11 @@ def sharded_apply(
         ValueError: ``fn`` returned a wrong shape or dtype, a bad ``owners``/``strategy``, or
             tensors of one dtype on different devices. Raised before any collective on the
             rank that detects it; the other ranks then fail at the process group's timeout.
-            Also, on every rank, where the ranks passed different shapes, dtypes or order, or
-            different ``owners`` (``check_layout``): each rank's payload ends in an 8-byte digest
-            of them, checked after the gathers (one host read per call, which waits for the
-            gathers on CUDA).
-            Ranks whose payloads differ in size, or that gather a different number of dtypes,
-            fail in the collective instead (a size error, or the timeout).
+            Also, with ``check_layout``, on every rank and before any gather of results, where
+            the ranks passed different shapes, dtypes (or sets of dtypes), order, numbers of
+            tensors (none included) or ``owners``: the message names the first difference and
+            every rank's layout. Without the check such ranks wait in different collectives
+            (the timeout), fail in one (a size error), or unpack each other's results.
     """
     rank, world_size = get_rank_world(process_group)
     tensors = list(tensors)
@@ -279,10 +309,9 @@ def sharded_apply(
     if world_size == 1:
         return [_checked_result(i, t, fn(i, t)) for i, t in enumerate(tensors)]
 
+    if check_layout:  # before the per-dtype gathers, whose number and sizes the layout sets
+        _check_same_layout(_layout(tensors, owners, world_size), rank, process_group)
     results: list[torch.Tensor | None] = [None] * len(tensors)
-    layout = _layout(tensors, owners, world_size)
-    digest = _layout_digest(layout) if check_layout else None
-    tags: list[torch.Tensor] = []
     # one buffer per dtype, in first-appearance order (the same on every rank)
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -301,25 +330,16 @@ def sharded_apply(
             for i in indices:
                 offsets[i] = payload[owners[i]]
                 payload[owners[i]] += tensors[i].numel()
-            size = torch.empty((), dtype=dtype).element_size()
-            data = max(payload)
-            width = data + -(-_DIGEST_BYTES // size) if check_layout else data  # the digest last
+            width = max(payload)
             send = torch.zeros(width, dtype=dtype, device=device)
-            if check_layout:
-                send[data:].view(torch.uint8)[:_DIGEST_BYTES].copy_(digest)
             for i in indices:
                 if owners[i] == rank:
                     out = _checked_result(i, tensors[i], fn(i, tensors[i]))
                     send[offsets[i] : offsets[i] + out.numel()].copy_(out.reshape(-1))
             gathered = torch.empty(world_size * width, dtype=dtype, device=device)
-            if width > 0:  # every rank agrees: width depends only on shapes, owners and check_layout
+            if width > 0:  # every rank agrees: width depends only on shapes and owners
                 _all_gather_flat(gathered, send, process_group)
-            if check_layout:
-                rows = gathered.view(torch.uint8).view(world_size, width * size)
-                tags.append(rows[:, data * size:data * size + _DIGEST_BYTES])
             for i in indices:
                 start = owners[i] * width + offsets[i]
                 results[i] = gathered[start : start + tensors[i].numel()].view(tensors[i].shape)
-    if tags:
-        _check_same_layout(tags, digest, layout, process_group)
     return results  # type: ignore[return-value]

@@ -108,6 +108,35 @@ def test_ranks_passing_different_tensors_or_owners_fail_together_naming_the_firs
         assert all("same shapes and dtypes in the same order" in e for e in errors.values())
 
 
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_ranks_passing_other_dtypes_or_no_tensors_fail_together_before_any_gather(
+    reports: list[dict], rank: int
+) -> None:
+    # one gather per dtype: ranks with other dtype sets (or none) used to wait in different
+    # collectives until the process group's timeout; now each names its own and the other's layout
+    errors = reports[rank]["mismatches"]
+    this = {0: " (this rank)", 1: ""} if rank == 0 else {0: "", 1: " (this rank)"}
+    assert errors["dtype_sets"].startswith(
+        "sharded_apply: the ranks passed different tensors or owners (tensor 1 is (4, 4) "
+        "torch.float64 on rank 0 and (4, 4) torch.float32 on rank 1)")
+    assert errors["dtype_sets"].endswith(
+        f"passed: rank 0{this[0]}: 2 tensors: (4, 4) torch.float32 on rank 0, (4, 4) torch.float64 "
+        f"on rank 1; rank 1{this[1]}: 2 tensors: (4, 4) torch.float32 on rank 0, (4, 4) "
+        f"torch.float32 on rank 1")
+    assert "(rank 0 passed 1 tensors, rank 1 0)" in errors["empty"]
+    assert errors["empty"].endswith(
+        f"passed: rank 0{this[0]}: 1 tensor: (3, 3) torch.float32 on rank 0; "
+        f"rank 1{this[1]}: 0 tensors")
+
+
+def test_the_layout_check_costs_one_small_gather_and_no_check_nothing(
+    reports: list[dict],
+) -> None:
+    # workers.CASES: five dtypes, one of them (int32) with only empty tensors: four result gathers
+    for report in reports:
+        assert report["collectives"] == {True: (5, 1), False: (4, 0)}
+
+
 MUON_STEPS = 10
 
 

@@ -84,18 +84,34 @@ def sharding_job(rank: int) -> dict:
     report["singleton"] = sharded_apply(tensors, reference_fn, process_group=own_group)
     report["rejections"] = _dtensor_rejections()
     report["mismatches"] = _mismatch_errors(rank)
+    report["collectives"] = _collectives_per_call(tensors)
     return report
+
+
+def _collectives_per_call(tensors: list[torch.Tensor]) -> dict[bool, tuple[int, int]]:
+    """``check_layout -> (gathers, host reads)`` of one :func:`sharded_apply` call."""
+    from manifoldlib.testing import count_ops
+
+    out = {}
+    for check in (True, False):
+        counts = count_ops(lambda: sharded_apply(tensors, reference_fn, check_layout=check))
+        out[check] = (counts.by_name["_allgather_base_"], counts.syncs)
+    return out
 
 
 def _mismatch_errors(rank: int) -> dict[str, str]:
     """What :func:`sharded_apply` says where the ranks pass the same payload sizes but another
-    order, dtype or owners (each case once per rank; ``"no error"`` where it returned)."""
+    order, dtype or owners, another set of dtypes (so another number of gathers), or no tensors
+    at all (each case once per rank; ``"no error"`` where it returned)."""
     swapped = [(2, 3), (3, 2)] if rank == 0 else [(3, 2), (2, 3)]  # equal costs: same owners
     cases = {
         "order": ([torch.full(s, float(rank), dtype=torch.float64) for s in swapped], None),
         "dtype": ([torch.ones(4, 4, dtype=torch.float32 if rank == 0 else torch.int32)] * 2,
                   None),
         "owners": ([torch.ones(4, 4)] * 2, [0, 1] if rank == 0 else [1, 0]),
+        "dtype_sets": ([torch.ones(4, 4), torch.ones(4, 4, dtype=torch.float64 if rank == 0
+                                                     else torch.float32)], None),
+        "empty": ([torch.ones(3, 3)] if rank == 0 else [], None),
     }
     out = {}
     for name, (tensors, owners) in cases.items():
