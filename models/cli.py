@@ -22,7 +22,14 @@ import textwrap
 import threading
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, build_config, load_toml, parse_overrides
+from .config import (
+    ConfigError,
+    TrainConfig,
+    build_config,
+    load_toml,
+    parse_overrides,
+    refuse_inert_settings,
+)
 from .data import CorpusError
 from .presets import PRESETS
 from .run_dir import RunError, describe_os_error, has_checkpoint, read_saved_config
@@ -173,16 +180,26 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     when it is missing, the checkpoint's configuration) instead (``--preset`` is ignored,
     ``stop_at`` is cleared) and applies the TOML file and overrides on top; the run then
     refuses changes outside ``RESUMABLE_FIELDS``.
+
+    A setting the user gave (an override or a key of the TOML file; not a preset's, nor a saved
+    run's) that the configuration never reads is refused (:func:`~models.config.inert_settings`:
+    ``--muon_ns_dtype`` under ``optimizer=adamw``, ``--sel_kappa`` under ``sel=none``, ...).
     """
+    toml = load_toml(args.config) if args.config is not None else {}
+    toml.pop("preset", None)
     if args.resume and ((out / "config.json").exists() or has_checkpoint(out)):
         base = read_saved_config(out)
         base["stop_at"] = 0
-        toml = load_toml(args.config) if args.config is not None else {}
-        toml.pop("preset", None)
-        return build_config(overrides={**toml, **overrides}, base=base)
-    preset = args.preset if args.preset is not None or args.config is not None \
-        else DEFAULT_PRESET
-    return build_config(preset, args.config, overrides)
+        cfg = build_config(overrides={**toml, **overrides}, base=base)
+    else:
+        preset = args.preset if args.preset is not None or args.config is not None \
+            else DEFAULT_PRESET
+        cfg = build_config(preset, args.config, overrides)
+    given = {key.replace("-", "_"): f"{key.replace('-', '_')!r} in config file {args.config}"
+             for key in toml}
+    given.update({key.replace("-", "_"): f"--{key}" for key in overrides})
+    refuse_inert_settings(cfg, given)
+    return cfg
 
 
 def _is_rank_zero() -> bool:

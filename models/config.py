@@ -24,7 +24,7 @@ import difflib
 import math
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -35,12 +35,14 @@ else:  # pragma: no cover - Python 3.10
 from manifoldlib.optim import available_policies
 
 from .connections import CONNECTIONS as _CONNECTIONS
+from .connections import SPHERE_CONNECTIONS
 from .gpt import GPTConfig
 from .presets import PRESETS
 
 __all__ = [
     "CONNECTIONS",
     "DTYPES",
+    "INERT_RULES",
     "LEGACY_MUON_NS_DTYPE",
     "MODEL_KEYS",
     "RESUMABLE_FIELDS",
@@ -48,7 +50,9 @@ __all__ = [
     "TrainConfig",
     "build_config",
     "config_keys",
+    "inert_settings",
     "parse_overrides",
+    "refuse_inert_settings",
 ]
 
 #: ``optimizer`` values: plain AdamW, or ``manifoldlib.optim.build_optimizer`` with ``policy``.
@@ -501,3 +505,106 @@ def build_config(preset: str | None = None, toml_path: str | Path | None = None,
     values = _apply(values, toml, f"config file {toml_path}", extra_keys=("preset",))
     values = _apply(values, overrides or {}, _COMMAND_LINE)
     return TrainConfig.from_dict(values)
+
+
+# ---- settings that do nothing under the chosen configuration ----------------------------------
+
+#: ManifoldMuon's settings: :func:`models.build.build_train_optimizer` reads them under
+#: ``optimizer="manifold-muon"`` only.
+_MUON_SETTINGS = ("policy", "adamw_lr", "muon_weight_decay", "muon_ns_dtype", "muon_recipe",
+                  "muon_distributed")
+#: The sphere residual's settings: :class:`models.connections.Spheret` and the ScaleNorm entry
+#: read them for the sphere connections only.
+_SPHERE_SETTINGS = ("damping", "sphere_step", "alpha_init", "damping_depth", "norm_eps",
+                    "learn_alpha", "learn_radius", "fused")
+
+
+def _no_euclidean_matrix(policy: str) -> bool:
+    """Whether ``policy`` puts none of the reference GPT's matrices on the Euclidean manifold.
+
+    The GPT's hidden matrices are attention and MLP maps only, so a role policy's ``other``
+    choice never applies to them (``hetero``'s Euclidean ``other`` included). A policy that is
+    not a role policy (a user's own function) is not known here: False.
+    """
+    from manifoldlib.optim import RolePolicy, get_policy
+
+    found = get_policy(policy)
+    return isinstance(found, RolePolicy) and "euclidean" not in (found.attn, found.mlp)
+
+
+#: When settings do nothing, read from the code that uses each field: ``(settings, cause, inert,
+#: used)`` — under ``inert(cfg)`` the ``settings`` are never read, ``cause`` names the field that
+#: makes them inert and ``used`` says what reads them. The first rule that holds for a setting
+#: names its cause.
+INERT_RULES: tuple[tuple[tuple[str, ...], str, Callable[[TrainConfig], bool], str], ...] = (
+    (_MUON_SETTINGS, "optimizer", lambda c: c.optimizer == "adamw",
+     "only --optimizer manifold-muon reads it"),
+    (("block_lr",), "optimizer", lambda c: c.optimizer == "manifold-muon",
+     "only --optimizer adamw reads it (ManifoldMuon steps the block matrices at --lr)"),
+    (("muon_ns_dtype", "muon_distributed"), "muon_recipe", lambda c: c.muon_recipe == "reference",
+     "only --muon_recipe library reads it"),
+    (("muon_ns_dtype", "muon_weight_decay"), "policy", lambda c: _no_euclidean_matrix(c.policy),
+     ("it acts on Euclidean matrices, and this policy puts none of the GPT's there "
+      "(--policy unconstrained does)")),
+    (("sel_scale_lr", "sel_anneal_steps", "sel_kappa"), "sel", lambda c: c.sel == "none",
+     f"only --sel {', '.join(SEL_VARIANTS[1:-1])} or {SEL_VARIANTS[-1]} reads it"),
+    (("min_lr_ratio",), "schedule", lambda c: c.schedule == "constant",
+     "only --schedule cosine reads it"),
+    (("bpe_vocab_size", "val_fraction"), "corpus", lambda c: c.corpus.startswith("bin:"),
+     "token shards carry their tokenizer and their split; only a text corpus reads it"),
+    (("bpe_vocab_size",), "tokenizer", lambda c: c.tokenizer == "byte",
+     "only --tokenizer bpe reads it"),
+    (("shard_dtype",), "corpus", lambda c: not c.corpus.startswith("bin:"),
+     "only a --corpus bin:DIR reads it"),
+    (("sample_prompt", "temperature", "top_k"), "sample_tokens", lambda c: c.sample_tokens == 0,
+     "only --sample_tokens N > 0 reads it"),
+    (("progress_interval",), "progress", lambda c: not c.progress,
+     "only --progress true reads it"),
+    (("retraction", "p"), "connection", lambda c: c.connection != "spheret",
+     "only --connection spheret reads it (geonorm is spheret with the exponential map)"),
+    (("p",), "retraction", lambda c: c.retraction != "p",
+     "only --retraction p reads it"),
+    (_SPHERE_SETTINGS, "connection", lambda c: c.connection not in SPHERE_CONNECTIONS,
+     "only --connection spheret or geonorm reads it"),
+    (("damping_depth",), "damping", lambda c: c.damping == "none",
+     "only --damping sqrt or linear reads it"),
+    (("dyt_alpha_init", "dyt_alpha_attn", "dyt_embed_scale"), "connection",
+     lambda c: c.connection != "pre-dyt", "only --connection pre-dyt reads it"),
+    (("periln_embed_norm",), "connection", lambda c: c.connection != "peri-ln",
+     "only --connection peri-ln reads it"),
+    (("keel_alpha",), "connection", lambda c: c.connection != "keel",
+     "only --connection keel reads it"),
+)
+
+
+def inert_settings(cfg: TrainConfig) -> dict[str, str]:
+    """The fields ``cfg`` never reads, each with why: ``{"muon_ns_dtype": "does nothing with
+    optimizer=adamw: only --optimizer manifold-muon reads it", ...}``."""
+    out: dict[str, str] = {}
+    for settings, cause, inert, used in INERT_RULES:
+        if not inert(cfg):
+            continue
+        value = getattr(cfg, cause)
+        value = str(value).lower() if isinstance(value, bool) else value  # as --progress takes it
+        why = f"does nothing with {cause}={value}: {used}"
+        for name in settings:
+            out.setdefault(name, why)
+    return out
+
+
+def refuse_inert_settings(cfg: TrainConfig, given: dict[str, str]) -> None:
+    """Refuse the settings a user gave that ``cfg`` never reads.
+
+    Args:
+        cfg: the configuration built from them.
+        given: the keys the user set (on the command line or in a ``--config`` file, not a
+            preset's or a saved run's values) -> how the error names each (``--muon_ns_dtype``).
+
+    Raises:
+        ConfigError: one line naming each inert setting, the field that makes it inert and what
+            would read it.
+    """
+    inert = inert_settings(cfg)
+    unused = [f"{label} {inert[name]}" for name, label in given.items() if name in inert]
+    if unused:
+        raise ConfigError("; ".join(unused))

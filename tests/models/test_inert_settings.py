@@ -1,0 +1,208 @@
+"""Settings the configuration never reads (models.config.INERT_RULES): a user's are refused by
+the command line, a preset's and a saved run's are not, and every rule is what the code does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.cli import config_from_args, parse_args
+from models.config import build_config, config_keys
+from models.train import build_model, build_train_optimizer, lr_scale, main
+
+MUON = "only --optimizer manifold-muon reads it"
+SPHERET = "only --connection spheret reads it (geonorm is spheret with the exponential map)"
+
+
+def _refused(capsys, argv: list[str], line: str) -> None:
+    """``argv`` exits 2 with exactly ``error: line`` and writes nothing."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"error: {line}\n"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--optimizer", "adamw", "--muon_ns_dtype", "float32"],
+     f"--muon_ns_dtype does nothing with optimizer=adamw: {MUON}"),
+    (["--adamw_lr", "1e-3"], f"--adamw_lr does nothing with optimizer=adamw: {MUON}"),
+    (["--policy", "hetero"], f"--policy does nothing with optimizer=adamw: {MUON}"),
+    (["--muon-recipe", "reference"], f"--muon-recipe does nothing with optimizer=adamw: {MUON}"),
+    (["--optimizer", "manifold-muon", "--policy", "hetero", "--muon_weight_decay", "0.2"],
+     ("--muon_weight_decay does nothing with policy=hetero: it acts on Euclidean matrices, and "
+      "this policy puts none of the GPT's there (--policy unconstrained does)")),
+    (["--optimizer", "manifold-muon", "--policy", "unconstrained", "--muon_recipe", "reference",
+      "--muon_ns_dtype", "float32"],
+     ("--muon_ns_dtype does nothing with muon_recipe=reference: only --muon_recipe library reads "
+      "it")),
+    (["--optimizer", "manifold-muon", "--block_lr", "0"],
+     ("--block_lr does nothing with optimizer=manifold-muon: only --optimizer adamw reads it "
+      "(ManifoldMuon steps the block matrices at --lr)")),
+    (["--sel_kappa", "2"], ("--sel_kappa does nothing with sel=none: only --sel mismatched, "
+                            "congruent or no-linear reads it")),
+    (["--schedule", "constant", "--min_lr_ratio", "0.5"],
+     "--min_lr_ratio does nothing with schedule=constant: only --schedule cosine reads it"),
+    (["--bpe_vocab_size", "512"],
+     "--bpe_vocab_size does nothing with tokenizer=byte: only --tokenizer bpe reads it"),
+    (["--corpus", "bin:shards", "--val_fraction", "0.2"],
+     ("--val_fraction does nothing with corpus=bin:shards: token shards carry their tokenizer and "
+      "their split; only a text corpus reads it")),
+    (["--shard_dtype", "meta"],
+     "--shard_dtype does nothing with corpus=synthetic:60000: only a --corpus bin:DIR reads it"),
+    (["--sample_tokens", "0", "--top_k", "5"],
+     "--top_k does nothing with sample_tokens=0: only --sample_tokens N > 0 reads it"),
+    (["--progress", "false", "--progress_interval", "5"],
+     "--progress_interval does nothing with progress=false: only --progress true reads it"),
+    (["--connection", "geonorm", "--retraction", "cayley"],
+     f"--retraction does nothing with connection=geonorm: {SPHERET}"),
+    (["--retraction", "gnomonic", "--p", "2"],
+     "--p does nothing with retraction=gnomonic: only --retraction p reads it"),
+    (["--connection", "keel", "--sphere_step", "literal"],
+     ("--sphere_step does nothing with connection=keel: only --connection spheret or geonorm "
+      "reads it")),
+    (["--damping", "none", "--damping_depth", "block"],
+     "--damping_depth does nothing with damping=none: only --damping sqrt or linear reads it"),
+    (["--connection", "pre-ln", "--dyt_alpha_init", "0.3"],
+     "--dyt_alpha_init does nothing with connection=pre-ln: only --connection pre-dyt reads it"),
+    (["--connection", "pre-ln", "--periln_embed_norm", "false"],
+     ("--periln_embed_norm does nothing with connection=pre-ln: only --connection peri-ln reads "
+      "it")),
+    (["--connection", "pre-dyt", "--keel_alpha", "4"],
+     "--keel_alpha does nothing with connection=pre-dyt: only --connection keel reads it"),
+])
+def test_a_setting_the_configuration_never_reads_is_refused(tmp_path, capsys, args, line):
+    """Each was accepted and silently did nothing: a sweep over it trained the same run under
+    other names."""
+    _refused(capsys, ["--preset", "smoke", *args, "--out", str(tmp_path / "r")], line)
+    assert not (tmp_path / "r").exists()
+
+
+def test_every_inert_setting_is_named_in_one_line(tmp_path, capsys):
+    _refused(capsys, ["--preset", "smoke", "--connection", "pre-ln", "--p", "2", "--muon_ns_dtype",
+                      "float32", "--lr", "1e-3", "--sel_anneal_steps", "5",
+                      "--out", str(tmp_path / "r")],
+             f"--p does nothing with connection=pre-ln: {SPHERET}; --muon_ns_dtype does nothing "
+             f"with optimizer=adamw: {MUON}; --sel_anneal_steps does nothing with sel=none: only "
+             f"--sel mismatched, congruent or no-linear reads it")
+
+
+def test_a_config_files_inert_key_is_named_as_a_key_of_that_file(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "smoke"\nconnection = "pre-ln"\nkeel_alpha = 3.0\n')
+    _refused(capsys, ["--config", str(toml), "--out", str(tmp_path / "r")],
+             f"'keel_alpha' in config file {toml} does nothing with connection=pre-ln: only "
+             f"--connection keel reads it")
+
+
+def _config(argv: list[str], out: Path):
+    args, overrides = parse_args(argv)
+    return config_from_args(args, overrides, out)
+
+
+def test_presets_and_the_settings_that_read_them_are_accepted(tmp_path):
+    """A preset's values are not the user's (smoke sets adamw_lr under adamw, default keeps its
+    sphere settings under --connection pre-ln); a setting with what reads it is accepted."""
+    assert _config(["--preset", "smoke"], tmp_path).adamw_lr == 1e-2
+    assert _config(["--preset", "default", "--connection", "pre-ln"], tmp_path).p == 1.0
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "smoke"\n')
+    assert _config(["--config", str(toml)], tmp_path).optimizer == "adamw"
+    cfg = _config(["--preset", "smoke", "--optimizer", "manifold-muon", "--policy",
+                   "unconstrained", "--muon_ns_dtype", "float32", "--muon_weight_decay", "0",
+                   "--adamw_lr", "1e-3", "--connection", "pre-dyt", "--dyt_alpha_init", "0.3",
+                   "--schedule", "cosine", "--min_lr_ratio", "0.2"], tmp_path)
+    assert (cfg.muon_ns_dtype, cfg.dyt_alpha_init, cfg.min_lr_ratio) == ("float32", 0.3, 0.2)
+
+
+def test_a_resume_refuses_an_inert_setting_and_keeps_resuming_without_one(tmp_path, capsys):
+    """config.json holds every field, inert ones too: they are the saved run's, not the user's,
+    so a plain --resume (and a bookkeeping change) still works."""
+    out = tmp_path / "run"
+    assert main(["--preset", "smoke", "--sample_tokens", "0", "--steps", "6", "--stop_at", "3",
+                 "--eval_interval", "3", "--progress", "false", "--out", str(out)]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["optimizer"] == "adamw" and "muon_ns_dtype" in saved
+    capsys.readouterr()
+    _refused(capsys, ["--resume", "--temperature", "0.5", "--out", str(out)],
+             "--temperature does nothing with sample_tokens=0: only --sample_tokens N > 0 reads it")
+    assert main(["--resume", "--eval_batches", "1", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
+
+
+def test_every_rule_names_config_keys():
+    from models.config import INERT_RULES
+
+    for settings, cause, _, used in INERT_RULES:
+        assert set(settings) | {cause} <= set(config_keys()), settings
+        assert used
+
+
+def _trained(cfg, steps: int = 3) -> torch.Tensor:
+    """Every parameter after ``steps`` of the loop's updates (schedule and multipliers) on a
+    fixed batch, flattened: what a setting that is read changes."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, vocab_size=256)
+    opt, mults = build_train_optimizer(model, cfg)
+    base = [g["lr"] for g in opt.param_groups]
+    x = torch.randint(0, 256, (4, cfg.block_size), generator=torch.Generator().manual_seed(1))
+    for step in range(steps):
+        for group, lr, mult in zip(opt.param_groups, base, mults):
+            group["lr"] = lr * lr_scale(step, cfg) * mult(step)
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+MUON_ON = {"optimizer": "manifold-muon", "policy": "unconstrained", "lr": 0.02}
+
+
+@pytest.mark.parametrize("inert, setting, used", [
+    ({}, {"adamw_lr": 1e-4}, MUON_ON),
+    ({}, {"muon_weight_decay": 0.5}, MUON_ON),
+    ({}, {"muon_ns_dtype": "bfloat16"}, {**MUON_ON, "muon_ns_dtype": "float32"}),
+    ({}, {"muon_recipe": "reference"}, MUON_ON),
+    ({}, {"policy": "all-stiefel"}, MUON_ON),
+    ({**MUON_ON, "muon_recipe": "reference", "muon_ns_dtype": "float32"},
+     {"muon_ns_dtype": "bfloat16"}, None),
+    ({**MUON_ON, "policy": "hetero"}, {"muon_weight_decay": 0.5}, MUON_ON),
+    ({**MUON_ON, "policy": "hetero-inv", "muon_ns_dtype": "float32"},
+     {"muon_ns_dtype": "bfloat16"}, {**MUON_ON, "muon_ns_dtype": "float32"}),
+    ({}, {"sel_kappa": 2.0}, {"sel": "mismatched"}),
+    ({}, {"sel_scale_lr": 0.1}, {"sel": "mismatched"}),
+    ({}, {"sel_anneal_steps": 2}, {"sel": "mismatched"}),
+    ({"schedule": "constant"}, {"min_lr_ratio": 0.9}, {"schedule": "cosine"}),
+    ({"connection": "pre-ln"}, {"retraction": "cayley"}, {"connection": "spheret"}),
+    ({"connection": "geonorm"}, {"p": 2.0}, {"connection": "spheret"}),
+    ({"retraction": "gnomonic"}, {"p": 2.0}, {"retraction": "p"}),
+    ({"connection": "pre-ln"}, {"sphere_step": "literal"}, {"connection": "geonorm"}),
+    ({"connection": "keel"}, {"alpha_init": 0.9}, {"connection": "spheret"}),
+    ({"connection": "pre-ln"}, {"damping": "none"}, {"connection": "spheret"}),
+    ({"connection": "peri-ln"}, {"norm_eps": 0.5}, {"connection": "spheret"}),
+    ({"connection": "pre-ln"}, {"learn_alpha": False}, {"connection": "spheret"}),
+    ({"connection": "pre-ln"}, {"learn_radius": False}, {"connection": "spheret"}),
+    ({"connection": "pre-ln"}, {"fused": False}, None),
+    ({"damping": "none"}, {"damping_depth": "block"}, {"damping": "sqrt"}),
+    ({"connection": "pre-ln"}, {"dyt_alpha_init": 0.9}, {"connection": "pre-dyt"}),
+    ({"connection": "spheret"}, {"dyt_alpha_attn": 0.1}, {"connection": "pre-dyt"}),
+    ({"connection": "pre-ln"}, {"dyt_embed_scale": False}, {"connection": "pre-dyt"}),
+    ({"connection": "pre-ln"}, {"periln_embed_norm": False}, {"connection": "peri-ln"}),
+    ({"connection": "post-ln"}, {"keel_alpha": 1.0}, {"connection": "keel"}),
+])
+def test_an_inert_setting_changes_no_step_and_a_read_one_does(inert, setting, used):
+    """The rules are the code's: where a rule calls a setting inert, training with another value
+    of it gives the same parameters bit for bit; where it is read, different ones."""
+    from models.config import inert_settings
+
+    def trained(over):
+        return _trained(build_config("smoke", overrides={"warmup_steps": 1, "steps": 4, **over}))
+
+    cfg = build_config("smoke", overrides=inert)
+    assert set(setting) <= inert_settings(cfg).keys()
+    assert torch.equal(trained(inert), trained({**inert, **setting}))
+    if used is not None:
+        assert not set(setting) & inert_settings(build_config("smoke", overrides=used)).keys()
+        assert not torch.equal(trained(used), trained({**used, **setting}))
