@@ -128,6 +128,23 @@ def _check_world_size(cfg: TrainConfig, world_size: int) -> None:
                           f"across micro-steps and ranks, so choose a multiple of {parts}")
 
 
+def _check_steps_reach(out: Path, step: int, own_steps: int, steps: int) -> None:
+    """Refuse ``steps`` below the checkpoint's ``step``, or equal to it when the run (configured
+    for ``own_steps``) has not finished: there is nothing to train, and "finished" would be false
+    (a run that finished at ``step == own_steps == steps`` is left alone, nothing to do)."""
+    if step < steps or step == steps == own_steps:
+        return
+    where = f"its checkpoint is at step {step}" + (", past it" if step > steps else "")
+    if step >= own_steps:
+        state = f"the run finished there (its steps={own_steps})"
+        advice = f"omit --steps (nothing to do) or pass --steps above {step} to extend it"
+    else:
+        state = f"the run is configured for steps={own_steps} and never got there"
+        advice = (f"omit --steps (or pass --steps {own_steps}) to finish it, or --steps above "
+                  f"{step} to end it elsewhere")
+    raise RunError(f"cannot resume {out} with steps={steps}: {where}, and {state}; {advice}")
+
+
 def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
                      world_size: int = 1) -> dict:
     ckpt, note = load_checkpoint(out, move_damaged=is_main)
@@ -139,6 +156,7 @@ def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
         raise CheckpointError(f"the configuration saved in {out}'s checkpoint is not "
                               f"valid: {exc}") from None
     check_resumable(saved_cfg, cfg)
+    _check_steps_reach(out, ckpt["step"], saved_cfg.steps, cfg.steps)
     if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
         raise RunError(f"cannot resume {out} to step {cfg.last_step}: its checkpoint "
                        f"is already at step {ckpt['step']}")
@@ -183,8 +201,8 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
                 is_main: bool, echo: bool) -> tuple[dict | None, Corpus | None, bool]:
     """Every check before training, with no writes: ``(checkpoint, corpus, stale)``.
 
-    ``checkpoint`` is ``None`` for a fresh run; ``corpus`` is ``None`` when the checkpoint is
-    already at ``steps`` (nothing to do); ``stale`` says the directory holds a run that stopped
+    ``checkpoint`` is ``None`` for a fresh run; ``corpus`` is ``None`` when the run finished
+    at ``steps`` (nothing to do; a checkpoint past ``steps`` is refused); ``stale`` says the directory holds a run that stopped
     before its first checkpoint (:func:`~models.storage.check_run_dir`).
 
     Raises:

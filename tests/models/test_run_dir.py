@@ -69,6 +69,35 @@ def test_a_finished_run_resumes_to_its_summary(tmp_path, capsys):
     assert "already finished at step 10" in capsys.readouterr().out
 
 
+def test_a_resume_to_steps_the_checkpoint_is_past_is_refused(tmp_path, capsys):
+    """A run configured for 12 steps and stopped at 8, resumed with --steps 4 (or 8), said
+    "already finished at step 8 (steps=4); nothing to do" and exited 0, though it never finished;
+    a finished run resumed below its step said the same. Both are refused, naming the steps and
+    what to pass; a finished run resumed at its own steps still has nothing to do."""
+    out = tmp_path / "run"
+    assert main(["--preset", "smoke", "--sample_tokens", "0", "--steps", "12", "--stop_at", "8",
+                 "--eval_interval", "4", "--progress", "false", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    for steps, past in (("4", ", past it"), ("8", "")):
+        assert main(["--resume", "--steps", steps, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: cannot resume {out} with steps={steps}: its checkpoint is at step 8{past}, "
+            f"and the run is configured for steps=12 and never got there; omit --steps (or pass "
+            f"--steps 12) to finish it, or --steps above 8 to end it elsewhere\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    capsys.readouterr()
+    assert main(["--resume", "--steps", "12", "--out", str(out)]) == 0
+    assert "already finished at step 12 (steps=12); nothing to do" in capsys.readouterr().out
+    assert main(["--resume", "--steps", "10", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot resume {out} with steps=10: its checkpoint is at step 12, past it, and "
+        f"the run finished there (its steps=12); omit --steps (nothing to do) or pass --steps "
+        f"above 12 to extend it\n")
+
+
 @pytest.mark.parametrize("text, why", [("garbage", "Expecting value"), ("[1]", "not a JSON object"),
                                        (b"\xff", "can't decode")])
 def test_a_damaged_summary_of_a_finished_run_is_a_run_error_naming_it(tmp_path, text, why):
