@@ -431,7 +431,8 @@ class BankSolution:
         residual: ``(B,)`` relative tangent residual of each answer (its exact :math:`W^\top A`).
         iterations: ``(B,)`` dual updates each matrix took.
         lam, lam0: ``(B, n, n)`` final and closed-form multipliers (``lam - lam0`` warm-starts the next step).
-        gap: per matrix, the certified gap of a smoothed answer (``None`` where none ran).
+        gap: per matrix, the certified gap of a smoothed answer (``None`` where none ran; an eigh
+            answer's is :meth:`DualProblem.relative_gaps` of ``best``, computed where it is read).
         stages, evaluations, hessian_products, history: what ran (see :class:`SteepestInfo`).
         pieces: ``(W^T A, A^T A)`` ``(B, n, n)`` of a reduced answer (:meth:`DualProblem.pieces`), or ``None``.
     """
@@ -592,9 +593,6 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
                 counts[i] = more
                 parts.append(ev)
             best = Evaluation.cat(parts)
-        if not sync_free and best is not None and best.eig is not None:  # a certificate where it is free
-            plain = problem.relative_gaps(best)
-            gaps = [float(plain[i]) if gap is None else gap for i, gap in enumerate(gaps)]
         pieces = None
         if a is None and best.a is None:  # the reduced answer: its residual from n x n pieces
             pieces = problem.pieces(best)  # the residual from W^T A and tr(A^T A)

@@ -178,6 +178,9 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     if a.dtype != tall.dtype:  # the returned A is rounded: its residual, not the solve's (bfloat16: ~5e-4)
         residual = max(residual, float(geometry.tangent_residual(w, (a.mT if transposed else a).to(work))))
     gap = solution.gap[0]
+    best = solution.best
+    if gap is None and best is not None and best.eig is not None and solution.problem.reduced:
+        gap = solution.problem.relative_gap(best)  # an unsmoothed eigh answer's certificate
     # the certificate decides for the maps meant to be exact; a Newton-Schulz preset such as jordan5
     # maps singular values near, not to, 1, and its gap measures the map, not the solve
     exact_map = dual.msign_method in ("svd", "polar-express", "newton-schulz")

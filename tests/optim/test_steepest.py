@@ -477,3 +477,23 @@ def test_a_normal_gradient_gives_the_zero_direction_like_a_zero_one(manifold, m,
     _, near = steepest_direction(w, g + 1e-6 * g.norm() * torch.randn_like(g), manifold, return_info=True)
     torch.testing.assert_close(info.multiplier.double(), near.multiplier - near.correction, atol=1e-5, rtol=0)
     assert torch.equal(info.correction, torch.zeros_like(info.correction))
+
+
+@pytest.mark.parametrize("manifold,m,n", [("dgram", 16, 16), ("oblique", 16, 16), ("dgram", 32, 32), ("oblique", 32, 32)])
+@pytest.mark.parametrize("tangent", [1e-6, 1e-2])
+def test_the_reported_gap_is_the_answers_gap_for_a_nearly_normal_gradient(manifold, m, n, tangent):
+    """``info.gap`` is (||X(Lambda)||_* - <P_W G, A>)/||X(Lambda)||_* of the returned multiplier and
+    direction (float64 oracle: an SVD and the manifold's projection). Computed as
+    <G, A> = sum(lambda psi) - 2<Lambda, W^T A>, a difference of terms of the size of G, it read
+    -0.25 .. -1e8 for a gradient nearly normal to the tangent space (tangent part 1e-5 .. 1e-12 of
+    it) while the direction itself was right. (The square problems: the eigh evaluations that
+    report a gap.)"""
+    w, g = nearly_normal_instance(manifold, m, n, tangent, seed=2)
+    a, info = steepest_direction(w, g, manifold, spectral="eigh", return_info=True)
+    assert info.gap is not None
+    gn = g / g.norm()
+    upper = float(torch.linalg.matrix_norm(gn + 2 * w @ info.multiplier, ord="nuc"))
+    value = float((matrix_manifold(manifold).proju(w, gn) * a).sum())
+    oracle = (upper - value) / upper
+    assert abs(info.gap - oracle) <= 1e-6 * max(1.0, 1e-6 / tangent)  # the oracle's own rounding: eps ||G|| / ||P_W G||
+    assert -1e-6 <= info.gap <= 1e-2  # a certificate, and a small one: the direction is near the optimum
