@@ -7,8 +7,8 @@ Methods (all batched over leading dimensions, tall and wide inputs):
 
 - ``"svd"``: exact reference via :func:`torch.linalg.svd`; zero singular values map to 0.
 - ``"newton"``: scaled Newton iteration for the polar factor of a full-column-rank matrix,
-  run to convergence; differentiable with finite gradients everywhere (used where autograd
-  flows through a retraction, e.g. at a zero step where SVD backward is singular).
+  run to convergence; differentiated through its QR steps (``"auto"``'s choice where autograd
+  flows through a retraction).
 - ``"newton-schulz"``: the convergent quintic iteration ``(15/8, -10/8, 3/8)`` run to a
   tolerance; converges for singular values in ``(0, sqrt(7/3))`` after scaling, fastest when
   they are already near 1 (Stiefel retractions of small steps).
@@ -38,6 +38,11 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   :mod:`~manifoldlib.functional.gram_rsqrt` gets the inverse square root from one to four
   ``n × n`` products (a Taylor series, or chord iterations for a graded diagonal), with an error
   bound or a computed residual at the dtype's rounding level.
+
+Under autograd ``"svd"``, ``"newton-schulz"`` and ``"gram-eigh"`` compute the factor without a
+graph and attach the polar factor's own derivative (:class:`_PolarDerivative`: a Sylvester
+equation with :math:`\sigma_i + \sigma_j` denominators, finite at repeated singular values, e.g.
+every retraction's zero step, where autograd through an SVD or eigh gives NaN or wrong values).
 
 Every method first scales a matrix whose largest entry lies outside :math:`2^{\pm 32}` by a
 power of two (:func:`~manifoldlib.functional.scaling.into_safe_range`; exact, and msign is scale
@@ -95,6 +100,67 @@ def _msign_svd(x: torch.Tensor) -> torch.Tensor:
     tol = s.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(x.dtype).eps
     sign = (s > tol).to(x.dtype)
     return (u * sign.unsqueeze(-2)) @ vh
+
+
+class _PolarDerivative(torch.autograd.Function):
+    r"""``q = msign(x)`` (computed without autograd) with the polar factor's own derivative.
+
+    Autograd through :func:`torch.linalg.svd` or :func:`torch.linalg.eigh` divides by
+    :math:`\sigma_i^2 - \sigma_j^2`: NaN where singular values repeat (every polar retraction at a
+    zero step, where they all equal 1) and wrong where rounding barely separates them; through a
+    tolerance-stopped iteration it is the derivative of the steps that ran (none at an orthonormal
+    input). The polar factor needs no such division. On the tall orientation, with
+    :math:`H = Q^\top X = W\operatorname{diag}(\mu)W^\top` (:math:`\mu` the singular values),
+    differentiating :math:`X = QH` with :math:`Q^\top dQ = \Omega` skew gives the Sylvester
+    equation :math:`\Omega H + H\Omega = Q^\top dX - dX^\top Q`, so that
+
+    .. math::
+
+        dQ = Q\,W\Big[\frac{W^\top(Q^\top dX - dX^\top Q)W}{\mu_i + \mu_j}\Big]W^\top
+             + (I - QQ^\top)\,dX\,H^{+},\qquad
+        \bar X = Q\,W\Big[\frac{W^\top(Q^\top\bar Q - \bar Q^\top Q)W}{\mu_i + \mu_j}\Big]W^\top
+             + (I - QQ^\top)\,\bar Q\,H^{+},
+
+    finite wherever :math:`X` has full rank, repeated singular values included. A singular value
+    :func:`msign` maps to 0 (at most :math:`\max(m, n)\,\epsilon\,\mu_{\max}`) is left out of
+    :math:`H^{+}` and of the pairs where both are 0: there the map jumps, and this is its
+    derivative along steps that keep the rank. Once differentiable (a second derivative raises
+    instead of being silently wrong); one ``n × n`` eigh in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, q)
+        return q.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, q = ctx.saved_tensors
+        wide = x.size(-2) < x.size(-1)
+        if wide:  # msign(X^T) = msign(X)^T
+            x, q, grad = x.mT, q.mT, grad.mT
+        h = q.mT @ x  # (..., n, n)
+        mu, vec = torch.linalg.eigh(0.5 * (h + h.mT))
+        mu = mu.clamp_min(0.0)
+        keep = mu > mu.amax(-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(x.dtype).eps
+        pair = keep.unsqueeze(-1) | keep.unsqueeze(-2)
+        sums = torch.where(pair, mu.unsqueeze(-1) + mu.unsqueeze(-2), 1.0)  # (..., n, n)
+        inverse_sum = torch.where(pair, 1.0 / sums, 0.0)
+        inverse = torch.where(keep, 1.0 / torch.where(keep, mu, 1.0), 0.0)  # (..., n)
+        skew = q.mT @ grad
+        skew = vec.mT @ (skew - skew.mT) @ vec
+        pinv = (vec * inverse.unsqueeze(-2)) @ vec.mT
+        out = q @ (vec @ (skew * inverse_sum) @ vec.mT) + (grad - q @ (q.mT @ grad)) @ pinv
+        return (out.mT if wide else out), None
+
+
+def _with_polar_derivative(x: torch.Tensor, polar) -> torch.Tensor:
+    """``polar(x)``, differentiated by :class:`_PolarDerivative` where autograd needs it."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return polar(x)
+    with torch.no_grad():
+        q = polar(x)
+    return _PolarDerivative.apply(x, q)
 
 
 #: Largest :math:`\kappa^2\epsilon` for which one Gram-form pass is kept as it is.
@@ -237,7 +303,8 @@ def _gram_eigh_polar(x: torch.Tensor, fallback: str = "svd") -> torch.Tensor:
     _check_matrix(x)
     if x.numel() == 0:
         return x.clone()
-    return _msign_gram_eigh(into_safe_range(x.to(_compute_dtype(x.dtype))), fallback).to(x.dtype)
+    work = into_safe_range(x.to(_compute_dtype(x.dtype)))
+    return _with_polar_derivative(work, lambda y: _msign_gram_eigh(y, fallback)).to(x.dtype)
 
 
 def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
@@ -337,11 +404,11 @@ def msign(
     work = into_safe_range(x.to(_compute_dtype(x.dtype)))
     tolerance = _default_tol(work.dtype) if tol is None else tol
     if method == "svd":
-        out = _msign_svd(work)
+        out = _with_polar_derivative(work, _msign_svd)
     elif method == "gram-eigh":
-        out = _msign_gram_eigh(work)
-    elif method == "newton":
+        out = _with_polar_derivative(work, _msign_gram_eigh)
+    elif method == "newton":  # differentiated through its QR steps (finite and right everywhere)
         out = _msign_newton(work, tolerance, n_steps)
     else:
-        out = _msign_convergent_ns(work, tolerance, n_steps)
+        out = _with_polar_derivative(work, lambda y: _msign_convergent_ns(y, tolerance, n_steps))
     return out.to(x.dtype)

@@ -159,8 +159,8 @@ def test_gram_eigh_small_stiefel_step_is_more_orthonormal_than_the_eigh_path(mon
 
 @pytest.mark.parametrize("kind", ["stiefel", "dgram"])
 def test_kernels_are_differentiable_like_the_polar_factor(monkeypatch, kind):
-    # the product-only kernels are smooth functions of the input: autograd through them gives the
-    # polar factor's derivative (checked against autograd through the float64 SVD)
+    # under autograd the product-only kernels still give the value, and msign attaches the polar
+    # factor's derivative (checked against autograd through the float64 SVD)
     import warnings
 
     module = sys.modules["manifoldlib.functional.gram_rsqrt"]  # the kernels products_only_rsqrt runs

@@ -13,6 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from manifoldlib import get_manifold
+from manifoldlib.functional.msign import POLAR_METHODS
 from manifoldlib.testing import (
     assert_retraction,
     random_point,
@@ -153,6 +155,54 @@ def test_finite_gradients_float32_at_zero_step(manifold):
     v = torch.zeros_like(x, requires_grad=True)
     manifold.retr(x, v).square().sum().backward()
     assert v.grad.dtype == torch.float32 and torch.isfinite(v.grad).all()
+
+
+def _unit_columns_with_repeated_singular_values(m: int, seed: int) -> torch.Tensor:
+    """``(m, 4)`` with unit columns and singular values ``sqrt(1 ± 0.5)``, each twice."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(m, 4, generator=g, dtype=torch.float64))[0]
+    block = torch.tensor([[1.0, 0.5], [0.0, 0.75**0.5]], dtype=torch.float64)  # unit columns, cosine 0.5
+    return q @ torch.block_diag(block, block)
+
+
+@pytest.mark.parametrize("method", POLAR_METHODS)
+@pytest.mark.parametrize(("family", "name"), [("stiefel", "polar"), ("dgram", "alternating"),
+                                              ("dgram", "colnorm-polar")])
+def test_every_named_polar_method_differentiates_at_repeated_singular_values(family, name, method):
+    # a zero step makes every singular value of the polar factor's argument 1 (DGram colnorm-polar:
+    # Y D_Y^{-1} = Q): method="svd" named explicitly gave NaN gradients there (autograd through
+    # torch.linalg.svd divides by sigma_i^2 - sigma_j^2), "newton-schulz" the derivative of the
+    # zero iterations it ran (Jacobian off by up to 2.2), and "svd" / "gram-eigh" were off by 0.08
+    # to 0.6 where the argument has singular values sqrt(0.5), sqrt(0.5), sqrt(1.5), sqrt(1.5).
+    # Checked against finite differences at u = 0, at a generic u, and at that repeated u
+    manifold = get_manifold(family, retraction=name, method=method)
+    g = torch.Generator().manual_seed(11)
+    x = torch.linalg.qr(torch.randn(7, 4, generator=g, dtype=torch.float64))[0]
+    if family == "dgram":
+        x = x * torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+    steps = {
+        "zero": torch.zeros_like(x),
+        "generic": manifold.proju(x, 0.3 * torch.randn(7, 4, generator=g, dtype=torch.float64)),
+        # Y = Y D_Y^{-1}: unit columns
+        "repeated": _unit_columns_with_repeated_singular_values(7, 12) - x,
+    }
+    for where, u in steps.items():
+        u = u.clone().requires_grad_(True)
+        assert torch.autograd.gradcheck(lambda t: manifold.retr(x, t), (u,), eps=1e-6, atol=1e-8,
+                                        rtol=1e-6), where
+
+
+@pytest.mark.parametrize(("family", "name"), [("stiefel", "polar"), ("dgram", "colnorm-polar")])
+def test_svd_polar_gradient_float32_at_zero_step_matches_float64(family, name):
+    manifold = get_manifold(family, retraction=name, method="svd")
+    x, w = _sample(manifold, 5)
+    grads = []
+    for dtype in (torch.float64, torch.float32):
+        v = torch.zeros_like(x, dtype=dtype, requires_grad=True)
+        (manifold.retr(x.to(dtype), v) * w.to(dtype)).sum().backward()
+        grads.append(v.grad.double())
+    assert torch.isfinite(grads[1]).all()
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) <= 20 * EPS32
 
 
 @pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
