@@ -73,6 +73,15 @@ def clean_registry(monkeypatch):
 
 
 @pytest.fixture
+def clean_policies(monkeypatch):
+    """Let a test register policies without leaking them into other tests (a leaked name shows up
+    in every later "valid policies: ..." message)."""
+    from manifoldlib.optim import policies
+
+    monkeypatch.setattr(policies, "_POLICIES", dict(policies._POLICIES))
+
+
+@pytest.fixture
 def user_p3_name(clean_registry):
     """Register a user's sphere retraction, defined only by its angle theta = 3 atan(beta / 3),
     as ``"test-user-p3"`` for one test, and return that name."""

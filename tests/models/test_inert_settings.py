@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.cli import config_from_args, parse_args
-from models.config import build_config, config_keys
+from models.config import ConfigError, build_config, config_keys, refuse_inert_settings
 from models.train import build_model, build_train_optimizer, lr_scale, main
 
 MUON = "only --optimizer manifold-muon reads it"
@@ -206,3 +206,13 @@ def test_an_inert_setting_changes_no_step_and_a_read_one_does(inert, setting, us
     if used is not None:
         assert not set(setting) & inert_settings(build_config("smoke", overrides=used)).keys()
         assert not torch.equal(trained(used), trained({**used, **setting}))
+
+
+def test_refuse_inert_settings_names_the_given_inert_settings_only():
+    # the library function behind the command line's refusal: a preset's inert values pass, a
+    # given one is named with the label the caller chose for it
+    cfg = build_config("smoke", overrides={"optimizer": "adamw", "muon_ns_dtype": "float32"})
+    refuse_inert_settings(cfg, {})  # the same settings from a preset: nothing given
+    refuse_inert_settings(cfg, {"lr": "--lr"})  # read under adamw
+    with pytest.raises(ConfigError, match=rf"^--muon_ns_dtype does nothing with optimizer=adamw: {MUON}$"):
+        refuse_inert_settings(cfg, {"lr": "--lr", "muon_ns_dtype": "--muon_ns_dtype"})

@@ -96,7 +96,7 @@ def test_classifier_argument():
     assert assignment["layers.0.attn.q.weight"] == "euclidean"  # no longer recognized
 
 
-def test_custom_policy_registration():
+def test_custom_policy_registration(clean_policies):
     @register_policy("test-attn-only")
     def attn_only(name, module, param):
         return "stiefel" if ".attn." in name and param.dim() == 2 else None

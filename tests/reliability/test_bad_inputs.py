@@ -230,14 +230,14 @@ def test_registering_over_a_builtin_policy_is_refused():
     assert get_policy("hetero") is hetero
 
 
-def test_override_true_replaces_a_registered_policy():
+def test_override_true_replaces_a_registered_policy(clean_policies):
     def first(name, module, param):
         return None
 
     def second(name, module, param):
         return None
 
-    register_policy("test-bad-inputs-override", override=True)(first)  # re-runnable set-up
+    register_policy("test-bad-inputs-override")(first)
     with pytest.raises(ValueError, match="'test-bad-inputs-override' is already registered"):
         register_policy("test-bad-inputs-override")(second)
     register_policy("test-bad-inputs-override", override=True)(second)
