@@ -49,16 +49,54 @@ def near_scalar_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     r"""``(T^{-1/2}, error bound)`` of a symmetric ``(..., n, n)`` ``t`` close to a multiple of the identity.
 
     With :math:`s = \operatorname{tr}(T)/n` and :math:`E = T/s - I`,
-    :math:`T^{-1/2} = s^{-1/2}\sum_k c_k E^k`, :math:`c_k = \binom{-1/2}{k}`. The :math:`|c_k|`
-    decrease, so truncating after ``K`` terms errs by at most :math:`|c_K|\rho^K/(1 - \rho)`
-    (spectral norm, relative). The fewest terms whose bound is under the dtype's :math:`\epsilon`
-    are used, in Horner form (``K - 2`` products): the polar retraction of a step of length
-    :math:`\eta` along a unit tangent has :math:`\rho = O(\eta^2)` (2.7e-3 at :math:`\eta = 0.02`,
-    768 columns) and needs one product. ``None`` when six terms are not enough.
+    :math:`T^{-1/2} = s^{-1/2}\sum_k c_k E^k`, :math:`c_k = \binom{-1/2}{k}`. The fewest ``K``
+    terms whose truncation error (below) is under the dtype's :math:`\epsilon` are evaluated by
+    Horner's rule with the identity kept apart, :math:`P_j = c_jI + R_j`,
+    :math:`R_{K-2} = c_{K-1}E`, :math:`R_j = c_{j+1}E + E\,R_{j+1}` (``K - 2`` products, each of
+    :math:`E` with an :math:`R` of norm :math:`O(\rho)`), :math:`Y = s^{-1/2}(c_0I + R_0)`. The
+    polar retraction of a step of length :math:`\eta` along a unit tangent has
+    :math:`\rho = O(\eta^2)` (2.7e-3 at :math:`\eta = 0.02`, 768 columns) and needs one product.
+    ``None`` when six terms are not enough (:math:`\rho` above about 0.05 in float32, 8e-4 in
+    float64).
+
+    The bound is on :math:`\|Y - T^{-1/2}\|_2 / \|T^{-1/2}\|_2` for the ``t`` given (its own
+    rounding is the caller's): a worst case in IEEE arithmetic with unit roundoff
+    :math:`u = \epsilon/2` (float32 products in IEEE float32, not TF32; the sums apart from the
+    products, as in eager mode: a compiler that fuses them into a product's accumulator voids the
+    product term below), to first order in :math:`u`, barring underflow. Write
+    :math:`\rho = \|E\|_1 \ge \|\,|E|\,\|_2` for the computed, symmetric :math:`E` (its computed
+    norm raised by :math:`1/(1 - \gamma_n)`), :math:`\gamma_n = nu/(1 - nu)`,
+    :math:`g = \sum_k |c_k|\rho^k = (1 - \rho)^{-1/2}` and
+    :math:`r_j = \sum_{i \ge 1}|c_{j+i}|\rho^i \ge \|\,|R_j|\,\|_2` (so
+    :math:`r_j = |c_{j+1}|\rho + \rho\,r_{j+1}`, :math:`|c_j| + r_j \le g`: the :math:`|c_k|`
+    decrease). In units of :math:`s^{-1/2}`:
+
+    * truncation: :math:`\|\sum_{k \ge K} c_kE^k\|_2 \le |c_K|\rho^K/(1 - \rho)`;
+    * input: the computed :math:`E = \mathrm{fl}(T/s) - I` (the subtraction is exact, Sterbenz)
+      differs from :math:`T/s - I` by :math:`|F| \le u(I + |E|)`, :math:`\|F\|_2 \le u(1 + \rho)`,
+      which moves :math:`(I + E)^{-1/2}` by at most
+      :math:`\sum_k k|c_k|\rho^{k-1}\|F\| = \tfrac12(1 - \rho)^{-3/2}\|F\|`;
+    * Horner: :math:`R_{K-2}` errs by :math:`u\,r_{K-2}` (a rounding per entry). Step ``j``
+      multiplies the error so far by :math:`E` (norm :math:`\le \rho`) and adds
+      :math:`u|c_{j+1}|\rho` (the scaled :math:`E`), :math:`\gamma_n\rho\,r_{j+1}` (the product:
+      the worst case of an ``n``-term dot product in any summation order, blocked and FMA
+      included, :math:`\gamma_n\|\,|E||R_{j+1}|\,\|_2`) and :math:`u\,r_j` (the sum). The last
+      :math:`c_0I` rounds the diagonal only: a diagonal error of norm :math:`\le ug`. Random inputs
+      round about :math:`\sqrt n` times less in the products; the bound does not assume it. The
+      product's share is :math:`O(\gamma_n\rho^2)` because the identity never enters a product
+      (Horner on :math:`P_j` itself puts :math:`c\,I` into every dot product and costs
+      :math:`\gamma_n\rho\,g`: the fast path at 768 columns in float32 would end near
+      :math:`\rho = 0.015`);
+    * scaling by :math:`\mathrm{fl}(1/\mathrm{fl}(\sqrt s))` (each correctly rounded: :math:`2u`)
+      and the product: :math:`3ug`.
+
+    The sum is made relative by a factor :math:`\sqrt{1 + \rho} \ge 1/(\|T^{-1/2}\|_2 s^{1/2})`.
+    As :math:`\rho \to 0` it is :math:`4.5u = 2.25\epsilon`, and computed errors come within a
+    factor of about two of it (the earlier :math:`\epsilon(1 + \rho)/(1 - \rho)` was exceeded by
+    up to 1.5 times, float32 and float64 alike).
 
     Returns:
-        ``(y, bound)``: ``(..., n, n)`` inverse square root and the largest truncation bound
-        (at least :math:`\epsilon\,(1 + \rho)/(1 - \rho)`, the rounding of a well-conditioned pass).
+        ``(y, bound)``: ``(..., n, n)`` inverse square root and the largest bound over the batch.
     """
     n = t.size(-1)
     eps = float(torch.finfo(t.dtype).eps)
@@ -67,19 +105,41 @@ def near_scalar_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         return None
     eye = torch.eye(n, dtype=t.dtype, device=t.device)
     e = t / scale - eye  # (..., n, n)
-    rho = float(e.detach().abs().sum(-2).amax())
+    rho = float(e.detach().abs().sum(-2).amax()) / (1.0 - _gamma(n, eps))
     if not rho < 0.5:  # (also catches NaN)
         return None
     for terms in range(2, len(RSQRT_TAYLOR)):
-        bound = abs(RSQRT_TAYLOR[terms]) * rho**terms / (1.0 - rho)
-        if bound <= eps:
+        if abs(RSQRT_TAYLOR[terms]) * rho**terms / (1.0 - rho) <= eps:
             break
     else:
         return None
-    acc = RSQRT_TAYLOR[terms - 1] * e + RSQRT_TAYLOR[terms - 2] * eye
+    r = RSQRT_TAYLOR[terms - 1] * e  # (..., n, n): P_{K-2} - c_{K-2} I
     for k in range(terms - 3, -1, -1):
-        acc = e @ acc + RSQRT_TAYLOR[k] * eye
-    return acc * scale.rsqrt(), max(bound, eps * (1.0 + rho) / (1.0 - rho))
+        r = RSQRT_TAYLOR[k + 1] * e + e @ r  # P_k - c_k I = E P_{k+1}
+    y = (r + RSQRT_TAYLOR[0] * eye) * scale.sqrt().reciprocal()
+    return y, _near_scalar_bound(rho, n, terms, eps)
+
+
+def _gamma(n: int, eps: float) -> float:
+    r""":math:`\gamma_n = nu/(1 - nu)`, :math:`u = \epsilon/2`: the relative rounding of an
+    ``n``-term dot product in the worst case (infinite where :math:`nu \ge 1/2`)."""
+    nu = n * eps / 2
+    return nu / (1.0 - nu) if nu < 0.5 else math.inf
+
+
+def _near_scalar_bound(rho: float, n: int, terms: int, eps: float) -> float:
+    r""":func:`near_scalar_rsqrt`'s relative error bound for :math:`\rho = \|E\|_1`, ``n`` columns,
+    ``terms`` Taylor terms and the dtype's ``eps`` (its docstring derives each term)."""
+    u, gamma = eps / 2, _gamma(n, eps)
+    g = (1.0 - rho) ** -0.5
+    r = abs(RSQRT_TAYLOR[terms - 1]) * rho  # r_{K-2}
+    horner = u * r
+    for j in range(terms - 3, -1, -1):
+        r_next, r = r, abs(RSQRT_TAYLOR[j + 1]) * rho + rho * r
+        horner = rho * horner + u * abs(RSQRT_TAYLOR[j + 1]) * rho + gamma * rho * r_next + u * r
+    truncation = abs(RSQRT_TAYLOR[terms]) * rho**terms / (1.0 - rho)
+    inputs = 0.5 * u * (1.0 + rho) * (1.0 - rho) ** -1.5
+    return (1.0 + rho) ** 0.5 * (truncation + inputs + horner + u * g + 3.0 * u * g)
 
 
 def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
