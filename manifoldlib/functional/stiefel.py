@@ -85,10 +85,10 @@ def stiefel_project_tangent(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 def stiefel_polar(x: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
     r"""Polar retraction :math:`\operatorname{msign}(X + V)`.
 
-    ``method="auto"`` takes the exact SVD when no gradient is needed and the convergent,
-    differentiable scaled Newton iteration when one is (SVD backward is singular at
-    :math:`V = 0`, where all singular values equal 1). Any :func:`~manifoldlib.functional.msign`
-    method may be named instead.
+    ``method="auto"`` takes the exact SVD when no gradient is needed and the convergent scaled
+    Newton iteration, differentiated through its steps, when one is. Any
+    :func:`~manifoldlib.functional.msign` method may be named instead; the polar ones carry the
+    polar factor's own derivative, finite at :math:`V = 0` too, where every singular value is 1.
     """
     _check_tall_pair(x, v, "stiefel_polar")
     y = x + v
