@@ -25,7 +25,7 @@ PRESETS: dict[str, dict] = {
         batch_size=8, steps=30, warmup_steps=5, lr=1e-2, adamw_lr=1e-2, eval_interval=10,
         eval_batches=2, log_interval=5, sample_tokens=40),
     # 1-SpheretNorm (normalized step) with plain (unconstrained) ManifoldMuon: the best policy of
-    # the manifolds suite; 1.36 nats in 600 steps (docs/results/training.rst)
+    # the manifolds suite (docs/results/training.rst)
     "default": dict(
         corpus="stdlib", block_size=128, n_layer=4, n_head=4, n_embd=128,
         connection="spheret", retraction="p", p=1.0, sphere_step="normalized",

@@ -235,7 +235,7 @@ def products_only_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     :func:`near_scalar_rsqrt`, then :func:`near_diagonal_rsqrt`; ``None`` when neither does.
 
     The one order every Gram-form polar factor of a small step uses (``msign(..., "gram-eigh")``
-    and :mod:`~manifoldlib.optim.fused_retraction`), so both take the same kernel on the same
+    and the fused retraction of :mod:`~manifoldlib.optim.core`), so both take the same kernel on the same
     Gram matrix.
     """
     for kernel in (near_scalar_rsqrt, near_diagonal_rsqrt):

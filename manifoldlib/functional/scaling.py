@@ -46,7 +46,8 @@ def _power_of_two_scale(top: torch.Tensor) -> torch.Tensor:
 def out_of_range_scale(x: torch.Tensor, limit: int) -> torch.Tensor:
     r"""``(..., 1, 1)`` per matrix of ``x`` ``(..., m, n)``: the power of two :math:`u = 2^{-e}` that
     brings its largest entry into :math:`[1/2, 1)` where that entry lies outside
-    :math:`[2^{-\text{limit}}, 2^{\text{limit}}]`, else 1 (also for a zero or non-finite matrix), in
+    :math:`[2^{-\text{limit}-1}, 2^{\text{limit}})` (its ``frexp`` exponent outside
+    :math:`[-\text{limit}, \text{limit}]`), else 1 (also for a zero or non-finite matrix), in
     ``x``'s dtype; no host synchronization.
 
     For a map with :math:`f(sX) = sf(X)` (:math:`s > 0`), :math:`f(X) = f(uX)/u`, computed from a

@@ -69,7 +69,7 @@ WARM_START_RESIDUAL = 0.1
 #: Chord steps of the sync-free retraction factor per dtype (each gains about a factor
 #: :math:`\rho = \|T/(d_id_j) - I\|_1`, :math:`O(\eta^2)` for a tangent step).
 CHORD_STEPS = {torch.float64: 12, torch.float32: 3}
-#: A scale-free (DGram) matrix whose largest entry lies outside ``[2^-16, 2^16]`` is solved and
+#: A scale-free (DGram) matrix whose largest entry lies outside ``[2^-17, 2^16)`` is solved and
 #: retracted at the power-of-two scale that brings it into ``[1/2, 1)``: float32 fourth powers of
 #: its column norms then stay in range for column norms spread over about four decades.
 SCALE_FREE_EXPONENT = 16

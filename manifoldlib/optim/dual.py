@@ -61,10 +61,11 @@ SMOOTHED_PRESET = "polar-express"
 #: gets :math:`G_\perp` formed explicitly (``explicit=None``).
 NEARLY_NORMAL = 0.1
 #: A gradient whose tangent part is at most ``NORMAL_GRADIENT_ULPS`` times its rounding, relative to
-#: its norm :math:`2u_{\text{in}} + \sqrt n\,u_{\text{work}}` (the unit roundoffs of the inputs and of
-#: the solve: rounding a normal ``G`` leaves a tangent part of about :math:`0.3u`, projecting one
-#: about :math:`\sqrt n\,u`), is normal: every tangent direction has inner product 0 with it, a solve
-#: would return a unit direction made of rounding, and the steepest direction is ``A = 0``.
+#: its norm :math:`2\epsilon_{\text{in}} + \sqrt n\,\epsilon_{\text{work}}` (the machine epsilons,
+#: ``torch.finfo(dtype).eps``, of the inputs and of the solve: rounding a normal ``G`` leaves a
+#: tangent part of about :math:`0.15\epsilon`, projecting one about :math:`\sqrt n\,\epsilon/2`), is
+#: normal: every tangent direction has inner product 0 with it, a solve would return a unit
+#: direction made of rounding, and the steepest direction is ``A = 0``.
 NORMAL_GRADIENT_ULPS = 8.0
 #: Estimated constraint residual of the point, in units of its dtype's machine epsilon, above which
 #: the exact :math:`W^\top W` is computed (``exact_gram=None``): float32 7.6e-6.

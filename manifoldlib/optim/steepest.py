@@ -214,8 +214,9 @@ def _normal_multiplier_if_normal(geometry, w: torch.Tensor, g: torch.Tensor, dty
     which the solve handles). Then ``g`` is normal: the steepest direction is ``A = 0``, and a solve would
     chase rounding noise (its relative duality gap divides by :math:`\langle G, A\rangle \approx 0`).
     The threshold is :data:`~manifoldlib.optim.dual.NORMAL_GRADIENT_ULPS` times
-    :math:`(2u_{\text{in}} + \sqrt n\,u_{\text{work}})\|G\|_F`, :math:`u_{\text{in}}` the unit roundoff of the
-    less precise of ``W`` and ``G``, :math:`u_{\text{work}}` the solve's (the optimizer's step uses the same)."""
+    :math:`(2\epsilon_{\text{in}} + \sqrt n\,\epsilon_{\text{work}})\|G\|_F`, :math:`\epsilon_{\text{in}}` the
+    machine epsilon (``torch.finfo(dtype).eps``) of the less precise of ``W`` and ``G``,
+    :math:`\epsilon_{\text{work}}` the solve's (the optimizer's step uses the same)."""
     g = into_safe_range(g)
     size = g.norm()
     if not bool(size > 0):
