@@ -118,38 +118,56 @@ class _Parser(argparse.ArgumentParser):
         raise _ArgumentError(message)
 
 
-def _preset_in(argv: list[str]) -> str:
-    """The ``--preset`` of ``argv`` (for ``--help``), else the default preset."""
+def _option_in(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--preset``, ``--config``) in ``argv``, before parsing (for ``--help``)."""
     for i, tok in enumerate(argv):
-        if tok == "--preset" and i + 1 < len(argv):
+        if tok == flag and i + 1 < len(argv):
             return argv[i + 1]
-        if tok.startswith("--preset="):
+        if tok.startswith(flag + "="):
             return tok.partition("=")[2]
-    return DEFAULT_PRESET
+    return None
 
 
-def _epilog(preset: str) -> str:
+def starting_preset(preset: str | None, config: str | None) -> str | None:
+    """The preset a fresh run starts from: ``--preset``, else the ``--config`` file's ``preset``
+    key, else (no ``--config``) :data:`DEFAULT_PRESET`; ``None`` for a ``--config`` file without
+    one (the dataclass defaults, then the file).
+
+    Raises:
+        ConfigError: the ``--config`` file cannot be read.
+    """
+    if preset is not None:
+        return preset
+    if config is None:
+        return DEFAULT_PRESET
+    return load_toml(config).get("preset")
+
+
+def _epilog(preset: str | None, config: str | None) -> str:
     try:
-        values = build_config(preset if preset in PRESETS else DEFAULT_PRESET).to_dict()
-    except ConfigError:  # pragma: no cover - the presets are valid (tested)
-        values = TrainConfig().to_dict()
+        values = build_config(preset, config).to_dict()
+        source = (f"preset {preset!r}" if preset is not None else "the dataclass defaults") + \
+            (f" and config file {config}" if config is not None else "")
+    except ConfigError:  # an unknown preset or an unreadable file: refused when the run starts
+        values, source = build_config(DEFAULT_PRESET).to_dict(), f"preset {DEFAULT_PRESET!r}"
     fields = ", ".join(f"{k}={v!r}" for k, v in values.items())
-    return (f"config fields (--key value) with the values of preset {preset!r}:\n"
+    return (f"config fields (--key value) with the values of {source}:\n"
             + textwrap.fill(fields, width=96, initial_indent="  ", subsequent_indent="  ",
                             break_on_hyphens=False, break_long_words=False)
             + f"\npresets: {', '.join(PRESETS)} (--preset NAME --help shows its values)")
 
 
-def _parser(preset: str = DEFAULT_PRESET) -> argparse.ArgumentParser:
+def _parser(preset: str | None = DEFAULT_PRESET, config: str | None = None) -> argparse.ArgumentParser:
     p = _Parser(
-        allow_abbrev=False, prog="python -m models.train", epilog=_epilog(preset),
+        allow_abbrev=False, prog="python -m models.train", epilog=_epilog(preset, config),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train the reference GPT. Any config field can be overridden with "
                     "--key value (e.g. --lr 1e-3 --connection pre-ln).")
     p.add_argument("--preset", help=f"named preset: {', '.join(PRESETS)} "
                                     f"(default: {DEFAULT_PRESET})")
     p.add_argument("--config", help="TOML file of config fields (may name a preset)")
-    p.add_argument("--out", help="run directory (default: runs/<preset>)")
+    p.add_argument("--out", help="run directory (default: runs/<preset>, or runs/<config file's "
+                                 "name> for a --config file without a preset key)")
     p.add_argument("--steps", help="total optimizer steps")
     p.add_argument("--corpus", help="stdlib | file:PATH | synthetic[:NBYTES] | bin:DIR")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -163,7 +181,12 @@ def flags_of(parser: argparse.ArgumentParser) -> list[str]:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     """``(known arguments, overrides)`` of ``argv``."""
-    parser = _parser(_preset_in(argv))
+    preset, config = _option_in(argv, "--preset"), _option_in(argv, "--config")
+    try:
+        start = starting_preset(preset, config)
+    except ConfigError:  # an unreadable file: refused when the run starts
+        start = preset
+    parser = _parser(start, config)
     args, rest = parser.parse_known_args(argv)
     overrides = parse_overrides(rest, flags_of(parser))
     for key in ("steps", "corpus"):
@@ -175,8 +198,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
 def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> TrainConfig:
     """The run's configuration.
 
-    A fresh run layers preset (``default`` unless ``--preset`` / a TOML ``preset`` key says
-    otherwise), TOML file and overrides. ``--resume`` starts from the saved ``config.json`` (or,
+    A fresh run layers preset (:func:`starting_preset`: ``--preset``, else the TOML file's
+    ``preset`` key, else ``default`` where there is no TOML file), TOML file and overrides. ``--resume`` starts from the saved ``config.json`` (or,
     when it is missing, the checkpoint's configuration) instead (``--preset`` is ignored,
     ``stop_at`` is cleared) and applies the TOML file and overrides on top; the run then
     refuses changes outside ``RESUMABLE_FIELDS``.
@@ -272,7 +295,11 @@ def _main(argv: list[str], run) -> int:
         args, overrides = parse_args(argv)
         if args.out is not None and not args.out.strip():
             raise ConfigError("--out must name a run directory, got ''")
-        out = Path(args.out) if args.out else Path("runs") / (args.preset or DEFAULT_PRESET)
+        if args.out:
+            out = Path(args.out)
+        else:  # a --config file's preset names the directory too
+            start = starting_preset(args.preset, args.config)
+            out = Path("runs") / (start if start is not None else Path(args.config).stem)
         cfg = config_from_args(args, overrides, out)
         summary = run(cfg, out, resume=args.resume)
     except (_ArgumentError, ConfigError, CorpusError, RunError) as exc:

@@ -310,6 +310,31 @@ def test_help_shows_the_values_of_the_preset_it_runs(capsys, preset, shown):
     assert all(s in text for s in shown), text
 
 
+def test_a_config_files_preset_is_the_one_help_shows_and_the_run_directory_names(tmp_path, capsys,
+                                                                                monkeypatch):
+    # --help and the default --out read the --config file's preset key as the run does (both
+    # showed and wrote the default preset's: a smoke run from a file landed in runs/default)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fast.toml").write_text('preset = "smoke"\nsteps = 2\nsample_tokens = 0\n')
+    with pytest.raises(SystemExit):
+        main(["--config", "fast.toml", "--help"])
+    text = capsys.readouterr().out.replace("\n  ", " ")
+    assert "with the values of preset 'smoke' and config file fast.toml:" in text
+    assert "steps=2" in text and "corpus='synthetic:60000'" in text
+    assert main(["--config", "fast.toml"]) == 0
+    assert (tmp_path / "runs" / "smoke" / "summary.json").exists()
+    assert not (tmp_path / "runs" / "default").exists()
+    # a file without a preset key starts from the dataclass defaults: named after the file
+    (tmp_path / "plain.toml").write_text('steps = 2\nsample_tokens = 0\ncorpus = "synthetic:60000"\n'
+                                         'n_layer = 1\nn_embd = 16\nn_head = 2\nblock_size = 16\n'
+                                         'batch_size = 4\neval_interval = 2\n')
+    with pytest.raises(SystemExit):
+        main(["--config", "plain.toml", "--help"])
+    assert "with the values of the dataclass defaults and config file plain.toml:" in capsys.readouterr().out
+    assert main(["--config", "plain.toml"]) == 0
+    assert (tmp_path / "runs" / "plain" / "summary.json").exists()
+
+
 def test_progress_lines_without_a_terminal_and_the_resume_hint(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--preset", "smoke", "--sample_tokens", "0", "--steps", "10", "--stop_at", "6",
