@@ -9,13 +9,11 @@ import mpmath
 import numpy as np
 import pytest
 import torch
-
 from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on sys.path)
 
 from manifoldlib.functional import msign
 from manifoldlib.functional.gram_rsqrt import (
     CHORD_TOL_EPS,
-    RSQRT_TAYLOR,
     near_diagonal_rsqrt,
     near_scalar_rsqrt,
 )
