@@ -111,6 +111,7 @@ def test_a_missing_compiler_warns_once_naming_it_and_falls_back(tmp_path):
     assert result["sel_err"] <= 1e-14
 
 
+@pytest.mark.slow  # a failed build in a fresh interpreter (~5 s); the missing compiler above is the default run's
 @pytest.mark.skipif(not (_cpu_kernels.available() and shutil.which("g++")), reason="no build tool chain here")
 def test_a_compile_error_is_reported_by_its_diagnostic_line(tmp_path):
     # a compiler that identifies itself as g++ (torch asks it for its version) and then fails

@@ -23,6 +23,10 @@ try:  # tests laid out as packages
 except ImportError:  # pytest's default rootdir-relative import puts this folder on sys.path
     import workers
 
+# End-to-end DDP training takes ~9 s of the default run; ManifoldMuon under DDP is checked there by
+# tests/optim/test_distributed_muon.py. CI runs these (-m slow).
+pytestmark = pytest.mark.slow
+
 WORLD_SIZE = 2
 JOB_TIMEOUT_S = 240.0
 QUIET = {"sample_tokens": "0"}

@@ -26,6 +26,10 @@ try:  # tests laid out as packages
 except ImportError:  # pytest's default rootdir-relative import puts this folder on sys.path
     import train_fsdp_workers as workers
 
+# End-to-end FSDP2 training takes ~15 s of the default run; ManifoldMuon's FSDP2 steps, state and
+# checkpoints are checked there by tests/distributed/test_muon_fsdp.py. CI runs these (-m slow).
+pytestmark = pytest.mark.slow
+
 WORLD_SIZE = 2
 JOB_TIMEOUT_S = 300.0
 #: eight steps of the smoke preset, evaluated (and checkpointed) every four

@@ -264,12 +264,12 @@ def test_a_huge_learning_rate_diverges_with_status_3(tmp_path, capsys):
 # ---- bad input ------------------------------------------------------------------------------
 
 
-def test_missing_corpus_is_one_line_without_traceback(tmp_path):
+def test_missing_corpus_is_one_line_without_traceback(tmp_path, capsys):
     missing = tmp_path / "nope.txt"
-    proc = _cli("--preset", "smoke", "--corpus", f"file:{missing}", "--out", str(tmp_path / "r"))
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: corpus path {missing} does not exist"]
+    assert main(["--preset", "smoke", "--corpus", f"file:{missing}", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [f"error: corpus path {missing} does not exist"]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -302,6 +302,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # a fresh interpreter under an address-space cap (~5 s)
 def test_a_model_too_large_for_memory_is_one_line(tmp_path):
     # the address space capped at 4 GiB (the trainer itself needs under 1): the 16 GiB token
     # embedding cannot be allocated, and the CPU allocator's error becomes one line

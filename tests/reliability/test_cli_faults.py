@@ -438,6 +438,7 @@ def _interrupt_after(out, lines: int) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.slow  # a training subprocess (~5 s); the interrupt after a checkpoint below is the default run's
 def test_ctrl_c_exits_130_with_one_line_and_no_traceback(tmp_path):
     code, err = _interrupt_after(tmp_path / "run", lines=1)
     assert code == 130
@@ -573,6 +574,7 @@ def _killed_at_a_rename(target: str, count: int, module: str, *args: str) -> Non
     assert proc.returncode == -signal.SIGKILL, proc.stderr
 
 
+@pytest.mark.slow  # a killed training subprocess (~4 s); test_run_dir_faults kills checkpoint writes in the default run
 def test_a_kill_during_a_checkpoint_write_leaves_a_file_the_resume_removes(tmp_path, capsys,
                                                                            reference):
     out = tmp_path / "run"
