@@ -54,10 +54,18 @@ def out_of_range_scale(x: torch.Tensor, limit: int) -> torch.Tensor:
     matrix whose Gram products neither over- nor underflow; exact wherever nothing does (a power
     of two changes exponents only), and bit for bit :math:`f(X)` for matrices in range.
     """
+    exponent = _rescaling_exponent(x, limit)
+    max_exponent = int(math.log2(torch.finfo(x.dtype).max)) + 1  # the scale itself stays finite
+    return torch.ldexp(torch.ones_like(exponent, dtype=x.dtype), -exponent.clamp_min(2 - max_exponent))
+
+
+def _rescaling_exponent(x: torch.Tensor, limit: int, up: bool = True) -> torch.Tensor:
+    """``(..., 1, 1)`` the ``frexp`` exponent of each matrix's largest entry where it lies outside
+    ``[-limit, limit]`` (below only with ``up``), else 0 (also for a zero or non-finite matrix)."""
     top = x.detach().abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
-    exponent = torch.frexp(top)[1]
-    outside = ((exponent > limit) | (exponent < -limit)) & (top > 0) & torch.isfinite(top)
-    return torch.where(outside, _power_of_two_scale(top), torch.ones_like(top))
+    exponent = torch.frexp(top)[1]  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
+    outside = (exponent > limit) | ((exponent < -limit) & (top > 0) & up)
+    return torch.where(outside & torch.isfinite(top), exponent, 0)
 
 
 def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:
@@ -81,9 +89,6 @@ def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:
         raise ValueError(f"into_safe_range takes float32 or float64 matrices, got {x.dtype}")
     if not x.numel():
         return x
-    top = x.detach().abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
-    exponent = torch.frexp(top)[1]  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
-    outside = (exponent > SAFE_EXPONENT) | ((exponent < -SAFE_EXPONENT) & (top > 0) & up)
-    exponent = torch.where(outside & torch.isfinite(top), exponent, 0)
+    exponent = _rescaling_exponent(x, SAFE_EXPONENT, up)
     half = torch.div(exponent, 2, rounding_mode="floor")  # two factors: 2^exponent may not be normal
     return x * _power_of_two(-half, x.dtype) * _power_of_two(half - exponent, x.dtype)
