@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manifoldlib.functional.scaling import SAFE_EXPONENT, into_safe_range
+from manifoldlib.functional.scaling import SAFE_EXPONENT, into_safe_range, out_of_range_scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -44,3 +44,23 @@ def test_beyond_a_single_power_of_two_and_degenerate_matrices():
 def test_sixteen_bit_input_is_refused_by_name():
     with pytest.raises(ValueError, match="float32 or float64 matrices, got torch.bfloat16"):
         into_safe_range(torch.ones(2, 2, dtype=torch.bfloat16))
+
+
+def test_out_of_range_scale_moves_only_matrices_outside_the_window_exactly():
+    # largest entries 2^-20, 2^-17 (exponent -16: inside), 1, 2^15.5 (inside), 2^16 (exponent 17),
+    # 2^40; a zero matrix and a NaN one keep scale 1
+    tops = [2.0**-20, 2.0**-17, 1.0, 2.0**15.5, 2.0**16, 2.0**40, 0.0, float("nan")]
+    x = torch.rand(len(tops), 5, 3, generator=torch.Generator().manual_seed(0)) * 0.5
+    x = x * torch.tensor(tops).nan_to_num().view(-1, 1, 1)  # every other entry below the largest
+    x[:, 0, 0] = torch.tensor(tops)
+    u = out_of_range_scale(x, 16)
+    assert u.shape == (len(tops), 1, 1) and u.dtype == x.dtype
+    assert u.flatten().tolist()[1:4] == [1.0, 1.0, 1.0] and u.flatten().tolist()[6:] == [1.0, 1.0]
+    for k in (0, 4, 5):
+        top = float((x[k] * u[k]).abs().max())
+        assert 0.5 <= top < 1.0
+        assert torch.equal(x[k] * u[k] / u[k], x[k])  # a power of two: exact both ways
+    # a subnormal float32 matrix gets a finite scale that brings it into the normal range
+    tiny = torch.full((1, 2, 2), 1e-40)
+    scale = out_of_range_scale(tiny, 16)
+    assert bool(torch.isfinite(scale).all()) and float((tiny * scale).abs().max()) >= torch.finfo(torch.float32).tiny
