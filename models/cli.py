@@ -30,7 +30,7 @@ from .config import (
     parse_overrides,
     refuse_inert_settings,
 )
-from .data import CorpusError
+from .data import CorpusError, check_given_tokenizer
 from .presets import PRESETS
 from .run_dir import RunError, describe_os_error, has_checkpoint, read_saved_config
 
@@ -206,7 +206,13 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
 
     A setting the user gave (an override or a key of the TOML file; not a preset's, nor a saved
     run's) that the configuration never reads is refused (:func:`~models.config.inert_settings`:
-    ``--muon_ns_dtype`` under ``optimizer=adamw``, ``--sel_kappa`` under ``sel=none``, ...).
+    ``--muon_ns_dtype`` under ``optimizer=adamw``, ``--sel_kappa`` under ``sel=none``, ...), and
+    so is a tokenizer the user gave that is not the one the ``bin:`` shards were made with
+    (:func:`~models.data.check_given_tokenizer`: the shards' own would be used): both before
+    the run starts.
+
+    Raises:
+        ConfigError, CorpusError: the configuration or a given setting is refused.
     """
     toml = load_toml(args.config) if args.config is not None else {}
     toml.pop("preset", None)
@@ -222,6 +228,8 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
              for key in toml}
     given.update({key.replace("-", "_"): f"--{key}" for key in overrides})
     refuse_inert_settings(cfg, given)
+    if "tokenizer" in given:  # the default, byte, is no choice: shards keep their tokenizer
+        check_given_tokenizer(cfg.corpus, cfg.tokenizer, given["tokenizer"])
     return cfg
 
 

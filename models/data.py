@@ -28,7 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import META_FILE, SCAN_TOKENS, TokenFile, open_shards, shard_dtype  # noqa: F401
+from .shards import (  # noqa: F401
+    META_FILE,
+    SCAN_TOKENS,
+    TokenFile,
+    open_shards,
+    recorded_tokenizer,
+    shard_dtype,
+)
 from .sources import (  # noqa: F401
     EXCLUDED_DIRS,
     CorpusError,
@@ -40,7 +47,7 @@ from .sources import (  # noqa: F401
     stdlib_files,
     synthetic_documents,
 )
-from .tokenizer import (  # noqa: F401
+from .tokenizer import (
     BPETokenizer,
     ByteTokenizer,
     IdTokenizer,
@@ -53,6 +60,7 @@ from .tokenizer import (  # noqa: F401
 __all__ = [
     "BatchSampler",
     "Corpus",
+    "check_given_tokenizer",
     "check_size",
     "eval_batches",
     "load_corpus",
@@ -208,6 +216,46 @@ def _load_shards(spec: str, tokenizer: str, vocab_size: int | None, dtype: str |
                   fingerprint=shards.fingerprint, n_train_files=source.get("train_files"),
                   n_val_files=source.get("val_files"), n_bytes=source.get("bytes"),
                   vocab_size=shards.vocab_size, notes=shards.notes, details=details)
+
+
+def check_given_tokenizer(spec: str, tokenizer: str, label: str) -> None:
+    """Refuse a tokenizer the user gave for token shards of another one.
+
+    Token shards carry their tokenizer: a run on ``bin:DIR`` reads them with the one their
+    ``meta.json`` records (:func:`models.shards.recorded_tokenizer`), whatever ``tokenizer``
+    says, so ``--tokenizer byte`` on BPE shards would train on BPE ids under a configuration
+    that says bytes. ``byte`` is also the default, so a value alone cannot tell a choice from no
+    choice: the caller calls this for a tokenizer the user gave. A text corpus, shards of the
+    same tokenizer and a folder that does not exist (refused when it is opened) pass; nanoGPT
+    shards (no ``meta.json``) hold ids of no known tokenizer and take none. Reads ``meta.json``
+    only, so it costs nothing before a run.
+
+    Args:
+        spec: the corpus spec.
+        tokenizer: the tokenizer given (``"byte"`` / ``"bpe"``).
+        label: how the error names where it was given (``--tokenizer``, ``'tokenizer' in config
+            file run.toml``).
+
+    Raises:
+        CorpusError: one line naming the shard folder, the tokenizer the shards were made with
+            and the one given.
+    """
+    if not spec.startswith("bin:") or not spec[len("bin:"):]:
+        return
+    folder = spec[len("bin:"):]
+    recorded = recorded_tokenizer(folder)
+    if recorded is None or recorded == tokenizer:
+        return
+    given = f"tokenizer {tokenizer!r} ({label})"
+    if recorded == IdTokenizer.name:
+        raise CorpusError(f"{given} cannot apply to the token shards {folder}: they have no "
+                          f"{META_FILE}, so a run reads their ids as they are, with no tokenizer; "
+                          f"drop {label}, or write the shards with python -m models.prepare "
+                          f"--tokenizer {tokenizer}, which records it")
+    raise CorpusError(f"{given} disagrees with the token shards {folder}: they were made with the "
+                      f"{recorded!r} tokenizer (their {META_FILE} says so), which a run on them "
+                      f"always uses; drop {label}, or use shards made with the {tokenizer!r} "
+                      f"tokenizer")
 
 
 def check_size(corpus: Corpus, batch_size: int, block_size: int) -> None:

@@ -33,7 +33,7 @@ from .sources import CorpusError
 from .tokenizer import BPETokenizer, ByteTokenizer, IdTokenizer, padded_vocab
 
 __all__ = ["META_FILE", "SCAN_TOKENS", "SHARD_DTYPES", "SHARD_FORMAT", "ShardSet", "TokenFile",
-           "open_shards", "shard_dtype"]
+           "open_shards", "recorded_tokenizer", "shard_dtype"]
 
 #: The metadata file ``models.prepare`` writes beside ``train.bin`` / ``val.bin``.
 META_FILE = "meta.json"
@@ -109,6 +109,22 @@ def _read_meta(folder: Path) -> dict | None:
         if not isinstance(meta.setdefault(key, {}), dict):
             raise CorpusError(f"{path}: {key!r} must be an object, got {meta[key]!r}")
     return meta
+
+
+def recorded_tokenizer(folder: str | os.PathLike) -> str | None:
+    """The name of the tokenizer a run on the shard folder uses, read from ``meta.json`` alone
+    (no shard is opened): ``"byte"`` or ``"bpe"`` as it records, ``"ids"`` for a folder without
+    one (nanoGPT's: ids read as they are, :class:`~models.tokenizer.IdTokenizer`), ``None`` where
+    there is no folder (which :func:`open_shards` refuses, naming it).
+
+    Raises:
+        CorpusError: a ``meta.json`` that :func:`open_shards` would refuse, with its message.
+    """
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return None
+    meta = _read_meta(folder)
+    return IdTokenizer.name if meta is None else meta["tokenizer"]
 
 
 def _require_shards(folder: Path) -> None:

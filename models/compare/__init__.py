@@ -6,7 +6,9 @@ Each suite trains the reference GPT several times — a set of *arms* (configura
 set of seeds — with :func:`models.train.run_training`, one run directory per arm and seed
 (``--jobs N`` trains N at a time, one process each), and writes to ``--out``. ``--key value``
 overrides the config of every run, arm settings and the swept value included; one that would
-make two arms (or two swept values) the same configuration is refused before anything runs.
+make two arms (or two swept values) the same configuration, or that no arm reads
+(:func:`models.config.inert_settings`; one that some arms read is kept), is refused before
+anything runs.
 Finished runs of the same config already in ``--out`` are reused, whatever code made them: use
 a fresh ``--out`` after a change of the code.
 

@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m models.compare", allow_abbrev=False,
                 description="Run a comparison suite; extra --key value pairs override the "
                             "config of every run (refused where they would make two arms the "
-                            "same configuration).")
+                            "same configuration, or where no arm reads them).")
     p.add_argument("--suite", required=True, choices=sorted(SUITES))
     p.add_argument("--quick", action="store_true", help="tiny version (seconds per run)")
     p.add_argument("--out", help="output directory (default: runs/compare-<suite>[-quick])")

@@ -12,7 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from ..config import ConfigError, build_config
+from ..config import ConfigError, build_config, inert_settings
+from ..data import check_given_tokenizer
 from ..train import read_metrics, run_training
 from .reports import write_reports
 from .results import by_swept_value, result_row
@@ -69,6 +70,43 @@ def _check_distinct(suite: Suite, planned: list[tuple], overrides: dict) -> None
                               f"distinguishes the arms or of the swept key makes the "
                               f"comparison empty")
         seen[fingerprint] = name
+
+
+def _check_read(suite: Suite, planned: list[tuple], overrides: dict) -> None:
+    """Refuse an override that no configuration of the plan reads.
+
+    An override is applied to every arm; one inert in each of them
+    (:func:`~models.config.inert_settings`: ``--muon_ns_dtype`` in a suite whose arms all train
+    with AdamW) would run the suite unchanged under a command and a ``results.md`` that say
+    otherwise. One that some arm reads is kept, inert in the others as it may be (``--sel_kappa``
+    in ``sel``: the SEL arms read it, the baseline does not). The error gives each inert
+    setting's reasons, with the arms of each where they differ. A ``--tokenizer`` that is not the
+    one the ``bin:`` shards were made with is refused as the single-run command line refuses it
+    (:func:`~models.data.check_given_tokenizer`).
+
+    Raises:
+        ConfigError: one line naming each override no arm reads and why.
+        CorpusError: a ``--tokenizer`` that disagrees with the shards' tokenizer.
+    """
+    inert = [(arm, inert_settings(cfg)) for arm, _, cfg in planned]
+    unread = []
+    for key in overrides:
+        name = key.replace("-", "_")
+        if not all(name in settings for _, settings in inert):
+            continue
+        arms_of: dict[str, list[str]] = {}  # reason -> arms, both in plan order
+        for arm, settings in inert:
+            if arm not in arms_of.setdefault(settings[name], []):
+                arms_of[settings[name]].append(arm)
+        reasons = [f"in each: {why}" if len(arms_of) == 1 else f"in {', '.join(arms)}: {why}"
+                   for why, arms in arms_of.items()]
+        unread.append(f"--{key} does nothing in any arm ({'; '.join(reasons)})")
+    if unread:
+        raise ConfigError(f"suite {suite.name!r}: " + "; ".join(unread))
+    for key in overrides:
+        if key.replace("-", "_") == "tokenizer":
+            for corpus, tokenizer in dict.fromkeys((c.corpus, c.tokenizer) for _, _, c in planned):
+                check_given_tokenizer(corpus, tokenizer, f"--{key}")
 
 
 def _steps_to(rows: list[dict], target: float) -> int | None:
@@ -184,9 +222,12 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         One result dict per run at the reported settings (the rows of ``results.csv``).
 
     Raises:
-        ConfigError: a bad ``jobs``, an invalid configuration, or ``overrides`` that make two
-            arms (or two swept values) the same configuration (e.g. ``--policy`` in a manifolds
-            suite, ``--lr`` in the swept ``manifolds``); nothing is written then.
+        ConfigError: a bad ``jobs``, an invalid configuration, an override that no arm reads
+            (``--muon_ns_dtype`` in an AdamW-only suite; one that some arms read is kept), or
+            ``overrides`` that make two arms (or two swept values) the same configuration (e.g.
+            ``--policy`` in a manifolds suite, ``--lr`` in the swept ``manifolds``); nothing is
+            written then.
+        CorpusError: a ``--tokenizer`` override that disagrees with the ``bin:`` shards'.
     """
     check_requirements(suite)
     if not isinstance(jobs, int) or jobs < 1:
@@ -203,9 +244,11 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
     def label(value) -> str | None:
         return f"{key}={value:g}" if key else None
 
-    # refused before anything is written: two arms (or swept values) that are one configuration
-    _check_distinct(suite, suite_configs(suite, quick=quick, seed=seeds[0], overrides=overrides),
-                    overrides or {})
+    # refused before anything is written: an override no arm reads, two arms (or swept values)
+    # that are one configuration
+    planned = suite_configs(suite, quick=quick, seed=seeds[0], overrides=overrides)
+    _check_read(suite, planned, overrides or {})
+    _check_distinct(suite, planned, overrides or {})
     out.mkdir(parents=True, exist_ok=True)
 
     # phase 1: every arm at every swept value on the tuning seeds (all seeds without a sweep)

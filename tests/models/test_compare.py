@@ -471,3 +471,83 @@ def test_reports_give_the_paired_difference_per_seed(tmp_path):
     assert "paired Δ (SE; seeds below)" in rows["arm"]
     assert rows[suite.baseline].count("| — |") >= 2          # no difference to itself
 
+
+
+class _Ran(Exception):
+    """Raised in place of training: the suite got past its checks."""
+
+
+def _no_training(monkeypatch) -> None:
+    def execute(*args, **kwargs):
+        raise _Ran
+    monkeypatch.setattr("models.compare.runner._execute", execute)
+
+
+MUON_ONLY = "only --optimizer manifold-muon reads it"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--suite", "spheret", "--muon_ns_dtype", "float32"],
+     (f"suite 'spheret': --muon_ns_dtype does nothing in any arm (in each: does nothing with "
+      f"optimizer=adamw: {MUON_ONLY})")),
+    (["--suite", "manifolds", "--quick", "--block-lr", "0.1"],
+     ("suite 'manifolds': --block-lr does nothing in any arm (in each: does nothing with "
+      "optimizer=manifold-muon: only --optimizer adamw reads it (ManifoldMuon steps the block "
+      "matrices at --lr))")),
+    # read by the SEL arms, but --arms leaves only the baseline
+    (["--suite", "sel", "--arms", "baseline", "--sel_kappa", "3", "--temperature", "0.5"],
+     ("suite 'sel': --sel_kappa does nothing in any arm (in each: does nothing with sel=none: "
+      "only --sel mismatched, congruent or no-linear reads it); --temperature does nothing in "
+      "any arm (in each: does nothing with sample_tokens=0: only --sample_tokens N > 0 reads "
+      "it)")),
+])
+def test_an_override_no_arm_reads_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch,
+                                                                   argv, line):
+    """Such an override ran the suite unchanged under a command (recorded in results.md) that
+    said otherwise."""
+    _no_training(monkeypatch)
+    out = tmp_path / "out"
+    assert compare.main([*argv, "--out", str(out)]) == compare.EXIT_USER_ERROR
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert not out.exists()
+
+
+def test_an_override_is_refused_with_each_arms_reason_and_kept_where_an_arm_reads_it(
+        tmp_path, monkeypatch):
+    _no_training(monkeypatch)
+    suite = Suite(name="mini", baseline="pre-ln",
+                  arms=(("pre-ln", {"connection": "pre-ln"}), ("keel", {"connection": "keel"}),
+                        ("gnomonic", {"connection": "spheret", "retraction": "gnomonic"})))
+    spheret = "only --connection spheret reads it (geonorm is spheret with the exponential map)"
+    with pytest.raises(ConfigError, match=re.escape(
+            f"suite 'mini': --p does nothing in any arm (in pre-ln: does nothing with "
+            f"connection=pre-ln: {spheret}; in keel: does nothing with connection=keel: "
+            f"{spheret}; in gnomonic: does nothing with retraction=gnomonic: only --retraction "
+            f"p reads it)")):
+        run_suite(suite, tmp_path / "a", quick=True, overrides={"p": "2"}, echo=False)
+    assert not (tmp_path / "a").exists()
+    # read by one arm (keel's keel_alpha, the SEL arms' sel_kappa), inert in the others: kept
+    with pytest.raises(_Ran):
+        run_suite(suite, tmp_path / "b", quick=True, overrides={"keel_alpha": "3"}, echo=False)
+    with pytest.raises(_Ran):
+        run_suite(SUITES["sel"], tmp_path / "c", quick=True, overrides={"sel_kappa": "3"},
+                  echo=False)
+
+
+def test_a_tokenizer_override_the_shards_were_not_made_with_is_refused(tmp_path, capsys,
+                                                                       monkeypatch):
+    from models.prepare import prepare
+
+    _no_training(monkeypatch)
+    shards, out = tmp_path / "bytes", tmp_path / "out"
+    prepare("synthetic:20000", shards)
+    argv = ["--suite", "spheret", "--quick", "--arms", "pre-ln", "--corpus", f"bin:{shards}",
+            "--out", str(out)]
+    assert compare.main([*argv, "--tokenizer", "bpe"]) == compare.EXIT_USER_ERROR
+    assert capsys.readouterr().err == (
+        f"error: tokenizer 'bpe' (--tokenizer) disagrees with the token shards {shards}: they "
+        f"were made with the 'byte' tokenizer (their meta.json says so), which a run on them "
+        f"always uses; drop --tokenizer, or use shards made with the 'bpe' tokenizer\n")
+    assert not out.exists()
+    with pytest.raises(_Ran):  # the shards' own tokenizer, given or not
+        compare.main([*argv, "--tokenizer", "byte"])

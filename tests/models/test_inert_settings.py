@@ -1,16 +1,22 @@
 """Settings the configuration never reads (models.config.INERT_RULES): a user's are refused by
-the command line, a preset's and a saved run's are not, and every rule is what the code does."""
+the command line, a preset's and a saved run's are not, and every rule is what the code does.
+Likewise a given tokenizer that is not the one the bin: shards were made with."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from models.cli import config_from_args, parse_args
 from models.config import ConfigError, build_config, config_keys, refuse_inert_settings
+from models.prepare import prepare
+from models.shards import META_FILE, SHARD_FORMAT
 from models.train import build_model, build_train_optimizer, lr_scale, main
 
 MUON = "only --optimizer manifold-muon reads it"
@@ -216,3 +222,96 @@ def test_refuse_inert_settings_names_the_given_inert_settings_only():
     refuse_inert_settings(cfg, {"lr": "--lr"})  # read under adamw
     with pytest.raises(ConfigError, match=rf"^--muon_ns_dtype does nothing with optimizer=adamw: {MUON}$"):
         refuse_inert_settings(cfg, {"lr": "--lr", "muon_ns_dtype": "--muon_ns_dtype"})
+
+
+# ---- a given tokenizer on token shards of another one --------------------------------------
+
+needs_tokenizers = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                                      reason="needs the optional tokenizers package")
+
+
+def _recorded_as_bpe(folder: Path) -> Path:
+    """Shards whose meta.json records the BPE tokenizer, as models.prepare writes it, without the
+    tokenizer.json beside it (which needs the tokenizers package): the refusal reads meta.json
+    alone, before any shard is opened."""
+    folder.mkdir(parents=True)
+    ids = {"train": np.arange(4000) % 300, "val": np.arange(400) % 300}
+    sha = {}
+    for split, tokens in ids.items():
+        data = tokens.astype("<u2").tobytes()
+        (folder / f"{split}.bin").write_bytes(data)
+        sha[split] = hashlib.sha256(data).hexdigest()
+    meta = {"format": SHARD_FORMAT, "version": 1, "tokenizer": "bpe", "vocab_size": 300,
+            "dtype": "uint16", "train_tokens": 4000, "val_tokens": 400, "sha256": sha,
+            "source": {}, "tokenizer_file": "tokenizer.json"}
+    (folder / META_FILE).write_text(json.dumps(meta))
+    return folder
+
+
+def _without_meta(folder: Path) -> Path:
+    """nanoGPT's shards: uint16 ids, no meta.json."""
+    folder.mkdir(parents=True)
+    for split, n in (("train", 4000), ("val", 400)):
+        (np.arange(n) % 300).astype("<u2").tofile(folder / f"{split}.bin")
+    return folder
+
+
+def _disagrees(given: str, label: str, folder: Path, made_with: str) -> str:
+    return (f"tokenizer {given!r} ({label}) disagrees with the token shards {folder}: they were "
+            f"made with the {made_with!r} tokenizer (their meta.json says so), which a run on "
+            f"them always uses; drop {label}, or use shards made with the {given!r} tokenizer")
+
+
+def test_a_given_tokenizer_the_shards_were_not_made_with_is_refused_before_the_run(tmp_path,
+                                                                                    capsys):
+    """--tokenizer byte on BPE shards trained on the BPE ids, the given tokenizer silently
+    ignored; byte is also the default, so only a given one is refused (below: the default
+    trains)."""
+    out = tmp_path / "r"
+    bpe = _recorded_as_bpe(tmp_path / "bpe")
+    _refused(capsys, ["--preset", "smoke", "--corpus", f"bin:{bpe}", "--tokenizer", "byte",
+                      "--out", str(out)], _disagrees("byte", "--tokenizer", bpe, "bpe"))
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'preset = "smoke"\ncorpus = "bin:{bpe}"\ntokenizer = "byte"\n')
+    label = f"'tokenizer' in config file {toml}"
+    _refused(capsys, ["--config", str(toml), "--out", str(out)],
+             _disagrees("byte", label, bpe, "bpe"))
+    byte = tmp_path / "byte"
+    prepare("synthetic:20000", byte)
+    _refused(capsys, ["--preset", "smoke", "--corpus", f"bin:{byte}", "--tokenizer", "bpe",
+                      "--out", str(out)], _disagrees("bpe", "--tokenizer", byte, "byte"))
+    nano = _without_meta(tmp_path / "nano")
+    _refused(capsys, ["--preset", "smoke", "--corpus", f"bin:{nano}", "--shard_dtype", "uint16",
+                      "--tokenizer", "byte", "--out", str(out)],
+             f"tokenizer 'byte' (--tokenizer) cannot apply to the token shards {nano}: they have "
+             f"no meta.json, so a run reads their ids as they are, with no tokenizer; drop "
+             f"--tokenizer, or write the shards with python -m models.prepare --tokenizer byte, "
+             f"which records it")
+    assert not out.exists()
+    # agreeing with the shards, or on a text corpus, a given tokenizer is accepted
+    assert _config(["--preset", "smoke", "--corpus", f"bin:{bpe}", "--tokenizer", "bpe"],
+                   out).tokenizer == "bpe"
+    assert _config(["--preset", "smoke", "--corpus", f"bin:{byte}", "--tokenizer", "byte"],
+                   out).tokenizer == "byte"
+    assert _config(["--preset", "smoke", "--tokenizer", "byte"], out).tokenizer == "byte"
+
+
+@needs_tokenizers
+def test_bpe_shards_train_with_the_default_tokenizer_and_refuse_a_given_byte(tmp_path, capsys):
+    """The default (not given) keeps reading BPE shards with their tokenizer; a resumed run's
+    saved tokenizer is not the user's either, a --tokenizer given to the resume is."""
+    shards, out = tmp_path / "bpe", tmp_path / "run"
+    prepare("synthetic:20000", shards, tokenizer="bpe", vocab_size=300)
+    base = ["--preset", "smoke", "--corpus", f"bin:{shards}", "--sample_tokens", "0",
+            "--progress", "false", "--eval_interval", "2"]
+    _refused(capsys, [*base, "--steps", "2", "--tokenizer", "byte", "--out", str(out)],
+             _disagrees("byte", "--tokenizer", shards, "bpe"))
+    assert not out.exists()
+    assert main([*base, "--steps", "4", "--stop_at", "2", "--out", str(out)]) == 0
+    assert json.loads((out / "corpus.json").read_text())["tokenizer"] == "bpe"
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"  # the default
+    capsys.readouterr()
+    _refused(capsys, ["--resume", "--tokenizer", "byte", "--out", str(out)],
+             _disagrees("byte", "--tokenizer", shards, "bpe"))
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
