@@ -1,12 +1,14 @@
 """Settings the configuration never reads (models.config.INERT_RULES): a user's are refused by
 the command line, a preset's and a saved run's are not, and every rule is what the code does.
-Likewise a given tokenizer that is not the one the bin: shards were made with."""
+Likewise a given tokenizer that is not the one the bin: shards were made with, and the one they
+record, which a run on them takes when none is given."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +16,19 @@ import pytest
 import torch
 
 from models.cli import config_from_args, parse_args
-from models.config import ConfigError, build_config, config_keys, refuse_inert_settings
+from models.config import (
+    ConfigError,
+    build_config,
+    config_keys,
+    inert_settings,
+    refuse_inert_settings,
+)
+from models.data import CorpusError, check_given_tokenizer, with_shards_tokenizer
 from models.prepare import prepare
-from models.shards import META_FILE, SHARD_FORMAT
-from models.train import build_model, build_train_optimizer, lr_scale, main
+from models.shards import META_FILE, SHARD_FORMAT, recorded_tokenizer
+from models.storage import load_checkpoint
+from models.tokenizer import BPETokenizer
+from models.train import build_model, build_train_optimizer, lr_scale, main, run_training
 
 MUON = "only --optimizer manifold-muon reads it"
 SPHERET = "only --connection spheret reads it (geonorm is spheret with the exponential map)"
@@ -262,6 +273,102 @@ def _disagrees(given: str, label: str, folder: Path, made_with: str) -> str:
             f"them always uses; drop {label}, or use shards made with the {given!r} tokenizer")
 
 
+def test_recorded_tokenizer_reads_meta_json_alone(tmp_path):
+    """byte and BPE as meta.json records them (no tokenizer.json is opened: the BPE folder has
+    none), "ids" without meta.json, None without a folder; a damaged meta.json is refused as
+    opening the shards refuses it."""
+    byte = tmp_path / "byte"
+    prepare("synthetic:20000", byte)
+    assert recorded_tokenizer(byte) == "byte"
+    assert recorded_tokenizer(str(_recorded_as_bpe(tmp_path / "bpe"))) == "bpe"
+    assert recorded_tokenizer(_without_meta(tmp_path / "nano")) == "ids"
+    assert recorded_tokenizer(tmp_path / "missing") is None
+    assert recorded_tokenizer(byte / "train.bin") is None  # a file, not a folder
+    (byte / META_FILE).write_text("{")
+    with pytest.raises(CorpusError, match=f"^{re.escape(str(byte / META_FILE))} cannot be read as JSON: "):
+        recorded_tokenizer(byte)
+    meta = json.loads((tmp_path / "bpe" / META_FILE).read_text())
+    (byte / META_FILE).write_text(json.dumps({**meta, "tokenizer": "gpt2"}))
+    with pytest.raises(CorpusError, match=re.escape(
+            f"{byte / META_FILE}: 'tokenizer' must be one of ['byte', 'bpe'], got 'gpt2'")):
+        recorded_tokenizer(byte)
+
+
+def test_check_given_tokenizer_passes_the_shards_own_and_refuses_another(tmp_path):
+    bpe, nano = _recorded_as_bpe(tmp_path / "bpe"), _without_meta(tmp_path / "nano")
+    byte = tmp_path / "byte"
+    prepare("synthetic:20000", byte)
+    for spec, tokenizer in (("synthetic:20000", "bpe"), ("stdlib", "byte"), (f"bin:{bpe}", "bpe"),
+                            (f"bin:{byte}", "byte"), (f"bin:{tmp_path / 'missing'}", "bpe"),
+                            ("bin:", "byte")):
+        assert check_given_tokenizer(spec, tokenizer, "--tokenizer") is None
+    with pytest.raises(CorpusError) as refused:
+        check_given_tokenizer(f"bin:{bpe}", "byte", "--tokenizer")
+    assert str(refused.value) == _disagrees("byte", "--tokenizer", bpe, "bpe")
+    label = "'tokenizer' in config file run.toml"
+    with pytest.raises(CorpusError) as refused:
+        check_given_tokenizer(f"bin:{byte}", "bpe", label)
+    assert str(refused.value) == _disagrees("bpe", label, byte, "byte")
+    for tokenizer in ("byte", "bpe"):  # nanoGPT shards take no tokenizer at all
+        with pytest.raises(CorpusError) as refused:
+            check_given_tokenizer(f"bin:{nano}", tokenizer, "--tokenizer")
+        assert str(refused.value) == (
+            f"tokenizer {tokenizer!r} (--tokenizer) cannot apply to the token shards {nano}: they "
+            f"have no meta.json, so a run reads their ids as they are, with no tokenizer; drop "
+            f"--tokenizer, or write the shards with python -m models.prepare --tokenizer "
+            f"{tokenizer}, which records it")
+
+
+def test_with_shards_tokenizer_takes_the_tokenizer_the_shards_record(tmp_path):
+    """The configuration a run on the shards is: only the tokenizer changes, to the recorded
+    one; a text corpus, nanoGPT shards and a missing folder keep theirs; bpe_vocab_size stays
+    inert on shards for the corpus's reason, as it was under the default byte."""
+    bpe, nano = _recorded_as_bpe(tmp_path / "bpe"), _without_meta(tmp_path / "nano")
+    byte = tmp_path / "byte"
+    prepare("synthetic:20000", byte)
+    cfg = build_config("smoke", overrides={"corpus": f"bin:{bpe}"})
+    adopted = with_shards_tokenizer(cfg)
+    assert (cfg.tokenizer, adopted.tokenizer) == ("byte", "bpe")
+    assert adopted.replace(tokenizer="byte") == cfg
+    assert inert_settings(adopted) == inert_settings(cfg)
+    assert inert_settings(adopted)["bpe_vocab_size"] == (
+        f"does nothing with corpus=bin:{bpe}: token shards carry their tokenizer and their split; "
+        f"only a text corpus reads it")
+    as_bpe = build_config("smoke", overrides={"corpus": f"bin:{byte}", "tokenizer": "bpe"})
+    assert with_shards_tokenizer(as_bpe).tokenizer == "byte"
+    for corpus in ("synthetic:20000", f"bin:{nano}", f"bin:{tmp_path / 'missing'}", "bin:"):
+        for tokenizer in ("byte", "bpe"):
+            kept = build_config("smoke", overrides={"corpus": corpus, "tokenizer": tokenizer})
+            assert with_shards_tokenizer(kept) is kept
+    (byte / META_FILE).write_text("[]")
+    with pytest.raises(CorpusError, match="is not token-shard metadata"):
+        with_shards_tokenizer(as_bpe)
+
+
+def test_a_fresh_run_on_shards_is_configured_with_their_tokenizer_and_a_resumed_one_keeps_its_own(
+        tmp_path, capsys):
+    """Without --tokenizer a fresh configuration on BPE shards said byte (the default), while
+    the run read BPE ids; a saved run's configuration stays as saved."""
+    bpe, nano = _recorded_as_bpe(tmp_path / "bpe"), _without_meta(tmp_path / "nano")
+    out = tmp_path / "run"
+    assert _config(["--preset", "smoke", "--corpus", f"bin:{bpe}"], out).tokenizer == "bpe"
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'preset = "smoke"\ncorpus = "bin:{bpe}"\n')
+    assert _config(["--config", str(toml)], out).tokenizer == "bpe"
+    assert _config(["--preset", "smoke", "--corpus", f"bin:{nano}", "--shard_dtype", "uint16"],
+                   out).tokenizer == "byte"  # nothing recorded: left alone
+    # bpe_vocab_size is refused on shards for the corpus's reason, as before; not the tokenizer's
+    _refused(capsys, ["--preset", "smoke", "--corpus", f"bin:{bpe}", "--bpe_vocab_size", "512",
+                      "--out", str(out)],
+             f"--bpe_vocab_size does nothing with corpus=bin:{bpe}: token shards carry their "
+             f"tokenizer and their split; only a text corpus reads it")
+    # a run saved as byte on these shards (before this change) resumes as byte, not as bpe
+    out.mkdir()
+    saved = build_config("smoke", overrides={"corpus": f"bin:{bpe}"}).to_dict()
+    (out / "config.json").write_text(json.dumps(saved))
+    assert _config(["--resume", "--out", str(out)], out).tokenizer == "byte"
+
+
 def test_a_given_tokenizer_the_shards_were_not_made_with_is_refused_before_the_run(tmp_path,
                                                                                     capsys):
     """--tokenizer byte on BPE shards trained on the BPE ids, the given tokenizer silently
@@ -298,8 +405,9 @@ def test_a_given_tokenizer_the_shards_were_not_made_with_is_refused_before_the_r
 
 @needs_tokenizers
 def test_bpe_shards_train_with_the_default_tokenizer_and_refuse_a_given_byte(tmp_path, capsys):
-    """The default (not given) keeps reading BPE shards with their tokenizer; a resumed run's
-    saved tokenizer is not the user's either, a --tokenizer given to the resume is."""
+    """Without --tokenizer BPE shards train with their tokenizer and the run records it (its
+    config.json said byte, the default, and it kept no tokenizer.json); a resumed run's saved
+    tokenizer is not the user's either, a --tokenizer given to the resume is."""
     shards, out = tmp_path / "bpe", tmp_path / "run"
     prepare("synthetic:20000", shards, tokenizer="bpe", vocab_size=300)
     base = ["--preset", "smoke", "--corpus", f"bin:{shards}", "--sample_tokens", "0",
@@ -309,9 +417,35 @@ def test_bpe_shards_train_with_the_default_tokenizer_and_refuse_a_given_byte(tmp
     assert not out.exists()
     assert main([*base, "--steps", "4", "--stop_at", "2", "--out", str(out)]) == 0
     assert json.loads((out / "corpus.json").read_text())["tokenizer"] == "bpe"
-    assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"  # the default
+    # recorded as the shards' tokenizer (it said byte, the default), and kept like a BPE run's
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == "bpe"
+    assert load_checkpoint(out, move_damaged=False)[0]["config"]["tokenizer"] == "bpe"
+    shards_json = BPETokenizer.load(shards / "tokenizer.json").to_json()
+    assert (out / "tokenizer.json").read_text() == shards_json
     capsys.readouterr()
     _refused(capsys, ["--resume", "--tokenizer", "byte", "--out", str(out)],
              _disagrees("byte", "--tokenizer", shards, "bpe"))
+    # the resume reads the shards' own tokenizer.json, not the run's copy
+    (out / "tokenizer.json").write_text("not a tokenizer")
     assert main(["--resume", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["finished"]
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == "bpe"
+
+
+@needs_tokenizers
+def test_a_run_on_bpe_shards_saved_as_byte_still_resumes_as_saved(tmp_path, capsys):
+    """Runs made before the shards' tokenizer was recorded say byte in config.json and their
+    checkpoint, and have no tokenizer.json: a plain --resume finishes them, as byte."""
+    shards, out = tmp_path / "bpe", tmp_path / "run"
+    prepare("synthetic:20000", shards, tokenizer="bpe", vocab_size=300)
+    old = build_config("smoke", overrides={
+        "corpus": f"bin:{shards}", "sample_tokens": "0", "progress": "false",
+        "eval_interval": "2", "steps": "4", "stop_at": "2"})
+    assert old.tokenizer == "byte"
+    run_training(old, out, echo=False)  # the API builds no configuration: as it was saved
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"
+    assert not (out / "tokenizer.json").exists()
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"
+    assert load_checkpoint(out, move_damaged=False)[0]["config"]["tokenizer"] == "byte"
