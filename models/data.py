@@ -24,6 +24,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -55,6 +56,9 @@ from .tokenizer import (
     padded_vocab,
 )
 
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
 #: The interface of the training loop (defined here). The names imported above from
 #: ``models.sources``, ``models.tokenizer`` and ``models.shards`` stay importable from here.
 __all__ = [
@@ -65,6 +69,7 @@ __all__ = [
     "eval_batches",
     "load_corpus",
     "unigram_entropy",
+    "with_shards_tokenizer",
 ]
 
 
@@ -256,6 +261,33 @@ def check_given_tokenizer(spec: str, tokenizer: str, label: str) -> None:
                       f"{recorded!r} tokenizer (their {META_FILE} says so), which a run on them "
                       f"always uses; drop {label}, or use shards made with the {tokenizer!r} "
                       f"tokenizer")
+
+
+def with_shards_tokenizer(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the tokenizer its ``bin:`` shards record, for a configuration whose
+    tokenizer nobody gave.
+
+    A run on ``bin:DIR`` reads the shards with the tokenizer their ``meta.json`` records
+    (:func:`models.shards.recorded_tokenizer`), whatever ``cfg.tokenizer`` says, and ``byte``
+    is the default: without this a run on BPE shards would say ``"tokenizer": "byte"`` in its
+    ``config.json`` and checkpoint, and keep no ``tokenizer.json``. The command line calls it
+    for a fresh run without ``--tokenizer`` (a given one is checked instead,
+    :func:`check_given_tokenizer`; a resumed run keeps its saved configuration), and
+    :mod:`models.compare` for each planned arm without a ``--tokenizer`` override, so that the
+    configuration it plans is the one a finished run saved. A text corpus, nanoGPT shards (no
+    ``meta.json``: ids of no known tokenizer) and a folder that does not exist (refused when it
+    is opened) leave ``cfg`` as it is. Reads ``meta.json`` only.
+
+    Raises:
+        CorpusError: a ``meta.json`` that cannot be read as token-shard metadata, as opening the
+            shards would.
+    """
+    if not cfg.corpus.startswith("bin:") or not cfg.corpus[len("bin:"):]:
+        return cfg
+    recorded = recorded_tokenizer(cfg.corpus[len("bin:"):])
+    if recorded not in (ByteTokenizer.name, BPETokenizer.name) or recorded == cfg.tokenizer:
+        return cfg
+    return cfg.replace(tokenizer=recorded)
 
 
 def check_size(corpus: Corpus, batch_size: int, block_size: int) -> None:

@@ -218,7 +218,7 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
     corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
                          bpe_vocab_size=cfg.bpe_vocab_size, vocab_size=cfg.vocab_size or None,
                          shard_dtype=None if cfg.shard_dtype == "meta" else cfg.shard_dtype,
-                         tokenizer_path=out / "tokenizer.json"
+                         tokenizer_path=out / "tokenizer.json"  # bin: reads the shards' own
                          if resume and cfg.tokenizer == "bpe" else None)
     check_size(corpus, cfg.batch_size, cfg.block_size)
     check_corpus(ckpt, corpus, cfg)
@@ -258,7 +258,8 @@ def finished_summary(out: Path, step: int, steps: int, echo: bool) -> dict:
 
 
 def write_run_files(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> None:
-    """``config.json``, ``corpus.json`` and (a fresh BPE run) ``tokenizer.json``."""
+    """``config.json``, ``corpus.json`` and, for a fresh BPE run, ``tokenizer.json`` (the one
+    trained on the text, or a copy of the BPE shards' own)."""
     write_json(out / "config.json", cfg.to_dict(), allow_nan=True)
     write_json(out / "corpus.json", corpus.describe())
     if cfg.tokenizer == "bpe" and not resume:

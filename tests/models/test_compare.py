@@ -551,3 +551,55 @@ def test_a_tokenizer_override_the_shards_were_not_made_with_is_refused(tmp_path,
     assert not out.exists()
     with pytest.raises(_Ran):  # the shards' own tokenizer, given or not
         compare.main([*argv, "--tokenizer", "byte"])
+
+
+def _recorded_as_bpe(folder: Path) -> Path:
+    """Shards whose meta.json records the BPE tokenizer (no tokenizer.json: nothing is opened
+    while a suite is planned)."""
+    from models.shards import META_FILE, SHARD_FORMAT
+
+    folder.mkdir(parents=True)
+    for split, n in (("train", 4000), ("val", 400)):
+        (folder / f"{split}.bin").write_bytes(b"\0\0" * n)
+    (folder / META_FILE).write_text(json.dumps({
+        "format": SHARD_FORMAT, "version": 1, "tokenizer": "bpe", "vocab_size": 300,
+        "dtype": "uint16", "train_tokens": 4000, "val_tokens": 400, "sha256": {}, "source": {}}))
+    return folder
+
+
+def test_planned_arms_on_shards_take_the_tokenizer_the_shards_record(tmp_path, monkeypatch):
+    """Every arm said byte (the default) on BPE shards, as the runs' config.json did; a
+    --tokenizer override is kept as given (and checked); bpe_vocab_size stays refused."""
+    bpe = _recorded_as_bpe(tmp_path / "bpe")
+    for overrides in ({"corpus": f"bin:{bpe}"}, {"corpus": f"bin:{bpe}", "tokenizer": "bpe"}):
+        planned = compare.suite_configs(SUITES["sel"], quick=True, overrides=overrides)
+        assert len(planned) > 1 and {cfg.tokenizer for _, _, cfg in planned} == {"bpe"}
+    planned = compare.suite_configs(SUITES["sel"], quick=True)
+    assert {cfg.tokenizer for _, _, cfg in planned} == {"byte"}  # a text corpus: as built
+    _no_training(monkeypatch)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"suite 'spheret': --bpe_vocab_size does nothing in any arm (in each: does nothing "
+            f"with corpus=bin:{bpe}: token shards carry their tokenizer and their split; only a "
+            f"text corpus reads it)")):
+        run_suite(SUITES["spheret"], tmp_path / "out", quick=True, echo=False,
+                  overrides={"corpus": f"bin:{bpe}", "bpe_vocab_size": "512"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                    reason="needs the optional tokenizers package")
+def test_a_run_on_bpe_shards_saves_the_planned_configuration_and_is_reused(tmp_path):
+    from models.prepare import prepare
+
+    shards, out = tmp_path / "bpe", tmp_path / "out"
+    prepare("synthetic:20000", shards, tokenizer="bpe", vocab_size=300)
+    suite = Suite(name="mini", arms=(("a", {}),), baseline="a")
+    overrides = {"corpus": f"bin:{shards}", "steps": "4", "eval_interval": "2"}
+    (_, _, planned), = compare.suite_configs(suite, quick=True, overrides=overrides)
+    first = run_suite(suite, out, quick=True, echo=False, overrides=overrides)
+    run = out / "a" / "seed0"
+    assert json.loads((run / "config.json").read_text()) == planned.to_dict()
+    assert planned.tokenizer == "bpe" and (run / "tokenizer.json").is_file()
+    mtime = (run / "summary.json").stat().st_mtime_ns
+    again = run_suite(suite, out, quick=True, echo=False, overrides=overrides)
+    assert [r["val_loss"] for r in again] == [r["val_loss"] for r in first]
+    assert (run / "summary.json").stat().st_mtime_ns == mtime
