@@ -28,7 +28,8 @@ closed-form multiplier :math:`\Lambda_0` of the new point plus the correction
 
 **Non-finite gradients** are found on the device: such a matrix keeps its value and its momentum
 buffer that step, and ``state["skipped_steps"]`` counts it (read by
-:func:`~manifoldlib.optim.optimizer_diagnostics`); nothing is read back to the host.
+:func:`~manifoldlib.optim.optimizer_diagnostics`); its step records 0 dual iterations and a NaN
+dual (and retraction) residual, since no direction was solved; nothing is read back to the host.
 
 **The retraction.** With the manifold's default Muon retraction on a sync-free (products) step,
 the new point is :math:`Y\Phi`, :math:`Y = \beta W - \eta A`, with :math:`\Phi` the manifold's
@@ -289,6 +290,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
             base = point if isinstance(beta, float) and beta == 1.0 else point * beta
             new, residual = _gram_retraction(manifold, base - eta * solution.direction().to(w.dtype))
             ok = ok & (residual <= RETRACTION_TOL)
+            residual = torch.where(finite, residual, float("nan"))  # no retraction of a solved direction
             for state, value in zip(bank.states, residual.unbind(0)):
                 state["retraction_residual"] = value
         elif opts.fused and solution.best is not None:
@@ -307,8 +309,11 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     if start is not None:  # a matrix that keeps its value keeps its warm start too
         corrections = torch.where(ok.view(-1, 1, 1), corrections, start.to(corrections.dtype))
     residual = torch.where(moves, solution.residual, 0.0)  # A = 0 is tangent
+    # a non-finite gradient gets no direction: no dual iterations, no residual to report (NaN)
+    residual = torch.where(finite, residual, float("nan"))
+    iterations = torch.where(finite, solution.iterations, 0)
     for state, corr, it, res in zip(bank.states, corrections.unbind(0),
-                                    solution.iterations.unbind(0), residual.unbind(0)):
+                                    iterations.unbind(0), residual.unbind(0)):
         state["dual_correction"] = corr
         state["dual_iterations"] = it
         state["dual_residual"] = res

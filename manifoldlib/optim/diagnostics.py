@@ -61,6 +61,12 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
     took), ``retraction_residual`` (of a sync-free retraction) and ``skipped_steps`` (steps the
     matrix kept its value: a non-finite gradient, or a retraction that did not converge).
 
+    A residual that was not measured is NaN, not 0 (which would read as exact): both residuals
+    before the first step, on a Euclidean matrix (no dual, no retraction) and after a step skipped
+    for a non-finite gradient (no direction was solved; its ``dual_iterations`` is 0), and the
+    retraction residual where the manifold's own retraction ran (the early-stopping path: it
+    checks its own accuracy). Leave NaNs out of an average (``torch.nanmean``).
+
     Works on a :class:`~manifoldlib.optim.ManifoldMuon` or the combined optimizer of
     :func:`~manifoldlib.optim.build_optimizer` (keys are the parameter names recorded there, or
     ``"group{i}.param{j}"``). Reads the step's device values back (one host synchronization per
@@ -80,8 +86,8 @@ def optimizer_diagnostics(optimizer: torch.optim.Optimizer, *, spectral: bool = 
                 "residual": constraint_residual(w, group["manifold"], group.get("layout", "out_in"))
                 if p.numel() else 0.0,
                 "dual_iterations": int(state.get("dual_iterations", 0)),
-                "dual_residual": float(state.get("dual_residual", 0.0)),
-                "retraction_residual": float(state.get("retraction_residual", 0.0)),
+                "dual_residual": float(state.get("dual_residual", math.nan)),
+                "retraction_residual": float(state.get("retraction_residual", math.nan)),
                 "skipped_steps": int(state.get("skipped_steps", 0)),
             }
             if spectral:

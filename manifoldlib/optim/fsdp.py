@@ -196,12 +196,14 @@ def _solve(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], executio
 
 
 def _scalars(finite: Tensor, state: dict) -> Tensor:
-    """The :data:`SCALARS` of one matrix as a float64 vector (0 where the state has none)."""
+    """The :data:`SCALARS` of one matrix as a float64 vector (where the state has none: 0 counts, a
+    NaN residual, as :func:`~manifoldlib.optim.optimizer_diagnostics` reports one not measured)."""
     values = [finite.to(torch.float64)]
     for key in SCALARS[1:]:
         value = state.get(key)
-        values.append(value.to(torch.float64) if value is not None else torch.zeros((), dtype=torch.float64,
-                                                                                     device=finite.device))
+        missing = float("nan") if key.endswith("residual") else 0.0
+        values.append(value.to(torch.float64) if value is not None else
+                      torch.full((), missing, dtype=torch.float64, device=finite.device))
     return torch.stack(values)
 
 

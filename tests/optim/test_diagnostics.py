@@ -75,8 +75,10 @@ def test_optimizer_diagnostics_of_a_plain_manifold_muon_name_groups_and_params()
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(12, 4, generator=gen)), nn.Parameter(torch.randn(6, 6, generator=gen))]
     opt = ManifoldMuon([{"params": params[:1], "manifold": "oblique"}, {"params": params[1:]}], lr=0.02)
-    rows = optimizer_diagnostics(opt)  # before any step: zeros, not errors
+    rows = optimizer_diagnostics(opt)  # before any step: no errors; nothing measured yet reads NaN, not 0
     assert rows["group0.param0"]["dual_iterations"] == 0 and rows["group1.param0"]["manifold"] == "euclidean"
+    for row in rows.values():
+        assert math.isnan(row["dual_residual"]) and math.isnan(row["retraction_residual"]), row
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     opt.step()
@@ -84,6 +86,7 @@ def test_optimizer_diagnostics_of_a_plain_manifold_muon_name_groups_and_params()
     assert set(rows) == {"group0.param0", "group1.param0"}
     assert rows["group0.param0"]["residual"] <= 1e-5 and rows["group0.param0"]["dual_residual"] > 0
     assert rows["group1.param0"]["residual"] == 0.0 and rows["group1.param0"]["dual_iterations"] == 0
+    assert math.isnan(rows["group1.param0"]["dual_residual"])  # Euclidean: Muon's step, no dual
 
 
 class _TinyAttn(nn.Module):
