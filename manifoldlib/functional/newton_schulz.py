@@ -160,10 +160,12 @@ def newton_schulz(
     The same operations as :class:`torch.optim.Muon`'s iteration (normalize by
     ``normalize_scale · ||X||_F`` clamped at ``eps``, then per step one product for the Gram
     matrix and two ``addmm``), for a matrix or a batch; with ``dtype=torch.bfloat16``,
-    ``MUON_COEFFICIENTS`` and five steps it is Muon's, to rounding. A float32 or float64 matrix
-    whose largest entry exceeds :math:`2^{32}` is first scaled down by a power of two
+    ``MUON_COEFFICIENTS`` and five steps it is Muon's, to rounding. A matrix whose largest entry
+    exceeds :math:`2^{32}` is first scaled down by a power of two
     (:func:`~manifoldlib.functional.scaling.into_safe_range`: exact, and the normalization
-    removes it), so that its norm does not overflow.
+    removes it), so that its norm does not overflow (a bfloat16 matrix too: its squares
+    overflow float32 from a norm of about :math:`1.8\cdot 10^{19}`, and Muon's own step then
+    returns a direction of about zero).
 
     Args:
         x: ``(..., m, n)``, tall or wide.
@@ -183,8 +185,7 @@ def newton_schulz(
         raise ValueError(f"newton_schulz expects a matrix or a batch of matrices (..., m, n), got shape {tuple(x.shape)}")
     triples, _ = resolve_schedule(None, steps, coefficients)
     work = dtype if dtype is not None else (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
-    if x.dtype in (torch.float32, torch.float64):  # entries whose squares would overflow: scaled down exactly
-        x = into_safe_range(x, up=False)
+    x = into_safe_range(x, up=False)  # entries whose squares would overflow: scaled down exactly
     y = x.to(work)
     transposed = y.size(-2) > y.size(-1)
     if transposed:

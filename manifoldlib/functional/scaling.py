@@ -23,11 +23,11 @@ SAFE_EXPONENT = 32
 
 
 def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``2^exponent`` in ``dtype`` (float32 or float64), built from its bits: exact for normal
-    exponents, where ``torch.pow`` need not be."""
+    """``2^exponent`` in ``dtype``, built from its bits: exact for normal exponents, where
+    ``torch.pow`` need not be (a 16-bit power of two is the float32 one, rounded exactly)."""
     if dtype == torch.float64:
         return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
-    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32).to(dtype)
 
 
 def _power_of_two_scale(top: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,9 @@ def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:
     two that brings that entry into ``[0.5, 1)``.
 
     Args:
-        x: ``(..., m, n)`` float32 or float64; zero matrices and non-finite entries are left alone.
+        x: ``(..., m, n)`` floating point; zero matrices and non-finite entries are left alone.
+            bfloat16 has float32's exponent range and is scaled alike; float16 (largest finite
+            65504) never lies outside the range.
         up: also scale small matrices up; ``False`` only scales large ones down (a fixed-count
             Newton–Schulz, like :class:`torch.optim.Muon`'s, keeps its ``eps`` floor for tiny
             inputs).
@@ -83,10 +85,10 @@ def into_safe_range(x: torch.Tensor, *, up: bool = True) -> torch.Tensor:
         range. No host synchronization (the scale is chosen per matrix on the device).
 
     Raises:
-        ValueError: ``x`` is not float32 or float64 (cast 16-bit inputs first).
+        ValueError: ``x`` is not a floating-point tensor.
     """
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"into_safe_range takes float32 or float64 matrices, got {x.dtype}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"into_safe_range takes floating-point matrices, got {x.dtype}")
     if not x.numel():
         return x
     exponent = _rescaling_exponent(x, SAFE_EXPONENT, up)

@@ -41,9 +41,24 @@ def test_beyond_a_single_power_of_two_and_degenerate_matrices():
     assert into_safe_range(torch.empty(0, 3)).shape == (0, 3)
 
 
-def test_sixteen_bit_input_is_refused_by_name():
-    with pytest.raises(ValueError, match="float32 or float64 matrices, got torch.bfloat16"):
-        into_safe_range(torch.ones(2, 2, dtype=torch.bfloat16))
+def test_bfloat16_is_scaled_exactly_and_non_float_input_is_refused_by_name():
+    # bfloat16 has float32's exponent range: a matrix of entries ~2^125 is brought into [1/2, 1)
+    # by a power of two, each entry's mantissa unchanged (the float32 scaling, rounded exactly)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(2, 4, 3, generator=gen) + 1.0).to(torch.bfloat16)
+    huge = x * 2.0**125
+    scaled = into_safe_range(huge)
+    assert scaled.dtype == torch.bfloat16
+    assert torch.equal(scaled, into_safe_range(huge.float()).to(torch.bfloat16))
+    assert torch.equal(torch.frexp(scaled)[0], torch.frexp(huge)[0])  # mantissas kept
+    shift = torch.frexp(huge)[1] - torch.frexp(scaled)[1]  # one power of two per matrix
+    assert (shift == shift[:, :1, :1]).all() and int(shift.min()) > 0
+    assert float(scaled.float().abs().amax()) < 1.0 <= 2 * float(scaled.float().abs().amax())
+    assert torch.equal(into_safe_range(x), x)  # in range: bit for bit
+    half = torch.full((2, 2), 60000.0, dtype=torch.float16)  # float16 is never out of range
+    assert torch.equal(into_safe_range(half), half)
+    with pytest.raises(ValueError, match="floating-point matrices, got torch.int64"):
+        into_safe_range(torch.ones(2, 2, dtype=torch.long))
 
 
 def test_out_of_range_scale_moves_only_matrices_outside_the_window_exactly():
