@@ -102,9 +102,12 @@ def _ldexp(m: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 def _log_softplus(z: torch.Tensor) -> torch.Tensor:
     r""":math:`\log\log1p(e^z)` for every :math:`z` in :math:`[-\infty, \infty]`: for :math:`z < 0`
-    as :math:`z + \log(\log1p(e^z)/e^z)`, which stays finite where :math:`e^z` underflows."""
-    ez = torch.exp(z.clamp(max=0.0))  # (...), in [0, 1]
-    ratio = torch.where(ez > 0, torch.log1p(ez) / torch.where(ez > 0, ez, 1.0), 1.0)
+    as :math:`z + \log(\log1p(e^z)/e^z)`, which stays finite where :math:`e^z` underflows. Below
+    :math:`z = -40` the ratio :math:`1 - e^z/2 + \dots` is 1 in float64 and is taken as 1: there
+    :math:`e^z` may be subnormal, where ``torch.log1p`` is inexact (0 at 4.9e-324, 1.2 % low at
+    4.9e-322), and a low ratio would put the solvers' start left of the root."""
+    ez = torch.exp(z.clamp(min=-40.0, max=0.0))  # (...), in [4e-18, 1]: normal, log1p exact
+    ratio = torch.where(z > -40.0, torch.log1p(ez) / ez, 1.0)
     negative = z + torch.log(ratio)
     positive = torch.log(z.clamp(min=0.0) + torch.log1p(torch.exp(-z.abs())))
     return torch.where(z < 0, negative, positive)

@@ -220,3 +220,20 @@ def test_root_beyond_the_dtype_raises_naming_the_values():
         solve_expm1_linear(_t([1e300]), 1e-300, 1e-307, 1e-300)
     with pytest.raises(ValueError, match="no root in torch.float64"):
         solve_expm1_minus_linear(_t([1e300]), 1e-300, 1e-307, 0.0)
+
+
+@pytest.mark.parametrize("a", [2e21, 1.5e23, 4e23])
+@pytest.mark.parametrize("c", [0.0, 0.5])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_target_below_a_by_a_subnormal_ratio_is_solved(a, c, sign):
+    """y/a subnormal in float64 (4.9e-324 to 5e-322): torch.log1p is inexact there (log1p(4.9e-324)
+    returned 0, log1p(4.9e-322) 1.2 % low), so the log-space start log(log1p(y/a)/b) fell left of
+    the root (or to 0) and Newton, which only moves left, kept it: solve_expm1_linear(1e-300,
+    2e23, 5e-24, 0) was 0.0, and 9.90e-301 at a = 2e21, instead of 1e-300."""
+    solve = solve_expm1_linear if sign > 0 else solve_expm1_minus_linear
+    y, b = 1e-300, 1.0 / a
+    with mpmath.workdps(50):  # b t is below 1e-320: the map is linear to far below float64's eps
+        Y, A, B, C = (mpmath.mpf(v) for v in (y, a, b, c))
+        expected = float(Y / (A * B + sign * C))
+    t = solve(_t([y]), a, b, c)
+    assert t.item() == pytest.approx(expected, rel=4 * EPS64, abs=0)
