@@ -44,7 +44,10 @@ directly on ``.grad``. The checks:
     parameter and its state unchanged and warns (``warnings.warn``), or — skipping on the device,
     without a host read to warn from — leaves that parameter and its buffers (state tensors of
     its shape) unchanged and counts the skip in ``state["skipped_steps"]`` (one more than
-    before); no parameter or state entry becomes non-finite.
+    before). No parameter and no buffer (state tensor of a parameter's shape) becomes
+    non-finite; another state entry may (a diagnostic reading NaN for the step it did not
+    measure, as Manifold Muon's residuals do). Then 2 steps with finite gradients move both
+    parameters again and leave every parameter and state entry finite.
 ``zero_gradient``
     3 steps with zero gradients from a fresh state, in float64 and float32, move nothing beyond
     rounding (``64 eps`` relative, the dtype's) and leave everything finite (an epsilon guard

@@ -201,41 +201,71 @@ def _check_add_param_group(s: Setup) -> str:
 def _check_non_finite_gradient(s: Setup) -> str:
     outcomes = []
     for value in (math.nan, math.inf):
-        good, bad = params = s.parameters(s.point(16), s.point(17))
+        params = s.parameters(s.point(16), s.point(17))
         targets = [s.point(18), s.point(19)]
         opt = s.factory(params)
         s.run(opt, params, targets, 2)
-        before = [p.detach().clone() for p in params]
-        state_before = copy.deepcopy(opt.state_dict())
-        good.grad = good.detach() - targets[0]
-        bad.grad = bad.detach() - targets[1]
-        bad.grad[(0,) * bad.grad.dim()] = value
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                opt.step()
-            except ValueError:
-                _require(all(torch.equal(p.detach(), b) for p, b in zip(params, before)),
-                         f"raised ValueError for a {value} gradient after changing a parameter")
-                _require(_same(opt.state_dict(), state_before),
-                         f"raised ValueError for a {value} gradient after changing the optimizer state")
-                outcomes.append(f"{value}: ValueError, nothing changed")
-                continue
-        state = opt.state_dict()
-        _require(_all_finite([p.detach() for p in params]) and _all_finite(state),
-                 f"a {value} gradient made a parameter or a state entry non-finite")
-        _require(torch.equal(bad.detach(), before[1]), f"the parameter with a {value} gradient moved")
-        after, prior = state["state"].get(1) or {}, state_before["state"].get(1) or {}
-        if _counted_skip(prior, after):  # skipped on the device: its buffers kept, the skip counted
-            changed = [key for key, v in after.items() if isinstance(v, torch.Tensor) and v.shape == bad.shape
-                       and not _same(v, prior.get(key))]
-            _require(not changed, f"the {', '.join(changed)} of the parameter with a {value} gradient changed")
-            outcomes.append(f"{value}: skipped, counted in state['skipped_steps']")
-            continue
-        _require(_same(after, prior), f"the state of the parameter with a {value} gradient changed")
-        _require(bool(caught), f"a {value} gradient was skipped without a warning")
-        outcomes.append(f"{value}: skipped with a warning")
+        outcomes.append(f"{value}: {_non_finite_step(s, opt, params, targets, value)}")
+        _recovers(s, opt, params, targets, value)
     return "; ".join(outcomes)
+
+
+def _non_finite_step(s: Setup, opt, params, targets, value: float) -> str:
+    """One step with a ``value`` entry in the second parameter's gradient: what the optimizer did
+    (raises :class:`CheckFailed` if that is not one of the accepted ways)."""
+    good, bad = params
+    before = [p.detach().clone() for p in params]
+    state_before = copy.deepcopy(opt.state_dict())
+    good.grad = good.detach() - targets[0]
+    bad.grad = bad.detach() - targets[1]
+    bad.grad[(0,) * bad.grad.dim()] = value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+        except ValueError:
+            _require(all(torch.equal(p.detach(), b) for p, b in zip(params, before)),
+                     f"raised ValueError for a {value} gradient after changing a parameter")
+            _require(_same(opt.state_dict(), state_before),
+                     f"raised ValueError for a {value} gradient after changing the optimizer state")
+            return "ValueError, nothing changed"
+    state = opt.state_dict()
+    _require(_all_finite([p.detach() for p in params]), f"a {value} gradient made a parameter non-finite")
+    poisoned = _non_finite_buffers(state, bad.shape)
+    _require(not poisoned, f"a {value} gradient made the state's {', '.join(poisoned)} non-finite")
+    _require(torch.equal(bad.detach(), before[1]), f"the parameter with a {value} gradient moved")
+    after, prior = state["state"].get(1) or {}, state_before["state"].get(1) or {}
+    if _counted_skip(prior, after):  # skipped on the device: its buffers kept, the skip counted
+        changed = [key for key, v in after.items() if isinstance(v, torch.Tensor) and v.shape == bad.shape
+                   and not _same(v, prior.get(key))]
+        _require(not changed, f"the {', '.join(changed)} of the parameter with a {value} gradient changed")
+        return "skipped, counted in state['skipped_steps']"
+    _require(_same(after, prior), f"the state of the parameter with a {value} gradient changed")
+    _require(bool(caught), f"a {value} gradient was skipped without a warning")
+    return "skipped with a warning"
+
+
+def _non_finite_buffers(state: dict, shape: torch.Size) -> list[str]:
+    """``state[i][key]`` of every non-finite state tensor of the parameters' shape (a buffer)."""
+    return [f"state[{index}][{key!r}]" for index, entries in state["state"].items() for key, v in entries.items()
+            if isinstance(v, torch.Tensor) and v.shape == shape and not _all_finite(v)]
+
+
+def _recovers(s: Setup, opt, params, targets, value: float) -> None:
+    """After the non-finite gradient, 2 steps with finite gradients move both parameters and leave
+    every parameter and state entry finite (a diagnostic may read NaN for the skipped step only)."""
+    before = [p.detach().clone() for p in params]
+    s.run(opt, params, targets, 2)
+    state = opt.state_dict()
+    _require(_all_finite([p.detach() for p in params]),
+             f"2 steps with finite gradients after a {value} gradient made a parameter non-finite")
+    stuck = [str(k) for k, (p, b) in enumerate(zip(params, before)) if torch.equal(p.detach(), b)]
+    _require(not stuck, f"2 steps with finite gradients after a {value} gradient did not move parameter "
+                        f"{', '.join(stuck)}")
+    stale = [f"state[{index}][{key!r}]" for index, entries in state["state"].items() for key, v in entries.items()
+             if not _all_finite(v)]
+    _require(not stale, f"2 steps with finite gradients after a {value} gradient left the state's "
+                        f"{', '.join(stale)} non-finite")
 
 
 def _counted_skip(before: dict, after: dict) -> bool:

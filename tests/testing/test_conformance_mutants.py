@@ -1,0 +1,100 @@
+"""Mutation tests of the conformance suite: a correct Riemannian SGD passes it, and each realistic
+defect planted in it (one per flaw) fails it with a message that names the defect. Each flaw
+here passed an earlier version of the suite; ``test_conformance_checks.py`` has the flaws the
+suite caught from the start."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from manifoldlib import Euclidean, Sphere, Stiefel
+from manifoldlib.testing import check_optimizer
+
+
+def _check_lr(lr):
+    if not (isinstance(lr, float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+
+
+class MutantSGD(torch.optim.Optimizer):
+    """Riemannian SGD with momentum on ``p.manifold``, per-group ``lr``, ``momentum`` and
+    ``weight_decay``, stepping bfloat16 and float16 parameters in float32 and storing them back in
+    their dtype. A parameter with a non-finite gradient is skipped the way Manifold Muon skips it
+    (value and momentum kept, ``state["skipped_steps"]`` counts it, and the diagnostic
+    ``state["grad_norm"]`` reads NaN for the step not measured). ``flaw`` plants one defect."""
+
+    def __init__(self, params, lr=0.1, momentum=0.5, weight_decay=0.0, flaw=None):
+        self.flaw = flaw
+        _check_lr(lr)
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+
+    def add_param_group(self, group):
+        _check_lr(group.get("lr", self.defaults["lr"]))
+        super().add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+
+    def _update(self, p, group):
+        flaw, m, state = self.flaw, p.manifold, self.state[p]
+        skipped = state.setdefault("skipped_steps", torch.zeros((), dtype=torch.long))
+        if not bool(torch.isfinite(p.grad).all()) or (flaw == "sticky_skip" and state.get("found_inf")):
+            skipped.add_(1)
+            state["grad_norm"] = torch.tensor(math.nan, dtype=torch.float64)
+            state["found_inf"] = True  # read only by the "sticky_skip" flaw, which never resets it
+            return
+        x = p.detach().float() if p.dtype in (torch.bfloat16, torch.float16) else p.detach()
+        grad = p.grad.to(x.dtype)
+        state["grad_norm"] = grad.norm().to(torch.float64)
+        rgrad = m.egrad2rgrad(x, grad)
+        buf = state.get("momentum_buffer")
+        buf = rgrad.clone() if buf is None else m.proju(x, group["momentum"] * buf.to(x.dtype) + rgrad)
+        state["momentum_buffer"] = buf
+        new = m.retr(x, -group["lr"] * buf)
+        if group["weight_decay"] and m.name == "euclidean":  # no scale freedom elsewhere
+            new = new * (1 - group["lr"] * group["weight_decay"])
+        p.copy_(new)
+
+
+MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
+
+
+def _report(flaw, manifold="stiefel", checks=None, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return check_optimizer(lambda params: MutantSGD(params, flaw=flaw, **options), MANIFOLDS[manifold],
+                               **({} if checks is None else {"checks": checks}))
+
+
+@pytest.mark.parametrize("manifold", sorted(MANIFOLDS))
+def test_the_correct_optimizer_passes_every_check(manifold):
+    report = _report(None, manifold)
+    assert report.ok, str(report)
+
+
+def _failure(report, check):
+    failed = {r.name: r.detail for r in report.failures()}
+    assert check in failed, str(report)
+    return failed[check]
+
+
+def test_a_nan_diagnostic_for_a_skipped_step_is_not_a_failure():
+    """A state entry that is not a buffer (a diagnostic scalar) may read NaN for the step it did not
+    measure, as Manifold Muon's residuals do; the suite used to fail that."""
+    report = _report(None, checks=("non_finite_gradient",))
+    assert report.ok, str(report)
+    assert "counted in state['skipped_steps']" in report.results[0].detail
+
+
+def test_a_skip_that_never_ends_fails_non_finite_gradient():
+    """One non-finite gradient, and the parameter is skipped for good (a flag never reset)."""
+    detail = _failure(_report("sticky_skip", checks=("non_finite_gradient",)), "non_finite_gradient")
+    assert "2 steps with finite gradients after a nan gradient did not move parameter 1" in detail
