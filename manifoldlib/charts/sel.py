@@ -110,9 +110,9 @@ class SEL(Chart):
             ``layout="out_in"`` and ``weight.shape[0]`` for ``"in_out"``; ``numel`` for 1-D).
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
             gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32); at most
-            :math:`\log(\text{finfo.max})` of the dtype the rule runs in (88.7 for float32,
-            bfloat16 and float16, which runs in float32; 709.8 for float64), beyond which
-            ``expm1`` overflows to inf before the clamp applies.
+            :math:`\log(\text{finfo.max})` of the dtype the rule runs in, rounded down to that
+            dtype (88.72283 for float32, bfloat16 and float16, which runs in float32; 709.8 for
+            float64), beyond which ``expm1`` overflows to inf before the clamp applies.
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
             hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
@@ -198,11 +198,16 @@ class SEL(Chart):
         )
         rule_dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype  # forward's
         overflow = math.log(torch.finfo(rule_dtype).max)
-        if self.max_exponent > overflow:
+        # the clamp runs on M rounded to the rule's dtype: log(max) itself rounds up in float32
+        rounded = torch.tensor(self.max_exponent, dtype=rule_dtype)
+        if self.max_exponent > overflow or not bool(torch.isfinite(torch.expm1(rounded))):
+            largest = torch.tensor(overflow, dtype=rule_dtype)
+            if not bool(torch.isfinite(torch.expm1(largest))):
+                largest = torch.nextafter(largest, torch.zeros_like(largest))
             raise ValueError(
                 f"max_exponent must be at most log(finfo.max) = {overflow:.4g} for a "
-                f"{weight.dtype} weight (expm1 of a larger b|w| overflows to inf before the "
-                f"clamp), got {max_exponent!r}"
+                f"{weight.dtype} weight ({largest.item()!r} in {rule_dtype}: expm1 of a larger "
+                f"b|w| overflows to inf before the clamp), got {max_exponent!r}"
             )
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()

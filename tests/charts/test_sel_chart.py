@@ -291,6 +291,24 @@ def test_a_clamp_up_to_log_finfo_max_is_accepted_and_keeps_the_weight_finite():
     assert SEL(w.half(), max_exponent=80.0).max_exponent == 80.0  # float16 runs in float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16 runs in float32
+def test_the_clamp_log_finfo_max_itself_rounds_up_in_float32_and_is_refused(dtype):
+    # log(finfo(float32).max) = 88.72283905206835 rounds up to the float32 88.72283935546875, whose
+    # expm1 is inf: the bound was accepted and every clamped entry of the weight was inf
+    limit = math.log(torch.finfo(torch.float32).max)
+    w = torch.full((2, 2), 0.5, dtype=dtype)
+    with pytest.raises(ValueError, match=r"max_exponent must be at most .* got 88\.72283905206835"):
+        SEL(w, max_exponent=limit)
+    largest = torch.nextafter(torch.tensor(limit), torch.tensor(0.0)).item()  # 88.72283172607422
+    chart = SEL(w.float(), max_exponent=largest)
+    raw = torch.full((2, 2), 1e3 / float(chart.beta))  # b|w| = 1000, clamped
+    a, _, c = chart.coefficients()
+    want = a.double() * math.expm1(largest) + c.double() * raw.double()  # 0.75 sigma0 e^88.72 ~ 1e38
+    for impl in ("fused", "autograd"):
+        chart.impl = impl
+        torch.testing.assert_close(chart(raw).double(), want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("n", [1000.0, -1000.0])
 def test_a_large_offset_n_sets_e_w_in_logs(n):
     """scale_init={'n': 1000} raised OverflowError (math.exp(1000) in e_w = s0 / b * e^n); the
