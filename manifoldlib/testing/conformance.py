@@ -61,6 +61,14 @@ directly on ``.grad``. The checks:
 ``batched``
     three same-shape parameters in one group end where each ends alone, to rounding
     (``1e-12`` relative: a batched solve may sum in another order).
+``in_place``
+    3 steps on a contiguous parameter in each of float64, float32, bfloat16 and float16 update
+    it in place: the parameter groups still hold the same object, of the same dtype, shape and
+    strides, on the same storage (``p.data = ...`` fails: views, tied weights and captured
+    graphs keep the old one; so does a low-precision weight stored upcast), finite and closer
+    to its target (a bfloat16 weight updated through a float32 copy that is dropped fails). An
+    optimizer may refuse a dtype with ``ValueError`` or ``TypeError`` before changing the
+    parameter.
 ``bad_lr``
     a parameter group with ``lr`` NaN, inf or -1, given to the factory or to
     ``add_param_group``, raises ``ValueError`` naming ``lr`` (and is not added).

@@ -338,6 +338,38 @@ def _check_batched(s: Setup) -> str:
     return f"relative difference {worst:.1e}"
 
 
+def _check_in_place(s: Setup) -> str:
+    outcomes = []
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        start, target = s.point(31, dtype=dtype).contiguous(), s.point(32, dtype=dtype)
+        (p,) = params = s.parameters(start)
+        layout = (p.dtype, tuple(p.shape), p.stride(), p.data_ptr())
+        try:
+            opt = s.factory(params)
+            s.run(opt, params, [target], 3)
+        except (ValueError, TypeError) as err:
+            _require(torch.equal(p.detach(), start) and p.dtype == dtype,
+                     f"{dtype}: refused ({type(err).__name__}) after changing the parameter")
+            outcomes.append(f"{dtype}: refused")
+            continue
+        held = [q for group in opt.param_groups for q in group["params"]]
+        _require(any(q is p for q in held), f"{dtype}: the parameter groups no longer hold the parameter "
+                                            f"object (the step replaced it)")
+        _require(p.dtype == dtype, f"{dtype}: the step changed the parameter's dtype to {p.dtype}")
+        _require(tuple(p.shape) == layout[1], f"{dtype}: the step changed the parameter's shape to "
+                                              f"{tuple(p.shape)}")
+        _require(p.stride() == layout[2], f"{dtype}: the step changed the parameter's strides from {layout[2]} "
+                                          f"to {p.stride()} (contiguous: {p.is_contiguous()})")
+        _require(p.data_ptr() == layout[3], f"{dtype}: the step replaced the parameter's storage "
+                                            f"(p.data = ... rather than an in-place update)")
+        _require(_all_finite(p.detach()), f"{dtype}: the parameter is not finite after 3 steps")
+        before, after = (float((x.double() - target.double()).norm()) for x in (start, p.detach()))
+        _require(after < before, f"{dtype}: 3 steps did not bring the parameter closer to its target "
+                                 f"(||x - t||: {before:.4g} -> {after:.4g})")
+        outcomes.append(f"{str(dtype).removeprefix('torch.')}: {before:.3g} -> {after:.3g}")
+    return "in place; ||x - t|| " + ", ".join(outcomes)
+
+
 def _check_bad_lr(s: Setup) -> str:
     for value in (math.nan, math.inf, -1.0):
         params = s.parameters(s.point(29))
@@ -370,5 +402,6 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "zero_gradient": _check_zero_gradient,
     "degenerate_shapes": _check_degenerate_shapes,
     "batched": _check_batched,
+    "in_place": _check_in_place,
     "bad_lr": _check_bad_lr,
 }

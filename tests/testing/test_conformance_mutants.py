@@ -23,7 +23,8 @@ def _check_lr(lr):
 class MutantSGD(torch.optim.Optimizer):
     """Riemannian SGD with momentum on ``p.manifold``, per-group ``lr``, ``momentum`` and
     ``weight_decay``, stepping bfloat16 and float16 parameters in float32 and storing them back in
-    their dtype. A parameter with a non-finite gradient is skipped the way Manifold Muon skips it
+    their dtype (projected first: a rounded point is not on the manifold to float32's tolerance).
+    A parameter with a non-finite gradient is skipped the way Manifold Muon skips it
     (value and momentum kept, ``state["skipped_steps"]`` counts it, and the diagnostic
     ``state["grad_norm"]`` reads NaN for the step not measured). ``flaw`` plants one defect."""
 
@@ -51,7 +52,8 @@ class MutantSGD(torch.optim.Optimizer):
             state["grad_norm"] = torch.tensor(math.nan, dtype=torch.float64)
             state["found_inf"] = True  # read only by the "sticky_skip" flaw, which never resets it
             return
-        x = p.detach().float() if p.dtype in (torch.bfloat16, torch.float16) else p.detach()
+        low = p.dtype in (torch.bfloat16, torch.float16)  # a rounded point: projected in float32
+        x = m.projx(p.detach().float()) if low else p.detach()
         grad = p.grad.to(x.dtype)
         state["grad_norm"] = grad.norm().to(torch.float64)
         rgrad = m.egrad2rgrad(x, grad)
@@ -61,7 +63,18 @@ class MutantSGD(torch.optim.Optimizer):
         new = m.retr(x, -group["lr"] * buf)
         if group["weight_decay"] and m.name == "euclidean":  # no scale freedom elsewhere
             new = new * (1 - group["lr"] * group["weight_decay"])
-        p.copy_(new)
+        if flaw == "replaces_storage":
+            p.data = new.to(p.dtype)
+        elif flaw == "non_contiguous":
+            p.data = new.to(p.dtype).mT.contiguous().mT if p.dim() == 2 else new.to(p.dtype)
+        elif flaw == "changes_dtype" and p.dtype != torch.float64:
+            p.data = new.to(torch.float64)
+        elif flaw == "upcasts_low_precision" and p.dtype != x.dtype:
+            p.data = new
+        elif flaw == "loses_low_precision_update":  # aliases p only where x.dtype is p's dtype
+            p.to(x.dtype).copy_(new)
+        else:
+            p.copy_(new)
 
 
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
@@ -98,3 +111,18 @@ def test_a_skip_that_never_ends_fails_non_finite_gradient():
     """One non-finite gradient, and the parameter is skipped for good (a flag never reset)."""
     detail = _failure(_report("sticky_skip", checks=("non_finite_gradient",)), "non_finite_gradient")
     assert "2 steps with finite gradients after a nan gradient did not move parameter 1" in detail
+
+
+@pytest.mark.parametrize("flaw, manifold, message", [
+    ("replaces_storage", "stiefel", "torch.float64: the step replaced the parameter's storage"),
+    ("non_contiguous", "stiefel", "torch.float64: the step changed the parameter's strides from (3, 1) to (1, 5)"),
+    ("changes_dtype", "euclidean", "torch.float32: the step changed the parameter's dtype to torch.float64"),
+    ("upcasts_low_precision", "sphere", "torch.bfloat16: the step changed the parameter's dtype to torch.float32"),
+    ("loses_low_precision_update", "stiefel", "torch.bfloat16: 3 steps did not bring the parameter closer"),
+])
+def test_a_step_that_is_not_in_place_fails_in_place(flaw, manifold, message):
+    """``p.data = new`` (another storage: views, tied weights and captured graphs keep the old
+    one), a transposed layout, another dtype, a low-precision weight stored upcast, or one updated
+    through a float32 copy that is then dropped."""
+    report = _report(flaw, manifold)
+    assert message in _failure(report, "in_place")
