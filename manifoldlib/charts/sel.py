@@ -42,6 +42,7 @@ fan-in without ``fan_in=``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -67,6 +68,21 @@ SEL_LAYOUTS = ("out_in", "in_out")
 DEFAULT_SLOPE = 0.75  # E'(0); with l_w = 0.25 the congruent rule has slope 1 at 0
 DEFAULT_SCALE_INIT = {"l_w": 0.25, "m": 1.0, "n": 0.0}
 _SCALE_KEYS = ("e_w", "l_w", "m", "n")
+
+
+def _rule_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the forward rule runs in for raw coordinates of ``dtype`` (float16 in float32)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+@functools.cache
+def _largest_clamp(rule_dtype: torch.dtype) -> float:
+    r"""The largest clamp whose ``expm1`` is finite in ``rule_dtype``: :math:`\log(\text{finfo.max})`
+    rounded down to that dtype (in float32 it rounds up to a number whose ``expm1`` is inf)."""
+    largest = torch.tensor(math.log(torch.finfo(rule_dtype).max), dtype=rule_dtype)
+    if not bool(torch.isfinite(torch.expm1(largest))):
+        largest = torch.nextafter(largest, torch.zeros_like(largest))
+    return largest.item()
 
 
 def _positive(name: str, value) -> float:
@@ -112,7 +128,10 @@ class SEL(Chart):
             gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32); at most
             :math:`\log(\text{finfo.max})` of the dtype the rule runs in, rounded down to that
             dtype (88.72283 for float32, bfloat16 and float16, which runs in float32; 709.8 for
-            float64), beyond which ``expm1`` overflows to inf before the clamp applies.
+            float64), beyond which ``expm1`` overflows to inf before the clamp applies. After a
+            cast to a dtype with a smaller range (a chart built in float64, then
+            ``module.float()``) the rule clamps at that dtype's default instead where
+            ``max_exponent`` was left to its default, and at most at its limit otherwise.
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
             hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
@@ -196,18 +215,15 @@ class SEL(Chart):
             if max_exponent is None
             else _positive("max_exponent", max_exponent)
         )
-        rule_dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype  # forward's
-        overflow = math.log(torch.finfo(rule_dtype).max)
+        self._default_clamp = max_exponent is None  # after a cast: the new dtype's default
+        rule_dtype = _rule_dtype(weight.dtype)  # forward's
         # the clamp runs on M rounded to the rule's dtype: log(max) itself rounds up in float32
-        rounded = torch.tensor(self.max_exponent, dtype=rule_dtype)
-        if self.max_exponent > overflow or not bool(torch.isfinite(torch.expm1(rounded))):
-            largest = torch.tensor(overflow, dtype=rule_dtype)
-            if not bool(torch.isfinite(torch.expm1(largest))):
-                largest = torch.nextafter(largest, torch.zeros_like(largest))
+        if self.max_exponent > _largest_clamp(rule_dtype):
             raise ValueError(
-                f"max_exponent must be at most log(finfo.max) = {overflow:.4g} for a "
-                f"{weight.dtype} weight ({largest.item()!r} in {rule_dtype}: expm1 of a larger "
-                f"b|w| overflows to inf before the clamp), got {max_exponent!r}"
+                f"max_exponent must be at most log(finfo.max) = "
+                f"{math.log(torch.finfo(rule_dtype).max):.4g} for a {weight.dtype} weight "
+                f"({_largest_clamp(rule_dtype)!r} in {rule_dtype}: expm1 of a larger b|w| "
+                f"overflows to inf before the clamp), got {max_exponent!r}"
             )
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
@@ -257,6 +273,20 @@ class SEL(Chart):
                 torch.randn(rank, in_features, **factory) / math.sqrt(in_features)
             )
             self.delta_b = nn.Parameter(torch.zeros(out_features, rank, **factory))
+
+    def _clamp(self, dtype: torch.dtype | None = None) -> float:
+        r"""The clamp :math:`M` of :math:`b|w|` the forward rule runs with for raw coordinates of
+        ``dtype`` (default: the chart's own): :attr:`max_exponent`, lowered where the chart was
+        cast (``module.float()``) to a dtype in which it is too large, to the default
+        :math:`\tfrac12\log(\text{finfo.max})` of the new dtype if it was the default, else to the
+        largest clamp whose ``expm1`` is finite there. A chart built in float64 and cast to
+        float32 thus clamps like one built in float32, at 44.4, not at 354.9 where ``expm1``
+        overflows float32 from 88.7."""
+        rule_dtype = _rule_dtype(self.beta.dtype if dtype is None else dtype)
+        limit = _largest_clamp(rule_dtype)
+        if getattr(self, "_default_clamp", False):
+            limit = 0.5 * math.log(torch.finfo(rule_dtype).max)
+        return min(self.max_exponent, limit)
 
     # -- scales -----------------------------------------------------------------------------------
     def _factor(
@@ -346,7 +376,7 @@ class SEL(Chart):
         a, b, c = self._factors(work)
         flat = raw.view(1, -1) if self._is_vector else raw
         weight = sel_forward_rule(
-            flat if work is None else flat.to(work), a, b, c, self.max_exponent, self.impl
+            flat if work is None else flat.to(work), a, b, c, self._clamp(raw.dtype), self.impl
         )
         weight = weight.view_as(raw).to(raw.dtype)  # (out, in) or (n,)
         if self.rank > 0:
@@ -378,10 +408,11 @@ class SEL(Chart):
         if self.init == "congruent" and c is not None:
             neg = solve_expm1_minus_linear(mag, a, b, c0)
             raw = torch.where(target < 0, -neg, raw)
-        if not bool(torch.isfinite(raw).all()) or bool((b * raw.abs() > self.max_exponent).any()):
+        clamp = self._clamp()
+        if not bool(torch.isfinite(raw).all()) or bool((b * raw.abs() > clamp).any()):
             raise ValueError(
                 f"weight magnitude {mag.max().item():.4g} is beyond what the chart represents "
-                f"(b*|w| <= max_exponent = {self.max_exponent:.4g})"
+                f"(b*|w| <= max_exponent = {clamp:.4g})"
             )
         return raw.to(weight.dtype)
 

@@ -465,3 +465,41 @@ def test_float16_chart_evaluates_in_float32():
     before = lin(x).detach()
     merge_charts(lin)
     assert torch.equal(lin.weight.detach(), got) and torch.equal(lin(x).detach(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chart_built_in_float64_and_cast_down_clamps_like_one_built_in_that_dtype(dtype):
+    # the default clamp 0.5 log(finfo.max) was fixed at construction: built in float64 it is 354.9,
+    # and after module.float() expm1(b|w|) overflowed float32 from b|w| = 88.7 (W = inf at 100)
+    # while the scales' gradients were inf/NaN from 44.4 on; a chart built in float32 clamps there
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4).double()
+    apply_chart(lin, SEL)
+    lin.to(dtype)
+    twin = nn.Linear(16, 4).to(dtype)
+    apply_chart(twin, SEL)
+    twin.load_state_dict(lin.state_dict())
+    chart, built_here = lin.parametrizations.weight[0], twin.parametrizations.weight[0]
+    assert built_here.max_exponent == 0.5 * math.log(torch.finfo(dtype).max)
+    _, b, _ = chart.coefficients()
+    with torch.no_grad():
+        for module in (lin, twin):
+            original = module.parametrizations.weight.original
+            original[0, 0] = 100.0 / b[0, 0]  # beyond float32's expm1 range
+            original[1, 1] = -60.0 / b[1, 1]  # expm1 finite, its gradient not
+    got = lin.weight.detach()
+    assert torch.equal(got, twin.weight.detach())
+    a, _, c = (v.double() for v in chart.coefficients())
+    t = lin.parametrizations.weight.original.detach().double().abs()
+    clamp = torch.tensor(built_here.max_exponent, dtype=dtype).double()  # the clamp as it runs
+    for i, sign in ((0, 1.0), (1, -1.0)):  # clamped: s a expm1(M) + c t, about 3e17 in size
+        want = sign * a[i, i] * torch.expm1(clamp) + c[i, i] * t[i, i]
+        torch.testing.assert_close(got[i, i].double(), want, rtol=8 * torch.finfo(dtype).eps, atol=0)
+    x = torch.randn(3, 16, dtype=dtype)
+    lin(x).sum().backward()
+    twin(x).sum().backward()
+    for (name, p), q in zip(lin.named_parameters(), twin.parameters()):
+        assert torch.isfinite(p.grad).all(), name
+        assert torch.equal(p.grad, q.grad), name
+    with pytest.raises(ValueError, match="beyond what the chart represents"):
+        lin.weight = torch.full((4, 16), 1e30, dtype=dtype)
