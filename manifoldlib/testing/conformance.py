@@ -35,6 +35,10 @@ directly on ``.grad``. The checks:
 ``param_groups``
     two groups, the second with half the default ``lr``: each parameter follows, bit for bit,
     its own run alone with its group's options, and the halved ``lr`` changes the result.
+``lr_scaling``
+    3 steps from a fresh state at ``lr / 8`` and at ``lr / 16`` (the default ``lr``): halving
+    ``lr`` halves the distance moved (a ratio in ``[1.7, 2.3]``; a step is linear in ``lr`` when
+    it is small), so an ``lr`` applied twice (a ratio of 4) or ignored (1) fails.
 ``add_param_group``
     a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
     undisturbed.

@@ -183,6 +183,22 @@ def _check_param_groups(s: Setup) -> str:
     return f"groups with lr {lr:g} and {lr / 2:g}"
 
 
+def _check_lr_scaling(s: Setup) -> str:
+    lr = s.defaults().get("lr")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+        return "skip: the optimizer has no positive float default 'lr'"
+    start, target = s.point(33), s.point(34)
+    lrs = (lr / 8, lr / 16)  # small enough that a step is linear in lr to a few per cent
+    moved = [float((_trajectory(s, [start], [target], 3, groups=lambda ps, a=a: [{"params": ps, "lr": a}])[0]
+                    - start).norm()) for a in lrs]
+    _require(moved[1] > 0, f"3 steps at lr={lrs[1]:g} did not move the point")
+    ratio = moved[0] / moved[1]
+    _require(1.7 <= ratio <= 2.3, f"halving lr ({lrs[0]:g} -> {lrs[1]:g}) divided the distance 3 steps move by "
+                                  f"{ratio:.3g}, not 2 (a step is linear in lr; {ratio:.3g} is lr**"
+                                  f"{math.log2(ratio):.2g})")
+    return f"halving lr ({lrs[0]:g} -> {lrs[1]:g}) divided the distance moved by {ratio:.3g}"
+
+
 def _check_add_param_group(s: Setup) -> str:
     shape2 = _second_shape(s)
     starts, targets = [s.point(12), s.point(13, shape2)], [s.point(14), s.point(15, shape2)]
@@ -397,6 +413,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "descent": _check_descent,
     "resume": _check_resume,
     "param_groups": _check_param_groups,
+    "lr_scaling": _check_lr_scaling,
     "add_param_group": _check_add_param_group,
     "non_finite_gradient": _check_non_finite_gradient,
     "zero_gradient": _check_zero_gradient,

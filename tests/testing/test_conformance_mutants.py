@@ -58,6 +58,8 @@ class MutantSGD(torch.optim.Optimizer):
         state["grad_norm"] = grad.norm().to(torch.float64)
         rgrad = m.egrad2rgrad(x, grad)
         buf = state.get("momentum_buffer")
+        if flaw == "lr_twice":  # lr inside the momentum (Caffe's convention) and again in the step
+            rgrad = group["lr"] * rgrad
         buf = rgrad.clone() if buf is None else m.proju(x, group["momentum"] * buf.to(x.dtype) + rgrad)
         state["momentum_buffer"] = buf
         new = m.retr(x, -group["lr"] * buf)
@@ -126,3 +128,12 @@ def test_a_step_that_is_not_in_place_fails_in_place(flaw, manifold, message):
     through a float32 copy that is then dropped."""
     report = _report(flaw, manifold)
     assert message in _failure(report, "in_place")
+
+
+@pytest.mark.parametrize("manifold", sorted(MANIFOLDS))
+def test_a_learning_rate_applied_twice_fails_lr_scaling(manifold):
+    """The step is lr**2 times the direction: every other check passes (the halved lr of a
+    parameter group still changes the result, and 60 steps at lr**2 still descend)."""
+    report = _report("lr_twice", manifold)
+    assert [r.name for r in report.failures()] == ["lr_scaling"], str(report)
+    assert "divided the distance 3 steps move by 4, not 2" in report.failures()[0].detail
