@@ -26,8 +26,10 @@ directly on ``.grad``. The checks:
     only some (an optimizer that projects back every few steps drifts off in between).
 ``descent``
     from :math:`x_0 = R_{x^*}(0.3\,\|x^*\|\,\hat v)` towards a target :math:`x^*` on the
-    manifold (a minimizer of the quadratic; geodesically convex near it): after 60 steps the
-    distance :math:`\|x - x^*\|` is at most half the initial one.
+    manifold (a minimizer of the quadratic; geodesically convex near it): 60 steps decrease the
+    distance :math:`\|x - x^*\|` by at least half the initial distance or half the length of
+    the path walked, whichever is less (a small ``lr`` cannot go far in 60 steps, but what it
+    walks must mostly be progress).
 ``resume``
     5 steps, ``state_dict()`` through ``torch.save`` / ``torch.load(weights_only=True)``, a
     fresh optimizer from the factory on parameters given the saved values (the usual
@@ -70,7 +72,9 @@ directly on ``.grad``. The checks:
     it in place: the parameter groups still hold the same object, of the same dtype, shape and
     strides, on the same storage (``p.data = ...`` fails: views, tied weights and captured
     graphs keep the old one; so does a low-precision weight stored upcast), finite and closer
-    to its target (a bfloat16 weight updated through a float32 copy that is dropped fails). An
+    to its target (a bfloat16 weight updated through a float32 copy that is dropped fails;
+    not asked in bfloat16 or float16 when the float32 run moves no entry by more than 2 eps of
+    that dtype relative to the largest entry: such steps may round away). An
     optimizer may refuse a dtype with ``ValueError`` or ``TypeError`` before changing the
     parameter.
 ``bad_lr``

@@ -62,7 +62,7 @@ class MutantSGD(torch.optim.Optimizer):
             rgrad = group["lr"] * rgrad
         buf = rgrad.clone() if buf is None else m.proju(x, group["momentum"] * buf.to(x.dtype) + rgrad)
         state["momentum_buffer"] = buf
-        new = m.retr(x, -group["lr"] * buf)
+        new = m.retr(x, (group["lr"] if flaw == "ascent" else -group["lr"]) * buf)
         if group["weight_decay"] and m.name == "euclidean":  # no scale freedom elsewhere
             new = new * (1 - group["lr"] * group["weight_decay"])
         if flaw == "replaces_storage":
@@ -137,3 +137,31 @@ def test_a_learning_rate_applied_twice_fails_lr_scaling(manifold):
     report = _report("lr_twice", manifold)
     assert [r.name for r in report.failures()] == ["lr_scaling"], str(report)
     assert "divided the distance 3 steps move by 4, not 2" in report.failures()[0].detail
+
+
+@pytest.mark.parametrize("manifold, checks", [
+    ("euclidean", None),
+    ("stiefel", ("descent",)),
+    pytest.param("stiefel", None, marks=pytest.mark.slow),  # 4 s
+])
+def test_manifold_muon_with_its_defaults_passes(manifold, checks):
+    """lr=1e-3 (torch.optim.Muon's default): 60 steps cannot halve the distance to the target
+    (a path of ~0.1 against a distance of ~0.5), which ``descent`` used to fail."""
+    from manifoldlib.optim import ManifoldMuon
+
+    report = check_optimizer(lambda params: ManifoldMuon(params, manifold=manifold), MANIFOLDS[manifold],
+                             **({} if checks is None else {"checks": checks}))
+    assert report.ok, str(report)
+
+
+def test_a_small_learning_rate_is_not_a_failure():
+    """Steps below bfloat16's resolution leave a bfloat16 weight where it is: not a failure."""
+    report = check_optimizer(lambda params: MutantSGD(params, lr=1e-4), MANIFOLDS["sphere"])
+    assert report.ok, str(report)
+    assert "the float32 run moves less than its resolution" in {r.name: r.detail for r in report.results}["in_place"]
+
+
+def test_a_descent_too_slow_for_its_path_fails_descent():
+    """At a small lr, ascent still fails: the decrease asked for is half the path walked."""
+    report = _report("ascent", checks=("descent",), lr=1e-3)
+    assert "(a decrease of at least" in _failure(report, "descent")
