@@ -44,7 +44,8 @@ where the root is an ordinary number; hence
   :math:`\delta x = x\,(f(x) - y)/(x f'(x))`, whose ratio does not depend on :math:`N`.
 
 All arithmetic runs in float64 (float32 and half-precision inputs are promoted; float64 holds
-every product of their values), and the root is rounded to ``y``'s dtype at the end; a root that
+every product of their values; the coefficients are taken in float64 as given, whatever
+``y``'s dtype), and the root is rounded to ``y``'s dtype at the end; a root that
 does not fit that dtype raises a ``ValueError`` naming the coefficients. The degenerate cases
 have closed forms that the iteration reaches: ``c = 0`` gives :math:`\log1p(y/a)/b` and
 ``a = 0`` gives :math:`y/c`. Arguments broadcast against each other; the solvers run under
@@ -76,7 +77,11 @@ def _as_tensors(y, a, b, c) -> tuple[torch.Tensor, ...]:
     y = torch.as_tensor(y)
     if not y.is_floating_point():
         raise ValueError(f"y must be a floating-point tensor, got dtype {y.dtype}")
-    a, b, c = (torch.as_tensor(v, dtype=y.dtype, device=y.device) for v in (a, b, c))
+    # the coefficients go straight to the float64 work dtype: rounded to y's dtype first, one below
+    # its range (a = 1e-8 for a float16 y) became 0 and the solvers solved another equation
+    # (a Python float straight to float64: through torch's default dtype it would be rounded too)
+    a, b, c = (v.to(device=y.device, dtype=_WORK) if isinstance(v, torch.Tensor)
+               else torch.as_tensor(v, dtype=_WORK, device=y.device) for v in (a, b, c))
     return torch.broadcast_tensors(y, a, b, c)
 
 

@@ -237,3 +237,30 @@ def test_a_target_below_a_by_a_subnormal_ratio_is_solved(a, c, sign):
         expected = float(Y / (A * B + sign * C))
     t = solve(_t([y]), a, b, c)
     assert t.item() == pytest.approx(expected, rel=4 * EPS64, abs=0)
+
+
+@pytest.mark.parametrize(
+    "sign, dtype, a, c",
+    [
+        (1.0, torch.float32, 1e-50, 1e-30),  # a was 0 in float32: the root y/c = 1e30, not 115.13
+        (1.0, torch.float32, torch.tensor(1e-50, dtype=torch.float64), 1e-30),  # a float64 tensor too
+        (1.0, torch.float16, 1e-8, 1e-3),  # a was 0 in float16: 999.5, not 18.40
+        (-1.0, torch.float16, 1e-8, 1e-3),  # a was 0: nan ("no root"), not 18.44
+    ],
+)
+def test_coefficients_are_not_rounded_to_the_targets_dtype(sign, dtype, a, c):
+    """The coefficients were cast to y's dtype before the float64 work, so a coefficient below its
+    range became 0 and the solvers solved another equation; the root is now that of the given
+    coefficients, rounded once to y's dtype."""
+    solve = solve_expm1_linear if sign > 0 else solve_expm1_minus_linear
+    y, b = 1.0, 1.0
+    with mpmath.workdps(50):
+        A, C = mpmath.mpf(float(a)), mpmath.mpf(c)
+        lo, hi = mpmath.mpf(12), mpmath.mpf(200)  # f increases on it (h's minimum is at 11.5)
+        for _ in range(200):  # bisection
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if A * mpmath.expm1(mid) + sign * C * mid < y else (lo, mid)
+        root = lo
+    t = solve(torch.tensor([y], dtype=dtype), a, b, c)
+    assert t.dtype == dtype
+    assert t.item() == pytest.approx(float(root), rel=torch.finfo(dtype).eps, abs=0)
