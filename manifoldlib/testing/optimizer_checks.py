@@ -174,8 +174,39 @@ def _second_shape(s: Setup) -> tuple[int, ...]:
         s.shape[:-2] + (s.shape[-2] + 1, max(1, s.shape[-1] - 1))
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _other_value(value):
+    """Another valid-looking value of a numeric option: 0.5 for 0 (``momentum=0``,
+    ``weight_decay=0``), one more for another int (a count), half of another float (a factor in
+    (0, 1) stays in (0, 1), a positive value positive)."""
+    if value == 0:
+        return 0.5
+    return value + 1 if isinstance(value, int) else value / 2
+
+
+def _varied_options(defaults: dict) -> list[tuple[str, str, object, object]]:
+    """``(label, key, value, default)`` for each numeric option other than ``lr`` given another
+    value: a number, or one entry of a tuple or list of numbers (``betas[1]``)."""
+    varied = []
+    for key, value in defaults.items():
+        if key == "lr":
+            continue
+        if _is_number(value):
+            varied.append((key, key, _other_value(value), value))
+        elif isinstance(value, (tuple, list)) and value and all(_is_number(v) for v in value):
+            for i, v in enumerate(value):
+                entries = list(value)
+                entries[i] = _other_value(v)
+                varied.append((f"{key}[{i}]", key, type(value)(entries), value))
+    return varied
+
+
 def _check_param_groups(s: Setup) -> str:
-    lr = s.defaults().get("lr")
+    defaults = s.defaults()
+    lr = defaults.get("lr")
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
         return "skip: the optimizer has no positive float default 'lr'"
     shape2 = _second_shape(s)
@@ -187,7 +218,44 @@ def _check_param_groups(s: Setup) -> str:
     _require(torch.equal(both[0], first), "the first group's parameter differs from its run alone")
     _require(torch.equal(both[1], second), "the second group's parameter differs from its run alone with lr/2")
     _require(not torch.equal(second, default_lr), "the group's lr = lr/2 did not change the result")
-    return f"groups with lr {lr:g} and {lr / 2:g}"
+    return f"groups with lr {lr:g} and {lr / 2:g}; " + _other_group_options(s, defaults, starts, targets)
+
+
+def _other_group_options(s: Setup, defaults: dict, starts, targets) -> str:
+    """Each numeric option but ``lr`` in turn given another value in the second group: 3 steps of
+    each parameter equal, bit for bit, its run alone with its group's options (an option without
+    effect in this run passes trivially; one the optimizer refuses is left out)."""
+    first = _trajectory(s, starts[:1], targets[:1], 3)[0]
+    default = _trajectory(s, starts[1:], targets[1:], 3)[0]
+    effect, none, refused = [], [], []
+    for label, key, value, old in _varied_options(defaults):
+        shown = f"{label}={_entry(label, value)!r}"
+        try:
+            alone = _trajectory(s, starts[1:], targets[1:], 3, groups=lambda ps, k=key, v=value: [{"params": ps, k: v}])[0]
+        except (ValueError, TypeError):
+            refused.append(shown)
+            continue
+        both = _trajectory(s, starts, targets, 3, groups=lambda ps, k=key, v=value: [{"params": [ps[0]]},
+                                                                                      {"params": [ps[1]], k: v}])
+        _require(_tensors_same(both[0], first), f"the first group's parameter differs from its run alone when the "
+                                                f"second group has {shown}")
+        if not _tensors_same(both[1], alone):
+            ignored = _tensors_same(both[1], default)
+            raise CheckFailed(f"the second group's parameter with {shown} differs from its run alone with {shown}"
+                              + (f": it follows the first group's {label}={_entry(label, old)!r} (the group's "
+                                 f"{label} is ignored)" if ignored else ""))
+        (effect if not _tensors_same(alone, default) else none).append(shown)
+    parts = [f"per group: {', '.join(effect)}" if effect else "no other option changed the result"]
+    if none:
+        parts.append(f"without effect here: {', '.join(none)}")
+    if refused:
+        parts.append(f"refused: {', '.join(refused)}")
+    return "; ".join(parts)
+
+
+def _entry(label: str, value):
+    """The varied entry of ``value`` (``value[i]`` for a label ``key[i]``)."""
+    return value[int(label[label.index("[") + 1:-1])] if label.endswith("]") else value
 
 
 def _check_lr_scaling(s: Setup) -> str:

@@ -60,11 +60,13 @@ class MutantSGD(torch.optim.Optimizer):
         buf = state.get("momentum_buffer")
         if flaw == "lr_twice":  # lr inside the momentum (Caffe's convention) and again in the step
             rgrad = group["lr"] * rgrad
-        buf = rgrad.clone() if buf is None else m.proju(x, group["momentum"] * buf.to(x.dtype) + rgrad)
+        momentum = (self.param_groups[0] if flaw == "first_group_momentum" else group)["momentum"]
+        buf = rgrad.clone() if buf is None else m.proju(x, momentum * buf.to(x.dtype) + rgrad)
         state["momentum_buffer"] = buf
         new = m.retr(x, (group["lr"] if flaw == "ascent" else -group["lr"]) * buf)
-        if group["weight_decay"] and m.name == "euclidean":  # no scale freedom elsewhere
-            new = new * (1 - group["lr"] * group["weight_decay"])
+        decay = (self.param_groups[0] if flaw == "first_group_weight_decay" else group)["weight_decay"]
+        if decay and m.name == "euclidean":  # no scale freedom elsewhere
+            new = new * (1 - group["lr"] * decay)
         if flaw == "replaces_storage":
             p.data = new.to(p.dtype)
         elif flaw == "non_contiguous":
@@ -137,6 +139,46 @@ def test_a_learning_rate_applied_twice_fails_lr_scaling(manifold):
     report = _report("lr_twice", manifold)
     assert [r.name for r in report.failures()] == ["lr_scaling"], str(report)
     assert "divided the distance 3 steps move by 4, not 2" in report.failures()[0].detail
+
+
+MOMENTUM_IGNORED = ("with momentum=0.25 differs from its run alone with momentum=0.25: it follows the first "
+                    "group's momentum=0.5 (the group's momentum is ignored)")
+DECAY_IGNORED = ("with weight_decay=0.5 differs from its run alone with weight_decay=0.5: it follows the first "
+                 "group's weight_decay=0.0")
+
+
+@pytest.mark.parametrize("flaw, manifold, message", [
+    *[("first_group_momentum", m, MOMENTUM_IGNORED) for m in sorted(MANIFOLDS)],
+    ("first_group_weight_decay", "euclidean", DECAY_IGNORED),
+])
+def test_a_group_option_taken_from_the_first_group_fails_param_groups(flaw, manifold, message):
+    """Every group gets group 0's momentum (or weight decay): only ``lr`` is read per group. The
+    check used to vary ``lr`` alone; it now gives each numeric option of the defaults another
+    value in the second group (0 becomes 0.5: weight decay is 0 by default) and asks for the run
+    alone with that value, bit for bit."""
+    report = _report(flaw, manifold)
+    assert [r.name for r in report.failures()] == ["param_groups"], str(report)
+    assert message in report.failures()[0].detail
+
+
+def test_param_groups_varies_every_numeric_option():
+    """Adam's betas entry by entry, eps and weight_decay; Muon's momentum, Newton-Schulz
+    coefficients and steps; a correct optimizer follows each (weight decay has no effect on
+    Stiefel: reported, not a failure). Options that are not numbers (nesterov, dual) are left."""
+    import geoopt
+
+    from manifoldlib.optim import ManifoldMuon
+
+    adam = check_optimizer(lambda ps: geoopt.optim.RiemannianAdam(ps, lr=1e-2), MANIFOLDS["stiefel"],
+                           checks=("param_groups",))
+    assert adam.ok, str(adam)
+    assert "per group: betas[0]=0.45, betas[1]=0.4995, eps=5e-09; without effect here: weight_decay=0.5" \
+        in adam.results[0].detail
+    muon = check_optimizer(lambda ps: ManifoldMuon(ps, lr=0.05, momentum=0.95, manifold="euclidean"),
+                           MANIFOLDS["euclidean"], checks=("param_groups",))
+    assert muon.ok, str(muon)
+    for shown in ("weight_decay=0.05", "momentum=0.475", "ns_coefficients[1]=-2.3875", "ns_steps=6"):
+        assert shown in muon.results[0].detail
 
 
 @pytest.mark.parametrize("manifold, checks", [
