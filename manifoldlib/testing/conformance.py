@@ -51,6 +51,13 @@ directly on ``.grad``. The checks:
 ``add_param_group``
     a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
     undisturbed.
+``none_gradient``
+    torch.optim skips a parameter whose ``grad`` is ``None``. Three parameters, two with
+    gradients for 2 steps; then the second's ``grad`` is set to ``None`` and 3 steps give the
+    first alone a gradient: the second and the third (never a gradient) keep their values and
+    state to rounding (``64 eps`` relative: geoopt's ``stabilize`` re-projects every parameter),
+    and the first moves. A ``None`` gradient taken as zero (momentum keeps moving a frozen layer;
+    a state appears for a parameter never trained) fails.
 ``non_finite_gradient``
     after 2 steps one of two parameters gets a NaN (then an inf) gradient entry. The optimizer
     either raises ``ValueError`` and changes no parameter and no state, or leaves that

@@ -289,6 +289,42 @@ def _check_add_param_group(s: Setup) -> str:
     return "added after 3 steps"
 
 
+def _to_rounding(a, b) -> bool:
+    """:func:`_same`, but a floating tensor may differ from its counterpart by rounding:
+    ``64 eps`` of its dtype relative to that tensor's norm (a re-projection onto the manifold,
+    as geoopt's ``stabilize`` does to every parameter every few steps, moves a point by ulps)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() \
+            and a.dtype == b.dtype and a.shape == b.shape and _all_finite(a) and _all_finite(b):
+        return float((a - b).double().norm()) <= 64 * torch.finfo(a.dtype).eps * float(b.double().norm())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_to_rounding(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_to_rounding(x, y) for x, y in zip(a, b))
+    return _same(a, b)
+
+
+def _check_none_gradient(s: Setup) -> str:
+    params = s.parameters(s.point(35), s.point(36), s.point(37))
+    targets = [s.point(38), s.point(39)]
+    opt = s.factory(params)
+    s.run(opt, params[:2], targets, 2)  # the third never has a gradient
+    before = [p.detach().clone() for p in params]
+    state_before = copy.deepcopy(opt.state_dict()["state"])
+    params[1].grad = None  # frozen after 2 steps (requires_grad_(False), or unused this step)
+    s.run(opt, params[:1], targets[:1], 3)
+    state = opt.state_dict()["state"]
+    for k, what in ((1, "a parameter whose grad became None after 2 steps"),
+                    (2, "a parameter whose grad was always None")):
+        moved = float((params[k].detach() - before[k]).norm())
+        _require(_to_rounding(params[k].detach(), before[k]),
+                 f"3 steps moved {what} by {moved:.3e} (a parameter without a gradient is skipped)")
+        kept, now = state_before.get(k) or {}, state.get(k) or {}
+        _require(_to_rounding(now, kept), f"3 steps changed the state of {what} (keys {sorted(kept)} -> "
+                                          f"{sorted(now)}; a parameter without a gradient is skipped)")
+    _require(not torch.equal(params[0].detach(), before[0]), "the parameter with a gradient did not move")
+    return "3 steps: the parameters whose grad is None kept their values and state"
+
+
 def _check_non_finite_gradient(s: Setup) -> str:
     outcomes = []
     for value in (math.nan, math.inf):
@@ -496,6 +532,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "param_groups": _check_param_groups,
     "lr_scaling": _check_lr_scaling,
     "add_param_group": _check_add_param_group,
+    "none_gradient": _check_none_gradient,
     "non_finite_gradient": _check_non_finite_gradient,
     "zero_gradient": _check_zero_gradient,
     "degenerate_shapes": _check_degenerate_shapes,

@@ -46,14 +46,15 @@ class ToySGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            grads = [p.grad for p in group["params"]]
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
             bad = [i for i, g in enumerate(grads) if not bool(torch.isfinite(g).all())]
             if bad and self.flaw == "skips_nan_silently":
                 pass
             elif bad and self.flaw != "propagates_nan":
                 raise ValueError(f"gradient {bad[0]} has non-finite entries; nothing was changed")
             total = math.sqrt(sum(float(g.square().sum()) for g in grads)) or 1.0
-            for i, p in enumerate(group["params"]):
+            for i, p in enumerate(params):
                 if i in bad and self.flaw == "skips_nan_silently":
                     continue
                 self._update(p, p.grad / total if self.flaw == "joint_norm" else p.grad, group)

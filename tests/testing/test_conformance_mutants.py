@@ -42,19 +42,21 @@ class MutantSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group)
+                    self._update(p, group, p.grad)
+                elif self.flaw == "none_grad_as_zero":  # a frozen parameter's momentum keeps moving it
+                    self._update(p, group, torch.zeros_like(p))
 
-    def _update(self, p, group):
+    def _update(self, p, group, grad):
         flaw, m, state = self.flaw, p.manifold, self.state[p]
         skipped = state.setdefault("skipped_steps", torch.zeros((), dtype=torch.long))
-        if not bool(torch.isfinite(p.grad).all()) or (flaw == "sticky_skip" and state.get("found_inf")):
+        if not bool(torch.isfinite(grad).all()) or (flaw == "sticky_skip" and state.get("found_inf")):
             skipped.add_(1)
             state["grad_norm"] = torch.tensor(math.nan, dtype=torch.float64)
             state["found_inf"] = True  # read only by the "sticky_skip" flaw, which never resets it
             return
         low = p.dtype in (torch.bfloat16, torch.float16)  # a rounded point: projected in float32
         x = m.projx(p.detach().float()) if low else p.detach()
-        grad = p.grad.to(x.dtype)
+        grad = grad.to(x.dtype)
         state["grad_norm"] = grad.norm().to(torch.float64)
         rgrad = m.egrad2rgrad(x, grad)
         buf = state.get("momentum_buffer")
@@ -179,6 +181,27 @@ def test_param_groups_varies_every_numeric_option():
     assert muon.ok, str(muon)
     for shown in ("weight_decay=0.05", "momentum=0.475", "ns_coefficients[1]=-2.3875", "ns_steps=6"):
         assert shown in muon.results[0].detail
+
+
+@pytest.mark.parametrize("manifold", sorted(MANIFOLDS))
+def test_a_none_gradient_taken_as_zero_fails_none_gradient(manifold):
+    """torch.optim skips a parameter whose grad is None (a frozen layer, a branch unused this
+    step): not moved, state untouched. Taken as a zero gradient, its momentum keeps moving it
+    (and a parameter that never had a gradient gets a state)."""
+    report = _report("none_grad_as_zero", manifold)
+    assert [r.name for r in report.failures()] == ["none_gradient"], str(report)
+    assert "3 steps moved a parameter whose grad became None after 2 steps by" in report.failures()[0].detail
+
+
+def test_a_reprojection_of_a_parameter_without_gradient_is_not_a_failure():
+    """geoopt's stabilize projects every parameter of a group onto the manifold every few steps,
+    those without a gradient too: a few ulps, allowed (the check asks for the value and state to
+    rounding)."""
+    import geoopt
+
+    report = check_optimizer(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.1, momentum=0.9, stabilize=5),
+                             MANIFOLDS["stiefel"], checks=("none_gradient",))
+    assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("manifold, checks", [
