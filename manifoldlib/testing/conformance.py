@@ -58,6 +58,11 @@ directly on ``.grad``. The checks:
     state to rounding (``64 eps`` relative: geoopt's ``stabilize`` re-projects every parameter),
     and the first moves. A ``None`` gradient taken as zero (momentum keeps moving a frozen layer;
     a state appears for a parameter never trained) fails.
+``closure``
+    2 steps ``opt.step(closure)`` on a parameter whose ``grad`` is ``None``, the closure setting
+    it with ``backward()``: each step calls the closure, with gradients enabled (a step under
+    ``@torch.no_grad()`` calls it inside ``torch.enable_grad()``), and returns the loss the
+    closure returned (that object, or its value as a number); the parameter moves.
 ``non_finite_gradient``
     after 2 steps one of two parameters gets a NaN (then an inf) gradient entry. The optimizer
     either raises ``ValueError`` and changes no parameter and no state, or leaves that

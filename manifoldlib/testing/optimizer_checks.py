@@ -325,6 +325,36 @@ def _check_none_gradient(s: Setup) -> str:
     return "3 steps: the parameters whose grad is None kept their values and state"
 
 
+def _check_closure(s: Setup) -> str:
+    start, target = s.point(43), s.point(44)
+    (p,) = params = s.parameters(start)
+    opt = s.factory(params)
+    calls, losses = [], []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        with torch.enable_grad():
+            p.grad = None
+            loss = 0.5 * (p - target).square().sum()
+            loss.backward()
+        losses.append(loss)
+        return loss
+
+    for step in range(2):
+        called = len(calls)
+        returned = opt.step(closure)
+        _require(len(calls) > called, f"step {step + 1}: step(closure) did not call the closure")
+        _require(all(calls[called:]), f"step {step + 1}: step(closure) called the closure with gradients disabled "
+                                      f"(its backward() fails under torch.no_grad(); call it under "
+                                      f"torch.enable_grad())")
+        _require(returned is not None, f"step {step + 1}: step(closure) returned None, not the closure's loss")
+        _require(any(returned is loss or (not isinstance(returned, torch.Tensor) and returned == float(loss))
+                     for loss in losses[called:]),
+                 f"step {step + 1}: step(closure) returned {returned!r}, not the loss the closure returned")
+    _require(not torch.equal(p.detach(), start), "2 steps with a closure did not move the parameter")
+    return f"called {len(calls)} times in 2 steps, under grad mode; returned its loss"
+
+
 def _check_non_finite_gradient(s: Setup) -> str:
     outcomes = []
     for value in (math.nan, math.inf):
@@ -533,6 +563,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "lr_scaling": _check_lr_scaling,
     "add_param_group": _check_add_param_group,
     "none_gradient": _check_none_gradient,
+    "closure": _check_closure,
     "non_finite_gradient": _check_non_finite_gradient,
     "zero_gradient": _check_zero_gradient,
     "degenerate_shapes": _check_degenerate_shapes,

@@ -45,6 +45,10 @@ class ToySGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
@@ -58,6 +62,7 @@ class ToySGD(torch.optim.Optimizer):
                 if i in bad and self.flaw == "skips_nan_silently":
                     continue
                 self._update(p, p.grad / total if self.flaw == "joint_norm" else p.grad, group)
+        return loss
 
     def _update(self, p, grad, group):
         m = p.manifold

@@ -39,12 +39,19 @@ class MutantSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None and self.flaw == "closure_without_grad":  # under the step's no_grad
+            loss = closure()
+        elif closure is not None and self.flaw != "ignores_closure":
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(p, group, p.grad)
                 elif self.flaw == "none_grad_as_zero":  # a frozen parameter's momentum keeps moving it
                     self._update(p, group, torch.zeros_like(p))
+        return loss
 
     def _update(self, p, group, grad):
         flaw, m, state = self.flaw, p.manifold, self.state[p]
@@ -202,6 +209,18 @@ def test_a_reprojection_of_a_parameter_without_gradient_is_not_a_failure():
     report = check_optimizer(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.1, momentum=0.9, stabilize=5),
                              MANIFOLDS["stiefel"], checks=("none_gradient",))
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("flaw, message", [
+    ("ignores_closure", "step 1: step(closure) did not call the closure"),
+    ("closure_without_grad", "step 1: step(closure) called the closure with gradients disabled"),
+])
+def test_a_step_that_does_not_run_its_closure_properly_fails_closure(flaw, message):
+    """torch.optim's step(closure) calls the closure under grad mode and returns its loss; one that
+    ignores it (and returns None), or calls it inside its own torch.no_grad(), passed."""
+    report = _report(flaw)
+    assert [r.name for r in report.failures()] == ["closure"], str(report)
+    assert message in report.failures()[0].detail
 
 
 @pytest.mark.parametrize("manifold, checks", [
