@@ -30,6 +30,15 @@ directly on ``.grad``. The checks:
     distance :math:`\|x - x^*\|` by at least half the initial distance or half the length of
     the path walked, whichever is less (a small ``lr`` cannot go far in 60 steps, but what it
     walks must mostly be progress).
+``normal_gradient``
+    the first step from a fresh state, in float64, with the gradient :math:`g` and with
+    :math:`g + n`, :math:`n` normal to the tangent space (``r - proju(x, r)``, of norm
+    :math:`\|g\|`; the Riemannian gradient ignores it): the two points differ by at most
+    :math:`10^{-6}` of the step's length. A step that reads the Euclidean gradient (normalised by
+    its norm, Adam's second moment of it, a momentum seeded with it) changes by 0.1 to 0.7;
+    correct optimizers by at most :math:`1.3 \cdot 10^{-13}` (Manifold Muon's iterative dual
+    included). Skipped where there is no normal space (Euclidean space) or ``egrad2rgrad`` does
+    not ignore the normal part.
 ``resume``
     5 steps, ``state_dict()`` through ``torch.save`` / ``torch.load(weights_only=True)``, a
     fresh optimizer from the factory on parameters given the saved values (the usual

@@ -143,6 +143,42 @@ def _check_descent(s: Setup) -> str:
     return f"||x - x*||: {before:.3g} -> {after:.3g} (path {path:.3g})"
 
 
+def _normal_part(s: Setup, x: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """A vector normal to the tangent space at ``x`` (``r - proju(x, r)``) of norm ``scale``, which
+    the Riemannian gradient ignores; ``None`` where there is none (Euclidean space) or where
+    ``egrad2rgrad`` does not ignore it (a metric other than the embedded one)."""
+    r = torch.randn(x.shape, generator=s.generator(42), dtype=x.dtype)
+    n = r - s.manifold.proju(x, r)
+    if float(n.norm()) <= 1e-8 * float(r.norm()):
+        return None
+    n = n * (scale / n.norm())
+    if float(s.manifold.egrad2rgrad(x, n).norm()) > 1e-12 * scale:
+        return None
+    return n
+
+
+def _check_normal_gradient(s: Setup) -> str:
+    start, target = s.point(40), s.point(41)
+    grad = start - target
+    normal = _normal_part(s, start, float(grad.norm()))
+    if normal is None:
+        return "skip: no gradient component that the Riemannian gradient ignores (no normal space)"
+    ends = []
+    for g in (grad, grad + normal):
+        (p,) = params = s.parameters(start)
+        opt = s.factory(params)
+        p.grad = g.clone()
+        opt.step()
+        ends.append(p.detach().clone())
+    step, change = float((ends[0] - start).norm()), float((ends[1] - ends[0]).norm())
+    _require(step > 0, "the first step did not move the point")
+    _require(change <= 1e-6 * step, f"adding to the gradient a component normal to the manifold (norm "
+                                    f"||g||, ignored by the Riemannian gradient) changed the first step by "
+                                    f"{change / step:.3e} of its length (1e-6 allowed): the step uses the "
+                                    f"Euclidean gradient, not only its Riemannian part")
+    return f"a normal component of norm ||g|| changed the first step by {change / step:.1e} of its length"
+
+
 def _check_resume(s: Setup) -> str:
     start, target = s.point(5), s.point(6)
     whole = _trajectory(s, [start], [target], 10)[0]
@@ -558,6 +594,7 @@ def _check_bad_lr(s: Setup) -> str:
 CHECKS: dict[str, Callable[[Setup], str]] = {
     "on_manifold": _check_on_manifold,
     "descent": _check_descent,
+    "normal_gradient": _check_normal_gradient,
     "resume": _check_resume,
     "param_groups": _check_param_groups,
     "lr_scaling": _check_lr_scaling,

@@ -55,12 +55,26 @@ ADAM_XFAIL = {
     ),
 }
 
+#: geoopt's RiemannianSGD with momentum seeds its buffer with the raw Euclidean gradient, so its
+#: first step is R_x(-lr (momentum g + rgrad)): the gradient's normal part is in the step. The
+#: sphere's retractions and Stiefel's exp and Cayley remove a normal part first; these do not.
+MOMENTUM_SEED_LEAKS = {"stiefel-polar", "stiefel-qr", "dgram-alternating", "dgram-colnorm-polar",
+                       "oblique-normalize"}
+MOMENTUM_SEED_XFAIL = (
+    "geoopt's RiemannianSGD seeds the momentum buffer with the raw Euclidean gradient "
+    "(state['momentum_buffer'] = grad.clone() before egrad2rgrad), so its first step is "
+    "R_x(-lr (momentum g + rgrad)) and carries the gradient's normal part (0.09 to 0.37 of the step "
+    "here) into retractions that do not remove it"
+)
+
 
 def _geoopt_cases():
     for optimizer in GEOOPT:
         for case in MANIFOLDS:
             for check in OPTIMIZER_CHECKS:
                 reason = GEOOPT_XFAIL.get(check) or (ADAM_XFAIL.get(check) if optimizer.startswith("adam") else None)
+                if check == "normal_gradient" and optimizer.startswith("sgd-momentum") and case in MOMENTUM_SEED_LEAKS:
+                    reason = MOMENTUM_SEED_XFAIL
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 if case not in DEFAULT_CASES:
                     marks.append(pytest.mark.slow)
