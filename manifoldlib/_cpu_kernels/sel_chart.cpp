@@ -1,6 +1,10 @@
 // One-pass CPU kernels of the SEL chart's forward rule (manifoldlib/charts/kernel.py has the
-// math). raw is a contiguous (out, in) matrix of one floating dtype (float32 or float64); the
-// rank-1 factors are contiguous vectors of out (rows) and in (columns) values of that dtype. With
+// math). raw is a contiguous (out, in) matrix of one floating dtype (float64, float32, float16 or
+// bfloat16); the rank-1 factors are contiguous vectors of out (rows) and in (columns) values of
+// raw's compute dtype: raw's own for float64/float32, float32 for float16/bfloat16, whose entries
+// (raw, the upstream gradient) are converted to float32 one at a time as they are read and whose
+// results (W, the raw gradient) are computed in float32 and rounded once as they are written (no
+// full-size float32 copy of raw, W or the gradient is made). With
 // t = |w|, s = +1 where w >= 0 (-0.0 included) and -1 elsewhere, a = a_r a_c, b = b_r b_c, c = c_r c_c, e = expm1(min(b t, M)):
 //
 //   sel_forward(raw, a_r, a_c, b_r, b_c, c_r?, c_c?, M) -> W = s a e + c t        reads raw
@@ -21,6 +25,7 @@
 // of each thread's rows go to a buffer of their own, added up at the end in thread order.
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -125,41 +130,44 @@ double row_dot(const T* x, const T* y, int64_t len) {
 }
 
 // One row of the forward: out[j] = s a e + c t. A function of its own (not inlined into the loop
-// over rows) so that g++ vectorizes along the row; `Linear` a template flag, not a branch.
-template <typename T, bool Linear>
-MANIFOLDLIB_ROW_KERNEL void forward_row(const T* __restrict w, const T* __restrict ac, const T* __restrict bc,
-                                        const T* __restrict cc, T ar, T br, T cr, T m, int64_t cols,
+// over rows) so that g++ vectorizes along the row; `Linear` a template flag, not a branch. T is
+// raw's (and W's) storage type, A the type of the arithmetic and of the factors (T itself, or
+// float for at::Half / at::BFloat16: each entry converted on reading, rounded once on writing).
+template <typename T, typename A, bool Linear>
+MANIFOLDLIB_ROW_KERNEL void forward_row(const T* __restrict w, const A* __restrict ac, const A* __restrict bc,
+                                        const A* __restrict cc, A ar, A br, A cr, A m, int64_t cols,
                                         T* __restrict out) {
   for (int64_t j = 0; j < cols; ++j) {
-    const T t = std::abs(w[j]);
-    const T e = expm1_nonnegative(std::min(br * bc[j] * t, m));
-    T v = sign_of(w[j]) * (ar * ac[j] * e);
+    const A wj = static_cast<A>(w[j]);
+    const A t = std::abs(wj);
+    const A e = expm1_nonnegative(std::min(br * bc[j] * t, m));
+    A v = sign_of(wj) * (ar * ac[j] * e);
     if (Linear) v += cr * cc[j] * t;
-    out[j] = v;
+    out[j] = static_cast<T>(v);
   }
 }
 
 // One row of the backward's elementwise part: g_raw, and the per-entry factor gradients the
-// reductions read (ge = s G e, qw = q w, gt = G t).
-template <typename T, bool Linear>
-MANIFOLDLIB_ROW_KERNEL void backward_row(const T* __restrict g, const T* __restrict w, const T* __restrict ac,
-                                         const T* __restrict bc, const T* __restrict cc, T abr, T br, T cr, T m,
-                                         T limit, int64_t cols, T* __restrict g_raw, T* __restrict ge,
-                                         T* __restrict qw, T* __restrict gt) {
+// reductions read (ge = s G e, qw = q w, gt = G t; in A, unrounded).
+template <typename T, typename A, bool Linear>
+MANIFOLDLIB_ROW_KERNEL void backward_row(const T* __restrict g, const T* __restrict w, const A* __restrict ac,
+                                         const A* __restrict bc, const A* __restrict cc, A abr, A br, A cr, A m,
+                                         A limit, int64_t cols, T* __restrict g_raw, A* __restrict ge,
+                                         A* __restrict qw, A* __restrict gt) {
   for (int64_t j = 0; j < cols; ++j) {
-    const T wj = w[j], gj = g[j];
-    const T t = std::abs(wj);
-    const T e = expm1_nonnegative(std::min(br * bc[j] * t, m));
-    const T q = gj * (e + T(1)) * static_cast<T>(e < limit);  // branch free: k = [e < limit]
-    const T sg = sign_of(wj) * gj;  // s G
+    const A wj = static_cast<A>(w[j]), gj = static_cast<A>(g[j]);
+    const A t = std::abs(wj);
+    const A e = expm1_nonnegative(std::min(br * bc[j] * t, m));
+    const A q = gj * (e + A(1)) * static_cast<A>(e < limit);  // branch free: k = [e < limit]
+    const A sg = sign_of(wj) * gj;  // s G
     ge[j] = sg * e;
     qw[j] = q * wj;
-    T v = q * (abr * ac[j] * bc[j]);
+    A v = q * (abr * ac[j] * bc[j]);
     if (Linear) {
       v += sg * (cr * cc[j]);
       gt[j] = gj * t;
     }
-    g_raw[j] = v;
+    g_raw[j] = static_cast<T>(v);
   }
 }
 
@@ -169,19 +177,20 @@ void check(const at::Tensor& raw, const at::Tensor& a_r, const at::Tensor& a_c, 
            const at::Tensor& b_c, const std::optional<at::Tensor>& c_r, const std::optional<at::Tensor>& c_c) {
   TORCH_CHECK(raw.dim() == 2 && raw.is_contiguous(), "sel kernels need a contiguous (out, in) matrix");
   const int64_t rows = raw.size(0), cols = raw.size(1);
+  const auto work = at::toOpMathType(raw.scalar_type());  // the factors' dtype: float32 for 16-bit raw
   for (const at::Tensor* t : {&a_r, &b_r}) {
-    TORCH_CHECK(t->numel() == rows && t->is_contiguous() && t->scalar_type() == raw.scalar_type(),
-                "sel kernels: a row factor must be a contiguous vector of out values in raw's dtype");
+    TORCH_CHECK(t->numel() == rows && t->is_contiguous() && t->scalar_type() == work,
+                "sel kernels: a row factor must be a contiguous vector of out values in raw's compute dtype");
   }
   for (const at::Tensor* t : {&a_c, &b_c}) {
-    TORCH_CHECK(t->numel() == cols && t->is_contiguous() && t->scalar_type() == raw.scalar_type(),
-                "sel kernels: a column factor must be a contiguous vector of in values in raw's dtype");
+    TORCH_CHECK(t->numel() == cols && t->is_contiguous() && t->scalar_type() == work,
+                "sel kernels: a column factor must be a contiguous vector of in values in raw's compute dtype");
   }
   TORCH_CHECK(c_r.has_value() == c_c.has_value(), "sel kernels: give both linear factors or neither");
   if (c_r.has_value()) {
-    TORCH_CHECK(c_r->numel() == rows && c_r->is_contiguous() && c_r->scalar_type() == raw.scalar_type() &&
-                    c_c->numel() == cols && c_c->is_contiguous() && c_c->scalar_type() == raw.scalar_type(),
-                "sel kernels: the linear factors must be contiguous vectors in raw's dtype");
+    TORCH_CHECK(c_r->numel() == rows && c_r->is_contiguous() && c_r->scalar_type() == work &&
+                    c_c->numel() == cols && c_c->is_contiguous() && c_c->scalar_type() == work,
+                "sel kernels: the linear factors must be contiguous vectors in raw's compute dtype");
   }
 }
 
@@ -192,23 +201,24 @@ at::Tensor sel_forward(const at::Tensor& raw, const at::Tensor& a_r, const at::T
   at::Tensor out = at::empty_like(raw);
   const int64_t rows = raw.size(0), cols = raw.size(1);
   const bool linear = c_r.has_value();
-  AT_DISPATCH_FLOATING_TYPES(raw.scalar_type(), "sel_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, raw.scalar_type(), "sel_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;  // scalar_t for float/double, float for the 16-bit types
     const scalar_t* w = raw.data_ptr<scalar_t>();
-    const scalar_t *ar = a_r.data_ptr<scalar_t>(), *ac = a_c.data_ptr<scalar_t>();
-    const scalar_t *br = b_r.data_ptr<scalar_t>(), *bc = b_c.data_ptr<scalar_t>();
-    const scalar_t* cr = linear ? c_r->data_ptr<scalar_t>() : nullptr;
-    const scalar_t* cc = linear ? c_c->data_ptr<scalar_t>() : nullptr;
+    const acc_t *ar = a_r.data_ptr<acc_t>(), *ac = a_c.data_ptr<acc_t>();
+    const acc_t *br = b_r.data_ptr<acc_t>(), *bc = b_c.data_ptr<acc_t>();
+    const acc_t* cr = linear ? c_r->data_ptr<acc_t>() : nullptr;
+    const acc_t* cc = linear ? c_c->data_ptr<acc_t>() : nullptr;
     scalar_t* o = out.data_ptr<scalar_t>();
-    const scalar_t m = static_cast<scalar_t>(max_exponent);
+    const acc_t m = static_cast<acc_t>(max_exponent);
     at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* wi = w + i * cols;
         scalar_t* oi = o + i * cols;
-        const scalar_t ari = ar[i], bri = br[i], cri = linear ? cr[i] : scalar_t(0);
+        const acc_t ari = ar[i], bri = br[i], cri = linear ? cr[i] : acc_t(0);
         if (linear) {
-          forward_row<scalar_t, true>(wi, ac, bc, cc, ari, bri, cri, m, cols, oi);
+          forward_row<scalar_t, acc_t, true>(wi, ac, bc, cc, ari, bri, cri, m, cols, oi);
         } else {
-          forward_row<scalar_t, false>(wi, ac, bc, cc, ari, bri, cri, m, cols, oi);
+          forward_row<scalar_t, acc_t, false>(wi, ac, bc, cc, ari, bri, cri, m, cols, oi);
         }
       }
     });
@@ -233,21 +243,22 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
   const int64_t per_task = (rows + tasks - 1) / tasks;
   at::Tensor col_parts = at::zeros({tasks, 3, cols}, raw.options().dtype(at::kDouble));
-  AT_DISPATCH_FLOATING_TYPES(raw.scalar_type(), "sel_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, raw.scalar_type(), "sel_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;  // scalar_t for float/double, float for the 16-bit types
     const scalar_t *g = grad.data_ptr<scalar_t>(), *w = raw.data_ptr<scalar_t>();
-    const scalar_t *ar = a_r.data_ptr<scalar_t>(), *ac = a_c.data_ptr<scalar_t>();
-    const scalar_t *br = b_r.data_ptr<scalar_t>(), *bc = b_c.data_ptr<scalar_t>();
-    const scalar_t* cr = linear ? c_r->data_ptr<scalar_t>() : nullptr;
-    const scalar_t* cc = linear ? c_c->data_ptr<scalar_t>() : nullptr;
+    const acc_t *ar = a_r.data_ptr<acc_t>(), *ac = a_c.data_ptr<acc_t>();
+    const acc_t *br = b_r.data_ptr<acc_t>(), *bc = b_c.data_ptr<acc_t>();
+    const acc_t* cr = linear ? c_r->data_ptr<acc_t>() : nullptr;
+    const acc_t* cc = linear ? c_c->data_ptr<acc_t>() : nullptr;
     scalar_t* gr = g_raw.data_ptr<scalar_t>();
     double* rs = row_sums.data_ptr<double>();
     double* cp = col_parts.data_ptr<double>();
-    const scalar_t m = static_cast<scalar_t>(max_exponent);
-    const scalar_t limit = expm1_nonnegative(m);  // e at the clamp: its entries get no gradient
-    std::vector<scalar_t> acbc(cols);  // a_c b_c, the column weights of g_br's row sums
+    const acc_t m = static_cast<acc_t>(max_exponent);
+    const acc_t limit = expm1_nonnegative(m);  // e at the clamp: its entries get no gradient
+    std::vector<acc_t> acbc(cols);  // a_c b_c, the column weights of g_br's row sums
     for (int64_t j = 0; j < cols; ++j) acbc[j] = ac[j] * bc[j];
     at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-      std::vector<scalar_t> ge(cols), qw(cols), gt(cols);  // one row's dL/da, dL/db / a, dL/dc
+      std::vector<acc_t> ge(cols), qw(cols), gt(cols);  // one row's dL/da, dL/db / a, dL/dc
       for (int64_t task = first; task < last; ++task) {
         double* col_a = cp + task * 3 * cols;  // sum_i a_r[i] (s G e)_ij
         double* col_b = col_a + cols;          // sum_i a_r[i] b_r[i] q_ij w_ij
@@ -256,14 +267,14 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
         for (int64_t i = task * per_task; i < row_end; ++i) {
           const scalar_t *gi = g + i * cols, *wi = w + i * cols;
           scalar_t* gri = gr + i * cols;
-          const scalar_t ari = ar[i], bri = br[i], cri = linear ? cr[i] : scalar_t(0);
-          const scalar_t abr = ari * bri;
+          const acc_t ari = ar[i], bri = br[i], cri = linear ? cr[i] : acc_t(0);
+          const acc_t abr = ari * bri;
           if (linear) {  // the elementwise part
-            backward_row<scalar_t, true>(gi, wi, ac, bc, cc, abr, bri, cri, m, limit, cols, gri, ge.data(),
-                                         qw.data(), gt.data());
+            backward_row<scalar_t, acc_t, true>(gi, wi, ac, bc, cc, abr, bri, cri, m, limit, cols, gri,
+                                                ge.data(), qw.data(), gt.data());
           } else {
-            backward_row<scalar_t, false>(gi, wi, ac, bc, cc, abr, bri, cri, m, limit, cols, gri, ge.data(),
-                                          qw.data(), gt.data());
+            backward_row<scalar_t, acc_t, false>(gi, wi, ac, bc, cc, abr, bri, cri, m, limit, cols, gri,
+                                                 ge.data(), qw.data(), gt.data());
           }
           for (int64_t j = 0; j < cols; ++j) {  // column sums (independent per j: vectorized)
             col_a[j] += static_cast<double>(ari) * static_cast<double>(ge[j]);
@@ -280,7 +291,7 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
     });
   });
   at::Tensor cols_sum = col_parts.sum(0);  // (3, in), in task order
-  const auto dtype = raw.scalar_type();
+  const auto dtype = a_r.scalar_type();  // the factors' (raw's compute dtype): g_raw alone is in raw's
   at::Tensor g_ar = row_sums[0].to(dtype).view(a_r.sizes());
   at::Tensor g_br = row_sums[1].to(dtype).view(b_r.sizes());
   at::Tensor g_ac = cols_sum[0].to(dtype).view(a_c.sizes());

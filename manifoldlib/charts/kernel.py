@@ -21,18 +21,35 @@ using :math:`s\,t = w`. The gradient of a rank-1 factor is a matrix–vector pro
 twice the memory passes (every broadcast product and its reduction is a separate kernel); these are
 memory-bound elementwise passes, so the pass count is the cost.
 
+**Precision.** The rule is evaluated in the widest dtype of ``raw`` and the factors, and at least
+in float32: float16 and bfloat16 inputs are computed in float32 and rounded once (the package's
+16-bit rule, as in :func:`manifoldlib.optim.execution.solve_dtype`). The weight comes back in
+``raw``'s dtype where that is 16-bit, and each gradient in its input's dtype, each rounded once
+from float32. Evaluated in bfloat16 itself, :math:`\operatorname{expm1}` and the products of the
+scales would each round to 8 bits, an error of several bfloat16 ulps where correct rounding gives
+half of one.
+
 ``impl="fused"`` runs, per device:
 
-- **CPU** (contiguous float32/float64 raw coordinates, outside ``torch.compile`` tracing, the C++
-  kernels built and not switched off): :mod:`manifoldlib._cpu_kernels` — one pass over ``raw``
-  for :math:`W` and one over ``raw`` and :math:`G` for :math:`\partial L/\partial w` together with
-  the six row and column reductions of the factor gradients (``sel_chart.cpp``; :math:`e` is
-  recomputed in the backward instead of stored);
-- **CUDA**: the plain expression through :func:`torch.compile` (inductor fuses each pass into one
-  generated kernel);
-- elsewhere, and as the fallback (no compiler, a non-contiguous or 16-bit weight, inside
-  :func:`manifoldlib._cpu_kernels.disabled`): the ATen autograd function below. All give the
-  same values and gradients up to rounding (tested against the plain expression in float64).
+- **CPU** (contiguous float64, float32, float16 or bfloat16 raw coordinates, outside
+  ``torch.compile`` tracing, the C++ kernels built and not switched off):
+  :mod:`manifoldlib._cpu_kernels` — one pass over ``raw`` for :math:`W` and one over ``raw`` and
+  :math:`G` for :math:`\partial L/\partial w` together with the six row and column reductions of
+  the factor gradients (``sel_chart.cpp``; :math:`e` is recomputed in the backward instead of
+  stored). 16-bit entries are converted to float32 one at a time as they are read and rounded as
+  they are written: no full-size float32 copy is made;
+- **CUDA**: the plain expression through :func:`torch.compile` (inductor fuses each pass, the
+  conversions included, into one generated kernel);
+- elsewhere, and as the fallback (no compiler, a non-contiguous weight, inside
+  :func:`manifoldlib._cpu_kernels.disabled`): the ATen autograd function below, which for 16-bit
+  raw coordinates makes full-size float32 copies of ``raw`` and of the upstream gradient and
+  saves :math:`e` in float32. All give the same values and gradients up to rounding (tested
+  against the plain expression in float64, and in 16 bits against the float64 rule to half an
+  ulp).
+
+``impl="autograd"`` and ``impl="compile"`` run the plain expression; for 16-bit ``raw`` the
+autograd one upcasts it to a full-size float32 copy (kept for the backward), the compiled one
+converts entry by entry inside its generated loops.
 
 The sign convention is :math:`s = +1` for :math:`w \ge 0`, ``-0.0`` included.
 """
@@ -56,19 +73,27 @@ SEL_IMPLS = ("fused", "autograd", "compile")
 _compiled = None
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class _SELForwardRule(torch.autograd.Function):
+    """The forward rule on ATen ops. The factors are in the compute dtype; 16-bit ``raw`` is
+    upcast to it (a full-size copy, made again in the backward rather than saved) and the weight
+    and the raw gradient rounded once to ``raw``'s dtype."""
+
     @staticmethod
     def forward(ctx, raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
-        t = raw.abs()  # (out, in)
+        w = raw.to(a_r.dtype)  # raw itself unless 16-bit (or narrower than the factors)
+        t = w.abs()  # (out, in)
         e = t * b_r
         e.mul_(b_c).clamp_(max=max_exponent).expm1_()  # (out, in)
         weight = e * a_r
-        weight.mul_(a_c).copysign_(raw)
+        weight.mul_(a_c).copysign_(w)
         if c_r is not None:
             weight.addcmul_(t.mul_(c_r), c_c)
         ctx.max_exponent = max_exponent
         ctx.save_for_backward(raw, e, a_r, a_c, b_r, b_c, c_r, c_c)
-        return weight
+        return weight.to(raw.dtype) if raw.dtype in _HALF else weight
 
     @staticmethod
     @once_differentiable  # second derivatives are not implemented: raise instead of being wrong
@@ -76,7 +101,8 @@ class _SELForwardRule(torch.autograd.Function):
         raw, e, a_r, a_c, b_r, b_c, c_r, c_c = ctx.saved_tensors
         need = ctx.needs_input_grad
         g_raw = g_ar = g_ac = g_br = g_bc = g_cr = g_cc = None
-        grad_s = (raw >= 0).to(raw.dtype).mul_(2.0).sub_(1.0).mul_(grad)  # s G, s = +1 at -0.0 too
+        w, grad = raw.to(e.dtype), grad.to(e.dtype)  # no copies unless 16-bit
+        grad_s = (w >= 0).to(w.dtype).mul_(2.0).sub_(1.0).mul_(grad)  # s G, s = +1 at -0.0 too
         if need[1] or need[2]:
             p = grad_s * e  # dL/da (full)
             g_ar = p @ a_c.mT if need[1] else None
@@ -87,22 +113,25 @@ class _SELForwardRule(torch.autograd.Function):
         if bool(e.max() >= limit):  # rare: only then pay for the mask
             q.masked_fill_(e >= limit, 0.0)
         if need[3] or need[4]:
-            qw = q * raw  # dL/db / a (full)
+            qw = q * w  # dL/db / a (full)
             g_br = (qw @ (a_c * b_c).mT) * a_r if need[3] else None
             g_bc = ((a_r * b_r).mT @ qw) * a_c if need[4] else None
         if c_r is not None and (need[5] or need[6]):
-            gt = grad * raw.abs()  # dL/dc (full)
+            gt = grad * w.abs()  # dL/dc (full)
             g_cr = gt @ c_c.mT if need[5] else None
             g_cc = c_r.mT @ gt if need[6] else None
         if need[0]:
             g_raw = q.mul_(a_r * b_r).mul_(a_c * b_c)
             if c_r is not None:
                 g_raw.addcmul_(grad_s.mul_(c_r), c_c)
+            g_raw = g_raw.to(raw.dtype)  # rounded once
         return g_raw, g_ar, g_ac, g_br, g_bc, g_cr, g_cc, None
 
 
 class _SELKernelRule(torch.autograd.Function):
-    """The forward rule on the C++ CPU kernels (``ops``: their ``torch.ops`` namespace)."""
+    """The forward rule on the C++ CPU kernels (``ops``: their ``torch.ops`` namespace). The
+    factors are in ``raw``'s compute dtype; the weight and the raw gradient come back in
+    ``raw``'s dtype, the factor gradients in the factors'."""
 
     @staticmethod
     def forward(ctx, raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float, ops):
@@ -134,16 +163,34 @@ def _kernel_exponent_limit(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).max) - math.log(2.0)
 
 
-def _cpu_kernels_for(raw: torch.Tensor, max_exponent: float):
-    """The C++ kernels' namespace when they apply to ``raw`` and the clamp ``max_exponent``, else
-    ``None`` (cheap checks first, so only a call that could use them ever triggers the build)."""
+#: The dtype the C++ kernels compute in, per dtype of the raw coordinates they take.
+_KERNEL_WORK = {
+    torch.float64: torch.float64, torch.float32: torch.float32,
+    torch.float16: torch.float32, torch.bfloat16: torch.float32,
+}
+
+
+def _work_dtype(raw: torch.Tensor, factors) -> torch.dtype:
+    """The dtype the rule is evaluated in: the widest of ``raw``'s and the factors', at least
+    float32 (16-bit inputs are computed in float32)."""
+    dtype = raw.dtype
+    for t in factors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _cpu_kernels_for(raw: torch.Tensor, work: torch.dtype, max_exponent: float):
+    """The C++ kernels' namespace when they apply to ``raw``, the compute dtype ``work`` and the
+    clamp ``max_exponent``, else ``None`` (cheap checks first, so only a call that could use them
+    ever triggers the build)."""
     if (
         raw.device.type != "cpu"
-        or raw.dtype not in (torch.float32, torch.float64)
+        or _KERNEL_WORK.get(raw.dtype) != work
         or raw.dim() != 2
         or not raw.is_contiguous()
         or torch.compiler.is_compiling()
-        or not max_exponent <= _kernel_exponent_limit(raw.dtype)
+        or not max_exponent <= _kernel_exponent_limit(work)
     ):
         return None
     return _cpu_kernels.enabled()
@@ -152,7 +199,7 @@ def _cpu_kernels_for(raw: torch.Tensor, max_exponent: float):
 def _compiled_rule():
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_plain_rule, dynamic=True)
+        _compiled = torch.compile(_rule_in_work_dtype, dynamic=True)
     return _compiled
 
 
@@ -161,6 +208,14 @@ def _plain_rule(raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
     mag = raw * sign  # |w| with d|w|/dw = sign
     weight = sign * (a_r * a_c) * torch.expm1((b_r * b_c * mag).clamp(max=max_exponent))
     return weight if c_r is None else weight + (c_r * c_c) * mag
+
+
+def _rule_in_work_dtype(raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
+    """The plain expression in the factors' dtype (the compute dtype), the weight rounded once to
+    16-bit ``raw``'s dtype. For 16-bit ``raw`` the upcast is a full-size float32 copy under plain
+    autograd (also kept for the backward); compiled, inductor converts entry by entry."""
+    weight = _plain_rule(raw.to(a_r.dtype), a_r, a_c, b_r, b_c, c_r, c_c, max_exponent)
+    return weight.to(raw.dtype) if raw.dtype in _HALF else weight
 
 
 def sel_forward_rule(
@@ -173,7 +228,9 @@ def sel_forward_rule(
 ) -> torch.Tensor:
     r""":math:`s\,a\,\operatorname{expm1}(\min(b|w|, M)) + c|w|` for rank-1 scales.
 
-    Differentiable in ``raw`` and in every factor.
+    Differentiable in ``raw`` and in every factor. Evaluated in the widest dtype of the inputs and
+    at least in float32: 16-bit inputs are computed in float32, and the weight and each gradient
+    rounded once to their dtype (module docstring).
 
     Args:
         raw: ``(out, in)`` raw coordinates :math:`w`.
@@ -184,19 +241,25 @@ def sel_forward_rule(
         impl: one of :data:`SEL_IMPLS`; all three give the same values and gradients.
 
     Returns:
-        ``(out, in)`` the effective weight.
+        ``(out, in)`` the effective weight: in ``raw``'s dtype where that is float16 or bfloat16,
+        else in the dtype it is evaluated in.
     """
     c_r, c_c = (None, None) if c is None else c
-    args = (raw, a[0], a[1], b[0], b[1], c_r, c_c, float(max_exponent))
+    factors = (a[0], a[1], b[0], b[1], c_r, c_c)
+    work = _work_dtype(raw, factors)
+    # the factors in the compute dtype: vectors, so the copies are small; their gradients are
+    # rounded once to each factor's own dtype by the conversion's backward
+    factors = tuple(None if t is None else t.to(work) for t in factors)
+    args = (raw, *factors, float(max_exponent))
     if impl == "fused":
-        ops = _cpu_kernels_for(raw, args[7]) if all(t.dtype == raw.dtype for t in args[1:7] if t is not None) else None
+        ops = _cpu_kernels_for(raw, work, args[7])
         if ops is not None:
             return _SELKernelRule.apply(*args, ops)
         if raw.device.type == "cuda" and not torch.compiler.is_compiling():
             return _compiled_rule()(*args)
         return _SELForwardRule.apply(*args)
     if impl == "autograd":
-        return _plain_rule(*args)
+        return _rule_in_work_dtype(*args)
     if impl == "compile":
         return _compiled_rule()(*args)
     raise ValueError(f"impl must be one of {SEL_IMPLS}, got {impl!r}")

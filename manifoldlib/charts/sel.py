@@ -70,9 +70,13 @@ DEFAULT_SCALE_INIT = {"l_w": 0.25, "m": 1.0, "n": 0.0}
 _SCALE_KEYS = ("e_w", "l_w", "m", "n")
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _rule_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the forward rule runs in for raw coordinates of ``dtype`` (float16 in float32)."""
-    return torch.float32 if dtype == torch.float16 else dtype
+    """The dtype the forward rule runs in for raw coordinates of ``dtype``: float16 and bfloat16
+    in float32, rounded once (the package's 16-bit rule)."""
+    return torch.float32 if dtype in _HALF else dtype
 
 
 @functools.cache
@@ -127,9 +131,9 @@ class SEL(Chart):
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
             gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32); at most
             :math:`\log(\text{finfo.max})` of the dtype the rule runs in, rounded down to that
-            dtype (88.72283 for float32, bfloat16 and float16, which runs in float32; 709.8 for
-            float64), beyond which ``expm1`` overflows to inf before the clamp applies. After a
-            cast to a dtype with a smaller range (a chart built in float64, then
+            dtype (88.72283 for float32, and for bfloat16 and float16, which run in float32;
+            709.8 for float64), beyond which ``expm1`` overflows to inf before the clamp applies.
+            After a cast to a dtype with a smaller range (a chart built in float64, then
             ``module.float()``) the rule clamps at that dtype's default instead where
             ``max_exponent`` was left to its default, and at most at its limit otherwise.
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
@@ -281,11 +285,14 @@ class SEL(Chart):
         :math:`\tfrac12\log(\text{finfo.max})` of the new dtype if it was the default, else to the
         largest clamp whose ``expm1`` is finite there. A chart built in float64 and cast to
         float32 thus clamps like one built in float32, at 44.4, not at 354.9 where ``expm1``
-        overflows float32 from 88.7."""
-        rule_dtype = _rule_dtype(self.beta.dtype if dtype is None else dtype)
-        limit = _largest_clamp(rule_dtype)
+        overflows float32 from 88.7. Both 16-bit dtypes run in float32; the default after a cast
+        is bfloat16's own (the clamp of a chart built in bfloat16) and float32's for float16 (a
+        float32 chart keeps its clamp after ``module.half()``)."""
+        dtype = self.beta.dtype if dtype is None else dtype
+        limit = _largest_clamp(_rule_dtype(dtype))
         if getattr(self, "_default_clamp", False):
-            limit = 0.5 * math.log(torch.finfo(rule_dtype).max)
+            range_dtype = torch.float32 if dtype == torch.float16 else dtype
+            limit = 0.5 * math.log(torch.finfo(range_dtype).max)
         return min(self.max_exponent, limit)
 
     # -- scales -----------------------------------------------------------------------------------
@@ -335,9 +342,12 @@ class SEL(Chart):
 
         :math:`a = e_w e^{-n}` and :math:`b = \beta m`, each the exponential of a rank-1 sum.
         """
+        return self._coefficients()
+
+    def _coefficients(self, work: torch.dtype | None = None):
         shape = (self._numel,) if self._is_vector else None
         out = []
-        for pair in self.factors():
+        for pair in self._factors(work):
             full = None if pair is None else pair[0] * pair[1]
             out.append(full.reshape(shape) if full is not None and shape else full)
         return tuple(out)
@@ -367,18 +377,22 @@ class SEL(Chart):
         sign held constant, so the gradient at :math:`w = 0` is the one-sided slope
         :math:`E'(0) + l_w` instead of 0.
 
-        float16 raw coordinates are evaluated in float32 and the weight rounded once to float16:
+        float16 and bfloat16 raw coordinates are evaluated in float32, the scales computed in
+        float32 from the chart's parameters, and the weight and every gradient rounded once to
+        their dtype (:func:`~manifoldlib.charts.sel_forward_rule`). float16 for its range:
         :math:`\operatorname{expm1}(b|w|)` overflows float16 from :math:`b|w| = 11.1`, where
         :math:`a\,\operatorname{expm1}(b|w|)` may still be well inside its range (a chart built
-        in float32 keeps its clamp of 44.4 after ``module.half()``).
+        in float32 keeps its clamp of 44.4 after ``module.half()``). bfloat16 for its precision:
+        evaluated in bfloat16, the scales, :math:`b|w|`, :math:`\operatorname{expm1}` and the
+        products each round to 8 bits, and the weight was off by several bfloat16 ulps, most where
+        :math:`b|w|` is large (an error in :math:`b|w|` is multiplied by it in
+        :math:`e^{b|w|}`).
         """
-        work = torch.float32 if raw.dtype == torch.float16 else None  # None: raw's own dtype
-        a, b, c = self._factors(work)
+        work = _rule_dtype(raw.dtype)
+        a, b, c = self._factors(work if work != raw.dtype else None)  # None: the chart's own dtype
         flat = raw.view(1, -1) if self._is_vector else raw
-        weight = sel_forward_rule(
-            flat if work is None else flat.to(work), a, b, c, self._clamp(raw.dtype), self.impl
-        )
-        weight = weight.view_as(raw).to(raw.dtype)  # (out, in) or (n,)
+        weight = sel_forward_rule(flat, a, b, c, self._clamp(raw.dtype), self.impl)
+        weight = weight.view_as(raw).to(raw.dtype)  # (out, in) or (n,); in raw's dtype already
         if self.rank > 0:
             weight = weight + self.delta()
         return weight
@@ -401,7 +415,10 @@ class SEL(Chart):
         # Newton in at least float32: half-precision rounding would stall the iteration.
         work = torch.promote_types(weight.dtype, torch.float32)
         target = target.to(work)
-        a, b, c = (None if x is None else x.to(work) for x in self.coefficients())
+        # the scales as the forward rule computes them (in float32 for a 16-bit chart)
+        rule = _rule_dtype(self.beta.dtype)
+        scales = self._coefficients(rule if rule != self.beta.dtype else None)
+        a, b, c = (None if x is None else x.to(work) for x in scales)
         c0 = torch.zeros_like(a) if c is None else c
         mag = target.abs()
         raw = torch.sign(target) * solve_expm1_linear(mag, a, b, c0)

@@ -108,9 +108,50 @@ def test_the_aten_path_is_the_fallback_and_agrees():
         torch.testing.assert_close(other[0], kernel[0], rtol=1e-13, atol=0)
         for got, want in zip(other[1], kernel[1]):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-    # a 16-bit weight: ATen path
+    # a 16-bit weight takes the kernels too (computed in float32: the test below); mixed float32
+    # raw coordinates with float64 factors are computed in float64, on ATen
     half = _rule(raw.bfloat16().requires_grad_(), [f.bfloat16() for f in factors], 20.0)
-    assert type(half.grad_fn).__name__ == "_SELForwardRuleBackward"
+    assert type(half.grad_fn).__name__ == "_SELKernelRuleBackward" and half.dtype == torch.bfloat16
+    mixed = _rule(raw.float().requires_grad_(), factors, 20.0)
+    assert type(mixed.grad_fn).__name__ == "_SELForwardRuleBackward" and mixed.dtype == torch.float64
+
+
+def _ulps_off(got, want):
+    """The largest error of 16-bit ``got`` against float64 ``want``, in ``got``'s eps relative to
+    ``|want|`` (correct rounding: 0.5; below the normal range, in its ulp), less a float32
+    rounding of the tensor's scale (2^-22 of its largest entry: where two terms cancel, an entry
+    computed in float32 keeps float32's error relative to the terms, not to itself)."""
+    finfo = torch.finfo(got.dtype)
+    excess = ((got.double() - want).abs() - 2.0**-22 * float(want.abs().max())).clamp_min(0.0)
+    return float((excess / (want.abs().clamp_min(finfo.tiny) * finfo.eps)).max())
+
+
+@pytest.mark.parametrize("linear", [True, False])
+@pytest.mark.parametrize(("dtype", "max_exponent"), [(torch.bfloat16, 12.0), (torch.float16, 5.0)])
+def test_16_bit_inputs_are_computed_in_float32_and_rounded_once(dtype, max_exponent, linear):
+    # bfloat16/float16 raw coordinates and factors: the kernels (converting entry by entry), the
+    # ATen function and the plain expression compute in float32 and round the weight and each
+    # gradient once to its input's dtype, so each is within half an ulp of the float64 rule on
+    # the same 16-bit inputs (the ATen function and the plain expression ran in bfloat16: ulps
+    # off). 96 x 300 with entries past the clamp and exact zeros, as above
+    raw, factors = _inputs(96, 300, torch.float64, seed=8, linear=linear, spread=1.5)
+    raw[0, :2] = torch.tensor([0.0, -0.0])
+    raw, factors = raw.to(dtype), [None if f is None else f.to(dtype) for f in factors]
+    probe = torch.randn(raw.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    wide = [None if f is None else f.double() for f in factors]
+    want = _values_and_grads(raw.double(), wide, max_exponent, probe.double(), "autograd")
+    bw = wide[2] * wide[3] * raw.double().abs()
+    assert bool((bw > max_exponent).any()) and bool(((bw > max_exponent - 3) & (bw < max_exponent)).any())
+    results = {"kernels": _values_and_grads(raw, factors, max_exponent, probe, "fused")}
+    with _cpu_kernels.disabled():
+        results["aten"] = _values_and_grads(raw, factors, max_exponent, probe, "fused")
+    results["autograd"] = _values_and_grads(raw, factors, max_exponent, probe, "autograd")
+    for path, (out, grads, _) in results.items():
+        assert out.dtype == dtype and all(g.dtype == dtype for g in grads), path
+        errors = [_ulps_off(out, want[0])] + [_ulps_off(g, w) for g, w in zip(grads, want[1])]
+        assert max(errors) <= 0.5 * (1 + 2.0**-5), (path, errors)
+    assert type(results["kernels"][2]).__name__ == "_SELKernelRuleBackward"
+    assert type(results["aten"][2]).__name__ == "_SELForwardRuleBackward"
 
 
 def test_a_charted_layer_trains_on_the_kernels_as_on_aten():
@@ -132,7 +173,7 @@ def test_a_charted_layer_trains_on_the_kernels_as_on_aten():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_a_clamp_beyond_the_kernels_exponent_range_gives_the_plain_values(dtype):
     # the kernels' expm1 builds 2^n from exponent bits: for b|w| past ln(max) - ln 2 those bits
     # wrapped into the sign (float32, b|w| = 90: E = -a, i.e. W = c|w| instead of inf; b|w| = 88.5:
