@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import multiprocessing
 import shutil
 import statistics
@@ -192,10 +193,11 @@ def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str, out: Path) 
 
 def _best_value(results: list[dict]) -> object:
     """The swept value with the lowest mean final validation loss over its runs; a value with a
-    diverged run ranks after every value without one."""
+    diverged run ranks after every value without one, and among those, by how many of its runs
+    diverged (a value none of whose runs finished last), then by the mean of the others."""
     def score(rows: list[dict]) -> tuple:
         losses = [r["val_loss"] for r in rows if r["val_loss"] is not None]
-        return len(losses) < len(rows), statistics.fmean(losses) if losses else 0.0
+        return len(rows) - len(losses), statistics.fmean(losses) if losses else math.inf
     grouped = by_swept_value(results)
     return min(grouped, key=lambda value: score(grouped[value]))
 

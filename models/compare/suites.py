@@ -40,7 +40,8 @@ class Suite:
         seeds: default seeds of the full suite (``--quick`` uses the first one).
         sweep: ``(config key, values)`` swept per arm on the tuning seeds; each
             arm's remaining seeds run at its best value (lowest mean final validation loss over
-            the tuning seeds; a value with a diverged run ranks after every value without one),
+            the tuning seeds; a value with a diverged run ranks after every value without one,
+            fewer diverged runs first),
             so arms are compared each at its own tuned setting. ``()``: no sweep.
         quick_sweep: the values of the sweep under ``--quick`` (tuned on its one seed).
         tune_seeds: without ``tuning_seeds``: how many of the first seeds the sweep runs on.

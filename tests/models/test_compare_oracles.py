@@ -1,0 +1,83 @@
+"""models.compare against hand-computed oracles: no training (``run_training`` is a stub writing
+the metrics and summary a test chooses), so every number a report gives can be checked."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from models.compare import Suite, run_suite
+
+
+def _stub_training(monkeypatch, curve):
+    """``run_training`` replaced: ``curve(cfg)`` gives the run's validation losses at steps 0,
+    eval_interval, 2 eval_interval, ... (``None``: the run diverged there); the metrics rows,
+    ``config.json`` and ``summary.json`` are written as the trainer writes them. Returns the list
+    of ``(arm settings..., seed)`` trained, in order."""
+    trained = []
+
+    def run_training(cfg, run_dir, echo=False):
+        trained.append((cfg.lr, cfg.seed))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        losses = curve(cfg)
+        rows, diverged, last = [], False, None
+        for i, v in enumerate(losses):
+            step = i * cfg.eval_interval
+            if v is None:
+                rows.append({"step": step, "tokens": step * 100, "val_loss": None, "diverged": True})
+                diverged = True
+                break
+            row = {"step": step, "tokens": step * 100, "val_loss": v}
+            if step:
+                row.update(train_loss=v, tokens_per_s=1000.0)
+            rows.append(row)
+            last = v
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+        summary = {"val_loss": None if diverged else last, "val_ppl": None, "diverged": diverged,
+                   "finished": not diverged, "steps": rows[-1]["step"], "wall_time_s": 1.0,
+                   "tokens_per_s": 1000.0, "unigram_entropy": 4.0}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr("models.compare.runner.run_training", run_training)
+    return trained
+
+
+def _csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _swept_suite(values, **kwargs) -> Suite:
+    return Suite(name="mini", baseline="a", arms=(("a", {}),), seeds=(0, 1),
+                 sweep=("lr", values), quick_sweep=("lr", values), tuning_seeds=(7, 8, 9), **kwargs)
+
+
+def test_a_swept_value_whose_every_tuning_run_diverged_is_never_chosen(tmp_path, monkeypatch):
+    """lr 0.1 diverges on all three tuning seeds, lr 0.01 on one of them (the others end at 2.5
+    and 2.6): 0.01 is the best value. The old score gave an all-diverged value a mean of 0.0, so
+    among values that each have a diverged run it won, and the arm was reported (5/5 diverged
+    in a real suite) at a value that never finished."""
+    def curve(cfg):
+        if cfg.lr == 0.1 or (cfg.lr == 0.01 and cfg.seed == 7):
+            return [4.0, None]
+        return [4.0, 3.0, 2.5 if cfg.seed != 9 else 2.6]
+    _stub_training(monkeypatch, curve)
+    results = run_suite(_swept_suite((0.01, 0.1)), tmp_path, seeds=(0, 1), echo=False)
+    assert [r["swept"] for r in results] == [0.01, 0.01]
+    assert not any(r["diverged"] for r in results)
+    assert "| a | 0.01 | 2.5000 ± 0.0000 |" in (tmp_path / "results.md").read_text()
+
+
+def test_a_swept_value_with_fewer_diverged_tuning_runs_ranks_first(tmp_path, monkeypatch):
+    """lr 0.01: one of three tuning runs diverged, the others 2.6; lr 0.03: two diverged, the
+    third 2.5. The value that finished on two seeds is chosen, not the one whose mean rests on
+    the single seed that survived."""
+    def curve(cfg):
+        if (cfg.lr == 0.01 and cfg.seed == 7) or (cfg.lr == 0.03 and cfg.seed != 9):
+            return [4.0, None]
+        return [4.0, 2.6 if cfg.lr == 0.01 else 2.5]
+    _stub_training(monkeypatch, curve)
+    results = run_suite(_swept_suite((0.01, 0.03)), tmp_path, seeds=(0, 1), echo=False)
+    assert [r["swept"] for r in results] == [0.01, 0.01]
