@@ -261,6 +261,10 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
     # phase 1: every arm at every swept value on the tuning seeds (all seeds without a sweep)
     first = [(arm, arm_cfg, value) for arm, arm_cfg in suite.arms for value in values]
     held_out = tuple(suite.tuning_seeds[:1] if quick else suite.tuning_seeds) if key else ()
+    for name, given in (("seeds", seeds), ("tuning seeds", held_out)):
+        repeated = sorted({s for s in given if given.count(s) > 1})
+        if repeated:  # one run directory, reported as several runs
+            raise ConfigError(f"suite {suite.name!r}: {name} {list(given)} repeat {repeated}; give each seed once")
     if set(held_out) & set(seeds):
         raise ConfigError(f"suite {suite.name!r}: tuning seeds {sorted(set(held_out) & set(seeds))} are also "
                           f"reported seeds; held-out tuning needs disjoint sets")

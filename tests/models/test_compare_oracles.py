@@ -4,9 +4,14 @@ the metrics and summary a test chooses), so every number a report gives can be c
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
+import re
+
+import pytest
 
 from models.compare import Suite, run_suite
+from models.config import ConfigError
 
 
 def _stub_training(monkeypatch, curve):
@@ -81,3 +86,17 @@ def test_a_swept_value_with_fewer_diverged_tuning_runs_ranks_first(tmp_path, mon
     _stub_training(monkeypatch, curve)
     results = run_suite(_swept_suite((0.01, 0.03)), tmp_path, seeds=(0, 1), echo=False)
     assert [r["swept"] for r in results] == [0.01, 0.01]
+
+
+@pytest.mark.parametrize("seeds, tuning", [((0, 0, 1), (7, 8, 9)), ((0, 1), (7, 7))])
+def test_a_repeated_seed_is_refused(tmp_path, monkeypatch, seeds, tuning):
+    """``--seeds 0 0 1`` ran seed 0 once (one run directory, reused) and reported it twice: the
+    arm's mean weighted it double and its std and standard errors were those of three seeds
+    (mean ± std over [2.0, 2.0, 2.3]: 2.1000 ± 0.1732, against 2.1500 ± 0.2121 over its two
+    seeds)."""
+    trained = _stub_training(monkeypatch, lambda cfg: [4.0, 2.0 + 0.3 * (cfg.seed == 1)])
+    suite = dataclasses.replace(_swept_suite((0.01,)), tuning_seeds=tuning)
+    name, given, repeated = ("seeds", seeds, 0) if seeds[0] == seeds[1] else ("tuning seeds", tuning, 7)
+    with pytest.raises(ConfigError, match=re.escape(f"{name} {list(given)} repeat [{repeated}]; give each seed once")):
+        run_suite(suite, tmp_path, seeds=seeds, echo=False)
+    assert trained == [] and not tmp_path.joinpath("results.md").exists()
