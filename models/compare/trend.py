@@ -8,8 +8,9 @@ For each size (one suite output folder: its ``results.csv``) and each arm, the g
 is the mean over the seeds both finished of :math:`\ell_{\text{arm}} - \ell_{\text{baseline}}`
 (final validation losses; a seed fixes the initialization and the batches), with its standard
 error. The trend is the weighted least-squares slope of the gap against :math:`\log_2` size
-(weights :math:`1/\mathrm{SE}^2`), with its standard error: "grows", "shrinks" or "flat" only where
-the slope is more than two standard errors from zero, else "no trend beyond the noise". A figure
+(weights :math:`1/\mathrm{SE}^2`), with its standard error (widened where the points scatter about the
+line by more than their own standard errors): "falls behind" or "gains with size" only where the
+slope is more than two standard errors from zero, else "no trend beyond the noise". A figure
 of gap ± SE against size (log scale) and a Markdown table are written; extrapolating past the
 largest size is a guess, and the table says so.
 """
@@ -73,7 +74,10 @@ def gaps(folder: str | Path, arms: Sequence[str], baseline: str) -> dict[str, Ga
 def slope(sizes: Sequence[float], points: Sequence[Gap | None]) -> tuple[float, float] | None:
     r"""``(slope, standard error)`` of the gap per doubling of size: weighted least squares of the
     gaps on :math:`\log_2` size with weights :math:`1/\mathrm{SE}^2` (``None`` with fewer than two
-    sizes that have a gap, or a zero standard error)."""
+    sizes that have a gap, or a zero standard error). With more than two sizes, where the points
+    scatter about the line by more than their standard errors (:math:`\chi^2/(n-2) > 1`), the
+    slope's standard error is scaled by :math:`\sqrt{\chi^2/(n-2)}` (as ``numpy.polyfit``'s
+    ``cov=True``): a trend is not claimed from points that a line does not fit."""
     pairs = [(math.log2(s), g) for s, g in zip(sizes, points) if g is not None and g.se > 0]
     if len(pairs) < 2:
         return None
@@ -87,7 +91,11 @@ def slope(sizes: Sequence[float], points: Sequence[Gap | None]) -> tuple[float, 
     if sxx == 0:
         return None
     b = sum(wi * (xi - xm) * (yi - ym) for wi, xi, yi in zip(w, x, y)) / sxx
-    return b, 1 / math.sqrt(sxx)
+    se = 1 / math.sqrt(sxx)
+    if len(pairs) > 2:  # points farther from the line than their SEs: the line explains less
+        chi2 = sum(wi * (yi - ym - b * (xi - xm)) ** 2 for wi, xi, yi in zip(w, x, y))
+        se *= math.sqrt(max(1.0, chi2 / (len(pairs) - 2)))
+    return b, se
 
 
 def verdict(fit: tuple[float, float] | None) -> str:

@@ -59,3 +59,19 @@ def test_the_cli_writes_the_table_and_the_figure(tmp_path, capsys):
     assert out.stat().st_size > 1000 and out.with_suffix(".md").read_text().startswith("| arm | width 64")
     assert main([str(tmp_path / "d64"), "--sizes", "64", "128", "--arms", "arm", "--baseline", "base"]) == 2
     assert "one size per folder" in capsys.readouterr().err
+
+
+def test_points_a_line_does_not_fit_widen_the_slopes_standard_error():
+    """docs/results' SEL no-linear gaps (−0.065, −0.051, −0.080 at widths 32, 64, 128; SEs
+    0.0078, 0.0041, 0.0039) scatter about their weighted line by 3.6 of their SEs (chi²/dof
+    12.8): the slope's standard error is numpy.polyfit's scaled one, 0.0141, not 0.0039, and the
+    verdict is no trend (1.0 SE), not "arm gains with size" (3.7 SE)."""
+    np = pytest.importorskip("numpy")
+    sizes, means, ses = [32, 64, 128], [-0.065, -0.051, -0.080], [0.0078, 0.0041, 0.0039]
+    b, se = slope(sizes, [Gap(m, s, 5) for m, s in zip(means, ses)])
+    (want_b, _), cov = np.polyfit(np.log2(sizes), means, 1, w=1 / np.array(ses), cov=True)
+    assert b == pytest.approx(want_b, rel=1e-9) and se == pytest.approx(math.sqrt(cov[0, 0]), rel=1e-9)
+    assert se == pytest.approx(0.0141, abs=5e-5) and verdict((b, se)) == "no trend beyond the noise"
+    # points within their SEs of the line keep the unscaled error (chi²/dof < 1 is not a gain)
+    close = [Gap(0.0, 0.01, 5), Gap(0.101, 0.01, 5), Gap(0.2, 0.01, 5)]
+    assert slope([64, 128, 256], close)[1] == pytest.approx(0.01 / math.sqrt(2), rel=1e-12)
