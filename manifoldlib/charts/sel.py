@@ -80,13 +80,34 @@ def _rule_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @functools.cache
-def _largest_clamp(rule_dtype: torch.dtype) -> float:
-    r"""The largest clamp whose ``expm1`` is finite in ``rule_dtype``: :math:`\log(\text{finfo.max})`
-    rounded down to that dtype (in float32 it rounds up to a number whose ``expm1`` is inf)."""
-    largest = torch.tensor(math.log(torch.finfo(rule_dtype).max), dtype=rule_dtype)
-    if not bool(torch.isfinite(torch.expm1(largest))):
+def _largest_clamp(dtype: torch.dtype) -> float:
+    r"""The largest clamp :math:`M` for a weight stored in ``dtype``: :math:`\log(\text{finfo.max})`
+    of ``dtype``, rounded down in the dtype the rule runs in so that :math:`\operatorname{expm1}(M)`
+    computed there is at most ``finfo.max`` (a larger one is inf once the weight is rounded to
+    ``dtype``). 88.72283172607422 for float32 (its log(max) rounds up to a number whose ``expm1``
+    is inf), 709.782712893384 for float64, 11.089865684509277 for float16 and 88.71891784667969
+    for bfloat16 (both computed in float32, whose ``expm1`` is finite up to 88.72283, but rounded
+    to ``dtype``, whose range ends at 65504 and at 3.3895e38)."""
+    top = torch.finfo(dtype).max
+    largest = torch.tensor(math.log(top), dtype=_rule_dtype(dtype))
+    while float(largest) > math.log(top) or not float(torch.expm1(largest)) <= top:
         largest = torch.nextafter(largest, torch.zeros_like(largest))
     return largest.item()
+
+
+def _default_max_exponent(dtype: torch.dtype) -> float:
+    r"""The default clamp :math:`\tfrac12\log(\text{finfo.max})` for a weight stored in ``dtype``
+    (5.54 for float16, 44.36 for float32 and bfloat16, 354.9 for float64)."""
+    return 0.5 * math.log(torch.finfo(dtype).max)
+
+
+def _beyond_clamp(max_exponent, dtype: torch.dtype, then: str = "") -> str:
+    """The one-line refusal of a clamp beyond :func:`_largest_clamp` of ``dtype``."""
+    return (
+        f"max_exponent must be at most log(finfo.max) = {math.log(torch.finfo(dtype).max):.4g} "
+        f"for a {dtype} weight ({_largest_clamp(dtype)!r} computed in {_rule_dtype(dtype)}: "
+        f"expm1 of a larger b|w| overflows the {dtype} weight to inf), got {max_exponent!r}{then}"
+    )
 
 
 def _positive(name: str, value) -> float:
@@ -129,13 +150,18 @@ class SEL(Chart):
         fan_in: overrides the fan-in (default: the map's input size, ``weight.shape[1]`` for
             ``layout="out_in"`` and ``weight.shape[0]`` for ``"in_out"``; ``numel`` for 1-D).
         max_exponent: clamp of :math:`b|w|` inside ``expm1`` against overflow of the value and its
-            gradient (default :math:`\tfrac12\log(\text{finfo.max})`: 44.4 in float32); at most
-            :math:`\log(\text{finfo.max})` of the dtype the rule runs in, rounded down to that
-            dtype (88.72283 for float32, and for bfloat16 and float16, which run in float32;
-            709.8 for float64), beyond which ``expm1`` overflows to inf before the clamp applies.
-            After a cast to a dtype with a smaller range (a chart built in float64, then
-            ``module.float()``) the rule clamps at that dtype's default instead where
-            ``max_exponent`` was left to its default, and at most at its limit otherwise.
+            gradient (default :math:`\tfrac12\log(\text{finfo.max})` of the weight's dtype: 44.4
+            in float32 and bfloat16, 5.54 in float16, 354.9 in float64); at most
+            :math:`\log(\text{finfo.max})` of the weight's dtype, rounded down in the dtype the
+            rule runs in (88.72283 for float32, 709.8 for float64, 11.09 for float16 and 88.719
+            for bfloat16, which run in float32 but are rounded to their own range), beyond which
+            ``expm1(M)`` overflows the weight to inf. Left to its default, it follows casts
+            downwards: after ``module.half()`` a chart built in float64 or float32 clamps
+            exactly like one built in float16 (5.54), after ``module.float()`` one built in
+            float64 like one built in float32 (44.4); cast to a wider dtype, a chart keeps the
+            clamp it was built with (its weight is unchanged). Given explicitly, it is the clamp
+            in every dtype, and a cast to a dtype it exceeds the limit of is refused
+            (``ValueError`` naming that limit; lower :attr:`max_exponent` first).
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
             hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
@@ -143,7 +169,8 @@ class SEL(Chart):
     Raises:
         ValueError: for an unknown ``init`` or ``layout``, non-positive or non-finite scales,
             ``kappa``, ``gain`` or ``slope`` (bools and strings are not numbers), a ``linear``
-            that is not a bool, a ``max_exponent`` out of range, initial scales whose
+            that is not a bool, a ``max_exponent`` out of range for the weight's dtype (and
+            later, casting the chart to a dtype it is out of range for), initial scales whose
             :math:`b` is not a positive finite number in the weight's dtype, a weight that is
             not finite or not 1-/2-D, or a bad ``rank``.
     """
@@ -213,22 +240,16 @@ class SEL(Chart):
             raise ValueError(f"fan_in must be an int >= 1, got {fan_in!r}")
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite, got NaN or inf entries")
-        finfo = torch.finfo(weight.dtype)
         self.max_exponent = (
-            0.5 * math.log(finfo.max)
+            _default_max_exponent(weight.dtype)
             if max_exponent is None
             else _positive("max_exponent", max_exponent)
         )
-        self._default_clamp = max_exponent is None  # after a cast: the new dtype's default
-        rule_dtype = _rule_dtype(weight.dtype)  # forward's
-        # the clamp runs on M rounded to the rule's dtype: log(max) itself rounds up in float32
-        if self.max_exponent > _largest_clamp(rule_dtype):
-            raise ValueError(
-                f"max_exponent must be at most log(finfo.max) = "
-                f"{math.log(torch.finfo(rule_dtype).max):.4g} for a {weight.dtype} weight "
-                f"({_largest_clamp(rule_dtype)!r} in {rule_dtype}: expm1 of a larger b|w| "
-                f"overflows to inf before the clamp), got {max_exponent!r}"
-            )
+        self._default_clamp = max_exponent is None  # after a cast: at most the new dtype's default
+        # the weight is rounded to its own dtype (16-bit ones computed in float32): its range, not
+        # the rule's, bounds the clamp; and M rounded to the rule's dtype, not M, must fit
+        if self.max_exponent > _largest_clamp(weight.dtype):
+            raise ValueError(_beyond_clamp(max_exponent, weight.dtype))
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
         self.init, self.impl, self.layout = init, impl, layout
@@ -279,21 +300,35 @@ class SEL(Chart):
             self.delta_b = nn.Parameter(torch.zeros(out_features, rank, **factory))
 
     def _clamp(self, dtype: torch.dtype | None = None) -> float:
-        r"""The clamp :math:`M` of :math:`b|w|` the forward rule runs with for raw coordinates of
-        ``dtype`` (default: the chart's own): :attr:`max_exponent`, lowered where the chart was
-        cast (``module.float()``) to a dtype in which it is too large, to the default
-        :math:`\tfrac12\log(\text{finfo.max})` of the new dtype if it was the default, else to the
-        largest clamp whose ``expm1`` is finite there. A chart built in float64 and cast to
-        float32 thus clamps like one built in float32, at 44.4, not at 354.9 where ``expm1``
-        overflows float32 from 88.7. Both 16-bit dtypes run in float32; the default after a cast
-        is bfloat16's own (the clamp of a chart built in bfloat16) and float32's for float16 (a
-        float32 chart keeps its clamp after ``module.half()``)."""
+        r"""The clamp :math:`M` of :math:`b|w|` the forward rule runs with for raw coordinates (and
+        so a weight) of ``dtype`` (default: the chart's own).
+
+        Left to its default, :attr:`max_exponent` is lowered to the default
+        :math:`\tfrac12\log(\text{finfo.max})` of ``dtype`` where that is smaller: a chart built
+        in float64 or float32 and cast to float16 (``module.half()``) clamps exactly like one built
+        in float16, at 5.54, not at 354.9 or 44.4, whose ``expm1`` overflows the float16 weight
+        (65504) from 11.09; cast to a wider dtype it keeps the clamp it was built with, so the
+        weight it computes is unchanged. Given explicitly, :attr:`max_exponent` is the clamp in
+        every dtype, and one beyond the largest clamp of ``dtype`` (:func:`_largest_clamp`) is
+        refused: ``ValueError`` rather than an inf weight or a silently lower clamp."""
         dtype = self.beta.dtype if dtype is None else dtype
-        limit = _largest_clamp(_rule_dtype(dtype))
         if getattr(self, "_default_clamp", False):
-            range_dtype = torch.float32 if dtype == torch.float16 else dtype
-            limit = 0.5 * math.log(torch.finfo(range_dtype).max)
-        return min(self.max_exponent, limit)
+            return min(self.max_exponent, _default_max_exponent(dtype))
+        if self.max_exponent > _largest_clamp(dtype):
+            raise ValueError(_beyond_clamp(self.max_exponent, dtype))
+        return self.max_exponent
+
+    def _apply(self, fn, recurse=True):
+        # a cast (module.half(), .to(dtype)) to a dtype whose range cannot hold an explicit clamp
+        # is refused before anything of the chart is converted (beta, a 0-d buffer, tells the dtype)
+        if not getattr(self, "_default_clamp", True):
+            dtype = fn(self.beta).dtype
+            if self.max_exponent > _largest_clamp(dtype):
+                raise ValueError(_beyond_clamp(
+                    self.max_exponent, dtype,
+                    f" (casting a {self.beta.dtype} chart: lower its max_exponent first)",
+                ))
+        return super()._apply(fn, recurse)
 
     # -- scales -----------------------------------------------------------------------------------
     def _factor(
@@ -379,12 +414,13 @@ class SEL(Chart):
 
         float16 and bfloat16 raw coordinates are evaluated in float32, the scales computed in
         float32 from the chart's parameters, and the weight and every gradient rounded once to
-        their dtype (:func:`~manifoldlib.charts.sel_forward_rule`). float16 for its range:
-        :math:`\operatorname{expm1}(b|w|)` overflows float16 from :math:`b|w| = 11.1`, where
-        :math:`a\,\operatorname{expm1}(b|w|)` may still be well inside its range (a chart built
-        in float32 keeps its clamp of 44.4 after ``module.half()``). bfloat16 for its precision:
-        evaluated in bfloat16, the scales, :math:`b|w|`, :math:`\operatorname{expm1}` and the
-        products each round to 8 bits, and the weight was off by several bfloat16 ulps, most where
+        their dtype (:func:`~manifoldlib.charts.sel_forward_rule`). The clamp is that of
+        ``raw``'s dtype, whose range the weight must fit (see ``max_exponent``): 5.54 by default for
+        float16, also for a chart built in float32 or float64 and cast with ``module.half()``
+        (their 44.4 and 354.9 gave inf weights: :math:`\operatorname{expm1}(b|w|)` exceeds
+        float16's 65504 from :math:`b|w| = 11.09`). bfloat16 for its precision: evaluated in
+        bfloat16, the scales, :math:`b|w|`, :math:`\operatorname{expm1}` and the products each
+        round to 8 bits, and the weight was off by several bfloat16 ulps, most where
         :math:`b|w|` is large (an error in :math:`b|w|` is multiplied by it in
         :math:`e^{b|w|}`).
         """
@@ -425,7 +461,7 @@ class SEL(Chart):
         if self.init == "congruent" and c is not None:
             neg = solve_expm1_minus_linear(mag, a, b, c0)
             raw = torch.where(target < 0, -neg, raw)
-        clamp = self._clamp()
+        clamp = self._clamp(weight.dtype)  # the forward's, on raw coordinates of weight's dtype
         if not bool(torch.isfinite(raw).all()) or bool((b * raw.abs() > clamp).any()):
             raise ValueError(
                 f"weight magnitude {mag.max().item():.4g} is beyond what the chart represents "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import pytest
@@ -289,10 +291,11 @@ def test_a_clamp_up_to_log_finfo_max_is_accepted_and_keeps_the_weight_finite():
     raw = torch.full((2, 2), 88.0 / float(chart.beta) * 10)  # b|w| = 880, clamped to 88
     assert torch.isfinite(chart(raw)).all()
     assert SEL(w.double(), max_exponent=700.0).max_exponent == 700.0
-    assert SEL(w.half(), max_exponent=80.0).max_exponent == 80.0  # float16 runs in float32
+    assert SEL(w.bfloat16(), max_exponent=80.0).max_exponent == 80.0  # computed in float32
+    assert SEL(w.half(), max_exponent=11.0).max_exponent == 11.0  # float16's range: 11.09
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16 runs in float32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16's range is smaller
 def test_the_clamp_log_finfo_max_itself_rounds_up_in_float32_and_is_refused(dtype):
     # log(finfo(float32).max) = 88.72283905206835 rounds up to the float32 88.72283935546875, whose
     # expm1 is inf: the bound was accepted and every clamped entry of the weight was inf
@@ -429,9 +432,11 @@ def test_every_listed_init_and_impl_is_accepted():
         SEL(w, init="exact")
 
 
-def _sel_weight_float64(chart: SEL, raw: torch.Tensor, params=None) -> torch.Tensor:
+def _sel_weight_float64(chart: SEL, raw: torch.Tensor, params=None, max_exponent=None):
     """The forward rule from the chart's own (rounded) raw coordinates and scales, in float64
-    (``params``: float64 tensors by parameter name to use instead of the chart's)."""
+    (``params``: float64 tensors by parameter name to use instead of the chart's; ``max_exponent``
+    instead of the chart's)."""
+    max_exponent = chart.max_exponent if max_exponent is None else max_exponent
     params = {n: p.double() for n, p in chart.named_parameters()} if params is None else params
 
     def full(name):
@@ -444,7 +449,7 @@ def _sel_weight_float64(chart: SEL, raw: torch.Tensor, params=None) -> torch.Ten
     w = raw.double()
     sign = torch.where(w >= 0, 1.0, -1.0).double()
     t = w * sign  # |w|, with the chart's one-sided slope at w = 0
-    return sign * a * torch.expm1((b * t).clamp(max=chart.max_exponent)) + c * t
+    return sign * a * torch.expm1((b * t).clamp(max=max_exponent)) + c * t
 
 
 def _ulps_off(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -503,20 +508,22 @@ def test_a_16_bit_chart_rounds_the_float64_rule_once(dtype, impl):
 
 
 def test_float16_chart_evaluates_in_float32():
-    # a chart built in float32 keeps its clamp (44.4) after module.half(); expm1(b|w|) in float16
-    # overflowed from b|w| = 11.1, so b|w| = 12 gave an inf weight (merged as inf) where the
-    # forward rule is about 2.7e3, well inside float16's range
+    # a float16 chart is evaluated in float32 and rounded once: expm1(b|w|) in float16 overflowed
+    # from b|w| = 11.1 (a chart built in float32 kept its clamp of 44.4 after module.half(), so
+    # b|w| = 12 gave an inf weight). The clamp a float16 weight accepts now ends there (11.09):
+    # at b|w| = 10.5 the weight is about 5e2, expm1 3.6e4, each within one float16 rounding
     torch.manual_seed(0)
     lin = nn.Linear(64, 4, bias=False)
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.02)
-    apply_chart(lin, SEL)
+    apply_chart(lin, functools.partial(SEL, max_exponent=11.0))
     chart = lin.parametrizations.weight[0]
     _, b, _ = chart.coefficients()
     with torch.no_grad():
         original = lin.parametrizations.weight.original
-        original[0, 0] = 12.0 / b[0, 0]
+        original[0, 0] = 10.5 / b[0, 0]
         original[1, 1] = -6.0 / b[1, 1]
+        original[2, 2] = 12.0 / b[2, 2]  # clamped at 11
     lin.half()
     raw = lin.parametrizations.weight.original.detach()
     want = _sel_weight_float64(chart, raw)
@@ -525,7 +532,7 @@ def test_float16_chart_evaluates_in_float32():
     # float32 evaluation rounded once to float16: within one float16 rounding of the float64 rule
     rel = ((got.double() - want) / want.abs().clamp_min(2.0**-14)).abs().max()
     assert float(rel) <= torch.finfo(torch.float16).eps
-    assert 2.0e3 < float(got[0, 0]) < 4.0e3
+    assert 4.0e2 < float(got[0, 0]) < 7.0e2 and 6.0e2 < float(got[2, 2]) < 1.0e3
     x = torch.randn(3, 64, dtype=torch.float16)
     before = lin(x).detach()
     merge_charts(lin)
@@ -569,3 +576,160 @@ def test_a_chart_built_in_float64_and_cast_down_clamps_like_one_built_in_that_dt
         assert torch.equal(p.grad, q.grad), name
     with pytest.raises(ValueError, match="beyond what the chart represents"):
         lin.weight = torch.full((4, 16), 1e30, dtype=dtype)
+
+
+F16_DEFAULT = 0.5 * math.log(torch.finfo(torch.float16).max)  # 5.545: expm1 255
+
+
+@pytest.mark.parametrize(
+    "impl", ["kernels", "aten", "autograd", pytest.param("compile", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("built", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_chart_cast_to_float16_clamps_like_one_built_in_float16(built, impl):
+    # the default clamp after module.half() stayed the build dtype's (float32's 44.36, float64's
+    # 354.9) while the weight is rounded to float16: a expm1(M) overflowed 65504 from b|w| ~ 11 + ln
+    # (1/a), so entries at b|w| = 30 or 100 were inf (a float16-built chart, clamping at 5.545,
+    # gives 27), entries at b|w| = 8 were 3e2 where the twin gives 27, the raw gradient overflowed
+    # (inf) and right_inverse accepted a target of 1e3 that the twin refuses
+    options = {"impl": "fused" if impl in ("kernels", "aten") else impl}
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4).to(built)
+    apply_chart(lin, functools.partial(SEL, **options))
+    lin.half()
+    twin = nn.Linear(16, 4).half()
+    apply_chart(twin, functools.partial(SEL, **options))
+    twin.load_state_dict(lin.state_dict())
+    chart, built_here = lin.parametrizations.weight[0], twin.parametrizations.weight[0]
+    assert built_here.max_exponent == F16_DEFAULT
+    perturb_scales(chart, seed=3, spread=0.2)
+    twin.load_state_dict(lin.state_dict())
+    _, b, _ = chart.coefficients()
+    with torch.no_grad():
+        for module in (lin, twin):
+            original = module.parametrizations.weight.original
+            for i, bw in enumerate((100.0, -30.0, 8.0, -3.0)):  # clamped but the last
+                original[i, i] = bw / b[i, i].float()
+    raw = lin.parametrizations.weight.original.detach().clone()
+    x = torch.randn(3, 16).half()
+    results = []
+    for module in (lin, twin):
+        with _cpu_kernels.disabled() if impl == "aten" else contextlib.nullcontext():
+            weight = module.weight
+            rule = type(weight.grad_fn.next_functions[0][0]).__name__  # under the view_as
+            if impl == "kernels" and _cpu_kernels.available():
+                assert rule == "_SELKernelRuleBackward"
+            if impl == "aten":
+                assert rule == "_SELForwardRuleBackward"
+            module(x).float().square().sum().backward()
+            weight.float().square().sum().backward()  # every entry's gradient, the clamped too
+            results.append(weight.detach())
+    got, want_twin = results
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    assert torch.equal(got, want_twin)
+    for (name, p), q in zip(lin.named_parameters(), twin.parameters()):
+        assert p.grad.dtype == torch.float16 and torch.isfinite(p.grad).all(), name
+        assert torch.equal(p.grad, q.grad), name
+    # against the float64 rule at float16's clamp (rounded to float32, as it runs): half an ulp
+    clamp = float(torch.tensor(F16_DEFAULT, dtype=torch.float32))
+    want = _sel_weight_float64(chart, raw, max_exponent=clamp)
+    assert _ulps_off(got, want) <= 0.5 * (1 + 2.0**-5)
+    a, _, c = (v.detach().double() for v in chart.coefficients())
+    for i, sign in ((0, 1.0), (1, -1.0), (2, 1.0)):  # clamped: s a expm1(M) + c t
+        clamped = sign * a[i, i] * math.expm1(clamp) + c[i, i] * raw[i, i].double().abs()
+        torch.testing.assert_close(got[i, i].double(), clamped, rtol=torch.finfo(torch.float16).eps,
+                                   atol=0)
+    # right_inverse with the same clamp: a target beyond it (finite in float16) is refused by both
+    after = []
+    for module in (lin, twin):
+        with pytest.raises(ValueError, match="beyond what the chart represents"):
+            module.weight = torch.full((4, 16), 1e3, dtype=torch.float16)
+        module.weight = torch.full((4, 16), 0.5, dtype=torch.float16)  # well inside: accepted
+        after.append((module.parametrizations.weight.original.detach(), module.weight.detach()))
+    assert all(torch.equal(u, v) for u, v in zip(*after))
+    torch.testing.assert_close(after[0][1].float(), torch.full((4, 16), 0.5), rtol=1e-3, atol=0)
+
+
+def test_a_chart_cast_up_keeps_the_clamp_it_was_built_with():
+    # the default follows casts downwards only: a float16 chart cast to float32 computes the same
+    # weight (clamped at 5.545, not float32's 44.4), so a trained model keeps its function
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4).half()
+    apply_chart(lin, SEL)
+    chart = lin.parametrizations.weight[0]
+    _, b, _ = chart.coefficients()
+    with torch.no_grad():
+        lin.parametrizations.weight.original[0, 0] = 8.0 / b[0, 0]  # beyond float16's clamp
+    before = lin.weight.detach()
+    lin.float()
+    assert lin.weight.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.detach(), before.float(),
+                               rtol=torch.finfo(torch.float16).eps, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "largest"), [(torch.float16, 11.089865684509277), (torch.bfloat16, 88.71891784667969)]
+)
+def test_the_largest_clamp_of_a_16_bit_weight_keeps_it_finite_and_the_next_is_refused(dtype,
+                                                                                        largest):
+    # a 16-bit weight is computed in float32 and rounded to its dtype: the clamp must keep
+    # expm1(M) within that dtype's range, not float32's. float16 accepted up to 88.72283 and gave
+    # inf weights from b|w| ~ 11 + ln(1/a) (a max_exponent of 80 was inf at b|w| = 80); bfloat16
+    # accepted 88.72283, whose expm1 (3.4028e38) rounds to inf in bfloat16 (max 3.3895e38)
+    w = torch.full((2, 2), 0.5, dtype=dtype)  # sigma0 = 0.5, b = 2
+    top = torch.tensor(largest, dtype=torch.float32)
+    above = torch.nextafter(top, torch.tensor(math.inf)).item()
+    for refused in (above, 80.0 if dtype == torch.float16 else 88.72283172607422):
+        with pytest.raises(ValueError, match=(
+            rf"max_exponent must be at most log\(finfo.max\) = .* for a {dtype} weight "
+            rf"\({largest!r} computed in torch.float32: .* got {refused!r}$")):
+            SEL(w, max_exponent=refused)
+    chart = SEL(w, max_exponent=largest, scale_init={"e_w": 1.0})  # a = 1: W = expm1(M) + c t
+    raw = torch.full((2, 2), 2.0 * largest / float(chart.beta), dtype=dtype)  # b|w| = 2M, clamped
+    a, _, c = chart.coefficients()
+    want = a.double() * math.expm1(largest) + c.double() * raw.double()
+    for impl in ("fused", "autograd"):
+        chart.impl = impl
+        got = chart(raw)
+        assert torch.isfinite(got).all(), impl
+        torch.testing.assert_close(got.double(), want, rtol=torch.finfo(dtype).eps, atol=0)
+
+
+def test_a_cast_to_a_dtype_beyond_an_explicit_clamp_is_refused():
+    # an explicit max_exponent is the clamp in every dtype: a float32 chart clamping at 30 cast
+    # to float16 gave inf weights from b|w| ~ 11 + ln(1/a) (silently), and a float64 chart clamping
+    # at 500 cast to float32 was clamped at 88.72283 instead (silently another chart). Both casts
+    # are refused before anything of the chart changes; a clamp within range casts as before
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4)
+    apply_chart(lin, functools.partial(SEL, max_exponent=30.0))
+    chart = lin.parametrizations.weight[0]
+    with pytest.raises(ValueError, match=(
+            r"max_exponent must be at most log\(finfo.max\) = 11.09 for a torch.float16 weight "
+            r"\(11.089865684509277 computed in torch.float32: .* got 30.0 \(casting a "
+            r"torch.float32 chart: lower its max_exponent first\)$")):
+        lin.half()
+    assert all(t.dtype == torch.float32 for t in (*chart.parameters(), *chart.buffers()))
+    assert lin.parametrizations.weight.original.dtype == torch.float32
+    raw = lin.parametrizations.weight.original.detach()
+    with pytest.raises(ValueError, match=r"for a torch.float16 weight .* got 30.0$"):
+        chart(raw.half())  # evaluated on float16 raw coordinates directly
+    chart.max_exponent = 11.0
+    lin.half()
+    twin = nn.Linear(16, 4).half()
+    apply_chart(twin, functools.partial(SEL, max_exponent=11.0))
+    twin.load_state_dict(lin.state_dict())
+    _, b, _ = chart.coefficients()
+    with torch.no_grad():
+        for module in (lin, twin):
+            module.parametrizations.weight.original[0, 0] = 10.5 / b[0, 0].float()
+    assert torch.equal(lin.weight, twin.weight) and torch.isfinite(lin.weight).all()
+
+    wide = nn.Linear(16, 4).double()
+    apply_chart(wide, functools.partial(SEL, max_exponent=500.0))
+    with pytest.raises(ValueError, match=r"= 88.72 for a torch.float32 weight \(88.72283172607422 "
+                                         r"computed in torch.float32: .* got 500.0 \(casting"):
+        wide.float()
+    assert wide.parametrizations.weight.original.dtype == torch.float64
+    wide.parametrizations.weight[0].max_exponent = 80.0
+    wide.float()
+    assert torch.isfinite(wide.weight).all()
