@@ -9,7 +9,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .results import DIAGNOSTIC_FIELDS, by_swept_value
+from .results import DIAGNOSTIC_FIELDS, by_swept_value, value_label
 from .suites import Suite
 
 __all__ = ["CSV_FIELDS", "REPORT_COLUMNS", "write_reports"]
@@ -88,7 +88,7 @@ def _arm_row(arm: str, rs: list[dict], base_runs: list[dict], columns, swept: bo
     is_baseline = bool(base_runs) and arm == base_runs[0]["arm"]
     paired = "—" if is_baseline else _paired(
         rs, {r["seed"]: r["val_loss"] for r in base_runs if r["val_loss"] is not None})
-    cells = [arm] + ([f"{rs[0]['swept']:g}" if rs else "—"] if swept else []) + [
+    cells = [arm] + ([value_label(rs[0]['swept']) if rs else "—"] if swept else []) + [
         f"{_fmt(mean)} ± {_fmt(std)}" if len(vals) > 1 else _fmt(mean),
         _fmt(math.exp(mean) if vals else None, 2),
         f"{sum(r['diverged'] for r in rs)}/{len(rs)}", f"{sum(r['learned'] for r in rs)}/{len(rs)}",
@@ -123,7 +123,7 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
     columns = REPORT_COLUMNS.get(suite.name) or REPORT_COLUMNS.get(suite.name.split("-")[0], ())
     shown_base = {**base, **overrides}
     if key:  # every run sets the swept key itself; the base's value is never used
-        shown_base[key] = "swept: " + ", ".join(f"{v:g}" for v in sorted(
+        shown_base[key] = "swept: " + ", ".join(value_label(v) for v in sorted(
             {r["swept"] for r in sweep_rows}))
     base_runs = [r for r in results if r["arm"] == suite.baseline]
     header = (["arm"] + ([f"best {key}"] if key else []) +
@@ -152,7 +152,7 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
                     f"reported above on seeds {', '.join(map(str, reported))}, none of them used for the choice."
                     if held_out else f"The `{key}` was chosen on seeds that are also reported above.")
         lines += ["", protocol, "", f"Sweep of `{key}` ({over}; final validation loss, or diverged):", "",
-                  _md_row(["arm"] + [f"{key}={v:g}" for v in values]),
+                  _md_row(["arm"] + [f"{key}={value_label(v)}" for v in values]),
                   "|---|" + "---|" * len(values)]
         for arm, _ in suite.arms:
             by_value = by_swept_value([r for r in sweep_rows if r["arm"] == arm])

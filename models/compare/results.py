@@ -8,7 +8,7 @@ import math
 from .suites import Suite
 
 __all__ = ["DIAGNOSTIC_FIELDS", "LEARNED_MARGIN", "by_swept_value", "learned", "result_row",
-           "val_rise_max"]
+           "val_rise_max", "value_label"]
 
 
 #: Last-evaluation diagnostics carried into every result row (see ``models.evaluation.diagnostics``).
@@ -75,6 +75,19 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
     result.update({k: last_eval.get(k) for k in DIAGNOSTIC_FIELDS})
     result.update(_diagnostic_peaks(rows))
     return result
+
+
+def value_label(value) -> str:
+    """A swept value as run directory names and reports spell it: ``:g`` (``0.003``, ``1e-05``)
+    where that reads back as the value, else ``repr`` (``0.01000001``, which ``:g`` rounds to
+    ``0.01``): distinct values get distinct names, and ordinary values keep the ``:g`` names
+    of earlier suites (whose finished runs are found and reused)."""
+    short = f"{value:g}"
+    try:
+        exact = float(short) == value
+    except (TypeError, ValueError):
+        exact = False
+    return short if exact else repr(value)
 
 
 def by_swept_value(results: list[dict]) -> dict:

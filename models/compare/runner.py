@@ -17,7 +17,7 @@ from ..config import ConfigError, build_config, inert_settings
 from ..data import check_given_tokenizer, with_shards_tokenizer
 from ..train import read_metrics, run_training
 from .reports import write_reports
-from .results import by_swept_value, result_row
+from .results import by_swept_value, result_row, value_label
 from .suites import FULL_BASE, QUICK_BASE, Suite, check_requirements
 
 __all__ = ["run_suite", "suite_configs"]
@@ -66,7 +66,7 @@ def _check_distinct(suite: Suite, planned: list[tuple], overrides: dict) -> None
     """
     seen: dict[str, str] = {}
     for arm, value, cfg in planned:
-        name = arm if value is None else f"{arm} at {value:g}"
+        name = arm if value is None else f"{arm} at {value_label(value)}"
         fingerprint = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
         if fingerprint in seen:
             given = f" (overrides: {', '.join(f'--{k} {v}' for k, v in overrides.items())})" \
@@ -249,7 +249,7 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         return _arm_config(base, arm_overrides, seed, key, value, overrides)
 
     def label(value) -> str | None:
-        return f"{key}={value:g}" if key else None
+        return f"{key}={value_label(value)}" if key else None  # one folder per distinct value
 
     # refused before anything is written: an override no arm reads, two arms (or swept values)
     # that are one configuration

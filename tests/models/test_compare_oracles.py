@@ -100,3 +100,31 @@ def test_a_repeated_seed_is_refused(tmp_path, monkeypatch, seeds, tuning):
     with pytest.raises(ConfigError, match=re.escape(f"{name} {list(given)} repeat [{repeated}]; give each seed once")):
         run_suite(suite, tmp_path, seeds=seeds, echo=False)
     assert trained == [] and not tmp_path.joinpath("results.md").exists()
+
+
+def test_swept_values_that_print_alike_train_and_report_apart(tmp_path, monkeypatch):
+    """0.01 and 0.01000001 are one name under ``:g`` ("lr=0.01"): both trained into one run
+    directory, the second (0.01000001, a loss of 3.0) over the first (0.01, 2.5), so the
+    reported seeds 0 and 1 at the chosen 0.01 read 0.01000001's curve: the baseline missed its
+    own target (2.5) on them, "25 (1/3)" steps to target instead of "25 (3/3)", and a re-run
+    trained the overwritten runs again. Each value now has its own folder (``repr`` where
+    ``:g`` loses digits); ordinary values keep their ``:g`` names."""
+    trained = _stub_training(monkeypatch, lambda cfg: [4.0, 2.5 if cfg.lr == 0.01 else 3.0])
+    suite = dataclasses.replace(_swept_suite((0.01, 0.01000001)), seeds=(0, 1, 2), tuning_seeds=(),
+                                tune_seeds=2)
+    results = run_suite(suite, tmp_path, seeds=(0, 1, 2), echo=False)
+    assert [(r["swept"], r["val_loss"], r["steps_to_target"]) for r in results] == [(0.01, 2.5, 25)] * 3
+    for folder, lr in (("lr=0.01", 0.01), ("lr=0.01000001", 0.01000001)):
+        for seed in (0, 1):
+            run_dir = tmp_path / "a" / folder / f"seed{seed}"
+            assert json.loads((run_dir / "config.json").read_text())["lr"] == lr
+    md = (tmp_path / "results.md").read_text()
+    assert "| a | 0.01 | 2.5000 ± 0.0000 |" in md and "| 25 (3/3) |" in md
+    assert "| arm | lr=0.01 | lr=0.01000001 |" in md
+    del trained[:]
+    run_suite(suite, tmp_path, seeds=(0, 1, 2), echo=False)
+    assert trained == []  # every run found again
+    # ordinary values keep the names of existing --out folders
+    from models.compare.results import value_label
+    assert [value_label(v) for v in (0.003, 0.01, 1e-4, 3e-4, 1e-5, 1.0, 0.1)] == [
+        "0.003", "0.01", "0.0001", "0.0003", "1e-05", "1", "0.1"]
