@@ -35,19 +35,22 @@ def _fmt(x, digits: int = 4) -> str:
 
 
 #: Extra report columns by suite name, else by suite family (the name before any ``-``):
-#: ``(header, result key)``, shown as the mean over seeds.
+#: ``(header, result key)``, shown as the mean over seeds. A header names one quantity:
+#: "final ..." is the last evaluation's, "peak ..." / "... over run" the extreme over every
+#: evaluation (``attention_entropy_min`` is the smallest layer's at the last evaluation,
+#: ``min_attention_entropy`` its smallest over the run).
 REPORT_COLUMNS = {
     "spheret": (("step angle (rad)", "step_angle_mean"), ("max step angle", "step_angle_max"),
-                ("min attn entropy", "attention_entropy_min")),
+                ("final min attn entropy", "attention_entropy_min")),
     # the stress suite's question is saturation and divergence, not step angles alone
     "spheret-stress": (("step angle (rad)", "step_angle_mean"),
                        ("peak attn logit", "peak_attention_logit"),
-                       ("min attn entropy", "attention_entropy_min"),
+                       ("final min attn entropy", "attention_entropy_min"),
                        ("Keel branch/highway", "keel_branch_ratio_max"),
                        ("max val rise", "val_rise_max")),
     "manifolds": (("peak q/k σ_max", "peak_qk_spectral_norm"),
                   ("peak attn logit", "peak_attention_logit"),
-                  ("min attn entropy", "min_attention_entropy"),
+                  ("min attn entropy over run", "min_attention_entropy"),
                   ("final max attn prob", "attention_max_prob"),
                   ("max val rise", "val_rise_max")),
     # wall-clock to target: training seconds (chart overhead included) until the first evaluation

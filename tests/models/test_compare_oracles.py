@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -14,11 +15,12 @@ from models.compare import Suite, run_suite
 from models.config import ConfigError
 
 
-def _stub_training(monkeypatch, curve):
+def _stub_training(monkeypatch, curve, diagnostics=None):
     """``run_training`` replaced: ``curve(cfg)`` gives the run's validation losses at steps 0,
     eval_interval, 2 eval_interval, ... (``None``: the run diverged there); the metrics rows,
-    ``config.json`` and ``summary.json`` are written as the trainer writes them. Returns the list
-    of ``(arm settings..., seed)`` trained, in order."""
+    ``config.json`` and ``summary.json`` are written as the trainer writes them
+    (``diagnostics(cfg, i)``: the diagnostics of the ``i``-th evaluation, finite values only as
+    the trainer logs them). Returns the list of ``(arm settings..., seed)`` trained, in order."""
     trained = []
 
     def run_training(cfg, run_dir, echo=False):
@@ -33,6 +35,8 @@ def _stub_training(monkeypatch, curve):
                 diverged = True
                 break
             row = {"step": step, "tokens": step * 100, "val_loss": v}
+            if diagnostics is not None:
+                row.update({k: x for k, x in diagnostics(cfg, i).items() if math.isfinite(x)})
             if step:
                 row.update(train_loss=v, tokens_per_s=1000.0)
             rows.append(row)
@@ -128,3 +132,26 @@ def test_swept_values_that_print_alike_train_and_report_apart(tmp_path, monkeypa
     from models.compare.results import value_label
     assert [value_label(v) for v in (0.003, 0.01, 1e-4, 3e-4, 1e-5, 1.0, 0.1)] == [
         "0.003", "0.01", "0.0001", "0.0003", "1e-05", "1", "0.1"]
+
+
+def test_each_attention_entropy_header_names_its_quantity(tmp_path, monkeypatch):
+    """"min attn entropy" headed the last evaluation's smallest layer entropy in the spheret
+    suites (``attention_entropy_min``: 1.5 here) and the smallest over the whole run in the
+    manifolds suite (``min_attention_entropy``: 0.5 here, at the middle evaluation): one header,
+    two quantities. Each header now says which (and no header names two result keys)."""
+    from models.compare.reports import REPORT_COLUMNS
+    keys_of: dict = {}
+    for columns in REPORT_COLUMNS.values():
+        for header, key in columns:
+            keys_of.setdefault(header, set()).add(key)
+    assert {h: k for h, k in keys_of.items() if len(k) > 1} == {}
+    _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, 2.5],
+                   diagnostics=lambda cfg, i: {"attention_entropy_min": (3.0, 0.5, 1.5)[i]})
+    for name, header, cell in (("spheret-mini", "final min attn entropy", "1.500"),
+                               ("manifolds-mini", "min attn entropy over run", "0.500")):
+        suite = Suite(name=name, baseline="a", arms=(("a", {}),), seeds=(0, 1))
+        run_suite(suite, tmp_path / name, echo=False)
+        lines = (tmp_path / name / "results.md").read_text().splitlines()
+        head, row = ([c.strip() for c in next(x for x in lines if x.startswith(start)).strip("| ").split("|")]
+                     for start in ("| arm |", "| a |"))
+        assert header in head and row[head.index(header)] == cell
