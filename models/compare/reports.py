@@ -99,9 +99,19 @@ def _arm_row(arm: str, rs: list[dict], base_runs: list[dict], columns, swept: bo
         _fmt(welch, 1) if welch is not None else "—", paired,
         _fmt(statistics.fmean(r["wall_time_s"] for r in rs), 1) if rs else "—"]
     for _, key in columns:
-        xs = [r[key] for r in rs if r.get(key) is not None]
-        cells.append(_fmt(statistics.fmean(xs), 3) if xs else "—")
+        cells.append(_column_mean(rs, key))
     return _md_row(cells)
+
+
+def _column_mean(rs: list[dict], key: str) -> str:
+    """The mean of ``key`` over the runs that have it, with ``(k/n)`` where only ``k`` of the
+    ``n`` runs do: the trainer logs finite diagnostics only, so a seed whose value was NaN or
+    inf (or that never reached the target, for the seconds to it) is left out of the mean, and
+    the count says so. ``—`` where no run has it (a diagnostic the arm's model does not have)."""
+    xs = [r[key] for r in rs if r.get(key) is not None]
+    if not xs:
+        return "—"
+    return _fmt(statistics.fmean(xs), 3) + (f" ({len(xs)}/{len(rs)})" if len(xs) < len(rs) else "")
 
 
 def _md_row(cells) -> str:

@@ -155,3 +155,18 @@ def test_each_attention_entropy_header_names_its_quantity(tmp_path, monkeypatch)
         head, row = ([c.strip() for c in next(x for x in lines if x.startswith(start)).strip("| ").split("|")]
                      for start in ("| arm |", "| a |"))
         assert header in head and row[head.index(header)] == cell
+
+
+def test_a_mean_over_fewer_seeds_than_the_arm_ran_says_how_many(tmp_path, monkeypatch):
+    """The trainer logs finite diagnostics only: seed 1's NaN step angle at the last evaluation
+    is absent from its row, and the column's mean (0.2 and 0.4: 0.300) silently averaged 2 of
+    the 3 seeds the row reports. The cell now reads "0.300 (2/3)"; a column every seed has
+    reads as before, one no seed has (this model has no attention statistics) "—"."""
+    def diagnostics(cfg, i):
+        angle = (0.2, math.nan, 0.4)[cfg.seed] if i == 2 else 0.1
+        return {"step_angle_mean": angle, "step_angle_max": 0.5}
+    _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, 2.5], diagnostics=diagnostics)
+    suite = Suite(name="spheret-mini", baseline="a", arms=(("a", {}),), seeds=(0, 1, 2))
+    run_suite(suite, tmp_path, echo=False)
+    assert [r["step_angle_mean"] for r in _csv(tmp_path / "results.csv")] == ["0.2", "", "0.4"]
+    assert "| 0.300 (2/3) | 0.500 | — |" in (tmp_path / "results.md").read_text()
