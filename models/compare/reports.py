@@ -93,7 +93,7 @@ def _arm_row(arm: str, rs: list[dict], base_runs: list[dict], columns, swept: bo
         rs, {r["seed"]: r["val_loss"] for r in base_runs if r["val_loss"] is not None})
     cells = [arm] + ([value_label(rs[0]['swept']) if rs else "—"] if swept else []) + [
         f"{_fmt(mean)} ± {_fmt(std)}" if len(vals) > 1 else _fmt(mean),
-        _fmt(math.exp(mean) if vals else None, 2),
+        _ppl(mean) if vals else "—",
         f"{sum(r['diverged'] for r in rs)}/{len(rs)}", f"{sum(r['learned'] for r in rs)}/{len(rs)}",
         f"{_fmt(statistics.fmean(steps), 0) if steps else '—'} ({len(steps)}/{len(rs)})",
         _fmt(welch, 1) if welch is not None else "—", paired,
@@ -101,6 +101,15 @@ def _arm_row(arm: str, rs: list[dict], base_runs: list[dict], columns, swept: bo
     for _, key in columns:
         cells.append(_column_mean(rs, key))
     return _md_row(cells)
+
+
+def _ppl(mean_loss: float) -> str:
+    """``exp`` of a mean loss, ``inf`` past float's range (a mean loss above 709.78)."""
+    try:
+        ppl = math.exp(mean_loss)
+    except OverflowError:
+        ppl = math.inf
+    return "inf" if ppl == math.inf else _fmt(ppl, 2)
 
 
 def _column_mean(rs: list[dict], key: str) -> str:

@@ -170,3 +170,15 @@ def test_a_mean_over_fewer_seeds_than_the_arm_ran_says_how_many(tmp_path, monkey
     run_suite(suite, tmp_path, echo=False)
     assert [r["step_angle_mean"] for r in _csv(tmp_path / "results.csv")] == ["0.2", "", "0.4"]
     assert "| 0.300 (2/3) | 0.500 | — |" in (tmp_path / "results.md").read_text()
+
+
+def test_a_mean_loss_past_exps_range_reports_an_infinite_perplexity(tmp_path, monkeypatch):
+    """A finished run (not diverged: its loss is finite) ending at 800 nats: math.exp(800)
+    raised OverflowError in the report, after results.csv was written and before results.md.
+    The "val ppl" cell now reads "inf"; the other arm's 2.5 reads exp(2.5) = 12.18."""
+    _stub_training(monkeypatch, lambda cfg: [4.0, 800.0 if cfg.lr == 1.0 else 2.5])
+    suite = Suite(name="mini", baseline="a", arms=(("a", {}), ("b", {"lr": 1.0})), seeds=(0, 1))
+    results = run_suite(suite, tmp_path, echo=False)
+    assert [r["diverged"] for r in results] == [False] * 4
+    md = (tmp_path / "results.md").read_text()
+    assert "| a | 2.5000 ± 0.0000 | 12.18 |" in md and "| b | 800.0000 ± 0.0000 | inf |" in md
