@@ -37,8 +37,11 @@ on the very seeds it is judged on. ``results.md`` names both sets.
 - ``curves.png`` — the validation curves of every reported run.
 
 The *target* of "steps to target" is the mean final validation loss of the suite's baseline
-arm; the steps are the first evaluation at or below it (evaluations every ``eval_interval``
-steps, so the resolution is ``eval_interval``).
+arm (over its runs that did not diverge); the steps are the first evaluation at or below it
+(evaluations every ``eval_interval`` steps, so the resolution is ``eval_interval``), averaged over
+the runs that reach it, whose count the cell gives. A run that reached the target and diverged
+later counts as reaching it, at that first evaluation: the column says when the target was
+first reached, the "diverged" column what became of the run.
 
 Suites:
 

@@ -156,7 +156,9 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
              f"Command: `{command}`" if command else "", "",
              f"Base config: `{json.dumps(shown_base, sort_keys=True)}`", "",
              (f"Target (steps to target): mean final validation loss of `{suite.baseline}` = "
-              f"{_fmt(results[0]['target']) if results else '—'}. Δ vs baseline: difference of "
+              f"{_fmt(results[0]['target']) if results else '—'}; steps to target: the first "
+              f"evaluation at or below it, mean over the runs that reach it (k/n), a run that "
+              f"diverged after reaching it included (see diverged). Δ vs baseline: difference of "
               f"the mean final validation losses in standard errors (Welch); paired Δ: the mean "
               f"of the per-seed differences (same initialization and batches), in its standard "
               f"errors, and on how many seeds the arm is below the baseline. Total time "

@@ -116,6 +116,10 @@ def _check_read(suite: Suite, planned: list[tuple], overrides: dict) -> None:
 
 
 def _steps_to(rows: list[dict], target: float) -> int | None:
+    """The step of the first evaluation at or below ``target`` (``None``: none is). A run that
+    diverged after it still has it: "steps to target" is when a run first reached the
+    baseline's final loss, whatever happened later (the "diverged" column says that); a run
+    that diverged before reaching it has ``None``."""
     for row in rows:
         val = row.get("val_loss")
         if val is not None and val <= target:
@@ -125,7 +129,8 @@ def _steps_to(rows: list[dict], target: float) -> int | None:
 
 def _seconds_to(rows: list[dict], target: float) -> float | None:
     """Training seconds until the first evaluation at or below ``target``: each logged interval's
-    tokens over its measured tokens/s, summed (evaluations and start-up not counted)."""
+    tokens over its measured tokens/s, summed (evaluations and start-up not counted); a later
+    divergence does not remove it, as for :func:`_steps_to`."""
     seconds, tokens = 0.0, 0
     for row in rows:
         if row.get("tokens_per_s"):

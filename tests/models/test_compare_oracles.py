@@ -182,3 +182,26 @@ def test_a_mean_loss_past_exps_range_reports_an_infinite_perplexity(tmp_path, mo
     assert [r["diverged"] for r in results] == [False] * 4
     md = (tmp_path / "results.md").read_text()
     assert "| a | 2.5000 ± 0.0000 | 12.18 |" in md and "| b | 800.0000 ± 0.0000 | inf |" in md
+
+
+def test_steps_to_target_count_a_run_that_diverged_after_reaching_it(tmp_path, monkeypatch):
+    """Kept semantics, now stated: the baseline ends at 2.5 (the target); arm b reaches 2.4 at
+    step 25 on both seeds, and seed 1 then diverges at step 50. Its steps to target are 25 on
+    both seeds ("25 (2/2)", with "1/2" diverged beside it); results.md says a run that diverged
+    after reaching the target is included. A run that diverged before reaching it has none."""
+    def curve(cfg):
+        if cfg.lr == 1.0:
+            return [4.0, 2.4, None] if cfg.seed == 1 else [4.0, 2.4, 2.3]
+        if cfg.lr == 2.0:
+            return [4.0, None]
+        return [4.0, 3.0, 2.5]
+    _stub_training(monkeypatch, curve)
+    suite = Suite(name="mini", baseline="a", arms=(("a", {}), ("b", {"lr": 1.0}), ("c", {"lr": 2.0})),
+                  seeds=(0, 1))
+    results = run_suite(suite, tmp_path, echo=False)
+    assert [(r["arm"], r["diverged"], r["steps_to_target"]) for r in results] == [
+        ("a", False, 50), ("a", False, 50), ("b", False, 25), ("b", True, 25), ("c", True, None),
+        ("c", True, None)]
+    md = (tmp_path / "results.md").read_text()
+    assert "| b | 2.3000 | 9.97 | 1/2 | 1/2 | 25 (2/2) |" in md
+    assert "a run that diverged after reaching it included" in md
