@@ -90,11 +90,15 @@ def register_retraction(
     ``ValueError`` unless ``override=True``: replacing it changes what that name means for every
     later ``Sphere(retraction=...)``, ``SphereResidual`` and ``GPTConfig`` in the process.
     Re-running a notebook cell that registers a class therefore needs ``override=True``. A class
-    that does not define ``retract``, or whose ``order`` is not 1 or 2, is refused before
-    anything changes.
+    that does not define ``retract``, whose ``order`` is not 1 or 2, or that belongs to another
+    manifold already (its ``manifold`` is set, by itself, a base class such as
+    :class:`~manifoldlib.retractions.AngleRetraction`, or an earlier registration) is refused
+    before anything changes: an angle retraction normalizes the last dimension, so registered
+    for ``"oblique"`` or ``"stiefel"`` it would return points off that manifold without an error.
 
     Raises:
-        ValueError: unknown manifold, empty name or alias, a taken name without ``override``.
+        ValueError: unknown manifold, empty name or alias, a taken name without ``override``, a
+            class of another manifold.
         TypeError: the decorated object is not a complete :class:`Retraction` subclass.
     """
     _check_manifold_name(manifold)
@@ -114,6 +118,13 @@ def register_retraction(
                             f"retract(x, v)")
         if isinstance(cls.order, bool) or cls.order not in (1, 2):
             raise ValueError(f"{cls.__name__}.order must be 1 or 2, got {cls.order!r}")
+        if cls.manifold and cls.manifold != manifold:
+            owner = next(k for k in cls.__mro__ if "manifold" in k.__dict__).__name__
+            raise ValueError(
+                f"{cls.__name__} is a {cls.manifold} retraction (manifold={cls.manifold!r}, set by "
+                f"{owner}); it cannot be registered for {manifold!r}: register it under "
+                f"{cls.manifold!r}, or derive a {manifold} retraction from Retraction"
+            )
         if not override:
             _refuse_taken_names(manifold, (name, *aliases))
         cls.name = name

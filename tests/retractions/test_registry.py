@@ -232,6 +232,40 @@ def test_bad_classes_and_aliases_are_refused_before_anything_changes(clean_regis
     assert {family: available_retractions(family) for family in MANIFOLD_NAMES} == before
 
 
+@pytest.mark.parametrize("family", ["oblique", "stiefel", "dgram", "euclidean"])
+def test_a_sphere_retraction_is_refused_for_another_manifold(clean_registry, family):
+    """An angle retraction normalizes the last dimension: registered for Oblique (unit columns) it
+    returned rows of norm 1, off the manifold, from Oblique.retr without an error."""
+    before = {f: available_retractions(f) for f in MANIFOLD_NAMES}
+
+    class Arctan(AngleRetraction):
+        def angle(self, beta):
+            return torch.atan(beta)
+
+    with pytest.raises(ValueError, match=rf"Arctan is a sphere retraction \(manifold='sphere', set by "
+                                         rf"AngleRetraction\); it cannot be registered for '{family}'"):
+        register_retraction(family, "test-angle")(Arctan)
+    assert Arctan.name == "" and Arctan.manifold == "sphere"
+    assert {f: available_retractions(f) for f in MANIFOLD_NAMES} == before
+
+
+def test_a_registered_class_is_refused_for_a_second_manifold(clean_registry):
+    """Registering one class for two manifolds rewrote its ``manifold``: the first registry kept a
+    class that resolve_retraction then refused as an instance of that registry's manifold."""
+
+    @register_retraction("stiefel", "test-two-homes")
+    class Polar(Retraction):
+        order = 2
+
+        def retract(self, x, v):
+            return StiefelPolarRetraction().retract(x, v)
+
+    with pytest.raises(ValueError, match=r"Polar is a stiefel retraction .* cannot be registered for 'dgram'"):
+        register_retraction("dgram", "test-two-homes", override=True)(Polar)
+    assert Polar.manifold == "stiefel" and "test-two-homes" not in available_retractions("dgram")
+    assert type(Stiefel(retraction=Polar()).retraction) is Polar
+
+
 @pytest.mark.parametrize(
     "manifold",
     [
