@@ -123,7 +123,7 @@ def register_retraction(
             raise ValueError(
                 f"{cls.__name__} is a {cls.manifold} retraction (manifold={cls.manifold!r}, set by "
                 f"{owner}); it cannot be registered for {manifold!r}: register it under "
-                f"{cls.manifold!r}, or derive a {manifold} retraction from Retraction"
+                f"{cls.manifold!r}, or derive a retraction for {manifold!r} from Retraction"
             )
         if not override:
             _refuse_taken_names(manifold, (name, *aliases))
