@@ -46,6 +46,7 @@ from torch.nn.utils import parametrize
 from .._numbers import is_integer, is_real
 from ..distributed import STRATEGIES, reject_unsupported_parameter
 from ..manifolds import get_manifold
+from ..retractions.base import _ON_REGISTER
 from ..charts.blocks import SplitBlocks, output_dim
 from .execution import NS_DTYPES, SPECTRAL_PATHS
 
@@ -478,6 +479,9 @@ def default_retraction(manifold: str) -> tuple[str, dict]:
 @functools.lru_cache(maxsize=64)
 def _manifold_for(name: str, retraction: str, options: tuple):
     return get_manifold(name, retraction=retraction, **dict(options))
+
+
+_ON_REGISTER.append(_manifold_for.cache_clear)  # a name re-registered with override=True
 
 
 def group_manifold(manifold: str, retraction: str | None, options: tuple = ()):

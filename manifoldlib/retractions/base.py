@@ -35,6 +35,12 @@ _ALIASES: dict[str, dict[str, str]] = {name: {} for name in MANIFOLD_NAMES}
 
 R = TypeVar("R", bound=type["Retraction"])
 
+#: Called with no arguments after every registration. A cache of objects built from a registry
+#: name (ManifoldMuon's group manifolds, :mod:`manifoldlib.optim.options`) registers its
+#: ``cache_clear`` here: after ``override=True`` the name means another class, and a cached
+#: manifold would go on running the replaced one.
+_ON_REGISTER: list[Callable[[], None]] = []
+
 
 class Retraction(abc.ABC):
     """A retraction of one manifold family.
@@ -133,6 +139,8 @@ def register_retraction(
         _ALIASES[manifold].pop(name, None)  # an alias of the same name would hide the new class
         for alias in aliases:
             _ALIASES[manifold][alias] = name
+        for hook in _ON_REGISTER:
+            hook()
         return cls
 
     return decorator

@@ -187,6 +187,42 @@ def test_registration_errors(clean_registry):
         register_retraction("sphere", "third")(ThirdOrder)
 
 
+def test_a_name_replaced_with_override_reaches_optimizers_built_after_it(clean_registry):
+    """ManifoldMuon caches its group manifolds by retraction name: after a notebook cell re-ran
+    @register_retraction("stiefel", ..., override=True) with a fixed class, a new optimizer
+    naming it went on stepping with the replaced class."""
+    from manifoldlib.functional import stiefel_polar, stiefel_qr
+    from manifoldlib.optim import ManifoldMuon
+
+    calls = []
+
+    @register_retraction("stiefel", "test-fixed-later")
+    class Buggy(Retraction):
+        def retract(self, x, v):
+            calls.append("buggy")
+            return stiefel_qr(x, v)
+
+    def step():
+        w = torch.nn.Parameter(torch.linalg.qr(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))[0])
+        opt = ManifoldMuon([{"params": [w], "manifold": "stiefel", "retraction": "test-fixed-later"}], lr=0.1)
+        w.grad = torch.ones(6, 4)
+        opt.step()
+
+    step()
+    assert calls == ["buggy"]
+
+    @register_retraction("stiefel", "test-fixed-later", override=True)
+    class Fixed(Retraction):
+        order = 2
+
+        def retract(self, x, v):
+            calls.append("fixed")
+            return stiefel_polar(x, v)
+
+    step()
+    assert calls == ["buggy", "fixed"]
+
+
 def test_registering_a_name_that_was_an_alias_makes_it_the_new_class(clean_registry):
     """'projection' aliased gnomonic; registering it (on purpose, with override=True) used to leave
     Sphere(retraction='projection') on gnomonic, the new class unreachable."""
