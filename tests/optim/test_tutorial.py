@@ -16,7 +16,7 @@ def _code_blocks(text: str) -> list[str]:
     return blocks
 
 
-def test_tutorial_code_runs():
+def test_tutorial_code_runs(clean_policies):  # the tutorial registers "out-stiefel": not for later tests
     blocks = _code_blocks(TUTORIAL.read_text())
     assert len(blocks) == 4
     namespace: dict = {"__name__": "tutorial"}
