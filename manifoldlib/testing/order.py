@@ -181,9 +181,17 @@ def _fail(manifold: RetractionManifold, what: str) -> None:
 
 
 def _claimed_order(manifold: RetractionManifold, x: torch.Tensor) -> int:
-    """The order the retraction claims at points of ``x``'s shape (``order_at`` if it has one)."""
-    order_at = getattr(manifold.retraction, "order_at", None)
-    return int(order_at(tuple(x.shape))) if callable(order_at) else manifold.retraction.order
+    """The order the retraction claims at points of ``x``'s shape: its ``order_at`` where it has
+    one, unless ``order`` is set below the class that defines ``order_at`` (on the instance, or in
+    a subclass): a subclass of Stiefel Cayley that says ``order = 2`` claims 2 at every shape, and
+    reading the inherited ``order_at`` instead would check its tall points against 1."""
+    retraction = manifold.retraction
+    order_at = getattr(retraction, "order_at", None)
+    if not callable(order_at) or "order" in vars(retraction):
+        return retraction.order
+    mro = type(retraction).__mro__
+    depth = {attr: next((i for i, k in enumerate(mro) if attr in vars(k)), len(mro)) for attr in ("order", "order_at")}
+    return int(order_at(tuple(x.shape))) if depth["order_at"] <= depth["order"] else retraction.order
 
 
 def assert_retraction(
@@ -223,7 +231,9 @@ def assert_retraction(
     Args:
         manifold: the manifold carrying the retraction (``Sphere(retraction="my-p3")``).
         order: claimed order, 1 or 2; ``None`` reads the retraction's ``order_at(x.shape)`` where
-            it has one (an order that depends on the shape: Stiefel Cayley), else its ``order``.
+            it has one (an order that depends on the shape: Stiefel Cayley), else its ``order``;
+            an ``order`` set in a subclass (or on the instance) below the class that defines
+            ``order_at`` is the claim at every shape.
         x, v: optional base points and tangent directions (random when ``None``).
         generator: torch generator for the random draws (seed 0 when ``None``).
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from manifoldlib import DGram, Euclidean, Sphere, Stiefel
-from manifoldlib.functional import stiefel_qr
-from manifoldlib.retractions import AngleRetraction, PRetraction, Retraction
+from manifoldlib.functional import stiefel_polar, stiefel_qr
+from manifoldlib.retractions import AngleRetraction, PRetraction, Retraction, StiefelCayleyRetraction
 from manifoldlib.testing import (
     DEFAULT_TS,
     ORDER_TOLERANCE,
@@ -215,6 +215,31 @@ def test_order_depends_on_shape_where_theory_says_so():
     assert abs(retraction_order(Stiefel(retraction="cayley"), square) - 2.0) < 0.05
     column = DGram().random(2, 5, 1, generator=g, dtype=torch.float64)
     assert retraction_order(DGram(retraction="colnorm-polar"), column) == math.inf
+
+
+class CayleyClaimingTwo(StiefelCayleyRetraction):
+    """A user's Cayley that claims order 2 (it is, for the canonical metric): first order on tall
+    points for the Euclidean metric the check measures."""
+
+    order = 2
+
+
+class CayleyBecomesPolar(StiefelCayleyRetraction):
+    order = 2
+
+    def retract(self, x, v):
+        return stiefel_polar(x, v)
+
+
+def test_an_order_set_in_a_subclass_is_the_claim_at_every_shape():
+    # the inherited order_at read 1 on tall points: the order-2 claim of CayleyClaimingTwo passed
+    # there unchecked, and the second-order CayleyBecomesPolar was told to raise its order to 2
+    with pytest.raises(AssertionError, match=r"claims order 2 but the measured order is (0\.9|1\.0)"):
+        assert_retraction(Stiefel(retraction=CayleyClaimingTwo()))
+    assert abs(assert_retraction(Stiefel(retraction=CayleyBecomesPolar())) - 2.0) < 0.05
+    assert abs(assert_retraction(Stiefel(retraction="cayley")) - 1.0) < 0.05  # the built-in's order_at
+    square = Stiefel().random(2, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert abs(assert_retraction(Stiefel(retraction="cayley"), x=square) - 2.0) < 0.05
 
 
 def test_default_step_sizes_and_tolerance():
