@@ -55,6 +55,12 @@ _ROUNDING_FACTOR = 1e3
 _SMALL_PAIRS = 3
 
 
+# Seed of the tangent draw at a given point when no generator is given: not 0, since a point drawn
+# with manual_seed(0) would give the tangent that point's own Gaussian (on Stiefel P_X(XR) = X skew(R):
+# a vertical direction, along which Cayley is second order and measured 2.0 on tall points).
+_TANGENT_SEED = 2**31
+
+
 def _sample(
     manifold: RetractionManifold,
     x: torch.Tensor | None,
@@ -62,11 +68,11 @@ def _sample(
     generator: torch.Generator | None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if generator is None:
-        generator = torch.Generator().manual_seed(0)
     if x is None:
+        generator = torch.Generator().manual_seed(0) if generator is None else generator
         x = random_point(manifold, default_shape(manifold), generator=generator, dtype=dtype)
     else:
+        generator = torch.Generator().manual_seed(_TANGENT_SEED) if generator is None else generator
         x = x.to(dtype)
         ok, reason = manifold.check_point_on_manifold(x, explain=True)
         if not ok:
@@ -115,7 +121,10 @@ def retraction_order(
         v: tangent directions at ``x`` (projected onto the tangent space and rescaled to
             :math:`\|v\| = \|x\|`, so ``ts`` are relative step sizes); random when ``None``.
         ts: step sizes; each is compared with its half.
-        generator: torch generator for the random ``x`` and ``v`` (seed 0 when ``None``).
+        generator: torch generator for the random ``x`` and ``v`` (``None``: seed 0 for ``x``
+            and the ``v`` after it; a ``v`` at a given ``x`` from a seed of its own). A generator
+            in the state that drew a given ``x`` draws ``v`` from ``x``'s own Gaussian, a special
+            direction (vertical on Stiefel): give the point and the tangent different seeds.
         dtype: computation dtype (float64 recommended: in float32 most of the default ``ts``
             are below the rounding floor and skipped).
 
@@ -235,7 +244,7 @@ def assert_retraction(
             an ``order`` set in a subclass (or on the instance) below the class that defines
             ``order_at`` is the claim at every shape.
         x, v: optional base points and tangent directions (random when ``None``).
-        generator: torch generator for the random draws (seed 0 when ``None``).
+        generator: torch generator for the random draws (as in :func:`retraction_order`).
 
     Raises:
         AssertionError: naming the failed check and the measured numbers.

@@ -242,6 +242,19 @@ def test_an_order_set_in_a_subclass_is_the_claim_at_every_shape():
     assert abs(assert_retraction(Stiefel(retraction="cayley"), x=square) - 2.0) < 0.05
 
 
+def test_a_given_point_drawn_with_seed_0_gets_a_generic_tangent():
+    """With a point and no generator the tangent came from seed 0 too: for a point drawn with
+    manual_seed(0) that is the point's own Gaussian, and on Stiefel P_X(XR) = X skew(R) is a
+    vertical direction, along which Cayley is second order. The built-in Cayley measured 2.000 on
+    5x3 points ('raise its order to 2'), and a Cayley claiming 2 passed."""
+    st = Stiefel()
+    x = st.random(2, 5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert abs(retraction_order(Stiefel(retraction="cayley"), x) - 1.0) < 0.05
+    assert abs(assert_retraction(Stiefel(retraction="cayley"), x=x) - 1.0) < 0.05
+    with pytest.raises(AssertionError, match=r"claims order 2 but the measured order is (0\.9|1\.0)"):
+        assert_retraction(Stiefel(retraction="cayley"), order=2, x=x)
+
+
 def test_default_step_sizes_and_tolerance():
     # docs/theory/retractions.rst, Measuring the order: ratio e(t)/e(t/2) for t in [1e-3, 1e-1]
     assert min(DEFAULT_TS) >= 1e-3 and max(DEFAULT_TS) <= 1e-1 and len(set(DEFAULT_TS)) == len(DEFAULT_TS)
