@@ -43,12 +43,43 @@ GROUP_OPTIONS = ("ns_dtype",)
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
     """Parameter id -> (qualified name, owning module), first occurrence (tied weights once)."""
-    found: dict[int, tuple[str, nn.Module]] = {}
-    for module_name, module in model.named_modules():
+    return {pid: places[0] for pid, places in _places(model).items()}
+
+
+def _places(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """Parameter id -> every (qualified name, owning module) it appears under, in module order."""
+    found: dict[int, list[tuple[str, nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
         for pname, param in module.named_parameters(recurse=False):
-            if id(param) not in found:
-                found[id(param)] = (f"{module_name}.{pname}" if module_name else pname, module)
+            place = (f"{module_name}.{pname}" if module_name else pname, module)
+            seen = found.setdefault(id(param), [])
+            if all(name != place[0] for name, _ in seen):
+                seen.append(place)
     return found
+
+
+def _check_shared(policy, resolved, places: dict, params: dict[int, nn.Parameter],
+                  assignment: dict[str, str | None]) -> None:
+    """Refuse a parameter shared under several names (tied weights) to which the policy gives
+    different manifolds: it is stepped once, under its first name, and the other choice would be
+    dropped without a word (a weight tied between an attention and an MLP block under ``hetero``)."""
+    for pid, seen in places.items():
+        if len(seen) < 2 or pid not in params:
+            continue
+        first = seen[0][0]
+        for name, module in seen[1:]:
+            try:
+                choice = resolved(name, module, params[pid])
+            except Exception as exc:  # a user policy's bug: say which parameter it failed on
+                raise ValueError(f"policy {policy!r} raised {type(exc).__name__} on parameter {name!r} "
+                                 f"(shared with {first!r}): {exc}") from exc
+            if choice != assignment[first]:
+                raise ValueError(
+                    f"policy {policy!r} gives the parameter shared as {first!r} and {name!r} two "
+                    f"optimizers: {assignment[first] or 'AdamW'!r} under the first name and "
+                    f"{choice or 'AdamW'!r} under the second; a tied weight is stepped once, on one "
+                    f"manifold: make the policy give both names the same answer (or untie them)"
+                )
 
 
 def assign_parameters(
@@ -57,11 +88,14 @@ def assign_parameters(
     """Apply a policy: qualified parameter name -> manifold name, or ``None`` for AdamW.
 
     Raises:
-        ValueError: unknown policy, a policy returning an unknown manifold, or a non-matrix
-            parameter assigned to Manifold Muon (the message names the parameter and the value).
+        ValueError: unknown policy, a policy returning an unknown manifold, a non-matrix
+            parameter assigned to Manifold Muon, or a parameter shared under several names (a tied
+            weight) that the policy sends to different optimizers (the message names the
+            parameter and the values).
     """
     resolved = get_policy(policy, classifier=classifier)
-    owners = _owners(model)
+    places = _places(model)
+    owners = {pid: seen[0] for pid, seen in places.items()}
     assignment: dict[str, str | None] = {}
     for name, param in model.named_parameters():
         qualified, module = owners[id(param)]
@@ -85,6 +119,7 @@ def assign_parameters(
                 f"{choice!r}; Manifold Muon takes 2-D matrices only (return None for AdamW)"
             )
         assignment[qualified] = choice
+    _check_shared(policy, resolved, places, {id(p): p for p in model.parameters() if p.requires_grad}, assignment)
     # one warning naming every hidden matrix the role policy sent to its fallback, one naming the
     # stacked (e.g. expert) matrices of attention/MLP blocks that Manifold Muon cannot take
     named = [(*owners[id(p)], p) for p in model.parameters() if p.requires_grad]

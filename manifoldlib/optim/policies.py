@@ -3,7 +3,8 @@
 A *policy* is a callable ``policy(name, module, param) -> str | None`` called once per parameter
 with its qualified name (``"blocks.0.attn.q.weight"``), the module that owns it and the tensor.
 It returns a manifold name for :class:`~manifoldlib.optim.ManifoldMuon` (``"euclidean"``,
-``"stiefel"``, ``"dgram"``) or ``None`` for AdamW.
+``"stiefel"``, ``"dgram"``, ``"oblique"``) or ``None`` for AdamW. A weight tied under several names
+is stepped once: the policy must give every name the same answer.
 
 Built-in policies (the study of the layer-wise manifolds seed):
 

@@ -420,3 +420,33 @@ def test_foreign_parametrizations_go_to_adamw_with_a_warning_naming_their_raw_te
         warnings.simplefilter("error")
         assignment = assign_parameters(fused, "hetero")
     assert [assignment[f"attn.c_attn.parametrizations.weight.original{i}"] for i in range(3)] == ["stiefel"] * 3
+
+
+def test_a_weight_tied_between_blocks_the_policy_tells_apart_is_refused_naming_both():
+    # one Linear's weight tied into an attention and an MLP block: under hetero its first name
+    # (attention) made it Stiefel and the MLP's DGram was dropped without a word
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.mlp = nn.Module()
+    model.attn.q = nn.Linear(8, 8, bias=False)
+    model.mlp.fc = nn.Linear(8, 8, bias=False)
+    model.mlp.fc.weight = model.attn.q.weight
+    with pytest.raises(ValueError, match=r"shared as 'attn\.q\.weight' and 'mlp\.fc\.weight' two optimizers: "
+                                         r"'stiefel' under the first name and 'dgram' under the second"):
+        assign_parameters(model, "hetero")
+    assert assign_parameters(model, "all-stiefel") == {"attn.q.weight": "stiefel"}  # one answer: fine
+    # the same module under two names is one parameter with two names too
+    shared = nn.Module()
+    shared.attn, shared.mlp = nn.Module(), nn.Module()
+    shared.attn.proj = shared.mlp.proj = nn.Linear(8, 8, bias=False)
+    with pytest.raises(ValueError, match="'attn.proj.weight' and 'mlp.proj.weight'"):
+        assign_parameters(shared, "hetero")
+
+
+@pytest.mark.parametrize("policy", ["unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv"])
+def test_a_tied_embedding_and_head_stay_one_adamw_parameter(policy):
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    assert model.lm_head.weight is model.wte.weight  # the tie the check reads both names of
+    assignment = assign_parameters(model, policy)  # both names AdamW: no refusal
+    assert set(assignment) == {name for name, _ in model.named_parameters()}
+    assert assignment["wte.weight"] is None and "lm_head.weight" not in assignment
