@@ -30,6 +30,8 @@ from typing import Sequence
 import torch
 
 from ..manifolds.base import RetractionManifold
+from ..manifolds.sphere import Sphere
+from ..retractions.sphere import AngleRetraction
 from .sampling import default_shape, random_point, random_tangent
 
 __all__ = [
@@ -185,6 +187,20 @@ def central_difference_error(
     return float(torch.linalg.vector_norm(diff - v) / torch.linalg.vector_norm(v))
 
 
+def _raw_retracts(manifold: RetractionManifold, x: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """The retraction's own ``retract`` at a tangent ``v``, without what ``manifold.retr`` does to
+    the result: :meth:`~manifoldlib.Sphere.retr` rescales a point within its tolerance (1e-5
+    relative in float64) to the radius, the sphere residual layers
+    (:func:`~manifoldlib.nn.sphere_residual_reference`) use the result as it is. An angle
+    retraction is called both ways it is called: with the sphere's radius (``Sphere.retr``) and
+    with ``radius=None`` (the layers: the radius read from ``||x||``)."""
+    retraction = manifold.retraction
+    with torch.no_grad():
+        if isinstance(manifold, Sphere) and isinstance(retraction, AngleRetraction):
+            return [retraction.retract(x, v, radius=manifold.radius), retraction.retract(x, v, radius=None)]
+        return [retraction.retract(x, v)]
+
+
 def _fail(manifold: RetractionManifold, what: str) -> None:
     raise AssertionError(f"retraction {manifold.retraction!r} on {manifold.name}: {what}")
 
@@ -222,9 +238,14 @@ def assert_retraction(
     Checks, all in float64:
 
     1. :math:`R_x(v)` lies on the manifold (``check_point_on_manifold`` with ``atol=0``,
-       ``rtol=manifold_rtol``) for a unit-size and a small step, and ``manifold.retr`` does not
-       refuse it (a :class:`~manifoldlib.Sphere` rescales a result within its tolerance to the
-       radius and raises ``ValueError`` for one outside it: a failed check here);
+       ``rtol=manifold_rtol``) for a unit-size and a small step, both as the retraction's own
+       ``retract`` returns it and through ``manifold.retr``, which must not refuse it. The raw
+       result counts: a :class:`~manifoldlib.Sphere` rescales a result within its tolerance
+       (:math:`10^{-5}` relative in float64) to the radius, but the sphere residual layers use
+       ``retract``'s result as it is, so a retraction off the sphere by :math:`10^{-6}` would
+       pass through ``retr`` and drift in a network. The message names the error (on the sphere
+       :math:`|\|y\|/r - 1|`); the built-ins are within a few :math:`\epsilon` on the sphere and
+       within :math:`150\,\epsilon` (Stiefel's exponential map at 256 x 64) elsewhere;
     2. :math:`R_x(0) = x` to ``zero_rtol`` relative (SVD-based retractions are exact only to
        :math:`O(n\,\kappa\,\epsilon)`);
     3. :math:`\mathrm{D}R_x(0) = \mathrm{id}` on the tangent space: the central difference at
@@ -257,6 +278,23 @@ def assert_retraction(
     v = _unit_direction(x, v)
 
     for scale in (1.0, 1e-3):
+        # the raw result first: Sphere.retr rescales a result within 1e-5 of the radius, so its
+        # output hid a retraction off the sphere by 1e-6 that SphereResidual then used unrescaled
+        for raw in _raw_retracts(manifold, x, scale * v):
+            if not bool(torch.isfinite(raw).all()):
+                _fail(manifold, f"R_x({scale}·v) is not finite")
+            ok, reason = manifold.check_point_on_manifold(raw, explain=True, atol=0.0, rtol=manifold_rtol)
+            if not ok:
+                rescaled = (
+                    " (Sphere.retr rescales it onto the sphere, SphereResidual uses it as it is)"
+                    if isinstance(manifold, Sphere)
+                    else ""
+                )
+                _fail(
+                    manifold,
+                    f"R_x({scale}·v) as retract returns it is off the manifold{rescaled} "
+                    f"(rtol={manifold_rtol}): {reason}",
+                )
         try:
             with torch.no_grad():
                 y = manifold.retr(x, scale * v)

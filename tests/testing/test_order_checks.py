@@ -59,6 +59,35 @@ class TangentialKick(Retraction):
         return PRetraction(1.0).retract(x, w)
 
 
+class OffSphere(Retraction):
+    """The gnomonic retraction times 1 + delta: second order (the error is radial), but every
+    result is off the sphere by delta relative, which Sphere.retr rescales away."""
+
+    manifold = "sphere"
+    order = 2
+
+    def __init__(self, delta=1e-6):
+        self.delta = delta
+
+    def retract(self, x, v):
+        return PRetraction(1.0).retract(x, v) * (1.0 + self.delta)
+
+
+class CubicNormDrift(Retraction):
+    """The gnomonic retraction times 1 + c beta^3: R(0) = x, DR(0) = id, second order
+    tangentially, and a norm error c beta^3 that grows with the step."""
+
+    manifold = "sphere"
+    order = 2
+
+    def __init__(self, c=1e-6):
+        self.c = c
+
+    def retract(self, x, v):
+        beta = torch.linalg.vector_norm(v, dim=-1, keepdim=True) / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return PRetraction(1.0).retract(x, v) * (1.0 + self.c * beta**3)
+
+
 class QRClaimingTwo(Retraction):
     manifold = "stiefel"
     order = 2
@@ -154,6 +183,31 @@ def test_assert_retraction_passes_on_builtins_and_returns_measurement():
 def test_assert_retraction_catches_off_manifold():
     with pytest.raises(AssertionError, match="off the manifold"):
         assert_retraction(Sphere(retraction=NotOnSphere()))
+
+
+@pytest.mark.parametrize(
+    "retraction,error",
+    [(OffSphere(1e-6), "1.000e-06"), (OffSphere(1e-9), "1.000e-09"), (CubicNormDrift(1e-6), r"[0-9.]+e-0[67]")],
+    ids=["off-by-1e-6", "off-by-1e-9", "cubic-drift"],
+)
+@pytest.mark.parametrize("radius", [1.0, 2.5])
+def test_assert_retraction_reads_the_raw_result_not_the_rescaled_one(retraction, error, radius):
+    """Sphere.retr rescales a result within 1e-5 of the radius onto the sphere, and the check
+    went through it: a retraction off the sphere by 1e-6 (or with a norm error c beta^3,
+    c = 1e-6) passed, while sphere_residual_reference uses retract's result unrescaled."""
+    s = Sphere(radius, retraction=retraction)
+    g = torch.Generator().manual_seed(0)
+    x = s.random(3, 5, generator=g, dtype=torch.float64)
+    v = s.proju(x, torch.randn(x.shape, generator=g, dtype=x.dtype))
+    assert s.check_point_on_manifold(s.retr(x, v), atol=0.0, rtol=1e-12)  # what hid it
+    raw_error = float((torch.linalg.vector_norm(retraction.retract(x, v), dim=-1) / radius - 1).abs().max())
+    assert raw_error > 1e-10
+    with pytest.raises(
+        AssertionError,
+        match=r"R_x\(1\.0·v\) as retract returns it is off the manifold \(Sphere\.retr rescales it "
+        r"onto the sphere, SphereResidual uses it as it is\) \(rtol=1e-12\): \| \|\|x\|\|/r - 1 \| = " + error,
+    ):
+        assert_retraction(s)
 
 
 def test_assert_retraction_catches_moved_base_point():
