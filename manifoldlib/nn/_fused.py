@@ -46,7 +46,8 @@ bits they got before. For the built-in retractions —
 :class:`~manifoldlib.retractions.GnomonicRetraction`, :class:`~manifoldlib.retractions.CayleyRetraction`,
 :class:`~manifoldlib.retractions.PRetraction` (any ``p``) and
 :class:`~manifoldlib.retractions.ExponentialRetraction` (``p = inf``), and a user's subclass of
-one that overrides none of ``angle``, ``coefficients``, ``coefficients_vjp`` — the whole update
+one that overrides none of ``angle``, ``coefficients``, ``coefficients_vjp`` (nor ``retract``, below)
+— the whole update
 runs row by row in C++ instead, with the closed forms
 :math:`\cos\theta'(\sigma) = -k/(2(1 + z^2))` and :math:`k'(\sigma) = (\cos\theta/(1 + z^2) - k)/(2\sigma)`,
 :math:`z^2 = \sigma/p^2` (its series :math:`-(1/6 + 1/(3p^2)) + 2(1/120 + 1/(6p^2) + 1/(5p^4))\sigma`
@@ -60,6 +61,24 @@ tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the passes are composed 
 and both step forms take :math:`\|u\|^2` and the result from :math:`u = P_h f` itself (projected
 twice): :math:`\|f\|^2 - a^2/q` and :math:`A h + B f` cancel when :math:`f` is nearly parallel
 to :math:`h`, which would turn rounding into a step and move the result off the sphere.
+
+Whose map runs. The update above is the angle form :math:`\cos\theta\,h + k\,v` of
+:meth:`~manifoldlib.retractions.AngleRetraction.retract`, computed from the class's
+``coefficients``; it is the class's own map only while that ``retract`` is the one the class runs.
+A class that overrides ``retract`` (an :class:`~manifoldlib.retractions.AngleRetraction` subclass,
+or a subclass of a built-in) defines its map there, and ``Sphere.retr`` and
+:func:`~manifoldlib.testing.assert_retraction` use it; the fast path would silently train with
+another map (an arctan angle with a Cayley ``retract``: rows up to 0.46 r away from ``retract``'s
+at a normalized step of 2 rad). So such a class takes :func:`sphere_residual_reference`, which
+calls its ``retract`` (plain autograd, on every device), unless the override is recognized as a pure forward: a function whose code is
+exactly ``return super().retract(x, v, radius)`` (or ``radius=radius``), with its own parameter
+names, a docstring allowed, the built-in ``super``, resolving to a ``retract`` that is recognized
+in turn or is :meth:`AngleRetraction.retract <manifoldlib.retractions.AngleRetraction.retract>`
+itself (:func:`_retract_is_angle_form`, checked on the compiled code, not by sampling). There is
+no declaration by which a class could claim that a ``retract`` of its own agrees with its angle
+form: nothing would check the claim, and a wrong one is this bug again. A class that wants the
+fast path defines its map through ``angle`` (or ``coefficients``) and inherits ``retract``. An
+instance with ``retract`` or one of the angle methods set on itself takes the reference path too.
 
 Rows of tiny (or huge) norm. :math:`q = \|h\|^2` underflows for float32 rows of norm below about
 :math:`10^{-19}` and float64 rows below :math:`10^{-154}`, and the per-row math meets terms such as
@@ -86,7 +105,10 @@ path: there the per-row math overflows to inf or NaN gradients (float32 norms ab
 
 from __future__ import annotations
 
+import builtins
+import inspect
 import math
+import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -161,13 +183,117 @@ def _built_in_math(retraction: Retraction) -> type | None:
     return None
 
 
+#: The instance attributes that would replace a class's map: set on an instance, the reference path.
+_MAP_ATTRIBUTES = ("retract", *_ANGLE_MATH)
+#: :meth:`AngleRetraction.retract` as defined: the angle form the fast path computes.
+_ANGLE_FORM_RETRACT = AngleRetraction.__dict__["retract"]
+#: Pass-through overrides recognized so far: function -> :func:`_pass_through_class`'s answer
+#: (weak keys: a notebook's redefined class goes away).
+_PASS_THROUGH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _PassThrough:
+    """The two pure forwards, compiled by this interpreter: the templates of
+    :func:`_pass_through_class` (bytecode names parameters by position, not by name)."""
+
+    def positional(self, x, v, radius=None):
+        return super().retract(x, v, radius)
+
+    def keyword(self, x, v, radius=None):
+        return super().retract(x, v, radius=radius)
+
+
+#: The code flags that say what kind of function it is (not where it was defined: a class in a
+#: function, or which ``from __future__`` imports its module has).
+_KIND_FLAGS = (inspect.CO_OPTIMIZED | inspect.CO_NEWLOCALS | inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+               | inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+               | inspect.CO_ITERABLE_COROUTINE)
+
+
+def _constants(code, doc) -> tuple:
+    """A code object's constants less ``None`` and its docstring (where a docstring is kept)."""
+    return tuple(k for k in code.co_consts if k is not None and not (isinstance(k, str) and k == doc))
+
+
+def _pass_through_class(fn) -> tuple[type, bool] | None:
+    """``(the class after which fn's super() looks retract up, whether it passes radius by
+    keyword)`` if ``fn`` is exactly ``def retract(self, x, v, radius[=...]): ["docstring"] return
+    super().retract(x, v, radius)`` (or ``radius=radius``) with any parameter names; ``None`` for
+    anything else.
+
+    The comparison is of compiled code: ``fn`` must have the bytecode, names, flags and constants
+    (a docstring aside) of one of the :class:`_PassThrough` templates, four positional parameters
+    and no other locals, and ``super`` must be the built-in in ``fn``'s globals and builtins.
+    """
+    try:
+        return _PASS_THROUGH[fn]
+    except (KeyError, TypeError):  # TypeError: not weak-referenceable, hence not a plain function
+        pass
+    found = None
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if (
+        code is not None
+        and code.co_argcount == 4
+        and code.co_nlocals == 4
+        and not code.co_posonlyargcount
+        and not code.co_kwonlyargcount
+        and code.co_freevars == ("__class__",)
+        and closure is not None
+        and fn.__globals__.get("super", getattr(fn, "__builtins__", {}).get("super")) is builtins.super
+    ):
+        for keyword, template in ((False, _PassThrough.positional), (True, _PassThrough.keyword)):
+            t = template.__code__
+            if (
+                code.co_code == t.co_code
+                and code.co_names == t.co_names
+                and code.co_flags & _KIND_FLAGS == t.co_flags & _KIND_FLAGS
+                and _constants(code, fn.__doc__) == _constants(t, None)
+            ):
+                owner = closure[0].cell_contents
+                found = (owner, keyword) if isinstance(owner, type) else None
+                break
+    if not torch.compiler.is_compiling():  # a write while dynamo traces would break the graph
+        try:
+            _PASS_THROUGH[fn] = found
+        except TypeError:
+            pass
+    return found
+
+
+def _retract_is_angle_form(retraction: AngleRetraction) -> bool:
+    """Whether ``retraction.retract`` is the angle form the fast path computes (module docstring,
+    *Whose map runs*): :meth:`AngleRetraction.retract` itself, reached through a chain of
+    recognized pass-through overrides (:func:`_pass_through_class`), and nothing of
+    :data:`_MAP_ATTRIBUTES` set on the instance. The built-ins answer at the first step."""
+    instance = getattr(retraction, "__dict__", None)
+    if instance and any(name in instance for name in _MAP_ATTRIBUTES):
+        return False
+    mro = type(retraction).__mro__
+    start, keyword = 0, False
+    while True:
+        owner = next((kind for kind in mro[start:] if "retract" in kind.__dict__), None)
+        if owner is None:
+            return False
+        fn = owner.__dict__["retract"]
+        if keyword and getattr(getattr(fn, "__code__", None), "co_varnames", ())[3:4] != ("radius",):
+            return False  # radius=... forwarded to a retract that names it otherwise: a TypeError there
+        if fn is _ANGLE_FORM_RETRACT:
+            return True
+        found = _pass_through_class(fn)
+        if found is None or found[0] not in mro or mro.index(found[0]) < mro.index(owner):
+            return False  # a super() bound to a class not at or after the owner: not a plain forward
+        start, keyword = mro.index(found[0]) + 1, found[1]
+
+
 def _kernel_family(retraction: Retraction) -> tuple[int, float] | None:
     """The C++ row kernels' code ``(family, p)`` of a built-in angle retraction, else None.
 
     Gnomonic ``(0, 1)``, Cayley ``(1, 2)``, the p-family ``(2, p)`` with the exponential map as
     ``p = inf``; a subclass that keeps its built-in's math counts as that built-in
     (:func:`_built_in_math`). A subclass that overrides the angle or its coefficients takes the
-    separate passes with the per-row math of its own coefficients.
+    separate passes with the per-row math of its own coefficients. (Only reached for a class whose
+    ``retract`` is the angle form: :func:`_retract_is_angle_form`.)
     """
     kind = _built_in_math(retraction)
     p = float(retraction.p) if kind is PRetraction else None
@@ -433,7 +559,9 @@ def sphere_residual(
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
         scale: step size :math:`s` (a scalar tensor, may require grad, or a finite number).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere
-            retraction falls back to :func:`sphere_residual_reference`.
+            retraction, and an angle retraction with a ``retract`` of its own (other than a
+            plain ``super()`` forward; module docstring, *Whose map runs*), falls back to
+            :func:`sphere_residual_reference`, which calls that ``retract``.
         normalize_eps: ``None`` (the literal step :math:`s P_h f`) or the relative floor
             :math:`\varepsilon > 0` of the normalized step.
 
@@ -444,7 +572,8 @@ def sphere_residual(
     _check_scale(scale)
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
     _check(h, f, scale, retraction, normalize_eps)
-    if not isinstance(retraction, AngleRetraction):
+    if not (isinstance(retraction, AngleRetraction) and _retract_is_angle_form(retraction)):
+        # a retract of its own is the class's map: the reference path calls it (module docstring)
         return sphere_residual_reference(h, f, scale, retraction, normalize_eps)
     eps = None if normalize_eps is None else float(normalize_eps)
     if h.dtype in _LOW_PRECISION:

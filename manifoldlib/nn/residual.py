@@ -95,7 +95,9 @@ class SphereResidual(nn.Module):
         dim: feature size :math:`d`.
         layer: 1-based depth :math:`l` of this update, used by the damping.
         retraction: sphere retraction name or instance (``"p"``, ``"gnomonic"``, ``"cayley"``,
-            ``"exp"``, a user's registered name...).
+            ``"exp"``, a user's registered name...). A class that overrides ``retract`` is run
+            through that ``retract`` (the reference path, whatever ``fused`` says), unless the
+            override only forwards to ``super().retract`` (:func:`~manifoldlib.nn.sphere_residual`).
         p: the ``p`` of the p-family, used only when ``retraction == "p"``; ``p = inf`` is the
             exponential map.
         damping: ``"sqrt"`` (:math:`1/\sqrt l`), ``"linear"`` (:math:`1/l`) or ``"none"``.
