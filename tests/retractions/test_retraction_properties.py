@@ -140,7 +140,7 @@ def test_measured_order_equals_claim(manifold, seed):
 )
 def test_first_order_controls_have_ratio_four(manifold):
     # docs/theory/retractions.rst, Measuring the order: e(t)/e(t/2) ≈ 4 for a first-order
-    # retraction, for t in [1e-3, 1e-1]
+    # retraction, for t in [1e-4, 1e-1]
     x, v = _sample(manifold, 5)
     v = v * (torch.linalg.vector_norm(x) / torch.linalg.vector_norm(v))
     ts = [1e-2, 5e-3, 2e-3, 1e-3]
