@@ -150,6 +150,7 @@ def test_bfloat16_step_rotations_keep_the_iterations_of_float32(manifold):
     assert 0 < float((a16 - a32).norm() / a32.norm()) <= 1e-3  # a different path to the same answer
 
 
+@pytest.mark.slow  # 256-column bfloat16 products: 9 s where bfloat16 is emulated (AVX2-only CPUs)
 def test_bfloat16_hessian_products_reach_the_float32_answer():
     # square DGram (always smoothed): the Hessian-vector products that steer CG run in bfloat16
     # where native; the Newton iterates are evaluated in float32 and must reach the same answer
