@@ -122,6 +122,17 @@ def _positive(name: str, value) -> float:
     return v
 
 
+def _explicit_clamp(max_exponent, dtype: torch.dtype) -> float:
+    """An explicit ``max_exponent`` for a weight stored in ``dtype``, as a float; ``ValueError``
+    unless it is a number in ``(0, _largest_clamp(dtype)]``."""
+    value = _positive("max_exponent", max_exponent)
+    # the weight is rounded to its own dtype (16-bit ones computed in float32): its range, not
+    # the rule's, bounds the clamp; and M rounded to the rule's dtype, not M, must fit
+    if value > _largest_clamp(dtype):
+        raise ValueError(_beyond_clamp(max_exponent, dtype))
+    return value
+
+
 class SEL(Chart):
     r"""SymExpLin chart for one weight tensor (1-D or 2-D ``(out, in)``).
 
@@ -161,7 +172,10 @@ class SEL(Chart):
             float64 like one built in float32 (44.4); cast to a wider dtype, a chart keeps the
             clamp it was built with (its weight is unchanged). Given explicitly, it is the clamp
             in every dtype, and a cast to a dtype it exceeds the limit of is refused
-            (``ValueError`` naming that limit; lower :attr:`max_exponent` first).
+            (``ValueError`` naming that limit; lower :attr:`max_exponent` first). The attribute
+            :attr:`max_exponent` reads the clamp in effect in the chart's current dtype (after
+            ``module.half()``, 5.54 for a default chart built in float32), and
+            :attr:`requested_max_exponent` the value given here (None: the default).
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
             hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
@@ -240,16 +254,12 @@ class SEL(Chart):
             raise ValueError(f"fan_in must be an int >= 1, got {fan_in!r}")
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite, got NaN or inf entries")
-        self.max_exponent = (
+        self._default_clamp = max_exponent is None  # after a cast: at most the new dtype's default
+        self._max_exponent = (
             _default_max_exponent(weight.dtype)
             if max_exponent is None
-            else _positive("max_exponent", max_exponent)
+            else _explicit_clamp(max_exponent, weight.dtype)
         )
-        self._default_clamp = max_exponent is None  # after a cast: at most the new dtype's default
-        # the weight is rounded to its own dtype (16-bit ones computed in float32): its range, not
-        # the rule's, bounds the clamp; and M rounded to the rule's dtype, not M, must fit
-        if self.max_exponent > _largest_clamp(weight.dtype):
-            raise ValueError(_beyond_clamp(max_exponent, weight.dtype))
 
         self._is_vector, self._numel = weight.dim() == 1, weight.numel()
         self.init, self.impl, self.layout = init, impl, layout
@@ -303,29 +313,61 @@ class SEL(Chart):
         r"""The clamp :math:`M` of :math:`b|w|` the forward rule runs with for raw coordinates (and
         so a weight) of ``dtype`` (default: the chart's own).
 
-        Left to its default, :attr:`max_exponent` is lowered to the default
+        Left to its default, the clamp the chart holds is lowered to the default
         :math:`\tfrac12\log(\text{finfo.max})` of ``dtype`` where that is smaller: a chart built
         in float64 or float32 and cast to float16 (``module.half()``) clamps exactly like one built
         in float16, at 5.54, not at 354.9 or 44.4, whose ``expm1`` overflows the float16 weight
         (65504) from 11.09; cast to a wider dtype it keeps the clamp it was built with, so the
-        weight it computes is unchanged. Given explicitly, :attr:`max_exponent` is the clamp in
-        every dtype, and one beyond the largest clamp of ``dtype`` (:func:`_largest_clamp`) is
+        weight it computes is unchanged. Given explicitly, it is the clamp in every dtype, and one beyond the largest clamp of ``dtype`` (:func:`_largest_clamp`) is
         refused: ``ValueError`` rather than an inf weight or a silently lower clamp."""
         dtype = self.beta.dtype if dtype is None else dtype
         if getattr(self, "_default_clamp", False):
-            return min(self.max_exponent, _default_max_exponent(dtype))
-        if self.max_exponent > _largest_clamp(dtype):
-            raise ValueError(_beyond_clamp(self.max_exponent, dtype))
-        return self.max_exponent
+            return min(self._max_exponent, _default_max_exponent(dtype))
+        if self._max_exponent > _largest_clamp(dtype):
+            raise ValueError(_beyond_clamp(self._max_exponent, dtype))
+        return self._max_exponent
+
+    @property
+    def max_exponent(self) -> float:
+        r"""The clamp :math:`M` of :math:`b|w|` in effect: the one the forward rule runs with on
+        the chart's own raw coordinates, in the dtype the chart is in now.
+
+        Left to its default, it follows casts downwards (after ``module.half()`` 5.54, whatever
+        the chart was built in); given explicitly, it is that value in every dtype.
+        :attr:`requested_max_exponent` tells the two apart.
+
+        Assigning sets an explicit clamp, checked like the constructor's ``max_exponent`` against
+        the chart's current dtype (``ValueError`` naming the bound); assigning None restores the
+        default of the current dtype."""
+        return self._clamp()
+
+    @max_exponent.setter
+    def max_exponent(self, value: float | None) -> None:
+        dtype = self.beta.dtype
+        if value is None:
+            self._max_exponent, self._default_clamp = _default_max_exponent(dtype), True
+        else:
+            self._max_exponent, self._default_clamp = _explicit_clamp(value, dtype), False
+
+    @property
+    def requested_max_exponent(self) -> float | None:
+        """The clamp given to the constructor or assigned to :attr:`max_exponent`, or None where it
+        was left to the default (which follows casts downwards, see :attr:`max_exponent`)."""
+        return None if getattr(self, "_default_clamp", False) else self._max_exponent
+
+    def __setstate__(self, state):
+        if "max_exponent" in state:  # pickled before max_exponent became a property
+            state["_max_exponent"] = state.pop("max_exponent")
+        super().__setstate__(state)
 
     def _apply(self, fn, recurse=True):
         # a cast (module.half(), .to(dtype)) to a dtype whose range cannot hold an explicit clamp
         # is refused before anything of the chart is converted (beta, a 0-d buffer, tells the dtype)
         if not getattr(self, "_default_clamp", True):
             dtype = fn(self.beta).dtype
-            if self.max_exponent > _largest_clamp(dtype):
+            if self._max_exponent > _largest_clamp(dtype):
                 raise ValueError(_beyond_clamp(
-                    self.max_exponent, dtype,
+                    self._max_exponent, dtype,
                     f" (casting a {self.beta.dtype} chart: lower its max_exponent first)",
                 ))
         return super()._apply(fn, recurse)

@@ -1,0 +1,103 @@
+"""The SEL clamp of b|w|: what ``max_exponent`` reads, where right_inverse checks it, and the scale."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from manifoldlib.charts import SEL, apply_chart
+
+F16_DEFAULT = 0.5 * math.log(torch.finfo(torch.float16).max)  # 5.545
+F32_DEFAULT = 0.5 * math.log(torch.finfo(torch.float32).max)  # 44.36
+
+
+def _charted_linear(dtype, **options):
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4).to(dtype)
+    apply_chart(lin, functools.partial(SEL, **options))
+    return lin, lin.parametrizations.weight[0]
+
+
+def _float64_scales(chart: SEL):
+    """``(a, b, c)`` in float64 from the chart's own (rounded) parameters, as the rule forms them."""
+    params = {n: p.detach().double() for n, p in chart.named_parameters()}
+
+    def full(name):
+        return params[f"{name}_row"] + params.get(f"{name}_col", 0.0)
+    a = torch.exp(full("log_e_w") - full("n"))
+    b = torch.exp(full("log_m")) * chart.beta.double()
+    return a, b, torch.exp(full("log_l_w"))
+
+
+def _clamped_entry(lin, chart, bw: float) -> tuple[float, float]:
+    """Set raw entry (0, 0) at b|w| = bw; return the weight there and ``s a expm1(M) + c t`` in
+    float64 at the clamp ``M = chart.max_exponent``."""
+    _, b, _ = _float64_scales(chart)
+    with torch.no_grad():
+        lin.parametrizations.weight.original[0, 0] = bw / b[0, 0]
+    a, _, c = _float64_scales(chart)
+    t = float(lin.parametrizations.weight.original[0, 0].double())
+    want = float(a[0, 0]) * math.expm1(chart.max_exponent) + float(c[0, 0]) * t
+    return float(lin.weight[0, 0].detach().double()), want
+
+
+@pytest.mark.parametrize(("built", "cast"), [
+    (torch.float32, torch.float16), (torch.float64, torch.float16),
+    (torch.float64, torch.float32), (torch.float64, torch.bfloat16),
+])
+def test_max_exponent_reads_the_clamp_in_effect_after_a_cast(built, cast):
+    # max_exponent kept the value the chart was built with (44.36 in float32) after .half(),
+    # whose clamp is 5.545: an entry at b|w| = 8 is 27.5 = a expm1(5.545) + c t, not the 318 that
+    # the 44.36 read promises
+    lin, chart = _charted_linear(built)
+    lin.to(cast)
+    clamp = 0.5 * math.log(torch.finfo(cast).max)  # that of a chart built in the cast dtype
+    assert chart.max_exponent == clamp
+    got, want = _clamped_entry(lin, chart, 2.0 * clamp)  # beyond the clamp: s a expm1(M) + c t
+    assert got == pytest.approx(want, rel=2 * torch.finfo(cast).eps)
+    assert chart.requested_max_exponent is None  # left to the default
+
+
+def test_an_explicit_clamp_reads_the_same_in_every_dtype():
+    lin, chart = _charted_linear(torch.float32, max_exponent=11.0)
+    assert chart.max_exponent == chart.requested_max_exponent == 11.0
+    lin.half()
+    assert chart.max_exponent == chart.requested_max_exponent == 11.0
+    got, want = _clamped_entry(lin, chart, 20.0)
+    assert got == pytest.approx(want, rel=2 * torch.finfo(torch.float16).eps)
+
+
+def test_assigning_max_exponent_sets_the_clamp_in_effect():
+    # assigned to a chart left to its default, a clamp above that default was ignored silently
+    # (min(80, 44.36): an entry at b|w| = 60 came back a expm1(44.36) + c t, 1e7 times smaller)
+    lin, chart = _charted_linear(torch.float32)
+    chart.max_exponent = 80.0
+    got, want = _clamped_entry(lin, chart, 100.0)
+    assert got == pytest.approx(want, rel=4 * torch.finfo(torch.float32).eps)
+    assert chart.max_exponent == chart.requested_max_exponent == 80.0
+    lin.double()  # an explicit clamp is kept through casts
+    assert chart.max_exponent == 80.0
+    chart.max_exponent = None  # back to the default, of the dtype the chart is in now
+    assert chart.requested_max_exponent is None
+    assert chart.max_exponent == 0.5 * math.log(torch.finfo(torch.float64).max)
+    lin.half()
+    assert chart.max_exponent == F16_DEFAULT
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    (-1.0, r"max_exponent must be a finite number > 0, got -1\.0"),
+    (True, r"max_exponent must be a finite number > 0, got True"),
+    (89.0, r"max_exponent must be at most log\(finfo.max\) = 88.72 for a torch.float32 weight "
+           r".* got 89\.0"),
+])
+def test_assigning_a_bad_max_exponent_is_refused(value, match):
+    # the assignment was stored as is: -1 clamped every b|w| at -1 (negative weights for positive
+    # raw coordinates), 89 gave inf weights from b|w| = 88.7
+    _, chart = _charted_linear(torch.float32)
+    with pytest.raises(ValueError, match=match):
+        chart.max_exponent = value
+    assert chart.max_exponent == F32_DEFAULT and chart.requested_max_exponent is None
