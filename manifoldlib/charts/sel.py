@@ -483,9 +483,15 @@ class SEL(Chart):
         ``init="mismatched"`` inverts the congruent rule :math:`g` (positives exact, negatives
         shrunk). The current residual :math:`\\Delta` is subtracted first.
 
+        The clamp is checked on the raw coordinates as returned, rounded to ``weight``'s dtype:
+        in float16 or bfloat16 a root just inside :attr:`max_exponent` can round past it (a
+        target is then refused) and one just past it round back inside (accepted: the forward
+        sees an unclamped entry, within the rounding of the raw coordinates of the target).
+
         Raises:
             ValueError: if ``weight`` is not finite, or a target is beyond what the clamped chart
-                can represent (:math:`b|w| >` ``max_exponent``).
+                can represent (:math:`b|w| >` ``max_exponent`` for its raw coordinate rounded to
+                ``weight``'s dtype).
         """
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite, got NaN or inf entries")
@@ -504,12 +510,16 @@ class SEL(Chart):
             neg = solve_expm1_minus_linear(mag, a, b, c0)
             raw = torch.where(target < 0, -neg, raw)
         clamp = self._clamp(weight.dtype)  # the forward's, on raw coordinates of weight's dtype
-        if not bool(torch.isfinite(raw).all()) or bool((b * raw.abs() > clamp).any()):
+        # checked on the raw coordinates the forward will see: a root within the clamp can round
+        # past it in a 16-bit dtype (and one past it round back within)
+        raw = raw.to(weight.dtype)
+        if not bool(torch.isfinite(raw).all()) or bool((b * raw.to(work).abs() > clamp).any()):
             raise ValueError(
                 f"weight magnitude {mag.max().item():.4g} is beyond what the chart represents "
-                f"(b*|w| <= max_exponent = {clamp:.4g})"
+                f"(b*|w| <= max_exponent = {clamp:.4g} on the raw coordinates rounded to "
+                f"{weight.dtype})"
             )
-        return raw.to(weight.dtype)
+        return raw
 
     def extra_repr(self) -> str:
         return (

@@ -101,3 +101,36 @@ def test_assigning_a_bad_max_exponent_is_refused(value, match):
     with pytest.raises(ValueError, match=match):
         chart.max_exponent = value
     assert chart.max_exponent == F32_DEFAULT and chart.requested_max_exponent is None
+
+
+def _boundary_case(dtype, root_at: float, clamp_at: float):
+    """A ``dtype`` chart (b = 2) whose clamp lies ``clamp_at`` of a raw ulp above a raw grid point
+    ``r_lo`` near b|w| = 10, and a target whose root lies ``root_at`` of that ulp above it."""
+    w = torch.full((1, 8), 0.5, dtype=dtype)  # sigma0 = 0.5: b = beta = 2 (default scales)
+    r_lo = torch.tensor(5.2, dtype=dtype)
+    r_hi = torch.nextafter(r_lo, torch.tensor(math.inf, dtype=dtype))
+    lo, ulp = float(r_lo), float(r_hi) - float(r_lo)
+    chart = SEL(w, init="congruent", max_exponent=2.0 * (lo + clamp_at * ulp))
+    a, b, c = (float(v[0, 0]) for v in _float64_scales(chart))
+    root = lo + root_at * ulp
+    target = w.clone()
+    target[0, 0] = a * math.expm1(b * root) + c * root  # rounded to dtype: its root moves < ulp/30
+    return chart, target, lo, float(r_hi)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_right_inverse_checks_the_clamp_on_the_rounded_raw_coordinates(dtype):
+    # the check ran on the float32 root, before rounding to the weight's dtype. A root inside the
+    # clamp that rounds past it was accepted: bfloat16 raw 5.21875 (b|w| = 10.44 > M = 10.425),
+    # clamped by the forward, no gradient through expm1 (float16 likewise); a root past the clamp
+    # that rounds inside it was refused, though the rounded raw coordinate is within the clamp
+    chart, target, _, r_hi = _boundary_case(dtype, root_at=0.7, clamp_at=0.8)
+    with pytest.raises(ValueError, match=rf"beyond what the chart represents .* rounded to {dtype}"):
+        chart.right_inverse(target)
+    chart, target, r_lo, _ = _boundary_case(dtype, root_at=0.4, clamp_at=0.3)
+    raw = chart.right_inverse(target).requires_grad_()
+    assert float(raw[0, 0]) == r_lo and 2.0 * r_lo <= chart.max_exponent
+    chart(raw)[0, 0].backward()
+    a, b, c = (float(v[0, 0]) for v in _float64_scales(chart))
+    slope = a * b * math.exp(b * r_lo) + c  # the exponential part's gradient, not only c
+    assert float(raw.grad[0, 0]) == pytest.approx(slope, rel=2 * torch.finfo(dtype).eps)
