@@ -10,7 +10,7 @@ import torch
 from .._numbers import is_real
 from ..functional.sphere import sphere_antipode_direction, sphere_project_tangent, sphere_step_length
 from ..retractions.base import Retraction
-from ..retractions.sphere import AngleRetraction, ExponentialRetraction
+from ..retractions.sphere import AngleRetraction, ExponentialRetraction, _long_step_mismatch
 from .base import (
     RetractionManifold,
     _random_normal,
@@ -44,8 +44,14 @@ class Sphere(RetractionManifold):
     (:func:`~manifoldlib.manifolds.default_tolerance`), naming the row and its norm otherwise.
     :meth:`retr` and :meth:`expmap` name a non-finite ``x`` or ``u``, and return each point
     rescaled to norm :math:`r` exactly (to rounding), so chained steps do not drift. A step so long
-    that :math:`\beta^2 = \|P_xu\|^2/r^2` (or its numerator) overflows is computed from the angle itself
-    (:meth:`~manifoldlib.retractions.AngleRetraction.retract_long_step`). These value checks
+    that :math:`\beta^2 = \|P_xu\|^2/r^2` (or its numerator) overflows, where the retraction's
+    ``retract`` returns a row off the sphere, is computed from the angle itself
+    (:meth:`~manifoldlib.retractions.AngleRetraction.retract_long_step`) when that is the
+    retraction's own map: its ``retract`` is the angle form (inherited, or through pure ``super()``
+    forwards), or its class overrides ``retract_long_step`` at or below its ``retract``. A
+    ``retract`` of its own without a long-step form of its own raises ``ValueError`` instead (the
+    angle form's point would be another map's); one that returns points of the sphere for such
+    steps is used as it is. These value checks
     cost a reduction and a host synchronization per call; skip them in a hot loop with
     :func:`~manifoldlib.manifolds.skip_value_checks`.
 
@@ -198,8 +204,8 @@ class Sphere(RetractionManifold):
 
     def _repair_long_steps(self, x, u, y, bad_y, retraction, where) -> torch.Tensor:
         """After a failed check of :meth:`_rotate`: name a bad ``x`` or ``u``, or recompute the
-        rows whose :math:`\\beta^2` or :math:`\\|P_xu\\|^2` overflowed from the angle; anything else
-        is an error."""
+        rows whose :math:`\\beta^2` or :math:`\\|P_xu\\|^2` overflowed from the angle, where
+        ``retract_long_step`` is the retraction's own map; anything else is an error."""
         self._require_points(where, x=x)
         check_tensor(u, "u", where, finite=True)
         beta, _ = sphere_step_length(sphere_project_tangent(x, u.to(x.dtype), self.radius**2), self.radius)
@@ -208,7 +214,10 @@ class Sphere(RetractionManifold):
         # (float32, r = 1e15: from beta ~ 1.8e4), sigma itself first when r < 1
         length = beta * self.radius  # ||P_x u||, (..., 1)
         long_rows = ~torch.isfinite(beta * beta) | ~torch.isfinite(length * length)
-        if isinstance(retraction, AngleRetraction) and bool((bad_y <= long_rows).all()):
+        long_steps = isinstance(retraction, AngleRetraction) and bool((bad_y <= long_rows).all())
+        # retract_long_step is the angle form's long step: for a retract of its own, another map
+        mismatch = _long_step_mismatch(retraction) if long_steps else None
+        if long_steps and mismatch is None:
             try:
                 y = torch.where(long_rows, retraction.retract_long_step(x, u, radius=self.radius), y)
             except NotImplementedError:  # an AngleRetraction defined by its coefficients only
@@ -216,10 +225,15 @@ class Sphere(RetractionManifold):
             if not bool(self._off_sphere(y, slack=2.0).any()):
                 return y
         flat = int(bad_y.flatten().nonzero()[0])
+        why = "" if mismatch is None else (
+            f"; the long-step fallback is not taken: {mismatch}. Define the map through angle (or "
+            f"coefficients) and inherit retract, or override retract_long_step with this retract's "
+            f"form for steps whose beta^2 overflows"
+        )
         raise ValueError(
             f"{where}: the {retraction!r} retraction cannot take this step in {x.dtype}: its "
             f"normalized length ||P_x u|| / r is {float(beta.flatten()[flat]):.6g} (row {flat} of "
-            f"the flattened batch) and the result is not a point of the sphere"
+            f"the flattened batch) and the result is not a point of the sphere{why}"
         )
 
     def logmap(self, x, y):

@@ -70,15 +70,15 @@ or a subclass of a built-in) defines its map there, and ``Sphere.retr`` and
 :func:`~manifoldlib.testing.assert_retraction` use it; the fast path would silently train with
 another map (an arctan angle with a Cayley ``retract``: rows up to 0.46 r away from ``retract``'s
 at a normalized step of 2 rad). So such a class takes :func:`sphere_residual_reference`, which
-calls its ``retract`` (plain autograd, on every device), unless the override is recognized as a pure forward: a function whose code is
-exactly ``return super().retract(x, v, radius)`` (or ``radius=radius``), with its own parameter
-names, a docstring allowed, the built-in ``super``, resolving to a ``retract`` that is recognized
-in turn or is :meth:`AngleRetraction.retract <manifoldlib.retractions.AngleRetraction.retract>`
-itself (:func:`_retract_is_angle_form`, checked on the compiled code, not by sampling). There is
-no declaration by which a class could claim that a ``retract`` of its own agrees with its angle
-form: nothing would check the claim, and a wrong one is this bug again. A class that wants the
-fast path defines its map through ``angle`` (or ``coefficients``) and inherits ``retract``. An
-instance with ``retract`` or one of the angle methods set on itself takes the reference path too.
+calls its ``retract`` (plain autograd, on every device), unless that ``retract`` is recognized as
+:meth:`AngleRetraction.retract <manifoldlib.retractions.AngleRetraction.retract>` reached directly or
+through pure forwards, ``return super().retract(x, v, radius)`` (``_retract_is_angle_form``, checked on
+the compiled code, not by sampling; the rule is in the module docstring of
+:mod:`manifoldlib.retractions.sphere`, *Whose map runs*, and ``Sphere.retr`` asks the same before its
+long-step fallback). No declaration lets a ``retract`` of its own claim agreement with the angle form:
+a wrong claim is this bug again. A class that wants the fast path defines its map through ``angle``
+(or ``coefficients``) and inherits ``retract``. An instance with ``retract`` or one of the angle
+methods set on itself takes the reference path too.
 
 Rows of tiny (or huge) norm. :math:`q = \|h\|^2` underflows for float32 rows of norm below about
 :math:`10^{-19}` and float64 rows below :math:`10^{-154}`, and the per-row math meets terms such as
@@ -105,10 +105,7 @@ path: there the per-row math overflows to inf or NaN gradients (float32 norms ab
 
 from __future__ import annotations
 
-import builtins
-import inspect
 import math
-import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -118,11 +115,13 @@ from .._numbers import is_real
 from ..functional.sphere import sphere_project_tangent, sphere_unit_tangent
 from ..retractions.base import Retraction
 from ..retractions.sphere import (
+    _ANGLE_MATH,
     AngleRetraction,
     CayleyRetraction,
     ExponentialRetraction,
     GnomonicRetraction,
     PRetraction,
+    _retract_is_angle_form,
 )
 
 __all__ = ["sphere_residual", "sphere_residual_reference"]
@@ -168,10 +167,6 @@ def _cpu_kernels_for(h: torch.Tensor, f: torch.Tensor):
     return _cpu_kernels.enabled()
 
 
-#: The methods that define an angle retraction's per-row math (what the row kernels replace).
-_ANGLE_MATH = ("angle", "coefficients", "coefficients_vjp")
-
-
 def _built_in_math(retraction: Retraction) -> type | None:
     """The built-in angle retraction whose math ``retraction`` runs: its own class, or the built-in
     a subclass derives from without overriding any of :data:`_ANGLE_MATH` (a name, options or a
@@ -181,109 +176,6 @@ def _built_in_math(retraction: Retraction) -> type | None:
         if issubclass(kind, base) and all(getattr(kind, name) is getattr(base, name) for name in _ANGLE_MATH):
             return base
     return None
-
-
-#: The instance attributes that would replace a class's map: set on an instance, the reference path.
-_MAP_ATTRIBUTES = ("retract", *_ANGLE_MATH)
-#: :meth:`AngleRetraction.retract` as defined: the angle form the fast path computes.
-_ANGLE_FORM_RETRACT = AngleRetraction.__dict__["retract"]
-#: Pass-through overrides recognized so far: function -> :func:`_pass_through_class`'s answer
-#: (weak keys: a notebook's redefined class goes away).
-_PASS_THROUGH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class _PassThrough:
-    """The two pure forwards, compiled by this interpreter: the templates of
-    :func:`_pass_through_class` (bytecode names parameters by position, not by name)."""
-
-    def positional(self, x, v, radius=None):
-        return super().retract(x, v, radius)
-
-    def keyword(self, x, v, radius=None):
-        return super().retract(x, v, radius=radius)
-
-
-#: The code flags that say what kind of function it is (not where it was defined: a class in a
-#: function, or which ``from __future__`` imports its module has).
-_KIND_FLAGS = (inspect.CO_OPTIMIZED | inspect.CO_NEWLOCALS | inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
-               | inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-               | inspect.CO_ITERABLE_COROUTINE)
-
-
-def _constants(code, doc) -> tuple:
-    """A code object's constants less ``None`` and its docstring (where a docstring is kept)."""
-    return tuple(k for k in code.co_consts if k is not None and not (isinstance(k, str) and k == doc))
-
-
-def _pass_through_class(fn) -> tuple[type, bool] | None:
-    """``(the class after which fn's super() looks retract up, whether it passes radius by
-    keyword)`` if ``fn`` is exactly ``def retract(self, x, v, radius[=...]): ["docstring"] return
-    super().retract(x, v, radius)`` (or ``radius=radius``) with any parameter names; ``None`` for
-    anything else.
-
-    The comparison is of compiled code: ``fn`` must have the bytecode, names, flags and constants
-    (a docstring aside) of one of the :class:`_PassThrough` templates, four positional parameters
-    and no other locals, and ``super`` must be the built-in in ``fn``'s globals and builtins.
-    """
-    try:
-        return _PASS_THROUGH[fn]
-    except (KeyError, TypeError):  # TypeError: not weak-referenceable, hence not a plain function
-        pass
-    found = None
-    code = getattr(fn, "__code__", None)
-    closure = getattr(fn, "__closure__", None)
-    if (
-        code is not None
-        and code.co_argcount == 4
-        and code.co_nlocals == 4
-        and not code.co_posonlyargcount
-        and not code.co_kwonlyargcount
-        and code.co_freevars == ("__class__",)
-        and closure is not None
-        and fn.__globals__.get("super", getattr(fn, "__builtins__", {}).get("super")) is builtins.super
-    ):
-        for keyword, template in ((False, _PassThrough.positional), (True, _PassThrough.keyword)):
-            t = template.__code__
-            if (
-                code.co_code == t.co_code
-                and code.co_names == t.co_names
-                and code.co_flags & _KIND_FLAGS == t.co_flags & _KIND_FLAGS
-                and _constants(code, fn.__doc__) == _constants(t, None)
-            ):
-                owner = closure[0].cell_contents
-                found = (owner, keyword) if isinstance(owner, type) else None
-                break
-    if not torch.compiler.is_compiling():  # a write while dynamo traces would break the graph
-        try:
-            _PASS_THROUGH[fn] = found
-        except TypeError:
-            pass
-    return found
-
-
-def _retract_is_angle_form(retraction: AngleRetraction) -> bool:
-    """Whether ``retraction.retract`` is the angle form the fast path computes (module docstring,
-    *Whose map runs*): :meth:`AngleRetraction.retract` itself, reached through a chain of
-    recognized pass-through overrides (:func:`_pass_through_class`), and nothing of
-    :data:`_MAP_ATTRIBUTES` set on the instance. The built-ins answer at the first step."""
-    instance = getattr(retraction, "__dict__", None)
-    if instance and any(name in instance for name in _MAP_ATTRIBUTES):
-        return False
-    mro = type(retraction).__mro__
-    start, keyword = 0, False
-    while True:
-        owner = next((kind for kind in mro[start:] if "retract" in kind.__dict__), None)
-        if owner is None:
-            return False
-        fn = owner.__dict__["retract"]
-        if keyword and getattr(getattr(fn, "__code__", None), "co_varnames", ())[3:4] != ("radius",):
-            return False  # radius=... forwarded to a retract that names it otherwise: a TypeError there
-        if fn is _ANGLE_FORM_RETRACT:
-            return True
-        found = _pass_through_class(fn)
-        if found is None or found[0] not in mro or mro.index(found[0]) < mro.index(owner):
-            return False  # a super() bound to a class not at or after the owner: not a plain forward
-        start, keyword = mro.index(found[0]) + 1, found[1]
 
 
 def _kernel_family(retraction: Retraction) -> tuple[int, float] | None:

@@ -13,11 +13,32 @@ gnomonic      :math:`\arctan\beta`         2      Proj-SpheretNorm (p = 1)
 cayley        :math:`2\arctan(\beta/2)`    2      Cay-SpheretNorm (p = 2)
 p             :math:`p\arctan(\beta/p)`    2      p-SpheretNorm
 ============  ===========================  =====  ========================
+
+Whose map runs. A class's map is the ``retract`` it runs. :meth:`AngleRetraction.retract` is
+the angle form :math:`\cos\theta\,x + k\,v` of the class's ``coefficients``, and two consumers
+compute that form without calling ``retract``: :class:`~manifoldlib.nn.SphereResidual`'s fast
+path, and :meth:`AngleRetraction.retract_long_step`, which :meth:`~manifoldlib.Sphere.retr` takes
+for steps whose :math:`\beta^2` overflows. A class that overrides ``retract`` (an
+:class:`AngleRetraction` subclass, or a subclass of a built-in) defines another map there, so
+each consumer first asks ``_retract_is_angle_form``: whether the ``retract`` the instance
+calls is :meth:`AngleRetraction.retract`, reached directly or through pure forwards. A pure
+forward is a function whose code is exactly ``return super().retract(x, v, radius)`` (or
+``radius=radius``), with its own parameter names, a docstring allowed, the built-in ``super``,
+resolving to a ``retract`` that is recognized in turn (``_pass_through_class``, checked on the
+compiled code, not by sampling). No declaration lets a ``retract`` of its own claim agreement with
+the angle form: nothing would check the claim. An instance with ``retract`` or one of the angle
+methods set on itself is not the angle form either. A class that supplies the long-step form of
+its own ``retract`` overrides :meth:`~AngleRetraction.retract_long_step` in the class that
+defines that ``retract`` (or below it): ``_long_step_mismatch`` says when the inherited one
+would compute another map.
 """
 
 from __future__ import annotations
 
+import builtins
+import inspect
 import math
+import weakref
 
 import torch
 
@@ -138,7 +159,8 @@ class AngleRetraction(Retraction):
             :math:`\sigma = \|v\|^2/r^2` or its numerator overflows here too (on a sphere of
             radius :math:`r > 1` already from :math:`\beta \approx 1.8\cdot 10^{19}/r`);
             :meth:`retract_long_step` is the form for such steps (no check is made here:
-            :meth:`~manifoldlib.Sphere.retr` checks and switches).
+            :meth:`~manifoldlib.Sphere.retr` checks and switches; for a class that overrides
+            ``retract`` only where :meth:`retract_long_step` is overridden with it).
         """
         work = torch.promote_types(x.dtype, torch.float32)
         xw, vw = x.to(work), v.to(work)
@@ -158,6 +180,14 @@ class AngleRetraction(Retraction):
         :math:`\beta \approx 2\pi/\varepsilon` the position along the great circle is
         therefore not determined by the input, though the point is on it. Rows whose angle
         is not finite (the exponential map when :math:`\beta` overflows) come back non-finite.
+
+        This is the long-step form of the angle form only. A class that overrides :meth:`retract`
+        with a map of its own (one that is not a pure ``super()`` forward; module docstring, *Whose
+        map runs*) and takes long steps overrides this method too, in the same class or below:
+        :meth:`~manifoldlib.Sphere.retr` calls it only for a class whose ``retract`` is the angle
+        form or whose ``retract_long_step`` is defined at or below its ``retract``, and otherwise
+        raises ``ValueError`` for a long step that its ``retract`` cannot take (a ``retract`` that
+        returns points of the sphere for such steps itself is used as it is).
 
         Same arguments and result as :meth:`retract`.
         """
@@ -251,3 +281,150 @@ class PRetraction(AngleRetraction):
         if self.p == 2.0:
             return _cayley_vjp(k, grad_cos, grad_k)
         return super().coefficients_vjp(sigma, cos_theta, k, grad_cos, grad_k)
+
+
+# ---- whose map runs (module docstring) --------------------------------------------------------
+
+#: The methods that define an angle retraction's per-row math (what the row kernels replace).
+_ANGLE_MATH = ("angle", "coefficients", "coefficients_vjp")
+#: The instance attributes that would replace a class's map: set on an instance, not the angle form.
+_MAP_ATTRIBUTES = ("retract", *_ANGLE_MATH)
+#: :meth:`AngleRetraction.retract` as defined: the angle form.
+_ANGLE_FORM_RETRACT = AngleRetraction.__dict__["retract"]
+#: Pass-through overrides recognized so far: function -> :func:`_pass_through_class`'s answer
+#: (weak keys: a notebook's redefined class goes away).
+_PASS_THROUGH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _PassThrough:
+    """The two pure forwards, compiled by this interpreter: the templates of
+    :func:`_pass_through_class` (bytecode names parameters by position, not by name)."""
+
+    def positional(self, x, v, radius=None):
+        return super().retract(x, v, radius)
+
+    def keyword(self, x, v, radius=None):
+        return super().retract(x, v, radius=radius)
+
+
+#: The code flags that say what kind of function it is (not where it was defined: a class in a
+#: function, or which ``from __future__`` imports its module has).
+_KIND_FLAGS = (inspect.CO_OPTIMIZED | inspect.CO_NEWLOCALS | inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+               | inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+               | inspect.CO_ITERABLE_COROUTINE)
+
+
+def _constants(code, doc) -> tuple:
+    """A code object's constants less ``None`` and its docstring (where a docstring is kept)."""
+    return tuple(k for k in code.co_consts if k is not None and not (isinstance(k, str) and k == doc))
+
+
+def _pass_through_class(fn) -> tuple[type, bool] | None:
+    """``(the class after which fn's super() looks retract up, whether it passes radius by
+    keyword)`` if ``fn`` is exactly ``def retract(self, x, v, radius[=...]): ["docstring"] return
+    super().retract(x, v, radius)`` (or ``radius=radius``) with any parameter names; ``None`` for
+    anything else.
+
+    The comparison is of compiled code: ``fn`` must have the bytecode, names, flags and constants
+    (a docstring aside) of one of the :class:`_PassThrough` templates, four positional parameters
+    and no other locals, and ``super`` must be the built-in in ``fn``'s globals and builtins.
+    """
+    try:
+        return _PASS_THROUGH[fn]
+    except (KeyError, TypeError):  # TypeError: not weak-referenceable, hence not a plain function
+        pass
+    found = None
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if (
+        code is not None
+        and code.co_argcount == 4
+        and code.co_nlocals == 4
+        and not code.co_posonlyargcount
+        and not code.co_kwonlyargcount
+        and code.co_freevars == ("__class__",)
+        and closure is not None
+        and fn.__globals__.get("super", getattr(fn, "__builtins__", {}).get("super")) is builtins.super
+    ):
+        for keyword, template in ((False, _PassThrough.positional), (True, _PassThrough.keyword)):
+            t = template.__code__
+            if (
+                code.co_code == t.co_code
+                and code.co_names == t.co_names
+                and code.co_flags & _KIND_FLAGS == t.co_flags & _KIND_FLAGS
+                and _constants(code, fn.__doc__) == _constants(t, None)
+            ):
+                owner = closure[0].cell_contents
+                found = (owner, keyword) if isinstance(owner, type) else None
+                break
+    if not torch.compiler.is_compiling():  # a write while dynamo traces would break the graph
+        try:
+            _PASS_THROUGH[fn] = found
+        except TypeError:
+            pass
+    return found
+
+
+def _retract_definer(kind: type) -> type | None:
+    """The class in ``kind``'s MRO whose ``retract`` an instance of ``kind`` runs, recognized
+    pass-through overrides (:func:`_pass_through_class`) followed; ``None`` when there is none, or
+    when a forward passes ``radius=`` to a ``retract`` that names it otherwise (a TypeError there)."""
+    mro = kind.__mro__
+    start, keyword = 0, False
+    while True:
+        owner = next((k for k in mro[start:] if "retract" in k.__dict__), None)
+        if owner is None:
+            return None
+        fn = owner.__dict__["retract"]
+        if keyword and getattr(getattr(fn, "__code__", None), "co_varnames", ())[3:4] != ("radius",):
+            return None
+        if fn is _ANGLE_FORM_RETRACT:
+            return owner
+        found = _pass_through_class(fn)
+        if found is None or found[0] not in mro or mro.index(found[0]) < mro.index(owner):
+            return owner  # a retract of its own (a super() bound to a class not at or after the owner too)
+        start, keyword = mro.index(found[0]) + 1, found[1]
+
+
+def _retract_is_angle_form(retraction: AngleRetraction) -> bool:
+    """Whether ``retraction.retract`` is the angle form (module docstring, *Whose map runs*):
+    :meth:`AngleRetraction.retract` itself, reached through a chain of recognized pass-through
+    overrides (:func:`_pass_through_class`), and nothing of :data:`_MAP_ATTRIBUTES` set on the
+    instance. The built-ins answer at the first step."""
+    instance = getattr(retraction, "__dict__", None)
+    if instance and any(name in instance for name in _MAP_ATTRIBUTES):
+        return False
+    definer = _retract_definer(type(retraction))
+    return definer is not None and definer.__dict__["retract"] is _ANGLE_FORM_RETRACT
+
+
+def _long_step_mismatch(retraction: AngleRetraction) -> str | None:
+    """``None`` when ``retraction.retract_long_step`` is the long-step form of the map
+    ``retraction.retract`` computes, else why not (a clause for an error message).
+
+    It is when ``retract`` is the angle form (:func:`_retract_is_angle_form`), or when
+    ``retract_long_step`` is defined in the class whose ``retract`` runs or in a subclass of it, or
+    set on the instance: a class that writes a long-step form of its own is taken at its word.
+    """
+    instance = getattr(retraction, "__dict__", None) or {}
+    if "retract_long_step" in instance:
+        return None
+    kind = type(retraction)
+    name = kind.__name__
+    if any(attr in instance for attr in _MAP_ATTRIBUTES):
+        return (f"this {name} instance has its own {', '.join(a for a in _MAP_ATTRIBUTES if a in instance)}, "
+                f"so the class's retract_long_step would compute another map")
+    if _retract_is_angle_form(retraction):
+        return None
+    mro = kind.__mro__
+    definer = _retract_definer(kind)
+    long_owner = next((k for k in mro if "retract_long_step" in k.__dict__), None)
+    if definer is not None and long_owner is not None and mro.index(long_owner) <= mro.index(definer):
+        return None
+    definer_name = (definer or kind).__name__
+    if long_owner is AngleRetraction:
+        inherited = "AngleRetraction.retract_long_step, the angle form from angle()"
+    else:
+        inherited = f"{getattr(long_owner, '__name__', None)}.retract_long_step, from a class above {definer_name}"
+    return (f"{name}.retract is a map of its own (defined in {definer_name}, not AngleRetraction's "
+            f"angle form), and its long-step form ({inherited}) would return another map's point")

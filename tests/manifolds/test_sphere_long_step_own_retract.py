@@ -1,0 +1,146 @@
+"""Sphere.retr's long-step fallback runs the retraction's own map or none: where beta^2 overflows
+and ``retract`` returns a row off the sphere, ``retract_long_step`` (the angle form, from
+``angle``) is taken only when ``retract`` is the angle form too or the class writes its own
+long-step form; a ``retract`` of its own otherwise raises instead of returning the angle form's
+point (module docstring of ``manifoldlib.retractions.sphere``, *Whose map runs*)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from manifoldlib import Sphere
+from manifoldlib.functional import sphere_project_tangent
+from manifoldlib.retractions import CayleyRetraction, ExponentialRetraction, GnomonicRetraction
+
+RADIUS = 2.0
+# normalized step lengths whose square overflows the dtype (float32 past 1.8e19, float64 past 1.3e154)
+LONG = [(torch.float32, 1e20), (torch.float64, 1e160)]
+_CAYLEY = CayleyRetraction()
+_EXPONENTIAL = ExponentialRetraction()
+
+
+class _GnomonicExpRetract(GnomonicRetraction):
+    """A built-in's subclass whose retract is the exponential map (NaN where beta^2 overflows)."""
+
+    def retract(self, x, v, radius=None):
+        return _EXPONENTIAL.retract(x, v, radius)
+
+
+class _GnomonicCayleyRetract(GnomonicRetraction):
+    """The Cayley map written out, ((1 - sigma/4) x + v) / (1 + sigma/4): inf / inf, NaN, for a long step."""
+
+    def retract(self, x, v, radius=None):
+        r_sq = (x * x).sum(-1, keepdim=True) if radius is None else radius * radius
+        v = sphere_project_tangent(x, v, r_sq)
+        quarter = 0.25 * (v * v).sum(-1, keepdim=True) / r_sq
+        return ((1.0 - quarter) * x + v) / (1.0 + quarter)
+
+
+class _CayleyWithLongStep(_GnomonicCayleyRetract):
+    """The same map with its own long-step form: Cayley's angle, 2 arctan(beta/2)."""
+
+    def retract_long_step(self, x, v, radius=None):
+        return _CAYLEY.retract_long_step(x, v, radius)
+
+
+class _ExpBelowCayleyLongStep(_CayleyWithLongStep):
+    """A retract of its own again (the exponential map) below a class whose long step is Cayley's."""
+
+    def retract(self, x, v, radius=None):
+        return _EXPONENTIAL.retract(x, v, radius)
+
+
+class _ForwardToCayleyWithLongStep(_CayleyWithLongStep):
+    def retract(self, x, v, radius=None):
+        return super().retract(x, v, radius)
+
+
+class _ForwardToGnomonic(GnomonicRetraction):
+    def retract(self, point, step, radius=None):
+        """A pure forward: the angle form, so the angle form's long step."""
+        return super().retract(point, step, radius=radius)
+
+
+class _GnomonicLongCayleyRetract(GnomonicRetraction):
+    """A retract of its own that takes long steps itself: the Cayley map from its angle, no squares."""
+
+    def retract(self, x, v, radius=None):
+        return _CAYLEY.retract_long_step(x, v, radius)
+
+
+def _long_step(dtype, beta):
+    s = Sphere(RADIUS)
+    x = s.random(4, 5, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    u = s.proju(x, z)
+    u_hat = u / u.norm(dim=-1, keepdim=True)
+    return x, (beta * RADIUS) * u_hat, u_hat
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+@pytest.mark.parametrize("retraction", [_GnomonicExpRetract(), _GnomonicCayleyRetract(), _ExpBelowCayleyLongStep()],
+                         ids=["gnomonic+exp-retract", "gnomonic+cayley-retract", "exp-retract-below-cayley-long-step"])
+def test_a_long_step_of_a_retract_of_its_own_raises_naming_why(retraction, dtype, beta):
+    # it used to return the inherited long step's point: the gnomonic limit r u_hat (angle pi/2)
+    # for a map that is the exponential map or Cayley's (whose limit is -x)
+    x, u, _ = _long_step(dtype, beta)
+    s = Sphere(RADIUS, retraction=retraction)
+    with pytest.raises(ValueError, match="cannot take this step") as info:
+        s.retr(x, u)
+    message = str(info.value)
+    assert f"{type(retraction).__name__}.retract is a map of its own" in message
+    assert "another map's point" in message
+    assert "Define the map through angle" in message and "override retract_long_step" in message
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+def test_a_retract_set_on_the_instance_raises_too(dtype, beta):
+    x, u, _ = _long_step(dtype, beta)
+    retraction = GnomonicRetraction()
+    retraction.retract = _EXPONENTIAL.retract
+    with pytest.raises(ValueError, match="instance has its own retract"):
+        Sphere(RADIUS, retraction=retraction).retr(x, u)
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+def test_the_fallback_would_be_another_map(dtype, beta):
+    # why the fallback is refused: the Cayley-retract class tends to -x along the step, while the
+    # long step it inherits gives the gnomonic limit r u_hat, sqrt(2) r away
+    x, u, u_hat = _long_step(dtype, beta)
+    retraction = _GnomonicCayleyRetract()
+    s = Sphere(RADIUS, retraction=retraction)
+    below = s.retr(x, u / beta * 1e6)  # beta = 1e6: beta^2 finite in both dtypes
+    assert torch.allclose(below, -x, rtol=0, atol=1e-5 * RADIUS)
+    inherited = retraction.retract_long_step(x, u, radius=RADIUS)
+    assert torch.allclose(inherited, RADIUS * u_hat, rtol=0, atol=1e-5 * RADIUS)
+    gap = (inherited - below).norm(dim=-1) / RADIUS
+    assert torch.allclose(gap, torch.full_like(gap, math.sqrt(2.0)), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+@pytest.mark.parametrize("kind", [_CayleyWithLongStep, _ForwardToCayleyWithLongStep])
+def test_a_class_with_its_own_long_step_uses_it(kind, dtype, beta):
+    x, u, _ = _long_step(dtype, beta)
+    y = Sphere(RADIUS, retraction=kind()).retr(x, u)
+    assert torch.allclose(y, -x, rtol=0, atol=4 * torch.finfo(dtype).eps * RADIUS)  # Cayley's limit
+    assert torch.equal(y, Sphere(RADIUS, retraction="cayley").retr(x, u))
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+def test_a_pure_forward_keeps_the_angle_forms_long_step(dtype, beta):
+    x, u, u_hat = _long_step(dtype, beta)
+    y = Sphere(RADIUS, retraction=_ForwardToGnomonic()).retr(x, u)
+    assert torch.equal(y, Sphere(RADIUS, retraction="gnomonic").retr(x, u))
+    assert torch.allclose(y, RADIUS * u_hat, rtol=0, atol=4 * torch.finfo(dtype).eps * RADIUS)
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+def test_a_retract_of_its_own_that_takes_long_steps_is_used_as_it_is(dtype, beta):
+    # no row off the sphere, no fallback: the class's map, not the gnomonic limit r u_hat
+    x, u, _ = _long_step(dtype, beta)
+    y = Sphere(RADIUS, retraction=_GnomonicLongCayleyRetract()).retr(x, u)
+    assert torch.equal(y, Sphere(RADIUS, retraction="cayley").retr(x, u))
+    assert torch.allclose(y, -x, rtol=0, atol=4 * torch.finfo(dtype).eps * RADIUS)
