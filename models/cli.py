@@ -30,7 +30,7 @@ from .config import (
     parse_overrides,
     refuse_inert_settings,
 )
-from .data import CorpusError, check_given_tokenizer, with_shards_tokenizer
+from .data import CorpusError, check_given_tokenizer, resolve_tokenizer
 from .presets import PRESETS
 from .run_dir import RunError, describe_os_error, has_checkpoint, read_saved_config
 
@@ -209,9 +209,9 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     ``--muon_ns_dtype`` under ``optimizer=adamw``, ``--sel_kappa`` under ``sel=none``, ...), and
     so is a tokenizer the user gave that is not the one the ``bin:`` shards were made with
     (:func:`~models.data.check_given_tokenizer`: the shards' own would be used): both before
-    the run starts. A fresh run on ``bin:`` shards without a given tokenizer takes the one
-    their ``meta.json`` records (:func:`~models.data.with_shards_tokenizer`), so its
-    ``config.json`` says ``bpe`` for BPE shards, not the default ``byte``.
+    the run starts. A fresh run's tokenizer ``auto`` (the default) becomes the corpus's own
+    (:func:`~models.data.resolve_tokenizer`: ``bpe`` on BPE shards), as the run saves it; a
+    resumed run's stays as saved.
 
     Raises:
         ConfigError, CorpusError: the configuration or a given setting is refused.
@@ -230,11 +230,11 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
     given = {key.replace("-", "_"): f"{key.replace('-', '_')!r} in config file {args.config}"
              for key in toml}
     given.update({key.replace("-", "_"): f"--{key}" for key in overrides})
-    refuse_inert_settings(cfg, given)  # on shards the corpus makes bpe_vocab_size inert either way
-    if "tokenizer" in given:  # the default, byte, is no choice: shards keep their tokenizer
+    if "tokenizer" in given:
         check_given_tokenizer(cfg.corpus, cfg.tokenizer, given["tokenizer"])
-    elif not resumed:  # a saved run's stays as saved (a run on BPE shards saved as byte resumes)
-        cfg = with_shards_tokenizer(cfg)
+    if not resumed:  # a saved run's stays as saved (a run on BPE shards saved as byte resumes)
+        cfg = resolve_tokenizer(cfg)
+    refuse_inert_settings(cfg, given)  # on shards the corpus makes bpe_vocab_size inert either way
     return cfg
 
 

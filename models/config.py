@@ -71,6 +71,10 @@ MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 MUON_RECIPES = ("library", "reference")
 #: ``dtype`` values: the autocast dtype of forward and loss (float16 adds a GradScaler).
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``tokenizer`` values: ``auto`` is the corpus's own (bytes for a text corpus, the one a
+#: ``bin:`` folder's ``meta.json`` records, ``ids`` for nanoGPT shards without one); a run
+#: records the tokenizer it trained with, never ``auto``. ``ids``: token ids read as they are.
+TOKENIZERS = ("auto", "byte", "bpe", "ids")
 #: ``log`` values: extra metric sinks besides ``metrics.jsonl``.
 LOGS = ("none", "tensorboard")
 #: ``shard_dtype`` values: the dtype ``meta.json`` records (a folder without one is refused), or
@@ -118,7 +122,9 @@ class TrainConfig:
     model: GPTConfig = DEFAULT_MODEL
     # data
     corpus: str = "stdlib"            #: ``stdlib``, ``file:PATH``, ``synthetic[:NBYTES]``, ...
-    tokenizer: str = "byte"           #: ``byte`` (vocabulary 256) or ``bpe`` (extra ``bpe``)
+    #: ``auto`` (the corpus's own), ``byte`` (vocabulary 256), ``bpe`` (extra ``bpe``) or, for
+    #: nanoGPT shards, ``ids``; a run saves the one it trained with
+    tokenizer: str = "auto"
     bpe_vocab_size: int = 1024
     #: the model's vocabulary: 0 = the corpus's; larger pads it (GPT-2's 50257 -> 50304), or
     #: sets it for nanoGPT shards without meta.json
@@ -191,7 +197,7 @@ class TrainConfig:
         _check_choice("policy", self.policy, tuple(available_policies()))
         _check_choice("sel", self.sel, SEL_VARIANTS)
         _check_choice("schedule", self.schedule, SCHEDULES)
-        _check_choice("tokenizer", self.tokenizer, ("byte", "bpe"))
+        _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         _check_choice("muon_distributed", self.muon_distributed, MUON_DISTRIBUTED)
         _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
         _check_choice("muon_recipe", self.muon_recipe, MUON_RECIPES)
@@ -552,7 +558,7 @@ INERT_RULES: tuple[tuple[tuple[str, ...], str, Callable[[TrainConfig], bool], st
      "only --schedule cosine reads it"),
     (("bpe_vocab_size", "val_fraction"), "corpus", lambda c: c.corpus.startswith("bin:"),
      "token shards carry their tokenizer and their split; only a text corpus reads it"),
-    (("bpe_vocab_size",), "tokenizer", lambda c: c.tokenizer == "byte",
+    (("bpe_vocab_size",), "tokenizer", lambda c: c.tokenizer != "bpe",
      "only --tokenizer bpe reads it"),
     (("shard_dtype",), "corpus", lambda c: not c.corpus.startswith("bin:"),
      "only a --corpus bin:DIR reads it"),

@@ -68,8 +68,8 @@ __all__ = [
     "check_size",
     "eval_batches",
     "load_corpus",
+    "resolve_tokenizer",
     "unigram_entropy",
-    "with_shards_tokenizer",
 ]
 
 
@@ -134,7 +134,7 @@ def _to_tensor(parts: list[np.ndarray], vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(ids.astype(dtype, copy=False))  # (N,)
 
 
-def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: str = "byte",
+def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: str = "auto",
                 bpe_vocab_size: int = 1024, tokenizer_path: str | os.PathLike | None = None,
                 vocab_size: int | None = None,
                 shard_dtype: str | None = None) -> Corpus:  # noqa: F811 - the config key's name
@@ -144,8 +144,11 @@ def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: s
         spec: ``"stdlib"``, ``"file:PATH"``, ``"synthetic[:NBYTES]"`` or ``"bin:DIR"``.
         val_fraction: share of files (or of bytes, for a single file) held out, in ``(0, 1)``;
             shards were split when they were prepared.
-        tokenizer: ``"byte"`` (vocabulary 256) or ``"bpe"`` (needs ``tokenizers``). Shards
-            carry their own tokenizer; ``"bpe"`` on shards of another tokenizer is an error.
+        tokenizer: ``"auto"`` (the corpus's own: bytes for text), ``"byte"`` (vocabulary 256)
+            or ``"bpe"`` (needs ``tokenizers``). Shards carry their own tokenizer, which the
+            corpus takes whatever this says (``"ids"`` is theirs without ``meta.json``);
+            ``"bpe"`` on shards of another tokenizer is an error. The configuration a run
+            saves names the one it took (:func:`check_given_tokenizer` refuses another).
         bpe_vocab_size: BPE vocabulary size (> 256) when training a BPE.
         tokenizer_path: a saved BPE ``tokenizer.json`` to load instead of training one (used
             by ``--resume``, so a resumed run tokenizes exactly as before). Shards use the
@@ -163,20 +166,24 @@ def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: s
     """
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if tokenizer not in ("byte", "bpe"):
-        raise CorpusError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
+    if tokenizer not in ("auto", "byte", "bpe", IdTokenizer.name):
+        raise CorpusError(f"tokenizer must be 'auto', 'byte', 'bpe' or (token shards without "
+                          f"{META_FILE}) 'ids', got {tokenizer!r}")
     if spec.startswith("bin:"):
         return _load_shards(spec, tokenizer, vocab_size, shard_dtype)
     if shard_dtype is not None:
         raise CorpusError(f"shard_dtype {shard_dtype!r} is for token shards (bin:DIR); corpus "
                           f"{spec!r} is text")
+    if tokenizer == IdTokenizer.name:
+        raise CorpusError(f"tokenizer 'ids' (token ids read as they are) is for token shards "
+                          f"without {META_FILE}; corpus {spec!r} is text: use 'byte' or 'bpe'")
     docs = list_documents(spec)
     fingerprint = Fingerprint()
     pieces = list(split_pieces(docs, val_fraction, fingerprint))
     n_bytes = sum(len(p) for _, p in pieces)
     check_split(spec, n_bytes, 1, 1)
     train_docs = [p for is_val, p in pieces if not is_val]
-    if tokenizer == "byte":
+    if tokenizer in ("auto", "byte"):
         tok = ByteTokenizer()
     elif tokenizer_path is not None:
         tok = BPETokenizer.load(Path(tokenizer_path))
@@ -193,7 +200,7 @@ def load_corpus(spec: str = "stdlib", *, val_fraction: float = 0.1, tokenizer: s
     return Corpus(spec=spec, train=train, val=val, tokenizer=tok,
                   fingerprint=fingerprint.hexdigest(), n_train_files=len(train_docs),
                   n_val_files=len(pieces) - len(train_docs), n_bytes=n_bytes, vocab_size=vocab,
-                  tokens_fingerprint=None if tokenizer == "byte" else _token_digest(train, val))
+                  tokens_fingerprint=None if tok.name == "byte" else _token_digest(train, val))
 
 
 def _token_digest(*parts: torch.Tensor) -> str:
@@ -223,71 +230,69 @@ def _load_shards(spec: str, tokenizer: str, vocab_size: int | None, dtype: str |
                   vocab_size=shards.vocab_size, notes=shards.notes, details=details)
 
 
-def check_given_tokenizer(spec: str, tokenizer: str, label: str) -> None:
-    """Refuse a tokenizer the user gave for token shards of another one.
+def check_given_tokenizer(spec: str, tokenizer: str, label: str, *,
+                          advice: str | None = None) -> None:
+    """Refuse a tokenizer named for token shards of another one.
 
     Token shards carry their tokenizer: a run on ``bin:DIR`` reads them with the one their
     ``meta.json`` records (:func:`models.shards.recorded_tokenizer`), whatever ``tokenizer``
     says, so ``--tokenizer byte`` on BPE shards would train on BPE ids under a configuration
-    that says bytes. ``byte`` is also the default, so a value alone cannot tell a choice from no
-    choice: the caller calls this for a tokenizer the user gave. A text corpus, shards of the
-    same tokenizer and a folder that does not exist (refused when it is opened) pass; nanoGPT
-    shards (no ``meta.json``) hold ids of no known tokenizer and take none. Reads ``meta.json``
-    only, so it costs nothing before a run.
+    that says bytes. ``auto`` (the default: the shards' own), a text corpus, shards of the same
+    tokenizer and a folder that does not exist (refused when it is opened) pass; nanoGPT shards
+    (no ``meta.json``) hold ids of no known tokenizer and take ``ids`` only. Reads
+    ``meta.json`` only, so it costs nothing before a run.
 
     Args:
         spec: the corpus spec.
-        tokenizer: the tokenizer given (``"byte"`` / ``"bpe"``).
-        label: how the error names where it was given (``--tokenizer``, ``'tokenizer' in config
+        tokenizer: the tokenizer named (``"auto"`` / ``"byte"`` / ``"bpe"`` / ``"ids"``).
+        label: how the error names where it was named (``--tokenizer``, ``'tokenizer' in config
             file run.toml``).
+        advice: what the error tells the user to do instead of the other shards (default
+            ``drop {label}``).
 
     Raises:
         CorpusError: one line naming the shard folder, the tokenizer the shards were made with
-            and the one given.
+            and the one named.
     """
-    if not spec.startswith("bin:") or not spec[len("bin:"):]:
+    if tokenizer == "auto" or not spec.startswith("bin:") or not spec[len("bin:"):]:
         return
     folder = spec[len("bin:"):]
     recorded = recorded_tokenizer(folder)
     if recorded is None or recorded == tokenizer:
         return
-    given = f"tokenizer {tokenizer!r} ({label})"
+    given, advice = f"tokenizer {tokenizer!r} ({label})", advice or f"drop {label}"
     if recorded == IdTokenizer.name:
         raise CorpusError(f"{given} cannot apply to the token shards {folder}: they have no "
                           f"{META_FILE}, so a run reads their ids as they are, with no tokenizer; "
-                          f"drop {label}, or write the shards with python -m models.prepare "
+                          f"{advice}, or write the shards with python -m models.prepare "
                           f"--tokenizer {tokenizer}, which records it")
     raise CorpusError(f"{given} disagrees with the token shards {folder}: they were made with the "
                       f"{recorded!r} tokenizer (their {META_FILE} says so), which a run on them "
-                      f"always uses; drop {label}, or use shards made with the {tokenizer!r} "
+                      f"always uses; {advice}, or use shards made with the {tokenizer!r} "
                       f"tokenizer")
 
 
-def with_shards_tokenizer(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the tokenizer its ``bin:`` shards record, for a configuration whose
-    tokenizer nobody gave.
+def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with tokenizer ``auto`` replaced by the corpus's own: ``byte`` for a text corpus,
+    for ``bin:`` shards the one their ``meta.json`` records (``byte`` / ``bpe``; ``ids`` for
+    nanoGPT shards, which have none). A named tokenizer is kept (:func:`check_given_tokenizer`
+    judges it), and so is ``auto`` for a folder that does not exist (refused when it is opened).
 
-    A run on ``bin:DIR`` reads the shards with the tokenizer their ``meta.json`` records
-    (:func:`models.shards.recorded_tokenizer`), whatever ``cfg.tokenizer`` says, and ``byte``
-    is the default: without this a run on BPE shards would say ``"tokenizer": "byte"`` in its
-    ``config.json`` and checkpoint, and keep no ``tokenizer.json``. The command line calls it
-    for a fresh run without ``--tokenizer`` (a given one is checked instead,
-    :func:`check_given_tokenizer`; a resumed run keeps its saved configuration), and
-    :mod:`models.compare` for each planned arm without a ``--tokenizer`` override, so that the
-    configuration it plans is the one a finished run saved. A text corpus, nanoGPT shards (no
-    ``meta.json``: ids of no known tokenizer) and a folder that does not exist (refused when it
-    is opened) leave ``cfg`` as it is. Reads ``meta.json`` only.
+    A run saves the tokenizer it trained with: :func:`models.train.run_training` resolves its
+    configuration so, the command line does it before it checks the settings, and
+    :mod:`models.compare` for each planned arm, so that the configuration it plans is the one a
+    finished run saved. Reads ``meta.json`` only.
 
     Raises:
         CorpusError: a ``meta.json`` that cannot be read as token-shard metadata, as opening the
             shards would.
     """
-    if not cfg.corpus.startswith("bin:") or not cfg.corpus[len("bin:"):]:
+    if cfg.tokenizer != "auto":
         return cfg
-    recorded = recorded_tokenizer(cfg.corpus[len("bin:"):])
-    if recorded not in (ByteTokenizer.name, BPETokenizer.name) or recorded == cfg.tokenizer:
-        return cfg
-    return cfg.replace(tokenizer=recorded)
+    if not cfg.corpus.startswith("bin:"):
+        return cfg.replace(tokenizer=ByteTokenizer.name)
+    recorded = recorded_tokenizer(cfg.corpus[len("bin:"):]) if cfg.corpus != "bin:" else None
+    return cfg if recorded is None else cfg.replace(tokenizer=recorded)
 
 
 def check_size(corpus: Corpus, batch_size: int, block_size: int) -> None:

@@ -21,7 +21,14 @@ from pathlib import Path
 from manifoldlib.distributed import all_gather_objects
 
 from .config import LEGACY_MUON_NS_DTYPE, RESUMABLE_FIELDS, ConfigError, TrainConfig
-from .data import Corpus, check_size, load_corpus, unigram_entropy
+from .data import (
+    Corpus,
+    check_given_tokenizer,
+    check_size,
+    load_corpus,
+    resolve_tokenizer,
+    unigram_entropy,
+)
 from .sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from .storage import (  # noqa: F401 - the storage names are importable from here too
     CHECKPOINT,
@@ -56,10 +63,11 @@ __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
 
 def with_legacy_defaults(saved: dict) -> dict:
     """A saved configuration with the values that runs made before a field existed used
-    (``muon_ns_dtype``: bfloat16; ``periln_embed_norm``: off; ``muon_weight_decay``: 0), so that
-    resuming such a run repeats its computation."""
+    (``muon_ns_dtype``: bfloat16; ``periln_embed_norm``: off; ``muon_weight_decay``: 0;
+    ``tokenizer``: byte, the default before ``auto``), so that resuming such a run repeats its
+    computation."""
     return {"muon_ns_dtype": LEGACY_MUON_NS_DTYPE, "periln_embed_norm": False,
-            "muon_weight_decay": 0.0, **saved}
+            "muon_weight_decay": 0.0, "tokenizer": "byte", **saved}
 
 
 def read_saved_config(out: str | Path) -> dict:
@@ -146,7 +154,8 @@ def _check_steps_reach(out: Path, step: int, own_steps: int, steps: int) -> None
 
 
 def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
-                     world_size: int = 1) -> dict:
+                     world_size: int = 1) -> tuple[dict, TrainConfig]:
+    """The checkpoint, and ``cfg`` with tokenizer ``auto`` as the checkpoint saved it."""
     ckpt, note = load_checkpoint(out, move_damaged=is_main)
     if note is not None and echo and is_main:
         print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -155,6 +164,8 @@ def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"the configuration saved in {out}'s checkpoint is not "
                               f"valid: {exc}") from None
+    if cfg.tokenizer == "auto":  # the run's own, as saved (a run saved as byte on BPE shards too)
+        cfg = cfg.replace(tokenizer=saved_cfg.tokenizer)
     check_resumable(saved_cfg, cfg)
     _check_steps_reach(out, ckpt["step"], saved_cfg.steps, cfg.steps)
     if ckpt["step"] < cfg.steps and cfg.last_step <= ckpt["step"]:
@@ -163,7 +174,7 @@ def _open_checkpoint(out: Path, cfg: TrainConfig, is_main: bool, echo: bool,
     changes = _resumed_changes(saved_cfg, cfg, ckpt.get("world_size"), world_size)
     if changes is not None and echo and is_main and ckpt["step"] < cfg.steps:
         print(changes, flush=True)
-    return ckpt
+    return ckpt, cfg
 
 
 def _check_own_run_files(out: Path) -> None:
@@ -198,23 +209,35 @@ def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig) -> None:
 
 
 def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
-                is_main: bool, echo: bool) -> tuple[dict | None, Corpus | None, bool]:
-    """Every check before training, with no writes: ``(checkpoint, corpus, stale)``.
+                is_main: bool, echo: bool
+                ) -> tuple[TrainConfig, dict | None, Corpus | None, bool]:
+    """Every check before training, with no writes: ``(config, checkpoint, corpus, stale)``.
 
-    ``checkpoint`` is ``None`` for a fresh run; ``corpus`` is ``None`` when the run finished
-    at ``steps`` (nothing to do; a checkpoint past ``steps`` is refused); ``stale`` says the directory holds a run that stopped
-    before its first checkpoint (:func:`~models.storage.check_run_dir`).
+    ``config`` is ``cfg`` as the run saves it: tokenizer ``auto`` is the corpus's own for a
+    fresh run (:func:`~models.data.resolve_tokenizer`: ``bpe`` on BPE shards), the saved one
+    for a resumed run. ``checkpoint`` is ``None`` for a fresh run; ``corpus`` is ``None`` when
+    the run finished at ``steps`` (nothing to do; a checkpoint past ``steps`` is refused);
+    ``stale`` says the directory holds a run that stopped before its first checkpoint
+    (:func:`~models.storage.check_run_dir`).
 
     Raises:
-        ConfigError, CorpusError, RunError: the run cannot start.
+        ConfigError, CorpusError, RunError: the run cannot start (a fresh run's named tokenizer
+            that is not the one its ``bin:`` shards were made with among the reasons,
+            :func:`~models.data.check_given_tokenizer`).
     """
     _check_world_size(cfg, world_size)
     stale = check_run_dir(out, resume)
     if stale:
         _check_own_run_files(out)
-    ckpt = _open_checkpoint(out, cfg, is_main, echo, world_size) if resume else None
+    ckpt = None
+    if resume:
+        ckpt, cfg = _open_checkpoint(out, cfg, is_main, echo, world_size)
+    else:
+        check_given_tokenizer(cfg.corpus, cfg.tokenizer, "the configuration's",
+                              advice="set tokenizer='auto' for theirs")
+        cfg = resolve_tokenizer(cfg)
     if ckpt is not None and ckpt["step"] >= cfg.steps:
-        return ckpt, None, stale
+        return cfg, ckpt, None, stale
     corpus = load_corpus(cfg.corpus, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer,
                          bpe_vocab_size=cfg.bpe_vocab_size, vocab_size=cfg.vocab_size or None,
                          shard_dtype=None if cfg.shard_dtype == "meta" else cfg.shard_dtype,
@@ -222,7 +245,7 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
                          if resume and cfg.tokenizer == "bpe" else None)
     check_size(corpus, cfg.batch_size, cfg.block_size)
     check_corpus(ckpt, corpus, cfg)
-    return ckpt, corpus, stale
+    return cfg, ckpt, corpus, stale
 
 
 def check_same_corpus(corpus: Corpus, cfg: TrainConfig) -> None:

@@ -131,8 +131,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job) -> d
         torch.set_num_threads(cfg.threads)
     ckpt, corpus, stale, error = None, None, False, None
     try:  # every rank checks; all fail together
-        ckpt, corpus, stale = run_dir.prepare_run(cfg, out, resume, job.world_size,
-                                                  is_main=job.is_main, echo=echo)
+        cfg, ckpt, corpus, stale = run_dir.prepare_run(cfg, out, resume, job.world_size,
+                                                       is_main=job.is_main, echo=echo)
     except (ConfigError, CorpusError, RunError) as exc:
         error = exc
     raise_together(error, RunError)  # also the barrier before rank 0 creates the directory

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, build_config, inert_settings
-from ..data import check_given_tokenizer, with_shards_tokenizer
+from ..data import check_given_tokenizer, resolve_tokenizer
 from ..train import read_metrics, run_training
 from .reports import write_reports
 from .results import by_swept_value, result_row, value_label
@@ -30,8 +30,8 @@ def _suite_base(suite: Suite, quick: bool) -> dict:
 def _arm_config(base: dict, arm_overrides: dict, seed: int, key, value, overrides):
     """The arm's config; an arm's ``schedule_fraction`` runs that fraction of the steps every
     other arm runs (the base's, or ``--steps``), so a shorter schedule stays shorter in ``--quick``.
-    Without a ``--tokenizer`` override, ``bin:`` shards give it the tokenizer they record
-    (:func:`~models.data.with_shards_tokenizer`), as the run saves it."""
+    Its tokenizer ``auto`` (the default, where no ``--tokenizer`` override names one) is the
+    corpus's own (:func:`~models.data.resolve_tokenizer`), as the run saves it."""
     swept = {key: value} if key else {}
     arm = dict(arm_overrides)
     fraction = arm.pop("schedule_fraction", None)
@@ -40,9 +40,7 @@ def _arm_config(base: dict, arm_overrides: dict, seed: int, key, value, override
         cfg = build_config(base={**base, **arm, **swept, "seed": seed},
                            overrides={**(overrides or {}),
                                       "steps": str(max(1, round(cfg.steps * fraction)))})
-    if any(k.replace("-", "_") == "tokenizer" for k in overrides or {}):
-        return cfg  # checked against the shards by _check_read
-    return with_shards_tokenizer(cfg)
+    return resolve_tokenizer(cfg)  # a named one is checked against the shards by _check_read
 
 
 def suite_configs(suite: Suite, *, quick: bool = False, seed: int | None = None,

@@ -23,10 +23,10 @@ from models.config import (
     inert_settings,
     refuse_inert_settings,
 )
-from models.data import CorpusError, check_given_tokenizer, with_shards_tokenizer
+from models.data import CorpusError, check_given_tokenizer, resolve_tokenizer
 from models.prepare import prepare
 from models.shards import META_FILE, SHARD_FORMAT, recorded_tokenizer
-from models.storage import load_checkpoint
+from models.storage import load_checkpoint, save_checkpoint
 from models.tokenizer import BPETokenizer
 from models.train import build_model, build_train_optimizer, lr_scale, main, run_training
 
@@ -319,30 +319,33 @@ def test_check_given_tokenizer_passes_the_shards_own_and_refuses_another(tmp_pat
             f"{tokenizer}, which records it")
 
 
-def test_with_shards_tokenizer_takes_the_tokenizer_the_shards_record(tmp_path):
-    """The configuration a run on the shards is: only the tokenizer changes, to the recorded
-    one; a text corpus, nanoGPT shards and a missing folder keep theirs; bpe_vocab_size stays
-    inert on shards for the corpus's reason, as it was under the default byte."""
+def test_resolve_tokenizer_takes_the_tokenizer_of_the_corpus(tmp_path):
+    """The configuration a run on the corpus is: tokenizer "auto" becomes the shards' recorded
+    one, "ids" for nanoGPT shards, "byte" for a text corpus (a missing folder keeps it, refused
+    when opened); a named one is kept (and judged by check_given_tokenizer); bpe_vocab_size
+    stays inert on shards for the corpus's reason."""
     bpe, nano = _recorded_as_bpe(tmp_path / "bpe"), _without_meta(tmp_path / "nano")
     byte = tmp_path / "byte"
     prepare("synthetic:20000", byte)
     cfg = build_config("smoke", overrides={"corpus": f"bin:{bpe}"})
-    adopted = with_shards_tokenizer(cfg)
-    assert (cfg.tokenizer, adopted.tokenizer) == ("byte", "bpe")
-    assert adopted.replace(tokenizer="byte") == cfg
+    adopted = resolve_tokenizer(cfg)
+    assert (cfg.tokenizer, adopted.tokenizer) == ("auto", "bpe")
+    assert adopted.replace(tokenizer="auto") == cfg
     assert inert_settings(adopted) == inert_settings(cfg)
     assert inert_settings(adopted)["bpe_vocab_size"] == (
         f"does nothing with corpus=bin:{bpe}: token shards carry their tokenizer and their split; "
         f"only a text corpus reads it")
-    as_bpe = build_config("smoke", overrides={"corpus": f"bin:{byte}", "tokenizer": "bpe"})
-    assert with_shards_tokenizer(as_bpe).tokenizer == "byte"
-    for corpus in ("synthetic:20000", f"bin:{nano}", f"bin:{tmp_path / 'missing'}", "bin:"):
-        for tokenizer in ("byte", "bpe"):
-            kept = build_config("smoke", overrides={"corpus": corpus, "tokenizer": tokenizer})
-            assert with_shards_tokenizer(kept) is kept
+    for corpus, tokenizer in (("synthetic:20000", "byte"), (f"bin:{byte}", "byte"),
+                              (f"bin:{nano}", "ids"), (f"bin:{tmp_path / 'missing'}", "auto"),
+                              ("bin:", "auto")):
+        auto = build_config("smoke", overrides={"corpus": corpus})
+        assert resolve_tokenizer(auto).tokenizer == tokenizer
+        for named in ("byte", "bpe"):
+            kept = auto.replace(tokenizer=named)
+            assert resolve_tokenizer(kept) is kept
     (byte / META_FILE).write_text("[]")
     with pytest.raises(CorpusError, match="is not token-shard metadata"):
-        with_shards_tokenizer(as_bpe)
+        resolve_tokenizer(build_config("smoke", overrides={"corpus": f"bin:{byte}"}))
 
 
 def test_a_fresh_run_on_shards_is_configured_with_their_tokenizer_and_a_resumed_one_keeps_its_own(
@@ -356,7 +359,7 @@ def test_a_fresh_run_on_shards_is_configured_with_their_tokenizer_and_a_resumed_
     toml.write_text(f'preset = "smoke"\ncorpus = "bin:{bpe}"\n')
     assert _config(["--config", str(toml)], out).tokenizer == "bpe"
     assert _config(["--preset", "smoke", "--corpus", f"bin:{nano}", "--shard_dtype", "uint16"],
-                   out).tokenizer == "byte"  # nothing recorded: left alone
+                   out).tokenizer == "ids"  # no tokenizer recorded: their ids as they are
     # bpe_vocab_size is refused on shards for the corpus's reason, as before; not the tokenizer's
     _refused(capsys, ["--preset", "smoke", "--corpus", f"bin:{bpe}", "--bpe_vocab_size", "512",
                       "--out", str(out)],
@@ -364,7 +367,7 @@ def test_a_fresh_run_on_shards_is_configured_with_their_tokenizer_and_a_resumed_
              f"tokenizer and their split; only a text corpus reads it")
     # a run saved as byte on these shards (before this change) resumes as byte, not as bpe
     out.mkdir()
-    saved = build_config("smoke", overrides={"corpus": f"bin:{bpe}"}).to_dict()
+    saved = build_config("smoke", overrides={"corpus": f"bin:{bpe}", "tokenizer": "byte"}).to_dict()
     (out / "config.json").write_text(json.dumps(saved))
     assert _config(["--resume", "--out", str(out)], out).tokenizer == "byte"
 
@@ -435,16 +438,23 @@ def test_bpe_shards_train_with_the_default_tokenizer_and_refuse_a_given_byte(tmp
 @needs_tokenizers
 def test_a_run_on_bpe_shards_saved_as_byte_still_resumes_as_saved(tmp_path, capsys):
     """Runs made before the shards' tokenizer was recorded say byte in config.json and their
-    checkpoint, and have no tokenizer.json: a plain --resume finishes them, as byte."""
+    checkpoint, and have no tokenizer.json: a resume through run_training with tokenizer "auto"
+    and a plain --resume finish them, as byte."""
     shards, out = tmp_path / "bpe", tmp_path / "run"
     prepare("synthetic:20000", shards, tokenizer="bpe", vocab_size=300)
-    old = build_config("smoke", overrides={
+    cfg = build_config("smoke", overrides={
         "corpus": f"bin:{shards}", "sample_tokens": "0", "progress": "false",
-        "eval_interval": "2", "steps": "4", "stop_at": "2"})
-    assert old.tokenizer == "byte"
-    run_training(old, out, echo=False)  # the API builds no configuration: as it was saved
+        "eval_interval": "2", "steps": "6", "stop_at": "2"})
+    run_training(cfg, out, echo=False)
+    # what earlier versions saved: byte, and no copy of the tokenizer
+    ckpt = load_checkpoint(out, move_damaged=False)[0]
+    save_checkpoint(out / "checkpoint.pt", {**ckpt, "config": {**ckpt["config"],
+                                                               "tokenizer": "byte"}}, -1)
+    (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "tokenizer": "byte"}))
+    (out / "tokenizer.json").unlink()
+    assert cfg.tokenizer == "auto"
+    run_training(cfg.replace(stop_at=4), out, resume=True, echo=False)
     assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"
-    assert not (out / "tokenizer.json").exists()
     assert main(["--resume", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["finished"]
     assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"

@@ -37,8 +37,10 @@ def test_check_resumable_names_every_change_outside_the_resumable_fields():
 def test_read_saved_config_and_legacy_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"lr": 0.5}))
     assert read_saved_config(tmp_path) == {"lr": 0.5, "muon_ns_dtype": "bfloat16",
-                                           "periln_embed_norm": False, "muon_weight_decay": 0.0}
-    saved = {"muon_ns_dtype": "float32", "periln_embed_norm": True, "muon_weight_decay": 0.1}
+                                           "periln_embed_norm": False, "muon_weight_decay": 0.0,
+                                           "tokenizer": "byte"}
+    saved = {"muon_ns_dtype": "float32", "periln_embed_norm": True, "muon_weight_decay": 0.1,
+             "tokenizer": "bpe"}
     assert with_legacy_defaults(saved) == saved
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(RunError, match="is not a valid configuration"):
@@ -47,8 +49,10 @@ def test_read_saved_config_and_legacy_defaults(tmp_path):
 
 def test_prepare_run_checks_before_any_write(tmp_path):
     cfg = build_config("smoke")
-    ckpt, corpus, stale = prepare_run(cfg, tmp_path / "new", False, 1, is_main=True, echo=False)
+    resolved, ckpt, corpus, stale = prepare_run(cfg, tmp_path / "new", False, 1, is_main=True,
+                                                echo=False)
     assert ckpt is None and corpus.vocab_size == 256 and not stale
+    assert resolved == cfg.replace(tokenizer="byte")  # "auto": the text corpus's own
     assert not (tmp_path / "new").exists()
     with pytest.raises(ConfigError, match="not divisible by the 3 processes of this job times "
                                           "grad_accum_steps 2"):

@@ -77,7 +77,7 @@ def test_smoke_run_writes_the_documented_run_directory(tmp_path):
     assert summary["val_loss"] < evals[0]["val_loss"] < initial["val_loss"]
     assert "max_attention_logit" in evals[-1] and "q_spectral_norm_max" in evals[-1]
     config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
-    assert config == build_config("smoke", overrides={"steps": str(steps)})
+    assert config == build_config("smoke", overrides={"steps": str(steps), "tokenizer": "byte"})
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
     assert ckpt["step"] == steps and ckpt["finished"]
     assert {"model", "optimizer", "rng", "sampler"} <= ckpt.keys()

@@ -1,0 +1,113 @@
+"""The tokenizer a run records is the one it trained with, whatever started it (the command line,
+models.compare or run_training called directly), and a configuration that names another one
+than the token shards' is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from models.config import build_config
+from models.data import CorpusError
+from models.prepare import prepare
+from models.storage import load_checkpoint
+from models.tokenizer import BPETokenizer
+from models.train import run_training
+
+needs_tokenizers = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                                      reason="needs the optional tokenizers package")
+
+#: Two steps of four, an evaluation (and a checkpoint) at each: a run to resume, in a second.
+_SHORT = {"sample_tokens": "0", "progress": "false", "eval_interval": "2", "steps": "4",
+          "stop_at": "2"}
+
+
+def _config(corpus: str, **overrides):
+    return build_config("smoke", overrides={"corpus": corpus, **_SHORT, **overrides})
+
+
+def _saved_tokenizers(out) -> tuple[str, str, str]:
+    """What config.json, the checkpoint's configuration and corpus.json say."""
+    return (json.loads((out / "config.json").read_text())["tokenizer"],
+            load_checkpoint(out, move_damaged=False)[0]["config"]["tokenizer"],
+            json.loads((out / "corpus.json").read_text())["tokenizer"])
+
+
+@pytest.fixture(scope="module")
+def bpe_shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shards") / "bpe"
+    prepare("synthetic:20000", folder, tokenizer="bpe", vocab_size=300)
+    return folder
+
+
+@needs_tokenizers
+def test_run_training_records_the_tokenizer_of_the_shards_it_trained_on(tmp_path, bpe_shards):
+    """run_training with a configuration that names no tokenizer, on BPE shards: config.json
+    and the checkpoint said "byte" (the old default) while the run read BPE ids (corpus.json:
+    "bpe"), and the run directory kept no tokenizer.json. A resume with the same configuration
+    resumes the run as it saved itself."""
+    cfg, out = _config(f"bin:{bpe_shards}"), tmp_path / "run"
+    run_training(cfg, out, echo=False)
+    assert _saved_tokenizers(out) == ("bpe", "bpe", "bpe")
+    shards_json = BPETokenizer.load(bpe_shards / "tokenizer.json").to_json()
+    assert (out / "tokenizer.json").read_text() == shards_json
+    assert cfg.tokenizer == "auto"  # the default: the corpus's own
+    assert run_training(cfg.replace(stop_at=0), out, resume=True, echo=False)["finished"]
+    assert _saved_tokenizers(out) == ("bpe", "bpe", "bpe")
+
+
+def _nanogpt_shards(folder):
+    folder.mkdir(parents=True)
+    for split, n in (("train", 4000), ("val", 400)):
+        (np.arange(n) % 300).astype("<u2").tofile(folder / f"{split}.bin")
+    return folder
+
+
+def test_a_run_records_the_tokenizer_of_a_text_corpus_and_the_ids_of_nanogpt_shards(tmp_path):
+    """nanoGPT shards (no meta.json) are read as ids, with no tokenizer (corpus.json: "ids"),
+    and their config.json said "byte"; a text corpus's run says "byte" as before."""
+    nano = _nanogpt_shards(tmp_path / "nano")
+    run_training(_config(f"bin:{nano}", shard_dtype="uint16"), tmp_path / "nano-run", echo=False)
+    assert _saved_tokenizers(tmp_path / "nano-run") == ("ids", "ids", "ids")
+    run_training(_config("synthetic:20000"), tmp_path / "text-run", echo=False)
+    assert _saved_tokenizers(tmp_path / "text-run") == ("byte", "byte", "byte")
+
+
+def _disagrees(named: str, folder, made_with: str) -> str:
+    return (f"tokenizer {named!r} (the configuration's) disagrees with the token shards "
+            f"{folder}: they were made with the {made_with!r} tokenizer (their meta.json says "
+            f"so), which a run on them always uses; set tokenizer='auto' for theirs, or use "
+            f"shards made with the {named!r} tokenizer")
+
+
+@needs_tokenizers
+def test_a_configuration_naming_another_tokenizer_than_the_shards_is_refused(tmp_path,
+                                                                            bpe_shards):
+    """tokenizer="byte" given to run_training on BPE shards trained on the BPE ids under a
+    configuration that said bytes; "byte" on nanoGPT shards likewise. Each is refused before
+    anything is written, naming the folder and both tokenizers."""
+    out = tmp_path / "run"
+    with pytest.raises(CorpusError) as refused:
+        run_training(_config(f"bin:{bpe_shards}", tokenizer="byte"), out, echo=False)
+    assert str(refused.value) == _disagrees("byte", bpe_shards, "bpe")
+    byte = tmp_path / "byte"
+    prepare("synthetic:20000", byte)
+    with pytest.raises(CorpusError) as refused:
+        run_training(_config(f"bin:{byte}", tokenizer="bpe"), out, echo=False)
+    assert str(refused.value) == _disagrees("bpe", byte, "byte")
+    nano = _nanogpt_shards(tmp_path / "nano")
+    with pytest.raises(CorpusError) as refused:
+        run_training(_config(f"bin:{nano}", shard_dtype="uint16", tokenizer="byte"), out,
+                     echo=False)
+    assert str(refused.value) == (
+        f"tokenizer 'byte' (the configuration's) cannot apply to the token shards {nano}: they "
+        f"have no meta.json, so a run reads their ids as they are, with no tokenizer; set "
+        f"tokenizer='auto' for theirs, or write the shards with python -m models.prepare "
+        f"--tokenizer byte, which records it")
+    assert not out.exists()
+    # the shards' own tokenizer, named, trains
+    run_training(_config(f"bin:{bpe_shards}", tokenizer="bpe"), out, echo=False)
+    assert _saved_tokenizers(out) == ("bpe", "bpe", "bpe")
