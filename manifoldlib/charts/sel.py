@@ -172,10 +172,18 @@ class SEL(Chart):
             float64 like one built in float32 (44.4); cast to a wider dtype, a chart keeps the
             clamp it was built with (its weight is unchanged). Given explicitly, it is the clamp
             in every dtype, and a cast to a dtype it exceeds the limit of is refused
-            (``ValueError`` naming that limit; lower :attr:`max_exponent` first). The attribute
-            :attr:`max_exponent` reads the clamp in effect in the chart's current dtype (after
-            ``module.half()``, 5.54 for a default chart built in float32), and
-            :attr:`requested_max_exponent` the value given here (None: the default).
+            (``ValueError`` naming that limit; lower :attr:`max_exponent` first). Within these
+            bounds a scale :math:`a = e_w e^{-n} > 1` can still carry
+            :math:`a\,\operatorname{expm1}(M)` past ``finfo.max`` (float32 at 88 with
+            :math:`a = 4`, float16 at its default 5.54 with :math:`a > 257`): a clamp that does
+            so at the chart's largest :math:`a` is refused at construction, at a cast, when
+            assigned and in :meth:`right_inverse` (``ValueError`` naming :math:`a` and the
+            largest clamp for it); the forward does not check (that would synchronize with the
+            device every step), so a scale that training grows past ``finfo.max / expm1(M)``
+            gives inf weights. The attribute :attr:`max_exponent` reads the clamp in effect in
+            the chart's current dtype (after ``module.half()``, 5.54 for a default chart built in
+            float32), and :attr:`requested_max_exponent` the value given here (None: the
+            default).
         impl: how the forward rule runs: ``"fused"`` (default; one autograd function with a
             hand-written backward), ``"compile"`` (:func:`torch.compile`, fastest on CPU after a
             compile of some seconds per weight shape) or ``"autograd"`` (plain ops, reference).
@@ -183,7 +191,8 @@ class SEL(Chart):
     Raises:
         ValueError: for an unknown ``init`` or ``layout``, non-positive or non-finite scales,
             ``kappa``, ``gain`` or ``slope`` (bools and strings are not numbers), a ``linear``
-            that is not a bool, a ``max_exponent`` out of range for the weight's dtype (and
+            that is not a bool, a ``max_exponent`` out of range for the weight's dtype or
+            whose :math:`a\,\operatorname{expm1}(M)` overflows it at the initial scale (and
             later, casting the chart to a dtype it is out of range for), initial scales whose
             :math:`b` is not a positive finite number in the weight's dtype, a weight that is
             not finite or not 1-/2-D, or a bad ``rank``.
@@ -308,6 +317,7 @@ class SEL(Chart):
                 torch.randn(rank, in_features, **factory) / math.sqrt(in_features)
             )
             self.delta_b = nn.Parameter(torch.zeros(out_features, rank, **factory))
+        self._check_scale(self._clamp(), weight.dtype)
 
     def _clamp(self, dtype: torch.dtype | None = None) -> float:
         r"""The clamp :math:`M` of :math:`b|w|` the forward rule runs with for raw coordinates (and
@@ -344,10 +354,9 @@ class SEL(Chart):
     @max_exponent.setter
     def max_exponent(self, value: float | None) -> None:
         dtype = self.beta.dtype
-        if value is None:
-            self._max_exponent, self._default_clamp = _default_max_exponent(dtype), True
-        else:
-            self._max_exponent, self._default_clamp = _explicit_clamp(value, dtype), False
+        clamp = _default_max_exponent(dtype) if value is None else _explicit_clamp(value, dtype)
+        self._check_scale(clamp, dtype)
+        self._max_exponent, self._default_clamp = clamp, value is None
 
     @property
     def requested_max_exponent(self) -> float | None:
@@ -361,45 +370,94 @@ class SEL(Chart):
         super().__setstate__(state)
 
     def _apply(self, fn, recurse=True):
-        # a cast (module.half(), .to(dtype)) to a dtype whose range cannot hold an explicit clamp
-        # is refused before anything of the chart is converted (beta, a 0-d buffer, tells the dtype)
-        if not getattr(self, "_default_clamp", True):
-            dtype = fn(self.beta).dtype
-            if self._max_exponent > _largest_clamp(dtype):
+        # a cast (module.half(), .to(dtype)) to a dtype whose range cannot hold an explicit clamp,
+        # or the clamp times the chart's scale, is refused before anything of the chart is
+        # converted (beta, a 0-d buffer, tells the dtype)
+        dtype = fn(self.beta).dtype
+        if dtype != self.beta.dtype:
+            if not self._default_clamp and self._max_exponent > _largest_clamp(dtype):
                 raise ValueError(_beyond_clamp(
                     self._max_exponent, dtype,
                     f" (casting a {self.beta.dtype} chart: lower its max_exponent first)",
                 ))
+            self._check_scale(self._clamp(dtype), dtype, stored=dtype,
+                              then=f" (casting a {self.beta.dtype} chart)")
         return super()._apply(fn, recurse)
 
     # -- scales -----------------------------------------------------------------------------------
     def _factor(
         self, *pairs: tuple[float, str], scale: torch.Tensor | None = None,
-        work: torch.dtype | None = None,
+        work: torch.dtype | None = None, stored: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # exp(sum_k sign_k (u_k,i + v_k,j)) as a row factor (out, 1) and a column factor (1, in);
         # a 1-D tensor is handled as one row, (1, n), with a constant column of ones.
-        row = torch.exp(self._signed_sum(pairs, "row", work))
+        row = torch.exp(self._signed_sum(pairs, "row", work, stored))
         if scale is not None:
             row = row * (scale if work is None else scale.to(work))
         if self._is_vector:
             return row.view(1, 1), torch.ones(1, self._numel, dtype=row.dtype, device=row.device)
-        col = torch.exp(self._signed_sum(pairs, "col", work))
+        col = torch.exp(self._signed_sum(pairs, "col", work, stored))
         return row, col
 
     def _signed_sum(self, pairs: tuple[tuple[float, str], ...], side: str,
-                    work: torch.dtype | None = None) -> torch.Tensor:
+                    work: torch.dtype | None = None,
+                    stored: torch.dtype | None = None) -> torch.Tensor:
         # sum_k sign_k p_k, one op per extra term (no Python-scalar products: on small vectors the
-        # chart's cost is op dispatch, counted per training step for every charted matrix)
+        # chart's cost is op dispatch, counted per training step for every charted matrix);
+        # ``stored``: each parameter rounded to that dtype first, as a cast to it would
+        def read(name):
+            p = getattr(self, f"{name}_{side}")
+            p = p if stored is None else p.detach().to(stored)
+            return p if work is None else p.to(work)
         (first_sign, first), *rest = pairs
-        total = getattr(self, f"{first}_{side}")
-        total = total if work is None else total.to(work)
+        total = read(first)
         total = total if first_sign > 0 else -total
         for sign, name in rest:
-            term = getattr(self, f"{name}_{side}")
-            term = term if work is None else term.to(work)
+            term = read(name)
             total = total + term if sign > 0 else total - term
         return total
+
+    @torch.no_grad()
+    def _check_scale(self, clamp: float, dtype: torch.dtype, stored: torch.dtype | None = None,
+                     then: str = "") -> None:
+        r"""``ValueError`` unless :math:`a\operatorname{expm1}(M)`, at the chart's largest scale
+        :math:`a = e_w e^{-n}` and the clamp ``clamp``, is at most ``finfo.max`` of ``dtype``
+        (the linear part :math:`l_w|w|` adds to it beyond the clamp, as in a plain weight).
+
+        The clamp keeps :math:`\operatorname{expm1}(M)` within ``dtype``'s range, but a scale
+        :math:`a > 1` can carry the weight past it to inf (float32 at :math:`M = 88`, :math:`a = 4`;
+        float16 at its default 5.54 with :math:`a > 257`). Computed as the forward rule computes
+        it: the factors in the rule's dtype (``stored``: from the parameters rounded to that
+        dtype, as in a cast), in both orders of the products the implementations use;
+        :math:`a_r a_c` is largest where both factors are (all are positive)."""
+        work = _rule_dtype(dtype)
+        row, col = self._factor((1.0, "log_e_w"), (-1.0, "n"), work=work, stored=stored)
+        a_r, a_c = row.max(), col.max()
+
+        top = torch.finfo(dtype).max  # exact in the rule's dtype
+
+        def fits(m: torch.Tensor) -> bool:  # like _largest_clamp: at most finfo.max, not inf
+            e = torch.expm1(m)
+            return all(bool(w <= top) for w in ((a_r * a_c) * e, (e * a_r) * a_c))
+
+        m = torch.tensor(clamp, dtype=work, device=row.device)
+        if fits(m):
+            return
+        a = float(a_r) * float(a_c)
+        bound = m.new_tensor(min(clamp, math.log(top) - math.log(a)))  # within a few ulps
+        while bound > 0 and not fits(bound):
+            bound = torch.nextafter(bound, torch.zeros_like(bound))
+        while bound > 0 and fits(up := torch.nextafter(bound, m)):
+            bound = up
+        default = " (the default)" if clamp == _default_max_exponent(dtype) else ""
+        accepted = (f"max_exponent at most {bound.item()!r} for this a" if bound > 0
+                    else "no max_exponent > 0 for this a")
+        raise ValueError(
+            f"max_exponent = {clamp!r}{default} overflows a {dtype} weight at the chart's largest "
+            f"scale a = e_w e^-n = {a:.4g} (a expm1(M) = {a * math.expm1(clamp):.4g} > finfo.max "
+            f"= {top:.4g}); accepted: {accepted} (or a at most {top / math.expm1(clamp):.4g} "
+            f"for this max_exponent){then}"
+        )
 
     def factors(self):
         """Rank-1 factors ``(row (out, 1), column (1, in))`` of :math:`a`, :math:`b`, :math:`l_w`.
@@ -510,6 +568,7 @@ class SEL(Chart):
             neg = solve_expm1_minus_linear(mag, a, b, c0)
             raw = torch.where(target < 0, -neg, raw)
         clamp = self._clamp(weight.dtype)  # the forward's, on raw coordinates of weight's dtype
+        self._check_scale(clamp, weight.dtype)  # the scales may have grown since the last check
         # checked on the raw coordinates the forward will see: a root within the clamp can round
         # past it in a 16-bit dtype (and one past it round back within)
         raw = raw.to(weight.dtype)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
+from manifoldlib import _cpu_kernels
 from manifoldlib.charts import SEL, apply_chart
 
 F16_DEFAULT = 0.5 * math.log(torch.finfo(torch.float16).max)  # 5.545
@@ -134,3 +137,70 @@ def test_right_inverse_checks_the_clamp_on_the_rounded_raw_coordinates(dtype):
     a, b, c = (float(v[0, 0]) for v in _float64_scales(chart))
     slope = a * b * math.exp(b * r_lo) + c  # the exponential part's gradient, not only c
     assert float(raw.grad[0, 0]) == pytest.approx(slope, rel=2 * torch.finfo(dtype).eps)
+
+
+def _scale_refusal(dtype, then=""):
+    return (rf"max_exponent = .* overflows a {dtype} weight at the chart's largest scale "
+            rf"a = e_w e\^-n = .*; accepted: max_exponent at most (?P<bound>[0-9.]+) for this a "
+            rf"\(or a at most .* for this max_exponent\){re.escape(then)}$")
+
+
+@pytest.mark.parametrize(("dtype", "clamp", "e_w"), [
+    (torch.float32, 88.0, 4.0),  # 4 expm1(88) = 6.6e38 > 3.4e38
+    (torch.bfloat16, 88.0, 4.0),
+    (torch.float16, 11.0, 2.0),  # 2 expm1(11) = 1.2e5 > 65504
+    (torch.float16, None, 300.0),  # the default 5.545: 300 expm1(5.545) = 7.6e4
+])
+def test_a_clamp_that_overflows_at_the_charts_scale_is_refused(dtype, clamp, e_w):
+    # the clamp keeps expm1(M) in range, but a = e_w e^-n > 1 multiplied it past finfo.max: every
+    # entry from b|w| = log(max / a) on was inf, silently, on every impl. The largest clamp
+    # accepted keeps a expm1(M) <= finfo.max and the weight finite at b|w| = 2 M
+    w = torch.full((2, 2), 0.5, dtype=dtype)
+    with pytest.raises(ValueError, match=_scale_refusal(dtype)) as refused:
+        SEL(w, max_exponent=clamp, scale_init={"e_w": e_w})
+    bound = float(re.search(_scale_refusal(dtype), str(refused.value)).group("bound"))
+    above = torch.nextafter(torch.tensor(bound), torch.tensor(math.inf)).item()
+    with pytest.raises(ValueError, match=_scale_refusal(dtype)):
+        SEL(w, max_exponent=above, scale_init={"e_w": e_w})  # the bound named is the largest
+    chart = SEL(w, max_exponent=bound, scale_init={"e_w": e_w})
+    raw = torch.full((2, 2), 2.0 * bound, dtype=dtype) / chart.beta  # b|w| = 2 M: clamped
+    a, _, c = _float64_scales(chart)
+    want = a * math.expm1(bound) + c * raw.double()  # the linear part c t of a few units on top
+    for impl in ("kernels", "aten", "autograd"):
+        chart.impl = "autograd" if impl == "autograd" else "fused"
+        with _cpu_kernels.disabled() if impl == "aten" else contextlib.nullcontext():
+            got = chart(raw).detach()
+        assert torch.isfinite(got).all(), impl
+        torch.testing.assert_close(got.double(), want, rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_a_cast_whose_clamp_overflows_at_the_charts_scale_is_refused():
+    # a = 300 is fine under float32's default clamp (300 expm1(44.36) = 5.5e21); after .half() the
+    # default is float16's 5.545 and 300 expm1(5.545) = 7.6e4 > 65504: the weight was inf from
+    # b|w| = 5.39 on. The cast is refused before anything is converted
+    lin, chart = _charted_linear(torch.float32, scale_init={"e_w": 300.0})
+    with pytest.raises(ValueError, match=_scale_refusal(torch.float16,
+                                                        " (casting a torch.float32 chart)")):
+        lin.half()
+    assert all(t.dtype == torch.float32 for t in (*chart.parameters(), *chart.buffers()))
+    assert lin.parametrizations.weight.original.dtype == torch.float32
+    chart.max_exponent = 5.0  # 300 expm1(5) = 4.4e4
+    lin.half()
+    got, want = _clamped_entry(lin, chart, 100.0)
+    assert math.isfinite(got) and got == pytest.approx(want, rel=2 * torch.finfo(torch.float16).eps)
+
+
+def test_an_assignment_that_overflows_at_the_charts_scale_is_refused():
+    # a = 4 under an explicit 80 (4 expm1(80) = 2.2e35); assigning 88 made the weight inf from
+    # b|w| = 87.3 on, and so did a scale grown to 1e5 (in training), silently
+    lin, chart = _charted_linear(torch.float32, max_exponent=80.0, scale_init={"e_w": 4.0})
+    with pytest.raises(ValueError, match=_scale_refusal(torch.float32)):
+        chart.max_exponent = 88.0
+    assert chart.max_exponent == 80.0
+    with torch.no_grad():
+        chart.log_e_w_row.add_(math.log(1e5 / 4.0))
+    with pytest.raises(ValueError, match=_scale_refusal(torch.float32)):
+        lin.weight = torch.full((4, 16), 0.5)
+    # refused only where a expm1(M) overflows: a = 1e6 under float32's default clamp is 1.9e25
+    chart = SEL(torch.full((2, 2), 0.5), scale_init={"e_w": 1e6})
+    assert torch.isfinite(chart(torch.full((2, 2), 1e3))).all()
