@@ -170,7 +170,8 @@ class SEL(Chart):
             downwards: after ``module.half()`` a chart built in float64 or float32 clamps
             exactly like one built in float16 (5.54), after ``module.float()`` one built in
             float64 like one built in float32 (44.4); cast to a wider dtype, a chart keeps the
-            clamp it was built with (its weight is unchanged). Given explicitly, it is the clamp
+            clamp it has (its weight is unchanged: charted in float32, trained after
+            ``module.half()`` and cast back with ``module.float()``, it still clamps at 5.54). Given explicitly, it is the clamp
             in every dtype, and a cast to a dtype it exceeds the limit of is refused
             (``ValueError`` naming that limit; lower :attr:`max_exponent` first). Within these
             bounds a scale :math:`a = e_w e^{-n} > 1` can still carry
@@ -327,8 +328,8 @@ class SEL(Chart):
         :math:`\tfrac12\log(\text{finfo.max})` of ``dtype`` where that is smaller: a chart built
         in float64 or float32 and cast to float16 (``module.half()``) clamps exactly like one built
         in float16, at 5.54, not at 354.9 or 44.4, whose ``expm1`` overflows the float16 weight
-        (65504) from 11.09; cast to a wider dtype it keeps the clamp it was built with, so the
-        weight it computes is unchanged. Given explicitly, it is the clamp in every dtype, and one beyond the largest clamp of ``dtype`` (:func:`_largest_clamp`) is
+        (65504) from 11.09; cast to a wider dtype it keeps the clamp it has (a cast down lowers
+        the clamp the chart holds, none raises it), so the weight it computes is unchanged. Given explicitly, it is the clamp in every dtype, and one beyond the largest clamp of ``dtype`` (:func:`_largest_clamp`) is
         refused: ``ValueError`` rather than an inf weight or a silently lower clamp."""
         dtype = self.beta.dtype if dtype is None else dtype
         if getattr(self, "_default_clamp", False):
@@ -343,7 +344,8 @@ class SEL(Chart):
         the chart's own raw coordinates, in the dtype the chart is in now.
 
         Left to its default, it follows casts downwards (after ``module.half()`` 5.54, whatever
-        the chart was built in); given explicitly, it is that value in every dtype.
+        the chart was built in, and still 5.54 after casting back up); given explicitly, it is
+        that value in every dtype.
         :attr:`requested_max_exponent` tells the two apart.
 
         Assigning sets an explicit clamp, checked like the constructor's ``max_exponent`` against
@@ -382,7 +384,10 @@ class SEL(Chart):
                 ))
             self._check_scale(self._clamp(dtype), dtype, stored=dtype,
                               then=f" (casting a {self.beta.dtype} chart)")
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        if getattr(self, "_default_clamp", False):  # lowered by a cast down, never raised
+            self._max_exponent = min(self._max_exponent, _default_max_exponent(dtype))
+        return out
 
     # -- scales -----------------------------------------------------------------------------------
     def _factor(

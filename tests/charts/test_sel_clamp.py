@@ -204,3 +204,21 @@ def test_an_assignment_that_overflows_at_the_charts_scale_is_refused():
     # refused only where a expm1(M) overflows: a = 1e6 under float32's default clamp is 1.9e25
     chart = SEL(torch.full((2, 2), 0.5), scale_init={"e_w": 1e6})
     assert torch.isfinite(chart(torch.full((2, 2), 1e3))).all()
+
+
+@pytest.mark.parametrize("built", [torch.float32, torch.float64])
+def test_a_chart_cast_down_and_back_up_keeps_its_weight(built):
+    # a default clamp followed casts down and returned to the build dtype's on the way back up:
+    # charted in float32, trained in float16 (clamp 5.545), cast with .float() for evaluation,
+    # an entry at b|w| = 8 went from 27.5 to 318 (clamp 44.36), another function
+    lin, chart = _charted_linear(built)
+    lin.half()
+    _, b, _ = _float64_scales(chart)
+    with torch.no_grad():
+        lin.parametrizations.weight.original[0, 0] = 8.0 / b[0, 0]
+    before = lin.weight.detach()
+    for dtype in (torch.float32, built):
+        lin.to(dtype)
+        torch.testing.assert_close(lin.weight.detach(), before.to(dtype),
+                                   rtol=torch.finfo(torch.float16).eps, atol=0)
+        assert chart.max_exponent == F16_DEFAULT
