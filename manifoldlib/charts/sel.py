@@ -449,7 +449,7 @@ class SEL(Chart):
         if fits(m):
             return
         a = float(a_r) * float(a_c)
-        bound = m.new_tensor(min(clamp, math.log(top) - math.log(a)))  # within a few ulps
+        bound = m.new_tensor(min(clamp, math.log1p(top / a)))  # a expm1(M) = top: a few ulps off
         while bound > 0 and not fits(bound):
             bound = torch.nextafter(bound, torch.zeros_like(bound))
         while bound > 0 and fits(up := torch.nextafter(bound, m)):
