@@ -117,9 +117,12 @@ class Corpus:
     tokens_fingerprint: str | None = None
 
     def describe(self) -> dict:
-        """Plain-data description, recorded in the run directory."""
+        """Plain-data description, recorded in the run directory (``tokenizer_sha256``: the
+        SHA-256 of a BPE tokenizer's ``tokenizer.json``)."""
         out = {"spec": self.spec, "fingerprint": self.fingerprint,
-               "tokenizer": self.tokenizer.name, "vocab_size": self.vocab_size,
+               "tokenizer": self.tokenizer.name,
+               **({"tokenizer_sha256": self.tokenizer.sha256} if self.tokenizer.sha256 else {}),
+               "vocab_size": self.vocab_size,
                "train_tokens": len(self.train), "val_tokens": len(self.val),
                "train_files": self.n_train_files, "val_files": self.n_val_files,
                "bytes": self.n_bytes, **self.details}

@@ -3,14 +3,16 @@ the files it writes — ``config.json``, ``corpus.json``, ``metrics.jsonl`` (and
 TensorBoard log), ``summary.json``; checkpoints go through :mod:`models.storage`.
 
 Resume rules: the saved configuration may change only in
-:data:`~models.config.RESUMABLE_FIELDS`; the corpus must have the fingerprint it had; the
-checkpoint must be behind the step asked for. The storage guarantees (atomic writes, sealed
-checkpoints read with ``weights_only``, the previous checkpoint as a fallback, metrics repair)
-are :mod:`models.storage`'s, whose names are importable from here too.
+:data:`~models.config.RESUMABLE_FIELDS`; the corpus must have the fingerprint it had, and a
+BPE tokenizer the ``tokenizer.json`` it had; the checkpoint must be behind the step asked for.
+The storage guarantees (atomic writes, sealed checkpoints read with ``weights_only``, the
+previous checkpoint as a fallback, metrics repair) are :mod:`models.storage`'s, whose names are
+importable from here too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -57,8 +59,8 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
 )
 
 __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
-           "finished_summary", "load_optimizer_state", "prepare_run", "read_saved_config",
-           "resumed_rows", "with_legacy_defaults"]
+           "check_tokenizer", "finished_summary", "load_optimizer_state", "prepare_run",
+           "read_saved_config", "resumed_rows", "with_legacy_defaults"]
 
 
 def with_legacy_defaults(saved: dict) -> dict:
@@ -192,9 +194,11 @@ def _check_own_run_files(out: Path) -> None:
                        ) from None
 
 
-def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig) -> None:
-    """Refuse to resume on a corpus whose fingerprint changed (the data order would differ), or
-    whose BPE token ids did (a checkpoint written before they were fingerprinted is not checked)."""
+def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig,
+                 out: Path | None = None) -> None:
+    """Refuse to resume on a corpus whose fingerprint changed (the data order would differ), whose
+    BPE token ids did, or whose BPE ``tokenizer.json`` did (:func:`check_tokenizer`); a checkpoint
+    written before the ids or the tokenizer were recorded is not checked for them."""
     if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
         raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run "
                        f"started (fingerprint {corpus.fingerprint[:12]} != "
@@ -206,6 +210,56 @@ def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig) -> None:
                        f"run started (token fingerprint {now} != {saved[:12]}): the run's "
                        f"tokenizer.json was changed, or the tokenizers package encodes "
                        f"differently; restore them, or start a fresh run")
+    if ckpt is not None:
+        check_tokenizer(ckpt.get("tokenizer_sha256"), corpus.tokenizer, out)
+
+
+def check_tokenizer(saved: str | None, tokenizer, out: Path | None = None) -> None:
+    """Refuse a BPE tokenizer whose ``tokenizer.json`` is not the file the run started with.
+
+    Token ids are checked (the shards' by their fingerprint, a text corpus's by
+    :attr:`~models.data.Corpus.tokens_fingerprint`), the tokenizer's text is not: a
+    ``tokenizer.json`` edited beside unchanged shards (its decoder, a vocabulary entry) would
+    resume the run and silently decode its samples, and encode its prompt, otherwise. The
+    checkpoint records the SHA-256 of the file (``saved``,
+    :attr:`~models.tokenizer.BPETokenizer.sha256`). A resume still reads the shards' own file (a
+    text corpus's run, its own ``tokenizer.json``) and refuses one with another digest rather
+    than switch to the run's copy: the shards no longer match their tokenizer, which every other
+    run on them reads, and the user must hear it. The error names the file and both digests;
+    where the run directory ``out`` keeps a copy of a shard folder's file, also the top-level
+    JSON sections in which they differ and, when the copy is the file the run started with,
+    that copying it back restores the run.
+
+    Raises:
+        RunError: one line, as above.
+    """
+    if saved is None or saved == tokenizer.sha256:
+        return
+    path, copy = tokenizer.path, None if out is None else Path(out) / "tokenizer.json"
+    detail, advice = "", "restore that file"
+    if copy is not None and path is not None and copy != Path(path) and copy.is_file():
+        differs = _json_sections_differ(Path(path), copy)
+        detail = f"; sections that differ from the run's copy {copy}: " + (
+            ", ".join(map(repr, differs)) if differs else "none, its bytes do")
+        if hashlib.sha256(copy.read_bytes()).hexdigest() == saved:
+            advice = f"copy {copy} (the file the run started with) back to {path}"
+    raise RunError(f"cannot resume: the tokenizer file {path} changed since the run started "
+                   f"(SHA-256 {(tokenizer.sha256 or 'none')[:12]} != {saved[:12]}, which the "
+                   f"checkpoint records{detail}): the run's token ids were made with the one "
+                   f"it started with, so its samples would decode otherwise; {advice}, or start "
+                   f"a fresh run")
+
+
+def _json_sections_differ(a: Path, b: Path) -> list[str]:
+    """The top-level keys whose values differ between two JSON objects (``[]`` when either is
+    not one)."""
+    try:
+        first, second = (json.loads(p.read_text(encoding="utf-8")) for p in (a, b))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        return []
+    return sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
 
 
 def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
@@ -244,7 +298,7 @@ def prepare_run(cfg: TrainConfig, out: Path, resume: bool, world_size: int, *,
                          tokenizer_path=out / "tokenizer.json"  # bin: reads the shards' own
                          if resume and cfg.tokenizer == "bpe" else None)
     check_size(corpus, cfg.batch_size, cfg.block_size)
-    check_corpus(ckpt, corpus, cfg)
+    check_corpus(ckpt, corpus, cfg, out)
     return cfg, ckpt, corpus, stale
 
 
@@ -474,6 +528,8 @@ def _checkpoint_state(run, rngs: list[dict]) -> dict:
              "corpus_fingerprint": run.corpus.fingerprint, "finished": run.step >= run.cfg.steps}
     if run.corpus.tokens_fingerprint is not None:
         state["tokens_fingerprint"] = run.corpus.tokens_fingerprint
+    if run.corpus.tokenizer.sha256 is not None:
+        state["tokenizer_sha256"] = run.corpus.tokenizer.sha256
     if run.job.world_size > 1:
         state["rng_per_rank"] = rngs
     return state

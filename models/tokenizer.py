@@ -10,6 +10,7 @@ joined by the tokens of a newline. Both the in-memory path (``models.data.load_c
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +32,10 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
+    #: SHA-256 of the ``tokenizer.json`` that defines it (``None``: bytes or ids, nothing to read)
+    sha256: str | None
+    #: the file it was read from (``None``: built in memory)
+    path: Path | None
 
     def encode(self, data: bytes) -> list[int]: ...
 
@@ -44,6 +49,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    sha256 = path = None
 
     def encode(self, data: bytes) -> list[int]:
         return list(data)
@@ -67,6 +73,7 @@ class IdTokenizer:
     """
 
     name = "ids"
+    sha256 = path = None
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = int(vocab_size)
@@ -89,13 +96,19 @@ class BPETokenizer:
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer``.
+        path: the ``tokenizer.json`` it was read from (:meth:`load`).
+        sha256: that file's SHA-256; default: that of :meth:`to_json`, the file :meth:`save`
+            writes. A run records it, and a resume refuses a tokenizer file that no longer has
+            it (the ids would decode otherwise).
     """
 
     name = "bpe"
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, path: Path | None = None, sha256: str | None = None) -> None:
         self._tok = tokenizer
         self.vocab_size = int(tokenizer.get_vocab_size())
+        self.path = path
+        self.sha256 = sha256 or hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
 
     @staticmethod
     def _module():
@@ -124,13 +137,16 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, path: Path) -> BPETokenizer:
-        """A saved ``tokenizer.json`` (ours or any ``tokenizers`` file); missing or bad: error."""
+        """A saved ``tokenizer.json`` (ours or any ``tokenizers`` file), with the SHA-256 of its
+        bytes; missing or bad: error."""
         tk = cls._module()
         path = Path(path)
         if not path.is_file():
             raise CorpusError(f"tokenizer file {path} does not exist")
         try:
-            return cls(tk.Tokenizer.from_file(str(path)))
+            data = path.read_bytes()  # one read: the digest is of the text the tokenizer is
+            return cls(tk.Tokenizer.from_str(data.decode("utf-8")), path,
+                       hashlib.sha256(data).hexdigest())
         except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CorpusError(f"tokenizer file {path} cannot be read: {first}") from None

@@ -1,11 +1,14 @@
 """The tokenizer a run records is the one it trained with, whatever started it (the command line,
-models.compare or run_training called directly), and a configuration that names another one
-than the token shards' is refused."""
+models.compare or run_training called directly), a configuration that names another one than
+the token shards' is refused, and a resume refuses a tokenizer.json that is not the file the run
+started with."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ import pytest
 from models.config import build_config
 from models.data import CorpusError
 from models.prepare import prepare
-from models.storage import load_checkpoint
+from models.storage import RunError, load_checkpoint
 from models.tokenizer import BPETokenizer
 from models.train import run_training
 
@@ -111,3 +114,64 @@ def test_a_configuration_naming_another_tokenizer_than_the_shards_is_refused(tmp
     # the shards' own tokenizer, named, trains
     run_training(_config(f"bin:{bpe_shards}", tokenizer="bpe"), out, echo=False)
     assert _saved_tokenizers(out) == ("bpe", "bpe", "bpe")
+
+
+# ---- a resume reads the tokenizer the run started with, or refuses -------------------------
+
+
+def _edit_decoder(path) -> bytes:
+    """Drop the decoder of ``path`` (the ids it encodes stay the same); the original bytes."""
+    original = path.read_bytes()
+    path.write_text(json.dumps({**json.loads(original), "decoder": None}))
+    return original
+
+
+def _changed(path, now: str, saved: str, detail: str = "",
+             advice: str = "restore that file") -> str:
+    return (f"cannot resume: the tokenizer file {path} changed since the run started (SHA-256 "
+            f"{now[:12]} != {saved[:12]}, which the checkpoint records{detail}): the run's token "
+            f"ids were made with the one it started with, so its samples would decode "
+            f"otherwise; {advice}, or start a fresh run")
+
+
+@needs_tokenizers
+def test_a_resume_refuses_a_shard_tokenizer_file_changed_since_the_run_started(tmp_path,
+                                                                                bpe_shards):
+    """The shards' tokenizer.json edited after the run started (decoder dropped: the shards and
+    their ids unchanged) resumed the run without a word, and its sample then decoded with the
+    edited file. The checkpoint and corpus.json now record the file's SHA-256, and the resume is
+    refused naming the file, both digests, the section that differs from the run's copy and how
+    to restore it; restored, it resumes."""
+    shards, out = tmp_path / "bpe", tmp_path / "run"
+    shutil.copytree(bpe_shards, shards)
+    cfg = _config(f"bin:{shards}")
+    run_training(cfg, out, echo=False)
+    digest = hashlib.sha256((shards / "tokenizer.json").read_bytes()).hexdigest()
+    original = _edit_decoder(shards / "tokenizer.json")
+    now = hashlib.sha256((shards / "tokenizer.json").read_bytes()).hexdigest()
+    with pytest.raises(RunError) as refused:
+        run_training(cfg.replace(stop_at=0), out, resume=True, echo=False)
+    copy = out / "tokenizer.json"
+    assert str(refused.value) == _changed(
+        shards / "tokenizer.json", now, digest,
+        f"; sections that differ from the run's copy {copy}: 'decoder'",
+        f"copy {copy} (the file the run started with) back to {shards / 'tokenizer.json'}")
+    assert load_checkpoint(out, move_damaged=False)[0]["tokenizer_sha256"] == digest
+    assert json.loads((out / "corpus.json").read_text())["tokenizer_sha256"] == digest
+    (shards / "tokenizer.json").write_bytes(original)
+    assert run_training(cfg.replace(stop_at=0), out, resume=True, echo=False)["finished"]
+
+
+@needs_tokenizers
+def test_a_resume_refuses_a_runs_own_tokenizer_file_changed_where_the_ids_are_not(tmp_path):
+    """A BPE run on text reads its own tokenizer.json on resume; the token ids were checked, so
+    an edit that leaves them (the decoder) resumed silently and changed the decoded samples."""
+    out = tmp_path / "run"
+    cfg = _config("synthetic:20000", tokenizer="bpe", bpe_vocab_size="300")
+    run_training(cfg, out, echo=False)
+    saved = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    _edit_decoder(out / "tokenizer.json")
+    now = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    with pytest.raises(RunError) as refused:
+        run_training(cfg.replace(stop_at=0), out, resume=True, echo=False)
+    assert str(refused.value) == _changed(out / "tokenizer.json", now, saved)
