@@ -64,8 +64,10 @@ def _weight_tails(model: torch.nn.Module) -> dict[str, float]:
 
 @torch.no_grad()
 def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.device
-                ) -> dict:
-    """Eval-time statistics of the model, finite values only (on up to 4 validation sequences).
+                ) -> dict[str, float | None]:
+    """Eval-time statistics of the model (on up to 4 validation sequences); one that is not
+    finite (NaN, inf) is ``None``, which ``metrics.jsonl`` holds as null: measured and not a
+    number, where a key the model has no statistic for is absent.
 
     The largest spectral norm of the attention ``q`` / ``k`` maps; over the layers of
     ``model.attention_statistics(x)`` (where the model has it) the largest attention logit, the
@@ -98,7 +100,7 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
     if ratios:  # the first sub-layer's highway is the raw embedding: not comparable
         out["keel_branch_ratio_max"] = max(ratios[1:] or ratios)
     out.update(_weight_tails(model))
-    return {k: v for k, v in out.items() if math.isfinite(v)}
+    return {k: v if math.isfinite(v) else None for k, v in out.items()}
 
 
 def generate_sample(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig,

@@ -32,7 +32,10 @@ on the very seeds it is judged on. ``results.md`` names both sets.
   their extremes over the run;
 - ``results.md`` — the same aggregated per arm (mean ± std over seeds, the distance to the
   baseline in standard errors, unpaired (Welch) and paired by seed) with the exact command, and
-  the sweep table of a swept suite;
+  the sweep table of a swept suite; a suite's own columns average the runs whose value is finite
+  and say how many runs that is (``(k/n)``) and how many had a value that is not
+  (``m non-finite``, ``non-finite (m/n)`` when none is finite: NaN in ``results.csv``), while
+  ``—`` is a value no run has (a diagnostic the model lacks);
 - ``sweep.csv`` — a swept suite's tuning runs (its tuning seeds) at every value;
 - ``curves.png`` — the validation curves of every reported run.
 

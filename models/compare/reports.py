@@ -113,14 +113,30 @@ def _ppl(mean_loss: float) -> str:
 
 
 def _column_mean(rs: list[dict], key: str) -> str:
-    """The mean of ``key`` over the runs that have it, with ``(k/n)`` where only ``k`` of the
-    ``n`` runs do: the trainer logs finite diagnostics only, so a seed whose value was NaN or
-    inf (or that never reached the target, for the seconds to it) is left out of the mean, and
-    the count says so. ``—`` where no run has it (a diagnostic the arm's model does not have)."""
+    """The mean of ``key`` over the runs whose value is finite, with ``(k/n)`` where only ``k``
+    of the ``n`` runs have one, and ``m non-finite`` for the runs whose value is NaN or inf (an
+    evaluation that went non-finite: the trainer logs it as null); ``non-finite (m/n)`` where no
+    run's value is finite, and ``—`` where no run has a value at all (a diagnostic the arm's
+    model does not have, a target no run reached); ``results.md`` says so (``_LEGEND``).
+    """
     xs = [r[key] for r in rs if r.get(key) is not None]
     if not xs:
         return "—"
-    return _fmt(statistics.fmean(xs), 3) + (f" ({len(xs)}/{len(rs)})" if len(xs) < len(rs) else "")
+    finite = [x for x in xs if math.isfinite(x)]
+    bad = len(xs) - len(finite)
+    if not finite:
+        return f"non-finite ({bad}/{len(rs)})"
+    counts = ([f"{len(finite)}/{len(rs)}"] if len(finite) < len(rs) else []) + \
+        ([f"{bad} non-finite"] if bad else [])
+    return _fmt(statistics.fmean(finite), 3) + (f" ({'; '.join(counts)})" if counts else "")
+
+
+#: What ``results.md`` says of the cells of a suite's own columns (:func:`_column_mean`).
+_LEGEND = ("Columns after wall s: the mean over the runs whose value is finite; (k/n) where only "
+           "k of the n runs have one; \"m non-finite\" counts the runs whose value is NaN or inf "
+           "(an evaluation that went non-finite), \"non-finite (m/n)\" where no run's value is "
+           "finite; — where no run has a value (a diagnostic the arm's model does not have, a "
+           "target no run reached).")
 
 
 def _md_row(cells) -> str:
@@ -162,7 +178,7 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
               f"the mean final validation losses in standard errors (Welch); paired Δ: the mean "
               f"of the per-seed differences (same initialization and batches), in its standard "
               f"errors, and on how many seeds the arm is below the baseline. Total time "
-              f"{elapsed:.0f} s."), "",
+              f"{elapsed:.0f} s."), "", *([_LEGEND, ""] if columns else []),
              _md_row(header), "|" + "---|" * len(header)]
     for arm, _ in suite.arms:
         lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_runs, columns,

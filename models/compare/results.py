@@ -29,6 +29,15 @@ def learned(val_loss: float | None, unigram_entropy: float) -> bool:
     return val_loss is not None and val_loss <= unigram_entropy - LEARNED_MARGIN
 
 
+def _logged(row: dict, key: str) -> float | None:
+    """``row``'s ``key``: NaN where the trainer logged null (measured, not finite:
+    :func:`models.evaluation.diagnostics`), ``None`` where it logged none (a statistic the model
+    does not have)."""
+    if key not in row:
+        return None
+    return math.nan if row[key] is None else row[key]
+
+
 def _diagnostic_peaks(rows: list[dict]) -> dict:
     """Largest attention logit and q/k spectral norm, smallest entropy over every evaluation;
     the largest rise of the validation loss above its running minimum (:func:`val_rise_max`)."""
@@ -59,8 +68,9 @@ def val_rise_max(losses: list[float]) -> float | None:
 
 def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: list[dict]) -> dict:
     """One run's result: its summary's final loss (``None`` when diverged), whether it
-    :func:`learned`, the last evaluation's :data:`DIAGNOSTIC_FIELDS` and their extremes over
-    the run; ``_rows`` keeps the metrics rows for the caller (steps to target)."""
+    :func:`learned`, the last evaluation's :data:`DIAGNOSTIC_FIELDS` (NaN where the value was
+    not finite, ``None`` where the model has none) and their extremes over the run; ``_rows``
+    keeps the metrics rows for the caller (steps to target)."""
     last_eval = next((r for r in reversed(rows) if r.get("val_loss") is not None), {})
     val = summary.get("val_loss")
     diverged = bool(summary.get("diverged"))
@@ -72,7 +82,7 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
         "steps": summary["steps"], "wall_time_s": round(summary["wall_time_s"], 2),
         "tokens_per_s": round(summary["tokens_per_s"], 1),
         "unigram_entropy": summary["unigram_entropy"], "_rows": rows}
-    result.update({k: last_eval.get(k) for k in DIAGNOSTIC_FIELDS})
+    result.update({k: _logged(last_eval, k) for k in DIAGNOSTIC_FIELDS})
     result.update(_diagnostic_peaks(rows))
     return result
 

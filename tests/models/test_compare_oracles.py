@@ -19,8 +19,9 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
     """``run_training`` replaced: ``curve(cfg)`` gives the run's validation losses at steps 0,
     eval_interval, 2 eval_interval, ... (``None``: the run diverged there); the metrics rows,
     ``config.json`` and ``summary.json`` are written as the trainer writes them
-    (``diagnostics(cfg, i)``: the diagnostics of the ``i``-th evaluation, finite values only as
-    the trainer logs them). Returns the list of ``(arm settings..., seed)`` trained, in order."""
+    (``diagnostics(cfg, i)``: the diagnostics of the ``i``-th evaluation, a value that is not
+    finite logged as null, as the trainer logs it). Returns the list of ``(arm settings...,
+    seed)`` trained, in order."""
     trained = []
 
     def run_training(cfg, run_dir, echo=False):
@@ -36,7 +37,8 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
                 break
             row = {"step": step, "tokens": step * 100, "val_loss": v}
             if diagnostics is not None:
-                row.update({k: x for k, x in diagnostics(cfg, i).items() if math.isfinite(x)})
+                row.update({k: x if math.isfinite(x) else None
+                            for k, x in diagnostics(cfg, i).items()})
             if step:
                 row.update(train_loss=v, tokens_per_s=1000.0)
             rows.append(row)
@@ -158,18 +160,60 @@ def test_each_attention_entropy_header_names_its_quantity(tmp_path, monkeypatch)
 
 
 def test_a_mean_over_fewer_seeds_than_the_arm_ran_says_how_many(tmp_path, monkeypatch):
-    """The trainer logs finite diagnostics only: seed 1's NaN step angle at the last evaluation
-    is absent from its row, and the column's mean (0.2 and 0.4: 0.300) silently averaged 2 of
-    the 3 seeds the row reports. The cell now reads "0.300 (2/3)"; a column every seed has
-    reads as before, one no seed has (this model has no attention statistics) "—"."""
+    """Seed 1's step angle at the last evaluation was NaN (logged as null), and the column's
+    mean (0.2 and 0.4: 0.300) silently averaged 2 of the 3 seeds the row reports. The cell now
+    reads "0.300 (2/3; 1 non-finite)"; a column every seed has reads as before, one no seed has
+    (this model has no attention statistics) "—"."""
     def diagnostics(cfg, i):
         angle = (0.2, math.nan, 0.4)[cfg.seed] if i == 2 else 0.1
         return {"step_angle_mean": angle, "step_angle_max": 0.5}
     _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, 2.5], diagnostics=diagnostics)
     suite = Suite(name="spheret-mini", baseline="a", arms=(("a", {}),), seeds=(0, 1, 2))
     run_suite(suite, tmp_path, echo=False)
-    assert [r["step_angle_mean"] for r in _csv(tmp_path / "results.csv")] == ["0.2", "", "0.4"]
-    assert "| 0.300 (2/3) | 0.500 | — |" in (tmp_path / "results.md").read_text()
+    assert [r["step_angle_mean"] for r in _csv(tmp_path / "results.csv")] == ["0.2", "nan", "0.4"]
+    assert "| 0.300 (2/3; 1 non-finite) | 0.500 | — |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_trainer_logs_a_non_finite_diagnostic_as_measured(tmp_path):
+    """The trainer's half of the reports' marks: diagnostics() dropped a value that was not
+    finite, so metrics.jsonl could not tell "NaN at this evaluation" from "this model has no
+    such statistic". With q and k maps scaled by 1e20 (finite norms) the attention logits
+    overflow: the largest logit and the smallest entropy are None (null in metrics.jsonl); a
+    pre-LN model still has no step angles."""
+    import torch
+
+    from models.config import build_config
+    from models.data import load_corpus
+    from models.evaluation import diagnostics
+    from models.gpt import GPT
+
+    cfg = build_config("smoke", overrides={"corpus": "synthetic:20000", "connection": "pre-ln"})
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=256))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.q.weight.mul_(1e20)
+            block.attn.k.weight.mul_(1e20)
+    out = diagnostics(model, load_corpus(cfg.corpus), cfg, torch.device("cpu"))
+    for key in ("max_attention_logit", "attention_entropy_min"):
+        assert key in out and out[key] is None, key
+    assert math.isfinite(out["q_spectral_norm_max"]) and "step_angle_mean" not in out
+
+
+def test_a_column_no_seed_has_a_finite_value_of_reads_apart_from_one_never_recorded(
+        tmp_path, monkeypatch):
+    """Every seed's step angle at the last evaluation was NaN: the cell read "—", as the column
+    of a statistic the model does not have (this stub's attention entropy) reads. It now reads
+    "non-finite (2/2)", and results.md says what each mark means."""
+    def diagnostics(cfg, i):
+        return {"step_angle_mean": math.nan if i == 2 else 0.1, "step_angle_max": 0.5}
+    _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, 2.5], diagnostics=diagnostics)
+    suite = Suite(name="spheret-mini", baseline="a", arms=(("a", {}),), seeds=(0, 1))
+    run_suite(suite, tmp_path, echo=False)
+    md = (tmp_path / "results.md").read_text()
+    assert "| non-finite (2/2) | 0.500 | — |" in md
+    assert ("\"non-finite (m/n)\" where no run's value is finite; — where no run has a value (a "
+            "diagnostic the arm's model does not have, a target no run reached)") in md
+    assert [r["step_angle_mean"] for r in _csv(tmp_path / "results.csv")] == ["nan", "nan"]
 
 
 def test_a_mean_loss_past_exps_range_reports_an_infinite_perplexity(tmp_path, monkeypatch):
