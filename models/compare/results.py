@@ -40,27 +40,33 @@ def _logged(row: dict, key: str) -> float | None:
 
 def _diagnostic_peaks(rows: list[dict]) -> dict:
     """Largest attention logit and q/k spectral norm, smallest entropy over every evaluation;
-    the largest rise of the validation loss above its running minimum (:func:`val_rise_max`)."""
+    the largest rise of the validation loss above its running minimum (:func:`val_rise_max`).
+    An evaluation whose value was not finite (logged as null) makes the extreme NaN: that of
+    the finite values alone would read as a bounded run."""
     def over(keys: tuple[str, ...], pick):
-        values = [r[k] for r in rows for k in keys if r.get(k) is not None]
-        return pick(values) if values else None
+        values = [_logged(r, k) for r in rows for k in keys if k in r]
+        if not values:
+            return None
+        return pick(values) if all(math.isfinite(v) for v in values) else math.nan
     return {"peak_attention_logit": over(("max_attention_logit",), max),
             "peak_qk_spectral_norm": over(("q_spectral_norm_max", "k_spectral_norm_max"), max),
             "min_attention_entropy": over(("attention_entropy_min",), min),
-            "val_rise_max": val_rise_max([r["val_loss"] for r in rows
-                                          if r.get("val_loss") is not None])}
+            "val_rise_max": val_rise_max([_logged(r, "val_loss") for r in rows
+                                          if "val_loss" in r])}
 
 
 def val_rise_max(losses: list[float]) -> float | None:
     r"""The largest :math:`v_t - \min_{s \le t} v_s` over a run's validation losses in step
-    order (0 for a run that only improves; ``None`` without a finite loss): a loss spike or a
-    relapse that the final loss hides once the run recovers. The trainer's rows start with the
-    initial model's loss (step 0), so a spike before the first ``eval_interval`` counts too.
-    A non-finite loss ends the scan (the run diverged, counted apart)."""
+    order (0 for a run that only improves; ``None`` without a loss): a loss spike or a relapse
+    that the final loss hides once the run recovers. The trainer's rows start with the initial
+    model's loss (step 0), so a spike before the first ``eval_interval`` counts too. A
+    non-finite loss (the run diverged there) ends the scan with a non-finite rise, ``inf`` for
+    an infinite loss and NaN for a NaN one (the trainer logs either as null, read as NaN),
+    never the largest finite rise before it, which would read as a bounded run."""
     best, rise = math.inf, None
     for v in losses:
         if not math.isfinite(v):
-            break
+            return math.inf if v == math.inf else math.nan
         best = min(best, v)
         rise = max(rise or 0.0, v - best)
     return rise

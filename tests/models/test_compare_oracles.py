@@ -249,3 +249,29 @@ def test_steps_to_target_count_a_run_that_diverged_after_reaching_it(tmp_path, m
     md = (tmp_path / "results.md").read_text()
     assert "| b | 2.3000 | 9.97 | 1/2 | 1/2 | 25 (2/2) |" in md
     assert "a run that diverged after reaching it included" in md
+
+
+def test_an_extreme_over_a_run_with_a_non_finite_evaluation_is_marked(tmp_path, monkeypatch):
+    """The extremes over a run skipped an evaluation whose value was not finite: seed 0's
+    attention logit overflowed at step 25 (logged as null) and its peak read 6.0, the largest
+    finite one, so arm a's "peak attn logit" read 6.500, a bounded run; arm b's validation loss
+    went NaN at step 50 and its "max val rise" read 0.000 (the rise before it). Such an extreme
+    is now NaN ("nan" in results.csv) and its cell says so; other columns are unchanged."""
+    def diagnostics(cfg, i):
+        logit = (5.0, math.inf if cfg.seed == 0 else 7.0, 6.0)[i]
+        return {"max_attention_logit": logit, "attention_entropy_min": (3.0, 0.5, 1.5)[i]}
+    _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, None] if cfg.lr == 1.0 else [4.0, 3.0, 2.5],
+                   diagnostics=diagnostics)
+    suite = Suite(name="manifolds-mini", baseline="a", arms=(("a", {}), ("b", {"lr": 1.0})),
+                  seeds=(0, 1))
+    run_suite(suite, tmp_path, echo=False)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    head, a, b = ([c.strip() for c in next(x for x in lines if x.startswith(start)).strip("| ").split("|")]
+                  for start in ("| arm |", "| a |", "| b |"))
+    assert a[head.index("peak attn logit")] == "7.000 (1/2; 1 non-finite)"
+    assert a[head.index("min attn entropy over run")] == "0.500"
+    assert a[head.index("max val rise")] == "0.000"
+    assert b[head.index("max val rise")] == "non-finite (2/2)" and b[head.index("diverged")] == "2/2"
+    rows = _csv(tmp_path / "results.csv")
+    assert [(r["arm"], r["peak_attention_logit"], r["val_rise_max"]) for r in rows] == [
+        ("a", "nan", "0.0"), ("a", "7.0", "0.0"), ("b", "nan", "nan"), ("b", "7.0", "nan")]
