@@ -92,6 +92,24 @@ directly on ``.grad``. The checks:
     ``(0,)``) and a zero-size batch of points ``(0, *shape)``, each where the manifold admits it:
     3 steps give finite points of the same shape on the manifold, or the optimizer refuses the
     parameter with ``ValueError`` before changing it.
+``wide``
+    a weight stored wide (more columns than rows: ``nn.Linear(3072, 768)`` stores a
+    ``(768, 3072)`` matrix). Where the manifold's points are tall (Stiefel, DGram, Oblique) its
+    transpose is the point: 3 steps on :math:`X^\top`, :math:`X` a tall point of ``shape`` (two
+    more rows if square), with the target and gradients transposed, end where 3 steps on
+    :math:`X` end, transposed (to ``1e-12`` relative), and on the manifold in that orientation.
+    An optimizer with a ``layout`` option (manifoldlib's convention,
+    :data:`manifoldlib.optim.LAYOUTS`: ``"out_in"`` by default, ``"in_out"`` for a map stored
+    transposed, as Hugging Face's ``Conv1D`` stores it) is compared with :math:`X` in a group with
+    ``layout="in_out"``, the same map (same constraint, same shape factor of ``lr``), on Euclidean
+    space too; and a square :math:`S^\top` in a group with ``layout="in_out"`` must follow
+    :math:`S` stored as it is (DGram and Oblique constrain the columns of :math:`S`, not its
+    rows). A momentum or a write-back that reshapes where it should transpose fails. The wide
+    parameter is a ``geoopt.ManifoldParameter`` carrying the manifold; an optimizer may refuse it
+    with ``ValueError`` or ``TypeError`` before changing it (geoopt's optimizers call the
+    manifold on the stored matrix, which refuses a wide one): skipped, with the reason. Skipped
+    too where the points are not matrices, or a wide matrix is itself a point (Euclidean space)
+    and the optimizer has no ``layout``.
 ``batched``
     three same-shape parameters in one group end where each ends alone, to rounding
     (``1e-12`` relative: a batched solve may sum in another order).

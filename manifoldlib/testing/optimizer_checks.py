@@ -518,6 +518,84 @@ def _check_degenerate_shapes(s: Setup) -> str:
     return "; ".join(outcomes)
 
 
+#: The ``layout`` of a map stored transposed, ``(in, out)`` as a ``Conv1D`` stores it
+#: (:data:`manifoldlib.optim.LAYOUTS`; the default ``"out_in"`` is ``torch.nn.Linear``'s).
+_TRANSPOSED_LAYOUT = "in_out"
+
+
+def _tall_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with more rows than columns: itself, its transpose, or two more rows if square."""
+    m, n = shape[-2], shape[-1]
+    return shape if m > n else shape[:-2] + ((n, m) if m < n else (m + 2, n))
+
+
+def _stored_transposed(s: Setup, point: torch.Tensor) -> geoopt.ManifoldParameter:
+    """A parameter carrying the manifold whose stored value is ``point``'s transpose (contiguous).
+    ``geoopt.ManifoldParameter`` refuses a value its manifold does not admit (a wide matrix on
+    Stiefel), so it is built from the point and then given the transposed value."""
+    (p,) = s.parameters(point)
+    p.data = point.mT.clone(memory_format=torch.contiguous_format)  # .contiguous() may alias a QR's point
+    return p
+
+
+def _run_transposed(s: Setup, start, target, groups, label: str) -> torch.Tensor | str:
+    """3 steps on ``start`` stored transposed: the final value transposed back, or the refusal
+    (``ValueError``/``TypeError`` from the factory or a step, the parameter unchanged) in words."""
+    p = _stored_transposed(s, start)
+    stored = p.detach().clone()
+    try:
+        opt = s.factory(groups([p]))
+        s.run(opt, [p], [target.mT.contiguous()], 3)
+    except (ValueError, TypeError) as err:
+        _require(torch.equal(p.detach(), stored), f"{label}: refused ({type(err).__name__}) after changing the "
+                                                  f"parameter")
+        return f"{label}: refused ({type(err).__name__}: {err})"
+    _require(p.shape == stored.shape and p.stride() == stored.stride(),
+             f"{label}: the step changed the parameter's shape/strides from {tuple(stored.shape)}/{stored.stride()} "
+             f"to {tuple(p.shape)}/{p.stride()}")
+    return p.detach().mT
+
+
+def _follows(s: Setup, label: str, stored: torch.Tensor, reference: torch.Tensor, reference_label: str) -> str:
+    """A run stored transposed (``stored``, transposed back) ends on the manifold where the
+    ``reference`` run ends, to rounding (``1e-12`` relative)."""
+    _on_manifold(s, stored, f"{label}: after 3 steps, its transpose (the tall orientation)")
+    diff = float((stored - reference).norm()) / float(reference.norm())
+    _require(diff <= 1e-12, f"{label}: 3 steps differ from those of {reference_label}, transposed, by {diff:.3e} "
+                            f"(relative; 1e-12 allowed): rows and columns are not treated as in the tall run")
+    return f"{label}: follows {reference_label} ({diff:.1e})"
+
+
+def _check_wide(s: Setup) -> str:
+    if len(s.shape) < 2:
+        return "skip: the points are not matrices"
+    tall = _tall_shape(s.shape)
+    wide, square = tall[:-2] + (tall[-1], tall[-2]), tall[:-2] + (tall[-1], tall[-1])
+    if not _admits(s, tall):
+        return f"skip: {tall} is not a point shape of {s.manifold.name}"
+    layouts = "layout" in s.defaults()
+    if _admits(s, wide) and not layouts:
+        return (f"skip: a wide {wide} matrix is itself a point of {s.manifold.name}, and the optimizer has no "
+                f"'layout' option to store a map transposed")
+    as_stored, transposed = (lambda ps: ps), (lambda ps: [{"params": ps, "layout": _TRANSPOSED_LAYOUT}])
+    # (label, shape, seed offset, how the transposed copy is stored, the reference run, its label)
+    runs = [(f"the wide {wide} parameter", tall, 45, as_stored, transposed if layouts else None,
+             f"its tall {tall} point" + (f" with layout={_TRANSPOSED_LAYOUT!r}" if layouts else ""))]
+    if layouts and _admits(s, square):
+        runs.append((f"the square {square} matrix stored transposed with layout={_TRANSPOSED_LAYOUT!r}", square, 47,
+                     transposed, None, "it stored as it is"))
+    outcomes, refused = [], 0
+    for label, shape, offset, stored_as, reference_as, reference_label in runs:
+        start, target = s.point(offset, shape), s.point(offset + 1, shape)
+        stored = _run_transposed(s, start, target, stored_as, label)
+        if isinstance(stored, str):
+            outcomes.append(stored)
+            refused += 1
+            continue
+        reference = _trajectory(s, [start], [target], 3, groups=reference_as)[0]
+        outcomes.append(_follows(s, label, stored, reference, reference_label))
+    return ("skip: " if refused == len(runs) else "") + "; ".join(outcomes)
+
 def _check_batched(s: Setup) -> str:
     starts = [s.point(23 + k) for k in range(3)]
     targets = [s.point(26 + k) for k in range(3)]
@@ -604,6 +682,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "non_finite_gradient": _check_non_finite_gradient,
     "zero_gradient": _check_zero_gradient,
     "degenerate_shapes": _check_degenerate_shapes,
+    "wide": _check_wide,
     "batched": _check_batched,
     "in_place": _check_in_place,
     "bad_lr": _check_bad_lr,

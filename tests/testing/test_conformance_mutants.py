@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from manifoldlib import Euclidean, Sphere, Stiefel
+from manifoldlib import Euclidean, Oblique, Sphere, Stiefel
+from manifoldlib.optim.options import flipped
 from manifoldlib.testing import check_optimizer
 
 
@@ -26,12 +27,15 @@ class MutantSGD(torch.optim.Optimizer):
     their dtype (projected first: a rounded point is not on the manifold to float32's tolerance).
     A parameter with a non-finite gradient is skipped the way Manifold Muon skips it
     (value and momentum kept, ``state["skipped_steps"]`` counts it, and the diagnostic
-    ``state["grad_norm"]`` reads NaN for the step not measured). ``flaw`` plants one defect."""
+    ``state["grad_norm"]`` reads NaN for the step not measured). A matrix is stepped in its tall
+    orientation, its momentum kept in the stored one, and a group's ``layout`` (``"out_in"`` or
+    ``"in_out"``) says which orientation a square one is, as Manifold Muon does. ``flaw`` plants one
+    defect."""
 
     def __init__(self, params, lr=0.1, momentum=0.5, weight_decay=0.0, flaw=None):
         self.flaw = flaw
         _check_lr(lr)
-        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "layout": "out_in"})
 
     def add_param_group(self, group):
         _check_lr(group.get("lr", self.defaults["lr"]))
@@ -61,9 +65,14 @@ class MutantSGD(torch.optim.Optimizer):
             state["grad_norm"] = torch.tensor(math.nan, dtype=torch.float64)
             state["found_inf"] = True  # read only by the "sticky_skip" flaw, which never resets it
             return
+        # a matrix is stepped in its tall orientation (its transpose where it is wide, or square and
+        # stored (in, out)), as Manifold Muon does; a sphere's points are vectors
+        layout = "out_in" if flaw == "ignores_layout" else group["layout"]
+        flip = p.dim() >= 2 and m.name != "sphere" and flipped(p.shape, layout)
+        orient = (lambda t: t.mT) if flip else (lambda t: t)
         low = p.dtype in (torch.bfloat16, torch.float16)  # a rounded point: projected in float32
-        x = m.projx(p.detach().float()) if low else p.detach()
-        grad = grad.to(x.dtype)
+        x = m.projx(orient(p.detach()).float()) if low else orient(p.detach())
+        grad = orient(grad).to(x.dtype)
         state["grad_norm"] = grad.norm().to(torch.float64)
         rgrad = m.egrad2rgrad(x, grad)
         if flaw == "euclidean_norm_step":  # a normalised step, by the Euclidean gradient's norm
@@ -73,16 +82,19 @@ class MutantSGD(torch.optim.Optimizer):
             moment = state.get("exp_avg_sq", torch.zeros_like(grad)).to(x.dtype) * 0.999 + 0.001 * grad.square()
             state["exp_avg_sq"] = moment
             rgrad = rgrad / ((moment / (1 - 0.999 ** state["steps"])).sqrt() + 1e-8)
-        buf = state.get("momentum_buffer")
+        buf = state.get("momentum_buffer")  # kept in the stored orientation
+        if buf is not None:  # the flaw reads a wide matrix's buffer back by reshape, not transpose
+            buf = buf.reshape(x.shape) if flaw == "momentum_read_by_reshape" else orient(buf)
         if flaw == "lr_twice":  # lr inside the momentum (Caffe's convention) and again in the step
             rgrad = group["lr"] * rgrad
         momentum = (self.param_groups[0] if flaw == "first_group_momentum" else group)["momentum"]
         buf = rgrad.clone() if buf is None else m.proju(x, momentum * buf.to(x.dtype) + rgrad)
-        state["momentum_buffer"] = buf
+        state["momentum_buffer"] = orient(buf)
         new = m.retr(x, (group["lr"] if flaw == "ascent" else -group["lr"]) * buf)
         decay = (self.param_groups[0] if flaw == "first_group_weight_decay" else group)["weight_decay"]
         if decay and m.name == "euclidean":  # no scale freedom elsewhere
             new = new * (1 - group["lr"] * decay)
+        new = new.reshape(p.shape) if flaw == "writes_back_by_reshape" else orient(new)
         if flaw == "replaces_storage":
             p.data = new.to(p.dtype)
         elif flaw == "non_contiguous":
@@ -98,12 +110,14 @@ class MutantSGD(torch.optim.Optimizer):
 
 
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
+#: Also Oblique, whose square points constrain columns, not rows (a layout ignored shows there).
+ALL_MANIFOLDS = {**MANIFOLDS, "oblique": Oblique()}
 
 
 def _report(flaw, manifold="stiefel", checks=None, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return check_optimizer(lambda params: MutantSGD(params, flaw=flaw, **options), MANIFOLDS[manifold],
+        return check_optimizer(lambda params: MutantSGD(params, flaw=flaw, **options), ALL_MANIFOLDS[manifold],
                                **({} if checks is None else {"checks": checks}))
 
 
@@ -195,6 +209,42 @@ def test_param_groups_varies_every_numeric_option():
     assert muon.ok, str(muon)
     for shown in ("weight_decay=0.05", "momentum=0.475", "ns_coefficients[1]=-2.3875", "ns_steps=6"):
         assert shown in muon.results[0].detail
+
+
+WIDE_OFF = "the wide (3, 5) parameter: after 3 steps, its transpose (the tall orientation) is off the manifold"
+WIDE_DIFFERS = "parameter: 3 steps differ from those of its tall ({}) point with layout='in_out', transposed, by"
+SQUARE_OFF = ("the square (3, 3) matrix stored transposed with layout='in_out': after 3 steps, its transpose (the "
+              "tall orientation) is off the manifold")
+
+
+@pytest.mark.parametrize("flaw, manifold, message", [
+    ("writes_back_by_reshape", "stiefel", WIDE_OFF),
+    ("writes_back_by_reshape", "euclidean", "the wide (3, 4) " + WIDE_DIFFERS.format("4, 3")),
+    ("momentum_read_by_reshape", "stiefel", "the wide (3, 5) " + WIDE_DIFFERS.format("5, 3")),
+    ("ignores_layout", "oblique", SQUARE_OFF),
+])
+def test_a_wide_matrix_handled_on_the_wrong_side_fails_wide(flaw, manifold, message):
+    """A wide weight is stepped in its tall orientation (its transpose): a result written back by
+    reshape rather than transpose, or a momentum buffer kept in the stored orientation but read
+    back by reshape (from step 2 on), or a square matrix whose ``layout="in_out"`` is ignored (its
+    rows constrained instead of its columns, on Oblique) passed the suite, which only ever
+    stepped tall matrices stored as they are."""
+    report = _report(flaw, manifold)
+    assert [r.name for r in report.failures()] == ["wide"], str(report)
+    assert message in report.failures()[0].detail
+
+
+def test_an_optimizer_that_refuses_a_wide_matrix_skips_wide():
+    """geoopt's optimizers call the manifold on the stored matrix, which refuses a wide one
+    before anything changes: not a failure, and the reason is reported."""
+    import geoopt
+
+    report = check_optimizer(lambda ps: geoopt.optim.RiemannianAdam(ps, lr=1e-2), MANIFOLDS["stiefel"],
+                             checks=("wide",))
+    (result,) = report.results
+    assert result.status == "skip", str(report)
+    assert "the wide (3, 5) parameter: refused (ValueError: " in result.detail
+    assert "store a wide matrix transposed" in result.detail
 
 
 @pytest.mark.parametrize("manifold", sorted(MANIFOLDS))
