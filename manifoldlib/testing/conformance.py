@@ -31,14 +31,18 @@ directly on ``.grad``. The checks:
     the path walked, whichever is less (a small ``lr`` cannot go far in 60 steps, but what it
     walks must mostly be progress).
 ``normal_gradient``
-    the first step from a fresh state, in float64, with the gradient :math:`g` and with
-    :math:`g + n`, :math:`n` normal to the tangent space (``r - proju(x, r)``, of norm
-    :math:`\|g\|`; the Riemannian gradient ignores it): the two points differ by at most
-    :math:`10^{-6}` of the step's length. A step that reads the Euclidean gradient (normalised by
-    its norm, Adam's second moment of it, a momentum seeded with it) changes by 0.1 to 0.7;
-    correct optimizers by at most :math:`1.3 \cdot 10^{-13}` (Manifold Muon's iterative dual
-    included). Skipped where there is no normal space (Euclidean space) or ``egrad2rgrad`` does
-    not ignore the normal part.
+    3 steps from a fresh state, in float64, with the gradients :math:`g_k` and with
+    :math:`g_k + n_k`, each :math:`n_k` normal to the tangent space at the current point
+    (``r - proju(x, r)``, of norm :math:`\|g_k\|`; the Riemannian gradient ignores it): after each
+    step the two points differ by at most :math:`10^{-6}` of the path walked. A step that reads
+    the Euclidean gradient (normalised by its norm, Adam's second moment of it, a momentum seeded
+    with it) changes the first step by 0.1 to 0.7; a state that keeps it (a momentum of Euclidean
+    gradients projected only when used, a second moment updated with it after a Riemannian first
+    step, a warm start that depends on it) moves the point from the second step on, by
+    :math:`10^{-4}` to 0.2 of the path; optimizers whose state holds only Riemannian gradients by
+    at most :math:`5 \cdot 10^{-14}` (Manifold Muon without momentum and warm start,
+    :math:`3 \cdot 10^{-12}`: its dual is iterative). Skipped where there is no normal space
+    (Euclidean space) or ``egrad2rgrad`` does not ignore the normal part.
 ``resume``
     5 steps, ``state_dict()`` through ``torch.save`` / ``torch.load(weights_only=True)``, a
     fresh optimizer from the factory on parameters given the saved values (the usual

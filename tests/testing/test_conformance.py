@@ -57,14 +57,24 @@ ADAM_XFAIL = {
 
 #: geoopt's RiemannianSGD with momentum seeds its buffer with the raw Euclidean gradient, so its
 #: first step is R_x(-lr (momentum g + rgrad)): the gradient's normal part is in the step. The
-#: sphere's retractions and Stiefel's exp and Cayley remove a normal part first; these do not.
-MOMENTUM_SEED_LEAKS = {"stiefel-polar", "stiefel-qr", "dgram-alternating", "dgram-colnorm-polar",
-                       "oblique-normalize"}
+#: sphere's retractions and Stiefel's exp and Cayley remove a normal part first, so their first step
+#: is right, but the buffer keeps it: transported by projection onto the next tangent space, part of
+#: it is tangent there.
 MOMENTUM_SEED_XFAIL = (
     "geoopt's RiemannianSGD seeds the momentum buffer with the raw Euclidean gradient "
     "(state['momentum_buffer'] = grad.clone() before egrad2rgrad), so its first step is "
-    "R_x(-lr (momentum g + rgrad)) and carries the gradient's normal part (0.09 to 0.37 of the step "
-    "here) into retractions that do not remove it"
+    "R_x(-lr (momentum g + rgrad)): on Stiefel polar/qr, DGram and Oblique, whose retractions do not "
+    "remove a normal part, the first step moves by 0.09 to 0.37 of its length; on the sphere and "
+    "Stiefel exp/cayley the first step is right but the buffer keeps the normal part, and the point "
+    "moves by 2.8e-2 to 3.3e-2 of the path after step 2"
+)
+#: Manifold Muon's first step ignores the normal part (to 1.3e-13), its later ones do not.
+MUON_NORMAL_XFAIL = (
+    "ManifoldMuon accumulates its momentum on the Euclidean gradient (as torch.optim.Muon) and "
+    "projects it at the current point only, and its dual starts from the previous step's correction, "
+    "which depends on the normal part: with a normal component of norm ||g|| at every step the point "
+    "moves after step 2 by 1.2e-2 (Stiefel), 6.5e-4 (DGram), 1.5e-4 (Oblique) of the path walked "
+    "(1e-6 allowed; either mechanism alone fails, momentum=0 with dual warm_start=False passes)"
 )
 
 
@@ -73,7 +83,8 @@ def _geoopt_cases():
         for case in MANIFOLDS:
             for check in OPTIMIZER_CHECKS:
                 reason = GEOOPT_XFAIL.get(check) or (ADAM_XFAIL.get(check) if optimizer.startswith("adam") else None)
-                if check == "normal_gradient" and optimizer.startswith("sgd-momentum") and case in MOMENTUM_SEED_LEAKS:
+                if check == "normal_gradient" and optimizer.startswith("sgd-momentum") and \
+                        not case.startswith("euclidean"):
                     reason = MOMENTUM_SEED_XFAIL
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 if case not in DEFAULT_CASES:
@@ -90,8 +101,15 @@ def test_geoopt_optimizers_conform(optimizer, case, check):
 MUON_MANIFOLDS = {"stiefel": Stiefel(), "dgram": DGram(), "oblique": Oblique(), "euclidean": Euclidean(ndim=2)}
 
 
-@pytest.mark.parametrize("check", OPTIMIZER_CHECKS)
-@pytest.mark.parametrize("manifold", sorted(MUON_MANIFOLDS))
+def _muon_cases():
+    for manifold in sorted(MUON_MANIFOLDS):
+        for check in OPTIMIZER_CHECKS:
+            xfail = check == "normal_gradient" and manifold != "euclidean"
+            marks = [pytest.mark.xfail(strict=True, reason=MUON_NORMAL_XFAIL)] if xfail else []
+            yield pytest.param(manifold, check, marks=marks, id=f"{manifold}-{check}")
+
+
+@pytest.mark.parametrize("manifold, check", list(_muon_cases()))
 def test_manifold_muon_conforms(manifold, check):
     def factory(params):
         return ManifoldMuon(params, lr=0.05, weight_decay=0.0, momentum=0.95, manifold=manifold)

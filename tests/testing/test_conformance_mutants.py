@@ -13,7 +13,7 @@ import torch
 
 from manifoldlib import Euclidean, Oblique, Sphere, Stiefel
 from manifoldlib.optim.options import flipped
-from manifoldlib.testing import check_optimizer
+from manifoldlib.testing import OPTIMIZER_CHECKS, check_optimizer
 
 
 def _check_lr(lr):
@@ -77,9 +77,12 @@ class MutantSGD(torch.optim.Optimizer):
         rgrad = m.egrad2rgrad(x, grad)
         if flaw == "euclidean_norm_step":  # a normalised step, by the Euclidean gradient's norm
             rgrad = rgrad / grad.norm().clamp_min(torch.finfo(grad.dtype).tiny)
-        elif flaw == "euclidean_second_moment":  # Adam's second moment of the Euclidean gradient
+        elif flaw in ("euclidean_second_moment", "euclidean_second_moment_from_step_2"):
+            # Adam's second moment of the Euclidean gradient (the second flaw: of the Riemannian one on
+            # the first step, so that step is right, and of the Euclidean one after)
             state["steps"] = state.get("steps", 0) + 1
-            moment = state.get("exp_avg_sq", torch.zeros_like(grad)).to(x.dtype) * 0.999 + 0.001 * grad.square()
+            seen = rgrad if flaw.endswith("from_step_2") and state["steps"] == 1 else grad
+            moment = state.get("exp_avg_sq", torch.zeros_like(grad)).to(x.dtype) * 0.999 + 0.001 * seen.square()
             state["exp_avg_sq"] = moment
             rgrad = rgrad / ((moment / (1 - 0.999 ** state["steps"])).sqrt() + 1e-8)
         buf = state.get("momentum_buffer")  # kept in the stored orientation
@@ -88,8 +91,13 @@ class MutantSGD(torch.optim.Optimizer):
         if flaw == "lr_twice":  # lr inside the momentum (Caffe's convention) and again in the step
             rgrad = group["lr"] * rgrad
         momentum = (self.param_groups[0] if flaw == "first_group_momentum" else group)["momentum"]
-        buf = rgrad.clone() if buf is None else m.proju(x, momentum * buf.to(x.dtype) + rgrad)
-        state["momentum_buffer"] = orient(buf)
+        if flaw == "momentum_of_euclidean_gradient":  # Euclidean gradients, projected only when used
+            raw = grad.clone() if buf is None else momentum * buf.to(x.dtype) + grad
+            state["momentum_buffer"] = orient(raw)
+            buf = m.proju(x, raw)
+        else:
+            buf = rgrad.clone() if buf is None else m.proju(x, momentum * buf.to(x.dtype) + rgrad)
+            state["momentum_buffer"] = orient(buf)
         new = m.retr(x, (group["lr"] if flaw == "ascent" else -group["lr"]) * buf)
         decay = (self.param_groups[0] if flaw == "first_group_weight_decay" else group)["weight_decay"]
         if decay and m.name == "euclidean":  # no scale freedom elsewhere
@@ -288,27 +296,54 @@ def test_a_euclidean_gradient_in_a_riemannian_step_fails_normal_gradient(flaw, m
     component of norm ||g|| is added to the gradient (correct optimizers: at most 1.3e-13)."""
     report = _report(flaw, manifold)
     assert [r.name for r in report.failures()] == ["normal_gradient"], str(report)
+    assert "after step 1" in report.failures()[0].detail
     assert "the step uses the Euclidean gradient, not only its Riemannian part" in report.failures()[0].detail
 
 
+@pytest.mark.parametrize("flaw", ["momentum_of_euclidean_gradient", "euclidean_second_moment_from_step_2"])
+@pytest.mark.parametrize("manifold", ["sphere", "stiefel"])
+def test_a_state_that_keeps_the_euclidean_gradient_fails_normal_gradient(flaw, manifold):
+    """A momentum of Euclidean gradients projected only when used, or Adam's second moment seeded
+    with the Riemannian gradient and then updated with the Euclidean one: the first step is right,
+    so the check, which compared the first step only, passed both. Over 3 steps with a normal
+    component at every step the point moves by 1.8e-2 to 1.3e-1 of the path after step 2."""
+    report = _report(flaw, manifold)
+    assert [r.name for r in report.failures()] == ["normal_gradient"], str(report)
+    detail = report.failures()[0].detail
+    assert "moved the point after step 2 by" in detail
+    assert "the optimizer's state (a momentum, a second moment, a warm start) keeps the Euclidean gradient" in detail
+
+
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
-def test_manifold_muon_ignores_the_normal_part_of_the_gradient(manifold):
-    """Its dual solve is iterative (tol 1e-3), yet a normal component of the gradient's norm moved
-    its first step by at most 1.3e-13 of its length (measured at (5, 3), (8, 8) and (64, 8), with
-    the default dual and with tol 1e-1, early stopping, no warm start or smoothing)."""
+def test_manifold_muon_ignores_the_normal_part_only_in_its_first_step(manifold):
+    """Its first step ignores a normal component of the gradient's norm (to 1.3e-13 of its length,
+    its iterative dual included), but its momentum is one of Euclidean gradients (as
+    torch.optim.Muon's) and its dual starts from the previous step's correction, which depends on
+    the normal part: from step 2 on the point moves by 1e-4 to 3e-2 of the path (a known failure,
+    a strict xfail in test_conformance.py). Without momentum and warm start every step ignores it
+    (at most 3e-12 of the path)."""
     from manifoldlib import DGram, Oblique
     from manifoldlib.optim import ManifoldMuon
 
-    manifolds = {"stiefel": Stiefel(), "dgram": DGram(), "oblique": Oblique()}
-    report = check_optimizer(lambda ps: ManifoldMuon(ps, lr=0.05, manifold=manifold), manifolds[manifold],
+    manifold_of = {"stiefel": Stiefel(), "dgram": DGram(), "oblique": Oblique()}[manifold]
+    report = check_optimizer(lambda ps: ManifoldMuon(ps, lr=0.05, manifold=manifold), manifold_of,
                              checks=("normal_gradient",))
-    assert report.ok, str(report)
+    assert "moved the point after step 2 by" in report.failures()[0].detail, str(report)
+    memoryless = check_optimizer(lambda ps: ManifoldMuon(ps, lr=0.05, momentum=0.0, manifold=manifold,
+                                                         dual={"warm_start": False}),
+                                 manifold_of, checks=("normal_gradient",))
+    assert memoryless.ok, str(memoryless)
+
+
+#: Every check but normal_gradient, which Manifold Muon fails from its second step (its momentum is
+#: one of Euclidean gradients: test_manifold_muon_ignores_the_normal_part_only_in_its_first_step).
+BUT_NORMAL_GRADIENT = tuple(c for c in OPTIMIZER_CHECKS if c != "normal_gradient")
 
 
 @pytest.mark.parametrize("manifold, checks", [
     ("euclidean", None),
     ("stiefel", ("descent",)),
-    pytest.param("stiefel", None, marks=pytest.mark.slow),  # 4 s
+    pytest.param("stiefel", BUT_NORMAL_GRADIENT, marks=pytest.mark.slow),  # 4 s
 ])
 def test_manifold_muon_with_its_defaults_passes(manifold, checks):
     """lr=1e-3 (torch.optim.Muon's default): 60 steps cannot halve the distance to the target
