@@ -50,13 +50,14 @@ directly on ``.grad``. The checks:
 ``param_groups``
     two groups, the second with half the default ``lr``: each parameter follows, bit for bit,
     its own run alone with its group's options, and the halved ``lr`` changes the result. Then
-    each other numeric option of the defaults (``momentum``, ``weight_decay``, each entry of
-    ``betas``, ...; options that are not numbers are left) in turn gets another value in the
-    second group (0 becomes 0.5, another int one more, another float half): 3 steps of each
-    parameter equal, bit for bit, its run alone with its group's options, so an optimizer that
-    gives every group the first group's ``momentum`` fails. An option without effect in this run
-    (weight decay on a manifold without scale freedom) passes; a value the optimizer refuses
-    with ``ValueError`` or ``TypeError`` is left out. The detail lists both.
+    each other numeric or boolean option of the defaults (``momentum``, ``weight_decay``, each
+    entry of ``betas``, ``nesterov``, ``amsgrad``, ...; strings and dicts are left) in turn gets
+    another value in the second group (0 becomes 0.5, another int one more, another float half, a
+    boolean its negation): 3 steps of each parameter equal, bit for bit, its run alone with its
+    group's options, so an optimizer that gives every group the first group's ``momentum`` or
+    ``nesterov`` fails. An option without effect in this run (weight decay on a manifold without
+    scale freedom, ``nesterov`` without momentum) passes; a value the optimizer refuses with
+    ``ValueError`` or ``TypeError`` is left out. The detail lists both.
 ``lr_scaling``
     3 steps from a fresh state at ``lr / 8`` and at ``lr / 16`` (the default ``lr``): halving
     ``lr`` halves the distance moved (a ratio in ``[1.7, 2.3]``; a step is linear in ``lr`` when

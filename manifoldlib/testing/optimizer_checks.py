@@ -239,13 +239,16 @@ def _other_value(value):
 
 
 def _varied_options(defaults: dict) -> list[tuple[str, str, object, object]]:
-    """``(label, key, value, default)`` for each numeric option other than ``lr`` given another
-    value: a number, or one entry of a tuple or list of numbers (``betas[1]``)."""
+    """``(label, key, value, default)`` for each option other than ``lr`` given another value: a
+    number, one entry of a tuple or list of numbers (``betas[1]``), or a boolean flipped
+    (``nesterov``, ``amsgrad``)."""
     varied = []
     for key, value in defaults.items():
         if key == "lr":
             continue
-        if _is_number(value):
+        if isinstance(value, bool):
+            varied.append((key, key, not value, value))
+        elif _is_number(value):
             varied.append((key, key, _other_value(value), value))
         elif isinstance(value, (tuple, list)) and value and all(_is_number(v) for v in value):
             for i, v in enumerate(value):
@@ -273,9 +276,9 @@ def _check_param_groups(s: Setup) -> str:
 
 
 def _other_group_options(s: Setup, defaults: dict, starts, targets) -> str:
-    """Each numeric option but ``lr`` in turn given another value in the second group: 3 steps of
-    each parameter equal, bit for bit, its run alone with its group's options (an option without
-    effect in this run passes trivially; one the optimizer refuses is left out)."""
+    """Each numeric or boolean option but ``lr`` in turn given another value in the second group:
+    3 steps of each parameter equal, bit for bit, its run alone with its group's options (an
+    option without effect in this run passes trivially; one the optimizer refuses is left out)."""
     first = _trajectory(s, starts[:1], targets[:1], 3)[0]
     default = _trajectory(s, starts[1:], targets[1:], 3)[0]
     effect, none, refused = [], [], []

@@ -22,8 +22,8 @@ def _check_lr(lr):
 
 
 class MutantSGD(torch.optim.Optimizer):
-    """Riemannian SGD with momentum on ``p.manifold``, per-group ``lr``, ``momentum`` and
-    ``weight_decay``, stepping bfloat16 and float16 parameters in float32 and storing them back in
+    """Riemannian SGD with momentum on ``p.manifold``, per-group ``lr``, ``momentum``,
+    ``weight_decay`` and ``nesterov``, stepping bfloat16 and float16 parameters in float32 and storing them back in
     their dtype (projected first: a rounded point is not on the manifold to float32's tolerance).
     A parameter with a non-finite gradient is skipped the way Manifold Muon skips it
     (value and momentum kept, ``state["skipped_steps"]`` counts it, and the diagnostic
@@ -32,10 +32,11 @@ class MutantSGD(torch.optim.Optimizer):
     ``"in_out"``) says which orientation a square one is, as Manifold Muon does. ``flaw`` plants one
     defect."""
 
-    def __init__(self, params, lr=0.1, momentum=0.5, weight_decay=0.0, flaw=None):
+    def __init__(self, params, lr=0.1, momentum=0.5, weight_decay=0.0, nesterov=False, flaw=None):
         self.flaw = flaw
         _check_lr(lr)
-        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "layout": "out_in"})
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                                  "nesterov": nesterov, "layout": "out_in"})
 
     def add_param_group(self, group):
         _check_lr(group.get("lr", self.defaults["lr"]))
@@ -98,6 +99,9 @@ class MutantSGD(torch.optim.Optimizer):
         else:
             buf = rgrad.clone() if buf is None else m.proju(x, momentum * buf.to(x.dtype) + rgrad)
             state["momentum_buffer"] = orient(buf)
+        nesterov = (self.param_groups[0] if flaw == "first_group_nesterov" else group)["nesterov"]
+        if nesterov:  # look ahead along the momentum, as torch's SGD(nesterov=True)
+            buf = m.proju(x, rgrad + momentum * buf)
         new = m.retr(x, (group["lr"] if flaw == "ascent" else -group["lr"]) * buf)
         decay = (self.param_groups[0] if flaw == "first_group_weight_decay" else group)["weight_decay"]
         if decay and m.name == "euclidean":  # no scale freedom elsewhere
@@ -183,26 +187,31 @@ MOMENTUM_IGNORED = ("with momentum=0.25 differs from its run alone with momentum
                     "group's momentum=0.5 (the group's momentum is ignored)")
 DECAY_IGNORED = ("with weight_decay=0.5 differs from its run alone with weight_decay=0.5: it follows the first "
                  "group's weight_decay=0.0")
+NESTEROV_IGNORED = ("with nesterov=True differs from its run alone with nesterov=True: it follows the first "
+                    "group's nesterov=False (the group's nesterov is ignored)")
 
 
 @pytest.mark.parametrize("flaw, manifold, message", [
     *[("first_group_momentum", m, MOMENTUM_IGNORED) for m in sorted(MANIFOLDS)],
     ("first_group_weight_decay", "euclidean", DECAY_IGNORED),
+    *[("first_group_nesterov", m, NESTEROV_IGNORED) for m in sorted(MANIFOLDS)],
 ])
 def test_a_group_option_taken_from_the_first_group_fails_param_groups(flaw, manifold, message):
-    """Every group gets group 0's momentum (or weight decay): only ``lr`` is read per group. The
-    check used to vary ``lr`` alone; it now gives each numeric option of the defaults another
-    value in the second group (0 becomes 0.5: weight decay is 0 by default) and asks for the run
-    alone with that value, bit for bit."""
+    """Every group gets group 0's momentum, weight decay or nesterov: only ``lr`` is read per
+    group. The check used to vary ``lr`` alone, then each numeric option (nesterov, a boolean,
+    still passed); it now gives each numeric option of the defaults another value in the second
+    group (0 becomes 0.5: weight decay is 0 by default) and flips each boolean, and asks for the
+    run alone with that value, bit for bit."""
     report = _report(flaw, manifold)
     assert [r.name for r in report.failures()] == ["param_groups"], str(report)
     assert message in report.failures()[0].detail
 
 
-def test_param_groups_varies_every_numeric_option():
-    """Adam's betas entry by entry, eps and weight_decay; Muon's momentum, Newton-Schulz
-    coefficients and steps; a correct optimizer follows each (weight decay has no effect on
-    Stiefel: reported, not a failure). Options that are not numbers (nesterov, dual) are left."""
+def test_param_groups_varies_every_numeric_and_boolean_option():
+    """Adam's betas entry by entry, eps, weight_decay and amsgrad; SGD's nesterov; Muon's momentum,
+    nesterov, Newton-Schulz coefficients and steps; a correct optimizer follows each (weight decay
+    has no effect on Stiefel, nor amsgrad in 3 steps: reported, not a failure). Strings and dicts
+    (Muon's manifold, dual) are left."""
     import geoopt
 
     from manifoldlib.optim import ManifoldMuon
@@ -210,12 +219,16 @@ def test_param_groups_varies_every_numeric_option():
     adam = check_optimizer(lambda ps: geoopt.optim.RiemannianAdam(ps, lr=1e-2), MANIFOLDS["stiefel"],
                            checks=("param_groups",))
     assert adam.ok, str(adam)
-    assert "per group: betas[0]=0.45, betas[1]=0.4995, eps=5e-09; without effect here: weight_decay=0.5" \
-        in adam.results[0].detail
+    assert "per group: betas[0]=0.45, betas[1]=0.4995, eps=5e-09; without effect here: weight_decay=0.5, " \
+           "amsgrad=True" in adam.results[0].detail
+    sgd = check_optimizer(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.1, momentum=0.9), MANIFOLDS["stiefel"],
+                          checks=("param_groups",))
+    assert sgd.ok, str(sgd)
+    assert "weight_decay=0.5, nesterov=True" in sgd.results[0].detail
     muon = check_optimizer(lambda ps: ManifoldMuon(ps, lr=0.05, momentum=0.95, manifold="euclidean"),
                            MANIFOLDS["euclidean"], checks=("param_groups",))
     assert muon.ok, str(muon)
-    for shown in ("weight_decay=0.05", "momentum=0.475", "ns_coefficients[1]=-2.3875", "ns_steps=6"):
+    for shown in ("weight_decay=0.05", "momentum=0.475", "nesterov=False", "ns_coefficients[1]=-2.3875", "ns_steps=6"):
         assert shown in muon.results[0].detail
 
 
