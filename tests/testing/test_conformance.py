@@ -5,8 +5,10 @@ DGram, Oblique and Euclidean space.
 
 Each (optimizer, manifold, check) is one test. A check that an optimizer fails for a reason
 outside this library is an ``xfail(strict=True)`` with that reason, so a fix upstream shows up
-as an unexpected pass. The default run covers each manifold's default retraction and the
-sphere's exponential map; the other retractions are ``slow``.
+as an unexpected pass. The default run has every check of ManifoldMuon; of geoopt's, every check
+of its two stateful optimizers (Adam, SGD with momentum) on each manifold's default retraction,
+and :data:`CHEAP_CHECKS` of the other configurations there and of those two on every other
+retraction (:func:`_in_default_run`); the rest of the cross product is ``slow``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,20 @@ GEOOPT = {
     ),
 }
 MANIFOLDS = dict(registered_manifolds())
-DEFAULT_CASES = {"sphere-exp", "sphere-gnomonic", "stiefel-polar", "dgram-alternating",
-                 "oblique-normalize", "euclidean-add"}
+#: Each manifold's default retraction and geoopt's stateful optimizers: every check in the default run.
+DEFAULT_CASES = {"sphere-gnomonic", "stiefel-polar", "dgram-alternating", "oblique-normalize", "euclidean-add"}
+DEFAULT_OPTIMIZERS = {"adam", "sgd-momentum"}
+#: Checks of a few steps each (about 50 ms for all six) whose outcome depends on the retraction
+#: (normal_gradient, zero_gradient, degenerate_shapes, in_place) or on stabilize and momentum
+#: (resume, none_gradient).
+CHEAP_CHECKS = {"normal_gradient", "resume", "none_gradient", "zero_gradient", "degenerate_shapes", "in_place"}
+
+
+def _in_default_run(optimizer: str, case: str, check: str) -> bool:
+    """Every check of the stateful optimizers on the default retractions; the cheap checks of every
+    optimizer on the default retractions and of the stateful ones on every retraction."""
+    usual_case, usual_optimizer = case in DEFAULT_CASES, optimizer in DEFAULT_OPTIMIZERS
+    return (usual_case and usual_optimizer) or (check in CHEAP_CHECKS and (usual_case or usual_optimizer))
 
 GEOOPT_XFAIL = {
     "non_finite_gradient": (
@@ -87,7 +101,7 @@ def _geoopt_cases():
                         not case.startswith("euclidean"):
                     reason = MOMENTUM_SEED_XFAIL
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                if case not in DEFAULT_CASES:
+                if not _in_default_run(optimizer, case, check):
                     marks.append(pytest.mark.slow)
                 yield pytest.param(optimizer, case, check, marks=marks, id=f"{optimizer}-{case}-{check}")
 
