@@ -37,9 +37,9 @@ directly on ``.grad``. The checks:
     step the two points differ by at most :math:`10^{-6}` of the path walked. A step that reads
     the Euclidean gradient (normalised by its norm, Adam's second moment of it, a momentum seeded
     with it) changes the first step by 0.1 to 0.7; a state that keeps it (a momentum of Euclidean
-    gradients projected only when used, a second moment updated with it after a Riemannian first
-    step, a warm start that depends on it) moves the point from the second step on, by
-    :math:`10^{-4}` to 0.2 of the path; optimizers whose state holds only Riemannian gradients by
+    gradients projected only when used, as Manifold Muon's, a second moment updated with it after
+    a Riemannian first step, a warm start that depends on it) moves the point from the second step
+    on, by :math:`10^{-4}` to 0.2 of the path; optimizers whose state holds only Riemannian gradients by
     at most :math:`5 \cdot 10^{-14}` (Manifold Muon without momentum and warm start,
     :math:`3 \cdot 10^{-12}`: its dual is iterative). Skipped where there is no normal space
     (Euclidean space) or ``egrad2rgrad`` does not ignore the normal part.
