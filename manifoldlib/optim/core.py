@@ -24,7 +24,8 @@ factors that differ inside a bank are per-matrix tensors.
 **Momentum** is accumulated on the Euclidean gradient, as :class:`torch.optim.Muon` does; the
 tangent space enters only through the dual at the current point. Each solve starts from the
 closed-form multiplier :math:`\Lambda_0` of the new point plus the correction
-:math:`\Lambda - \Lambda_0` the previous step found (``state["dual_correction"]``).
+:math:`\Lambda - \Lambda_0` the previous step found (``state["dual_correction"]``, in units of the
+tangent part of the normalized gradient: :attr:`~manifoldlib.optim.dual_solvers.BankSolution.correction`).
 
 **Non-finite gradients** are found on the device: such a matrix keeps its value and its momentum
 buffer that step, and ``state["skipped_steps"]`` counts it (read by
@@ -282,7 +283,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         # W^T W alone) takes no step rather than a unit step along the rounding noise
         floor = NORMAL_GRADIENT_ULPS * (2 * torch.finfo(bank.params[0].dtype).eps
                                         + n**0.5 * torch.finfo(solution.lam0.dtype).eps)
-        moves = solution.problem.x_norm(solution.lam0, raw=True) > floor  # (B,); False for a zero G
+        moves = solution.tangent > floor  # (B,) ||P_W G|| of the unit gradient; False for a zero G
         eta = eta * moves.view(-1, 1, 1).to(w.dtype)
         ok = finite
         new = None
@@ -303,7 +304,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     # the next step starts from this correction, unless the solve ended far from tangent (a warm
     # start that led it astray would otherwise be carried on and on)
     kept = ((solution.residual <= WARM_START_RESIDUAL) & moves).view(-1, 1, 1)
-    corrections = torch.where(kept, solution.lam - solution.lam0, 0.0)
+    corrections = torch.where(kept, solution.correction, 0.0)
     if unit is not None:
         corrections = corrections * unit.to(corrections.dtype)
     if start is not None:  # a matrix that keeps its value keeps its warm start too

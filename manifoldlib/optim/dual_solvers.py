@@ -421,7 +421,7 @@ def smoothed_solve(problem: DualProblem, lam: torch.Tensor, lam0: torch.Tensor, 
 
 @dataclass
 class BankSolution:
-    """The steepest directions of a bank (tall orientation, the solve's dtype).
+    r"""The steepest directions of a bank (tall orientation, the solve's dtype).
 
     Attributes:
         problem: the solved :class:`~manifoldlib.optim.dual.DualProblem` (its setup, the factor
@@ -430,7 +430,13 @@ class BankSolution:
         a: ``(B, m, n)`` formed directions, or ``None`` (form them with :meth:`direction`).
         residual: ``(B,)`` relative tangent residual of each answer (its exact :math:`W^\top A`).
         iterations: ``(B,)`` dual updates each matrix took.
-        lam, lam0: ``(B, n, n)`` final and closed-form multipliers (``lam - lam0`` warm-starts the next step).
+        lam, lam0: ``(B, n, n)`` final and closed-form multipliers.
+        tangent: ``(B,)`` :math:`\|P_WG\|_F` of each normalized gradient (as computed: 0 for a zero
+            gradient).
+        correction: ``(B, n, n)`` :math:`(\Lambda - \Lambda_0)/\|P_WG\|_F` (:math:`\|P_WG\|_F` taken as 1
+            where it is 0 or not finite): the next solve's warm start (``start``), in units of the
+            tangent part, so that a gradient's normal part (which shifts :math:`\Lambda` and
+            :math:`\Lambda_0` alike) does not change it.
         gap: per matrix, the certified gap of a smoothed answer (``None`` where none ran; an eigh
             answer's is :meth:`DualProblem.relative_gaps` of ``best``, computed where it is read).
         stages, evaluations, hessian_products, history: what ran (see :class:`SteepestInfo`).
@@ -444,6 +450,8 @@ class BankSolution:
     iterations: torch.Tensor
     lam: torch.Tensor
     lam0: torch.Tensor
+    tangent: torch.Tensor
+    correction: torch.Tensor
     gap: list = field(default_factory=list)
     stages: tuple[str, ...] = ()
     evaluations: int = 0
@@ -457,7 +465,6 @@ class BankSolution:
             with ieee_float32_matmul():
                 self.a = self.problem.answer(self.best)
         return self.a
-
 
 
 def _normalized(g: torch.Tensor) -> torch.Tensor:
@@ -509,8 +516,9 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
 
     Each ``g`` is normalized by its Frobenius norm here (after an exact power-of-two rescaling
     into range), so the multipliers refer to the normalized problem; a zero gradient gives a zero
-    direction. ``start``: ``(B, n, n)`` warm start, a correction :math:`\Lambda - \Lambda_0` (added
-    to the closed-form start) or, with ``multiplier=True``, the multiplier itself. A sync-free solve
+    direction. ``start``: ``(B, n, n)`` warm start, a correction :math:`\Lambda - \Lambda_0` in units of
+    the normalized gradient's tangent part (:attr:`BankSolution.correction`: multiplied by this
+    gradient's and added to the closed-form start) or, with ``multiplier=True``, the multiplier itself. A sync-free solve
     forms :math:`G_\perp` always; an early-stopping one forms it, and computes :math:`W^\top W`, where
     a host read says they are needed (:class:`~manifoldlib.optim.dual.DualProblem`). Runs with IEEE
     float32 products.
@@ -533,9 +541,15 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
         closed_form = problem.square and manifold.square_dual == "closed-form" and kappa is None and problem.reduced
         if closed_form:  # Lambda_0 is optimal for every odd spectral map: no iterations, no warm start
             start = None
+        # a correction is kept in units of the unit gradient's tangent part ||P_W G||: the multipliers
+        # of G and G + W S (S in the normal space) differ by Lambda_0's shift alone, so Lambda - Lambda_0
+        # of the normalized problem scales with ||P_W G|| / ||G||; in these units it carries over to a
+        # step whose gradient has another normal part
+        tangent = problem.x_norm(lam0, raw=True)  # (B,)
+        unit = torch.where(torch.isfinite(tangent) & (tangent > 0), tangent, 1.0).view(-1, 1, 1)
         if start is not None:
             given = problem.mask(0.5 * (start + start.mT)).to(lam0.dtype)
-            lam = given if multiplier else lam0 + given
+            lam = given if multiplier else lam0 + given * unit
         tol, iterations, patience = options.tol, 0 if closed_form else options.iterations(sync_free), options.patience
         if sync_free and kappa is not None and options.max_iter is None:
             iterations *= SMOOTHED_ITERATION_FACTOR
@@ -601,5 +615,6 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
             a = best.a if a is None else a
             residual = problem.tangent_residual(a)
         lam_out = best.lam if best is not None else torch.cat([ev.lam for ev, _ in parts])
-        return BankSolution(problem, best, a, residual, counts, lam_out, lam0, gaps, tuple(stages),
+        return BankSolution(problem, best, a, residual, counts, lam_out, lam0, tangent,
+                            (lam_out - lam0) / unit.to(lam_out.dtype), gaps, tuple(stages),
                             problem.counters["evaluations"], problem.counters["hessian_products"], history, pieces)

@@ -53,7 +53,8 @@ class SteepestInfo:
         residual: relative tangent residual :math:`\|A - P_WA\|_F/\|A\|_F` of the returned ``A``.
         converged: ``residual <= tol`` (and, for a certified smoothed answer, ``gap <= gap_tol``).
         multiplier: the final :math:`\Lambda` ``(k, k)`` for the normalized gradient, tall orientation.
-        correction: :math:`\Lambda - \Lambda_0`: pass it back as ``correction`` at a *new* point.
+        correction: :math:`\Lambda - \Lambda_0` divided by :math:`\|P_WG\|_F` (of the normalized
+            gradient): pass it back as ``correction`` at a *new* point.
         history: the reduced residual after each plain dual iteration, starting with the initial one.
         gap: certified relative duality gap of a smoothed answer (``None`` without smoothing).
         stages: the solvers that ran, in order: ``"anderson"``, ``"bb"``, ``"smoothed"``.
@@ -188,7 +189,7 @@ def steepest_direction(W: torch.Tensor, G: torch.Tensor, manifold="stiefel", *, 
     converged = residual <= dual.tol and (gap is None or not certify or gap <= dual.gap_tol)
     lam = solution.lam[0].to(work)
     history = [float(r[0]) for r in solution.history]
-    info = SteepestInfo(int(solution.iterations[0]), residual, converged, lam, lam - solution.lam0[0], history,
+    info = SteepestInfo(int(solution.iterations[0]), residual, converged, lam, solution.correction[0].to(work), history,
                         gap, solution.stages, solution.evaluations, solution.hessian_products)
     return a, info
 

@@ -40,7 +40,7 @@ directly on ``.grad``. The checks:
     gradients projected only when used, as Manifold Muon's, a second moment updated with it after
     a Riemannian first step, a warm start that depends on it) moves the point from the second step
     on, by :math:`10^{-4}` to 0.2 of the path; optimizers whose state holds only Riemannian gradients by
-    at most :math:`5 \cdot 10^{-14}` (Manifold Muon without momentum and warm start,
+    at most :math:`5 \cdot 10^{-14}` (Manifold Muon without momentum, its dual warm-started,
     :math:`3 \cdot 10^{-12}`: its dual is iterative). Skipped where there is no normal space
     (Euclidean space) or ``egrad2rgrad`` does not ignore the normal part.
 ``resume``

@@ -224,6 +224,34 @@ def test_warm_start_reduces_dual_iterations(spectral):
     assert total(True) < total(False)
 
 
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+def test_the_warm_start_does_not_depend_on_the_gradients_normal_part(manifold):
+    """Without momentum, gradients G and G + W S (S in the manifold's multiplier space: normal,
+    ignored by the Riemannian gradient) give the same steps, the warm-started dual included: the
+    stored correction Lambda - Lambda_0 is kept in units of the normalized gradient's tangent part,
+    which the normal part does not change. It was kept in units of ||G||, so the second step
+    started elsewhere and its fixed-length solve ended elsewhere: 3e-3 of the path on Stiefel."""
+    space = get_manifold(manifold)
+    w0 = space.random(24, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    targets = [torch.randn(24, 8, generator=torch.Generator().manual_seed(k), dtype=torch.float64) for k in (2, 3, 4)]
+
+    def run(normal: bool):
+        p = torch.nn.Parameter(w0.clone())
+        opt = ManifoldMuon([p], lr=0.05, momentum=0.0, manifold=manifold)
+        for k, target in enumerate(targets):
+            p.grad = p.detach() - target
+            if normal:
+                s = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + k), dtype=torch.float64)
+                p.grad += 3.0 * p.detach() @ space.multiplier_mask(s + s.mT)
+            opt.step()
+        return p.detach().clone(), opt.state[p]["dual_correction"]
+
+    (w_plain, corr_plain), (w_normal, corr_normal) = run(False), run(True)
+    assert float((w_plain - w0).norm()) > 0.05
+    assert float((w_plain - w_normal).norm()) <= 1e-10 * float((w_plain - w0).norm())
+    torch.testing.assert_close(corr_normal, corr_plain, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 def test_warm_started_steps_are_stable_under_gradient_rounding(manifold):
     """A 1e-15 relative change of every gradient (the size of DDP's all-reduce rounding) stays
