@@ -59,7 +59,7 @@ from .storage import (  # noqa: F401 - the storage names are importable from her
 )
 
 __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
-           "check_tokenizer", "finished_summary", "load_optimizer_state", "prepare_run",
+           "finished_summary", "load_optimizer_state", "prepare_run",
            "read_saved_config", "resumed_rows", "with_legacy_defaults"]
 
 
@@ -197,7 +197,7 @@ def _check_own_run_files(out: Path) -> None:
 def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig,
                  out: Path | None = None) -> None:
     """Refuse to resume on a corpus whose fingerprint changed (the data order would differ), whose
-    BPE token ids did, or whose BPE ``tokenizer.json`` did (:func:`check_tokenizer`); a checkpoint
+    BPE token ids did, or whose BPE ``tokenizer.json`` did (its SHA-256, recorded in the checkpoint); a checkpoint
     written before the ids or the tokenizer were recorded is not checked for them."""
     if ckpt is not None and ckpt["corpus_fingerprint"] != corpus.fingerprint:
         raise RunError(f"cannot resume: corpus {cfg.corpus!r} changed since the run "
@@ -211,10 +211,10 @@ def check_corpus(ckpt: dict | None, corpus: Corpus, cfg: TrainConfig,
                        f"tokenizer.json was changed, or the tokenizers package encodes "
                        f"differently; restore them, or start a fresh run")
     if ckpt is not None:
-        check_tokenizer(ckpt.get("tokenizer_sha256"), corpus.tokenizer, out)
+        _check_tokenizer(ckpt.get("tokenizer_sha256"), corpus.tokenizer, out)
 
 
-def check_tokenizer(saved: str | None, tokenizer, out: Path | None = None) -> None:
+def _check_tokenizer(saved: str | None, tokenizer, out: Path | None = None) -> None:
     """Refuse a BPE tokenizer whose ``tokenizer.json`` is not the file the run started with.
 
     Token ids are checked (the shards' by their fingerprint, a text corpus's by
