@@ -1,5 +1,6 @@
 """Shared test configuration: a reproducible hypothesis profile, single-threaded small-tensor
-suites, and fixtures that keep the retraction registry clean.
+suites (and a share of the cores per pytest-xdist worker), and fixtures that keep the retraction
+registry clean.
 
 The ``manifoldlib`` profile is loaded by default: ``derandomize=True`` (the same examples every
 run), no deadline (timing never fails a test), and a modest ``max_examples`` so the default suite
@@ -32,6 +33,13 @@ settings.register_profile(
     max_examples=250,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "manifoldlib"))
+
+# The README's command runs one pytest-xdist worker per core: the suites that keep torch's threads
+# (distributed, reliability, ...) get an equal share of the cores in each worker, not every core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
 
 # Tests build their tensors with explicit dtypes and generators; keep the process-wide
 # state fixed as well so an accidental default draw is still reproducible.

@@ -151,8 +151,14 @@ def _torch_lines(text: str) -> list[str]:
     return [line for line in _commands(text) if "torch==" in line]
 
 
+#: The README's test command: one worker process per CPU core (pytest-xdist, in the ``test`` extra;
+#: most suites run their small tensors on one thread each), a test file's tests on one worker (its
+#: module fixtures built once).
+TEST_COMMAND = "python -m pytest -q -n auto --dist loadfile"
+
+
 @pytest.mark.parametrize("command", ['pip install -e ".[train]" && python -m models.train',
-                                     'pip install -e ".[test]" && python -m pytest -q'])
+                                     f'pip install -e ".[test]" && {TEST_COMMAND}'])
 def test_each_highlighted_command_installs_torch_for_the_machine_then_runs(command):
     (block,) = [b for b in BASH_BLOCKS if command in b]
     assert _commands(block) == [CPU_LINE, GPU_LINE, command]
@@ -163,15 +169,15 @@ def test_the_docs_landing_page_installs_with_the_same_lines():
     (block,) = re.findall(r"^\.\. code-block:: bash\n\n((?:   .*\n)+)",
                           (ROOT / "docs" / "index.rst").read_text(), re.MULTILINE)
     assert _torch_lines(block) == [CPU_LINE, GPU_LINE]
-    assert 'pip install -e ".[test]" && python -m pytest -q' in _commands(block)
+    assert f'pip install -e ".[test]" && {TEST_COMMAND}' in _commands(block)
 
 
 def test_ci_installs_with_the_readmes_cpu_line_and_runs_its_test_command():
     (ci_line,) = _torch_lines(CI_RUN)
     assert ci_line == f"python -m pip install -q {CPU_LINE[len('pip install '):]} {CI_FALLBACK}"
     (readme_tests,) = [b for b in BASH_BLOCKS if "pytest" in b]
-    assert _commands(readme_tests)[-1].endswith(" && python -m pytest -q")
-    assert "python -m pytest -q" in _commands(CI_RUN)  # the README's test command
+    assert _commands(readme_tests)[-1].endswith(f" && {TEST_COMMAND}")
+    assert TEST_COMMAND in _commands(CI_RUN)  # the README's test command
 
 
 # ---- a front page ----------------------------------------------------------------------------
