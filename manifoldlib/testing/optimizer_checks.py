@@ -614,6 +614,7 @@ def _check_wide(s: Setup) -> str:
         outcomes.append(_follows(s, label, stored, reference, reference_label))
     return ("skip: " if refused == len(runs) else "") + "; ".join(outcomes)
 
+
 def _check_batched(s: Setup) -> str:
     starts = [s.point(23 + k) for k in range(3)]
     targets = [s.point(26 + k) for k in range(3)]
