@@ -44,6 +44,26 @@ def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device: t
     return sum(losses) / len(losses)
 
 
+def _nan_max(values) -> float:
+    """``max(values)``, NaN where one is NaN (Python's ``max`` keeps or drops a NaN by position)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def _nan_min(values) -> float:
+    """``min(values)``, NaN where one is NaN."""
+    return math.nan if any(math.isnan(v) for v in values) else min(values)
+
+
+def _spectral_norm(w: torch.Tensor) -> torch.Tensor:
+    """The largest singular value of ``w`` (``(m, n)``), NaN where an entry is not finite: the SVD
+    of such a matrix does not converge (``LinAlgError``), so it runs on zeros instead, chosen on
+    the device without a host sync."""
+    w = w.float()
+    finite = torch.isfinite(w).all()
+    norm = torch.linalg.matrix_norm(torch.where(finite, w, torch.zeros_like(w)), ord=2)
+    return torch.where(finite, norm, torch.full_like(norm, math.nan))
+
+
 def _weight_tails(model: torch.nn.Module) -> dict[str, float]:
     """Heavy-tail statistics of the (effective, under a chart) block weights: the mean kurtosis
     :math:`E[(w-\\mu)^4]/\\sigma^4` (3 for a Gaussian) and the largest max|w|/std."""
@@ -53,13 +73,13 @@ def _weight_tails(model: torch.nn.Module) -> dict[str, float]:
             w = module.weight.detach().double().flatten()
             centered = w - w.mean()
             var = float(centered.square().mean())
-            if var > 0:
+            if var > 0 or math.isnan(var):  # a non-finite weight: NaN statistics
                 kurtosis.append(float(centered.pow(4).mean()) / var**2)
                 ratios.append(float(w.abs().max()) / math.sqrt(var))
     if not kurtosis:
         return {}
     return {"weight_kurtosis_mean": sum(kurtosis) / len(kurtosis),
-            "weight_max_over_std": max(ratios)}
+            "weight_max_over_std": _nan_max(ratios)}
 
 
 @torch.no_grad()
@@ -81,24 +101,24 @@ def diagnostics(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, device
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
         if last in qk and ".attn" in f".{name}" and isinstance(module, torch.nn.Linear):
-            qk[last].append(float(torch.linalg.matrix_norm(module.weight.float(), ord=2)))
+            qk[last].append(float(_spectral_norm(module.weight)))
     for key, values in qk.items():
         if values:
-            out[f"{key}_spectral_norm_max"] = max(values)
+            out[f"{key}_spectral_norm_max"] = _nan_max(values)
     x, _ = next(eval_batches(corpus.val, min(cfg.batch_size, 4), cfg.block_size, 1))
     x = x.to(device)
     if hasattr(model, "attention_statistics"):
         layers = model.attention_statistics(x)
-        out["max_attention_logit"] = max(layer["max_logit"] for layer in layers)
-        out["attention_entropy_min"] = min(layer["entropy"] for layer in layers)
-        out["attention_max_prob"] = max(layer["max_prob"] for layer in layers)
+        out["max_attention_logit"] = _nan_max([layer["max_logit"] for layer in layers])
+        out["attention_entropy_min"] = _nan_min([layer["entropy"] for layer in layers])
+        out["attention_max_prob"] = _nan_max([layer["max_prob"] for layer in layers])
     angles = model.step_angles(x) if hasattr(model, "step_angles") else []
     if angles:
         out["step_angle_mean"] = sum(angles) / len(angles)
-        out["step_angle_max"] = max(angles)
+        out["step_angle_max"] = _nan_max(angles)
     ratios = model.keel_branch_ratios(x) if hasattr(model, "keel_branch_ratios") else []
     if ratios:  # the first sub-layer's highway is the raw embedding: not comparable
-        out["keel_branch_ratio_max"] = max(ratios[1:] or ratios)
+        out["keel_branch_ratio_max"] = _nan_max(ratios[1:] or ratios)
     out.update(_weight_tails(model))
     return {k: v if math.isfinite(v) else None for k, v in out.items()}
 

@@ -394,6 +394,27 @@ def test_diagnostics_cover_attention_angles_and_weight_tails():
         max(keel.keel_branch_ratios(x)[1:]), rel=1e-6)  # the first sub-layer's left out
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_diagnostics_of_a_non_finite_attention_weight_are_none_not_a_traceback(bad):
+    """One entry of the last block's q map NaN: the spectral norm's SVD raised LinAlgError (did
+    not converge). With inf it returned NaN on CPU, and Python's max() / min() kept the earlier
+    blocks' finite values over the last block's NaN: the q norm, the attention statistics, the
+    step angles and the weight tails read finite. Now each statistic the weight reaches is None
+    (null in metrics.jsonl); the k maps' norm is still measured."""
+    from models.data import load_corpus
+
+    cfg = build_config("smoke")  # a spheret model: step angles too
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=256))
+    with torch.no_grad():
+        model.blocks[-1].attn.q.weight[0, 0] = bad
+    out = diagnostics(model, load_corpus(cfg.corpus), cfg, CPU)
+    for key in ("q_spectral_norm_max", "max_attention_logit", "attention_entropy_min",
+                "attention_max_prob", "step_angle_max", "weight_kurtosis_mean",
+                "weight_max_over_std"):
+        assert key in out and out[key] is None, key
+    assert math.isfinite(out["k_spectral_norm_max"])
+
+
 @pytest.mark.slow
 def test_compiled_training_through_the_cli_matches_eager(tmp_path):
     common = _quiet("--steps", "4", "--eval_interval", "4", "--log_interval", "1")
