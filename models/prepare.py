@@ -9,7 +9,8 @@ a time, splits it exactly as ``models.data.load_corpus`` does and writes
 - ``DIR/train.bin``, ``DIR/val.bin``: the token ids of each split as a flat little-endian array,
   ``uint16`` (nanoGPT's format) or ``uint32`` when the vocabulary exceeds 65536 ids;
 - ``DIR/meta.json``: ``format``, ``tokenizer``, ``vocab_size``, ``dtype``, ``train_tokens``,
-  ``val_tokens``, each file's ``sha256`` and the ``source`` (spec, fingerprint, bytes, files);
+  ``val_tokens``, each file's ``sha256``, the ``source`` (spec, fingerprint, bytes, files) and,
+  for BPE, ``tokenizer_file`` and its ``tokenizer_sha256``;
 - ``DIR/tokenizer.json`` for BPE: trained locally with the ``tokenizers`` package (on the
   training split, ``--vocab_size`` ids, default 1024) or the user's ``--tokenizer_file``
   (which implies ``--tokenizer bpe``).
@@ -217,8 +218,10 @@ def prepare(spec: str, out: str | os.PathLike, *, tokenizer: str = "byte",
                            "bytes": tally.bytes, "train_files": tally.files[False],
                            "val_files": tally.files[True], "val_fraction": val_fraction}}
         if tok.name == "bpe":
-            _write_partial(out, "tokenizer.json", tok.to_json().encode("utf-8"))
+            data = tok.to_json().encode("utf-8")
+            _write_partial(out, "tokenizer.json", data)
             meta["tokenizer_file"] = "tokenizer.json"
+            meta["tokenizer_sha256"] = hashlib.sha256(data).hexdigest()
         _write_partial(out, META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
     except BaseException:
         for name in _OUTPUTS:

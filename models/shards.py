@@ -5,7 +5,8 @@ nanoGPT's ``prepare.py`` scripts write them (``uint16``) and as ``python -m mode
 writes them (``uint16``, or ``uint32`` when the vocabulary exceeds 65536 ids) with a
 ``meta.json`` beside them: ``format``, ``tokenizer`` (``byte`` / ``bpe``, whose
 ``tokenizer.json`` lies beside), ``vocab_size``, ``dtype``, ``train_tokens``, ``val_tokens``,
-``sha256`` of each file and the ``source`` corpus (spec, fingerprint, bytes, files).
+``sha256`` of each file, the ``source`` corpus (spec, fingerprint, bytes, files) and, for BPE,
+the ``tokenizer_sha256`` of the ``tokenizer.json`` written with the shards.
 
 :func:`open_shards` checks the files against the metadata (sizes, hashes), scans them once in
 chunks for the largest id (which must lie inside the vocabulary) and their SHA-256, and opens
@@ -108,6 +109,9 @@ def _read_meta(folder: Path) -> dict | None:
     for key in ("sha256", "source"):
         if not isinstance(meta.setdefault(key, {}), dict):
             raise CorpusError(f"{path}: {key!r} must be an object, got {meta[key]!r}")
+    if not isinstance(meta.get("tokenizer_sha256", ""), str):
+        raise CorpusError(f"{path}: 'tokenizer_sha256' must be a string, "
+                          f"got {meta['tokenizer_sha256']!r}")
     return meta
 
 
@@ -161,10 +165,27 @@ def _shard_tokenizer(folder: Path, meta: dict | None, vocab: int):
         tok = ByteTokenizer()
     else:
         tok = BPETokenizer.load(folder / str(meta.get("tokenizer_file", "tokenizer.json")))
+        _check_tokenizer_file(folder, meta, tok)
     if tok.vocab_size != meta["vocab_size"]:
         raise CorpusError(f"{folder / META_FILE} says vocab_size {meta['vocab_size']} but its "
                           f"{tok.name} tokenizer has {tok.vocab_size}")
     return tok
+
+
+def _check_tokenizer_file(folder: Path, meta: dict, tok: BPETokenizer) -> None:
+    """Refuse a ``tokenizer.json`` that is not the file ``models.prepare`` wrote with the shards
+    (its SHA-256 differs from ``meta.json``'s ``tokenizer_sha256``): the shards' hashes cover
+    the ids, not the text they decode to, so an edited decoder or vocabulary entry would train
+    and sample without a word. A ``meta.json`` written before the digest was recorded is not
+    checked."""
+    recorded = meta.get("tokenizer_sha256")
+    if recorded is None or recorded == tok.sha256:
+        return
+    raise CorpusError(f"tokenizer file {tok.path} changed since {folder / META_FILE} was written "
+                      f"(SHA-256 {tok.sha256[:12]} != {recorded[:12]}, which it records): the "
+                      f"shards' token ids were made with that file, so a run would decode them "
+                      f"otherwise; restore it, or prepare the shards again with "
+                      f"python -m models.prepare")
 
 
 @dataclasses.dataclass(frozen=True)

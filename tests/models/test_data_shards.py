@@ -114,6 +114,8 @@ def _tamper(kind: str, folder: Path) -> tuple[str, str]:
         meta = {"vocab": 3}
     elif kind == "bad-dtype":
         meta["dtype"] = "int8"
+    elif kind == "bad-digest":
+        meta["tokenizer_sha256"] = 12
     meta_path.write_text(json.dumps(meta))
     return f"bin:{folder}", str(folder / "val.bin" if kind == "id-past-vocab" else meta_path)
 
@@ -124,7 +126,7 @@ def _tamper(kind: str, folder: Path) -> tuple[str, str]:
     ("half-token", "not a positive whole number of uint16 tokens"),
     ("edited", "changed since"), ("id-past-vocab", "token id 300, outside the vocabulary of 256"),
     ("bad-json", "cannot be read as JSON"), ("foreign-meta", "is not token-shard metadata"),
-    ("bad-dtype", "'dtype' must be one of"),
+    ("bad-dtype", "'dtype' must be one of"), ("bad-digest", "'tokenizer_sha256' must be a string"),
 ])
 def test_bad_shards_raise_one_line_errors_naming_the_path(tmp_path, kind, needle):
     prepare("synthetic:20000", tmp_path / "shards")

@@ -126,6 +126,13 @@ def _edit_decoder(path) -> bytes:
     return original
 
 
+def _drop_recorded_digest(folder) -> None:
+    """``meta.json`` as ``models.prepare`` wrote it before it recorded ``tokenizer_sha256``."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.pop("tokenizer_sha256", None)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def _changed(path, now: str, saved: str, detail: str = "",
              advice: str = "restore that file") -> str:
     return (f"cannot resume: the tokenizer file {path} changed since the run started (SHA-256 "
@@ -144,6 +151,7 @@ def test_a_resume_refuses_a_shard_tokenizer_file_changed_since_the_run_started(t
     to restore it; restored, it resumes."""
     shards, out = tmp_path / "bpe", tmp_path / "run"
     shutil.copytree(bpe_shards, shards)
+    _drop_recorded_digest(shards)  # else opening the shards refuses the edit before the resume
     cfg = _config(f"bin:{shards}")
     run_training(cfg, out, echo=False)
     digest = hashlib.sha256((shards / "tokenizer.json").read_bytes()).hexdigest()
@@ -175,3 +183,35 @@ def test_a_resume_refuses_a_runs_own_tokenizer_file_changed_where_the_ids_are_no
     with pytest.raises(RunError) as refused:
         run_training(cfg.replace(stop_at=0), out, resume=True, echo=False)
     assert str(refused.value) == _changed(out / "tokenizer.json", now, saved)
+
+
+@needs_tokenizers
+def test_a_fresh_run_refuses_shards_whose_tokenizer_file_changed_since_prepare(tmp_path,
+                                                                               bpe_shards):
+    """Only a resume checked the tokenizer file (against the checkpoint's digest): a fresh run on
+    BPE shards whose tokenizer.json was edited after models.prepare made them (decoder dropped,
+    the shards and their ids unchanged) trained without a word and decoded with the edited
+    file. meta.json now records the SHA-256 of the tokenizer.json prepare wrote, and opening the
+    shards refuses another one, naming the file, both digests and what to do, before anything
+    is written. Restored, the folder trains; a meta.json from before the digest (none recorded)
+    trains as before."""
+    shards, out = tmp_path / "bpe", tmp_path / "run"
+    shutil.copytree(bpe_shards, shards)
+    digest = hashlib.sha256((shards / "tokenizer.json").read_bytes()).hexdigest()
+    original = _edit_decoder(shards / "tokenizer.json")
+    now = hashlib.sha256((shards / "tokenizer.json").read_bytes()).hexdigest()
+    with pytest.raises(CorpusError) as refused:
+        run_training(_config(f"bin:{shards}"), out, echo=False)
+    assert str(refused.value) == (
+        f"tokenizer file {shards / 'tokenizer.json'} changed since {shards / 'meta.json'} was "
+        f"written (SHA-256 {now[:12]} != {digest[:12]}, which it records): the shards' token ids "
+        f"were made with that file, so a run would decode them otherwise; restore it, or "
+        f"prepare the shards again with python -m models.prepare")
+    assert not out.exists()
+    assert json.loads((shards / "meta.json").read_text())["tokenizer_sha256"] == digest
+    (shards / "tokenizer.json").write_bytes(original)
+    run_training(_config(f"bin:{shards}"), out, echo=False)
+    assert _saved_tokenizers(out) == ("bpe", "bpe", "bpe")
+    _drop_recorded_digest(shards)
+    run_training(_config(f"bin:{shards}"), tmp_path / "old-format", echo=False)
+    assert _saved_tokenizers(tmp_path / "old-format") == ("bpe", "bpe", "bpe")
