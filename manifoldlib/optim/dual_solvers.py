@@ -501,14 +501,6 @@ def resolve_smoothing(smoothing, manifold, shape, exact: bool = False) -> tuple[
     return float(smoothing), None
 
 
-def _projected_scale(problem: DualProblem, lam0: torch.Tensor) -> torch.Tensor:
-    r"""``(B,)`` :math:`\|P_WG\|_F/\sqrt n` (the smoothing's unit), from the Gram matrix at :math:`\Lambda_0`."""
-    n = lam0.size(-1)
-    s0, _ = problem.gram(lam0)
-    scale = torch.diagonal(s0, dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt() / math.sqrt(n)
-    return torch.where(scale > 0, scale, torch.full_like(scale, 1.0 / math.sqrt(n)))
-
-
 def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManifold, options: DualOptions,
                execution: Execution, spectral: Spectral, *, start: torch.Tensor | None = None,
                multiplier: bool = False, check_point: bool = True) -> BankSolution:
@@ -559,7 +551,9 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
         a = None
         if kappa is None or sync_free:
             if kappa is not None:  # sync-free smoothed dual: per-matrix mu, Barzilai–Borwein steps
-                problem.smoothing = kappa * _projected_scale(problem, lam0)
+                # mu in units of ||P_W G|| / sqrt(n) (1 / sqrt(n) for a zero or diverged G)
+                scale = tangent / math.sqrt(lam0.size(-1))
+                problem.smoothing = kappa * torch.where(scale > 0, scale, 1.0 / math.sqrt(lam0.size(-1)))
             if options.update == "anderson" and (spectral.path != "eigh" or sync_free or not problem.reduced):
                 raise ValueError(
                     f"dual update='anderson' needs the eigh path with early stopping (its steps use the eigenbasis), "
