@@ -30,7 +30,8 @@ on the very seeds it is judged on. ``results.md`` names both sets.
   target, wall time, tokens/s, the last evaluation's diagnostics (q/k spectral norms, attention
   logit, entropy and max probability, sphere step angles, weight kurtosis and max|w|/std) and
   their extremes over the run (NaN where an evaluation's value, or validation loss for the
-  largest rise, was not finite: the extreme of the finite values alone would read as bounded);
+  largest rise, was not finite: the extreme of the finite values alone would read as bounded;
+  the largest rise of a run that diverged between evaluations is NaN too);
 - ``results.md`` — the same aggregated per arm (mean ± std over seeds, the distance to the
   baseline in standard errors, unpaired (Welch) and paired by seed) with the exact command, and
   the sweep table of a swept suite; a suite's own columns average the runs whose value is finite

@@ -134,7 +134,8 @@ def _column_mean(rs: list[dict], key: str) -> str:
 #: What ``results.md`` says of the cells of a suite's own columns (:func:`_column_mean`).
 _LEGEND = ("Columns after wall s: the mean over the runs whose value is finite; (k/n) where only "
            "k of the n runs have one; \"m non-finite\" counts the runs whose value is NaN or inf "
-           "(an evaluation that went non-finite), \"non-finite (m/n)\" where no run's value is "
+           "(an evaluation that went non-finite; for the largest val rise, also a run that "
+           "diverged), \"non-finite (m/n)\" where no run's value is "
            "finite; — where no run has a value (a diagnostic the arm's model does not have, a "
            "target no run reached).")
 

@@ -76,7 +76,11 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
     """One run's result: its summary's final loss (``None`` when diverged), whether it
     :func:`learned`, the last evaluation's :data:`DIAGNOSTIC_FIELDS` (NaN where the value was
     not finite, ``None`` where the model has none) and their extremes over the run; ``_rows``
-    keeps the metrics rows for the caller (steps to target)."""
+    keeps the metrics rows for the caller (steps to target). A diverged run's ``val_rise_max``
+    is NaN (inf where its validation loss went infinite) even when every evaluation it logged
+    was finite: the trainer stops a run at the step whose training loss or gradient goes
+    non-finite, most often between evaluations, and the rise of the finite ones would read as a
+    bounded run."""
     last_eval = next((r for r in reversed(rows) if r.get("val_loss") is not None), {})
     val = summary.get("val_loss")
     diverged = bool(summary.get("diverged"))
@@ -90,6 +94,10 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
         "unigram_entropy": summary["unigram_entropy"], "_rows": rows}
     result.update({k: _logged(last_eval, k) for k in DIAGNOSTIC_FIELDS})
     result.update(_diagnostic_peaks(rows))
+    if diverged and result["val_rise_max"] is not None and math.isfinite(result["val_rise_max"]):
+        # its loss went non-finite after the last evaluation (the trainer stops a run at the
+        # step whose training loss or gradient does, with no evaluation): not a bounded rise
+        result["val_rise_max"] = math.nan
     return result
 
 

@@ -17,7 +17,8 @@ from models.config import ConfigError
 
 def _stub_training(monkeypatch, curve, diagnostics=None):
     """``run_training`` replaced: ``curve(cfg)`` gives the run's validation losses at steps 0,
-    eval_interval, 2 eval_interval, ... (``None``: the run diverged there); the metrics rows,
+    eval_interval, 2 eval_interval, ... (``None``: the run diverged there; ``"train"``: its
+    training loss went non-finite in the step after the previous evaluation); the metrics rows,
     ``config.json`` and ``summary.json`` are written as the trainer writes them
     (``diagnostics(cfg, i)``: the diagnostics of the ``i``-th evaluation, a value that is not
     finite logged as null, as the trainer logs it). Returns the list of ``(arm settings...,
@@ -31,6 +32,12 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
         rows, diverged, last = [], False, None
         for i, v in enumerate(losses):
             step = i * cfg.eval_interval
+            if v == "train":  # as the trainer logs a step whose training loss is not finite
+                step = rows[-1]["step"] + 1
+                rows.append({"step": step, "train_loss": None, "lr": cfg.lr,
+                             "tokens": rows[-1]["tokens"], "diverged": True})
+                diverged = True
+                break
             if v is None:
                 rows.append({"step": step, "tokens": step * 100, "val_loss": None, "diverged": True})
                 diverged = True
@@ -46,7 +53,8 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
         summary = {"val_loss": None if diverged else last, "val_ppl": None, "diverged": diverged,
-                   "finished": not diverged, "steps": rows[-1]["step"], "wall_time_s": 1.0,
+                   "finished": not diverged,
+                   "steps": rows[-1]["step"] - (rows[-1].get("train_loss", 0) is None), "wall_time_s": 1.0,
                    "tokens_per_s": 1000.0, "unigram_entropy": 4.0}
         (run_dir / "summary.json").write_text(json.dumps(summary))
         return summary
@@ -275,3 +283,25 @@ def test_an_extreme_over_a_run_with_a_non_finite_evaluation_is_marked(tmp_path, 
     rows = _csv(tmp_path / "results.csv")
     assert [(r["arm"], r["peak_attention_logit"], r["val_rise_max"]) for r in rows] == [
         ("a", "nan", "0.0"), ("a", "7.0", "0.0"), ("b", "nan", "nan"), ("b", "7.0", "nan")]
+
+
+def test_a_run_that_diverged_between_evaluations_has_no_bounded_val_rise(tmp_path, monkeypatch):
+    """The trainer stops a run whose training loss goes non-finite at that step, with a row
+    ``{"train_loss": null, "diverged": true}`` and no evaluation: arm b's seed 1 evaluated 4.0
+    and 3.0, then diverged at step 26 (between evaluations, where a run evaluated every few
+    steps is most often caught). Its val_rise_max read 0.0, the rise of its finite evaluations,
+    so the stress suite's "max val rise" read "0.000" for b as for the healthy arm a, beside
+    "1/2" diverged. A diverged run's rise is now NaN (its loss left every bound after its last
+    evaluation): the cell reads "0.000 (1/2; 1 non-finite)"."""
+    _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, "train"] if (cfg.lr, cfg.seed) == (1.0, 1)
+                   else [4.0, 3.0, 2.5])
+    suite = Suite(name="spheret-stress", baseline="a", arms=(("a", {}), ("b", {"lr": 1.0})),
+                  seeds=(0, 1))
+    run_suite(suite, tmp_path, echo=False)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    head, a, b = ([c.strip() for c in next(x for x in lines if x.startswith(start)).strip("| ").split("|")]
+                  for start in ("| arm |", "| a |", "| b |"))
+    assert a[head.index("max val rise")] == "0.000" and b[head.index("diverged")] == "1/2"
+    assert b[head.index("max val rise")] == "0.000 (1/2; 1 non-finite)"
+    assert [(r["arm"], r["seed"], r["val_rise_max"]) for r in _csv(tmp_path / "results.csv")] == [
+        ("a", "0", "0.0"), ("a", "1", "0.0"), ("b", "0", "0.0"), ("b", "1", "nan")]
