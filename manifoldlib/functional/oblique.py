@@ -45,11 +45,29 @@ def oblique_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return z - ws * s
 
 
+def _normalize_columns(y: torch.Tensor) -> torch.Tensor:
+    r""":math:`y_j/\|y_j\|` for every column of ``y`` ``(..., m, n)``, in ``y``'s dtype (a zero column: NaN).
+
+    The map is invariant under :math:`y_j \mapsto s y_j`, :math:`s > 0`: each column is first
+    multiplied by the power of two that brings its largest entry into :math:`[1/2, 1)` (exact), so
+    :math:`\|y_j\|^2` neither overflows nor underflows and every finite nonzero column comes back a
+    unit column (unscaled, a float32 column with entries of :math:`10^{20}` had the norm ``inf``
+    and came back zero). Computed in at least float32.
+    """
+    work = y.to(torch.promote_types(y.dtype, torch.float32))
+    work = work * _power_of_two_scale(work.detach().abs().amax(dim=-2, keepdim=True))  # (..., m, n)
+    return (work / torch.linalg.vector_norm(work, dim=-2, keepdim=True)).to(y.dtype)
+
+
 def oblique_normalize(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    r"""Column-normalizing retraction :math:`y_j/\|y_j\|`, :math:`Y = W + V` (second order)."""
+    r"""Column-normalizing retraction :math:`y_j/\|y_j\|`, :math:`Y = W + V` (second order).
+
+    Scale-safe (``_normalize_columns``): a unit column for every finite nonzero :math:`y_j`,
+    however long the step (float32 steps of :math:`10^{20}` and float64 ones of :math:`10^{160}`
+    gave zero columns).
+    """
     _check_tall_pair(w, v, "oblique_normalize")
-    y = w + v
-    return y / y.norm(dim=-2, keepdim=True)
+    return _normalize_columns(w + v)
 
 
 def oblique_constraint_deviation(w: torch.Tensor) -> torch.Tensor:

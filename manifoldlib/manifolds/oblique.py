@@ -9,6 +9,7 @@ import torch
 from ..functional.gram_rsqrt import normalize_gram_factor
 from ..functional.normal_space import diagonal_part, normal_multiplier
 from ..functional.oblique import (
+    _normalize_columns,
     _oblique_normal_coefficients,
     oblique_constraint_deviation,
     oblique_exp,
@@ -97,14 +98,17 @@ class Oblique(MatrixConstraintManifold):
                        f"atol={atol}, rtol={rtol}")
 
     def projx(self, x):
-        """Nearest Oblique point: every column normalized. A zero column has no nearest point: ``ValueError``."""
+        r"""Nearest Oblique point: every column normalized, :math:`w_j/\|w_j\|`
+        (scale-safe for every finite nonzero column, as
+        :func:`~manifoldlib.functional.oblique_normalize`). A zero column has no nearest point:
+        ``ValueError``."""
         self._validate(x, "x")
         check_tensor(x, "x", "oblique.projx", finite=True)
-        norms = x.norm(dim=-2, keepdim=True)  # (..., 1, n)
-        if not bool((norms > 0).all()):
-            zero = (norms == 0).nonzero()[:, -1].unique().tolist()
-            raise ValueError(f"oblique needs nonzero columns, got zero columns {zero}: no nearest point exists")
-        return x / norms
+        zero = (x == 0).all(dim=-2)  # (..., n)
+        if bool(zero.any()):
+            cols = zero.nonzero()[:, -1].unique().tolist()
+            raise ValueError(f"oblique needs nonzero columns, got zero columns {cols}: no nearest point exists")
+        return _normalize_columns(x)
 
     def expmap(self, x, u):
         r"""The geodesic of every column along the tangent part :math:`P_W u` (a normal part of

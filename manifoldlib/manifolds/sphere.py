@@ -8,6 +8,7 @@ from typing import Union
 import torch
 
 from .._numbers import is_real
+from ..functional.scaling import _power_of_two_scale
 from ..functional.sphere import sphere_antipode_direction, sphere_project_tangent, sphere_step_length
 from ..retractions.base import Retraction
 from ..retractions.sphere import AngleRetraction, ExponentialRetraction, _long_step_mismatch
@@ -138,21 +139,29 @@ class Sphere(RetractionManifold):
         return (u * v).sum(-1, keepdim=keepdim)
 
     def projx(self, x):
-        r"""Radial projection :math:`r\,x/\|x\|`.
+        r"""Radial projection :math:`r\,x/\|x\|`, for every finite nonzero row.
+
+        :math:`x/\|x\|` is invariant under :math:`x \mapsto sx`, :math:`s > 0`: each row is first
+        multiplied by the power of two that brings its largest entry into :math:`[1/2, 1)` (exact),
+        so :math:`\|x\|^2` neither overflows nor underflows (float32 rows with entries of
+        :math:`10^{20}` had a norm of ``inf`` and came back as zero rows; rows of subnormals one
+        of 0 and were refused as zero rows). Computed in at least float32.
 
         Raises:
             ValueError: ``x`` has a non-finite entry or a zero row (a zero vector has no nearest
                 point on the sphere); value checks, see :func:`~manifoldlib.manifolds.skip_value_checks`.
         """
         self._validate(x, "x")
-        norms = self._row_norms(x)  # (..., 1)
+        work = x.to(torch.promote_types(x.dtype, torch.float32))
+        work = work * _power_of_two_scale(work.detach().abs().amax(-1, keepdim=True))  # (..., d)
+        norms = torch.linalg.vector_norm(work, dim=-1, keepdim=True)  # (..., 1), in [1/2, sqrt(d)] or 0
         if value_checks_enabled():
             check_tensor(x, "x", "sphere.projx", finite=True)
             if not bool((norms > 0).all()):
                 zero = (norms.flatten() == 0).nonzero().flatten().tolist()
                 raise ValueError(f"sphere.projx: 'x' has zero rows (flat indices {zero[:8]}): a zero "
                                  f"vector has no nearest point on the sphere")
-        return (x * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(x.dtype)
+        return (work * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(x.dtype)
 
     def proju(self, x, u):
         self._validate_pair(x, u)

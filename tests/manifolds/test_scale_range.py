@@ -1,0 +1,96 @@
+"""Scale-invariant maps at the edges of the float range: projections and the column-normalizing
+retraction give points for every finite nonzero input, not zero rows or columns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifoldlib import Oblique, Sphere
+from manifoldlib.functional import oblique_normalize
+
+# (dtype, entry scale): squares that overflow (float32 1e20, float64 1e160) or fall into the
+# subnormals / to zero (float32 1e-25 and 1e-40, float64 1e-170), and 1 as the reference
+SCALES = [
+    (torch.float64, 1.0),
+    (torch.float64, 1e160),
+    (torch.float64, 1e-170),
+    (torch.float32, 1.0),
+    (torch.float32, 1e20),
+    (torch.float32, 1e-25),
+    (torch.float32, 1e-40),
+]
+IDS = [f"{str(d).split('.')[-1]}-{s:g}" for d, s in SCALES]
+
+
+def _reference(z: torch.Tensor, dim: int) -> torch.Tensor:
+    """``z / ||z||`` along ``dim`` from the unscaled float64 copy (an exact float64 oracle: the
+    entries of ``z`` are a float64 Gaussian times the scale, divided back here)."""
+    return z / torch.linalg.vector_norm(z, dim=dim, keepdim=True)
+
+
+@pytest.mark.parametrize(("dtype", "scale"), SCALES, ids=IDS)
+@pytest.mark.parametrize("radius", [1.0, 3.0])
+def test_sphere_projx_normalizes_rows_of_every_finite_scale(dtype, scale, radius):
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 7, generator=g, dtype=torch.float64)  # (4, 7)
+    x = (z * scale).to(dtype)
+    y = Sphere(radius).projx(x)
+    want = radius * _reference(x.to(torch.float64) / scale, -1)
+    eps = torch.finfo(dtype).eps
+    assert y.dtype == dtype
+    assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=8 * eps * radius)
+
+
+@pytest.mark.parametrize(("dtype", "scale"), SCALES, ids=IDS)
+def test_oblique_projx_normalizes_columns_of_every_finite_scale(dtype, scale):
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(2, 9, 4, generator=g, dtype=torch.float64)  # (2, 9, 4)
+    x = (z * scale).to(dtype)
+    y = Oblique().projx(x)
+    want = _reference(x.to(torch.float64) / scale, -2)
+    assert y.dtype == dtype
+    assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=8 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize(("dtype", "scale"), SCALES, ids=IDS)
+def test_oblique_retraction_of_a_long_step_is_the_step_direction(dtype, scale):
+    # a step of any finite size: R_W(V) = normalized columns of W + V, here V's own direction to
+    # rounding once |V| dwarfs |W| = 1 (and W's for tiny steps)
+    g = torch.Generator().manual_seed(2)
+    manifold = Oblique()
+    w = manifold.random(9, 4, generator=g, dtype=torch.float64)  # (9, 4)
+    v = manifold.proju(w, torch.randn(9, 4, generator=g, dtype=torch.float64))
+    y = manifold.retr(w.to(dtype), (v * scale).to(dtype))
+    y_in = w.to(dtype).to(torch.float64) + (v * scale).to(dtype).to(torch.float64)  # W + V, exact
+    want = _reference(y_in / max(scale, 1.0), -2)  # brought to unit size for the oracle
+    assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=8 * torch.finfo(dtype).eps)
+    ok, reason = manifold.check_point_on_manifold(y, explain=True)
+    assert ok, reason
+
+
+def test_oblique_normalize_kernel_gives_unit_columns_for_huge_steps():
+    w = torch.eye(5, 3, dtype=torch.float32)  # (5, 3)
+    v = torch.full((5, 3), 3e20, dtype=torch.float32)
+    y = oblique_normalize(w, v)
+    assert torch.allclose(y, torch.full((5, 3), 5 ** -0.5), rtol=0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_projections_are_computed_in_float32(dtype):
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 5, generator=g, dtype=torch.float64) * 200  # ||row||^2 ~ 2e5 > float16's max
+    y = Sphere().projx(z.to(dtype))
+    want = _reference(z.to(dtype).to(torch.float64), -1)
+    assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=torch.finfo(dtype).eps)
+    y = Oblique().projx(z.to(dtype))
+    want = _reference(z.to(dtype).to(torch.float64), -2)
+    assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=torch.finfo(dtype).eps)
+
+
+def test_projections_keep_their_gradients():
+    # the power-of-two scaling is a constant: the derivative of x / ||x|| is unchanged
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(Sphere(2.0).projx, (x,))
+    assert torch.autograd.gradcheck(Oblique().projx, (x,))
