@@ -618,6 +618,7 @@ MISSPELLING_EXAMPLES = {"--presset", "--lrr"}
 FOREIGN_KEYWORDS = {
     "foreach",
     "fused",
+    "maximize",
     "use_orig_params",
     "init_method",
     "start_method",

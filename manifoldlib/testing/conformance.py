@@ -62,6 +62,14 @@ directly on ``.grad``. The checks:
     3 steps from a fresh state at ``lr / 8`` and at ``lr / 16`` (the default ``lr``): halving
     ``lr`` halves the distance moved (a ratio in ``[1.7, 2.3]``; a step is linear in ``lr`` when
     it is small), so an ``lr`` applied twice (a ratio of 4) or ignored (1) fails.
+``maximize``
+    where the defaults have a boolean ``maximize`` (torch's SGD and Adam, and what inherits their
+    defaults): 3 steps in a group with ``maximize=True`` on the gradients of :math:`-f` end, bit
+    for bit, where 3 steps with ``maximize=False`` on those of :math:`f` end (negating a gradient
+    is exact and rounding is symmetric in sign, so any implementation of "minimize :math:`-f`"
+    agrees). An optimizer that inherits the option and never reads it fails, and the detail says
+    so. Skipped without the option, or where a group with ``maximize=True`` is refused with
+    ``ValueError`` or ``TypeError``.
 ``add_param_group``
     a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
     undisturbed.

@@ -328,6 +328,38 @@ def _check_lr_scaling(s: Setup) -> str:
     return f"halving lr ({lrs[0]:g} -> {lrs[1]:g}) divided the distance moved by {ratio:.3g}"
 
 
+def _maximize_run(s: Setup, start, target, maximize: bool, sign: float) -> torch.Tensor:
+    """3 steps of a fresh optimizer in a group with ``maximize``, the gradients ``sign (x - t)``."""
+    (p,) = params = s.parameters(start)
+    opt = s.factory([{"params": params, "maximize": maximize}])
+    for _ in range(3):
+        p.grad = sign * (p.detach() - target)
+        opt.step()
+    return p.detach().clone()
+
+
+def _check_maximize(s: Setup) -> str:
+    if not isinstance(s.defaults().get("maximize"), bool):
+        return "skip: the optimizer has no boolean 'maximize' option"
+    start, target = s.point(52), s.point(53)
+    try:
+        s.factory([{"params": s.parameters(start), "maximize": True}])
+    except (ValueError, TypeError) as err:
+        return f"skip: a group with maximize=True is refused ({type(err).__name__}: {err})"
+    # maximizing -1/2 ||x - t||^2 (gradient t - x) is minimizing 1/2 ||x - t||^2 (gradient x - t)
+    ascent = _maximize_run(s, start, target, True, -1.0)
+    descent = _maximize_run(s, start, target, False, 1.0)
+    if not _tensors_same(ascent, descent):
+        ignored = _tensors_same(ascent, _maximize_run(s, start, target, False, -1.0))
+        before = float((start - target).norm())
+        raise CheckFailed("maximize=True on the gradients of -f differs from minimizing f "
+                          f"(||x - t||: {before:.4g} -> {float((ascent - target).norm()):.4g} against "
+                          f"{float((descent - target).norm()):.4g}; max abs difference "
+                          f"{float((ascent - descent).abs().max()):.3e})"
+                          + (": the group's maximize is ignored (the step descends on -f)" if ignored else ""))
+    return "maximize=True on the gradients of -f equals minimizing f, bit for bit (3 steps)"
+
+
 def _check_add_param_group(s: Setup) -> str:
     shape2 = _second_shape(s)
     starts, targets = [s.point(12), s.point(13, shape2)], [s.point(14), s.point(15, shape2)]
@@ -695,6 +727,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "resume": _check_resume,
     "param_groups": _check_param_groups,
     "lr_scaling": _check_lr_scaling,
+    "maximize": _check_maximize,
     "add_param_group": _check_add_param_group,
     "none_gradient": _check_none_gradient,
     "closure": _check_closure,

@@ -21,7 +21,7 @@ from manifoldlib.testing import (
 
 FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forgets_added_groups",
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
-         "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32")
+         "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -31,7 +31,7 @@ class ToySGD(torch.optim.Optimizer):
         self.flaw = flaw
         self._hidden = {}  # where the "unsaved_state" flaw keeps its buffers
         self._check_lr(lr)
-        super().__init__(params, {"lr": lr, "momentum": 0.5})
+        super().__init__(params, {"lr": lr, "momentum": 0.5, "maximize": False})
 
     def _check_lr(self, lr):
         if self.flaw != "accepts_bad_lr" and not (isinstance(lr, float) and math.isfinite(lr) and lr > 0):
@@ -66,6 +66,8 @@ class ToySGD(torch.optim.Optimizer):
 
     def _update(self, p, grad, group):
         m = p.manifold
+        if group["maximize"] and self.flaw != "ignores_maximize":
+            grad = -grad
         store = self._hidden.setdefault(p, {}) if self.flaw == "unsaved_state" else self.state[p]
         if self.flaw == "zero_guard_underflows_in_float32":  # 1e-50 is 0 in float32: 0 / 0
             grad = grad * (grad.norm() / (grad.norm() + 1e-50))
@@ -104,6 +106,7 @@ CAUGHT_BY = {
     "accepts_bad_lr": "bad_lr",
     "projects_every_tenth_step": "on_manifold",
     "zero_guard_underflows_in_float32": "zero_gradient",
+    "ignores_maximize": "maximize",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
