@@ -10,7 +10,9 @@ make two arms (or two swept values) the same configuration, or that no arm reads
 (:func:`models.config.inert_settings`; one that some arms read is kept), is refused before
 anything runs.
 Finished runs of the same config already in ``--out`` are reused, whatever code made them: use
-a fresh ``--out`` after a change of the code.
+a fresh ``--out`` after a change of the code. A run on data that changed since (its
+``corpus.json`` fingerprint is not the corpus's now: a ``file:`` corpus rewritten, shards
+prepared again into their folder, ``stdlib`` of another Python) is trained again.
 
 A follow-up of one suite narrows it (:func:`narrow_suite`) instead of defining a new one:
 ``--arms`` runs only the named arms, ``--sweep`` replaces the values of the suite's swept key,

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, build_config, inert_settings
-from ..data import check_given_tokenizer, resolve_tokenizer
+from ..data import check_given_tokenizer, load_corpus, resolve_tokenizer
+from ..sources import Fingerprint, list_documents
 from ..train import read_metrics, run_training
 from .reports import write_reports
 from .results import by_swept_value, result_row, value_label
@@ -140,15 +141,45 @@ def _seconds_to(rows: list[dict], target: float) -> float | None:
     return None
 
 
-def _reusable(run_dir: Path, cfg_dict: dict) -> dict | None:
-    """The summary of a finished run of the same config in ``run_dir`` (a re-run skips it)."""
+def _corpus_fingerprint(cfg) -> str:
+    """The fingerprint ``cfg``'s corpus has now, as :func:`~models.data.load_corpus` gives it:
+    a text corpus's files are read (not tokenized), token shards opened (their scan)."""
+    if cfg.corpus.startswith("bin:"):
+        return load_corpus(cfg.corpus, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size or None,
+                           shard_dtype=None if cfg.shard_dtype == "meta" else cfg.shard_dtype
+                           ).fingerprint
+    docs, fingerprint = list_documents(cfg.corpus), Fingerprint()
+    for i, name in enumerate(docs.names):
+        fingerprint.update(name, docs.read(i))
+    return fingerprint.hexdigest()
+
+
+def _reusable(run_dir: Path, cfg, fingerprints: dict) -> dict | None:
+    """The summary of a finished run of the same config in ``run_dir`` (a re-run skips it),
+    trained on the corpus as it is now: its ``corpus.json`` fingerprint is the corpus's (a
+    ``file:`` corpus rewritten, shards prepared again into their folder or ``stdlib`` under
+    another Python make the config match a run of other data). ``fingerprints`` caches each
+    corpus's, computed only where a run could be reused.
+
+    Raises:
+        CorpusError: the corpus of a finished run cannot be read (nothing is deleted).
+    """
     try:
         saved = json.loads((run_dir / "config.json").read_text())
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
     finished = summary.get("finished") or summary.get("diverged")
-    return summary if saved == cfg_dict and finished else None
+    if saved != cfg.to_dict() or not finished:
+        return None
+    try:
+        trained_on = json.loads((run_dir / "corpus.json").read_text())["fingerprint"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    key = (cfg.corpus, cfg.tokenizer, cfg.vocab_size, cfg.shard_dtype)
+    if key not in fingerprints:
+        fingerprints[key] = _corpus_fingerprint(cfg)
+    return summary if trained_on == fingerprints[key] else None
 
 
 def _run_dir(out: Path, arm: str, seed: int, swept: str | None) -> Path:
@@ -157,19 +188,20 @@ def _run_dir(out: Path, arm: str, seed: int, swept: str | None) -> Path:
 
 
 def _train_one(cfg, run_dir: Path) -> dict:
-    """One run, reusing a finished run of the same config (a process-pool worker)."""
-    summary = _reusable(run_dir, cfg.to_dict())
-    if summary is None:
-        if run_dir.exists():  # a partial run of an interrupted suite: start it again
-            shutil.rmtree(run_dir)
-        summary = run_training(cfg, run_dir, echo=False)
-    return summary
+    """One run (a process-pool worker), in place of whatever ``run_dir`` holds: a partial run
+    of an interrupted suite, or a run of another config or corpus."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    return run_training(cfg, run_dir, echo=False)
 
 
 def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str, out: Path) -> list[dict]:
-    """Run ``[(cfg, run_dir)]`` (``n_jobs`` processes at a time) and return their summaries."""
+    """Run ``[(cfg, run_dir)]`` (``n_jobs`` processes at a time) and return their summaries;
+    a finished run of the same config and corpus is reused (:func:`_reusable`)."""
     started = time.perf_counter()
-    summaries: list[dict | None] = [None] * len(jobs)
+    fingerprints: dict = {}
+    summaries: list[dict | None] = [_reusable(run_dir, cfg, fingerprints) for cfg, run_dir in jobs]
+    reused = [s is not None for s in summaries]
 
     def report(i: int) -> None:
         if echo:
@@ -181,12 +213,17 @@ def _execute(jobs: list[tuple], n_jobs: int, echo: bool, label: str, out: Path) 
 
     if n_jobs <= 1:
         for i, (cfg, run_dir) in enumerate(jobs):
-            summaries[i] = _train_one(cfg, run_dir)
+            if not reused[i]:
+                summaries[i] = _train_one(cfg, run_dir)
             report(i)
         return summaries
+    for i in range(len(jobs)):
+        if reused[i]:
+            report(i)
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
     with concurrent.futures.ProcessPoolExecutor(n_jobs, mp_context=context) as pool:
-        futures = {pool.submit(_train_one, cfg, run_dir): i for i, (cfg, run_dir) in enumerate(jobs)}
+        futures = {pool.submit(_train_one, cfg, run_dir): i
+                   for i, (cfg, run_dir) in enumerate(jobs) if not reused[i]}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
             summaries[i] = future.result()

@@ -605,3 +605,28 @@ def test_a_run_on_bpe_shards_saves_the_planned_configuration_and_is_reused(tmp_p
     again = run_suite(suite, out, quick=True, echo=False, overrides=overrides)
     assert [r["val_loss"] for r in again] == [r["val_loss"] for r in first]
     assert (run / "summary.json").stat().st_mtime_ns == mtime
+
+
+def test_a_finished_run_on_data_changed_since_is_trained_again(tmp_path):
+    """A finished run was reused when its config.json matched, whatever data it trained on: a
+    suite run again after its ``file:`` corpus was rewritten (or its shards prepared again
+    into the same folder, or ``stdlib`` under another Python) reported the old data's run as
+    the new one's. The reuse now also needs the run's corpus.json fingerprint to be the
+    corpus's as it is now; the re-run equals a fresh suite's on the new data."""
+    from models.data import load_corpus
+    from models.sources import synthetic_documents
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"".join(synthetic_documents(20000, seed=0)))
+    suite = Suite(name="mini", baseline="pre-ln", arms=(("pre-ln", {"connection": "pre-ln"}),),
+                  seeds=(0,))
+    overrides = {"corpus": f"file:{text}", "steps": "4", "eval_interval": "2", "n_layer": "1",
+                 "n_embd": "16", "n_head": "2", "block_size": "16", "batch_size": "4",
+                 "sample_tokens": "0"}
+    old = run_suite(suite, tmp_path / "a", seeds=(0,), echo=False, overrides=overrides)
+    text.write_bytes(b"".join(synthetic_documents(20000, seed=1)))
+    again = run_suite(suite, tmp_path / "a", seeds=(0,), echo=False, overrides=overrides)
+    fresh = run_suite(suite, tmp_path / "b", seeds=(0,), echo=False, overrides=overrides)
+    saved = json.loads((tmp_path / "a" / "pre-ln" / "seed0" / "corpus.json").read_text())
+    assert saved["fingerprint"] == load_corpus(f"file:{text}").fingerprint
+    assert again[0]["val_loss"] == fresh[0]["val_loss"] != old[0]["val_loss"]

@@ -13,13 +13,14 @@ import pytest
 
 from models.compare import Suite, run_suite
 from models.config import ConfigError
+from models.data import load_corpus
 
 
 def _stub_training(monkeypatch, curve, diagnostics=None):
     """``run_training`` replaced: ``curve(cfg)`` gives the run's validation losses at steps 0,
     eval_interval, 2 eval_interval, ... (``None``: the run diverged there; ``"train"``: its
     training loss went non-finite in the step after the previous evaluation); the metrics rows,
-    ``config.json`` and ``summary.json`` are written as the trainer writes them
+    ``config.json``, ``corpus.json`` and ``summary.json`` are written as the trainer writes them
     (``diagnostics(cfg, i)``: the diagnostics of the ``i``-th evaluation, a value that is not
     finite logged as null, as the trainer logs it). Returns the list of ``(arm settings...,
     seed)`` trained, in order."""
@@ -52,6 +53,8 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
             last = v
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (run_dir / "corpus.json").write_text(json.dumps(
+            {"spec": cfg.corpus, "fingerprint": load_corpus(cfg.corpus).fingerprint}))
         summary = {"val_loss": None if diverged else last, "val_ppl": None, "diverged": diverged,
                    "finished": not diverged,
                    "steps": rows[-1]["step"] - (rows[-1].get("train_loss", 0) is None), "wall_time_s": 1.0,
