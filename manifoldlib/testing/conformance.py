@@ -70,6 +70,14 @@ directly on ``.grad``. The checks:
     agrees). An optimizer that inherits the option and never reads it fails, and the detail says
     so. Skipped without the option, or where a group with ``maximize=True`` is refused with
     ``ValueError`` or ``TypeError``.
+``tensor_lr``
+    ``lr`` given as a 0-dim float64 tensor and halved in place after 3 steps (``fill_``, what
+    torch's LR schedulers do to a tensor ``lr``), then 3 more steps: the point is where a float
+    ``lr`` set to ``lr / 2`` after 3 steps takes it (to :math:`10^{-12}` of the path), and that
+    change of ``lr`` moved the last 3 steps. An optimizer that caches the step size from the first
+    step, renewing it only when the group holds another ``lr`` object (a tensor changed in place
+    is the same object), fails. Skipped where a tensor ``lr`` is refused with ``ValueError`` or
+    ``TypeError``.
 ``add_param_group``
     a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
     undisturbed.

@@ -360,6 +360,42 @@ def _check_maximize(s: Setup) -> str:
     return "maximize=True on the gradients of -f equals minimizing f, bit for bit (3 steps)"
 
 
+def _lr_run(s: Setup, start, target, lr, halve: Callable[[dict], None]) -> torch.Tensor:
+    """3 steps at the group ``lr``, ``halve(group)``, 3 more steps: the final point."""
+    (p,) = params = s.parameters(start)
+    opt = s.factory([{"params": params, "lr": lr}])
+    s.run(opt, params, [target], 3)
+    halve(opt.param_groups[0])
+    s.run(opt, params, [target], 3)
+    return p.detach().clone()
+
+
+def _check_tensor_lr(s: Setup) -> str:
+    lr = s.defaults().get("lr")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+        return "skip: the optimizer has no positive float default 'lr'"
+    start, target = s.point(54), s.point(55)
+    try:
+        # torch's LR schedulers change a tensor lr in place (fill_), so a plan or a copy made
+        # from its value at the first step would miss the change
+        given = _lr_run(s, start, target, torch.tensor(float(lr), dtype=torch.float64),
+                        lambda group: group["lr"].fill_(lr / 2))
+    except (ValueError, TypeError) as err:
+        return f"skip: a tensor lr is refused ({type(err).__name__}: {err})"
+    reference = _lr_run(s, start, target, float(lr), lambda group: group.__setitem__("lr", lr / 2))
+    kept = _lr_run(s, start, target, float(lr), lambda group: None)
+    _require(not _tensors_same(reference, kept), "the group's lr set to lr/2 after 3 steps did not change the "
+                                                 "next 3 (the step kept lr's first value)")
+    path = float((reference - start).norm())
+    diff = float((given - reference).norm()) / max(path, torch.finfo(torch.float64).tiny)
+    if diff > 1e-12:
+        stale = float((given - kept).norm()) / max(path, torch.finfo(torch.float64).tiny) <= 1e-12
+        raise CheckFailed(f"a float64 tensor lr halved in place after 3 steps (as torch's LR schedulers do) ends "
+                          f"{diff:.3e} of the path away from a float lr halved after 3 steps"
+                          + (": the in-place change was not seen (the step kept lr's first value)" if stale else ""))
+    return f"a tensor lr halved in place after 3 steps follows the float lr to {diff:.1e} of the path"
+
+
 def _check_add_param_group(s: Setup) -> str:
     shape2 = _second_shape(s)
     starts, targets = [s.point(12), s.point(13, shape2)], [s.point(14), s.point(15, shape2)]
@@ -728,6 +764,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "param_groups": _check_param_groups,
     "lr_scaling": _check_lr_scaling,
     "maximize": _check_maximize,
+    "tensor_lr": _check_tensor_lr,
     "add_param_group": _check_add_param_group,
     "none_gradient": _check_none_gradient,
     "closure": _check_closure,

@@ -21,7 +21,8 @@ from manifoldlib.testing import (
 
 FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forgets_added_groups",
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
-         "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize")
+         "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize",
+         "caches_lr_by_object", "keeps_first_lr")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -34,6 +35,7 @@ class ToySGD(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": 0.5, "maximize": False})
 
     def _check_lr(self, lr):
+        lr = float(lr) if isinstance(lr, torch.Tensor) and lr.dim() == 0 else lr  # a scheduler's tensor lr
         if self.flaw != "accepts_bad_lr" and not (isinstance(lr, float) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
 
@@ -76,6 +78,12 @@ class ToySGD(torch.optim.Optimizer):
         buf = rgrad.clone() if buf is None else m.proju(p, group["momentum"] * buf + rgrad)
         store["momentum_buffer"] = buf
         lr = self.defaults["lr"] if self.flaw == "ignores_group_lr" else group["lr"]
+        if self.flaw in ("caches_lr_by_object", "keeps_first_lr"):  # a value cached from the first step,
+            # renewed (caches_lr_by_object) when the group holds another lr object: a tensor lr that a
+            # scheduler changes in place is the same object
+            if "lr" not in store or (self.flaw == "caches_lr_by_object" and store["lr_object"] is not lr):
+                store["lr"], store["lr_object"] = float(lr), lr
+            lr = store["lr"]
         step = (lr if self.flaw == "ascent" else -lr) * buf
         store["steps"] = store.get("steps", 0) + 1
         if self.flaw == "euclidean_step":
@@ -107,6 +115,8 @@ CAUGHT_BY = {
     "projects_every_tenth_step": "on_manifold",
     "zero_guard_underflows_in_float32": "zero_gradient",
     "ignores_maximize": "maximize",
+    "caches_lr_by_object": "tensor_lr",
+    "keeps_first_lr": "tensor_lr",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
