@@ -191,3 +191,18 @@ def test_a_clamp_beyond_the_kernels_exponent_range_gives_the_plain_values(dtype)
         finite = torch.isfinite(want)
         assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.isnan(), want.isnan())
         torch.testing.assert_close(got[finite], want[finite], rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_float32_expm1_of_the_kernels_is_within_two_ulps_up_to_the_top_of_the_range():
+    # the float32 kernel split ln 2 with the double constants: ln2_hi = 0.6931471803691238
+    # rounds to a float 1.9e-9 above ln 2, so r = x - n ln 2 was off by n 1.9e-9 and the weight
+    # by up to 4.9 float32 ulps near b|w| = 88, where torch.expm1 (the ATen path) is within 0.51.
+    # With a float split (n ln2_hi exact) the polynomial's own rounding remains: 1.63 ulps
+    x = torch.linspace(0.0, 88.0, 100_001).reshape(1, -1)  # b = 1: b|w| = x
+    ones_r, ones_c = torch.ones(1, 1), torch.ones(1, x.shape[1])
+    got = _rule(x, [ones_r, ones_c, ones_r, ones_c, None, None], 88.0)
+    want = torch.expm1(x.double())
+    _, exponent = torch.frexp(want.clamp_min(torch.finfo(torch.float32).tiny))
+    ulp = torch.ldexp(torch.ones_like(want), exponent - 24)  # float32's spacing at |want|
+    assert float(((got.double() - want).abs() / ulp).max()) <= 2.0
+
