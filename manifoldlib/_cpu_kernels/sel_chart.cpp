@@ -155,12 +155,14 @@ MANIFOLDLIB_ROW_KERNEL void forward_row(const T* __restrict w, const A* __restri
 }
 
 // One row of the backward's elementwise part: g_raw, and the per-entry factor gradients the
-// reductions read (ge = s G e, qw = q w, gt = G t; in A, unrounded).
+// reductions read (ge = s G e, qaw = q a w = dL/db, gt = G t; in A, unrounded). q is multiplied by
+// a = a_r a_c before w: q w alone reaches e^M M / b (inf in float32 from M = 84 at b = 1), where
+// dL/db = q a w is finite whenever a e^M M / b is.
 template <typename T, typename A, bool Linear>
 MANIFOLDLIB_ROW_KERNEL void backward_row(const T* __restrict g, const T* __restrict w, const A* __restrict ac,
-                                         const A* __restrict bc, const A* __restrict cc, A abr, A br, A cr, A m,
-                                         A limit, int64_t cols, T* __restrict g_raw, A* __restrict ge,
-                                         A* __restrict qw, A* __restrict gt) {
+                                         const A* __restrict bc, const A* __restrict cc, A ar, A abr, A br, A cr,
+                                         A m, A limit, int64_t cols, T* __restrict g_raw, A* __restrict ge,
+                                         A* __restrict qaw, A* __restrict gt) {
   for (int64_t j = 0; j < cols; ++j) {
     const A wj = static_cast<A>(w[j]), gj = static_cast<A>(g[j]);
     const A t = std::abs(wj);
@@ -168,7 +170,7 @@ MANIFOLDLIB_ROW_KERNEL void backward_row(const T* __restrict g, const T* __restr
     const A q = gj * (e + A(1)) * static_cast<A>(e < limit);  // branch free: k = [e < limit]
     const A sg = sign_of(wj) * gj;  // s G
     ge[j] = sg * e;
-    qw[j] = q * wj;
+    qaw[j] = q * (ar * ac[j]) * wj;
     A v = q * (abr * ac[j] * bc[j]);
     if (Linear) {
       v += sg * (cr * cc[j]);
@@ -262,13 +264,11 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
     double* cp = col_parts.data_ptr<double>();
     const acc_t m = static_cast<acc_t>(max_exponent);
     const acc_t limit = expm1_nonnegative(m);  // e at the clamp: its entries get no gradient
-    std::vector<acc_t> acbc(cols);  // a_c b_c, the column weights of g_br's row sums
-    for (int64_t j = 0; j < cols; ++j) acbc[j] = ac[j] * bc[j];
     at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-      std::vector<acc_t> ge(cols), qw(cols), gt(cols);  // one row's dL/da, dL/db / a, dL/dc
+      std::vector<acc_t> ge(cols), qaw(cols), gt(cols);  // one row's dL/da, dL/db, dL/dc
       for (int64_t task = first; task < last; ++task) {
         double* col_a = cp + task * 3 * cols;  // sum_i a_r[i] (s G e)_ij
-        double* col_b = col_a + cols;          // sum_i a_r[i] b_r[i] q_ij w_ij
+        double* col_b = col_a + cols;          // sum_i b_r[i] (q a w)_ij
         double* col_c = col_b + cols;          // sum_i c_r[i] G_ij t_ij
         const int64_t row_end = std::min(rows, (task + 1) * per_task);
         for (int64_t i = task * per_task; i < row_end; ++i) {
@@ -277,18 +277,18 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
           const acc_t ari = ar[i], bri = br[i], cri = linear ? cr[i] : acc_t(0);
           const acc_t abr = ari * bri;
           if (linear) {  // the elementwise part
-            backward_row<scalar_t, acc_t, true>(gi, wi, ac, bc, cc, abr, bri, cri, m, limit, cols, gri,
-                                                ge.data(), qw.data(), gt.data());
+            backward_row<scalar_t, acc_t, true>(gi, wi, ac, bc, cc, ari, abr, bri, cri, m, limit, cols, gri,
+                                                ge.data(), qaw.data(), gt.data());
           } else {
-            backward_row<scalar_t, acc_t, false>(gi, wi, ac, bc, cc, abr, bri, cri, m, limit, cols, gri,
-                                                 ge.data(), qw.data(), gt.data());
+            backward_row<scalar_t, acc_t, false>(gi, wi, ac, bc, cc, ari, abr, bri, cri, m, limit, cols, gri,
+                                                 ge.data(), qaw.data(), gt.data());
           }
           for (int64_t j = 0; j < cols; ++j) {  // column sums (independent per j: vectorized)
             col_a[j] += static_cast<double>(ari) * static_cast<double>(ge[j]);
-            col_b[j] += static_cast<double>(abr) * static_cast<double>(qw[j]);
+            col_b[j] += static_cast<double>(bri) * static_cast<double>(qaw[j]);
           }
           rs[i] = row_dot(ge.data(), ac, cols);
-          rs[rows + i] = row_dot(qw.data(), acbc.data(), cols) * static_cast<double>(ari);
+          rs[rows + i] = row_dot(qaw.data(), bc, cols);
           if (linear) {
             for (int64_t j = 0; j < cols; ++j) col_c[j] += static_cast<double>(cri) * static_cast<double>(gt[j]);
             rs[2 * rows + i] = row_dot(gt.data(), cc, cols);
@@ -302,7 +302,7 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& grad_in, const at::Tensor
   at::Tensor g_ar = row_sums[0].to(dtype).view(a_r.sizes());
   at::Tensor g_br = row_sums[1].to(dtype).view(b_r.sizes());
   at::Tensor g_ac = cols_sum[0].to(dtype).view(a_c.sizes());
-  at::Tensor g_bc = cols_sum[1].mul(a_c.to(at::kDouble).reshape({cols})).to(dtype).view(b_c.sizes());
+  at::Tensor g_bc = cols_sum[1].to(dtype).view(b_c.sizes());
   std::vector<at::Tensor> out = {g_raw, g_ar, g_ac, g_br, g_bc};
   if (linear) {
     out.push_back(row_sums[2].to(dtype).view(c_r->sizes()));

@@ -113,15 +113,17 @@ class _SELForwardRule(torch.autograd.Function):
         if bool(e.max() >= limit):  # rare: only then pay for the mask
             q.masked_fill_(e >= limit, 0.0)
         if need[3] or need[4]:
-            qw = q * w  # dL/db / a (full)
-            g_br = (qw @ (a_c * b_c).mT) * a_r if need[3] else None
-            g_bc = ((a_r * b_r).mT @ qw) * a_c if need[4] else None
+            # dL/db (full) = q a w, a multiplied first: q w alone reaches e^M M / b, inf in float32
+            # at M = 88 where a e^M M / b is finite for a < 0.01
+            qaw = (a_r * a_c).mul_(q).mul_(w)
+            g_br = qaw @ b_c.mT if need[3] else None
+            g_bc = b_r.mT @ qaw if need[4] else None
         if c_r is not None and (need[5] or need[6]):
             gt = grad * w.abs()  # dL/dc (full)
             g_cr = gt @ c_c.mT if need[5] else None
             g_cc = c_r.mT @ gt if need[6] else None
         if need[0]:
-            g_raw = q.mul_(a_r * b_r).mul_(a_c * b_c)
+            g_raw = q.mul_((a_r * b_r) * (a_c * b_c))  # q (ab): no partial product of q and a factor
             if c_r is not None:
                 g_raw.addcmul_(grad_s.mul_(c_r), c_c)
             g_raw = g_raw.to(raw.dtype)  # rounded once

@@ -3,6 +3,7 @@ expression, and the ATen fallback wherever the kernels do not apply."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -206,3 +207,24 @@ def test_float32_expm1_of_the_kernels_is_within_two_ulps_up_to_the_top_of_the_ra
     ulp = torch.ldexp(torch.ones_like(want), exponent - 24)  # float32's spacing at |want|
     assert float(((got.double() - want).abs() / ulp).max()) <= 2.0
 
+
+@pytest.mark.parametrize("path", ["kernels", "aten"])
+def test_the_gradient_of_b_near_the_top_of_the_float32_range_is_finite(path):
+    # dL/db = q a w (q = G e^{b|w|}) was formed as (q w) a: q w = e^87.8 * 43.9 = 5.9e39
+    # overflowed float32 though dL/db = a e^{b|w|} |w| is 5.9e36 for a = 1e-3, so the gradient of
+    # b (and of log m) came back inf on the C++ kernels and on the ATen fallback (plain autograd:
+    # finite). a multiplies q first now
+    raw = torch.tensor([[43.9, 30.0, -43.9, 0.0], [-20.0, 43.5, 1.0, -0.0]])  # b = 2: b|w| <= 87.8
+    rows, cols = torch.ones(2, 1), torch.ones(1, 4)
+    factors = [1e-3 * rows, cols, 2.0 * rows, cols, 0.25 * rows, cols]
+    probe = torch.where(raw < 0, -1.0, 1.0)  # every entry's dL/db > 0: no cancellation
+    want = _values_and_grads(raw.double(), [f.double() for f in factors], 88.0, probe.double(),
+                             "autograd")
+    with _cpu_kernels.disabled() if path == "aten" else contextlib.nullcontext():
+        got = _values_and_grads(raw, factors, 88.0, probe, "fused")
+    rule = "_SELKernelRuleBackward" if path == "kernels" else "_SELForwardRuleBackward"
+    assert type(got[2]).__name__ == rule
+    for mine, ref in zip(got[1], want[1]):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine.double(), ref, rtol=8 * torch.finfo(torch.float32).eps,
+                                   atol=0)
