@@ -78,6 +78,11 @@ directly on ``.grad``. The checks:
     step, renewing it only when the group holds another ``lr`` object (a tensor changed in place
     is the same object), fails. Skipped where a tensor ``lr`` is refused with ``ValueError`` or
     ``TypeError``.
+``global_rng``
+    building the optimizer and 3 steps leave torch's global random generator as they found it (an
+    optimizer that draws from it — a random probe, sketch or restart — shifts the data order,
+    dropout and initialization of the training run around it), and two fresh runs from the same
+    point end bit for bit alike.
 ``add_param_group``
     a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
     undisturbed.

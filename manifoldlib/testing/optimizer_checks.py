@@ -396,6 +396,20 @@ def _check_tensor_lr(s: Setup) -> str:
     return f"a tensor lr halved in place after 3 steps follows the float lr to {diff:.1e} of the path"
 
 
+def _check_global_rng(s: Setup) -> str:
+    start, target = s.point(56), s.point(57)
+    before = torch.get_rng_state()
+    first = _trajectory(s, [start], [target], 3)[0]
+    drawn = not torch.equal(before, torch.get_rng_state())
+    second = _trajectory(s, [start], [target], 3)[0]
+    _require(not drawn, "building the optimizer or its 3 steps drew from torch's global random generator: "
+                        "a training run's data order, dropout and initialization then depend on the optimizer "
+                        "(use a torch.Generator of the optimizer's own)")
+    _require(_tensors_same(first, second), "two fresh runs of 3 steps from the same point end "
+                                           f"{float((first - second).abs().max()):.3e} apart (max abs)")
+    return "torch's global random generator untouched; two fresh runs bit-identical"
+
+
 def _check_add_param_group(s: Setup) -> str:
     shape2 = _second_shape(s)
     starts, targets = [s.point(12), s.point(13, shape2)], [s.point(14), s.point(15, shape2)]
@@ -765,6 +779,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "lr_scaling": _check_lr_scaling,
     "maximize": _check_maximize,
     "tensor_lr": _check_tensor_lr,
+    "global_rng": _check_global_rng,
     "add_param_group": _check_add_param_group,
     "none_gradient": _check_none_gradient,
     "closure": _check_closure,

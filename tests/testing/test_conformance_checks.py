@@ -22,7 +22,7 @@ from manifoldlib.testing import (
 FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forgets_added_groups",
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
          "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize",
-         "caches_lr_by_object", "keeps_first_lr")
+         "caches_lr_by_object", "keeps_first_lr", "draws_from_global_rng")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -86,6 +86,8 @@ class ToySGD(torch.optim.Optimizer):
             lr = store["lr"]
         step = (lr if self.flaw == "ascent" else -lr) * buf
         store["steps"] = store.get("steps", 0) + 1
+        if self.flaw == "draws_from_global_rng":  # a random restart, never taken here
+            torch.rand(())
         if self.flaw == "euclidean_step":
             new = p + step
         elif self.flaw == "projects_every_tenth_step":  # 1e-3 off the manifold between the projections
@@ -117,6 +119,7 @@ CAUGHT_BY = {
     "ignores_maximize": "maximize",
     "caches_lr_by_object": "tensor_lr",
     "keeps_first_lr": "tensor_lr",
+    "draws_from_global_rng": "global_rng",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
