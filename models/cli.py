@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 from .config import (
+    RESUMABLE_FIELDS,
     ConfigError,
     TrainConfig,
     build_config,
@@ -200,9 +201,10 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
 
     A fresh run layers preset (:func:`starting_preset`: ``--preset``, else the TOML file's
     ``preset`` key, else ``default`` where there is no TOML file), TOML file and overrides. ``--resume`` starts from the saved ``config.json`` (or,
-    when it is missing, the checkpoint's configuration) instead (``--preset`` is ignored,
-    ``stop_at`` is cleared) and applies the TOML file and overrides on top; the run then
-    refuses changes outside ``RESUMABLE_FIELDS``.
+    when it is missing, the checkpoint's configuration) instead (``stop_at`` is cleared) and
+    applies the TOML file and overrides on top; the run then refuses changes outside
+    ``RESUMABLE_FIELDS``. A preset named there (``--preset``, the TOML file's ``preset`` key) is
+    not applied, and is refused unless it describes the run (:func:`_check_resumed_preset`).
 
     A setting the user gave (an override or a key of the TOML file; not a preset's, nor a saved
     run's) that the configuration never reads is refused (:func:`~models.config.inert_settings`:
@@ -217,12 +219,16 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
         ConfigError, CorpusError: the configuration or a given setting is refused.
     """
     toml = load_toml(args.config) if args.config is not None else {}
-    toml.pop("preset", None)
+    toml_preset = toml.pop("preset", None)
     resumed = args.resume and ((out / "config.json").exists() or has_checkpoint(out))
     if resumed:
         base = read_saved_config(out)
         base["stop_at"] = 0
         cfg = build_config(overrides={**toml, **overrides}, base=base)
+        if args.preset is not None or toml_preset is not None:
+            _check_resumed_preset(args.preset or toml_preset,
+                                  None if args.preset is not None else args.config, cfg,
+                                  {**toml, **overrides}, out)
     else:
         preset = args.preset if args.preset is not None or args.config is not None \
             else DEFAULT_PRESET
@@ -236,6 +242,31 @@ def config_from_args(args: argparse.Namespace, overrides: dict, out: Path) -> Tr
         cfg = resolve_tokenizer(cfg)
     refuse_inert_settings(cfg, given)  # on shards the corpus makes bpe_vocab_size inert either way
     return cfg
+
+
+def _check_resumed_preset(name: str, config: str | None, cfg: TrainConfig, given: dict,
+                          out: Path) -> None:
+    """Refuse a preset named on ``--resume`` (by ``--preset``, or by the ``preset`` key of the
+    TOML file ``config``) that does not describe the run: one of its values outside
+    ``RESUMABLE_FIELDS`` that no setting the user gave (``given``) replaces differs from the
+    resumed configuration ``cfg``. The same command again with ``--resume`` passes; another
+    preset would otherwise be dropped unsaid while the run goes on as saved.
+
+    Raises:
+        ConfigError: an unknown preset, or one naming each value it would change.
+    """
+    build_config(name)  # an unknown preset: the fresh run's error
+    saved = cfg.to_dict()
+    given = {key.replace("-", "_") for key in given}
+    differ = [f"{key} {saved[key]!r} (the run) != {value!r} (the preset)"
+              for key, value in PRESETS[name].items()
+              if key not in RESUMABLE_FIELDS and key not in given and saved[key] != value]
+    if differ:
+        label, drop = (f"--preset {name!r}", "--preset") if config is None else \
+            (f"preset {name!r} (config file {config})", "the file's preset key")
+        raise ConfigError(f"{label} does not describe the run in {out}: {', '.join(differ)}; "
+                          f"--resume continues the run's saved configuration: drop {drop}, or "
+                          f"start a fresh run in another --out")
 
 
 def _is_rank_zero() -> bool:

@@ -201,6 +201,35 @@ def test_a_resume_that_changes_settings_names_them_and_what_dropout_makes_of_it(
     assert "resuming with changed settings: steps 6 -> 8\n" in said  # saved: the resumed config
 
 
+def test_a_resume_refuses_a_preset_that_does_not_describe_the_run(tmp_path, capsys):
+    """``--resume`` continues the saved configuration and dropped ``--preset`` unsaid: a smoke
+    run (2 layers of 32, synthetic:60000) resumed with ``--preset default`` (4 layers of 128 on
+    stdlib, ManifoldMuon) trained on as smoke, exit 0, and an unknown preset passed too. Such a
+    preset is now refused, naming the settings it would change; the run's own preset (the same
+    command again with --resume) still resumes, and the run is left as it was."""
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "4", "--eval_interval", "2"), "--out", str(out)]) == 0
+    assert main([*_quiet("--steps", "6", "--eval_interval", "2"), "--resume", "--out", str(out)]) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["--resume", "--preset", "default", "--steps", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --preset 'default' does not describe the run in {out}: ")
+    named = [part.split()[0] for part in err.split(": ", 2)[2].split("; ")[0].split(", ")]
+    assert "n_layer 2 (the run) != 4 (the preset)" in err and "steps" not in named  # resumable
+    assert {"corpus", "n_embd", "optimizer", "lr"} <= set(named)
+    assert err.rstrip().endswith("--resume continues the run's saved configuration: drop --preset, "
+                                 "or start a fresh run in another --out")
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "default"\n')
+    assert main(["--resume", "--config", str(toml), "--out", str(out)]) == 2
+    assert f"error: preset 'default' (config file {toml}) does not describe the run in {out}: " \
+        in capsys.readouterr().err
+    assert main(["--resume", "--preset", "smok", "--out", str(out)]) == 2
+    assert "unknown preset 'smok'" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*_quiet("--steps", "10"), "--out", str(out)]) == 0
