@@ -135,14 +135,17 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
     :math:`A = X^\top V`, :math:`S = V^\top V`:
     :math:`[X\ V]\,\exp\!\begin{pmatrix} A & -S \\ I & A\end{pmatrix}\begin{pmatrix}I\\0\end{pmatrix}\exp(-A)`.
-    Computed in float64 for every input dtype and cast back to ``x``'s.
+    Computed in float64 for every input dtype and cast back to ``x``'s; the leading batch
+    dimensions of ``x`` and ``v`` broadcast.
     """
     _check_tall_pair(x, v, "stiefel_exp")
     # float64 whatever the input: nothing re-orthonormalizes an exponential step, so float32
     # rounding accumulates (2,000 chained float32 steps drifted to |X^T X - I| = 3e-5 to 3e-4 on
     # 6x3 to 16x16 points; computed in float64 and cast back, 4e-7 to 5e-6)
     dtype = torch.float64
-    xx, vv = x.to(dtype), v.to(dtype)
+    # one batch for both (x (m, n) with v (..., m, n) is a step at each point): the blocks below
+    # are concatenated, which does not broadcast
+    xx, vv = torch.broadcast_tensors(x.to(dtype), v.to(dtype))
     n = x.size(-1)
     a = xx.mT @ vv  # (..., n, n)
     s = vv.mT @ vv  # (..., n, n)

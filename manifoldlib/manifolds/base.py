@@ -195,6 +195,23 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         """Riemannian gradient of the embedded (Euclidean) metric: the tangent projection."""
         return self.proju(x, u)
 
+    def inner(
+        self, x: torch.Tensor, u: torch.Tensor, v: Optional[torch.Tensor] = None, *, keepdim: bool = False
+    ) -> torch.Tensor:
+        r"""The embedded (Euclidean) metric :math:`\langle u, v\rangle`, summed over the ``ndim``
+        point dimensions: one value per point of the batch that ``x``, ``u`` and ``v`` broadcast to
+        (geoopt's convention), so ``inner(x, u)`` with ``x`` ``(3, d)`` and ``u`` ``(d,)`` is the
+        inner product at each of the three points, shape ``(3,)``, not one value ``()``.
+        ``keepdim`` keeps the point dimensions as size 1."""
+        v = u if v is None else v
+        prod = u * v
+        ndim = getattr(self, "ndim", 0)
+        if not ndim:
+            return prod.expand(torch.broadcast_shapes(x.shape, prod.shape))
+        prod = prod.sum(dim=tuple(range(-ndim, 0)), keepdim=keepdim)
+        batch = tuple(x.shape[: max(x.dim() - ndim, 0)]) + (1,) * (ndim * keepdim)
+        return prod.expand(torch.broadcast_shapes(batch, prod.shape))
+
     # -- validation ---------------------------------------------------------------------
     def _validate(self, x: torch.Tensor, name: str) -> None:
         """Raise ``ValueError`` when ``x`` is not a real floating-point tensor or has a shape the

@@ -46,20 +46,14 @@ class Euclidean(RetractionManifold):
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
         return True, None
 
-    def inner(self, x, u, v=None, *, keepdim=False):
-        v = u if v is None else v
-        prod = u * v
-        if self.ndim == 0:
-            return prod
-        return prod.sum(dim=tuple(range(-self.ndim, 0)), keepdim=keepdim)
-
     def projx(self, x):
         self._validate(x, "x")
         return x
 
     def proju(self, x, u):
+        """``u`` itself, broadcast to the batch of ``x`` (a view, as geoopt's)."""
         self._validate_pair(x, u)
-        return u
+        return u.expand(torch.broadcast_shapes(x.shape, u.shape))
 
     def expmap(self, x, u):
         self._validate_pair(x, u)

@@ -97,7 +97,3 @@ class MatrixConstraintManifold(RetractionManifold):
         r""":math:`\Phi` with :math:`R(Y) = Y\Phi` for the :attr:`muon_retraction`, from :math:`T = Y^\top Y`;
         ``rsqrt`` maps a symmetric ``T`` to :math:`T^{-1/2}` or ``None`` (then ``None``)."""
         return None
-
-    def inner(self, x, u, v=None, *, keepdim=False):
-        v = u if v is None else v
-        return (u * v).sum(dim=(-2, -1), keepdim=keepdim)

@@ -134,10 +134,6 @@ class Sphere(RetractionManifold):
         )
 
     # -- geometry -----------------------------------------------------------------------
-    def inner(self, x, u, v=None, *, keepdim=False):
-        v = u if v is None else v
-        return (u * v).sum(-1, keepdim=keepdim)
-
     def projx(self, x):
         r"""Radial projection :math:`r\,x/\|x\|`, for every finite nonzero row.
 
