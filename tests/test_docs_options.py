@@ -616,6 +616,7 @@ FOREIGN_FLAGS = {
 MISSPELLING_EXAMPLES = {"--presset", "--lrr"}
 #: torch keywords that pages name in prose (``foreach=True``); they are torch's business.
 FOREIGN_KEYWORDS = {
+    "capturable",
     "foreach",
     "fused",
     "maximize",

@@ -83,6 +83,14 @@ directly on ``.grad``. The checks:
     optimizer that draws from it — a random probe, sketch or restart — shifts the data order,
     dropout and initialization of the training run around it), and two fresh runs from the same
     point end bit for bit alike.
+``gradient_untouched``
+    3 steps, each given a fresh ``p.grad``, with the defaults and then with each numeric or
+    boolean option varied as ``param_groups`` varies it (``weight_decay``, ``nesterov``,
+    ``maximize``, ...): after each step ``p.grad`` is the same tensor with the same values.
+    torch's optimizers decay and negate a copy; one that adds the weight decay to ``p.grad`` in
+    place hands whatever reads the gradient after the step (a logged norm, a second optimizer of
+    a shared parameter) something else. A varied value that cannot run here (torch's
+    ``capturable`` off CUDA) is listed as not run.
 ``add_param_group``
     a parameter added after 3 steps follows its own fresh run bit for bit, and the first one is
     undisturbed.

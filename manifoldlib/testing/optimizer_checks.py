@@ -410,6 +410,40 @@ def _check_global_rng(s: Setup) -> str:
     return "torch's global random generator untouched; two fresh runs bit-identical"
 
 
+def _gradient_kept(s: Setup, start, target, shown: str, group: dict | None) -> None:
+    """3 steps, each given a fresh ``p.grad``: the optimizer leaves that tensor and its values."""
+    (p,) = params = s.parameters(start)
+    opt = s.factory(params if group is None else [{"params": params, **group}])
+    for step in range(3):
+        given = p.detach() - target
+        p.grad = given.clone()
+        grad = p.grad
+        opt.step()
+        _require(p.grad is grad, f"with {shown}, step {step + 1} replaced p.grad by another tensor")
+        _require(_tensors_same(p.grad, given),
+                 f"with {shown}, step {step + 1} changed p.grad in place (max abs change "
+                 f"{float((p.grad - given).abs().max()):.3e}): a gradient read after the step (a logged norm, "
+                 f"a second optimizer of a shared parameter, gradient accumulation) is no longer the gradient")
+
+
+def _check_gradient_untouched(s: Setup) -> str:
+    start, target = s.point(58), s.point(59)
+    _gradient_kept(s, start, target, "the defaults", None)
+    kept, not_run = ["the defaults"], []
+    for label, key, value, _ in _varied_options(s.defaults()):
+        shown = f"{label}={_entry(label, value)!r}"
+        try:
+            _gradient_kept(s, start, target, shown, {key: value})
+        except CheckFailed:
+            raise
+        except Exception as err:  # noqa: BLE001 - a value this run cannot take (torch's capturable off CUDA)
+            not_run.append(f"{shown} ({type(err).__name__})")
+            continue
+        kept.append(shown)
+    return f"p.grad left as given over 3 steps with {', '.join(kept)}" + (
+        f"; not run: {', '.join(not_run)}" if not_run else "")
+
+
 def _check_add_param_group(s: Setup) -> str:
     shape2 = _second_shape(s)
     starts, targets = [s.point(12), s.point(13, shape2)], [s.point(14), s.point(15, shape2)]
@@ -780,6 +814,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "maximize": _check_maximize,
     "tensor_lr": _check_tensor_lr,
     "global_rng": _check_global_rng,
+    "gradient_untouched": _check_gradient_untouched,
     "add_param_group": _check_add_param_group,
     "none_gradient": _check_none_gradient,
     "closure": _check_closure,

@@ -22,7 +22,8 @@ from manifoldlib.testing import (
 FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forgets_added_groups",
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
          "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize",
-         "caches_lr_by_object", "keeps_first_lr", "draws_from_global_rng")
+         "caches_lr_by_object", "keeps_first_lr", "draws_from_global_rng",
+         "decays_gradient_in_place")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -73,6 +74,8 @@ class ToySGD(torch.optim.Optimizer):
         store = self._hidden.setdefault(p, {}) if self.flaw == "unsaved_state" else self.state[p]
         if self.flaw == "zero_guard_underflows_in_float32":  # 1e-50 is 0 in float32: 0 / 0
             grad = grad * (grad.norm() / (grad.norm() + 1e-50))
+        if self.flaw == "decays_gradient_in_place":
+            grad = grad.add_(p, alpha=1e-3)
         rgrad = m.egrad2rgrad(p, grad)
         buf = store.get("momentum_buffer")
         buf = rgrad.clone() if buf is None else m.proju(p, group["momentum"] * buf + rgrad)
@@ -120,6 +123,7 @@ CAUGHT_BY = {
     "caches_lr_by_object": "tensor_lr",
     "keeps_first_lr": "tensor_lr",
     "draws_from_global_rng": "global_rng",
+    "decays_gradient_in_place": "gradient_untouched",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
