@@ -174,14 +174,19 @@ class SEL(Chart):
             ``module.half()`` and cast back with ``module.float()``, it still clamps at 5.54). Given explicitly, it is the clamp
             in every dtype, and a cast to a dtype it exceeds the limit of is refused
             (``ValueError`` naming that limit; lower :attr:`max_exponent` first). Within these
-            bounds a scale :math:`a = e_w e^{-n} > 1` can still carry
-            :math:`a\,\operatorname{expm1}(M)` past ``finfo.max`` (float32 at 88 with
-            :math:`a = 4`, float16 at its default 5.54 with :math:`a > 257`): a clamp that does
-            so at the chart's largest :math:`a` is refused at construction, at a cast, when
-            assigned and in :meth:`right_inverse` (``ValueError`` naming :math:`a` and the
-            largest clamp for it); the forward does not check (that would synchronize with the
-            device every step), so a scale that training grows past ``finfo.max / expm1(M)``
-            gives inf weights. The attribute :attr:`max_exponent` reads the clamp in effect in
+            bounds the scales can still carry the weight or its gradient past ``finfo.max``:
+            per entry, below the clamp, the weight reaches :math:`a\,\operatorname{expm1}(M)`,
+            its raw gradient :math:`a b\,e^{M}` and the gradient of :math:`\log m`
+            :math:`a M e^{M}` (per unit upstream gradient; float32 at 88 with :math:`a = 4` gave
+            an inf weight, with :math:`a = 1.5, b = 2` an inf raw gradient, with the default
+            :math:`a = 0.75/b` an inf gradient of :math:`\log m`; float16 at its default 5.54
+            with :math:`a > 46`). A clamp that lets one of them overflow at the chart's scales is
+            refused at construction, at a cast, when assigned and in :meth:`right_inverse`
+            (``ValueError`` naming the quantity and the largest clamp for these scales); near
+            the top of the range that leaves explicit clamps a few units below the limit above
+            (float32 at :math:`a = 0.375`: 85.26). The forward does not check (that would
+            synchronize with the device every step), so scales that training grows past these
+            bounds give inf weights or gradients. The attribute :attr:`max_exponent` reads the clamp in effect in
             the chart's current dtype (after ``module.half()``, 5.54 for a default chart built in
             float32), and :attr:`requested_max_exponent` the value given here (None: the
             default).
@@ -193,7 +198,7 @@ class SEL(Chart):
         ValueError: for an unknown ``init`` or ``layout``, non-positive or non-finite scales,
             ``kappa``, ``gain`` or ``slope`` (bools and strings are not numbers), a ``linear``
             that is not a bool, a ``max_exponent`` out of range for the weight's dtype or
-            whose :math:`a\,\operatorname{expm1}(M)` overflows it at the initial scale (and
+            that lets the weight or its gradient overflow at the initial scales (and
             later, casting the chart to a dtype it is out of range for), initial scales whose
             :math:`b` is not a positive finite number in the weight's dtype, a weight that is
             not finite or not 1-/2-D, or a bad ``rank``.
@@ -425,43 +430,93 @@ class SEL(Chart):
     @torch.no_grad()
     def _check_scale(self, clamp: float, dtype: torch.dtype, stored: torch.dtype | None = None,
                      then: str = "") -> None:
-        r"""``ValueError`` unless :math:`a\operatorname{expm1}(M)`, at the chart's largest scale
-        :math:`a = e_w e^{-n}` and the clamp ``clamp``, is at most ``finfo.max`` of ``dtype``
-        (the linear part :math:`l_w|w|` adds to it beyond the clamp, as in a plain weight).
+        r"""``ValueError`` unless the weight and its gradients stay within ``finfo.max`` of
+        ``dtype`` at the chart's scales and the clamp :math:`M` = ``clamp``.
 
-        The clamp keeps :math:`\operatorname{expm1}(M)` within ``dtype``'s range, but a scale
-        :math:`a > 1` can carry the weight past it to inf (float32 at :math:`M = 88`, :math:`a = 4`;
-        float16 at its default 5.54 with :math:`a > 257`). Computed as the forward rule computes
-        it: the factors in the rule's dtype (``stored``: from the parameters rounded to that
-        dtype, as in a cast), in both orders of the products the implementations use;
-        :math:`a_r a_c` is largest where both factors are (all are positive)."""
+        The clamp keeps :math:`\operatorname{expm1}(M)` within ``dtype``'s range, but the scales
+        can carry the weight or its derivatives past it to inf. Per entry, for a unit upstream
+        gradient and :math:`b|w| < M` (beyond the clamp the gradient is 0), the largest values are
+
+        .. math::
+            a\operatorname{expm1}(M)\ \text{(the weight)}, \quad
+            a b\,e^{M}\ \text{(the raw gradient)}, \quad
+            a M e^{M}\ \text{(the gradient of}\ \log m),
+
+        each at most ``finfo.max`` of ``dtype`` (the weight and these gradients are rounded to
+        it), and, in the dtype the rule runs in, the factor gradients before the chain rule to the
+        log-parameters: :math:`a M e^{M} / b` (of :math:`b` and its row and column factors) and
+        :math:`e^{M} \max(a_r, a_c)` (of :math:`a`'s factors). float32 at :math:`M = 88` with
+        :math:`a = 4` gave an inf weight; with :math:`a = 1.5,\ b = 2` a finite weight
+        (:math:`2.5\cdot10^{38}`) and an inf raw gradient (:math:`a b e^M = 4.9\cdot10^{38}`). The
+        weight is computed as the forward rule computes it: the factors in the rule's dtype
+        (``stored``: from the parameters rounded to that dtype, as in a cast), in both orders of
+        the products the implementations use; the gradients in float64, with a margin of 8 ulps
+        of the rule's dtype for the orders the implementations round them in. Sums over a row or
+        a column (the gradients of the rank-1 factors) are not bounded here: like a plain
+        weight's gradient, they overflow for large enough upstream gradients. The linear part
+        :math:`l_w|w|` adds to the weight beyond the clamp, as in a plain weight."""
         work = _rule_dtype(dtype)
         row, col = self._factor((1.0, "log_e_w"), (-1.0, "n"), work=work, stored=stored)
+        beta = self.beta if stored is None else self.beta.to(stored)
+        b_row, b_col = self._factor((1.0, "log_m"), scale=beta, work=work, stored=stored)
         a_r, a_c = row.max(), col.max()
+        a = float(a_r) * float(a_c)
+        ab = float((row * b_row).max()) * float((col * b_col).max())  # largest a b, entrywise
+        b_lo = min(1.0, float(b_row.min()), float(b_col.min()),
+                   float(b_row.min()) * float(b_col.min()))
+        a_hi = max(1.0, float(a_r), float(a_c))
 
         top = torch.finfo(dtype).max  # exact in the rule's dtype
+        margin = 1.0 - 8.0 * torch.finfo(work).eps
+        limits = (top * margin, torch.finfo(work).max * margin)
 
-        def fits(m: torch.Tensor) -> bool:  # like _largest_clamp: at most finfo.max, not inf
+        def exp(m: float) -> float:
+            try:
+                return math.exp(m)
+            except OverflowError:  # past float64's 709.78: no finite gradient
+                return math.inf
+
+        def overflow(m: torch.Tensor) -> str | None:  # like _largest_clamp: at most finfo.max
             e = torch.expm1(m)
-            return all(bool(w <= top) for w in ((a_r * a_c) * e, (e * a_r) * a_c))
+            if not all(bool(w <= top) for w in ((a_r * a_c) * e, (e * a_r) * a_c)):
+                return f"the weight a expm1(M) = {a * math.expm1(float(m)):.4g}"
+            x, em = float(m), exp(float(m))
+            for value, limit, name in (
+                (ab * em, 0, "the raw gradient a b e^M"),
+                (a * x * em, 0, "the gradient of log m, a M e^M"),
+                (a * x * em / b_lo, 1, "the gradient of b, a M e^M / b"),
+                (a_hi * em, 1, "the gradient of a's factors, e^M max(a_r, a_c)"),
+            ):
+                if not value <= limits[limit]:
+                    return f"{name} = {value:.4g}"
+            return None
 
         m = torch.tensor(clamp, dtype=work, device=row.device)
-        if fits(m):
+        what = overflow(m)
+        if what is None:
             return
-        a = float(a_r) * float(a_c)
-        bound = m.new_tensor(min(clamp, math.log1p(top / a)))  # a expm1(M) = top: a few ulps off
-        while bound > 0 and not fits(bound):
+        lo, hi = 0.0, clamp  # each quantity grows with M: bisect, then step to the work grid
+        for _ in range(200):
+            mid = float(m.new_tensor(0.5 * (lo + hi)))
+            if mid in (lo, hi):
+                break
+            lo, hi = (mid, hi) if overflow(m.new_tensor(mid)) is None else (lo, mid)
+        bound = m.new_tensor(lo)
+        while bound > 0 and overflow(bound) is not None:
             bound = torch.nextafter(bound, torch.zeros_like(bound))
-        while bound > 0 and fits(up := torch.nextafter(bound, m)):
+        while bound > 0 and overflow(up := torch.nextafter(bound, m)) is None:
             bound = up
+        x = float(clamp)
+        a_most = a * min(top / (a * math.expm1(x)), top / (ab * exp(x)), top / (a * x * exp(x)),
+                         limits[1] / (a * x * exp(x) / b_lo))
         default = " (the default)" if clamp == _default_max_exponent(dtype) else ""
-        accepted = (f"max_exponent at most {bound.item()!r} for this a" if bound > 0
-                    else "no max_exponent > 0 for this a")
+        accepted = (f"max_exponent at most {bound.item()!r} for these scales" if bound > 0
+                    else "no max_exponent > 0 for these scales")
         raise ValueError(
-            f"max_exponent = {clamp!r}{default} overflows a {dtype} weight at the chart's largest "
-            f"scale a = e_w e^-n = {a:.4g} (a expm1(M) = {a * math.expm1(clamp):.4g} > finfo.max "
-            f"= {top:.4g}); accepted: {accepted} (or a at most {top / math.expm1(clamp):.4g} "
-            f"for this max_exponent){then}"
+            f"max_exponent = {clamp!r}{default} overflows a {dtype} weight or its gradient at the "
+            f"chart's scales (largest a = e_w e^-n = {a:.4g}, largest a b = {ab:.4g}): {what} > "
+            f"finfo.max = {top:.4g}; accepted: {accepted} (or a at most {a_most:.4g} for this "
+            f"max_exponent){then}"
         )
 
     def factors(self):

@@ -286,13 +286,15 @@ def test_bad_options_raise_value_error_naming_the_value(options, match):
 
 
 def test_a_clamp_up_to_log_finfo_max_is_accepted_and_keeps_the_weight_finite():
+    # a small a: the gradient of log m, a M e^M, must also fit (test_sel_clamp.py)
     w = torch.full((2, 2), 0.5)
-    chart = SEL(w, max_exponent=88.0)
+    chart = SEL(w, max_exponent=88.0, scale_init={"e_w": 0.01})
     raw = torch.full((2, 2), 88.0 / float(chart.beta) * 10)  # b|w| = 880, clamped to 88
     assert torch.isfinite(chart(raw)).all()
     assert SEL(w.double(), max_exponent=700.0).max_exponent == 700.0
     assert SEL(w.bfloat16(), max_exponent=80.0).max_exponent == 80.0  # computed in float32
-    assert SEL(w.half(), max_exponent=11.0).max_exponent == 11.0  # float16's range: 11.09
+    assert SEL(w.half(), max_exponent=11.0,  # float16's range: 11.09
+               scale_init={"e_w": 0.005}).max_exponent == 11.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16's range is smaller
@@ -304,10 +306,10 @@ def test_the_clamp_log_finfo_max_itself_rounds_up_in_float32_and_is_refused(dtyp
     with pytest.raises(ValueError, match=r"max_exponent must be at most .* got 88\.72283905206835"):
         SEL(w, max_exponent=limit)
     largest = torch.nextafter(torch.tensor(limit), torch.tensor(0.0)).item()  # 88.72283172607422
-    chart = SEL(w.float(), max_exponent=largest)
+    chart = SEL(w.float(), max_exponent=largest, scale_init={"e_w": 0.005})  # a M e^M < max
     raw = torch.full((2, 2), 1e3 / float(chart.beta))  # b|w| = 1000, clamped
     a, _, c = chart.coefficients()
-    want = a.double() * math.expm1(largest) + c.double() * raw.double()  # 0.75 sigma0 e^88.72 ~ 1e38
+    want = a.double() * math.expm1(largest) + c.double() * raw.double()  # 0.005 e^88.72 ~ 1.7e36
     for impl in ("fused", "autograd"):
         chart.impl = impl
         torch.testing.assert_close(chart(raw).double(), want, rtol=1e-6, atol=0)
@@ -683,7 +685,9 @@ def test_the_largest_clamp_of_a_16_bit_weight_keeps_it_finite_and_the_next_is_re
             rf"max_exponent must be at most log\(finfo.max\) = .* for a {dtype} weight "
             rf"\({largest!r} computed in torch.float32: .* got {refused!r}$")):
             SEL(w, max_exponent=refused)
-    chart = SEL(w, max_exponent=largest, scale_init={"e_w": 1.0})  # a = 1: W = expm1(M) + c t
+    # a = 0.01: W = 0.01 expm1(M) + c t (a = 1 keeps W finite, but its raw gradient a b e^M
+    # overflows: refused, test_sel_clamp.py)
+    chart = SEL(w, max_exponent=largest, scale_init={"e_w": 0.01})
     raw = torch.full((2, 2), 2.0 * largest / float(chart.beta), dtype=dtype)  # b|w| = 2M, clamped
     a, _, c = chart.coefficients()
     want = a.double() * math.expm1(largest) + c.double() * raw.double()
@@ -713,15 +717,15 @@ def test_a_cast_to_a_dtype_beyond_an_explicit_clamp_is_refused():
     raw = lin.parametrizations.weight.original.detach()
     with pytest.raises(ValueError, match=r"for a torch.float16 weight .* got 30.0$"):
         chart(raw.half())  # evaluated on float16 raw coordinates directly
-    chart.max_exponent = 11.0
+    chart.max_exponent = 10.5  # a M e^M (the gradient of log m) within 65504: up to 10.93 here
     lin.half()
     twin = nn.Linear(16, 4).half()
-    apply_chart(twin, functools.partial(SEL, max_exponent=11.0))
+    apply_chart(twin, functools.partial(SEL, max_exponent=10.5))
     twin.load_state_dict(lin.state_dict())
     _, b, _ = chart.coefficients()
     with torch.no_grad():
         for module in (lin, twin):
-            module.parametrizations.weight.original[0, 0] = 10.5 / b[0, 0].float()
+            module.parametrizations.weight.original[0, 0] = 10.0 / b[0, 0].float()
     assert torch.equal(lin.weight, twin.weight) and torch.isfinite(lin.weight).all()
 
     wide = nn.Linear(16, 4).double()

@@ -66,10 +66,10 @@ def test_max_exponent_reads_the_clamp_in_effect_after_a_cast(built, cast):
 
 
 def test_an_explicit_clamp_reads_the_same_in_every_dtype():
-    lin, chart = _charted_linear(torch.float32, max_exponent=11.0)
-    assert chart.max_exponent == chart.requested_max_exponent == 11.0
+    lin, chart = _charted_linear(torch.float32, max_exponent=10.5)  # a M e^M within float16's
+    assert chart.max_exponent == chart.requested_max_exponent == 10.5
     lin.half()
-    assert chart.max_exponent == chart.requested_max_exponent == 11.0
+    assert chart.max_exponent == chart.requested_max_exponent == 10.5
     got, want = _clamped_entry(lin, chart, 20.0)
     assert got == pytest.approx(want, rel=2 * torch.finfo(torch.float16).eps)
 
@@ -113,7 +113,8 @@ def _boundary_case(dtype, root_at: float, clamp_at: float):
     r_lo = torch.tensor(5.2, dtype=dtype)
     r_hi = torch.nextafter(r_lo, torch.tensor(math.inf, dtype=dtype))
     lo, ulp = float(r_lo), float(r_hi) - float(r_lo)
-    chart = SEL(w, init="congruent", max_exponent=2.0 * (lo + clamp_at * ulp))
+    chart = SEL(w, init="congruent", max_exponent=2.0 * (lo + clamp_at * ulp),
+                scale_init={"e_w": 0.1})  # a = 0.1: a M e^M (the gradient of log m) < 65504
     a, b, c = (float(v[0, 0]) for v in _float64_scales(chart))
     root = lo + root_at * ulp
     target = w.clone()
@@ -139,39 +140,68 @@ def test_right_inverse_checks_the_clamp_on_the_rounded_raw_coordinates(dtype):
     assert float(raw.grad[0, 0]) == pytest.approx(slope, rel=2 * torch.finfo(dtype).eps)
 
 
-def _scale_refusal(dtype, then=""):
-    return (rf"max_exponent = .* overflows a {dtype} weight at the chart's largest scale "
-            rf"a = e_w e\^-n = .*; accepted: max_exponent at most (?P<bound>[0-9.]+) for this a "
+def _scale_refusal(dtype, then="", what=r"the weight a expm1\(M\)"):
+    return (rf"max_exponent = .* overflows a {dtype} weight or its gradient at the chart's scales "
+            rf"\(largest a = e_w e\^-n = .*, largest a b = .*\): {what} = .* > finfo.max = .*; "
+            rf"accepted: max_exponent at most (?P<bound>[0-9.]+) for these scales "
             rf"\(or a at most .* for this max_exponent\){re.escape(then)}$")
 
 
-@pytest.mark.parametrize(("dtype", "clamp", "e_w"), [
-    (torch.float32, 88.0, 4.0),  # 4 expm1(88) = 6.6e38 > 3.4e38
-    (torch.bfloat16, 88.0, 4.0),
-    (torch.float16, 11.0, 2.0),  # 2 expm1(11) = 1.2e5 > 65504
-    (torch.float16, None, 300.0),  # the default 5.545: 300 expm1(5.545) = 7.6e4
+_IMPLS = ("kernels", "aten", "autograd")
+
+
+def _run(chart, impl, raw):
+    """``chart(raw)`` on ``impl``: the C++ kernels, the ATen fallback or plain autograd."""
+    chart.impl = "autograd" if impl == "autograd" else "fused"
+    with _cpu_kernels.disabled() if impl == "aten" else contextlib.nullcontext():
+        return chart(raw)
+
+
+@pytest.mark.parametrize(("dtype", "clamp", "e_w", "what"), [
+    (torch.float32, 88.0, 4.0, "the weight"),  # 4 expm1(88) = 6.6e38 > 3.4e38
+    (torch.bfloat16, 88.0, 4.0, "the weight"),
+    (torch.float16, 11.0, 2.0, "the weight"),  # 2 expm1(11) = 1.2e5 > 65504
+    (torch.float16, None, 300.0, "the weight"),  # the default 5.545: 300 expm1(5.545) = 7.6e4
+    (torch.float32, 88.0, 1.5, "the raw gradient"),  # W 2.5e38, a b e^88 = 3 * 1.65e38 = 4.9e38
+    (torch.float32, 88.0, None, "the gradient of log m"),  # a = 0.375: a M e^M = 5.4e39
+    (torch.float16, 11.0, None, "the gradient of log m"),  # 0.375 * 11 * 59874 = 2.5e5
 ])
-def test_a_clamp_that_overflows_at_the_charts_scale_is_refused(dtype, clamp, e_w):
+def test_a_clamp_that_overflows_at_the_charts_scale_is_refused(dtype, clamp, e_w, what):
     # the clamp keeps expm1(M) in range, but a = e_w e^-n > 1 multiplied it past finfo.max: every
-    # entry from b|w| = log(max / a) on was inf, silently, on every impl. The largest clamp
-    # accepted keeps a expm1(M) <= finfo.max and the weight finite at b|w| = 2 M
-    w = torch.full((2, 2), 0.5, dtype=dtype)
-    with pytest.raises(ValueError, match=_scale_refusal(dtype)) as refused:
-        SEL(w, max_exponent=clamp, scale_init={"e_w": e_w})
-    bound = float(re.search(_scale_refusal(dtype), str(refused.value)).group("bound"))
+    # entry from b|w| = log(max / a) on was inf, silently, on every impl. And where the weight
+    # stayed finite its gradients did not: just below the clamp the raw gradient is a b e^{b|w|}
+    # and that of log m a b|w| e^{b|w|}, inf with a finite weight (float32 at M = 88: a = 1.5,
+    # b = 2, W = 2.5e38 and the raw gradient inf; a = 0.375, the default, W = 6e37 and the
+    # gradient of log m inf), so training turned NaN without an error. The largest clamp accepted
+    # keeps the weight finite at b|w| = 2 M and every gradient finite just below M
+    w = torch.full((2, 2), 0.5, dtype=dtype)  # sigma0 = 0.5: b = 2
+    scale_init = {} if e_w is None else {"e_w": e_w}
+    with pytest.raises(ValueError, match=_scale_refusal(dtype, what=what + ".*")) as refused:
+        SEL(w, max_exponent=clamp, scale_init=scale_init)
+    bound = float(re.search(_scale_refusal(dtype, what=".*"), str(refused.value)).group("bound"))
     above = torch.nextafter(torch.tensor(bound), torch.tensor(math.inf)).item()
-    with pytest.raises(ValueError, match=_scale_refusal(dtype)):
-        SEL(w, max_exponent=above, scale_init={"e_w": e_w})  # the bound named is the largest
-    chart = SEL(w, max_exponent=bound, scale_init={"e_w": e_w})
+    with pytest.raises(ValueError, match=_scale_refusal(dtype, what=".*")):
+        SEL(w, max_exponent=above, scale_init=scale_init)  # the bound named is the largest
+    chart = SEL(w, max_exponent=bound, scale_init=scale_init)
     raw = torch.full((2, 2), 2.0 * bound, dtype=dtype) / chart.beta  # b|w| = 2 M: clamped
-    a, _, c = _float64_scales(chart)
+    a, b, c = _float64_scales(chart)
     want = a * math.expm1(bound) + c * raw.double()  # the linear part c t of a few units on top
-    for impl in ("kernels", "aten", "autograd"):
-        chart.impl = "autograd" if impl == "autograd" else "fused"
-        with _cpu_kernels.disabled() if impl == "aten" else contextlib.nullcontext():
-            got = chart(raw).detach()
+    for impl in _IMPLS:
+        got = _run(chart, impl, raw).detach()
         assert torch.isfinite(got).all(), impl
         torch.testing.assert_close(got.double(), want, rtol=4 * torch.finfo(dtype).eps, atol=0)
+    below = torch.zeros(2, 2, dtype=dtype)  # one entry two ulps below the clamp, the rest 0
+    below[0, 0] = bound / float(b[0, 0])
+    for _ in range(2):
+        below[0, 0] = torch.nextafter(below[0, 0], torch.zeros((), dtype=dtype))
+    for impl in _IMPLS:
+        chart.zero_grad()
+        leaf = below.clone().requires_grad_()
+        _run(chart, impl, leaf)[0, 0].backward()
+        for name, grad in [("raw", leaf.grad)] + [(n, p.grad) for n, p in chart.named_parameters()]:
+            assert torch.isfinite(grad).all(), (impl, name)
+        slope = float(a[0, 0] * b[0, 0]) * math.exp(float(b[0, 0]) * float(below[0, 0]))
+        assert float(leaf.grad[0, 0]) > 0.5 * slope, impl  # the exponential part, not clamped
 
 
 def test_a_cast_whose_clamp_overflows_at_the_charts_scale_is_refused():
@@ -184,7 +214,7 @@ def test_a_cast_whose_clamp_overflows_at_the_charts_scale_is_refused():
         lin.half()
     assert all(t.dtype == torch.float32 for t in (*chart.parameters(), *chart.buffers()))
     assert lin.parametrizations.weight.original.dtype == torch.float32
-    chart.max_exponent = 5.0  # 300 expm1(5) = 4.4e4
+    chart.max_exponent = 3.0  # 300 expm1(3) = 5.7e3; a b e^3 = 4.2e4 (5.0: 3.1e5, refused)
     lin.half()
     got, want = _clamped_entry(lin, chart, 100.0)
     assert math.isfinite(got) and got == pytest.approx(want, rel=2 * torch.finfo(torch.float16).eps)
