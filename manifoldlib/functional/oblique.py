@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .scaling import _power_of_two_scale
+from .sphere import exponential_coefficients
 from .stiefel import _check_tall_pair
 
 __all__ = [
@@ -77,7 +78,18 @@ def oblique_constraint_deviation(w: torch.Tensor) -> torch.Tensor:
 
 def oblique_exp(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     r"""Exponential map, column by column on the unit sphere:
-    :math:`\cos(\|v_j\|)\,w_j + \operatorname{sinc}(\|v_j\|)\,v_j` (``v`` tangent)."""
+    :math:`\cos\theta_j\,w_j + (\sin\theta_j/\theta_j)\,v_j`, :math:`\theta_j = \|v_j\|` (``v`` tangent).
+
+    Both coefficients are the sphere's :func:`~manifoldlib.functional.exponential_coefficients`
+    of the same :math:`\sigma_j = \theta_j^2`, so the column norm
+    :math:`\cos^2\theta_j + \sin^2\theta_j` is 1 to rounding at every angle (``torch.sinc`` of
+    the rounded :math:`\theta_j/\pi` evaluated the sine at another angle than the cosine: an
+    error of :math:`\epsilon\,\theta_j` in the norm, 4e-6 at :math:`\theta \approx 85` in
+    float32, 9% in float16), and finite gradients at :math:`v_j = 0`. Computed in at least
+    float32, returned in the dtype of ``w + v``.
+    """
     _check_tall_pair(w, v, "oblique_exp")
-    theta = v.norm(dim=-2, keepdim=True)  # (..., 1, n)
-    return torch.cos(theta) * w + torch.sinc(theta / torch.pi) * v
+    work = torch.promote_types(torch.promote_types(w.dtype, v.dtype), torch.float32)
+    ww, vw = w.to(work), v.to(work)
+    cos_theta, k = exponential_coefficients((vw * vw).sum(-2, keepdim=True))  # (..., 1, n) each
+    return (cos_theta * ww + k * vw).to(torch.promote_types(w.dtype, v.dtype))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import geoopt
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from manifoldlib.optim import DualOptions
 from manifoldlib.retractions import ObliqueNormalizeRetraction
 
 F64 = torch.float64
+EPS = torch.finfo(F64).eps
 
 
 def _oblique_point(m, n, seed):
@@ -154,3 +156,59 @@ def test_tangent_residual_of_a_huge_vector_is_its_relative_normal_part(manifold,
     ref = float((z - manifold.proju(x, z)).norm() / z.norm())  # float64 oracle at unit scale
     out = float(manifold.tangent_residual(x.to(dtype), (z * 10.0**exponent).to(dtype)))
     assert abs(out - ref) <= 1e-5 * ref if dtype == torch.float32 else abs(out - ref) <= 1e-13 * ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("largest", [1.0, 10.0, 100.0])
+def test_oblique_exp_keeps_unit_columns_at_every_angle(dtype, largest):
+    # cos and sin/theta of one theta, in at least float32: the column norm is 1 to the rounding of
+    # the dtype at every angle (torch.sinc of the rounded theta/pi, in the input's dtype, put the
+    # sine at another angle than the cosine: norms off by ~0.1 eps * theta, 9 to 11 eps for
+    # angles up to 100 in every dtype)
+    gen = torch.Generator().manual_seed(5)
+    w = _oblique_point(64, 64, seed=6)
+    v = oblique_project_tangent(w, torch.randn(64, 64, generator=gen, dtype=F64))
+    v = torch.linspace(largest / 64, largest, 64, dtype=F64) * v / v.norm(dim=0)  # angles up to largest
+    wd, vd = w.to(dtype), v.to(dtype)
+    y = oblique_exp(wd, vd)
+    assert y.dtype == dtype
+    # ||y_j|| = 1 up to the rounding of the result and of the input columns' own norms
+    eps = torch.finfo(dtype).eps
+    w_deviation = float((wd.to(F64).norm(dim=0) - 1).abs().max())
+    assert float((y.to(F64).norm(dim=0) - 1).abs().max()) <= 2 * eps + w_deviation
+
+
+def test_oblique_exp_matches_the_sphere_exponential_map_column_by_column():
+    gen = torch.Generator().manual_seed(7)
+    w = _oblique_point(6, 3, seed=8)
+    v = oblique_project_tangent(w, 2.0 * torch.randn(6, 3, generator=gen, dtype=F64))
+    y = oblique_exp(w, v)
+    sphere = geoopt.Sphere()
+    for j in range(3):
+        torch.testing.assert_close(y[:, j], sphere.expmap(w[:, j], v[:, j]), atol=4 * EPS, rtol=0)
+
+
+def test_oblique_exp_has_a_finite_gradient_at_a_zero_step():
+    w = _oblique_point(5, 2, seed=9)
+    v = torch.zeros(5, 2, dtype=F64, requires_grad=True)
+    (g,) = torch.autograd.grad((oblique_exp(w, v) * torch.arange(10.0, dtype=F64).reshape(5, 2)).sum(), v)
+    assert bool(torch.isfinite(g).all())
+    torch.testing.assert_close(g, torch.arange(10.0, dtype=F64).reshape(5, 2), atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_oblique_expmap_of_long_low_precision_steps_stays_on_the_manifold(dtype):
+    # computed in the input dtype, an angle ||v_j|| ~ 85 carried an absolute error of eps * 85
+    # (0.7 rad in bfloat16) between cos and sinc: ||y_j||^2 - 1 reached 0.30 in bfloat16 (its
+    # check allows 0.25) and 0.043 in float16 (0.031), and check_point_on_manifold failed
+    gen = torch.Generator().manual_seed(11)
+    manifold = Oblique()
+    worst = 0.0
+    for _ in range(20):
+        w = manifold.random(8, 4, generator=gen, dtype=F64)
+        v = manifold.proju(w, 30.0 * torch.randn(8, 4, generator=gen, dtype=F64))
+        y = manifold.expmap(w.to(dtype), v.to(dtype))
+        ok, reason = manifold.check_point_on_manifold(y, explain=True)
+        assert ok, reason
+        worst = max(worst, float((y.to(F64).norm(dim=0) - 1).abs().max()))
+    assert worst <= 2 * torch.finfo(dtype).eps
