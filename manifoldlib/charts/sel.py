@@ -547,6 +547,20 @@ class SEL(Chart):
             out.append(full.reshape(shape) if full is not None and shape else full)
         return tuple(out)
 
+    @property
+    def _shape(self) -> tuple[int, ...]:
+        # the shape of the tensor the chart carries: (out, in), or (n,) for a 1-D one
+        if self._is_vector:
+            return (self._numel,)
+        return (self.log_e_w_row.shape[0], self.log_e_w_col.shape[1])
+
+    def _check_shape(self, tensor: torch.Tensor, what: str) -> None:
+        # the scales broadcast: a (1, in) target came back (out, in), every row the same, and a
+        # raw (k, out, in) gave k weights, silently
+        if tuple(tensor.shape) != self._shape:
+            raise ValueError(f"{what} must have the chart's shape {self._shape}, got "
+                             f"{tuple(tensor.shape)}")
+
     def scale_parameters(self) -> dict[str, list[nn.Parameter]]:
         """The chart's own parameters by role: ``e_w``, ``l_w``, ``m``, ``n`` and ``delta``."""
         roles = {"e_w": "log_e_w", "l_w": "log_l_w", "m": "log_m", "n": "n"}
@@ -583,7 +597,12 @@ class SEL(Chart):
         round to 8 bits, and the weight was off by several bfloat16 ulps, most where
         :math:`b|w|` is large (an error in :math:`b|w|` is multiplied by it in
         :math:`e^{b|w|}`).
+
+        Raises:
+            ValueError: if ``raw`` does not have the chart's shape (no batch dimensions: the
+                scales would broadcast over them).
         """
+        self._check_shape(raw, "raw")
         work = _rule_dtype(raw.dtype)
         a, b, c = self._factors(work if work != raw.dtype else None)  # None: the chart's own dtype
         flat = raw.view(1, -1) if self._is_vector else raw
@@ -607,10 +626,12 @@ class SEL(Chart):
         sees an unclamped entry, within the rounding of the raw coordinates of the target).
 
         Raises:
-            ValueError: if ``weight`` is not finite, or a target is beyond what the clamped chart
-                can represent (:math:`b|w| >` ``max_exponent`` for its raw coordinate rounded to
-                ``weight``'s dtype).
+            ValueError: if ``weight`` does not have the chart's shape (the scales would broadcast
+                a ``(1, in)`` target to ``(out, in)``), is not finite, or a target is beyond what
+                the clamped chart can represent (:math:`b|w| >` ``max_exponent`` for its raw
+                coordinate rounded to ``weight``'s dtype).
         """
+        self._check_shape(weight, "weight")
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite, got NaN or inf entries")
         target = weight - self.delta() if self.rank > 0 else weight

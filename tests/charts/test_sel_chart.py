@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -737,3 +738,31 @@ def test_a_cast_to_a_dtype_beyond_an_explicit_clamp_is_refused():
     wide.parametrizations.weight[0].max_exponent = 80.0
     wide.float()
     assert torch.isfinite(wide.weight).all()
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (5,)])
+def test_a_tensor_of_another_shape_is_refused_not_broadcast(shape):
+    # the rank-1 scales broadcast: assigning a (1, 3) weight to a charted (4, 3) layer stored
+    # four copies of that row, silently; a 1-D chart's right_inverse turned a (1,) target into
+    # (5,); raw coordinates with a batch dimension, (2, 4, 3), gave two weights (ATen path)
+    torch.manual_seed(0)
+    chart = SEL(torch.randn(shape))
+    wrong = [(1, 3), (4, 1), (3, 4), (12,), (2, 4, 3)] if len(shape) == 2 else [(1,), (5, 1), (10,)]
+    for other in wrong:
+        for path in ("kernels", "aten"):
+            with _cpu_kernels.disabled() if path == "aten" else contextlib.nullcontext():
+                with pytest.raises(ValueError, match=re.escape(
+                        f"raw must have the chart's shape {shape}, got {other}")):
+                    chart(torch.randn(other))
+        with pytest.raises(ValueError, match=re.escape(
+                f"weight must have the chart's shape {shape}, got {other}")):
+            chart.right_inverse(torch.full(other, 0.1))
+    if len(shape) == 2:
+        lin = nn.Linear(3, 4)
+        apply_chart(lin, SEL)
+        before = lin.weight.detach().clone()
+        with pytest.raises(ValueError, match=r"weight must have the chart's shape \(4, 3\)"):
+            lin.weight = torch.full((1, 3), 0.1)
+        assert torch.equal(lin.weight.detach(), before)
+    raw = chart.right_inverse(torch.full(shape, 0.1))  # the right shape: as before
+    torch.testing.assert_close(chart(raw), torch.full(shape, 0.1), rtol=4 * torch.finfo().eps, atol=0)
