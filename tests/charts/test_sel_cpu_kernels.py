@@ -228,3 +228,23 @@ def test_the_gradient_of_b_near_the_top_of_the_float32_range_is_finite(path):
         assert torch.isfinite(mine).all()
         torch.testing.assert_close(mine.double(), ref, rtol=8 * torch.finfo(torch.float32).eps,
                                    atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_entry_below_the_clamp_keeps_its_gradient_on_every_path(dtype):
+    # the paths mask the gradient where e reaches their own expm1(M) (the kernels' polynomial,
+    # torch.expm1 on ATen): the entries without a gradient through e must be exactly those at
+    # b|w| >= M on each, whatever their values differ by (a rounding or two in float32)
+    g = torch.Generator().manual_seed(11)
+    for clamp in (torch.rand(40, generator=g, dtype=torch.float64) * 87.9 + 0.05).tolist():
+        m = torch.tensor(clamp, dtype=dtype)
+        entries = [torch.nextafter(m, torch.tensor(math.inf, dtype=dtype)), m]
+        for _ in range(64):
+            entries.append(torch.nextafter(entries[-1], torch.zeros((), dtype=dtype)))
+        raw = torch.stack(entries).reshape(1, -1)  # b = 1: b|w| = the entry
+        ones_r, ones_c = torch.ones(1, 1, dtype=dtype), torch.ones(1, raw.shape[1], dtype=dtype)
+        factors = [ones_r, ones_c, ones_r, ones_c, None, None]
+        for path in ("kernels", "aten"):
+            with _cpu_kernels.disabled() if path == "aten" else contextlib.nullcontext():
+                _, grads, _ = _values_and_grads(raw, factors, float(m), torch.ones_like(raw), "fused")
+            assert torch.equal(grads[0] == 0, raw >= m), (path, clamp)
