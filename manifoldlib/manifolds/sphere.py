@@ -222,12 +222,13 @@ class Sphere(RetractionManifold):
         long_steps = isinstance(retraction, AngleRetraction) and bool((bad_y <= long_rows).all())
         # retract_long_step is the angle form's long step: for a retract of its own, another map
         mismatch = _long_step_mismatch(retraction) if long_steps else None
+        no_angle = False
         if long_steps and mismatch is None:
             try:
                 y = torch.where(long_rows, retraction.retract_long_step(x, u, radius=self.radius), y)
             except NotImplementedError:  # an AngleRetraction defined by its coefficients only
-                pass
-            if not bool(self._off_sphere(y, slack=2.0).any()):
+                no_angle = True
+            if not no_angle and not bool(self._off_sphere(y, slack=2.0).any()):
                 return y
         flat = int(bad_y.flatten().nonzero()[0])
         why = "" if mismatch is None else (
@@ -235,6 +236,10 @@ class Sphere(RetractionManifold):
             f"coefficients) and inherit retract, or override retract_long_step with this retract's "
             f"form for steps whose beta^2 overflows"
         )
+        if no_angle:
+            why = (f"; the long-step fallback needs angle(beta), which {type(retraction).__name__} "
+                   f"does not define (its coefficients take sigma = beta^2, which overflows here): "
+                   f"define angle, or override retract_long_step")
         raise ValueError(
             f"{where}: the {retraction!r} retraction cannot take this step in {x.dtype}: its "
             f"normalized length ||P_x u|| / r is {float(beta.flatten()[flat]):.6g} (row {flat} of "

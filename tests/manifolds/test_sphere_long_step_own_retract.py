@@ -13,7 +13,7 @@ import torch
 
 from manifoldlib import Sphere
 from manifoldlib.functional import sphere_project_tangent
-from manifoldlib.retractions import CayleyRetraction, ExponentialRetraction, GnomonicRetraction
+from manifoldlib.retractions import AngleRetraction, CayleyRetraction, ExponentialRetraction, GnomonicRetraction
 
 RADIUS = 2.0
 # normalized step lengths whose square overflows the dtype (float32 past 1.8e19, float64 past 1.3e154)
@@ -144,3 +144,23 @@ def test_a_retract_of_its_own_that_takes_long_steps_is_used_as_it_is(dtype, beta
     y = Sphere(RADIUS, retraction=_GnomonicLongCayleyRetract()).retr(x, u)
     assert torch.equal(y, Sphere(RADIUS, retraction="cayley").retr(x, u))
     assert torch.allclose(y, -x, rtol=0, atol=4 * torch.finfo(dtype).eps * RADIUS)
+
+
+class _CoefficientsOnly(AngleRetraction):
+    """The Cayley map given by its coefficients alone: (inf - inf) / inf = NaN for a long step."""
+
+    def coefficients(self, sigma):
+        k = 1.0 / (1.0 + 0.25 * sigma)
+        return (1.0 - 0.25 * sigma) * k, k
+
+
+@pytest.mark.parametrize(("dtype", "beta"), LONG, ids=["float32", "float64"])
+def test_a_retraction_of_coefficients_only_is_told_that_long_steps_need_its_angle(dtype, beta):
+    # the error said only "the result is not a point of the sphere"; it names what is missing
+    manifold = Sphere(RADIUS, retraction=_CoefficientsOnly())
+    x = torch.tensor([RADIUS, 0.0, 0.0], dtype=dtype)
+    u = torch.tensor([0.0, beta * RADIUS, 0.0], dtype=dtype)
+    assert torch.allclose(manifold.retr(x, u * (1.0 / (beta * RADIUS))),
+                          Sphere(RADIUS, retraction="cayley").retr(x, u * (1.0 / (beta * RADIUS))))
+    with pytest.raises(ValueError, match=r"needs angle\(beta\), which _CoefficientsOnly does not define"):
+        manifold.retr(x, u)
