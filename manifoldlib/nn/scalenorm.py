@@ -20,8 +20,11 @@ class ScaleNorm(nn.Module):
 
     Args:
         dim: feature size :math:`d` (the last dimension of the input).
-        eps: floor :math:`\varepsilon > 0` of the norm; a zero input maps to zero with zero
-            gradient instead of NaN.
+        eps: floor :math:`\varepsilon > 0` of the norm; a zero input maps to zero instead of
+            NaN, with gradient 0 in :math:`g` and the formula's :math:`g/\varepsilon` in
+            :math:`x` (the map is :math:`g x/\varepsilon` below the floor; at :math:`d = 768`,
+            :math:`\varepsilon = 10^{-6}` that is :math:`2.8\cdot10^{7}`, beyond float16's
+            range: a float16 zero row gets an inf gradient, a bfloat16 one a finite one).
 
     Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (float16 and bfloat16
     inputs are normalized in float32); an integer or complex input raises ``ValueError``. A row

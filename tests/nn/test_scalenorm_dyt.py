@@ -166,3 +166,14 @@ def test_dyt_refuses_non_real_float_inputs(dtype):
         dyt(torch.tensor([[1, 2, 3]]).to(dtype))
     assert torch.equal(dyt(torch.tensor([[1.0, 2.0, 3.0]])).detach(),
                        torch.tanh(0.5 * torch.tensor([[1.0, 2.0, 3.0]])))
+
+
+def test_scalenorm_gradient_of_a_zero_input_is_g_over_eps():
+    # the docstring said "zero gradient"; below the floor the map is g x / eps, whose gradient in
+    # x is g / eps (in g: 0, the output being 0)
+    norm = ScaleNorm(6, eps=1e-3).double()
+    x = torch.zeros(2, 6, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (norm(x) * probe).sum().backward()
+    torch.testing.assert_close(x.grad, probe * norm.scale.detach() / 1e-3, rtol=1e-15, atol=0)
+    assert float(norm.scale.grad) == 0.0
