@@ -39,6 +39,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import geoopt
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
@@ -433,8 +434,9 @@ def retraction_spec(group: Mapping) -> tuple[str | None, tuple]:
 
 def validate_group_params(group: MutableMapping) -> None:
     """Raise ``ValueError`` naming the first parameter of ``group`` that ManifoldMuon cannot take:
-    neither a whole tensor nor FSDP2's row shards (a tensor-parallel DTensor, FSDP1-flattened), not 2-D, not a real floating-point dtype, or on
-    the meta device."""
+    neither a whole tensor nor FSDP2's row shards (a tensor-parallel DTensor, FSDP1-flattened), not 2-D, not a real floating-point dtype, on
+    the meta device, or a ``geoopt.ManifoldParameter`` whose manifold the group's steps would leave
+    (a Stiefel parameter in a Euclidean group: the group's manifold is what ManifoldMuon reads)."""
     names = group.get("param_names") or [None] * len(group["params"])
     for index, (p, name) in enumerate(zip(group["params"], names)):
         label = repr(name) if name is not None else f"#{index} of its group"
@@ -449,6 +451,35 @@ def validate_group_params(group: MutableMapping) -> None:
             raise ValueError(f"parameter {label} of shape {tuple(p.shape)} is on the meta device; "
                              f"materialize it (e.g. module.to_empty(device=...) and initialize it) before "
                              f"building the optimizer")
+        carried = getattr(p, "manifold", None)  # a geoopt.ManifoldParameter's
+        if carried is not None and not _carries_no_other_manifold(carried, group["manifold"]):
+            what = getattr(carried, "name", None) or type(carried).__name__
+            raise ValueError(
+                f"parameter {label} of shape {tuple(p.shape)} carries the manifold {what!r} (a "
+                f"geoopt.ManifoldParameter), but its group steps it on {group['manifold']!r}: ManifoldMuon reads "
+                f"the group's manifold option, not the parameter's, and would move it off {what!r} without a "
+                f"word; put it in a group with that manifold (manifold='stiefel', 'dgram' or 'oblique'), give it "
+                f"to an optimizer that reads the parameter's manifold (geoopt's), or pass a plain tensor")
+
+
+#: The manifolds a group's points stay on, by the group's manifold: a Stiefel point has unit,
+#: mutually orthogonal columns, so it lies on DGram and on Oblique too.
+_STAYS_ON = {"euclidean": (), "stiefel": ("stiefel", "dgram", "oblique"), "dgram": ("dgram",), "oblique": ("oblique",)}
+
+
+def _carries_no_other_manifold(carried: Any, name: str) -> bool:
+    """Whether a parameter that carries the manifold ``carried`` (geoopt's convention) stays on it
+    when stepped on the group's manifold ``name``: a Euclidean one constrains nothing;
+    manifoldlib's Stiefel, DGram and Oblique (their retraction is the group's business) and
+    geoopt's Stiefel must contain the group's manifold (a Stiefel group keeps a DGram or Oblique
+    parameter on its manifold); any other manifold (a sphere, a product) is not one ManifoldMuon
+    keeps."""
+    if isinstance(carried, geoopt.Euclidean) or getattr(carried, "name", None) == "euclidean":
+        return True
+    if isinstance(carried, geoopt.Stiefel):
+        return name == "stiefel"
+    ours = type(carried).__module__.startswith("manifoldlib.")
+    return ours and getattr(carried, "name", None) in _STAYS_ON.get(name, ())
 
 
 def check_decay(group: Mapping, decays: bool) -> None:

@@ -4,6 +4,7 @@ its options, and its refusals."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -412,6 +413,42 @@ def test_a_meta_parameter_is_refused_by_name(manifold):
     with pytest.raises(ValueError, match=r"parameter 'attn.q' of shape \(6, 4\) is on the meta device; "
                                          r"materialize it"):
         ManifoldMuon([{"params": [w], "param_names": ["attn.q"]}], manifold=manifold)
+
+
+def test_a_geoopt_parameter_carrying_another_manifold_is_refused():
+    """A ``geoopt.ManifoldParameter`` carries its manifold, and geoopt's optimizers read it there;
+    ManifoldMuon reads the group's ``manifold``. A Stiefel parameter left in a default (Euclidean)
+    group was stepped by Euclidean Muon: one step at lr 0.01 left ``max |X^T X - I|`` at 0.012, and nothing
+    said so. A Stiefel group keeps a DGram or Oblique parameter on its manifold (a Stiefel point
+    is on both), a Euclidean one constrains nothing; the rest is refused, naming both manifolds."""
+    import geoopt
+
+    from manifoldlib import DGram, Euclidean, Oblique, Sphere, Stiefel
+
+    x = Stiefel().random(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    refused = [(Stiefel(), "euclidean"), (Stiefel(), "dgram"), (DGram(), "oblique"), (Oblique(), "euclidean"),
+               (Sphere(), "stiefel"), (geoopt.Stiefel(), "dgram"), (geoopt.Sphere(), "euclidean")]
+    for carried, group in refused:
+        p = geoopt.ManifoldParameter(x.clone(), manifold=carried)
+        what = re.escape(getattr(carried, "name", None) or type(carried).__name__)
+        with pytest.raises(ValueError, match=rf"carries the manifold '{what}'.*its group steps it on '{group}'") as err:
+            ManifoldMuon([p], lr=0.01, manifold=group)
+        assert "(a geoopt.ManifoldParameter)" in str(err.value)
+        assert torch.equal(p.detach(), x)  # refused before the projection
+        opt = ManifoldMuon([torch.nn.Parameter(x.clone())], lr=0.01, manifold=group)
+        with pytest.raises(ValueError, match="carries the manifold"):
+            opt.add_param_group({"params": [p]})
+        assert len(opt.param_groups) == 1
+    kept = [(Stiefel(), "stiefel"), (DGram(), "stiefel"), (Oblique(), "stiefel"), (DGram(), "dgram"),
+            (Oblique(), "oblique"), (geoopt.Stiefel(), "stiefel"), (Euclidean(ndim=2), "dgram"),
+            (geoopt.Euclidean(), "euclidean")]
+    for carried, group in kept:
+        p = geoopt.ManifoldParameter(x.clone(), manifold=carried)
+        opt = ManifoldMuon([p], lr=0.05, weight_decay=0.0, manifold=group)
+        p.grad = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        if not isinstance(carried, (geoopt.Euclidean, Euclidean)):
+            assert carried.check_point_on_manifold(p.detach(), atol=1e-10), (carried, group)
 
 
 def test_non_matrix_parameter_is_rejected():
