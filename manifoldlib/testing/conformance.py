@@ -121,6 +121,13 @@ directly on ``.grad``. The checks:
     rounding (``64 eps`` relative, the dtype's) and leave everything finite (an epsilon guard
     such as ``g / (||g|| + 1e-50)`` underflows to ``0 / 0`` in float32 only) (skipped when the defaults have a nonzero
     ``weight_decay``, which moves parameters by design).
+``zero_lr``
+    a group whose ``lr`` is set to 0 after construction (a warm-up from zero, as ``LambdaLR`` and
+    linear warm-up schedules start), in float64 and float32: 3 steps move the point by rounding
+    at most (``64 eps`` relative) and leave every state entry finite; with ``lr`` back at its
+    default, 3 more steps move it, on the manifold, with a finite state. A step or momentum
+    rescaled by the ratio of the new ``lr`` to the last (a momentum correction) divides by zero
+    there and fails.
 ``degenerate_shapes``
     a one-column point (``(m, 1)``, or ``(1,)`` on the sphere), a zero-size point (``(0, n)``,
     ``(0,)``) and a zero-size batch of points ``(0, *shape)``, each where the manifold admits it:

@@ -622,6 +622,32 @@ def _check_zero_gradient(s: Setup) -> str:
     return f"moved {moves[0]} (float64), {moves[1]} (float32)"
 
 
+def _check_zero_lr(s: Setup) -> str:
+    lr = s.defaults().get("lr")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+        return "skip: the optimizer has no positive float default 'lr'"
+    outcomes = []
+    for dtype in (torch.float64, torch.float32):
+        start, target = s.point(60, dtype=dtype), s.point(61, dtype=dtype)
+        (p,) = params = s.parameters(start)
+        opt = s.factory(params)
+        opt.param_groups[0]["lr"] = 0.0  # a warm-up from zero (LambdaLR, linear warm-up schedules)
+        s.run(opt, params, [target], 3)
+        moved = float((p.detach() - start).norm())
+        _require(_all_finite(opt.state_dict()), f"{dtype}: 3 steps at lr=0 made a state entry non-finite")
+        _require(moved <= 64 * torch.finfo(dtype).eps * float(start.norm()),
+                 f"{dtype}: 3 steps at lr=0 moved the point by {moved:.3e}")
+        opt.param_groups[0]["lr"] = lr
+        s.run(opt, params, [target], 3)
+        _on_manifold(s, p, f"{dtype}: the point 3 steps after lr went from 0 to {lr:g}")
+        _require(_all_finite(opt.state_dict()), f"{dtype}: after lr went from 0 to {lr:g} a state entry is "
+                                                f"non-finite (a step or momentum rescaled by the ratio of lrs?)")
+        after = float((p.detach() - start).norm())
+        _require(after > 0, f"{dtype}: 3 steps after lr went from 0 to {lr:g} did not move the point")
+        outcomes.append(f"{dtype}: {moved:.1e} at lr=0, then {after:.3g}")
+    return "; ".join(outcomes)
+
+
 def _admits(s: Setup, shape: tuple[int, ...]) -> bool:
     ok, _ = s.manifold.check_point(torch.empty(shape, device="meta"), explain=True)
     return ok
@@ -820,6 +846,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "closure": _check_closure,
     "non_finite_gradient": _check_non_finite_gradient,
     "zero_gradient": _check_zero_gradient,
+    "zero_lr": _check_zero_lr,
     "degenerate_shapes": _check_degenerate_shapes,
     "wide": _check_wide,
     "batched": _check_batched,

@@ -23,7 +23,7 @@ FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forge
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
          "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize",
          "caches_lr_by_object", "keeps_first_lr", "draws_from_global_rng",
-         "decays_gradient_in_place")
+         "decays_gradient_in_place", "rescales_momentum_by_lr_ratio")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -87,6 +87,9 @@ class ToySGD(torch.optim.Optimizer):
             if "lr" not in store or (self.flaw == "caches_lr_by_object" and store["lr_object"] is not lr):
                 store["lr"], store["lr_object"] = float(lr), lr
             lr = store["lr"]
+        if self.flaw == "rescales_momentum_by_lr_ratio":  # momentum correction: 0/0 after lr = 0
+            buf = buf * (lr / store.get("last_lr", lr)) if "last_lr" in store else buf
+            store["last_lr"] = lr
         step = (lr if self.flaw == "ascent" else -lr) * buf
         store["steps"] = store.get("steps", 0) + 1
         if self.flaw == "draws_from_global_rng":  # a random restart, never taken here
@@ -124,6 +127,7 @@ CAUGHT_BY = {
     "keeps_first_lr": "tensor_lr",
     "draws_from_global_rng": "global_rng",
     "decays_gradient_in_place": "gradient_untouched",
+    "rescales_momentum_by_lr_ratio": "zero_lr",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
