@@ -154,6 +154,10 @@ directly on ``.grad``. The checks:
 ``batched``
     three same-shape parameters in one group end where each ends alone, to rounding
     (``1e-12`` relative: a batched solve may sum in another order).
+``mixed_dtypes``
+    one group of float64 and float32 parameters of two shapes: each ends 3 steps where it ends
+    alone (``1e-12`` relative), in its own dtype. A batched step that solves a group in one dtype
+    (the first parameter's, or float64 throughout) differs by the rounding of the other.
 ``in_place``
     3 steps on a contiguous parameter in each of float64, float32, bfloat16 and float16 update
     it in place: the parameter groups still hold the same object, of the same dtype, shape and

@@ -770,6 +770,25 @@ def _check_batched(s: Setup) -> str:
     return f"relative difference {worst:.1e}"
 
 
+def _check_mixed_dtypes(s: Setup) -> str:
+    shape2 = _second_shape(s)
+    layout = [(None, torch.float64), (None, torch.float32), (shape2, torch.float64), (shape2, torch.float32),
+              (None, torch.float64)]
+    starts = [s.point(62 + k, shape, dtype) for k, (shape, dtype) in enumerate(layout)]
+    targets = [s.point(67 + k, shape, dtype) for k, (shape, dtype) in enumerate(layout)]
+    together = _trajectory(s, starts, targets, 3)
+    worst = []
+    for (shape, dtype), x, t, joint in zip(layout, starts, targets, together):
+        _require(joint.dtype == dtype, f"a {dtype} parameter in a group with others came back {joint.dtype}")
+        alone = _trajectory(s, [x], [t], 3)[0]
+        worst.append(float((joint - alone).norm()) / max(float(alone.norm()), torch.finfo(dtype).tiny))
+        _require(worst[-1] <= 1e-12, f"in one group of float64 and float32 parameters of two shapes, the {dtype} "
+                                     f"parameter of shape {tuple(x.shape)} differs from its run alone by "
+                                     f"{worst[-1]:.3e} (relative; 1e-12 allowed: a float32 parameter solved "
+                                     f"with float64 ones, or the reverse, differs by its rounding)")
+    return f"float64 and float32 parameters of two shapes in one group: each as alone to {max(worst):.1e}"
+
+
 def _check_in_place(s: Setup) -> str:
     outcomes, reach = [], math.inf
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
@@ -850,6 +869,7 @@ CHECKS: dict[str, Callable[[Setup], str]] = {
     "degenerate_shapes": _check_degenerate_shapes,
     "wide": _check_wide,
     "batched": _check_batched,
+    "mixed_dtypes": _check_mixed_dtypes,
     "in_place": _check_in_place,
     "bad_lr": _check_bad_lr,
 }

@@ -23,7 +23,7 @@ FLAWS = ("euclidean_step", "ascent", "unsaved_state", "ignores_group_lr", "forge
          "propagates_nan", "skips_nan_silently", "moves_on_zero", "loses_a_dimension", "joint_norm",
          "accepts_bad_lr", "projects_every_tenth_step", "zero_guard_underflows_in_float32", "ignores_maximize",
          "caches_lr_by_object", "keeps_first_lr", "draws_from_global_rng",
-         "decays_gradient_in_place", "rescales_momentum_by_lr_ratio")
+         "decays_gradient_in_place", "rescales_momentum_by_lr_ratio", "solves_in_the_first_dtype")
 
 
 class ToySGD(torch.optim.Optimizer):
@@ -55,6 +55,8 @@ class ToySGD(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
+            if self.flaw == "solves_in_the_first_dtype" and params:  # one dtype for a batched solve
+                grads = [g.to(params[0].dtype) for g in grads]
             bad = [i for i, g in enumerate(grads) if not bool(torch.isfinite(g).all())]
             if bad and self.flaw == "skips_nan_silently":
                 pass
@@ -64,7 +66,7 @@ class ToySGD(torch.optim.Optimizer):
             for i, p in enumerate(params):
                 if i in bad and self.flaw == "skips_nan_silently":
                     continue
-                self._update(p, p.grad / total if self.flaw == "joint_norm" else p.grad, group)
+                self._update(p, grads[i] / total if self.flaw == "joint_norm" else grads[i], group)
         return loss
 
     def _update(self, p, grad, group):
@@ -128,6 +130,7 @@ CAUGHT_BY = {
     "draws_from_global_rng": "global_rng",
     "decays_gradient_in_place": "gradient_untouched",
     "rescales_momentum_by_lr_ratio": "zero_lr",
+    "solves_in_the_first_dtype": "mixed_dtypes",
 }
 MANIFOLDS = {"sphere": Sphere(2.5, retraction="exp"), "stiefel": Stiefel(), "euclidean": Euclidean(ndim=2)}
 
