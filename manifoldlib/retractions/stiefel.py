@@ -19,7 +19,6 @@ from ..functional.stiefel import (
     stiefel_cayley,
     stiefel_exp,
     stiefel_polar,
-    stiefel_project_tangent,
     stiefel_qr,
 )
 from .base import Retraction, register_retraction
@@ -101,10 +100,13 @@ class StiefelExpRetraction(Retraction):
     ``v`` is projected onto the tangent space first, :math:`R_X(V) = \exp_X(P_X V)`: the geodesic
     formula leaves the manifold for a vector with a normal part (a momentum buffer seeded with a
     raw gradient, as geoopt's optimizers seed it), which the other Stiefel retractions, being
-    projections or orthogonal transformations of :math:`X`, absorb.
+    projections or orthogonal transformations of :math:`X`, absorb. The projection and the
+    exponential are computed in float64 and the result re-orthonormalized before the cast back
+    (:func:`~manifoldlib.functional.stiefel_exp`), so the point is on the manifold to the
+    rounding of its dtype at any step length.
     """
 
     order = 2
 
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return stiefel_exp(x, stiefel_project_tangent(x, v))
+        return stiefel_exp(x, v)
