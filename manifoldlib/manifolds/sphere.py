@@ -37,8 +37,11 @@ class Sphere(RetractionManifold):
     Tangent projection :math:`P_x(z) = z - (\langle x, z\rangle/r^2)\,x`; the retraction is any
     registered sphere retraction (``"gnomonic"`` by default; ``"exp"``, ``"cayley"``, ``"p"`` with
     ``p=...``, or a user's own :class:`~manifoldlib.retractions.AngleRetraction`). :meth:`retr` and
-    :meth:`expmap` take any vector at ``x`` and act with its tangent part :math:`P_x u`, as
-    geoopt's own sphere does.
+    :meth:`expmap` take any vector at ``x`` and act with its tangent part :math:`P_x u` (a normal
+    part is dropped). geoopt's own sphere does not drop it: its ``retr`` is ``projx(x + u)``, where
+    a normal part :math:`a\,x` scales the tangent step by :math:`1/(1 + a)` (and reverses it for
+    :math:`a < -1`), and its ``expmap`` :math:`\cos\|u\|\,x + \sin\|u\|\,u/\|u\|` leaves the
+    sphere (:math:`\|y\| = 1.34` for :math:`u = 0.5\,t + 0.7\,x` on the unit sphere).
 
     Every method that takes a point checks that it is one: a real floating-point tensor whose
     rows have norm :math:`r` within the dtype's tolerance

@@ -142,9 +142,11 @@ class AngleRetraction(Retraction):
     def retract(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
         r"""Rotate ``x`` towards ``v``: :math:`R_x(v) = R_x(P_x v)`.
 
-        The normal component of ``v`` is removed first (as geoopt's own sphere retractions do),
-        so a vector that is not tangent — a momentum buffer seeded with a raw gradient — still
-        gives a point on the sphere.
+        The normal component of ``v`` is removed first, so a vector that is not tangent — a
+        momentum buffer seeded with a raw gradient — still gives a point on the sphere, rotated
+        by its tangent part alone. (geoopt's sphere does otherwise: its ``retr`` is
+        ``projx(x + v)``, where a normal part rescales the step, and its ``expmap`` leaves the
+        sphere for one.)
 
         Args:
             x: ``(..., d)`` points on the sphere of radius ``radius``.

@@ -273,3 +273,18 @@ def test_point_and_tangent_checks_are_judged_in_units_of_the_radius(dtype, radiu
     for v in (x, normal):
         ok, reason = s.check_vector_on_tangent(x.to(dtype), v.to(dtype), explain=True)
         assert not ok and "exceeds" in reason
+
+
+@pytest.mark.parametrize("retraction", ["gnomonic", "exp"])
+def test_a_normal_part_is_dropped_where_geoopts_sphere_keeps_it(retraction):
+    # the docstrings said the normal part is dropped "as geoopt's own sphere does"; geoopt's retr
+    # is projx(x + u) (a normal part a x scales the step by 1/(1 + a)) and its expmap leaves the
+    # sphere. Ours act with P_x u alone (docs-only fix: passes on the old code too)
+    s = Sphere(retraction=retraction)
+    x = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    t = torch.tensor([0.0, 0.5, 0.0], dtype=torch.float64)
+    for method in ("retr", "expmap"):
+        torch.testing.assert_close(getattr(s, method)(x, t + 0.7 * x), getattr(s, method)(x, t), rtol=0, atol=1e-15)
+    ref = geoopt.Sphere()
+    assert float((ref.retr(x, t + 0.7 * x) - ref.retr(x, t)).abs().max()) > 0.1
+    assert abs(float(ref.expmap(x, t + 0.7 * x).norm()) - 1.0) > 0.3
