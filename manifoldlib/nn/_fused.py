@@ -37,8 +37,9 @@ other than the built-ins is formed in ATen as :math:`\cos\theta\,h + ks\,u` from
 :math:`u = P_h f` itself, projected twice, since its :math:`\rho` up to :math:`1/\varepsilon`
 would magnify the cancellation in :math:`A h + B f`). A row nearly parallel to :math:`h`
 (:math:`\|f\|^2 - a^2/q < \|f\|^2/8` from the double sums, where :math:`\|f\|^2 - a^2/q` and
-:math:`A h + B f` in the input dtype would lose more than 3 bits: float32 :math:`f = 10^4 h` plus
-a tangent of norm :math:`r` left the sphere by 12 %, float64 :math:`10^8 h` by 30 %) is swept once
+:math:`A h + B f` in the input dtype would lose more than 3 bits and take the row off the sphere;
+``test_user_retraction_literal_step_for_an_update_nearly_parallel_to_h`` in
+``tests/nn/test_sphere_residual.py`` checks such rows stay on it to a few eps) is swept once
 more by the first pass while it is in cache, for :math:`\|u\|^2` and :math:`\langle h, u\rangle`
 of :math:`u = f - (a/q)h` in double, and the second pass writes it as :math:`\cos\theta\,h + ks\,u`
 from :math:`u` itself, projected twice, in double; the other rows pay one comparison and get the
@@ -68,8 +69,9 @@ Whose map runs. The update above is the angle form :math:`\cos\theta\,h + k\,v` 
 A class that overrides ``retract`` (an :class:`~manifoldlib.retractions.AngleRetraction` subclass,
 or a subclass of a built-in) defines its map there, and ``Sphere.retr`` and
 :func:`~manifoldlib.testing.assert_retraction` use it; the fast path would silently train with
-another map (an arctan angle with a Cayley ``retract``: rows up to 0.46 r away from ``retract``'s
-at a normalized step of 2 rad). So such a class takes :func:`sphere_residual_reference`, which
+another map (an arctan angle with a Cayley ``retract``: rows far from ``retract``'s at a
+long step; ``tests/nn/test_sphere_residual_own_retract.py`` checks every path against the class's
+own ``retract``). So such a class takes :func:`sphere_residual_reference`, which
 calls its ``retract`` (plain autograd, on every device), unless that ``retract`` is recognized as
 :meth:`AngleRetraction.retract <manifoldlib.retractions.AngleRetraction.retract>` reached directly or
 through pure forwards, ``return super().retract(x, v, radius)`` (``_retract_is_angle_form``, checked on
