@@ -17,7 +17,8 @@ from .config import ConfigError, TrainConfig
 from .storage import RunError
 
 __all__ = ["SEL_OPTIONS", "MissingModuleError", "apply_sel", "build_model",
-           "build_train_optimizer", "lr_scale", "resolve_device"]
+           "build_train_optimizer", "lr_peak_fraction", "lr_scale", "resolve_device",
+           "warmup_outlasts_run"]
 
 #: SEL variants of ``TrainConfig.sel`` -> keyword options of ``manifoldlib.charts.SEL``.
 SEL_OPTIONS = {
@@ -225,3 +226,28 @@ def lr_scale(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_peak_fraction(cfg: TrainConfig) -> float:
+    """The largest :func:`lr_scale` of the run's ``steps`` updates: 1, or ``steps /
+    warmup_steps`` where the warm-up outlasts the run (the last update's)."""
+    return min(1.0, cfg.steps / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+
+
+def warmup_outlasts_run(cfg: TrainConfig) -> str | None:
+    """What a warm-up of at least ``steps`` does to the run, or None where it is shorter.
+
+    Such a run warms up for its whole length: every learning rate peaks at the last update at
+    ``steps / warmup_steps`` of its value, and ``schedule`` (with ``min_lr_ratio``) never acts.
+    It is not refused (a short test run of a long run's configuration is one), but said: the
+    trainer warns at the start and ``summary.json`` records the line and the fraction.
+    """
+    if cfg.warmup_steps < cfg.steps:
+        return None
+    peak = lr_peak_fraction(cfg)
+    unused = f"schedule {cfg.schedule!r}" + (f" and min_lr_ratio {cfg.min_lr_ratio:g} never act"
+                                             if cfg.schedule == "cosine" else " never acts")
+    return (f"warmup_steps {cfg.warmup_steps} >= steps {cfg.steps}: the learning rate warms up "
+            f"for the whole run and peaks at its last step at {cfg.steps}/{cfg.warmup_steps} = "
+            f"{peak:.3g} of each configured rate (lr {cfg.lr:g} -> {cfg.lr * peak:.3g}); {unused}; "
+            f"give warmup_steps below steps to train at the configured rates")

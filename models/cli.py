@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 from .config import (
@@ -329,8 +331,19 @@ def main(argv: list[str] | None, run) -> int:
     (0 ok, 1 file-system fault, 2 bad input, 3 diverged, 130 interrupted, 143 / 129 ended by
     SIGTERM / SIGHUP)."""
     argv = sys.argv[1:] if argv is None else argv
-    with _signal_handlers():
+    with _signal_handlers(), warnings.catch_warnings():
+        warnings.showwarning = functools.partial(_show_warning, warnings.showwarning)
         return _main(argv, run)
+
+
+def _show_warning(fallback, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning of the trainer's own (a warm-up that outlasts the run, a missing plotting
+    package) as one ``warning: ...`` line on stderr, as errors are printed; others as
+    ``fallback`` (the display in place before) shows them."""
+    if Path(filename).resolve().parent == Path(__file__).resolve().parent:
+        print(f"warning: {message}", file=sys.stderr if file is None else file, flush=True)
+    else:
+        fallback(message, category, filename, lineno, file, line)
 
 
 def _main(argv: list[str], run) -> int:

@@ -467,16 +467,31 @@ def resumed_rows(out: Path, step: int) -> list[dict]:
 
 
 def summary_of(run, ckpt: dict | None, wall: float, seconds: float) -> dict:
-    """The content of ``summary.json`` for ``run`` (a :class:`models.train.Run`)."""
+    """The content of ``summary.json`` for ``run`` (a :class:`models.train.Run`).
+
+    ``val_loss`` / ``val_ppl`` are the last evaluation's, and null for a run that diverged
+    (whether its training or its validation loss went non-finite): no loss of such a run is its
+    final one. ``last_finite_val_loss`` / ``last_finite_val_step`` give its last finite
+    evaluation for any run (null before one). ``lr_peak_fraction`` is the largest learning-rate
+    multiplier of the schedule, below 1 where the warm-up outlasts the run; ``warnings`` holds
+    what the trainer warned about the configuration at the start (that line).
+    """
+    from .build import lr_peak_fraction, warmup_outlasts_run
     from .evaluation import perplexity
 
     cfg, job = run.cfg, run.job
     last_train = next((r["train_loss"] for r in reversed(run.log.rows)
                        if r.get("train_loss") is not None), None)
-    val = run.last_val if run.last_val is not None and math.isfinite(run.last_val) else None
+    last_eval = next((r for r in reversed(run.log.rows) if r.get("val_loss") is not None), {})
+    val = run.last_val if run.last_val is not None and math.isfinite(run.last_val) \
+        and run.diverged is None else None
     ppl = perplexity(val) if val is not None else None
     return {
         "val_loss": val, "val_ppl": ppl if ppl is not None and math.isfinite(ppl) else None,
+        "last_finite_val_loss": last_eval.get("val_loss"),
+        "last_finite_val_step": last_eval.get("step"),
+        "lr_peak_fraction": lr_peak_fraction(cfg),
+        "warnings": [w for w in (warmup_outlasts_run(cfg),) if w is not None],
         "steps": run.step, "tokens": run.tokens, "world_size": job.world_size,
         "wall_time_s": wall, "train_loss": last_train,
         "corpus_fingerprint": run.corpus.fingerprint, "corpus": cfg.corpus,

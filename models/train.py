@@ -47,6 +47,7 @@ from . import cli, run_dir
 # imported from here by models.compare, the tests and users' scripts:
 from .build import MissingModuleError, _import  # noqa: F401
 from .build import build_model, build_train_optimizer, lr_scale, resolve_device
+from .build import warmup_outlasts_run
 from .cli import _ArgumentError, _Parser  # noqa: F401
 from .clipping import clip_grad_norm
 from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
@@ -268,6 +269,9 @@ def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corp
         run.step, run.tokens = ckpt["step"], ckpt["tokens"]
         run.wall_before, run.saved_step = ckpt["wall_time_s"], ckpt["step"]
     run.progress.say(run_dir.describe_start(run))
+    note = warmup_outlasts_run(cfg)
+    if note is not None and job.is_main:  # summary.json records it too
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
     return run
 
 
@@ -437,7 +441,10 @@ def _finish(run: Run, ckpt: dict | None) -> dict:
     if run.diverged is not None:
         kept = (f"the last good checkpoint (step {run.saved_step}) is kept in {out}"
                 if run.saved_step >= 0 else "no checkpoint had been written yet")
-        summary["error"] = f"{run.diverged}; {kept}"
+        last = summary["last_finite_val_loss"]
+        before = (f"; val_loss is null (no final loss), the last finite one {last:.4f} at step "
+                  f"{summary['last_finite_val_step']}" if last is not None else "")
+        summary["error"] = f"{run.diverged}; {kept}{before}"
         say(f"stopped: {summary['error']}")
     if run.job.is_main:
         run_dir.write_json(out / "summary.json", summary)

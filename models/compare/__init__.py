@@ -8,7 +8,8 @@ set of seeds — with :func:`models.train.run_training`, one run directory per a
 overrides the config of every run, arm settings and the swept value included; one that would
 make two arms (or two swept values) the same configuration, or that no arm reads
 (:func:`models.config.inert_settings`; one that some arms read is kept), is refused before
-anything runs.
+anything runs, and so is ``--stop_at`` (every run is trained to its ``steps``: a truncated run
+would be reported as a finished one; ``--steps N`` gives shorter runs).
 Finished runs of the same config already in ``--out`` are reused, whatever code made them: use
 a fresh ``--out`` after a change of the code. A run on data that changed since (its
 ``corpus.json`` fingerprint is not the corpus's now: a ``file:`` corpus rewritten, shards
@@ -39,7 +40,9 @@ on the very seeds it is judged on. ``results.md`` names both sets.
   the sweep table of a swept suite; a suite's own columns average the runs whose value is finite
   and say how many runs that is (``(k/n)``) and how many had a value that is not
   (``m non-finite``, ``non-finite (m/n)`` when none is finite: NaN in ``results.csv``), while
-  ``—`` is a value no run has (a diagnostic the model lacks);
+  ``—`` is a value no run has (a diagnostic the model lacks); in the columns of evaluations
+  (final and peak values) a run that diverged is set aside (``m diverged``, ``diverged (m/n)``):
+  its values are those of an earlier step than the other runs';
 - ``sweep.csv`` — a swept suite's tuning runs (its tuning seeds) at every value;
 - ``curves.png`` — the validation curves of every reported run.
 

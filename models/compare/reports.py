@@ -112,22 +112,37 @@ def _ppl(mean_loss: float) -> str:
     return "inf" if ppl == math.inf else _fmt(ppl, 2)
 
 
+#: Report columns of a run's evaluations (the last one's and the extremes over them), in which a
+#: run that diverged is set aside (:func:`_column_mean`): its last evaluation is not the run's
+#: final one and its extremes cover only the steps before it left every bound. (``val_rise_max``
+#: of such a run is already NaN; "steps to target" counts a run that reached it before.)
+EVALUATION_KEYS = frozenset({*DIAGNOSTIC_FIELDS, "peak_attention_logit",
+                             "peak_qk_spectral_norm", "min_attention_entropy"})
+
+
 def _column_mean(rs: list[dict], key: str) -> str:
     """The mean of ``key`` over the runs whose value is finite, with ``(k/n)`` where only ``k``
     of the ``n`` runs have one, and ``m non-finite`` for the runs whose value is NaN or inf (an
     evaluation that went non-finite: the trainer logs it as null); ``non-finite (m/n)`` where no
     run's value is finite, and ``—`` where no run has a value at all (a diagnostic the arm's
-    model does not have, a target no run reached); ``results.md`` says so (``_LEGEND``).
+    model does not have, a target no run reached). In an evaluation column
+    (:data:`EVALUATION_KEYS`) a run that diverged is set aside, counted as ``m diverged`` (or
+    ``diverged (m/n)`` where it leaves no value): its finite value is that of an earlier step
+    than the other runs' and would be averaged with theirs as if it were comparable.
+    ``results.md`` says so (``_LEGEND``).
     """
-    xs = [r[key] for r in rs if r.get(key) is not None]
+    xs = [(r[key], key in EVALUATION_KEYS and bool(r.get("diverged")))
+          for r in rs if r.get(key) is not None]
     if not xs:
         return "—"
-    finite = [x for x in xs if math.isfinite(x)]
-    bad = len(xs) - len(finite)
+    finite = [x for x, aside in xs if math.isfinite(x) and not aside]
+    bad = sum(not math.isfinite(x) for x, _ in xs)
+    aside = sum(math.isfinite(x) and cut for x, cut in xs)
     if not finite:
-        return f"non-finite ({bad}/{len(rs)})"
+        return "; ".join(f"{label} ({m}/{len(rs)})"
+                         for label, m in (("non-finite", bad), ("diverged", aside)) if m)
     counts = ([f"{len(finite)}/{len(rs)}"] if len(finite) < len(rs) else []) + \
-        ([f"{bad} non-finite"] if bad else [])
+        ([f"{bad} non-finite"] if bad else []) + ([f"{aside} diverged"] if aside else [])
     return _fmt(statistics.fmean(finite), 3) + (f" ({'; '.join(counts)})" if counts else "")
 
 
@@ -135,9 +150,11 @@ def _column_mean(rs: list[dict], key: str) -> str:
 _LEGEND = ("Columns after wall s: the mean over the runs whose value is finite; (k/n) where only "
            "k of the n runs have one; \"m non-finite\" counts the runs whose value is NaN or inf "
            "(an evaluation that went non-finite; for the largest val rise, also a run that "
-           "diverged), \"non-finite (m/n)\" where no run's value is "
-           "finite; — where no run has a value (a diagnostic the arm's model does not have, a "
-           "target no run reached).")
+           "diverged); \"m diverged\" counts the runs that diverged, set aside in the columns of "
+           "evaluations (final and peak values: a diverged run's are those of its last finite "
+           "evaluation, an earlier step than the others'), \"diverged (m/n)\" where that leaves "
+           "no value; \"non-finite (m/n)\" where no run's value is finite; — where no run has a "
+           "value (a diagnostic the arm's model does not have, a target no run reached).")
 
 
 def _md_row(cells) -> str:

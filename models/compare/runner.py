@@ -114,6 +114,26 @@ def _check_read(suite: Suite, planned: list[tuple], overrides: dict) -> None:
                 check_given_tokenizer(corpus, tokenizer, f"--{key}")
 
 
+def _check_whole_runs(suite: Suite, planned: list[tuple]) -> None:
+    """Refuse a plan whose runs stop before their ``steps`` (``--stop_at``).
+
+    A suite reports each run's last evaluation as its final validation loss, beside runs that
+    finished; a run stopped at ``stop_at`` of a longer schedule would be reported as one, and
+    never reused by a later run of the suite (only finished runs are), which would train it again.
+
+    Raises:
+        ConfigError: naming the value, the runs' schedule and what to give instead.
+    """
+    for arm, _, cfg in planned:
+        if cfg.stop_at:
+            raise ConfigError(
+                f"suite {suite.name!r}: --stop_at {cfg.stop_at} would stop every run at step "
+                f"{cfg.stop_at} of its {cfg.steps}-step schedule (arm {arm!r}), and results.md "
+                f"would report those truncated runs as finished ones; a suite trains every run "
+                f"to its steps: give --steps {cfg.stop_at} for shorter runs (a schedule of that "
+                f"length), or leave --stop_at out")
+
+
 def _steps_to(rows: list[dict], target: float) -> int | None:
     """The step of the first evaluation at or below ``target`` (``None``: none is). A run that
     diverged after it still has it: "steps to target" is when a run first reached the
@@ -272,7 +292,8 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         ConfigError: a bad ``jobs``, an invalid configuration, an override that no arm reads
             (``--muon_ns_dtype`` in an AdamW-only suite; one that some arms read is kept), or
             ``overrides`` that make two arms (or two swept values) the same configuration (e.g.
-            ``--policy`` in a manifolds suite, ``--lr`` in the swept ``manifolds``); nothing is
+            ``--policy`` in a manifolds suite, ``--lr`` in the swept ``manifolds``), or a
+            ``--stop_at`` (a truncated run would be reported as a finished one); nothing is
             written then.
         CorpusError: a ``--tokenizer`` override that disagrees with the ``bin:`` shards'.
     """
@@ -296,6 +317,7 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
     planned = suite_configs(suite, quick=quick, seed=seeds[0], overrides=overrides)
     _check_read(suite, planned, overrides or {})
     _check_distinct(suite, planned, overrides or {})
+    _check_whole_runs(suite, planned)
     out.mkdir(parents=True, exist_ok=True)
 
     # phase 1: every arm at every swept value on the tuning seeds (all seeds without a sweep)

@@ -308,3 +308,61 @@ def test_a_run_that_diverged_between_evaluations_has_no_bounded_val_rise(tmp_pat
     assert b[head.index("max val rise")] == "0.000 (1/2; 1 non-finite)"
     assert [(r["arm"], r["seed"], r["val_rise_max"]) for r in _csv(tmp_path / "results.csv")] == [
         ("a", "0", "0.0"), ("a", "1", "0.0"), ("b", "0", "0.0"), ("b", "1", "nan")]
+
+
+def test_a_diverged_runs_evaluation_values_are_set_aside_from_the_arms_mean(tmp_path, monkeypatch):
+    """Arm b's seed 1 evaluated at steps 0 and 25 (attention logit 5.0, 9.0; max attention
+    probability 0.9 at step 25) and then diverged between evaluations; seed 0 finished (peak
+    logit 7.0, final probability 0.5 at step 50). The "peak attn logit" cell averaged the two,
+    8.000, and "final max attn prob" 0.700: a peak over half the run and a step-25 value taken
+    for a final one, beside the healthy arm's, with only "1/2" diverged to say so. The diverged
+    run is now set aside in those columns ("7.000 (1/2; 1 diverged)", "0.500 (1/2; 1
+    diverged)"); arm c, diverged on both seeds, reads "diverged (2/2)"; results.csv keeps
+    every run's own value."""
+    def curve(cfg):
+        if cfg.lr == 2.0 or (cfg.lr == 1.0 and cfg.seed == 1):
+            return [4.0, 3.0, "train"]
+        return [4.0, 3.0, 2.5]
+
+    def diagnostics(cfg, i):
+        bad = cfg.lr == 2.0 or (cfg.lr == 1.0 and cfg.seed == 1)
+        return {"max_attention_logit": ((5.0, 9.0) if bad else (5.0, 6.0, 7.0))[i],
+                "attention_max_prob": ((0.3, 0.9) if bad else (0.3, 0.4, 0.5))[i]}
+    _stub_training(monkeypatch, curve, diagnostics=diagnostics)
+    suite = Suite(name="manifolds-mini", baseline="a",
+                  arms=(("a", {}), ("b", {"lr": 1.0}), ("c", {"lr": 2.0})), seeds=(0, 1))
+    run_suite(suite, tmp_path, echo=False)
+    md = (tmp_path / "results.md").read_text()
+    lines = md.splitlines()
+    head, a, b, c = ([x.strip() for x in next(y for y in lines if y.startswith(s)).strip("| ").split("|")]
+                     for s in ("| arm |", "| a |", "| b |", "| c |"))
+    assert (a[head.index("peak attn logit")], a[head.index("final max attn prob")]) == ("7.000", "0.500")
+    assert b[head.index("diverged")] == "1/2"
+    assert b[head.index("peak attn logit")] == "7.000 (1/2; 1 diverged)"
+    assert b[head.index("final max attn prob")] == "0.500 (1/2; 1 diverged)"
+    assert c[head.index("peak attn logit")] == "diverged (2/2)"
+    assert c[head.index("max val rise")] == "non-finite (2/2)"  # NaN for a diverged run, as before
+    assert "\"m diverged\" counts the runs that diverged" in md
+    rows = _csv(tmp_path / "results.csv")
+    assert [(r["arm"], r["peak_attention_logit"]) for r in rows] == [
+        ("a", "7.0"), ("a", "7.0"), ("b", "7.0"), ("b", "9.0"), ("c", "9.0"), ("c", "9.0")]
+
+
+def test_stop_at_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """``--stop_at 1`` ran every arm to step 1 of its 50-step schedule and results.md reported
+    those runs' losses as the arms' final ones (nothing said they were cut short); a second run
+    of the suite trained them all again (only finished runs are reused). Now refused, naming
+    the value, the schedule and --steps, before anything is trained or written."""
+    trained = _stub_training(monkeypatch, lambda cfg: [4.0, 3.0, 2.5])
+    suite = Suite(name="mini", baseline="a", arms=(("a", {}), ("b", {"lr": 1.0})), seeds=(0,))
+    with pytest.raises(ConfigError, match=r"suite 'mini': --stop_at 1 would stop every run at step "
+                       r"1 of its 300-step schedule .*give --steps 1 for shorter runs"):
+        run_suite(suite, tmp_path / "out", overrides={"stop_at": "1"}, echo=False)
+    assert trained == [] and not (tmp_path / "out").exists()
+    from models.compare import main as compare_main
+    assert compare_main(["--suite", "manifolds-high-lr", "--out", str(tmp_path / "cli"),
+                         "--stop_at", "5"]) == 2
+    assert "--stop_at 5 would stop every run at step 5" in capsys.readouterr().err
+    assert trained == [] and not (tmp_path / "cli").exists()
+    run_suite(suite, tmp_path / "out", overrides={"stop_at": "0"}, echo=False)  # the default
+    assert len(trained) == 2

@@ -27,7 +27,8 @@ from models.train import lr_scale, main, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"val_loss", "val_ppl", "steps", "tokens", "world_size", "wall_time_s",
-                "corpus_fingerprint"}
+                "corpus_fingerprint", "last_finite_val_loss", "last_finite_val_step",
+                "lr_peak_fraction", "warnings"}
 COMPARED = ("step", "train_loss", "val_loss", "lr", "tokens", "grad_norm")
 
 
@@ -64,6 +65,10 @@ def test_smoke_run_writes_the_documented_run_directory(tmp_path):
     assert summary["tokens"] == steps * PRESETS["smoke"]["batch_size"] * \
         PRESETS["smoke"]["block_size"]
     assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]), rel=1e-12)
+    assert (summary["last_finite_val_loss"], summary["last_finite_val_step"]) == (
+        summary["val_loss"], steps)
+    assert summary["lr_peak_fraction"] == 1.0 and summary["warnings"] == []
+    assert "warning:" not in proc.stderr
     initial, *rows = read_metrics(out / "metrics.jsonl")
     # a fresh run evaluates its initial model first: the reference for an early spike
     assert initial["step"] == 0 and initial["tokens"] == 0 and "train_loss" not in initial
@@ -254,7 +259,9 @@ def test_run_directory_rules(tmp_path, capsys):
 # ---- non-finite loss ------------------------------------------------------------------------
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+def _nan_loss(monkeypatch, training: bool, from_step: int) -> None:
+    """``build_model`` replaced: from the ``from_step``-th training forward on, the loss of every
+    forward in training (``training``) or evaluation mode is NaN."""
     build = train_mod.build_model
 
     def poisoned(cfg, vocab_size):
@@ -263,16 +270,19 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 
         def forward_with_nan(idx, targets=None):
             logits, loss = forward(idx, targets)
-            if model.training:
-                calls["train"] += 1
-                if calls["train"] >= 13:
-                    loss = loss * float("nan")
+            calls["train"] += model.training
+            if model.training == training and calls["train"] >= from_step and loss is not None:
+                loss = loss * float("nan")
             return logits, loss
 
         model.forward = forward_with_nan
         return model
 
     monkeypatch.setattr(train_mod, "build_model", poisoned)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    _nan_loss(monkeypatch, training=True, from_step=13)
     out = tmp_path / "run"
     assert main([*_quiet("--eval_interval", "5"), "--out", str(out)]) == 3
     err = capsys.readouterr().err
@@ -283,6 +293,61 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     last = read_metrics(out / "metrics.jsonl")[-1]
     assert last["step"] == 13 and last["train_loss"] is None and last["diverged"] is True
     assert last["tokens"] == 12 * 8 * 32
+    # no loss of a diverged run is its final one: val_loss was the step-10 evaluation's, beside
+    # diverged: true, where a run whose validation loss went NaN had null
+    at_10 = next(r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if r["step"] == 10
+                 and "val_loss" in r)
+    assert summary["val_loss"] is None and summary["val_ppl"] is None
+    assert (summary["last_finite_val_loss"], summary["last_finite_val_step"]) == (at_10, 10)
+    assert f"val_loss is null (no final loss), the last finite one {at_10:.4f} at step 10" in err
+
+
+def test_a_diverged_validation_loss_keeps_the_last_finite_one_apart(tmp_path, monkeypatch, capsys):
+    """The validation loss goes NaN at the step-10 evaluation: ``val_loss`` null (as before) and
+    the step-5 evaluation under ``last_finite_val_loss`` / ``last_finite_val_step``."""
+    _nan_loss(monkeypatch, training=False, from_step=10)
+    out = tmp_path / "run"
+    assert main([*_quiet("--eval_interval", "5", "--steps", "20"), "--out", str(out)]) == 3
+    assert "non-finite validation loss (nan) at step 10" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    at_5 = next(r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if r["step"] == 5
+                and "val_loss" in r)
+    assert summary["diverged"] and summary["val_loss"] is None
+    assert (summary["last_finite_val_loss"], summary["last_finite_val_step"]) == (at_5, 5)
+
+
+def test_a_warmup_longer_than_the_run_is_said_and_recorded(tmp_path, capsys):
+    """The smoke preset warms up over 5 steps; ``--steps 4`` peaked the learning rate at 4/5 of
+    ``lr`` (0.008, not 0.01) and its cosine schedule and min_lr_ratio did nothing, unsaid. The
+    run now warns at the start, naming the numbers, and summary.json records the line and
+    ``lr_peak_fraction`` 0.8 (it trains as before: not refused)."""
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "4", "--log_interval", "1"), "--out", str(out)]) == 0
+    line = ("warmup_steps 5 >= steps 4: the learning rate warms up for the whole run and peaks "
+            "at its last step at 4/5 = 0.8 of each configured rate (lr 0.01 -> 0.008); schedule "
+            "'cosine' and min_lr_ratio 0.1 never act; give warmup_steps below steps to train at "
+            "the configured rates")
+    assert f"warning: {line}\n" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["warnings"] == [line] and summary["lr_peak_fraction"] == pytest.approx(0.8)
+    lrs = [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
+    assert max(lrs) == pytest.approx(0.008) and len(lrs) == 4
+
+
+@pytest.mark.parametrize("steps, warmup, schedule", [
+    (10, 20, "cosine"), (20, 20, "constant"), (21, 20, "cosine"), (5, 0, "cosine"),
+    (1, 1, "constant"), (100, 10, "constant")])
+def test_lr_peak_fraction_is_the_schedules_largest_multiplier(steps, warmup, schedule):
+    from models.build import lr_peak_fraction, warmup_outlasts_run
+
+    cfg = TrainConfig(steps=steps, warmup_steps=warmup, schedule=schedule)
+    peak = max(lr_scale(s, cfg) for s in range(steps))
+    assert lr_peak_fraction(cfg) == pytest.approx(peak, rel=1e-15)
+    note = warmup_outlasts_run(cfg)
+    assert (note is None) == (warmup < steps)
+    if note is not None:
+        assert note.startswith(f"warmup_steps {warmup} >= steps {steps}: ")
+        assert f"schedule '{schedule}'" in note and ("min_lr_ratio" in note) == (schedule == "cosine")
 
 
 def test_a_huge_learning_rate_diverges_with_status_3(tmp_path, capsys):
