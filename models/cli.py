@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import signal
 import sys
@@ -331,19 +330,29 @@ def main(argv: list[str] | None, run) -> int:
     (0 ok, 1 file-system fault, 2 bad input, 3 diverged, 130 interrupted, 143 / 129 ended by
     SIGTERM / SIGHUP)."""
     argv = sys.argv[1:] if argv is None else argv
-    with _signal_handlers(), warnings.catch_warnings():
-        warnings.showwarning = functools.partial(_show_warning, warnings.showwarning)
+    with _signal_handlers(), _short_warnings():
         return _main(argv, run)
 
 
-def _show_warning(fallback, message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning of the trainer's own (a warm-up that outlasts the run, a missing plotting
-    package) as one ``warning: ...`` line on stderr, as errors are printed; others as
-    ``fallback`` (the display in place before) shows them."""
-    if Path(filename).resolve().parent == Path(__file__).resolve().parent:
-        print(f"warning: {message}", file=sys.stderr if file is None else file, flush=True)
-    else:
-        fallback(message, category, filename, lineno, file, line)
+@contextlib.contextmanager
+def _short_warnings():
+    """The trainer's own warnings (a warm-up that outlasts the run, a missing plotting package)
+    printed as one ``warning: ...`` line, as errors are; others as before. Only the text is
+    formatted here: a caller that records warnings (``warnings.catch_warnings(record=True)``)
+    still gets them."""
+    previous = warnings.formatwarning
+    ours = Path(__file__).resolve().parent
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        if Path(filename).resolve().parent == ours:
+            return f"warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def _main(argv: list[str], run) -> int:

@@ -316,18 +316,27 @@ def test_a_diverged_validation_loss_keeps_the_last_finite_one_apart(tmp_path, mo
     assert (summary["last_finite_val_loss"], summary["last_finite_val_step"]) == (at_5, 5)
 
 
-def test_a_warmup_longer_than_the_run_is_said_and_recorded(tmp_path, capsys):
+def test_a_warmup_longer_than_the_run_is_said_and_recorded(tmp_path):
     """The smoke preset warms up over 5 steps; ``--steps 4`` peaked the learning rate at 4/5 of
     ``lr`` (0.008, not 0.01) and its cosine schedule and min_lr_ratio did nothing, unsaid. The
     run now warns at the start, naming the numbers, and summary.json records the line and
     ``lr_peak_fraction`` 0.8 (it trains as before: not refused)."""
+    import re
+    import warnings
+
+    from models.cli import _short_warnings
+
     out = tmp_path / "run"
-    assert main([*_quiet("--steps", "4", "--log_interval", "1"), "--out", str(out)]) == 0
     line = ("warmup_steps 5 >= steps 4: the learning rate warms up for the whole run and peaks "
             "at its last step at 4/5 = 0.8 of each configured rate (lr 0.01 -> 0.008); schedule "
             "'cosine' and min_lr_ratio 0.1 never act; give warmup_steps below steps to train at "
             "the configured rates")
-    assert f"warning: {line}\n" in capsys.readouterr().err
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(line)}$"):
+        assert main([*_quiet("--steps", "4", "--log_interval", "1"), "--out", str(out)]) == 0
+    with _short_warnings():  # how the command line prints it: one line, as its errors
+        shown = warnings.formatwarning(line, RuntimeWarning, train_mod.__file__, 151)
+    assert shown == f"warning: {line}\n"
+    assert "warning:" not in warnings.formatwarning(line, RuntimeWarning, train_mod.__file__, 1)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["warnings"] == [line] and summary["lr_peak_fraction"] == pytest.approx(0.8)
     lrs = [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
