@@ -13,6 +13,7 @@ import torch
 
 from .msign import _gram_eigh_polar, msign
 from .normal_space import _normal_component, normal_multiplier, off_diagonal
+from .scaling import SAFE_EXPONENT, out_of_range_scale
 from .stiefel import _check_tall_pair
 
 __all__ = [
@@ -144,16 +145,22 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
     # search runs in float64 (the projection is not on a hot path)
     out_dtype = y.dtype
     y = y.to(torch.float64) if y.dtype in (torch.float16, torch.bfloat16, torch.float32) else y
+    # DGram is a cone, so the nearest point of uY is u times that of Y: search at the power of two
+    # u that brings each matrix's largest entry into [1/2, 1) (exact), where Y diag(d) and |d|^2,
+    # which square Y's scale, neither overflow nor underflow (float64 entries of 1e300 failed in
+    # the SVD, entries of 1e-300 returned the zero matrix, no error), and divide it back out
+    scale = out_of_range_scale(y, SAFE_EXPONENT)  # (..., 1, 1)
+    y = y * scale
     if iterations is None:
         flat = y.reshape((-1,) + y.shape[-2:])
         found = [_nearest_resolved(matrix, method) for matrix in flat.unbind(0)]
-        return torch.stack(found).reshape(y.shape).to(out_dtype) if found else y.to(out_dtype)
+        return (torch.stack(found).reshape(y.shape) / scale).to(out_dtype) if found else y.to(out_dtype)
     d = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(y.dtype).tiny
     for _ in range(iterations):
         q = msign(y * d, method)
         d = (q * y).sum(-2, keepdim=True).clamp_min(tiny)
-    return (q * d).to(out_dtype)
+    return (q * d / scale).to(out_dtype)
 
 
 def _nearest_resolved(y: torch.Tensor, method: str) -> torch.Tensor:

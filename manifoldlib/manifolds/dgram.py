@@ -10,6 +10,7 @@ import torch
 
 from ..functional.dgram import dgram_metric_projection, dgram_normal_multiplier, off_diagonal
 from ..functional.gram_rsqrt import alternating_gram_factor
+from ..functional.scaling import SAFE_EXPONENT, out_of_range_scale
 from ..functional.normal_space import _normal_component
 from ..functional.stiefel import stiefel_qr
 from ..retractions.base import Retraction
@@ -33,6 +34,7 @@ def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
     about ``2n²·eps₃₂`` (one in seven at ``n = 768``), so float32's ``eps`` would refuse valid
     weights that float64 projects accurately."""
     work = x.detach().to(torch.float64)
+    work = work * out_of_range_scale(work, SAFE_EXPONENT)  # rank is scale-free; the norms are not
     norms = work.norm(dim=-2, keepdim=True)  # (..., 1, n)
     sv = torch.linalg.svdvals(work / torch.where(norms > 0, norms, 1.0))  # (..., n)
     floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(work.dtype).eps
@@ -262,7 +264,10 @@ class DGram(MatrixConstraintManifold):
         point exists — ever smaller columns come ever closer; full column rank is enough for one
         to exist (:doc:`/theory/dgram`). A rank-deficient ``x``, and one whose nearest point has a
         column norm float64 does not determine (column norms spread over many orders), raise
-        ``ValueError``.
+        ``ValueError``. DGram is a cone (:math:`\operatorname{projx}(sX) = s\operatorname{projx}(X)`):
+        the rank check and the search run on ``x`` scaled by a power of two (exact) that keeps
+        the squares of its entries inside float64, so entries anywhere in the dtype's range
+        are projected.
         """
         self._validate(x, "x")
         check_tensor(x, "x", "dgram.projx", finite=True)

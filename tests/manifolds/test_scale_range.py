@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manifoldlib import Oblique, Sphere
+from manifoldlib import DGram, Oblique, Sphere, Stiefel
 from manifoldlib.functional import oblique_normalize
 
 # (dtype, entry scale): squares that overflow (float32 1e20, float64 1e160) or fall into the
@@ -21,6 +21,16 @@ SCALES = [
     (torch.float32, 1e-40),
 ]
 IDS = [f"{str(d).split('.')[-1]}-{s:g}" for d, s in SCALES]
+
+# the ends of float64's range too, where squares of the entries leave it entirely
+WIDE_SCALES = SCALES + [
+    (torch.float64, 1e300),
+    (torch.float64, 1e-300),
+    (torch.float64, 1e-310),
+    (torch.float32, 1e30),
+    (torch.float32, 1e-30),
+]
+WIDE_IDS = [f"{str(d).split('.')[-1]}-{s:g}" for d, s in WIDE_SCALES]
 
 
 def _reference(z: torch.Tensor, dim: int) -> torch.Tensor:
@@ -42,13 +52,17 @@ def test_sphere_projx_normalizes_rows_of_every_finite_scale(dtype, scale, radius
     assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=8 * eps * radius)
 
 
-@pytest.mark.parametrize(("dtype", "scale"), SCALES, ids=IDS)
-def test_oblique_projx_normalizes_columns_of_every_finite_scale(dtype, scale):
+@pytest.mark.parametrize(("dtype", "scale"), WIDE_SCALES, ids=WIDE_IDS)
+@pytest.mark.parametrize("manifold", ["oblique", "stiefel"])
+def test_oblique_and_stiefel_projx_are_scale_invariant_over_the_whole_range(dtype, scale, manifold):
     g = torch.Generator().manual_seed(1)
     z = torch.randn(2, 9, 4, generator=g, dtype=torch.float64)  # (2, 9, 4)
     x = (z * scale).to(dtype)
-    y = Oblique().projx(x)
-    want = _reference(x.to(torch.float64) / scale, -2)
+    unscaled = x.to(torch.float64) / scale
+    if manifold == "oblique":
+        y, want = Oblique().projx(x), _reference(unscaled, -2)
+    else:
+        y, want = Stiefel().projx(x), Stiefel().projx(unscaled)
     assert y.dtype == dtype
     assert torch.allclose(y.to(torch.float64), want, rtol=0.0, atol=8 * torch.finfo(dtype).eps)
 
@@ -94,3 +108,23 @@ def test_projections_keep_their_gradients():
     x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(Sphere(2.0).projx, (x,))
     assert torch.autograd.gradcheck(Oblique().projx, (x,))
+
+
+@pytest.mark.parametrize(("dtype", "scale"), WIDE_SCALES, ids=WIDE_IDS)
+def test_dgram_projx_is_scale_equivariant_over_the_whole_range(dtype, scale):
+    # DGram is a cone: projx(sX) = s projx(X). Float64 entries of 1e300 were refused as "rank 0"
+    # (the rank check's column norms overflowed), entries of 1e-300 and 1e-310 projected to the
+    # zero matrix (no error)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(2, 7, 3, generator=g, dtype=torch.float64)  # (2, 7, 3)
+    x = (z * scale).to(dtype)
+    manifold = DGram()
+    y = manifold.projx(x)
+    want = manifold.projx(x.to(torch.float64) / scale)  # the stored values at unit scale
+    # 8 eps of rounding, and the spacing of the subnormals where the output lies among them
+    atol = 8 * torch.finfo(dtype).eps + 2 * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / scale
+    assert y.dtype == dtype
+    assert torch.allclose(y.to(torch.float64) / scale, want, rtol=0.0, atol=atol * float(want.abs().max()))
+    ok, reason = manifold.check_point_on_manifold(y, explain=True)
+    assert ok, reason
+
