@@ -291,10 +291,24 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         return f"retraction={self._retraction!r}"
 
 
+#: The dtypes ``random()`` draws points in.
+_POINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _random_normal(shape, generator, dtype, device) -> torch.Tensor:
+    """A standard normal ``shape`` tensor to build points of ``dtype`` from (float32 for the
+    16-bit dtypes), and ``dtype`` (the default dtype for ``None``).
+
+    Raises:
+        ValueError: ``dtype`` is not a real floating-point dtype (an integer or boolean one
+            raised torch's ``NotImplementedError``, a complex one gave complex "points").
+    """
     dtype = torch.get_default_dtype() if dtype is None else dtype
+    if dtype not in _POINT_DTYPES:
+        raise ValueError(f"random() dtype must be a real floating-point dtype (float16, bfloat16, "
+                         f"float32, float64), got {dtype!r}")
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return torch.randn(*shape, generator=generator, dtype=work, device=device), dtype
+    return torch.randn(shape, generator=generator, dtype=work, device=device), dtype
 
 
 def _size_tuple(size) -> tuple[int, ...]:

@@ -63,6 +63,11 @@ class Euclidean(RetractionManifold):
         return y - x
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
-        """Standard normal points."""
-        z, dtype = _random_normal(_size_tuple(size), generator, dtype, device)
+        """Standard normal points of shape ``size``, which has at least :attr:`ndim` dimensions
+        (``random()`` is one scalar point for ``ndim=0``)."""
+        shape = _size_tuple(size)
+        if len(shape) < self.ndim:
+            raise ValueError(f"Euclidean(ndim={self.ndim}).random needs a size of at least {self.ndim} "
+                             f"dimension(s), the point's; got {shape}")
+        z, dtype = _random_normal(shape, generator, dtype, device)
         return z.to(dtype)

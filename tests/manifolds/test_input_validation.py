@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from manifoldlib import DGram, Euclidean, Sphere, Stiefel, get_manifold
+from manifoldlib import DGram, Euclidean, Oblique, Sphere, Stiefel, get_manifold
 from manifoldlib.functional import (
     dgram_alternating,
     dgram_colnorm_polar,
@@ -200,6 +200,26 @@ def test_kernel_arguments():
 def test_random_sizes_must_be_ints(manifold, size, shown):
     with pytest.raises(ValueError, match=rf"random\(\) sizes must be ints >= 0, got {re.escape(shown)} in "):
         manifold.random(*size)
+
+
+@pytest.mark.parametrize("manifold", [Sphere(), Stiefel(), DGram(), Oblique(), Euclidean(ndim=1)],
+                         ids=["sphere", "stiefel", "dgram", "oblique", "euclidean"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_random_dtype_must_be_real_floating_point(manifold, dtype):
+    # int64 and bool raised torch's NotImplementedError ("normal_kernel_cpu"); complex64 gave
+    # complex "points" on Oblique and Euclidean, with no error
+    with pytest.raises(ValueError, match=rf"random\(\) dtype must be a real floating-point dtype "
+                                         rf"\(float16, bfloat16, float32, float64\), got {re.escape(repr(dtype))}"):
+        manifold.random(5, 3, dtype=dtype)
+
+
+def test_euclidean_random_size_has_the_point_dimensions():
+    # random() with no size raised randn's TypeError; for ndim=0 it is one scalar point
+    assert Euclidean().random(dtype=torch.float64).shape == ()
+    assert Euclidean(ndim=2).random(4, 3).shape == (4, 3)
+    with pytest.raises(ValueError, match=r"Euclidean\(ndim=2\)\.random needs a size of at least 2 "
+                                         r"dimension\(s\), the point's; got \(3,\)"):
+        Euclidean(ndim=2).random(3)
 
 
 def test_random_accepts_a_shape_and_numpy_or_torch_ints():
