@@ -14,7 +14,7 @@ import torch
 from .msign import _gram_eigh_polar, msign
 from .normal_space import _normal_component, normal_multiplier, off_diagonal
 from .scaling import SAFE_EXPONENT, out_of_range_scale
-from .stiefel import _check_tall_pair
+from .stiefel import _check_tall_pair, _linalg_dtype
 
 __all__ = [
     "off_diagonal",
@@ -67,7 +67,16 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
     columns at all, takes the Newton polar factor too, not the SVD.
     """
     _check_tall_pair(w, v, "dgram_alternating")
-    y = w + v
+    out_dtype = torch.promote_types(w.dtype, v.dtype)
+    # float32 for the 16-bit dtypes: Y diag(c) squares Y's scale, and float16 entries of 100
+    # (column norms ~300) overflowed it to inf
+    work = _linalg_dtype(torch.empty((), dtype=out_dtype))
+    y = w.to(work) + v.to(work)
+    # R(sW, sV) = sR(W, V): work at the power of two that brings Y's largest entry into [1/2, 1),
+    # where Y diag(c) (Y's scale squared) neither overflows nor underflows (float64 entries of
+    # 1e-300 gave the zero matrix, of 1e300 a failed SVD)
+    scale = out_of_range_scale(y, SAFE_EXPONENT)  # (..., 1, 1)
+    y = y * scale
     c = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
     if method == "gram-eigh":
         q = _gram_eigh_polar(y * c, fallback="newton")
@@ -75,15 +84,19 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
         q = msign(y * c, "newton" if method == "auto" else method)
     d = (q * y).sum(-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(d.dtype).tiny
-    return q * d.clamp_min(tiny)
+    return (q * (d.clamp_min(tiny) / scale)).to(out_dtype)
 
 
 def dgram_colnorm_polar(w: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
     r"""Column-normalized polar retraction (first order): :math:`\operatorname{msign}(Y D_Y^{-1}) D_Y`."""
     _check_tall_pair(w, v, "dgram_colnorm_polar")
     y = w + v
+    # scale-equivariant too: the column norms of Y at the power of two that brings its largest
+    # entry into [1/2, 1) neither over- nor underflow (float32 entries of 1e-30 gave 0 / 0)
+    scale = out_of_range_scale(y, SAFE_EXPONENT)  # (..., 1, 1)
+    y = y * scale
     c = y.norm(dim=-2, keepdim=True)  # (..., 1, n)
-    return _polar(y / c, method) * c
+    return _polar(y / c, method) * (c / scale)
 
 
 #: Relative stationarity :math:`\|d - c\|/\|d\|` (:func:`dgram_metric_projection`) at which the

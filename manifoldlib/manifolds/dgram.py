@@ -264,7 +264,7 @@ class DGram(MatrixConstraintManifold):
         point exists — ever smaller columns come ever closer; full column rank is enough for one
         to exist (:doc:`/theory/dgram`). A rank-deficient ``x``, and one whose nearest point has a
         column norm float64 does not determine (column norms spread over many orders), raise
-        ``ValueError``. DGram is a cone (:math:`\operatorname{projx}(sX) = s\operatorname{projx}(X)`):
+        ``ValueError``. DGram is a cone (:math:`\\operatorname{projx}(sX) = s\\operatorname{projx}(X)`):
         the rank check and the search run on ``x`` scaled by a power of two (exact) that keeps
         the squares of its entries inside float64, so entries anywhere in the dtype's range
         are projected.

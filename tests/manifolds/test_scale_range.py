@@ -3,6 +3,8 @@ retraction give points for every finite nonzero input, not zero rows or columns.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -128,3 +130,44 @@ def test_dgram_projx_is_scale_equivariant_over_the_whole_range(dtype, scale):
     ok, reason = manifold.check_point_on_manifold(y, explain=True)
     assert ok, reason
 
+
+
+DGRAM_RETRACTIONS = [("alternating", m) for m in ("auto", "svd", "newton", "gram-eigh")] + [
+    ("colnorm-polar", m) for m in ("auto", "svd", "newton")]
+
+
+@pytest.mark.parametrize(("dtype", "scale"), WIDE_SCALES, ids=WIDE_IDS)
+@pytest.mark.parametrize(("name", "method"), DGRAM_RETRACTIONS, ids=[f"{n}-{m}" for n, m in DGRAM_RETRACTIONS])
+def test_dgram_retractions_are_scale_equivariant_over_the_whole_range(dtype, scale, name, method):
+    # R(sW, sV) = s R(W, V). Float64 points of 1e-300 retracted to the zero matrix (alternating,
+    # svd: no error), float64 1e150 and 1e300 and float32 1e30 failed in the SVD or eigh, float64
+    # 1e-300 and float32 1e-30 in colnorm-polar's 0/0
+    scale = 2.0 ** round(math.log2(scale))  # exact scaling: the kernels are bit for bit equivariant
+    g = torch.Generator().manual_seed(7)
+    manifold = DGram(retraction=name, method=method)
+    w = manifold.random(9, 4, generator=g, dtype=torch.float64)  # (9, 4)
+    v = manifold.proju(w, torch.randn(9, 4, generator=g, dtype=torch.float64))
+    w_s, v_s = (w * scale).to(dtype), (v * scale).to(dtype)
+    y = manifold.retr(w_s, v_s)
+    want = manifold.retr(w_s.to(torch.float64) / scale, v_s.to(torch.float64) / scale)
+    atol = 8 * torch.finfo(dtype).eps + 2 * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / scale
+    assert y.dtype == dtype
+    assert torch.allclose(y.to(torch.float64) / scale, want, rtol=0.0, atol=atol * float(want.abs().max()))
+    ok, reason = manifold.check_point_on_manifold(y, explain=True)
+    assert ok, reason
+
+
+@pytest.mark.parametrize("method", ["auto", "svd", "newton", "gram-eigh"])
+def test_dgram_alternating_computes_16_bit_points_in_float32(method):
+    # float16 columns of norm ~300: Y diag(c) ~ 1e5 overflowed float16 (non-finite result, an
+    # SVD or eigh failure)
+    g = torch.Generator().manual_seed(8)
+    manifold = DGram(retraction="alternating", method=method)
+    w = manifold.random(9, 4, generator=g, dtype=torch.float64) * 100  # (9, 4)
+    v = manifold.proju(w, torch.randn(9, 4, generator=g, dtype=torch.float64))
+    y = manifold.retr(w.to(torch.float16), v.to(torch.float16))
+    want = manifold.retr(w.to(torch.float16).double(), v.to(torch.float16).double())
+    assert y.dtype == torch.float16
+    assert torch.allclose(y.double(), want, rtol=torch.finfo(torch.float16).eps, atol=0.0)
+    ok, reason = manifold.check_point_on_manifold(y, explain=True)
+    assert ok, reason
