@@ -25,6 +25,7 @@ __all__ = [
     "stiefel_qr",
     "stiefel_cayley",
     "stiefel_exp",
+    "STIEFEL_EXP_MAX_STEP",
 ]
 
 
@@ -130,6 +131,14 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+#: Longest step :math:`\|P_XV\|_F` :func:`stiefel_exp` takes (:math:`2^{43} \approx 8.8\cdot10^{12}`).
+#: Up to it the float64 result is a Stiefel point to rounding (measured: :math:`\le 7\cdot10^{-16}`
+#: up to 1e13) and its position errs by about :math:`\epsilon_{64}\|V\|`, the uncertainty of the
+#: step's own angle; beyond it the squarings' rounding outgrows the re-orthonormalization (3e-3
+#: off at 3e14, values of 1e30 at 1e16, returned without an error) and the angle itself is known
+#: to no better than a radian near :math:`1/\epsilon_{64} \approx 4.5\cdot10^{15}`.
+STIEFEL_EXP_MAX_STEP = 2.0**43
+
 _REORTHONORMALIZE_STEPS = 3  # Newton-Schulz steps on x and on the result: a deviation e -> ~ e^2
 
 
@@ -170,9 +179,10 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
        manifold at step scale 1e5).
     4. The result is re-orthonormalized: the rounding of the float64 exponential.
 
-    The result then satisfies :math:`|Y^\top Y - I| \lesssim` the rounding of ``x``'s dtype at
-    every step length (an exact Stiefel point rounded to that dtype), and is differentiable with
-    finite gradients (matrix products only). The leading batch dimensions of ``x`` and ``v``
+    The result then satisfies :math:`|Y^\top Y - I| \lesssim` the rounding of ``x``'s dtype for
+    every step up to :data:`STIEFEL_EXP_MAX_STEP` (an exact Stiefel point rounded to that dtype),
+    and is differentiable with finite gradients (matrix products only). A longer step raises
+    ``ValueError``: float64 does not determine where so long a geodesic ends. The leading batch dimensions of ``x`` and ``v``
     broadcast. ``x`` must be a Stiefel point up to rounding: the correction of step 1 repairs
     rounding, not a matrix far from the manifold.
     """
@@ -185,6 +195,14 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     xx, vv = torch.broadcast_tensors(x.to(dtype), v.to(dtype))
     xx = _reorthonormalize(xx)
     vv = stiefel_project_tangent(xx, vv)
+    step = float(vv.detach().norm(dim=(-2, -1)).amax()) if vv.numel() else 0.0  # a sync, as _matrix_exp's
+    if math.isfinite(step) and step > STIEFEL_EXP_MAX_STEP:  # (a non-finite v is the caller's to name)
+        raise ValueError(
+            f"stiefel_exp: a step of norm ||P_X V||_F = {step:.3g} exceeds STIEFEL_EXP_MAX_STEP = "
+            f"{STIEFEL_EXP_MAX_STEP:.3g}: float64 cannot follow a geodesic that long (its angle is known "
+            f"only to about {step * torch.finfo(torch.float64).eps:.2g} rad); shorten the step or use a "
+            f"projection retraction ('polar', 'qr'), which takes any length"
+        )
     n = x.size(-1)
     # the balancing constant: a similarity, so no gradient flows through it
     c = (vv.detach().norm(dim=(-2, -1), keepdim=True) / math.sqrt(n)).clamp_min(1.0)  # (..., 1, 1)

@@ -103,7 +103,9 @@ class StiefelExpRetraction(Retraction):
     projections or orthogonal transformations of :math:`X`, absorb. The projection and the
     exponential are computed in float64 and the result re-orthonormalized before the cast back
     (:func:`~manifoldlib.functional.stiefel_exp`), so the point is on the manifold to the
-    rounding of its dtype at any step length.
+    rounding of its dtype for every step up to
+    :data:`~manifoldlib.functional.stiefel.STIEFEL_EXP_MAX_STEP` (:math:`\|P_X V\|_F \le 2^{43}`);
+    a longer one raises ``ValueError``.
     """
 
     order = 2

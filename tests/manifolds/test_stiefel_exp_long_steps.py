@@ -8,11 +8,14 @@ scale 30 up to 0.08 (limit 0.031), float64 at scale 1e5 2e-4 (limit 2e-5), all w
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from manifoldlib import Stiefel
 from manifoldlib.functional import stiefel_exp
+from manifoldlib.functional.stiefel import STIEFEL_EXP_MAX_STEP
 
 SHAPES = [(8, 4), (6, 3), (16, 16), (20, 5)]
 
@@ -81,3 +84,22 @@ def test_gradients_are_finite_and_correct():
     v = (torch.randn(6, 3, generator=g) * 300).requires_grad_(True)
     Stiefel(retraction="exp").retr(x.float(), v).sum().backward()
     assert torch.isfinite(v.grad).all()
+
+
+def test_a_step_float64_cannot_follow_is_refused():
+    # up to the limit the point is on the manifold and errs by about eps * |V| (the step's own
+    # angle's uncertainty); past it the re-orthonormalized result was 3e-3 off at |V| = 3e14 and
+    # held entries of 1e30 at 1e16, with no error
+    q, _ = torch.linalg.qr(torch.randn(9, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    x, normal = q[:, :4], q[:, 4:]  # V = theta * normal: the geodesic is X cos(theta) + normal sin(theta)
+    st = Stiefel(retraction="exp")
+    theta = STIEFEL_EXP_MAX_STEP / 4  # ||V||_F = 2 theta
+    y = st.expmap(x, normal * theta)
+    want = x * math.cos(theta) + normal * math.sin(theta)
+    assert float((y - want).abs().max()) <= 4 * torch.finfo(torch.float64).eps * theta
+    assert _deviation(y) <= 1e-15
+    for dtype in (torch.float64, torch.float32):
+        for method in ("expmap", "retr"):
+            with pytest.raises(ValueError, match=r"stiefel_exp: a step of norm \|\|P_X V\|\|_F = 1\.76e\+13 exceeds "
+                                                 r"STIEFEL_EXP_MAX_STEP = 8\.8e\+12"):
+                getattr(st, method)(x.to(dtype), (normal * STIEFEL_EXP_MAX_STEP).to(dtype))
