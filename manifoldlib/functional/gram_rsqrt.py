@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from .scaling import SAFE_EXPONENT, out_of_range_scale
+
 __all__ = [
     "CHORD_FIXED_STEPS",
     "alternating_gram_factor",
@@ -258,7 +260,16 @@ def polar_gram_factor(gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
 
 def alternating_gram_factor(gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
     r"""Alternating retraction (DGram): with :math:`c_j = \|y_j\|` and :math:`F = (cTc)^{-1/2}`,
-    :math:`d'_j = (FcT)_{jj}` and :math:`\Phi = cFd'`."""
+    :math:`d'_j = (FcT)_{jj}` and :math:`\Phi = cFd'`.
+
+    :math:`\Phi` is invariant under :math:`T \mapsto sT` (:math:`R(\sqrt s\,Y) = \sqrt s\,R(Y)`)
+    while :math:`cTc` scales like :math:`T^2`: a ``gram`` whose largest entry lies outside
+    :math:`[2^{-32}, 2^{32}]` is first multiplied by the power of two that brings it into
+    :math:`[1/2, 1)` (exact). Without it :math:`cTc` overflowed (float32 points of entries 1e18,
+    float64 1e150: a non-finite :math:`\Phi`) or underflowed (1e-18, 1e-151: :math:`\Phi = 0`,
+    residual 1), and :func:`products_only_rsqrt` resolved neither.
+    """
+    gram = gram * out_of_range_scale(gram, SAFE_EXPONENT)  # Phi is scale-free; cTc is T's scale squared
     c = torch.diagonal(gram, dim1=-2, dim2=-1).clamp_min(0).sqrt()  # (..., n) column norms of Y
     f = rsqrt(c.unsqueeze(-1) * gram * c.unsqueeze(-2))  # (cY^T Y c)^{-1/2}
     if f is None:

@@ -14,9 +14,13 @@ from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on 
 from manifoldlib.functional import msign
 from manifoldlib.functional.gram_rsqrt import (
     CHORD_TOL_EPS,
+    alternating_gram_factor,
+    chord_rsqrt,
     near_diagonal_rsqrt,
     near_scalar_rsqrt,
+    products_only_rsqrt,
 )
+from manifoldlib.manifolds import DGram
 
 F64_EPS = torch.finfo(torch.float64).eps
 F32_EPS = torch.finfo(torch.float32).eps
@@ -325,3 +329,32 @@ def test_kernels_are_differentiable_like_the_polar_factor(monkeypatch, kind):
     u, _, vh = torch.linalg.svd(x, full_matrices=False)
     ((u @ vh) * weights).sum().backward()
     assert float((fast - x.grad).norm() / x.grad.norm()) <= 1e-8
+
+
+@pytest.mark.parametrize(("dtype", "exponent"), [
+    (torch.float64, -500), (torch.float64, -200), (torch.float64, 200), (torch.float64, 500),
+    (torch.float32, -60), (torch.float32, -30), (torch.float32, 30), (torch.float32, 60),
+])
+@pytest.mark.parametrize("kernel", ["chord", "products-only"])
+def test_alternating_gram_factor_is_scale_free_over_the_whole_range(dtype, exponent, kernel):
+    # Phi(sT) = Phi(T), but cTc is T's scale squared: points of 2^+-500 (float64) and 2^+-60
+    # (float32) gave Phi = 0 (residual 1) or a non-finite Phi, and products_only_rsqrt declined
+    def rsqrt(t):
+        if kernel == "chord":
+            return chord_rsqrt(t)[0]
+        found = products_only_rsqrt(t)
+        return None if found is None else found[0]
+
+    g = torch.Generator().manual_seed(9)
+    manifold = DGram()
+    w = manifold.random(9, 4, generator=g, dtype=torch.float64)  # (9, 4)
+    y = w + 1e-3 * manifold.proju(w, torch.randn(9, 4, generator=g, dtype=torch.float64))
+    y = y.to(dtype)
+    phi = alternating_gram_factor(y.mT @ y, rsqrt)  # (4, 4) at unit scale
+    scaled = y * 2.0**exponent  # exact
+    phi_scaled = alternating_gram_factor(scaled.mT @ scaled, rsqrt)
+    assert phi_scaled is not None
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(phi_scaled, phi, rtol=0.0, atol=8 * eps * float(phi.abs().max()))
+    ok, reason = manifold.check_point_on_manifold(scaled @ phi_scaled, explain=True)
+    assert ok, reason
