@@ -2,9 +2,8 @@
 
 :class:`torch.optim.Muon` runs its Newton–Schulz iteration in bfloat16. Where bfloat16 products
 are native (AVX512-BF16 or AMX CPUs, CUDA) that is the fast anchor the ratios are meant against;
-where they are emulated (an AVX2-only CPU) a 768² Muon step took 7.8 s against about 0.2 s for
-the same iteration in float32, and every ratio against it would flatter the candidate 20–40
-times. ``--anchor auto`` (the scripts' default) therefore times ``torch.optim.Muon`` where
+where they are emulated (an AVX2-only CPU) the same iteration runs 20–40 times slower than in
+float32, and every ratio against it would flatter the candidate by as much. ``--anchor auto`` (the scripts' default) therefore times ``torch.optim.Muon`` where
 bfloat16 is native and :class:`Float32Muon` — ``torch.optim.Muon`` itself, with only its
 Newton–Schulz run in float32 — elsewhere; the scripts print which anchor they used.
 """
