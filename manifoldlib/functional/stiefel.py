@@ -17,6 +17,7 @@ import math
 import torch
 
 from .msign import msign
+from .newton_schulz import newton_schulz
 
 __all__ = [
     "sym",
@@ -51,12 +52,10 @@ def _matrix_exp(a: torch.Tensor) -> torch.Tensor:
     r"""Matrix exponential by scaling and squaring of a Taylor polynomial, ``(..., k, k)``.
 
     ``torch.linalg.matrix_exp`` (through torch 2.14 at least) has a wrong coefficient in its
-    degree-8 branch, which it selects for a *single* matrix of small norm: errors of ~1e-10
-    (float64) and ~2e-5 (float32) instead of rounding (pytorch/pytorch#196592; re-checked on
-    torch 2.13 against ``scipy.linalg.expm``: the 2×2 rotation generator of angle 0.04 errs by
-    8.3e-11 in float64, of angle 0.5 by 2.5e-5 in float32; random single 2×2 to 32×32 inputs of
-    1-norm 1e-4 to 5 by up to 3e5 ulps in float64, while 10×10 and 32×32 alone stay at rounding). Stiefel points
-    from :func:`stiefel_exp` then leave the manifold by that much. This version uses only matrix
+    degree-8 branch, which it selects for a *single* matrix of small norm: errors far above
+    rounding in float64 and float32 (pytorch/pytorch#196592; the tests compare this version with
+    ``scipy.linalg.expm``). Stiefel points from :func:`stiefel_exp` would leave the manifold by
+    that much. This version uses only matrix
     products: :math:`e^A = (T_{12}(A/2^s))^{2^s}` with :math:`\|A/2^s\|_1 \le 1/4`.
     """
     norm = float(a.detach().abs().sum(-2).amax()) if a.numel() else 0.0  # max 1-norm in the batch
@@ -132,28 +131,26 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 #: Longest step :math:`\|P_XV\|_F` :func:`stiefel_exp` takes (:math:`2^{43} \approx 8.8\cdot10^{12}`).
-#: Up to it the float64 result is a Stiefel point to rounding (measured: :math:`\le 7\cdot10^{-16}`
-#: up to 1e13) and its position errs by about :math:`\epsilon_{64}\|V\|`, the uncertainty of the
-#: step's own angle; beyond it the squarings' rounding outgrows the re-orthonormalization (3e-3
-#: off at 3e14, values of 1e30 at 1e16, returned without an error) and the angle itself is known
-#: to no better than a radian near :math:`1/\epsilon_{64} \approx 4.5\cdot10^{15}`.
+#: Up to it the float64 result is a Stiefel point to rounding and its position errs by about
+#: :math:`\epsilon_{64}\|V\|`, the uncertainty of the step's own angle; beyond it the squarings'
+#: rounding outgrows the re-orthonormalization, and near :math:`1/\epsilon_{64}` the angle itself
+#: is not known to a radian (``tests/manifolds/test_stiefel_exp_long_steps.py``).
 STIEFEL_EXP_MAX_STEP = 2.0**43
 
-_REORTHONORMALIZE_STEPS = 3  # Newton-Schulz steps on x and on the result: a deviation e -> ~ e^2
+#: Steps of the cubic Newton–Schulz map :math:`Y \leftarrow Y(3I - Y^\top Y)/2` that re-orthonormalize
+#: a point near the manifold: each roughly squares the deviation :math:`\|Y^\top Y - I\|`.
+_REORTHONORMALIZE = ((1.5, -0.5, 0.0),)
+_REORTHONORMALIZE_STEPS = 3
 
 
-def _reorthonormalize(y: torch.Tensor, steps: int = _REORTHONORMALIZE_STEPS) -> torch.Tensor:
-    r"""Newton–Schulz steps :math:`Y \leftarrow Y(3I - Y^\top Y)/2` toward the polar factor of ``y``.
-
-    For a ``y`` near the manifold (:math:`\|Y^\top Y - I\| = \delta < 1`) each step squares the
-    deviation (roughly :math:`\tfrac34\delta^2`): three steps take a bfloat16 rounding (~1e-2)
-    below float64 rounding. A polynomial, so its gradient is finite everywhere (an SVD's is not
-    at the repeated singular values of a Stiefel point).
-    """
-    eye = torch.eye(y.size(-1), dtype=y.dtype, device=y.device)
-    for _ in range(steps):
-        y = y @ (1.5 * eye - 0.5 * (y.mT @ y))  # (..., m, n)
-    return y
+def _reorthonormalize(y: torch.Tensor) -> torch.Tensor:
+    r"""The polar factor of a ``y`` ``(..., m, n)`` near the manifold, by
+    :data:`_REORTHONORMALIZE_STEPS` steps of the cubic map on the shared
+    :func:`~manifoldlib.functional.newton_schulz.newton_schulz` (normalized by
+    :math:`\|Y\|_F/\sqrt n`, 1 for a Stiefel point). A polynomial, so its gradient is finite
+    everywhere (an SVD's is not at the repeated singular values of a Stiefel point)."""
+    return newton_schulz(y, _REORTHONORMALIZE, _REORTHONORMALIZE_STEPS, normalize_scale=y.size(-1) ** -0.5,
+                         dtype=y.dtype)
 
 
 def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -167,16 +164,15 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
     1. ``x`` — a Stiefel point up to its dtype's rounding — is re-orthonormalized
        (:func:`_reorthonormalize`). The formula assumes :math:`X^\top X = I` exactly and
-       amplifies a deviation with the step: a float16 point's rounding became
-       :math:`|Y^\top Y - I| \approx 0.02` to 0.08 at step scale 30 (the check's limit is 0.031).
+       amplifies a deviation with the step (a float16 point's rounding ended past the
+       manifold's own check at long steps).
     2. ``v`` is projected onto the tangent space there (a normal part is dropped; the formula
        leaves the manifold for one). Projecting in the input dtype instead left a normal part of
-       the input's rounding times the step: float32 at step scale 300 ended 3.8e-3 off.
+       the input's rounding times the step.
     3. The block exponential is balanced by :math:`\operatorname{diag}(I, cI)`,
        :math:`c = \|V\|_F/\sqrt n` (at least 1), which leaves the result unchanged but keeps the
        block's entries of one size (:math:`S/c` and :math:`cI` instead of :math:`S` and :math:`I`),
-       where the squarings lost accuracy like :math:`\epsilon\|V\|^2` (float64: 2e-4 off the
-       manifold at step scale 1e5).
+       where the squarings lost accuracy like :math:`\epsilon\|V\|^2`.
     4. The result is re-orthonormalized: the rounding of the float64 exponential.
 
     The result then satisfies :math:`|Y^\top Y - I| \lesssim` the rounding of ``x``'s dtype for
@@ -187,8 +183,8 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     rounding, not a matrix far from the manifold.
     """
     _check_tall_pair(x, v, "stiefel_exp")
-    # float64 whatever the input: computed in float32, 2,000 chained steps drifted to
-    # |X^T X - I| = 3e-5 to 3e-4 on 6x3 to 16x16 points; now within 6e-8
+    # float64 whatever the input: computed in float32, chained steps drift off the manifold
+    # (tests/manifolds/test_drift.py)
     dtype = torch.float64
     # one batch for both (x (m, n) with v (..., m, n) is a step at each point): the blocks below
     # are concatenated, which does not broadcast
