@@ -225,6 +225,15 @@ def _second_shape(s: Setup) -> tuple[int, ...]:
         s.shape[:-2] + (s.shape[-2] + 1, max(1, s.shape[-1] - 1))
 
 
+#: What a check that varies or scales ``lr`` reports without a positive number to start from.
+_NO_DEFAULT_LR = "skip: the optimizer has no positive float default 'lr'"
+
+
+def _positive_number(value) -> bool:
+    """A default ``lr`` the checks can vary: an int or float (not a bool, not a tensor) above 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -261,8 +270,8 @@ def _varied_options(defaults: dict) -> list[tuple[str, str, object, object]]:
 def _check_param_groups(s: Setup) -> str:
     defaults = s.defaults()
     lr = defaults.get("lr")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-        return "skip: the optimizer has no positive float default 'lr'"
+    if not _positive_number(lr):
+        return _NO_DEFAULT_LR
     shape2 = _second_shape(s)
     starts, targets = [s.point(8), s.point(9, shape2)], [s.point(10), s.point(11, shape2)]
     both = _trajectory(s, starts, targets, 5, groups=lambda ps: [{"params": [ps[0]]}, {"params": [ps[1]], "lr": lr / 2}])
@@ -314,8 +323,8 @@ def _entry(label: str, value):
 
 def _check_lr_scaling(s: Setup) -> str:
     lr = s.defaults().get("lr")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-        return "skip: the optimizer has no positive float default 'lr'"
+    if not _positive_number(lr):
+        return _NO_DEFAULT_LR
     start, target = s.point(33), s.point(34)
     lrs = (lr / 8, lr / 16)  # small enough that a step is linear in lr to a few per cent
     moved = [float((_trajectory(s, [start], [target], 3, groups=lambda ps, a=a: [{"params": ps, "lr": a}])[0]
@@ -372,8 +381,8 @@ def _lr_run(s: Setup, start, target, lr, halve: Callable[[dict], None]) -> torch
 
 def _check_tensor_lr(s: Setup) -> str:
     lr = s.defaults().get("lr")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-        return "skip: the optimizer has no positive float default 'lr'"
+    if not _positive_number(lr):
+        return _NO_DEFAULT_LR
     start, target = s.point(54), s.point(55)
     try:
         # torch's LR schedulers change a tensor lr in place (fill_), so a plan or a copy made
@@ -624,8 +633,8 @@ def _check_zero_gradient(s: Setup) -> str:
 
 def _check_zero_lr(s: Setup) -> str:
     lr = s.defaults().get("lr")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-        return "skip: the optimizer has no positive float default 'lr'"
+    if not _positive_number(lr):
+        return _NO_DEFAULT_LR
     outcomes = []
     for dtype in (torch.float64, torch.float32):
         start, target = s.point(60, dtype=dtype), s.point(61, dtype=dtype)
