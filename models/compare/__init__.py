@@ -42,7 +42,10 @@ on the very seeds it is judged on. ``results.md`` names both sets.
   (``m non-finite``, ``non-finite (m/n)`` when none is finite: NaN in ``results.csv``), while
   ``—`` is a value no run has (a diagnostic the model lacks); in the columns of evaluations
   (final and peak values) a run that diverged is set aside (``m diverged``, ``diverged (m/n)``):
-  its values are those of an earlier step than the other runs';
+  its values are those of an earlier step than the other runs'; under each table, a line naming
+  the runs whose warm-up outlasted them (``--steps`` below ``warmup_steps``: the learning rate
+  never reached its configured value) per arm, ``k/n`` with their ``lr_peak_fraction`` (a column
+  of ``results.csv`` too);
 - ``sweep.csv`` — a swept suite's tuning runs (its tuning seeds) at every value;
 - ``curves.png`` — the validation curves of every reported run.
 

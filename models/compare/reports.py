@@ -23,7 +23,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 #: The columns of ``results.csv`` and ``sweep.csv``, one row per run.
 CSV_FIELDS = ("suite", "arm", "seed", "swept", "val_loss", "val_ppl", "diverged", "learned",
-              "steps_to_target", "seconds_to_target", "target", "steps", "wall_time_s", "tokens_per_s",
+              "steps_to_target", "seconds_to_target", "target", "steps", "lr_peak_fraction",
+              "wall_time_s", "tokens_per_s",
               *DIAGNOSTIC_FIELDS, "peak_attention_logit", "peak_qk_spectral_norm",
               "min_attention_entropy", "val_rise_max", "unigram_entropy")
 
@@ -157,6 +158,28 @@ _LEGEND = ("Columns after wall s: the mean over the runs whose value is finite; 
            "value (a diagnostic the arm's model does not have, a target no run reached).")
 
 
+def _short_warmup_note(suite: Suite, rows: list[dict], which: str) -> str | None:
+    """A line on the runs of ``rows`` whose warm-up outlasted them (``lr_peak_fraction`` below 1,
+    as each run's ``summary.json`` records it and the trainer warned), per arm with ``k/n`` and
+    the fraction; None where there is none. Their learning rates never reached the configured
+    ones, which no cell of a table shows."""
+    short = [r for r in rows if r.get("lr_peak_fraction") is not None
+             and r["lr_peak_fraction"] < 1.0]
+    if not short:
+        return None
+    per_arm = []
+    for arm, _ in suite.arms:
+        fractions = sorted({r["lr_peak_fraction"] for r in short if r["arm"] == arm})
+        if fractions:
+            k, n = sum(r["arm"] == arm for r in short), sum(r["arm"] == arm for r in rows)
+            per_arm.append(f"`{arm}` {k}/{n} at {', '.join(f'{f:.3g}' for f in fractions)}")
+    return (f"Warm-up longer than the run in {len(short)}/{len(rows)} {which} (warmup_steps above "
+            f"steps; the trainer warned, `warnings` in their `summary.json`): the learning rate "
+            f"warmed up for the whole run and peaked at its last step at lr_peak_fraction of each "
+            f"configured rate, and the schedule never acted: {'; '.join(per_arm)}. Give --steps "
+            f"above warmup_steps to compare at the configured rates.")
+
+
 def _md_row(cells) -> str:
     """One Markdown table row; a ``|`` inside a cell is escaped so it does not split it."""
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
@@ -201,6 +224,8 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
     for arm, _ in suite.arms:
         lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_runs, columns,
                               bool(key)))
+    note = _short_warmup_note(suite, results, "runs above")
+    lines += ["", note] if note else []
     if key:
         values = sorted({r["swept"] for r in sweep_rows})
         tuned = sorted({r["seed"] for r in sweep_rows})
@@ -215,6 +240,8 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
         for arm, _ in suite.arms:
             by_value = by_swept_value([r for r in sweep_rows if r["arm"] == arm])
             lines.append(_md_row([arm] + [_sweep_cell(by_value.get(v, [])) for v in values]))
+        note = _short_warmup_note(suite, sweep_rows, "tuning runs above")
+        lines += ["", note] if note else []
     lines += ["", "Per-run rows: `results.csv`" + (", sweep: `sweep.csv`" if key else "") +
               "; curves: `curves.png`.", ""]
     (out / "results.md").write_text("\n".join(lines))

@@ -75,7 +75,9 @@ def val_rise_max(losses: list[float]) -> float | None:
 def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: list[dict]) -> dict:
     """One run's result: its summary's final loss (``None`` when diverged), whether it
     :func:`learned`, the last evaluation's :data:`DIAGNOSTIC_FIELDS` (NaN where the value was
-    not finite, ``None`` where the model has none) and their extremes over the run; ``_rows``
+    not finite, ``None`` where the model has none) and their extremes over the run;
+    ``lr_peak_fraction`` the largest learning-rate multiplier of its schedule (below 1 where the
+    warm-up outlasts the run: the reports say so); ``_rows``
     keeps the metrics rows for the caller (steps to target). A diverged run's ``val_rise_max``
     is NaN (inf where its validation loss went infinite) even when every evaluation it logged
     was finite: the trainer stops a run at the step whose training loss or gradient goes
@@ -89,7 +91,8 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
         "swept": swept, "val_loss": val if not diverged else None,
         "val_ppl": summary.get("val_ppl") if not diverged else None, "diverged": diverged,
         "learned": not diverged and learned(val, summary["unigram_entropy"]),
-        "steps": summary["steps"], "wall_time_s": round(summary["wall_time_s"], 2),
+        "steps": summary["steps"], "lr_peak_fraction": summary["lr_peak_fraction"],
+        "wall_time_s": round(summary["wall_time_s"], 2),
         "tokens_per_s": round(summary["tokens_per_s"], 1),
         "unigram_entropy": summary["unigram_entropy"], "_rows": rows}
     result.update({k: _logged(last_eval, k) for k in DIAGNOSTIC_FIELDS})

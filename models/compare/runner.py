@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ..build import lr_peak_fraction
 from ..config import ConfigError, build_config, inert_settings
 from ..data import check_given_tokenizer, load_corpus, resolve_tokenizer
 from ..sources import Fingerprint, list_documents
@@ -199,7 +200,11 @@ def _reusable(run_dir: Path, cfg, fingerprints: dict) -> dict | None:
     key = (cfg.corpus, cfg.tokenizer, cfg.vocab_size, cfg.shard_dtype)
     if key not in fingerprints:
         fingerprints[key] = _corpus_fingerprint(cfg)
-    return summary if trained_on == fingerprints[key] else None
+    if trained_on != fingerprints[key]:
+        return None
+    # a summary written before the trainer recorded it; the same function of the same config
+    summary.setdefault("lr_peak_fraction", lr_peak_fraction(cfg))
+    return summary
 
 
 def _run_dir(out: Path, arm: str, seed: int, swept: str | None) -> Path:

@@ -85,10 +85,11 @@ def test_a_result_row_reads_the_summary_and_the_runs_evaluations():
             {"step": 10, "val_loss": 6.0, "max_attention_logit": 9.0},  # a spike above it
             {"step": 20, "val_loss": 2.5, "max_attention_logit": 4.0}]
     summary = {"val_loss": 2.5, "val_ppl": 12.2, "unigram_entropy": 3.26, "steps": 20,
-               "wall_time_s": 1.234, "tokens_per_s": 99.96}
+               "lr_peak_fraction": 0.5, "wall_time_s": 1.234, "tokens_per_s": 99.96}
     r = result_row(suite, "a", 7, 0.01, summary, rows)
     assert (r["suite"], r["arm"], r["seed"], r["swept"]) == ("mini", "a", 7, 0.01)
     assert r["val_loss"] == 2.5 and r["learned"] and not r["diverged"]
+    assert r["lr_peak_fraction"] == 0.5
     assert r["max_attention_logit"] == 4.0 and r["peak_attention_logit"] == 9.0  # last, peak
     assert r["val_rise_max"] == pytest.approx(0.5) and r["_rows"] is rows
     gone = result_row(suite, "a", 7, 0.01, {**summary, "diverged": True}, rows)
@@ -141,6 +142,43 @@ def test_held_out_tuning_reports_only_seeds_the_choice_did_not_see(tmp_path):
     with pytest.raises(ConfigError, match=r"tuning seeds \[1\] are also reported seeds"):
         run_suite(dataclasses.replace(suite, tuning_seeds=(1, 6)), tmp_path / "b", seeds=(0, 1), echo=False,
                   overrides=overrides)
+
+
+@pytest.mark.filterwarnings("ignore:warmup_steps 5 >= steps 4:RuntimeWarning")
+def test_results_md_says_which_runs_never_reached_their_learning_rate(tmp_path):
+    """``--steps 4`` under the quick base's ``warmup_steps`` 5: every run warned on stderr and
+    recorded ``lr_peak_fraction`` 0.8, while results.md showed their losses beside nothing that
+    said so. Now a line under each table names the arms, k/n and the fraction (arm ``b``, with a
+    warm-up of 2, reached its rates and is not named), and results.csv has the column; a reused
+    run whose summary predates the field gets it from its config."""
+    suite = Suite(name="mini", baseline="a", seeds=(0,), tuning_seeds=(5,),
+                  sweep=("lr", (1e-3, 1e-2)), quick_sweep=("lr", (1e-3, 1e-2)),
+                  arms=(("a", {}), ("b", {"warmup_steps": 2})))
+    overrides = {"steps": "4", "eval_interval": "2", "n_layer": "1"}
+    run_suite(suite, tmp_path, quick=True, echo=False, overrides=overrides)
+    for again in (False, True):
+        lines = (tmp_path / "results.md").read_text().splitlines()
+        notes = [i for i, line in enumerate(lines) if line.startswith("Warm-up longer than the run")]
+        assert len(notes) == 2, lines                  # one under each table
+        reported, tuning = (lines[i] for i in notes)
+        assert reported.startswith("Warm-up longer than the run in 1/2 runs above")
+        assert tuning.startswith("Warm-up longer than the run in 2/4 tuning runs above")
+        assert "`a` 1/1 at 0.8." in reported and "`a` 2/2 at 0.8." in tuning
+        assert "`b`" not in reported + tuning
+        for i in notes:                                 # right under its table
+            assert lines[i - 1] == "" and lines[i - 2].startswith("| ")
+        if not again:
+            for path in tmp_path.glob("*/*/seed*/summary.json"):  # as written before the field
+                summary = json.loads(path.read_text())
+                del summary["lr_peak_fraction"]
+                path.write_text(json.dumps(summary))
+            mtime = (tmp_path / "a" / "lr=0.01" / "seed0" / "summary.json").stat().st_mtime_ns
+            run_suite(suite, tmp_path, quick=True, echo=False, overrides=overrides)
+            assert (tmp_path / "a" / "lr=0.01" / "seed0" / "summary.json").stat().st_mtime_ns \
+                == mtime                                # reused, not trained again
+    with open(tmp_path / "results.csv") as f:
+        assert [(r["arm"], float(r["lr_peak_fraction"])) for r in csv.DictReader(f)] == [
+            ("a", 0.8), ("b", 1.0)]
 
 
 @pytest.mark.slow  # about 15 s: a sweep of two arms, run twice (one and two jobs)
