@@ -235,9 +235,10 @@ class Sphere(RetractionManifold):
                 return y
         flat = int(bad_y.flatten().nonzero()[0])
         why = "" if mismatch is None else (
-            f"; the long-step fallback is not taken: {mismatch}. Define the map through angle (or "
-            f"coefficients) and inherit retract, or override retract_long_step with this retract's "
-            f"form for steps whose beta^2 overflows"
+            f"; the long-step fallback is not taken: {mismatch}. Define the map through angle (alone, "
+            f"or with the coefficients it gives, in one class or both on the instance) and inherit "
+            f"retract, or override retract_long_step with this retract's form for steps whose beta^2 "
+            f"overflows"
         )
         if no_angle:
             why = (f"; the long-step fallback needs angle(beta), which {type(retraction).__name__} "

@@ -27,10 +27,15 @@ forward is a function whose code is exactly ``return super().retract(x, v, radiu
 resolving to a ``retract`` that is recognized in turn (``_pass_through_class``, checked on the
 compiled code, not by sampling). No declaration lets a ``retract`` of its own claim agreement with
 the angle form: nothing would check the claim. An instance with ``retract`` or one of the angle
-methods set on itself is not the angle form either. A class that supplies the long-step form of
-its own ``retract`` overrides :meth:`~AngleRetraction.retract_long_step` in the class that
-defines that ``retract`` (or below it): ``_long_step_mismatch`` says when the inherited one
-would compute another map.
+methods set on itself is not the angle form either (the row kernels compute the class's math). A
+class that supplies the long-step form of its own ``retract`` overrides
+:meth:`~AngleRetraction.retract_long_step` in the class that defines that ``retract`` (or below
+it): ``_long_step_mismatch`` says when the inherited one would compute another map. The inherited
+one rotates by the ``angle`` in effect, so it is the long step of the angle form exactly when the
+``coefficients`` that ``retract`` runs are that angle's: the generic ones, or both written together
+in one class or on one instance. An ``angle`` set on an instance counts: setting it brings the
+generic ``coefficients`` onto the instance (``AngleRetraction.__setattr__``, the instance-level
+twin of ``__init_subclass__``), so ``retract`` and the long step both rotate by it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import math
+import types
 import weakref
 
 import torch
@@ -97,6 +103,22 @@ class AngleRetraction(Retraction):
             cls.coefficients = AngleRetraction.coefficients
         if ("angle" in own or "coefficients" in own) and "coefficients_vjp" not in own:
             cls.coefficients_vjp = AngleRetraction.coefficients_vjp
+
+    def __setattr__(self, name: str, value) -> None:
+        """The rule of ``__init_subclass__`` for a link set on an instance: an ``angle`` set without
+        ``coefficients`` brings the generic :meth:`coefficients` (and :meth:`coefficients_vjp`)
+        onto the instance, a ``coefficients`` without ``coefficients_vjp`` the generic
+        :meth:`coefficients_vjp`. Without it ``retract`` ran the class's closed form and ignored
+        the instance's angle (``GnomonicRetraction()`` given ``angle = lambda b: b`` stayed the
+        gnomonic map, an angle 0.036 short of the exponential map's at :math:`\\beta = 0.5`, with
+        no error)."""
+        super().__setattr__(name, value)
+        if name not in ("angle", "coefficients"):
+            return
+        own = self.__dict__
+        generic = [] if name == "coefficients" or "coefficients" in own else ["coefficients"]
+        for link in generic + ([] if "coefficients_vjp" in own else ["coefficients_vjp"]):
+            object.__setattr__(self, link, types.MethodType(AngleRetraction.__dict__[link], self))
 
     def angle(self, beta: torch.Tensor) -> torch.Tensor:
         """Rotation angle for the normalized step ``beta = ||v|| / r`` (elementwise, ``beta >= 0``)."""
@@ -388,6 +410,13 @@ def _retract_definer(kind: type) -> type | None:
         start, keyword = mro.index(found[0]) + 1, found[1]
 
 
+def _class_retract_is_angle_form(kind: type) -> bool:
+    """Whether instances of ``kind`` run :meth:`AngleRetraction.retract` (directly or through
+    recognized pass-through overrides), whatever is set on an instance."""
+    definer = _retract_definer(kind)
+    return definer is not None and definer.__dict__["retract"] is _ANGLE_FORM_RETRACT
+
+
 def _retract_is_angle_form(retraction: AngleRetraction) -> bool:
     """Whether ``retraction.retract`` is the angle form (module docstring, *Whose map runs*):
     :meth:`AngleRetraction.retract` itself, reached through a chain of recognized pass-through
@@ -396,31 +425,99 @@ def _retract_is_angle_form(retraction: AngleRetraction) -> bool:
     instance = getattr(retraction, "__dict__", None)
     if instance and any(name in instance for name in _MAP_ATTRIBUTES):
         return False
-    definer = _retract_definer(type(retraction))
-    return definer is not None and definer.__dict__["retract"] is _ANGLE_FORM_RETRACT
+    return _class_retract_is_angle_form(type(retraction))
+
+
+def _generic(retraction: AngleRetraction, name: str) -> bool:
+    """Whether ``retraction``'s ``name`` (``"coefficients"`` or ``"coefficients_vjp"``) is
+    :class:`AngleRetraction`'s generic one, derived from :meth:`~AngleRetraction.angle`: the class's
+    (set by ``__init_subclass__`` for a class that defines ``angle`` alone) or the one
+    :meth:`AngleRetraction.__setattr__` puts on an instance given an ``angle`` of its own."""
+    generic = AngleRetraction.__dict__[name]
+    own = getattr(retraction, "__dict__", {}).get(name)
+    if own is None:
+        return getattr(type(retraction), name) is generic
+    return getattr(own, "__func__", None) is generic and getattr(own, "__self__", None) is retraction
+
+
+def _owner(kind: type, name: str) -> type:
+    """The class in ``kind``'s MRO that defines ``name``."""
+    return next(k for k in kind.__mro__ if name in k.__dict__)
+
+
+def _angle_mismatch(retraction: AngleRetraction) -> str | None:
+    """``None`` when the ``coefficients`` that the angle form's ``retract`` runs are those of the
+    ``angle`` that :meth:`AngleRetraction.retract_long_step` runs, else why not (a clause).
+
+    They are when the coefficients are the generic ones (derived from whatever ``angle`` is in
+    effect), or when both were written together: both set on the instance, or both defined in the
+    same class (a class that writes both is taken at its word, as the built-ins are). A class
+    without an ``angle`` gets ``None`` here: its long step raises ``NotImplementedError``, which
+    :meth:`~manifoldlib.Sphere.retr` explains.
+    """
+    if _generic(retraction, "coefficients"):
+        return None
+    kind, instance = type(retraction), getattr(retraction, "__dict__", {})
+    name = kind.__name__
+    if "coefficients" in instance:
+        if "angle" in instance:
+            return None
+        return (f"this {name} instance has its own coefficients, which retract runs, and not its own "
+                f"angle: retract_long_step would rotate by {_owner(kind, 'angle').__name__}.angle, "
+                f"another map")
+    coefficients_owner = _owner(kind, "coefficients")
+    if "angle" in instance:  # only where AngleRetraction.__setattr__ was bypassed
+        return (f"this {name} instance has its own angle, which retract does not read (it runs "
+                f"{coefficients_owner.__name__}.coefficients), but retract_long_step would")
+    angle_owner = _owner(kind, "angle")
+    if angle_owner is AngleRetraction or angle_owner is coefficients_owner:
+        return None
+    return (f"{name}.coefficients (defined in {coefficients_owner.__name__}) are not derived from "
+            f"{name}.angle (defined in {angle_owner.__name__}): retract runs the coefficients, "
+            f"retract_long_step would rotate by the angle, another map")
 
 
 def _long_step_mismatch(retraction: AngleRetraction) -> str | None:
     """``None`` when ``retraction.retract_long_step`` is the long-step form of the map
     ``retraction.retract`` computes, else why not (a clause for an error message).
 
-    It is when ``retract`` is the angle form (:func:`_retract_is_angle_form`), or when
-    ``retract_long_step`` is defined in the class whose ``retract`` runs or in a subclass of it, or
-    set on the instance: a class that writes a long-step form of its own is taken at its word.
+    It is
+
+    * when ``retract_long_step`` is set on the instance (taken at its word);
+    * when ``retract`` is the angle form of the class and ``retract_long_step``
+      :meth:`AngleRetraction.retract_long_step`, which rotates by the ``angle`` in effect, and the
+      coefficients that ``retract`` runs are that angle's (:func:`_angle_mismatch`): an ``angle``
+      set on the instance included, for a class of generic coefficients or through
+      :meth:`AngleRetraction.__setattr__`;
+    * when the class defines ``retract_long_step`` in the class whose ``retract`` runs or in a
+      subclass of it (taken at its word), and nothing of the map is set on the instance.
+
+    A ``retract`` set on the instance, or an ``angle`` or ``coefficients`` set on it where the class
+    has a long-step form of its own (which need not read them), is refused.
     """
     instance = getattr(retraction, "__dict__", None) or {}
     if "retract_long_step" in instance:
         return None
     kind = type(retraction)
     name = kind.__name__
-    if any(attr in instance for attr in _MAP_ATTRIBUTES):
-        return (f"this {name} instance has its own {', '.join(a for a in _MAP_ATTRIBUTES if a in instance)}, "
-                f"so the class's retract_long_step would compute another map")
-    if _retract_is_angle_form(retraction):
-        return None
+    if "retract" in instance:
+        return (f"this {name} instance has its own retract, so the class's retract_long_step would "
+                f"compute another map")
+    own_math = [a for a in ("angle", "coefficients") if a in instance]
+    angle_form = _class_retract_is_angle_form(kind)
+    long_owner = next((k for k in kind.__mro__ if "retract_long_step" in k.__dict__), None)
+    if angle_form and long_owner is AngleRetraction:
+        return _angle_mismatch(retraction)
+    if own_math:
+        definer = (_retract_definer(kind) or kind).__name__
+        what = (f"{definer}.retract is a map of its own" if not angle_form
+                else f"{long_owner.__name__}.retract_long_step is a long-step form of the class's own")
+        return (f"this {name} instance has its own {', '.join(own_math)}, and {what}, which need not "
+                f"read it")
+    if angle_form:
+        return None  # a class's own long-step form for the angle form: taken at its word
     mro = kind.__mro__
     definer = _retract_definer(kind)
-    long_owner = next((k for k in mro if "retract_long_step" in k.__dict__), None)
     if definer is not None and long_owner is not None and mro.index(long_owner) <= mro.index(definer):
         return None
     definer_name = (definer or kind).__name__

@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from manifoldlib import Sphere
-from manifoldlib.functional import sphere_project_tangent
-from manifoldlib.retractions import AngleRetraction, CayleyRetraction, ExponentialRetraction, GnomonicRetraction
+from manifoldlib.functional import cayley_coefficients, sphere_project_tangent
+from manifoldlib.retractions import (
+    AngleRetraction,
+    CayleyRetraction,
+    ExponentialRetraction,
+    GnomonicRetraction,
+    PRetraction,
+)
 
 RADIUS = 2.0
 # normalized step lengths whose square overflows the dtype (float32 past 1.8e19, float64 past 1.3e154)
@@ -164,3 +170,142 @@ def test_a_retraction_of_coefficients_only_is_told_that_long_steps_need_its_angl
                           Sphere(RADIUS, retraction="cayley").retr(x, u * (1.0 / (beta * RADIUS))))
     with pytest.raises(ValueError, match=r"needs angle\(beta\), which _CoefficientsOnly does not define"):
         manifold.retr(x, u)
+
+
+# ---- an angle (or coefficients) set on the instance -------------------------------------------
+
+
+class _AtanByAngle(AngleRetraction):
+    """The gnomonic map given by its angle alone: generic coefficients, which read self.angle."""
+
+    def angle(self, beta):
+        return torch.atan(beta)
+
+
+class _ExpWithCayleyLongStep(ExponentialRetraction):
+    """The angle form's retract with a long-step form of the class's own (taken at its word)."""
+
+    def retract_long_step(self, x, v, radius=None):
+        return _CAYLEY.retract_long_step(x, v, radius)
+
+
+class _GnomonicCayleyCoefficients(GnomonicRetraction):
+    """Cayley's closed-form coefficients under the gnomonic angle it inherits."""
+
+    def coefficients(self, sigma):
+        return cayley_coefficients(sigma)
+
+
+def _exponential_angle(beta):
+    return beta
+
+
+def _with_angle(retraction, angle=_exponential_angle):
+    retraction.angle = angle
+    return retraction
+
+
+def _with_vjp_only():
+    retraction = ExponentialRetraction()
+    retraction.coefficients_vjp = AngleRetraction.coefficients_vjp.__get__(retraction)
+    return retraction
+
+
+# instance overrides whose retract and long step both follow the exponential map's angle
+FOLLOWED = {
+    "generic-class+angle": lambda: _with_angle(_AtanByAngle()),
+    "gnomonic+angle": lambda: _with_angle(GnomonicRetraction()),
+    "p3+angle": lambda: _with_angle(PRetraction(3.0)),
+    "exp+vjp-only": _with_vjp_only,
+}
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+@pytest.mark.parametrize("make", list(FOLLOWED.values()), ids=list(FOLLOWED))
+def test_an_angle_set_on_the_instance_takes_long_steps_by_that_angle(make, dtype, beta):
+    # the long-step fallback was refused for any angle math set on the instance ("this ...
+    # instance has its own angle"), although retract_long_step rotates by that same angle
+    x, u, _ = _long_step(dtype, beta)
+    y = Sphere(RADIUS, retraction=make()).retr(x, u)
+    assert torch.equal(y, Sphere(RADIUS, retraction="exp").retr(x, u))
+    Sphere(RADIUS).assert_check_point_on_manifold(y)
+
+
+@pytest.mark.parametrize("make", list(FOLLOWED.values()), ids=list(FOLLOWED))
+def test_an_angle_set_on_the_instance_is_the_map_of_short_steps_too(make):
+    # GnomonicRetraction() and PRetraction(3) given the exponential angle ran their own closed
+    # forms and ignored it: at beta = 0.5 the gnomonic point is 2 (0.5 - atan 0.5) = 0.073 away
+    x, u, u_hat = _long_step(torch.float64, 0.5)
+    for scale in (1e-9, 1e-3, 0.5, 3.0, 1e6):
+        step = u_hat * (scale * RADIUS)
+        y = Sphere(RADIUS, retraction=make()).retr(x, step)
+        want = Sphere(RADIUS, retraction="exp").retr(x, step)
+        assert torch.allclose(y, want, rtol=0, atol=8 * torch.finfo(torch.float64).eps * RADIUS * max(1.0, scale))
+
+
+def test_setting_an_angle_on_the_instance_brings_the_generic_coefficients():
+    retraction = _with_angle(GnomonicRetraction())
+    sigma = torch.tensor([[0.0], [1e-20], [0.25], [4.0]], dtype=torch.float64)
+    cos_theta, k = retraction.coefficients(sigma)
+    beta = sigma.sqrt()
+    assert torch.allclose(cos_theta, torch.cos(beta), rtol=0, atol=2e-16)
+    assert torch.allclose(k, torch.where(beta > 0, torch.sin(beta) / beta.clamp_min(1e-300), 1.0), rtol=0, atol=2e-16)
+    own = AngleRetraction.coefficients.__get__(retraction)
+    retraction.coefficients = own  # a coefficients set after the angle is the user's: kept
+    assert retraction.coefficients == own
+
+
+def _refused_instance_coefficients():
+    retraction = ExponentialRetraction()
+    retraction.coefficients = cayley_coefficients  # retract runs Cayley; the long step would rotate by beta
+    return retraction
+
+
+def _bypassed_angle():
+    retraction = GnomonicRetraction()
+    vars(retraction)["angle"] = _exponential_angle  # past __setattr__: retract keeps the closed form
+    return retraction
+
+
+# (retraction, what the refusal names): retract and the long step would compute different maps
+REFUSED = {
+    "instance-coefficients": (_refused_instance_coefficients, "has its own coefficients, which retract runs"),
+    "class-coefficients-under-a-foreign-angle": (
+        _GnomonicCayleyCoefficients, "are not derived from _GnomonicCayleyCoefficients.angle (defined in GnomonicRetraction)"),
+    "instance-angle-over-a-class-long-step": (
+        lambda: _with_angle(_ExpWithCayleyLongStep()), "retract_long_step is a long-step form of the class's own"),
+    "angle-past-setattr": (_bypassed_angle, "which retract does not read"),
+}
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+@pytest.mark.parametrize("make, says", list(REFUSED.values()), ids=list(REFUSED))
+def test_a_long_step_whose_fallback_would_be_another_map_is_refused(make, says, dtype, beta):
+    # class-coefficients-under-a-foreign-angle returned the gnomonic limit r u_hat for a map
+    # whose long steps tend to -x (Cayley's), 2 sqrt 2 away, with no error
+    x, u, _ = _long_step(dtype, beta)
+    with pytest.raises(ValueError, match="cannot take this step") as info:
+        Sphere(RADIUS, retraction=make()).retr(x, u)
+    assert says in str(info.value)
+    assert "Define the map through angle" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+def test_the_refused_cases_would_give_another_point(dtype, beta):
+    # why the refusals are right: each retract tends to Cayley's -x while the long step it would
+    # fall back on is the gnomonic limit r u_hat or the exponential map's point, far from -x
+    x, u, _ = _long_step(dtype, beta)
+    for make in (_refused_instance_coefficients, _GnomonicCayleyCoefficients):
+        retraction = make()
+        below = Sphere(RADIUS, retraction=retraction).retr(x, u / beta * 1e6)  # beta = 1e6
+        assert torch.allclose(below, -x, rtol=0, atol=1e-5 * RADIUS)
+        fallback = retraction.retract_long_step(x, u, radius=RADIUS)
+        assert bool(((fallback - below).norm(dim=-1) > 0.1 * RADIUS).all())
+
+
+@pytest.mark.parametrize("dtype, beta", LONG)
+def test_a_class_long_step_of_its_own_stays_taken_without_instance_math(dtype, beta):
+    # the other side of instance-angle-over-a-class-long-step: the class alone is taken at its word
+    x, u, _ = _long_step(dtype, beta)
+    y = Sphere(RADIUS, retraction=_ExpWithCayleyLongStep()).retr(x, u)
+    assert torch.equal(y, Sphere(RADIUS, retraction="cayley").retr(x, u))
