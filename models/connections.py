@@ -20,8 +20,8 @@ from manifoldlib.nn import DyT, ScaleNorm, SphereResidual
 __all__ = [
     "CONNECTIONS",
     "DAMPING_DEPTHS",
-    "EmbeddingScale",
     "SPHERE_CONNECTIONS",
+    "EmbeddingScale",
     "Keel",
     "PeriLN",
     "PostLN",

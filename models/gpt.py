@@ -147,7 +147,8 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         for name in ("bias", "tie_weights", "fused", "dyt_embed_scale", "periln_embed_norm"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(  # noqa: TRY004 - build_model makes a ValueError a ConfigError
+                    f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.connection not in CONNECTIONS:
@@ -183,7 +184,8 @@ class GPTConfig:
             raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
         for name in ("learn_alpha", "learn_radius"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(  # noqa: TRY004 - build_model makes a ValueError a ConfigError
+                    f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def on_sphere(self) -> bool:
@@ -329,7 +331,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         if not isinstance(config, GPTConfig):
-            raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+            raise ValueError(  # noqa: TRY004 - as GPTConfig's own checks
+                f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)

@@ -87,7 +87,7 @@ def read_saved_config(out: str | Path) -> dict:
     try:
         base = with_legacy_defaults(json.loads(saved.read_text()))
         if not isinstance(base, dict):
-            raise ValueError("not a JSON object")
+            raise ValueError("not a JSON object")  # noqa: TRY004 - caught below: damaged
         TrainConfig.from_dict(base)
     except (ValueError, UnicodeDecodeError, TypeError) as exc:
         raise RunError(f"cannot resume: {saved} is not a valid configuration ({exc}); "
@@ -327,7 +327,7 @@ def finished_summary(out: Path, step: int, steps: int, echo: bool) -> dict:
     try:
         saved = json.loads(summary.read_text())
         if not isinstance(saved, dict):
-            raise ValueError("not a JSON object")
+            raise ValueError("not a JSON object")  # noqa: TRY004 - caught below: damaged
     except (ValueError, UnicodeDecodeError) as exc:
         raise RunError(f"{summary} is damaged ({exc}); the run already finished at step "
                        f"{step}, its checkpoint is intact") from None
@@ -356,7 +356,7 @@ class MetricsLog:
 
     def __init__(self, out: Path, rows: list[dict], write: bool, log: str = "none") -> None:
         self.path, self.rows, self.tensorboard = out / "metrics.jsonl", rows, None
-        self.file = open(self.path, "a") if write else None
+        self.file = open(self.path, "a") if write else None  # noqa: SIM115 - until close()
         if write and log == "tensorboard":
             self.tensorboard = _tensorboard_writer(out / "tensorboard")
 

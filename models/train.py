@@ -40,27 +40,49 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from manifoldlib.distributed import all_mean, batch_shard, destroy_process_group, from_rank0
-from manifoldlib.distributed import raise_together
+from manifoldlib.distributed import (
+    all_mean,
+    batch_shard,
+    destroy_process_group,
+    from_rank0,
+    raise_together,
+)
 
 from . import cli, run_dir
-# imported from here by models.compare, the tests and users' scripts:
-from .build import MissingModuleError, _import  # noqa: F401
-from .build import build_model, build_train_optimizer, lr_scale, resolve_device
-from .build import warmup_outlasts_run
+
+# the names marked F401 are imported from here by models.compare, the tests and users' scripts
+from .build import (
+    MissingModuleError,  # noqa: F401
+    _import,  # noqa: F401
+    build_model,
+    build_train_optimizer,
+    lr_scale,
+    resolve_device,
+    warmup_outlasts_run,
+)
 from .cli import _ArgumentError, _Parser  # noqa: F401
 from .clipping import clip_grad_norm
 from .config import RESUMABLE_FIELDS, ConfigError, TrainConfig  # noqa: F401
 from .data import BatchSampler, Corpus, CorpusError
 from .evaluation import diagnostics, evaluate, generate_sample, perplexity
-from .fsdp import average_replicated_grads, forget_sharding_caches, gradient_sync, shard_model
-from .fsdp import whole_parameters
+from .fsdp import (
+    average_replicated_grads,
+    forget_sharding_caches,
+    gradient_sync,
+    shard_model,
+    whole_parameters,
+)
 from .job import Job, set_rank_rng, start_job
 from .moment_overflow import SecondMomentOverflow, check_second_moments
 from .precision import MIN_LOSS_SCALE, Precision
 from .progress import Progress
-from .run_dir import MetricsLog, RunError
-from .run_dir import load_optimizer_state, read_metrics, save_checkpoint  # noqa: F401
+from .run_dir import (
+    MetricsLog,
+    RunError,
+    load_optimizer_state,  # noqa: F401
+    read_metrics,  # noqa: F401
+    save_checkpoint,  # noqa: F401
+)
 from .sharded_checkpoint import remove_stale_shard_folders
 from .throughput import Throughput, device_time, flops_per_token, peak_flops
 

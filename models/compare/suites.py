@@ -9,9 +9,18 @@ import dataclasses
 from ..config import ConfigError
 from ..train import _import
 
-__all__ = ["FULL_BASE", "MANIFOLD_POLICIES", "QUICK_BASE", "REFERENCE_POLICIES", "RETRACTION_ALPHA_INIT", "SUITES",
-           "Suite", "TUNING_SEEDS",
-           "check_requirements", "narrow_suite"]
+__all__ = [
+    "FULL_BASE",
+    "MANIFOLD_POLICIES",
+    "QUICK_BASE",
+    "REFERENCE_POLICIES",
+    "RETRACTION_ALPHA_INIT",
+    "SUITES",
+    "TUNING_SEEDS",
+    "Suite",
+    "check_requirements",
+    "narrow_suite",
+]
 
 
 #: Shared settings of every full suite: byte-level stdlib, a small 4-layer model.

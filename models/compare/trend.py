@@ -120,8 +120,9 @@ def trend_table(sizes: Sequence[float], size_name: str, per_size: Sequence[dict[
         cells = [arm] + [f"{g.mean:+.4f} ± {g.se:.4f} (n={g.seeds})" if g else "—" for g in points]
         cells += [f"{fit[0]:+.4f} ({fit[1]:.4f})" if fit else "—", verdict(fit)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Gap: final validation loss minus `{baseline}`'s, paired by seed (negative: the arm is "
-              f"better). Past the largest {size_name} ({max(sizes):g}) the trend is a guess."]
+    lines += ["", (f"Gap: final validation loss minus `{baseline}`'s, paired by seed (negative: "
+                   f"the arm is better). Past the largest {size_name} ({max(sizes):g}) the trend "
+                   f"is a guess.")]
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from models.plotting import _pyplot, _step_axis, plot_curves, plot_run  # noqa: E402
+from models.plotting import _pyplot, _step_axis, plot_curves, plot_run
 
 
 def test_step_axis_has_integer_ticks_and_a_unit():

@@ -10,7 +10,13 @@ import torch
 
 from models.config import ConfigError, TrainConfig
 from models.data import BPETokenizer, ByteTokenizer, Corpus, CorpusError, load_corpus
-from models.train import RESUMABLE_FIELDS, RunError, load_optimizer_state, resolve_device, save_checkpoint
+from models.train import (
+    RESUMABLE_FIELDS,
+    RunError,
+    load_optimizer_state,
+    resolve_device,
+    save_checkpoint,
+)
 
 
 def test_byte_tokenizer_round_trips_utf8():
