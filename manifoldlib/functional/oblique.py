@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .scaling import _power_of_two_scale
-from .sphere import exponential_coefficients
+from .sphere import exponential_coefficients, sphere_step_length
 from .stiefel import _check_tall_pair
 
 __all__ = [
@@ -87,9 +87,28 @@ def oblique_exp(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     error of :math:`\epsilon\,\theta_j` in the norm, 4e-6 at :math:`\theta \approx 85` in
     float32, 9% in float16), and finite gradients at :math:`v_j = 0`. Computed in at least
     float32, returned in the dtype of ``w + v``.
+
+    A column whose :math:`\sigma_j` overflows (:math:`\theta_j` past about :math:`1.8\cdot10^{19}` in
+    float32, :math:`1.3\cdot10^{154}` in float64) is rotated from its angle itself,
+    :math:`\cos\theta_j\,w_j + \sin\theta_j\,\hat v_j` with :math:`\theta_j` and
+    :math:`\hat v_j = v_j/\|v_j\|` from :func:`~manifoldlib.functional.sphere_step_length`
+    (nothing squared), as :meth:`~manifoldlib.Sphere.expmap` does for a row: a unit column for
+    every finite :math:`\theta_j` (the squares gave NaN columns from those lengths). The map is
+    periodic in :math:`\theta_j`, and the float :math:`\theta_j` is exact only to
+    :math:`\epsilon\,\theta_j`: past :math:`\theta_j \approx 2\pi/\epsilon` (:math:`5\cdot10^{7}`
+    in float32, :math:`3\cdot10^{16}` in float64) the point is on the column's great circle but its
+    position there is not determined by the input. A column whose :math:`\theta_j` itself overflows
+    (a finite ``v`` of norm above the dtype's largest number) comes back non-finite
+    (:meth:`~manifoldlib.Oblique.expmap` names it).
     """
     _check_tall_pair(w, v, "oblique_exp")
     work = torch.promote_types(torch.promote_types(w.dtype, v.dtype), torch.float32)
     ww, vw = w.to(work), v.to(work)
-    cos_theta, k = exponential_coefficients((vw * vw).sum(-2, keepdim=True))  # (..., 1, n) each
-    return (cos_theta * ww + k * vw).to(torch.promote_types(w.dtype, v.dtype))
+    sigma = (vw * vw).sum(-2, keepdim=True)  # (..., 1, n)
+    long = ~torch.isfinite(sigma)  # the square overflowed (or v is not finite)
+    # double-where: neither form sees the other's columns, so no NaN reaches a gradient
+    cos_theta, k = exponential_coefficients(torch.where(long, torch.zeros_like(sigma), sigma))  # (..., 1, n) each
+    short = cos_theta * ww + k * torch.where(long, torch.zeros_like(vw), vw)
+    theta, direction = sphere_step_length(torch.where(long, vw, ww).mT, 1.0)  # (..., n, 1), (..., n, m)
+    rotated = torch.cos(theta.mT) * ww + torch.sin(theta.mT) * direction.mT  # (..., m, n)
+    return torch.where(long, rotated, short).to(torch.promote_types(w.dtype, v.dtype))

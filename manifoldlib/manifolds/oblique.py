@@ -2,6 +2,7 @@ r"""The oblique manifold :math:`\mathrm{OB}(m, n) = \{W \in \mathbb{R}^{m\times 
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
@@ -118,10 +119,46 @@ class Oblique(MatrixConstraintManifold):
         :math:`\cos\|v_j\|\,w_j + \operatorname{sinc}\|v_j\|\,v_j` stays on the unit sphere only
         for :math:`w_j^\top v_j = 0`: for a vector with a normal part (a momentum buffer seeded
         with a raw gradient) it would leave the manifold.
+
+        Every step whose angles :math:`\theta_j = \|P_W u_j\|` are finite in the working dtype
+        (float32 for 16-bit inputs) is taken, however long: past the overflow of
+        :math:`\theta_j^2` the column is rotated from its angle
+        (:func:`~manifoldlib.functional.oblique_exp`), as :meth:`Sphere.expmap
+        <manifoldlib.Sphere.expmap>` rotates a row. Past :math:`\theta_j \approx 2\pi/\epsilon`
+        the point is on the column's great circle but its position there is not determined by
+        the input (the float angle is exact only to :math:`\epsilon\,\theta_j`); use :meth:`retr`
+        for a step that long.
+
+        Raises:
+            ValueError: a non-finite ``x`` or ``u``, or a column whose angle :math:`\|P_W u_j\|`
+                overflows the working dtype, naming the column, the angle and the largest one
+                accepted (value checks, see :func:`~manifoldlib.manifolds.skip_value_checks`).
         """
         self._validate_pair(x, u)
         y = oblique_exp(x, self.proju(x, u))
-        return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
+        try:
+            return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
+        except ValueError:
+            if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(u).all())):
+                raise  # check_finite_result named the non-finite input
+        raise ValueError(self._angle_overflow(x, u, y.dtype)) from None
+
+    @staticmethod
+    def _angle_overflow(x: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> str:
+        """The message for a finite step whose angle overflows: the first such column, its angle
+        (in float64, where a float32 or 16-bit step's angle is finite) and the largest accepted."""
+        work = torch.promote_types(dtype, torch.float32)
+        v = oblique_project_tangent(x.detach().to(torch.float64), u.detach().to(torch.float64))
+        largest = v.abs().amax(dim=-2, keepdim=True)  # (..., 1, n)
+        theta = (v / largest.clamp_min(torch.finfo(torch.float64).tiny)).norm(dim=-2) * largest.squeeze(-2)  # (..., n)
+        limit = float(torch.finfo(work).max)
+        flat = int(torch.nan_to_num(theta, nan=math.inf).flatten().argmax())
+        j = flat % x.size(-1)
+        return (f"oblique.expmap: column {j}'s step has the angle ||P_W u_j|| = "
+                f"{float(theta.flatten()[flat]):.4g}, which overflows {work} (angles up to {limit:.4g} "
+                f"are taken; past about 2 pi / eps = {2 * math.pi / torch.finfo(work).eps:.2g} the "
+                f"point's position on the column's great circle is not determined by the step anyway): "
+                f"shorten the step, or use retr (the 'normalize' retraction takes any finite step)")
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Uniform points (normalized Gaussian columns): ``random(m, n)``."""

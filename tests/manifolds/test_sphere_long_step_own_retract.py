@@ -282,7 +282,7 @@ REFUSED = {
 @pytest.mark.parametrize("make, says", list(REFUSED.values()), ids=list(REFUSED))
 def test_a_long_step_whose_fallback_would_be_another_map_is_refused(make, says, dtype, beta):
     # class-coefficients-under-a-foreign-angle returned the gnomonic limit r u_hat for a map
-    # whose long steps tend to -x (Cayley's), 2 sqrt 2 away, with no error
+    # whose long steps tend to -x (Cayley's), sqrt 2 r away, with no error
     x, u, _ = _long_step(dtype, beta)
     with pytest.raises(ValueError, match="cannot take this step") as info:
         Sphere(RADIUS, retraction=make()).retr(x, u)
