@@ -60,8 +60,9 @@ def near_scalar_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     :math:`\rho = O(\eta^2)` and, at training's step lengths, needs one product
     (``test_a_float32_step_at_768_columns_keeps_the_one_pass_fast_path`` checks steps of
     :math:`\eta = 0.02` and 0.05 on 768 columns).
-    ``None`` when six terms are not enough (:math:`\rho` above about 0.05 in float32, 8e-4 in
-    float64).
+    ``None`` when five terms (``K = 5``, the most the six coefficients of :data:`RSQRT_TAYLOR` bound)
+    are not enough: :math:`|c_5|\rho^5/(1 - \rho) > \epsilon`, i.e. :math:`\rho` above about
+    0.054 in float32 and 1e-3 in float64.
 
     The bound is on :math:`\|Y - T^{-1/2}\|_2 / \|T^{-1/2}\|_2` for the ``t`` given (its own
     rounding is the caller's): a worst case in IEEE arithmetic with unit roundoff
@@ -89,15 +90,20 @@ def near_scalar_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
       round about :math:`\sqrt n` times less in the products; the bound does not assume it. The
       product's share is :math:`O(\gamma_n\rho^2)` because the identity never enters a product
       (Horner on :math:`P_j` itself puts :math:`c\,I` into every dot product and costs
-      :math:`\gamma_n\rho\,g`: the fast path at 768 columns in float32 would end near
-      :math:`\rho = 0.015`);
+      :math:`\gamma_n\rho\,g`: at 768 columns in float32, :math:`\gamma_n \approx 4.6\cdot10^{-5}`,
+      that bound would pass the 1e-6 under which its readers keep one pass
+      (:data:`~manifoldlib.functional.msign.GRAM_EIGH_ONE_PASS`) near :math:`\rho = 0.015`);
     * scaling by :math:`\mathrm{fl}(1/\mathrm{fl}(\sqrt s))` (each correctly rounded: :math:`2u`)
       and the product: :math:`3ug`.
 
     The sum is made relative by a factor :math:`\sqrt{1 + \rho} \ge 1/(\|T^{-1/2}\|_2 s^{1/2})`.
-    As :math:`\rho \to 0` it is :math:`4.5u = 2.25\epsilon`, and computed errors come within a
-    factor of about two of it (the earlier :math:`\epsilon(1 + \rho)/(1 - \rho)` was exceeded by
-    up to 1.5 times, float32 and float64 alike).
+    As :math:`\rho \to 0` it is :math:`4.5u = 2.25\epsilon`. The earlier
+    :math:`\epsilon(1 + \rho)/(1 - \rho)` left out the rounding of :math:`E`, of the scaling and of
+    the Horner steps, a few :math:`u` each, and computed errors exceeded it.
+    ``test_near_scalar_error_is_within_its_bound`` (``tests/functional/test_gram_rsqrt.py``)
+    checks computed errors against this bound with a 60-digit oracle, in float32 and float64, for
+    ``n`` from 2 to 256 and :math:`\rho` from 1e-8 to 0.45, and that the bound stays below
+    :math:`3.5\epsilon + n\epsilon\rho^2`.
 
     Returns:
         ``(y, bound)``: ``(..., n, n)`` inverse square root and the largest bound over the batch.
@@ -165,7 +171,8 @@ def near_diagonal_rsqrt(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     and the stopping test: at most :data:`CHORD_TOL_EPS` ``eps``, else ``None`` after
     :data:`CHORD_MAX_CHECKS` residuals. The grading never enters the arithmetic: a column whose
     norm is 1e-6 of another's is resolved like any other (the Gram matrix's eigenvalues would
-    span 1e-24 and an eigh in float32 would zero it).
+    span 1e-12, below the :math:`\epsilon\lambda_{\max}` to which a float32 eigh resolves them;
+    ``test_near_diagonal_chord_resolves_graded_gram_matrices`` checks such a grading).
 
     Returns:
         ``(y, residual)``: ``(..., n, n)`` inverse square root and the largest :math:`\|I - YTY\|_1`.
@@ -267,9 +274,12 @@ def alternating_gram_factor(gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
     :math:`\Phi` is invariant under :math:`T \mapsto sT` (:math:`R(\sqrt s\,Y) = \sqrt s\,R(Y)`)
     while :math:`cTc` scales like :math:`T^2`: a ``gram`` whose largest entry lies outside
     :math:`[2^{-32}, 2^{32}]` is first multiplied by the power of two that brings it into
-    :math:`[1/2, 1)` (exact). Without it :math:`cTc` overflowed (float32 points of entries 1e18,
-    float64 1e150: a non-finite :math:`\Phi`) or underflowed (1e-18, 1e-151: :math:`\Phi = 0`,
-    residual 1), and :func:`products_only_rsqrt` resolved neither.
+    :math:`[1/2, 1)` (exact). Without it :math:`cTc`, of the fourth power of the point's scale,
+    overflowed (a non-finite :math:`\Phi`) or underflowed (:math:`\Phi = 0`, residual 1) once
+    that power left the dtype's range, and :func:`products_only_rsqrt` resolved neither
+    (``test_alternating_gram_factor_is_scale_free_over_the_whole_range`` checks points scaled by
+    :math:`2^{\pm 30}` and :math:`2^{\pm 60}` in float32, :math:`2^{\pm 200}` and
+    :math:`2^{\pm 500}` in float64).
     """
     gram = gram * out_of_range_scale(gram, SAFE_EXPONENT)  # Phi is scale-free; cTc is T's scale squared
     c = torch.diagonal(gram, dim1=-2, dim2=-1).clamp_min(0).sqrt()  # (..., n) column norms of Y
