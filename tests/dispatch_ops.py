@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from manifoldlib.optim.execution import FULL_PRECISION, _matmul_backends
+from manifoldlib.optim.execution import FULL_PRECISION, MATMUL_BACKENDS
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "linalg_eigh",
             "_linalg_eigh", "linalg_qr", "linalg_svd", "_linalg_svd", "linalg_cholesky_ex",
@@ -15,7 +15,7 @@ PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vd
 
 
 def full_precision_now() -> bool:
-    return all(h.fp32_precision in FULL_PRECISION for h in _matmul_backends())
+    return all(h.fp32_precision in FULL_PRECISION for h in MATMUL_BACKENDS)
 
 
 class ProductRecorder(TorchDispatchMode):

@@ -93,6 +93,10 @@ class Bank:
             bank has no buffers.
         execution: the device's choices for this bank (:class:`~manifoldlib.optim.execution.Execution`).
         spectral: the dual's spectral map on the execution's path (constrained banks).
+        work: the dtype a step computes in (:func:`~manifoldlib.optim.execution.solve_dtype` of the
+            members' for a constrained bank, theirs for a Euclidean one).
+        eta, beta: ``lrs`` and ``decays`` as the step uses them, set by :meth:`set_step_sizes`: one
+            float where the members agree, else a ``(B, 1, 1)`` tensor in ``work``.
     """
 
     options: MuonOptions
@@ -107,6 +111,9 @@ class Bank:
     updates_given: bool = False
     execution: Execution | None = None
     spectral: Spectral | None = None
+    work: torch.dtype | None = None
+    eta: float | Tensor = 1.0
+    beta: float | Tensor = 1.0
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """``(B, m, n)`` the members' tall orientations, one copy."""
@@ -118,11 +125,19 @@ class Bank:
         """Views of ``stacked`` ``(B, m, n)`` in the members' stored orientations."""
         return [t.mT if f else t for t, f in zip(stacked.unbind(0), self.flips)]
 
-    def scalar(self, values: Sequence[float], like: Tensor) -> float | Tensor:
-        """``values`` as one float when they agree, else a ``(B, 1, 1)`` tensor like ``like``."""
-        if all(v == values[0] for v in values):
-            return values[0]
-        return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
+    def set_step_sizes(self, sizes: Sequence[tuple[float, float]]) -> None:
+        """Set the members' ``(eta, beta)`` (:func:`step_sizes`, in member order): the lists
+        :attr:`lrs` and :attr:`decays`, and :attr:`eta` and :attr:`beta` as the step uses them
+        (once per plan and learning rate, not per step)."""
+        self.lrs, self.decays = [lr for lr, _ in sizes], [decay for _, decay in sizes]
+        device = self.params[0].device
+
+        def scalar(values: list[float]) -> float | Tensor:
+            if all(v == values[0] for v in values):
+                return values[0]
+            return torch.tensor(values, dtype=self.work, device=device).view(-1, 1, 1)
+
+        self.eta, self.beta = scalar(self.lrs), scalar(self.decays)
 
 
 def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None, dict]],
@@ -130,8 +145,14 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None,
                updates_given: bool = False) -> list[Bank]:
     """Group ``(options, param, grad, momentum_buffer, state)`` items into banks, in first-seen order;
     ``execution_of(options, device, columns)`` gives each bank its :class:`Execution`
-    (``updates_given``: the "grads" are momentum updates and there are no buffers, see :class:`Bank`)."""
+    (``updates_given``: the "grads" are momentum updates and there are no buffers, see :class:`Bank`).
+
+    Raises:
+        ValueError: a stored warm start (``state["dual_correction"]``) of the wrong shape, naming
+            the matrix (checked here, when a plan is made, before anything moves).
+    """
     banks: dict[tuple, Bank] = {}
+    sizes: dict[tuple, list[tuple[float, float]]] = {}
     for index, (opts, p, g, buf, state) in enumerate(items):
         flip = flipped(p.shape, opts.layout)
         shape = (p.size(1), p.size(0)) if flip else tuple(p.shape)
@@ -140,17 +161,30 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None,
         if bank is None:
             execution = execution_of(opts, p.device, min(shape))
             bank = banks[key] = Bank(opts, updates_given=updates_given, execution=execution,
-                                     spectral=Spectral.of_group(opts, execution.spectral))
-        lr, decay = step_sizes(opts, p.shape)
+                                     spectral=Spectral.of_group(opts, execution.spectral),
+                                     work=p.dtype if opts.manifold.flat else solve_dtype(p.dtype))
+            sizes[key] = []
+        _check_warm_start(opts, p, state)
+        sizes[key].append(step_sizes(opts, p.shape))
         bank.params.append(p)
         bank.grads.append(g)
         bank.bufs.append(buf)
         bank.states.append(state)
         bank.flips.append(flip)
-        bank.lrs.append(lr)
-        bank.decays.append(decay)
         bank.indices.append(index)
+    for key, bank in banks.items():
+        bank.set_step_sizes(sizes[key])
     return list(banks.values())
+
+
+def _check_warm_start(opts: MuonOptions, p: Tensor, state: dict) -> None:
+    """Refuse a stored ``dual_correction`` that is not ``(n, n)``, ``n = min(p.shape)``."""
+    given = state.get("dual_correction") if opts.dual.warm_start and not opts.manifold.flat else None
+    n = min(p.shape)
+    if given is not None and tuple(given.shape) != (n, n):
+        raise ValueError(f"ManifoldMuon: a {tuple(p.shape)} matrix on {opts.manifold.name} has a stored "
+                         f"dual_correction of shape {tuple(given.shape)}, expected {(n, n)} (a state dict of "
+                         f"other shapes?); no parameter or momentum buffer was changed")
 
 
 def step_sizes(opts: MuonOptions, shape) -> tuple[float, float]:
@@ -177,29 +211,21 @@ def _bank_buffer(bank: Bank) -> Tensor:
     return stacked
 
 
-def _check_bank(bank: Bank) -> None:
-    """Raise ``ValueError`` before any matrix moves: a stored warm start of the wrong shape, or
-    (where host reads are free) a point its manifold's dual cannot use, naming the matrix."""
+def _check_points(bank: Bank) -> None:
+    """Raise ``ValueError`` before any matrix moves where a constrained bank's point is one its
+    manifold's dual cannot use, naming the matrix: an early-stopping bank only (it reads the
+    host anyway; a sync-free one reads nothing back, and its step keeps such a matrix's value)."""
     manifold = bank.options.manifold
-    if manifold.flat:
-        return
-    for j, (p, state) in enumerate(zip(bank.params, bank.states)):
-        n = min(p.shape)
-        given = state.get("dual_correction") if bank.options.dual.warm_start else None
-        label = f"a {tuple(p.shape)} matrix on {manifold.name}"
-        if given is not None and tuple(given.shape) != (n, n):
-            raise ValueError(f"ManifoldMuon: {label} has a stored dual_correction of shape {tuple(given.shape)}, "
-                             f"expected {(n, n)} (a state dict of other shapes?); no parameter or momentum buffer "
-                             f"was changed")
-        if not bank.execution.sync_free:
-            tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0).to(solve_dtype(p.dtype))
-            if manifold.decays:  # solved at a power-of-two scale (see _constrained)
-                tall = tall * out_of_range_scale(tall, SCALE_FREE_EXPONENT)
-            try:
-                manifold.dual_factor(tall, check=True)
-            except ValueError as err:
-                raise ValueError(f"ManifoldMuon: {label}: {err}; no parameter or momentum buffer was changed "
-                                 f"(ManifoldMuon.project_parameters moves every matrix onto its manifold)") from err
+    for j, p in enumerate(bank.params):
+        tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0).to(bank.work)
+        if manifold.decays:  # solved at a power-of-two scale (see _constrained)
+            tall = tall * out_of_range_scale(tall, SCALE_FREE_EXPONENT)
+        try:
+            manifold.dual_factor(tall, check=True)
+        except ValueError as err:
+            raise ValueError(f"ManifoldMuon: a {tuple(p.shape)} matrix on {manifold.name}: {err}; no parameter or "
+                             f"momentum buffer was changed (ManifoldMuon.project_parameters moves every matrix onto "
+                             f"its manifold)") from err
 
 
 def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -243,8 +269,7 @@ def _euclidean(bank: Bank, execution: Execution) -> Tensor:
     update, finite = _momentum(bank, bank.params[0].dtype)
     direction = newton_schulz(update, opts.ns_coefficients, opts.ns_steps, eps=opts.eps, dtype=execution.ns_dtype)
     w = bank.stack(bank.params)
-    decay = bank.scalar(bank.decays, w)
-    lr = bank.scalar(bank.lrs, w)
+    decay, lr = bank.beta, bank.eta
     new = w * decay if not (isinstance(decay, float) and decay == 1.0) else w.clone()
     new = new.add_(direction, alpha=-lr) if isinstance(lr, float) else new.sub_(direction * lr)
     _count_skips(bank, ~finite)
@@ -255,7 +280,7 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     """A Stiefel / DGram / Oblique bank: ``(B, m, n)`` new values (tall, the parameters' dtype)."""
     opts = bank.options
     manifold = opts.manifold
-    work = solve_dtype(bank.params[0].dtype)
+    work = bank.work
     n = min(bank.params[0].shape)
     starts = [s.get("dual_correction") if opts.dual.warm_start else None for s in bank.states]
     update, finite = _momentum(bank, work)
@@ -274,11 +299,9 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
     with ieee_float32_matmul():
         solution = solve_bank(point, update, manifold, opts.dual, execution, bank.spectral,
                               start=start if unit is None or start is None else start / unit,
-                              check_point=False)  # checked before the step (_check_bank)
-        eta = bank.scalar(bank.lrs, w)
-        if unit is not None:
-            eta = eta * unit
-        beta = bank.scalar(bank.decays, w)
+                              check_point=False)  # checked before the step where it can be (_check_points)
+        eta = bank.eta if unit is None else bank.eta * unit
+        beta = bank.beta
         # a gradient with no tangent part above its rounding (e.g. G = WS on Stiefel: a loss of
         # W^T W alone) takes no step rather than a unit step along the rounding noise
         floor = NORMAL_GRADIENT_ULPS * (2 * torch.finfo(bank.params[0].dtype).eps
@@ -386,7 +409,8 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
             checks on the first step of each plan only). The same on every rank.
     """
     for bank in banks:  # every refusal before anything moves
-        _check_bank(bank)
+        if not (bank.execution.sync_free or bank.options.manifold.flat):
+            _check_points(bank)
     if owners is None:
         for bank in banks:
             torch._foreach_copy_(bank.params, bank.unstack(_step(bank)))
@@ -420,8 +444,8 @@ def _step(bank: Bank) -> Tensor:
     if bank.options.manifold.flat:
         return _euclidean(bank, execution)
     count = len(bank.params)
-    parts = side_by_side(bank.params[0].device, bank.params[0].shape, count, path=execution.spectral,
-                         sync_free=execution.sync_free)
+    parts = 1 if execution.sync_free else side_by_side(bank.params[0].device, bank.params[0].shape, count,
+                                                        path=execution.spectral)
     if parts == 1:
         return _constrained(bank, execution)
     size = count // parts
@@ -434,7 +458,9 @@ def _step(bank: Bank) -> Tensor:
 def _subset(bank: Bank, members: Sequence[int]) -> Bank:
     """The bank of some of ``bank``'s members."""
     pick = lambda values: [values[j] for j in members]  # noqa: E731
-    return Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
-                pick(bank.flips), pick(bank.lrs), pick(bank.decays), pick(bank.indices), bank.updates_given,
-                bank.execution, bank.spectral)
+    part = Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
+                pick(bank.flips), indices=pick(bank.indices), updates_given=bank.updates_given,
+                execution=bank.execution, spectral=bank.spectral, work=bank.work)
+    part.set_step_sizes(list(zip(pick(bank.lrs), pick(bank.decays))))
+    return part
 

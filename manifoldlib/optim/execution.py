@@ -99,10 +99,10 @@ def solve_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _matmul_backends() -> list:
-    """The per-backend matmul precision handles this torch has (cuBLAS, oneDNN)."""
-    handles = (getattr(torch.backends.cuda, "matmul", None), getattr(torch.backends.mkldnn, "matmul", None))
-    return [h for h in handles if h is not None and hasattr(h, "fp32_precision")]
+#: The per-backend matmul precision handles this torch has (cuBLAS, oneDNN).
+MATMUL_BACKENDS = tuple(h for h in (getattr(torch.backends.cuda, "matmul", None),
+                                    getattr(torch.backends.mkldnn, "matmul", None))
+                        if h is not None and hasattr(h, "fp32_precision"))
 
 
 #: A CPU bank of constrained matrices each with ``m·n·min(m, n)`` at least this is split over the
@@ -124,7 +124,7 @@ def ieee_float32_matmul() -> Iterator[None]:
         yield
         return
     changed = []
-    for handle in _matmul_backends():
+    for handle in MATMUL_BACKENDS:
         previous = handle.fp32_precision
         if previous not in FULL_PRECISION:
             handle.fp32_precision = "ieee"

@@ -244,8 +244,7 @@ class ManifoldMuon(Optimizer):
                     check_decay(group, options.manifold.decays and not options.manifold.flat)
             plan.options = [dataclasses.replace(options, lr=lr) for options, lr in zip(plan.options, lrs)]
             for bank, groups in zip(plan.banks, plan.groups):
-                sizes = [step_sizes(plan.options[g], p.shape) for g, p in zip(groups, bank.params)]
-                bank.lrs, bank.decays = [lr for lr, _ in sizes], [decay for _, decay in sizes]
+                bank.set_step_sizes([step_sizes(plan.options[g], p.shape) for g, p in zip(groups, bank.params)])
             plan.lrs = lrs
         for bank in plan.banks:
             bank.grads = [p.grad for p in bank.params]
