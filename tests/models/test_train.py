@@ -191,6 +191,38 @@ def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
 
 
+def test_an_interrupted_resume_leaves_no_summary_of_the_run_before(tmp_path, monkeypatch):
+    """A finished 4-step run resumed with ``--steps 10`` and interrupted at step 7 (checkpoint
+    at 6) kept the 4-step run's summary.json (finished, steps 4, its val loss) beside a
+    config.json of steps 10: read as the end of the 10-step run, and models.compare reused it
+    as one. The resume now removes it; the end of the resumed run writes its own."""
+    from models.compare.runner import _reusable
+
+    out = tmp_path / "r"
+    common = _quiet("--eval_interval", "2", "--warmup_steps", "2", "--progress", "false")
+    assert main([*common, "--steps", "4", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    real, calls = train_mod.train_step, []
+
+    def interrupted_at_step_7(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "train_step", interrupted_at_step_7)
+    assert main(["--resume", "--steps", "10", "--out", str(out)]) == 130
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["steps"] == 10
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 6
+    assert not (out / "summary.json").exists()
+    assert _reusable(out, TrainConfig.from_dict(saved), {}) is None  # trained again, not reused
+    monkeypatch.setattr(train_mod, "train_step", real)
+    assert main(["--resume", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] and summary["steps"] == 10
+
+
 def test_a_resume_that_changes_settings_names_them_and_what_dropout_makes_of_it(tmp_path, capsys):
     # with dropout, grad_accum_steps 2 draws other masks than 1 (step 1's loss differs in the
     # third digit), so such a resume leaves the uninterrupted run; it used to pass unsaid
