@@ -473,6 +473,23 @@ def test_a_layout_or_a_dual_correction_of_another_shape_is_refused_by_name():
         _stepped().load_state_dict(correction)
 
 
+def test_a_warm_start_of_another_shape_in_a_new_plan_is_refused_before_anything_moves():
+    """A ``dual_correction`` of the wrong shape met when a step plan is made (here: a new group of
+    the same matrices) is refused naming the matrix, and no matrix or buffer of any bank moves."""
+    opt = _stepped()
+    params = opt.param_groups[0]["params"]
+    opt.state[params[1]]["dual_correction"] = torch.zeros(4, 4)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.eye(5, 3))], "param_names": ["w9"], "manifold": "stiefel"})
+    before = [p.detach().clone() for p in params] + [opt.state[p]["momentum_buffer"].clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=r"a \(6, 6\) matrix on stiefel has a stored dual_correction of shape "
+                                         r"\(4, 4\), expected \(6, 6\)"):
+        opt.step()
+    after = [p.detach() for p in params] + [opt.state[p]["momentum_buffer"] for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 def test_an_adamw_state_dict_is_refused_by_name():
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((12, 6), (6, 6))]
