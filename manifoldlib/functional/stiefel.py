@@ -180,7 +180,9 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     and is differentiable with finite gradients (matrix products only). A longer step raises
     ``ValueError``: float64 does not determine where so long a geodesic ends. The leading batch dimensions of ``x`` and ``v``
     broadcast. ``x`` must be a Stiefel point up to rounding: the correction of step 1 repairs
-    rounding, not a matrix far from the manifold.
+    rounding, not a matrix far from the manifold (from one, the geodesic starts elsewhere). This
+    kernel does not check; :meth:`~manifoldlib.Stiefel.expmap` and ``retr`` refuse an ``x`` off
+    the manifold beyond the dtype's default tolerances.
     """
     _check_tall_pair(x, v, "stiefel_exp")
     # float64 whatever the input: computed in float32, chained steps drift off the manifold

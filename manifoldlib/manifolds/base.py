@@ -167,11 +167,20 @@ class RetractionManifold(geoopt.manifolds.Manifold):
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Retraction :math:`R_x(u)` with the chosen retraction.
 
+        A retraction whose formula assumes ``x`` on the manifold
+        (:attr:`~manifoldlib.retractions.Retraction.needs_point`: Stiefel's ``exp`` and ``cayley``)
+        is given only points within the dtype's default tolerances; a projection of ``x + u``
+        (``polar``, ``qr``, ``normalize``, DGram's) maps any ``x``, as geoopt's retractions do.
+
         Raises:
-            ValueError: naming a non-finite ``x`` or ``u``, or a step too long for the dtype
-                (value checks, see :func:`skip_value_checks`).
+            ValueError: naming a non-finite ``x`` or ``u``, a step too long for the dtype, or an
+                ``x`` off the manifold for a retraction that needs a point (value checks, see
+                :func:`skip_value_checks`).
         """
         self._validate_pair(x, u)
+        if self._retraction.needs_point:
+            self._require_point(x, f"{self.name}.retr", f"the {self._retraction!r} retraction (not a "
+                                                        f"projection of x + u)")
         try:
             y = self._retraction.retract(x, u)
         except torch.linalg.LinAlgError:  # nan/inf inputs fail inside a decomposition: say so
@@ -213,6 +222,28 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         return prod.expand(torch.broadcast_shapes(batch, prod.shape))
 
     # -- validation ---------------------------------------------------------------------
+    #: The retractions of this manifold that map any ``x + u`` (named where a map that needs a
+    #: point refuses one).
+    projection_retractions: Tuple[str, ...] = ()
+
+    def _require_point(self, x: torch.Tensor, where: str, what: str) -> None:
+        """Raise ``ValueError`` when ``x`` is not a point of the manifold within the default
+        tolerances of its dtype (:meth:`check_point_on_manifold`), for ``what``, a map whose formula
+        assumes one (``"the exponential map"``): a value check, skipped inside
+        :func:`skip_value_checks`; one host synchronization."""
+        if not value_checks_enabled() or x.device.type == "meta":
+            return
+        ok, reason = self.check_point_on_manifold(x.detach(), explain=True)
+        if ok:
+            return
+        check_tensor(x, "x", where, finite=True)
+        instead = ", ".join(repr(name) for name in self.projection_retractions)
+        raise ValueError(
+            f"{where}: 'x' is not a point of {type(self).__name__}: {reason} (the default tolerances "
+            f"for {x.dtype}); {what} assumes one: project x first ({type(self).__name__}.projx)"
+            + (f", or use a retraction that maps any x + u ({instead})" if instead else "")
+        )
+
     def _validate(self, x: torch.Tensor, name: str) -> None:
         """Raise ``ValueError`` when ``x`` is not a real floating-point tensor or has a shape the
         manifold cannot hold."""

@@ -47,6 +47,7 @@ class Stiefel(MatrixConstraintManifold):
 
     name = "stiefel"
     default_retraction = "polar"
+    projection_retractions = ("polar", "qr")
     square_dual = "closed-form"
     muon_retraction = ("polar", {"method": "gram-eigh"})
 
@@ -156,9 +157,14 @@ class Stiefel(MatrixConstraintManifold):
         :meth:`check_point_on_manifold` in every dtype, where computing the projection in the
         input dtype left float32 points 3.8e-3 off at step scale 300. A step longer than
         :data:`~manifoldlib.functional.stiefel.STIEFEL_EXP_MAX_STEP` (:math:`\|P_X u\|_F > 2^{43}`),
-        whose end float64 does not determine, raises ``ValueError``.
+        whose end float64 does not determine, raises ``ValueError``, and so does an ``x`` off the
+        manifold beyond the dtype's default tolerances (a value check, as
+        :meth:`~manifoldlib.Sphere.expmap`'s): the re-orthonormalization repairs rounding, and from
+        a matrix farther off the geodesic started elsewhere (for :math:`u = 0`, :math:`3X` gave
+        :math:`X`, entries up to 1.67 from ``x``; :math:`X` plus noise of 1e-3 a point 1.35e-3 from it).
         """
         self._validate_pair(x, u)
+        self._require_point(x, f"{self.name}.expmap", "the exponential map (the geodesic from x)")
         y = stiefel_exp(x, u)
         return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
 

@@ -55,6 +55,11 @@ class Retraction(abc.ABC):
     name: str = ""
     manifold: str = ""
     order: int = 1
+    #: Whether the formula assumes ``x`` on the manifold, as a map that is not a projection of
+    #: ``x + v`` does (Stiefel's ``exp`` and ``cayley``): ``retr`` of the manifold then refuses an
+    #: ``x`` off it (a value check) instead of returning a point off the manifold or one of another
+    #: start. A projection (``polar``, ``qr``, ``normalize``, DGram's) maps any ``x + v``.
+    needs_point: bool = False
 
     @abc.abstractmethod
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

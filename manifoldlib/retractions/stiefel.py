@@ -84,6 +84,7 @@ class StiefelCayleyRetraction(Retraction):
     """
 
     order = 1
+    needs_point = True  # (I - W/2)^{-1}(I + W/2) X is orthonormal only for X^T X = I
 
     def order_at(self, shape) -> int:
         """The order at points of ``shape`` ``(..., m, n)``: 2 if ``m == n``, else 1."""
@@ -109,6 +110,7 @@ class StiefelExpRetraction(Retraction):
     """
 
     order = 2
+    needs_point = True  # the geodesic from x: from another point its start is not x
 
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return stiefel_exp(x, v)
