@@ -117,7 +117,9 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """
     _check_tall_pair(x, v, "stiefel_cayley")
     dtype = _linalg_dtype(x)
-    xx, vv = x.to(dtype), v.to(dtype)
+    # one batch for both (x (m, n) with v (..., m, n) is a step at each point): the blocks below
+    # are concatenated, which does not broadcast
+    xx, vv = torch.broadcast_tensors(x.to(dtype), v.to(dtype))
     pv = vv - 0.5 * xx @ (xx.mT @ vv)  # (..., m, n)
     u1 = torch.cat([pv, xx], dim=-1)  # (..., m, 2n)
     u2 = torch.cat([xx, -pv], dim=-1)  # (..., m, 2n)
@@ -148,9 +150,13 @@ def _reorthonormalize(y: torch.Tensor) -> torch.Tensor:
     :data:`_REORTHONORMALIZE_STEPS` steps of the cubic map on the shared
     :func:`~manifoldlib.functional.newton_schulz.newton_schulz` (normalized by
     :math:`\|Y\|_F/\sqrt n`, 1 for a Stiefel point). A polynomial, so its gradient is finite
-    everywhere (an SVD's is not at the repeated singular values of a Stiefel point)."""
-    return newton_schulz(y, _REORTHONORMALIZE, _REORTHONORMALIZE_STEPS, normalize_scale=y.size(-1) ** -0.5,
-                         dtype=y.dtype)
+    everywhere (an SVD's is not at the repeated singular values of a Stiefel point). The batch is
+    flattened to one dimension first: ``newton_schulz``'s batched products raised a
+    ``RuntimeError`` for two or more batch dimensions."""
+    flat = y.reshape(-1, *y.shape[-2:]) if y.dim() > 3 else y  # (B, m, n)
+    out = newton_schulz(flat, _REORTHONORMALIZE, _REORTHONORMALIZE_STEPS, normalize_scale=y.size(-1) ** -0.5,
+                        dtype=y.dtype)
+    return out.reshape(y.shape)
 
 
 def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -60,3 +60,35 @@ def test_stiefel_exponential_broadcasts_like_the_other_retractions(method, batch
         want = getattr(manifold, method)(xs[i], us[i])
         # the batch shares one scaling-and-squaring count: equal to a few rounding errors
         assert torch.allclose(got[i], want, rtol=0.0, atol=64 * torch.finfo(torch.float64).eps)
+
+
+MAPS = [(Stiefel(retraction=name), "retr") for name in ("polar", "qr", "cayley", "exp")] + [
+    (Stiefel(), "expmap"), (Oblique(), "retr"), (Oblique(), "expmap"), (DGram(), "retr"),
+    (DGram(retraction="colnorm-polar"), "retr"), (Sphere(2.0), "retr"), (Sphere(2.0), "expmap")]
+MAP_IDS = ["stiefel-polar", "stiefel-qr", "stiefel-cayley", "stiefel-exp", "stiefel-expmap", "oblique-retr",
+           "oblique-expmap", "dgram-alternating", "dgram-colnorm-polar", "sphere-retr", "sphere-expmap"]
+
+
+@pytest.mark.parametrize("layout", ["both (3, 2)", "x (2,) u (3, 2)", "x (3, 2) u ()"])
+@pytest.mark.parametrize("manifold, method", MAPS, ids=MAP_IDS)
+def test_retractions_and_exponentials_take_two_batch_dimensions(manifold, method, layout):
+    # Stiefel's exponential raised a RuntimeError from newton_schulz's batched products for two
+    # batch dimensions (both (3, 2)), its 'cayley' one from torch.cat for a vector batch larger
+    # than the point's (x (2,) u (3, 2))
+    g = torch.Generator().manual_seed(3)
+    point = _point_shape(manifold)
+    x = manifold.random(3, 2, *point, generator=g, dtype=torch.float64)  # (3, 2, *point)
+    u = manifold.proju(x, 0.4 * torch.randn(x.shape, generator=g, dtype=torch.float64))
+    if layout == "x (2,) u (3, 2)":
+        x = x[0]
+        u = manifold.proju(x, u)
+    elif layout == "x (3, 2) u ()":
+        u = manifold.proju(x[0, 0], u[0, 0])
+    got = getattr(manifold, method)(x, u)
+    assert got.shape == (3, 2, *point)
+    xs, us = torch.broadcast_tensors(x, u)
+    for i in range(3):
+        for j in range(2):
+            want = getattr(manifold, method)(xs[i, j], us[i, j])
+            # a batch shares one scaling-and-squaring count (the Stiefel exponential): a few roundings
+            assert torch.allclose(got[i, j], want, rtol=0.0, atol=64 * torch.finfo(torch.float64).eps)
