@@ -166,7 +166,8 @@ def _with_polar_derivative(x: torch.Tensor, polar) -> torch.Tensor:
 #: Largest :math:`\kappa^2\epsilon` for which one Gram-form pass is kept as it is.
 GRAM_EIGH_ONE_PASS = 1e-6
 #: Largest :math:`\kappa^2\epsilon` for which ``"gram-eigh"`` refines with a second pass; beyond
-#: it the Gram matrix cannot carry the answer and the SVD is used.
+#: it the Gram matrix cannot carry the answer and the fallback runs: a float64 SVD for
+#: :func:`msign`, the QR-based Newton iteration for callers that need every column resolved (DGram's).
 GRAM_EIGH_REFINE = 1e-4
 
 
