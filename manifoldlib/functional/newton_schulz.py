@@ -140,10 +140,20 @@ def resolve_schedule(
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float, alpha: float = 1.0) -> torch.Tensor:
-    """``beta * bias + alpha * a @ b``, one fused product for a matrix or a batch of them."""
+    """``beta * bias + alpha * a @ b``, one fused product for a matrix or a batch of them (any
+    number of batch dimensions: ``baddbmm`` takes one, so more are flattened into it)."""
     if a.dim() == 2:
         return torch.addmm(bias, a, b, beta=beta, alpha=alpha)
-    return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha)
+    if a.dim() == 3:
+        return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha)
+    batch = torch.broadcast_shapes(bias.shape[:-2], a.shape[:-2], b.shape[:-2])
+    rows, cols = a.size(-2), b.size(-1)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])
+
+    out = torch.baddbmm(flat(bias.expand(*bias.shape[:-2], rows, cols)), flat(a), flat(b), beta=beta, alpha=alpha)
+    return out.view(*batch, rows, cols)
 
 
 def newton_schulz(

@@ -150,13 +150,9 @@ def _reorthonormalize(y: torch.Tensor) -> torch.Tensor:
     :data:`_REORTHONORMALIZE_STEPS` steps of the cubic map on the shared
     :func:`~manifoldlib.functional.newton_schulz.newton_schulz` (normalized by
     :math:`\|Y\|_F/\sqrt n`, 1 for a Stiefel point). A polynomial, so its gradient is finite
-    everywhere (an SVD's is not at the repeated singular values of a Stiefel point). The batch is
-    flattened to one dimension first: ``newton_schulz``'s batched products raised a
-    ``RuntimeError`` for two or more batch dimensions."""
-    flat = y.reshape(-1, *y.shape[-2:]) if y.dim() > 3 else y  # (B, m, n)
-    out = newton_schulz(flat, _REORTHONORMALIZE, _REORTHONORMALIZE_STEPS, normalize_scale=y.size(-1) ** -0.5,
-                        dtype=y.dtype)
-    return out.reshape(y.shape)
+    everywhere (an SVD's is not at the repeated singular values of a Stiefel point)."""
+    return newton_schulz(y, _REORTHONORMALIZE, _REORTHONORMALIZE_STEPS, normalize_scale=y.size(-1) ** -0.5,
+                         dtype=y.dtype)
 
 
 def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

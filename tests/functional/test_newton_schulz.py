@@ -152,6 +152,24 @@ def test_a_batch_equals_its_matrices_in_bfloat16():
         assert torch.equal(batched[i], _zeropower_via_newtonschulz(x[i], MUON_COEFFICIENTS, 5, 1e-7))
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 10, 4), (2, 3, 4, 10), (2, 1, 2, 6, 6)], ids=str)
+def test_two_or_more_batch_dimensions_equal_their_matrices(shape):
+    # baddbmm takes one batch dimension: more used to raise a RuntimeError from an expand
+    x = _gaussian(shape, 7, torch.float64)
+    n = min(shape[-2:])
+    flat = x.reshape(-1, *shape[-2:])
+    checks = [
+        (newton_schulz(x, MUON_COEFFICIENTS, 5), [newton_schulz(m, MUON_COEFFICIENTS, 5) for m in flat]),
+        (manifoldlib.functional.msign(x, "polar-express"), [manifoldlib.functional.msign(m, "polar-express") for m in flat]),
+        (gram_newton_schulz(x.mT @ x if shape[-2] >= shape[-1] else x @ x.mT),
+         [gram_newton_schulz(m.mT @ m if shape[-2] >= shape[-1] else m @ m.mT) for m in flat]),
+    ]
+    for batched, alone in checks:
+        assert batched.shape[:-2] == shape[:-2] and batched.shape[-1] in (n, shape[-1])
+        torch.testing.assert_close(batched.reshape(len(alone), *batched.shape[-2:]), torch.stack(alone),
+                                   rtol=0, atol=64 * torch.finfo(torch.float64).eps)
+
+
 @pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
                                             (torch.float32, torch.float32), (torch.float64, torch.float64)])
 def test_default_iteration_dtype(dtype, expected):
