@@ -14,7 +14,7 @@
 // and, for the built-in angle retractions (gnomonic, Cayley, the p-family θ = p arctan(β/p) with
 // the exponential map as p = inf), the whole update row by row, its per-row math in double:
 //
-//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [±q, a, n])  reads h, f
+//   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [±q or 0, a, n])  reads h, f
 //   sphere_step_backward(g, h, f, stats, s, family, p, eps, want_h, want_f)
 //       -> (grad_h?, grad_f?, dL/ds per row (N,) double)                               reads g, h, f
 //
@@ -47,9 +47,9 @@
 //     (1 for rows in range), or an empty tensor when no row was rescaled: the coefficients of
 //     A h + B f are ratios of the dots (the same for the scaled row), and the backward's Python
 //     math multiplies <g, h>, <g, f> and the coefficients of h and f by 2^-e, dL/ds by 2^e.
-// A zero row (outside the contract: its sphere has radius 0) is not rescaled; the row kernels floor
-// its q at the smallest normal double (they floored it at the input dtype's, which for float32 is
-// what left rows of norm below 1e-19 off their sphere), the separate passes' caller at the dtype's.
+// A zero row (outside the contract: its sphere has radius 0) is not rescaled: it is kept, the update
+// of a step 0 (_fused.py, "A zero row of h"); the row kernels mark it with q = 0 in its stats, and
+// the separate passes return its dots 0, from which their caller knows it (q = 0 nowhere else).
 // The exponent e is clamped so that 2^±e are normal numbers of the input dtype, which the separate
 // passes multiply in it.
 //
@@ -608,15 +608,21 @@ MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, co
 
 // A row of sphere_step_forward whose q is out of range (see the top of this file): computed on its
 // copy scaled by 2^-e, its output times 2^e, its stats the scaled row's with q negated (the mark
-// the backward reads). A zero or non-finite row is computed as it is, q floored at the smallest
-// normal double.
+// the backward reads). A row with a non-finite entry is computed as it is (NaN). A zero row is
+// kept (_fused.py, "A zero row of h"): the update of a step 0, computed with q = 1 (a = 0, and
+// q multiplies nothing but h = 0), out = 1 h + 0 f, its stats [0, 0, n]: q = 0 is the mark.
 template <typename T>
 MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t d, const double* dots, double s,
                                                  int64_t family, double p, double eps, T* o, double* stats) {
   const int e = row_exponent(x, d);
   if (e == 0) {
-    const double floored[3] = {std::max(dots[0], std::numeric_limits<double>::min()), dots[1], dots[2]};
-    forward_row<T, false>(x, y, d, floored, s, family, p, eps, 1.0, o, stats);
+    if (dots[0] == 0.0) {
+      const double unit[3] = {1.0, 0.0, dots[2]};
+      forward_row<T, false>(x, y, d, unit, 0.0, family, p, eps, 1.0, o, stats);
+      stats[0] = 0.0;
+      return;
+    }
+    forward_row<T, false>(x, y, d, dots, s, family, p, eps, 1.0, o, stats);
     return;
   }
   std::vector<T> copy(2 * d);
@@ -749,6 +755,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
         scalar_t* gh = want_h ? ghp + o : nullptr;
         if (row_stats[0] < 0.0) {  // rescaled by the forward
           rp[r] = backward_rescaled_row(gp + o, hp + o, fp + o, d, row_stats, s, family, p, eps, gf, gh);
+        } else if (row_stats[0] == 0.0) {  // a zero row, kept: the backward of a step 0 (q = 1), dL/ds 0
+          rp[r] = 0.0 * backward_row(gp + o, hp + o, fp + o, d, 1.0, 0.0, row_stats[2], 0.0, family, p, eps, gf, gh);
         } else {
           rp[r] = backward_row(gp + o, hp + o, fp + o, d, row_stats[0], row_stats[1], row_stats[2], s, family, p,
                                eps, gf, gh);

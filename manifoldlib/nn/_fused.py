@@ -103,6 +103,24 @@ of one elementwise op on the :math:`(\ldots, 1)` tensor :math:`q` (it replaces t
 Rows above the floor get the bits they got before. Huge rows are left as they were on the ATen
 path: there the per-row math overflows to inf or NaN gradients (float32 norms above about
 :math:`2^{42}`), which is loud already, while the values stay right until :math:`q` overflows.
+
+A zero row of h. Outside the contract (its sphere has radius 0), but defined, the same on every
+path: the sphere of radius 0 is the point 0 and its tangent space is :math:`\{0\}`, so
+:math:`P_h f = 0`, the step is 0 and the row is kept, :math:`h' = h`, with the gradients of a step 0:
+:math:`\nabla_h = g`, :math:`\nabla_f = 0`, nothing added to :math:`\nabla_s`
+(:class:`~manifoldlib.nn.SphereResidual` has the math;
+``test_a_zero_row_of_h_is_kept_with_the_gradients_of_the_identity_on_every_path`` in
+``tests/nn/test_sphere_residual.py`` checks every path). Each path runs the formulas above with :math:`q = 1` (any
+:math:`q > 0`: :math:`a = \langle 0, f\rangle = 0`, and :math:`q` multiplies nothing but
+:math:`h = 0`) and the row's step :math:`s` times 0: :math:`\sigma = 0`, :math:`\cos\theta = k = 1`,
+:math:`h' = 1\,h + 0\,u`; in the backward :math:`\mu = t = 0`, so :math:`\nabla_f = 0\,g + 0\,f`,
+:math:`\nabla_h = 1\,g`, and the row's :math:`dL/ds` times 0. A non-finite entry of :math:`f` still
+gives NaN (:math:`0 \cdot \mathrm{NaN}`). The kernels' dots give :math:`q = 0` for a zero row only
+(every other row is in range or rescaled into it; the row kernels mark it with :math:`q = 0` in their
+stats); the ATen path tells it by its largest and smallest entry (two more reductions over
+:math:`h`, read-only), since there :math:`q = 0` also for a nonzero row whose squares underflow, which stays NaN;
+:func:`sphere_residual_reference` computes the update on a row of ones in place of a zero row and
+takes :math:`h + 0\cdot R`.
 """
 
 from __future__ import annotations
@@ -143,6 +161,13 @@ def _rowsq(x: torch.Tensor) -> torch.Tensor:
     """Row-wise squared norm, ``(..., d) -> (..., 1)``: ``vector_norm`` is a single-pass reduction,
     about 3x faster on CPU than ``vecdot(x, x)`` (which materializes ``x * x``)."""
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+
+
+def _zero_rows(x: torch.Tensor) -> torch.Tensor:
+    """``(..., d) -> (..., 1)``: whether the row is zero, from its largest and smallest entry (two
+    single-pass reductions: ``vector_norm(x, inf)`` runs about 40x slower than ``amax`` on CPU, and
+    ``x == 0`` would materialize a ``(..., d)`` mask). A NaN row is not zero."""
+    return (x.amax(-1, keepdim=True) == 0) & (x.amin(-1, keepdim=True) == 0)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -257,6 +282,8 @@ class _SphereResidual(torch.autograd.Function):
             q = _rowsq(h)  # (..., 1)
             out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
             a = out.sum(-1, keepdim=True)  # (..., 1)
+            # a zero row is kept (below); q = 0 does not tell it from a row whose squares underflow
+            zero = _zero_rows(h)  # (..., 1)
             # a row of tiny norm: NaN rather than off its sphere (one op, as the clamp it replaces)
             q = torch.nn.functional.threshold(q, _ATEN_Q_FLOOR.get(h.dtype, torch.finfo(h.dtype).tiny), math.nan)
         else:
@@ -268,12 +295,15 @@ class _SphereResidual(torch.autograd.Function):
             # (empty if no row was flagged).
             dots, factors, parallel = kernels.forward_dots(_rows(h), _rows(f))
             q, a, f_sq = dots.view(*h.shape[:-1], 3).split(1, dim=-1)  # (..., 1) each
-            q = q.clamp_min(torch.finfo(h.dtype).tiny)  # a zero row of h
+            zero = q == 0  # only a zero row: the others are in range or rescaled into it
             if factors.numel():
                 down = factors.view(*h.shape[:-1], 1)
             if not parallel.numel():
                 parallel = None
-        s = scale.to(h.dtype)
+        # a zero row: the update of a step 0 (module docstring), computed with q = 1 (h = 0, a = 0)
+        q = torch.where(zero, 1.0, q)
+        keep = (~zero).to(h.dtype)  # (..., 1): 0 for a zero row, else 1
+        s = scale.to(h.dtype) * keep  # (..., 1)
         if kernels is None:
             # ||P_h f||² from P_h f itself, for both step forms: the difference form
             # ||f||² - <h, f>²/||h||² cancels when f is nearly parallel to h (its rounding,
@@ -312,7 +342,7 @@ class _SphereResidual(torch.autograd.Function):
             else:  # the flagged rows: c h + ks u in double
                 coef.append(c.expand_as(coef_h).contiguous())
                 kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out), parallel)
-        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho, down)
+        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho, down, keep)
         ctx.retraction, ctx.eps = retraction, eps
         ctx.kernels = kernels
         return out
@@ -325,7 +355,7 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g):
-        h, f, s, q, a, n, sigma, c, k, rho, down = ctx.saved_tensors
+        h, f, s, q, a, n, sigma, c, k, rho, down, keep = ctx.saved_tensors
         want_h, want_f, want_s = ctx.needs_input_grad[:3]
         kernels = ctx.kernels
         if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
@@ -390,7 +420,7 @@ class _SphereResidual(torch.autograd.Function):
                 None if grad_h is None else _rows(grad_h),
             )
         if want_s:
-            per_row = g_step if rho is None else g_step * rho  # d(s rho)/ds = rho
+            per_row = (g_step if rho is None else g_step * rho) * keep  # d(s rho keep)/ds = rho keep
             if down is not None:  # a rescaled row's dL/ds is 2^e times the scaled row's
                 per_row = per_row / down
             grad_s = per_row.sum().reshape(())
@@ -445,11 +475,12 @@ def sphere_residual(
     the backward carrying the derivatives of :math:`\rho` in :math:`h` and :math:`f`.
 
     Args:
-        h: ``(..., d)`` points with nonzero rows; the sphere radius of each row is read from
-            :math:`\|h\|`. Rows of any norm whose largest entry is a normal number are exact where
-            the C++ kernels run them; on the ATen path (CUDA, kernels off, a user's retraction in
-            the normalized step, ...) a row of norm below :math:`2^{-32}` (float32) or
-            :math:`2^{-300}` (float64) comes out NaN (see the module docstring).
+        h: ``(..., d)`` points; the sphere radius of each row is read from :math:`\|h\|`. A zero
+            row is kept (module docstring, *A zero row of h*). Nonzero rows of any norm whose
+            largest entry is a normal number are exact where the C++ kernels run them; on the
+            ATen path (CUDA, kernels off, a user's retraction in the normalized step, ...) a row
+            of norm below :math:`2^{-32}` (float32) or :math:`2^{-300}` (float64) comes out NaN
+            (see the module docstring).
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
         scale: step size :math:`s` (a scalar tensor, may require grad, or a finite number).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere
@@ -502,10 +533,17 @@ def sphere_residual_reference(
     if h.dtype in _LOW_PRECISION:  # ||h||² and the normalized step's floor overflow/underflow there
         return sphere_residual_reference(h.float(), f.float(), scale.float(), retraction, normalize_eps).to(h.dtype)
     f = f.to(h.dtype)
+    # A zero row is kept (module docstring): the update runs on a row of ones in its place, and the
+    # blend below takes 0 times that result (NaN for a non-finite f, as on the fused path) plus h.
+    zero = _zero_rows(h)  # (..., 1)
+    point = torch.where(zero, 1.0, h)  # (..., d)
     if normalize_eps is not None:
-        f = sphere_unit_tangent(h, f, normalize_eps)  # (..., d), tangent at h, norm <= r
-    radius_sq = (h * h).sum(-1, keepdim=True)  # (..., 1)
-    v = scale * sphere_project_tangent(h, f, radius_sq)  # (..., d), tangent at h
+        f = sphere_unit_tangent(point, f, normalize_eps)  # (..., d), tangent at h, norm <= r
+    radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)
+    v = scale * sphere_project_tangent(point, f, radius_sq)  # (..., d), tangent at h
     if isinstance(retraction, AngleRetraction):
-        return retraction.retract(h, v, radius=None)
-    return retraction.retract(h, v)
+        out = retraction.retract(point, v, radius=None)
+    else:
+        out = retraction.retract(point, v)
+    zero = zero.to(out.dtype)
+    return torch.addcmul(h * zero, out, 1.0 - zero)  # (..., d): out, or h for a zero row

@@ -48,8 +48,10 @@ DEFAULT_ALPHA = {"normalized": 0.5, "literal": 1.0}
 @torch.no_grad()
 def rotation_angle(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     r"""The angle from ``h`` to ``out`` (same radius) row by row, ``(..., 1)`` radians in
-    :math:`[0, \pi]`: :math:`\operatorname{atan2}(\|P_h\,\mathrm{out}\|, \langle h, \mathrm{out}\rangle / r)`."""
+    :math:`[0, \pi]`: :math:`\operatorname{atan2}(\|P_h\,\mathrm{out}\|, \langle h, \mathrm{out}\rangle / r)`
+    (0 for a zero row of both, which :class:`SphereResidual` keeps)."""
     r = torch.linalg.vector_norm(h, dim=-1, keepdim=True)  # (..., 1)
+    r = torch.where(r > 0, r, 1.0)  # a zero row: along and across are 0, atan2(0, 0) = 0
     along = (h * out).sum(-1, keepdim=True) / r  # (..., 1)
     across = torch.linalg.vector_norm(out - along * h / r, dim=-1, keepdim=True)
     return torch.atan2(across, along)
@@ -111,10 +113,27 @@ class SphereResidual(nn.Module):
             small C++ kernels, compiled on first use into torch's extension cache
             (``TORCH_EXTENSIONS_DIR``); ``MANIFOLDLIB_CPU_KERNELS=0`` switches them off, and
             if they cannot be built it warns once and uses ATen, as on every other device.
-            The normalized step's per-row factor is plain autograd in both cases. Rows of tiny
-            norm (float32 below :math:`2^{-32}`, float64 below :math:`2^{-300}`) are exact where
-            the C++ kernels run them and come out NaN on the ATen path (which includes a user's
-            retraction in the normalized step; :func:`~manifoldlib.nn.sphere_residual`).
+            The normalized step's per-row factor is plain autograd in both cases. Nonzero rows
+            of tiny norm (float32 below :math:`2^{-32}`, float64 below :math:`2^{-300}`) are
+            exact where the C++ kernels run them and come out NaN on the ATen path (which
+            includes a user's retraction in the normalized step;
+            :func:`~manifoldlib.nn.sphere_residual`); a zero row is kept on every path (below).
+
+    **A zero row of** :math:`h` (outside the contract: its sphere has radius 0) **is kept**, on
+    every path (C++ kernels, ATen, ``fused=False``, ``torch.compile``), with finite gradients. The
+    sphere of radius 0 is the single point 0 and its tangent space is :math:`\{0\}`, so
+
+    .. math::
+        P_0 F = 0 \ \text{for every } F, \qquad h' = R_0(0) = 0 = h, \qquad
+        \frac{\partial h'}{\partial h} = I, \quad \frac{\partial h'}{\partial F} = 0, \quad
+        \frac{\partial h'}{\partial \alpha} = 0:
+
+    the zero update, whose map is the identity, as for a row where :math:`P_h F = 0`. It is the
+    limit of the norm the layer keeps, :math:`\|h'\| = \|h\| \to 0`; the map is not
+    differentiable there (as :math:`h \to 0` along a direction :math:`e`, the literal step's
+    angle tends to :math:`\theta_R(\infty)` and the normalized step's stays
+    :math:`\theta_R(\alpha\lambda)`, so :math:`h'/\|h\|` depends on :math:`e`), and these are
+    the gradients of the kept row. A non-finite entry of :math:`F` in such a row still gives NaN.
 
     Shapes: ``h`` and ``f`` are ``(..., d)``; the output is ``(..., d)`` in ``h``'s dtype.
     """

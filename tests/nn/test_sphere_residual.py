@@ -60,12 +60,14 @@ def _case(seed: int, rows: int, dim: int, radius: float, f_scale: float, dtype=t
     return h.to(dtype), f.to(dtype)
 
 
-def _values_and_grads(fn, h, f, scale, retraction, seed=7):
+def _values_and_grads(fn, h, f, scale, retraction, seed=7, w=None):
+    """Values and gradients of ``fn`` for the upstream gradient ``w`` (default: drawn from ``seed``)."""
     h = h.clone().requires_grad_(True)
     f = f.clone().requires_grad_(True)
     s = torch.tensor(scale, dtype=h.dtype, requires_grad=True)
     out = fn(h, f, s, retraction)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(h.dtype)  # float32 draw
+    if w is None:
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(h.dtype)  # float32 draw
     (out * w).sum().backward()
     return out.detach(), h.grad, f.grad, s.grad
 
@@ -490,3 +492,72 @@ def test_rows_of_tiny_norm_leave_the_other_rows_alone(dtype, exponent, edge, ret
     else:
         assert all(bool(torch.isnan(t).all()) for t in tiny)
         assert bool(torch.isnan(mixed[3]))  # the gradient in s sums over the rows
+
+
+@pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_zero_row_of_h_is_kept_with_the_gradients_of_the_identity_on_every_path(dtype, retraction,
+                                                                                  normalize_eps, path):
+    """A zero row of h (a sphere of radius 0; rows 1 and 4, the second with a zero update too).
+    The paths disagreed: the ATen path and the reference gave NaN values and gradients (and a NaN
+    gradient in s for the whole batch); the C++ row kernels 0 in float32 but +-1e-155 in float64
+    for the normalized step (q floored at the smallest normal double), NaN for Cayley and the
+    exponential map, a NaN h-gradient for the literal step; the separate passes (user-p3, literal)
+    s f, off the sphere. Now every path keeps the row, out = h = 0, with the gradients of the
+    identity: g in h, 0 in f and nothing added to the gradient in s; the other rows get the bits
+    they get in a batch without the zero rows."""
+    ret = RETRACTIONS[retraction]
+    h, f = _case(41, 6, 16, radius=2.0, f_scale=1.5, dtype=dtype)
+    h[1], h[4], f[4] = 0.0, 0.0, 0.0
+    w = torch.randn(6, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    rest, zero = [0, 2, 3, 5], [1, 4]
+    call = sphere_residual_reference if path == "reference" else sphere_residual
+
+    def fn(a, b, s, r):
+        return call(a, b, s, r, normalize_eps=normalize_eps)
+
+    out, grad_h, grad_f, grad_s = _on_path(path != "aten", lambda: _values_and_grads(fn, h, f, 0.7, ret, w=w))
+    assert torch.equal(out[zero], torch.zeros(2, 16, dtype=dtype))
+    assert torch.equal(grad_h[zero], w[zero])
+    assert torch.equal(grad_f[zero], torch.zeros(2, 16, dtype=dtype))
+    alone = _on_path(path != "aten", lambda: _values_and_grads(fn, h[rest], f[rest], 0.7, ret, w=w[rest]))
+    assert torch.equal(out[rest], alone[0])
+    assert torch.equal(grad_h[rest], alone[1]) and torch.equal(grad_f[rest], alone[2])
+    # the gradient in s sums over rows (over entries, on the reference): another order of the additions
+    assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
+
+
+def _module_with_a_zero_row(step, fused, kernels, compiled):
+    h, f = _case(42, 4, 8, radius=math.sqrt(8), f_scale=1.0, dtype=torch.float32)
+    h[2] = 0.0
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    res = SphereResidual(8, layer=2, retraction="cayley", step=step, fused=fused)
+    run = torch.compile(res) if compiled else res
+    values = _on_path(kernels, lambda: _values_and_grads(lambda a, b, s, r: run(a, b), h, f, 0.0, None, w=w))
+    return (*values[:3], res.log_alpha.grad), w
+
+
+@pytest.mark.parametrize("step", ["literal", "normalized"])
+@pytest.mark.parametrize(("fused", "kernels", "compiled"), [
+    (True, True, False), (True, False, False), (False, True, False),
+    pytest.param(True, True, True, marks=pytest.mark.slow), pytest.param(False, True, True, marks=pytest.mark.slow),
+], ids=["kernels", "aten", "reference", "compiled-fused", "compiled-reference"])
+def test_a_zero_row_of_h_is_kept_by_the_module_eager_and_compiled(step, fused, kernels, compiled):
+    """SphereResidual with a zero row of h, fused (C++ kernels, ATen), reference and torch.compile:
+    the kept row and identity gradients, and the other rows as on the C++ kernels."""
+    (out, grad_h, grad_f, grad_alpha), w = _module_with_a_zero_row(step, fused, kernels, compiled)
+    anchor, _ = _module_with_a_zero_row(step, True, True, False)
+    assert torch.equal(out[2], torch.zeros(8)) and torch.equal(grad_h[2], w[2])
+    assert torch.equal(grad_f[2], torch.zeros(8)) and bool(torch.isfinite(grad_alpha))
+    assert _rel(out, anchor[0]) <= 1e-6 and _rel(grad_h, anchor[1]) <= 1e-6 and _rel(grad_f, anchor[2]) <= 1e-6
+    assert abs(float(grad_alpha) - float(anchor[3])) <= 1e-5 * max(1.0, abs(float(anchor[3])))
+
+
+def test_rotation_angle_of_a_kept_zero_row_is_zero():
+    """rotation_angle divided by ||h|| = 0: NaN for the zero row that SphereResidual keeps."""
+    h, f = _case(42, 4, 8, radius=math.sqrt(8), f_scale=1.0, dtype=torch.float32)
+    h[2] = 0.0
+    angle = SphereResidual(8, layer=2, retraction="cayley").angle(h, f)
+    assert float(angle[2]) == 0.0 and bool(torch.isfinite(angle).all())
