@@ -9,6 +9,11 @@ from torch import nn
 
 __all__ = ["ScaleNorm"]
 
+#: The floor of a float16 input's RMS :math:`\|x\|/\sqrt d`: float32's :math:`\sqrt{\epsilon}`
+#: (:math:`3.45\cdot10^{-4}`), the one ``torch.nn.functional.rms_norm`` has for float16 (computed in
+#: float32 with float32's epsilon on the mean square).
+_FLOAT16_RMS_FLOOR = math.sqrt(torch.finfo(torch.float32).eps)
+
 
 class ScaleNorm(nn.Module):
     r""":math:`\mathrm{ScaleNorm}(x) = g\,x / \max(\|x\|, \varepsilon)` over the last dimension.
@@ -22,9 +27,17 @@ class ScaleNorm(nn.Module):
         dim: feature size :math:`d` (the last dimension of the input).
         eps: floor :math:`\varepsilon > 0` of the norm; a zero input maps to zero instead of
             NaN, with gradient 0 in :math:`g` and the formula's :math:`g/\varepsilon` in
-            :math:`x` (the map is :math:`g x/\varepsilon` below the floor; at :math:`d = 768`,
-            :math:`\varepsilon = 10^{-6}` that is :math:`2.8\cdot10^{7}`, beyond float16's
-            range: a float16 zero row gets an inf gradient, a bfloat16 one a finite one).
+            :math:`x` (the map is :math:`g x/\varepsilon` below the floor). For float16 inputs
+            the floor is :math:`\max(\varepsilon, \sqrt{d\,\epsilon_{32}})`, :math:`\epsilon_{32}`
+            float32's machine epsilon: :math:`g/\varepsilon` (:math:`2.8\cdot10^{7}` at
+            :math:`d = 768`, :math:`\varepsilon = 10^{-6}`) is beyond float16's range (65504),
+            where a zero row's gradient was inf; with that floor it is
+            :math:`(g/\sqrt d)/\sqrt{\epsilon_{32}} = 2896` at :math:`g = \sqrt d`, what
+            ``torch.nn.functional.rms_norm`` gives float16 (it computes in float32 with float32's
+            epsilon on the mean square). Only float16 rows of RMS entry below
+            :math:`\sqrt{\epsilon_{32}} = 3.45\cdot10^{-4}` change (they are scaled by
+            :math:`g` over the floor, not put on the sphere); the other dtypes have room for
+            :math:`g/\varepsilon` and keep :math:`\varepsilon`.
 
     Shapes: input ``(..., d)``, output ``(..., d)`` in the input's dtype (float16 and bfloat16
     inputs are normalized in float32); an integer or complex input raises ``ValueError``. A row
@@ -55,7 +68,10 @@ class ScaleNorm(nn.Module):
         # input overflows (to a zero output) and g / eps of a zero one does (0 * inf = NaN)
         work = torch.promote_types(x.dtype, torch.float32)
         xw = x.to(work)
-        norm = torch.linalg.vector_norm(xw, dim=-1, keepdim=True).clamp_min(self.eps)  # (..., 1)
+        floor = self.eps
+        if x.dtype == torch.float16:  # the gradient g / floor of a zero row must fit float16
+            floor = max(floor, math.sqrt(self.dim) * _FLOAT16_RMS_FLOOR)
+        norm = torch.linalg.vector_norm(xw, dim=-1, keepdim=True).clamp_min(floor)  # (..., 1)
         norm = torch.where(torch.isinf(norm), torch.nan, norm)  # an overflowing row: NaN, not 0
         return (xw * (self.scale.to(work) / norm)).to(x.dtype)
 

@@ -49,8 +49,7 @@ def test_scalenorm_half_precision_zero_and_large_inputs(dtype):
     y = norm(zero)
     assert y.dtype == dtype and torch.equal(y, torch.zeros_like(y))
     y.sum().backward()
-    if dtype == torch.bfloat16:  # the exact gradient g / eps = 2.8e7 exceeds float16's range
-        assert torch.isfinite(zero.grad).all()
+    assert torch.isfinite(zero.grad).all()  # float16 had g / eps = 2.8e7 > 65504: inf
     large = torch.full((2, 768), 3000.0, dtype=dtype)
     radius = norm(large).float().norm(dim=-1)
     assert torch.allclose(radius, norm.scale.detach().expand(2), rtol=4 * torch.finfo(dtype).eps)
@@ -177,3 +176,28 @@ def test_scalenorm_gradient_of_a_zero_input_is_g_over_eps():
     (norm(x) * probe).sum().backward()
     torch.testing.assert_close(x.grad, probe * norm.scale.detach() / 1e-3, rtol=1e-15, atol=0)
     assert float(norm.scale.grad) == 0.0
+
+
+@pytest.mark.parametrize("dim", [6, 768, 4096])
+def test_scalenorm_float16_zero_row_gradient_is_finite_and_normal_rows_keep_their_values(dim):
+    """A float16 zero row's gradient in x was g/eps = sqrt(d)/1e-6 (2.8e7 at d = 768): inf in float16
+    (max 65504). float16 inputs now have the norm floor max(eps, sqrt(d * eps32)), eps32 float32's
+    machine epsilon: the gradient of a zero row is g/sqrt(d) / sqrt(eps32) = 2896 at g = sqrt(d),
+    the one torch.nn.functional.rms_norm gives float16 (it computes in float32 with float32's
+    epsilon on the mean square). Rows above that floor (RMS entry above sqrt(eps32) = 3.5e-4) keep
+    their values bit for bit; the other dtypes keep eps."""
+    norm = ScaleNorm(dim)
+    zero = torch.zeros(2, dim, dtype=torch.float16, requires_grad=True)
+    norm(zero).sum().backward()
+    want = math.sqrt(dim) / math.sqrt(dim * torch.finfo(torch.float32).eps)
+    assert torch.allclose(zero.grad.float(), torch.full((2, dim), want), rtol=1e-3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, dim, generator=g)
+    x = x / x.norm(dim=-1, keepdim=True) * torch.tensor([[1.0], [0.05], [1.01 * math.sqrt(dim) * 3.46e-4]])
+    x16 = x.half()
+    work = x16.float()
+    want = (work * (norm.scale / work.norm(dim=-1, keepdim=True))).half()
+    assert torch.equal(norm(x16), want)
+    for dtype in (torch.bfloat16, torch.float32):  # a row of RMS 1e-5: still put on the sphere
+        small = norm(torch.full((1, dim), 1e-5, dtype=dtype)).float()
+        assert torch.allclose(small.norm(), norm.scale.detach(), rtol=8 * torch.finfo(dtype).eps)
