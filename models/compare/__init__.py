@@ -112,7 +112,8 @@ against size, its slope per doubling, a figure and a table.
 
 Full suites are sized for about 30 minutes each on a 2-core CPU with ``--jobs 2`` (timings in
 ``docs/results``); ``--quick`` is a tiny version (synthetic corpus, one seed, a few dozen steps)
-for tests.
+for tests: one reported seed and the first of the suite's tuning seeds, unless ``--seeds`` or
+``--tuning_seeds`` name others, which are then all run.
 """
 
 from .cli import EXIT_USER_ERROR, main

@@ -29,6 +29,15 @@ def _suite_base(suite: Suite, quick: bool) -> dict:
     return {**(QUICK_BASE if quick else FULL_BASE), **(suite.quick if quick else suite.full)}
 
 
+def _tuning_seeds(suite: Suite, quick: bool) -> tuple[int, ...]:
+    """The held-out tuning seeds: the suite's, or under ``--quick`` its
+    :attr:`~Suite.quick_tuning_seeds` (seeds given by name), else the first of them."""
+    if quick:
+        given = suite.quick_tuning_seeds
+        return tuple(suite.tuning_seeds[:1] if given is None else given)
+    return tuple(suite.tuning_seeds)
+
+
 def _arm_config(base: dict, arm_overrides: dict, seed: int, key, value, overrides):
     """The arm's config; an arm's ``schedule_fraction`` runs that fraction of the steps every
     other arm runs (the base's, or ``--steps``), so a shorter schedule stays shorter in ``--quick``.
@@ -283,7 +292,9 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         out: output directory (run directories go to ``out/<arm>/seed<k>``).
         quick: the tiny version.
         seeds: seeds to report (default: the suite's, or its first one with ``quick``; the
-            held-out tuning seeds: the suite's, or their first one with ``quick``).
+            held-out tuning seeds: the suite's, or with ``quick`` its ``quick_tuning_seeds``,
+            which :func:`~models.compare.suites.narrow_suite` sets to the seeds it is given,
+            else their first one).
         overrides: config overrides applied to every arm (``--key value``).
         command: the command line, recorded in ``results.md``.
         echo: print one line per run.
@@ -327,7 +338,7 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
 
     # phase 1: every arm at every swept value on the tuning seeds (all seeds without a sweep)
     first = [(arm, arm_cfg, value) for arm, arm_cfg in suite.arms for value in values]
-    held_out = tuple(suite.tuning_seeds[:1] if quick else suite.tuning_seeds) if key else ()
+    held_out = _tuning_seeds(suite, quick) if key else ()
     for name, given in (("seeds", seeds), ("tuning seeds", held_out)):
         repeated = sorted({s for s in given if given.count(s) > 1})
         if repeated:  # one run directory, reported as several runs

@@ -60,6 +60,9 @@ class Suite:
         tuning_seeds: held-out tuning: the sweep runs on these seeds (none of ``seeds``), and
             every arm then runs at its best value on ``seeds``, which alone are reported; the
             reports name both sets. ``()``: the sweep runs on the first ``tune_seeds`` seeds.
+        quick_tuning_seeds: the held-out tuning seeds under ``--quick``; ``None``: the first of
+            ``tuning_seeds``. Seeds given by name (:func:`narrow_suite`) set both, so that an
+            explicit ``--tuning_seeds`` is run as given under ``--quick`` too.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Suite:
     quick_sweep: tuple = ()
     tune_seeds: int = 1
     tuning_seeds: tuple[int, ...] = ()
+    quick_tuning_seeds: tuple[int, ...] | None = None
 
 
 #: The tuning seeds of the swept suites: disjoint from every reported seed (0-9).
@@ -246,8 +250,8 @@ def narrow_suite(suite: Suite, *, arms: tuple[str, ...] | None = None,
                  sweep: tuple[float, ...] | None = None, tune_seeds: int | None = None,
                  tuning_seeds: tuple[int, ...] | None = None) -> Suite:
     """``suite`` with only ``arms`` (kept in the suite's order), the swept key's values replaced
-    by ``sweep`` (under ``--quick`` too), the sweep run on held-out ``tuning_seeds`` or else on
-    the first ``tune_seeds`` reported seeds (which drops the suite's held-out tuning seeds);
+    by ``sweep`` (under ``--quick`` too), the sweep run on held-out ``tuning_seeds`` (all of
+    them, under ``--quick`` too) or else on the first ``tune_seeds`` reported seeds (which drops the suite's held-out tuning seeds);
     ``None`` keeps the suite's. The baseline may be left out: its columns then read "—".
 
     Raises:
@@ -276,14 +280,17 @@ def narrow_suite(suite: Suite, *, arms: tuple[str, ...] | None = None,
     if tune_seeds is not None:
         if isinstance(tune_seeds, bool) or not isinstance(tune_seeds, int) or tune_seeds < 1:
             raise ConfigError(f"--tune_seeds must be an integer >= 1, got {tune_seeds!r}")
-        suite = dataclasses.replace(suite, tune_seeds=tune_seeds, tuning_seeds=())
+        suite = dataclasses.replace(suite, tune_seeds=tune_seeds, tuning_seeds=(),
+                                    quick_tuning_seeds=None)
     if tuning_seeds is not None:
         if tune_seeds is not None:
             raise ConfigError("give --tune_seeds (tune on the first reported seeds) or --tuning_seeds (tune on "
                               "held-out seeds), not both")
         if not tuning_seeds or len(set(tuning_seeds)) != len(tuning_seeds):
             raise ConfigError(f"--tuning_seeds needs distinct seeds, got {list(tuning_seeds)!r}")
-        suite = dataclasses.replace(suite, tuning_seeds=tuple(tuning_seeds))
+        # as --sweep: seeds given by name are the ones run, under --quick too
+        suite = dataclasses.replace(suite, tuning_seeds=tuple(tuning_seeds),
+                                    quick_tuning_seeds=tuple(tuning_seeds))
     return suite
 
 

@@ -450,6 +450,8 @@ def test_narrow_suite_keeps_the_named_arms_in_order_and_replaces_the_sweep():
     assert narrow.tuning_seeds == ()  # --tune_seeds: tuned on the first reported seeds instead
     held = compare.narrow_suite(suite, tuning_seeds=(7, 8))
     assert held.tuning_seeds == (7, 8) and held.tune_seeds == suite.tune_seeds
+    assert held.quick_tuning_seeds == (7, 8)  # given by name: all of them under --quick too
+    assert compare.narrow_suite(held, tune_seeds=2).quick_tuning_seeds is None
     assert compare.narrow_suite(suite) == suite                 # nothing given: the suite itself
     lrs = sorted({v for _, v, _ in compare.suite_configs(narrow)})
     assert lrs == [5e-4, 2e-3] and len(compare.suite_configs(narrow)) == 4
@@ -487,6 +489,23 @@ def test_cli_runs_a_narrowed_suite_and_records_the_command(tmp_path, capsys):
                          "--out", str(tmp_path / "refused")]) == compare.EXIT_USER_ERROR
     assert "unknown ['exp']" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+def test_quick_runs_every_tuning_seed_given_by_name(tmp_path):
+    """``--quick --tuning_seeds 7 8`` tuned on seed 7 alone (``--quick``'s default, the first of
+    the suite's tuning seeds, applied to the given ones too), and results.md said "chosen on
+    seeds 7": an explicit flag half ignored. Seeds given by name now run as given, as
+    ``--seeds`` and ``--sweep`` do under ``--quick``; without the flag ``--quick`` still tunes on
+    the first of the suite's."""
+    common = ["--suite", "spheret-retractions", "--quick", "--arms", "geonorm-literal",
+              "--sweep", "0.01", "--steps", "6", "--eval_interval", "3", "--n_layer", "1"]
+    for given, tuned in ((["--tuning_seeds", "7", "8"], ["7", "8"]), ([], ["100"])):
+        out = tmp_path / "-".join(tuned)
+        assert compare.main([*common, *given, "--out", str(out)]) == 0
+        with open(out / "sweep.csv") as f:
+            assert sorted(r["seed"] for r in csv.DictReader(f)) == tuned
+        assert f"chosen on seeds {', '.join(tuned)} and is reported above on seeds 0" in \
+            (out / "results.md").read_text()
 
 
 def test_reports_give_the_paired_difference_per_seed(tmp_path):
