@@ -18,6 +18,7 @@ from .storage import RunError
 
 __all__ = ["SEL_OPTIONS", "MissingModuleError", "apply_sel", "build_model",
            "build_train_optimizer", "lr_peak_fraction", "lr_scale", "resolve_device",
+           "schedule_warnings", "sel_anneal_fraction", "sel_anneal_outlasts_run",
            "warmup_outlasts_run"]
 
 #: SEL variants of ``TrainConfig.sel`` -> keyword options of ``manifoldlib.charts.SEL``.
@@ -251,3 +252,41 @@ def warmup_outlasts_run(cfg: TrainConfig) -> str | None:
             f"for the whole run and peaks at its last step at {cfg.steps}/{cfg.warmup_steps} = "
             f"{peak:.3g} of each configured rate (lr {cfg.lr:g} -> {cfg.lr * peak:.3g}); {unused}; "
             f"give warmup_steps below steps to train at the configured rates")
+
+
+def sel_anneal_fraction(cfg: TrainConfig) -> float | None:
+    """How far through SEL's scale annealing the run's last update is: ``min(1, (steps - 1) /
+    sel_anneal_steps)`` (the update that makes step ``t`` reads the ramp at ``t - 1``), 1 where
+    the anneal completes, below 1 where ``sel_anneal_steps >= steps``; None where nothing
+    anneals (``sel`` none, ``sel_anneal_steps`` 0)."""
+    if cfg.sel == "none" or not cfg.sel_anneal_steps:
+        return None
+    return min(1.0, (cfg.steps - 1) / cfg.sel_anneal_steps)
+
+
+def sel_anneal_outlasts_run(cfg: TrainConfig) -> str | None:
+    """What a SEL scale annealing of at least ``steps`` does to the run, or None where it
+    completes (or nothing anneals).
+
+    The ``e_w`` scales' learning rate starts high and the ``m`` multipliers' low, each reaching
+    the scale rate at the end of the anneal (:class:`manifoldlib.charts.SELLRMultiplier`); a run
+    no longer than the anneal ends with both still on the way, which no loss shows. As for the
+    warm-up (:func:`warmup_outlasts_run`), it is not refused but said: the trainer warns at the
+    start, ``summary.json`` records the line and :func:`sel_anneal_fraction`.
+    """
+    done = sel_anneal_fraction(cfg)
+    if done is None or cfg.sel_anneal_steps < cfg.steps:
+        return None
+    multiplier = _import("manifoldlib.charts", "SELLRMultiplier", f"sel={cfg.sel!r}")
+    e_w, m = (multiplier(role, cfg.sel_anneal_steps)(cfg.steps - 1) for role in ("e_w", "m"))
+    return (f"sel_anneal_steps {cfg.sel_anneal_steps} >= steps {cfg.steps}: SEL's scale annealing "
+            f"outlasts the run, whose last update is {cfg.steps - 1}/{cfg.sel_anneal_steps} = "
+            f"{done:.3g} of the way through it: the e_w scales' learning rate ends at {e_w:.4g} "
+            f"and the m multipliers' at {m:.4g} times the scale rate (1 once annealed); give "
+            f"sel_anneal_steps below steps for an annealed run")
+
+
+def schedule_warnings(cfg: TrainConfig) -> list[str]:
+    """The lines the trainer warns at the start and ``summary.json`` records under
+    ``warnings``: a warm-up or a SEL anneal that outlasts the run."""
+    return [w for w in (warmup_outlasts_run(cfg), sel_anneal_outlasts_run(cfg)) if w is not None]

@@ -482,10 +482,14 @@ def summary_of(run, ckpt: dict | None, wall: float, seconds: float) -> dict:
     (whether its training or its validation loss went non-finite): no loss of such a run is its
     final one. ``last_finite_val_loss`` / ``last_finite_val_step`` give its last finite
     evaluation for any run (null before one). ``lr_peak_fraction`` is the largest learning-rate
-    multiplier of the schedule, below 1 where the warm-up outlasts the run; ``warnings`` holds
-    what the trainer warned about the configuration at the start (that line).
+    multiplier of the schedule, below 1 where the warm-up outlasts the run;
+    ``warmup_outlasts_run`` is true where ``warmup_steps >= steps`` (at equality the rate peaks
+    at the last step and the schedule never acts, at a fraction of 1); ``sel_anneal_fraction``
+    how far through SEL's scale annealing the last update is (below 1 where it outlasts the run,
+    null where nothing anneals); ``warnings`` holds what the trainer warned about the
+    configuration at the start (those lines).
     """
-    from .build import lr_peak_fraction, warmup_outlasts_run
+    from .build import lr_peak_fraction, schedule_warnings, sel_anneal_fraction, warmup_outlasts_run
     from .evaluation import perplexity
 
     cfg, job = run.cfg, run.job
@@ -500,7 +504,8 @@ def summary_of(run, ckpt: dict | None, wall: float, seconds: float) -> dict:
         "last_finite_val_loss": last_eval.get("val_loss"),
         "last_finite_val_step": last_eval.get("step"),
         "lr_peak_fraction": lr_peak_fraction(cfg),
-        "warnings": [w for w in (warmup_outlasts_run(cfg),) if w is not None],
+        "warmup_outlasts_run": warmup_outlasts_run(cfg) is not None,
+        "sel_anneal_fraction": sel_anneal_fraction(cfg), "warnings": schedule_warnings(cfg),
         "steps": run.step, "tokens": run.tokens, "world_size": job.world_size,
         "wall_time_s": wall, "train_loss": last_train,
         "corpus_fingerprint": run.corpus.fingerprint, "corpus": cfg.corpus,

@@ -58,7 +58,7 @@ from .build import (
     build_train_optimizer,
     lr_scale,
     resolve_device,
-    warmup_outlasts_run,
+    schedule_warnings,
 )
 from .cli import _ArgumentError, _Parser  # noqa: F401
 from .clipping import clip_grad_norm
@@ -291,9 +291,9 @@ def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corp
         run.step, run.tokens = ckpt["step"], ckpt["tokens"]
         run.wall_before, run.saved_step = ckpt["wall_time_s"], ckpt["step"]
     run.progress.say(run_dir.describe_start(run))
-    note = warmup_outlasts_run(cfg)
-    if note is not None and job.is_main:  # summary.json records it too
-        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    if job.is_main:  # summary.json records them too
+        for note in schedule_warnings(cfg):
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     return run
 
 

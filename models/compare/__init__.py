@@ -43,9 +43,12 @@ on the very seeds it is judged on. ``results.md`` names both sets.
   ``—`` is a value no run has (a diagnostic the model lacks); in the columns of evaluations
   (final and peak values) a run that diverged is set aside (``m diverged``, ``diverged (m/n)``):
   its values are those of an earlier step than the other runs'; under each table, a line naming
-  the runs whose warm-up outlasted them (``--steps`` below ``warmup_steps``: the learning rate
-  never reached its configured value) per arm, ``k/n`` with their ``lr_peak_fraction`` (a column
-  of ``results.csv`` too);
+  the runs whose warm-up lasted as long as them or longer (``--steps`` at or below
+  ``warmup_steps``: the learning rate peaked at the last step, below its configured value where
+  the warm-up is longer, and the schedule never acted) per arm, ``k/n`` with their
+  ``lr_peak_fraction``, and one naming the runs whose SEL scale annealing outlasted them
+  (``--steps`` at or below ``sel_anneal_steps``, which does not follow ``--steps``) with their
+  ``sel_anneal_fraction`` (columns of ``results.csv`` too, with ``warmup_outlasts_run``);
 - ``sweep.csv`` — a swept suite's tuning runs (its tuning seeds) at every value;
 - ``curves.png`` — the validation curves of every reported run.
 

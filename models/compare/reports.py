@@ -24,7 +24,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 #: The columns of ``results.csv`` and ``sweep.csv``, one row per run.
 CSV_FIELDS = ("suite", "arm", "seed", "swept", "val_loss", "val_ppl", "diverged", "learned",
               "steps_to_target", "seconds_to_target", "target", "steps", "lr_peak_fraction",
-              "wall_time_s", "tokens_per_s",
+              "warmup_outlasts_run", "sel_anneal_fraction", "wall_time_s", "tokens_per_s",
               *DIAGNOSTIC_FIELDS, "peak_attention_logit", "peak_qk_spectral_norm",
               "min_attention_entropy", "val_rise_max", "unigram_entropy")
 
@@ -158,26 +158,58 @@ _LEGEND = ("Columns after wall s: the mean over the runs whose value is finite; 
            "value (a diagnostic the arm's model does not have, a target no run reached).")
 
 
-def _short_warmup_note(suite: Suite, rows: list[dict], which: str) -> str | None:
-    """A line on the runs of ``rows`` whose warm-up outlasted them (``lr_peak_fraction`` below 1,
-    as each run's ``summary.json`` records it and the trainer warned), per arm with ``k/n`` and
-    the fraction; None where there is none. Their learning rates never reached the configured
-    ones, which no cell of a table shows."""
-    short = [r for r in rows if r.get("lr_peak_fraction") is not None
-             and r["lr_peak_fraction"] < 1.0]
-    if not short:
-        return None
+def _per_arm(suite: Suite, flagged: list[dict], rows: list[dict], key: str) -> str:
+    """``"`arm` k/n at v1, v2"`` for each arm with runs in ``flagged`` (``k`` of its ``n`` in
+    ``rows``), the ``v`` the distinct values of ``key`` among them, arms joined by ``"; "``."""
     per_arm = []
     for arm, _ in suite.arms:
-        fractions = sorted({r["lr_peak_fraction"] for r in short if r["arm"] == arm})
-        if fractions:
-            k, n = sum(r["arm"] == arm for r in short), sum(r["arm"] == arm for r in rows)
-            per_arm.append(f"`{arm}` {k}/{n} at {', '.join(f'{f:.3g}' for f in fractions)}")
-    return (f"Warm-up longer than the run in {len(short)}/{len(rows)} {which} (warmup_steps above "
-            f"steps; the trainer warned, `warnings` in their `summary.json`): the learning rate "
-            f"warmed up for the whole run and peaked at its last step at lr_peak_fraction of each "
-            f"configured rate, and the schedule never acted: {'; '.join(per_arm)}. Give --steps "
-            f"above warmup_steps to compare at the configured rates.")
+        values = sorted({r[key] for r in flagged if r["arm"] == arm})
+        if values:
+            k, n = sum(r["arm"] == arm for r in flagged), sum(r["arm"] == arm for r in rows)
+            per_arm.append(f"`{arm}` {k}/{n} at {', '.join(f'{v:.3g}' for v in values)}")
+    return "; ".join(per_arm)
+
+
+def _short_warmup_note(suite: Suite, rows: list[dict], which: str) -> str | None:
+    """A line on the runs of ``rows`` whose warm-up lasted as long as them or longer
+    (``warmup_outlasts_run``, as each run's ``summary.json`` records it and the trainer
+    warned), per arm with ``k/n`` and their ``lr_peak_fraction``; None where there is none.
+    Their learning rates peaked at their last step (below the configured ones where the
+    warm-up is longer) and their schedules never acted, which no cell of a table shows."""
+    short = [r for r in rows if r.get("warmup_outlasts_run")
+             or (r.get("lr_peak_fraction") is not None and r["lr_peak_fraction"] < 1.0)]
+    if not short:
+        return None
+    return (f"Warm-up as long as the run or longer in {len(short)}/{len(rows)} {which} "
+            f"(warmup_steps at or above steps; the trainer warned, `warnings` in their "
+            f"`summary.json`): the learning rate warmed up for the whole run and peaked at its "
+            f"last step at lr_peak_fraction of each configured rate, and the schedule never "
+            f"acted: {_per_arm(suite, short, rows, 'lr_peak_fraction')}. Give --steps above "
+            f"warmup_steps to compare at the configured rates.")
+
+
+def _short_sel_anneal_note(suite: Suite, rows: list[dict], which: str) -> str | None:
+    """A line on the runs of ``rows`` whose SEL scale annealing outlasted them
+    (``sel_anneal_fraction`` below 1: ``sel_anneal_steps`` at or above ``steps``, as under
+    ``--steps 60`` with the ``sel`` suites' 100), per arm with ``k/n`` and the fraction; None
+    where there is none. Their scales' learning rates were still annealing at the end."""
+    short = [r for r in rows if r.get("sel_anneal_fraction") is not None
+             and r["sel_anneal_fraction"] < 1.0]
+    if not short:
+        return None
+    return (f"SEL scale annealing longer than the run in {len(short)}/{len(rows)} {which} "
+            f"(sel_anneal_steps at or above steps; the trainer warned, `warnings` in their "
+            f"`summary.json`): the e_w and m learning rates were still annealing at the last "
+            f"update, sel_anneal_fraction of the way: "
+            f"{_per_arm(suite, short, rows, 'sel_anneal_fraction')}. Give --steps above "
+            f"sel_anneal_steps (or a smaller --sel_anneal_steps) to compare annealed runs.")
+
+
+def _schedule_notes(suite: Suite, rows: list[dict], which: str) -> list[str]:
+    """The lines under a table on its runs whose schedules outlasted them, each after a blank
+    line."""
+    notes = (_short_warmup_note(suite, rows, which), _short_sel_anneal_note(suite, rows, which))
+    return [line for note in notes if note for line in ("", note)]
 
 
 def _md_row(cells) -> str:
@@ -224,8 +256,7 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
     for arm, _ in suite.arms:
         lines.append(_arm_row(arm, [r for r in results if r["arm"] == arm], base_runs, columns,
                               bool(key)))
-    note = _short_warmup_note(suite, results, "runs above")
-    lines += ["", note] if note else []
+    lines += _schedule_notes(suite, results, "runs above")
     if key:
         values = sorted({r["swept"] for r in sweep_rows})
         tuned = sorted({r["seed"] for r in sweep_rows})
@@ -240,8 +271,7 @@ def write_reports(suite: Suite, out: Path, results: list[dict], curves: dict, *,
         for arm, _ in suite.arms:
             by_value = by_swept_value([r for r in sweep_rows if r["arm"] == arm])
             lines.append(_md_row([arm] + [_sweep_cell(by_value.get(v, [])) for v in values]))
-        note = _short_warmup_note(suite, sweep_rows, "tuning runs above")
-        lines += ["", note] if note else []
+        lines += _schedule_notes(suite, sweep_rows, "tuning runs above")
     lines += ["", "Per-run rows: `results.csv`" + (", sweep: `sweep.csv`" if key else "") +
               "; curves: `curves.png`.", ""]
     (out / "results.md").write_text("\n".join(lines))

@@ -77,7 +77,9 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
     :func:`learned`, the last evaluation's :data:`DIAGNOSTIC_FIELDS` (NaN where the value was
     not finite, ``None`` where the model has none) and their extremes over the run;
     ``lr_peak_fraction`` the largest learning-rate multiplier of its schedule (below 1 where the
-    warm-up outlasts the run: the reports say so); ``_rows``
+    warm-up outlasts the run), ``warmup_outlasts_run`` (``warmup_steps >= steps``) and
+    ``sel_anneal_fraction`` (below 1 where SEL's scale annealing outlasts the run; None where
+    nothing anneals): the reports say so; ``_rows``
     keeps the metrics rows for the caller (steps to target). A diverged run's ``val_rise_max``
     is NaN (inf where its validation loss went infinite) even when every evaluation it logged
     was finite: the trainer stops a run at the step whose training loss or gradient goes
@@ -92,6 +94,8 @@ def result_row(suite: Suite, arm: str, seed: int, swept, summary: dict, rows: li
         "val_ppl": summary.get("val_ppl") if not diverged else None, "diverged": diverged,
         "learned": not diverged and learned(val, summary["unigram_entropy"]),
         "steps": summary["steps"], "lr_peak_fraction": summary["lr_peak_fraction"],
+        "warmup_outlasts_run": summary["warmup_outlasts_run"],
+        "sel_anneal_fraction": summary["sel_anneal_fraction"],
         "wall_time_s": round(summary["wall_time_s"], 2),
         "tokens_per_s": round(summary["tokens_per_s"], 1),
         "unigram_entropy": summary["unigram_entropy"], "_rows": rows}

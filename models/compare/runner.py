@@ -13,7 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..build import lr_peak_fraction
+from ..build import lr_peak_fraction, sel_anneal_fraction, warmup_outlasts_run
 from ..config import ConfigError, build_config, inert_settings
 from ..data import check_given_tokenizer, load_corpus, resolve_tokenizer
 from ..sources import Fingerprint, list_documents
@@ -211,8 +211,10 @@ def _reusable(run_dir: Path, cfg, fingerprints: dict) -> dict | None:
         fingerprints[key] = _corpus_fingerprint(cfg)
     if trained_on != fingerprints[key]:
         return None
-    # a summary written before the trainer recorded it; the same function of the same config
+    # a summary written before the trainer recorded them; the same functions of the same config
     summary.setdefault("lr_peak_fraction", lr_peak_fraction(cfg))
+    summary.setdefault("warmup_outlasts_run", warmup_outlasts_run(cfg) is not None)
+    summary.setdefault("sel_anneal_fraction", sel_anneal_fraction(cfg))
     return summary
 
 

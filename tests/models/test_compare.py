@@ -85,11 +85,12 @@ def test_a_result_row_reads_the_summary_and_the_runs_evaluations():
             {"step": 10, "val_loss": 6.0, "max_attention_logit": 9.0},  # a spike above it
             {"step": 20, "val_loss": 2.5, "max_attention_logit": 4.0}]
     summary = {"val_loss": 2.5, "val_ppl": 12.2, "unigram_entropy": 3.26, "steps": 20,
-               "lr_peak_fraction": 0.5, "wall_time_s": 1.234, "tokens_per_s": 99.96}
+               "lr_peak_fraction": 0.5, "warmup_outlasts_run": True, "sel_anneal_fraction": 0.25,
+               "wall_time_s": 1.234, "tokens_per_s": 99.96}
     r = result_row(suite, "a", 7, 0.01, summary, rows)
     assert (r["suite"], r["arm"], r["seed"], r["swept"]) == ("mini", "a", 7, 0.01)
     assert r["val_loss"] == 2.5 and r["learned"] and not r["diverged"]
-    assert r["lr_peak_fraction"] == 0.5
+    assert (r["lr_peak_fraction"], r["warmup_outlasts_run"], r["sel_anneal_fraction"]) == (0.5, True, 0.25)
     assert r["max_attention_logit"] == 4.0 and r["peak_attention_logit"] == 9.0  # last, peak
     assert r["val_rise_max"] == pytest.approx(0.5) and r["_rows"] is rows
     gone = result_row(suite, "a", 7, 0.01, {**summary, "diverged": True}, rows)
@@ -158,11 +159,11 @@ def test_results_md_says_which_runs_never_reached_their_learning_rate(tmp_path):
     run_suite(suite, tmp_path, quick=True, echo=False, overrides=overrides)
     for again in (False, True):
         lines = (tmp_path / "results.md").read_text().splitlines()
-        notes = [i for i, line in enumerate(lines) if line.startswith("Warm-up longer than the run")]
+        notes = [i for i, line in enumerate(lines) if line.startswith("Warm-up as long as the run")]
         assert len(notes) == 2, lines                  # one under each table
         reported, tuning = (lines[i] for i in notes)
-        assert reported.startswith("Warm-up longer than the run in 1/2 runs above")
-        assert tuning.startswith("Warm-up longer than the run in 2/4 tuning runs above")
+        assert reported.startswith("Warm-up as long as the run or longer in 1/2 runs above")
+        assert tuning.startswith("Warm-up as long as the run or longer in 2/4 tuning runs above")
         assert "`a` 1/1 at 0.8." in reported and "`a` 2/2 at 0.8." in tuning
         assert "`b`" not in reported + tuning
         for i in notes:                                 # right under its table
@@ -179,6 +180,68 @@ def test_results_md_says_which_runs_never_reached_their_learning_rate(tmp_path):
     with open(tmp_path / "results.csv") as f:
         assert [(r["arm"], float(r["lr_peak_fraction"])) for r in csv.DictReader(f)] == [
             ("a", 0.8), ("b", 1.0)]
+
+
+@pytest.mark.filterwarnings("ignore:warmup_steps 4 >= steps 4:RuntimeWarning")
+def test_results_md_says_which_runs_warmed_up_for_their_whole_length(tmp_path):
+    """``warmup_steps`` equal to ``steps``: the trainer warned (the rate peaks at the last step,
+    a cosine schedule never decays) but ``lr_peak_fraction`` is 1, so results.md, which named
+    only runs below it, said nothing. summary.json now records ``warmup_outlasts_run`` and the
+    line under the table names such runs too (at 1); a reused run whose summary predates the
+    field gets it from its config."""
+    suite = Suite(name="mini", baseline="a", seeds=(0,),
+                  arms=(("a", {"warmup_steps": 4}), ("b", {"warmup_steps": 2})))
+    overrides = {"steps": "4", "eval_interval": "2", "n_layer": "1"}
+    run_suite(suite, tmp_path, quick=True, echo=False, overrides=overrides)
+    summary = tmp_path / "a" / "seed0" / "summary.json"
+    assert json.loads(summary.read_text())["warmup_outlasts_run"] is True
+    for again in (False, True):
+        lines = (tmp_path / "results.md").read_text().splitlines()
+        notes = [line for line in lines if line.startswith("Warm-up as long as the run")]
+        assert len(notes) == 1, lines
+        assert notes[0].startswith("Warm-up as long as the run or longer in 1/2 runs above")
+        assert "`a` 1/1 at 1." in notes[0] and "`b`" not in notes[0]
+        if not again:  # as written before the field
+            saved = json.loads(summary.read_text())
+            del saved["warmup_outlasts_run"]
+            summary.write_text(json.dumps(saved))
+            mtime = summary.stat().st_mtime_ns
+            run_suite(suite, tmp_path, quick=True, echo=False, overrides=overrides)
+            assert summary.stat().st_mtime_ns == mtime  # reused, not trained again
+    with open(tmp_path / "results.csv") as f:
+        assert [(r["arm"], r["lr_peak_fraction"], r["warmup_outlasts_run"])
+                for r in csv.DictReader(f)] == [("a", "1.0", "True"), ("b", "1.0", "False")]
+
+
+@pytest.mark.filterwarnings("ignore:sel_anneal_steps 10 >= steps 8:RuntimeWarning")
+def test_results_md_says_which_runs_ended_before_their_sel_anneal(tmp_path):
+    """The sel suites' ``sel_anneal_steps`` (100, or 10 under ``--quick``) does not follow
+    ``--steps`` (nor does ``warmup_steps``): ``--quick --steps 8`` annealed the SEL scales' rates
+    over 10 steps, past the run's end, with no word anywhere. The trainer now warns, summary.json
+    records ``sel_anneal_fraction`` (7/10: the last update reads the ramp at step 7), and a line
+    under each table names the arms, k/n and the fraction; the baseline (no SEL) and the
+    no-anneal arm are not named."""
+    suite = compare.narrow_suite(SUITES["sel"], sweep=(3e-3,), arms=(
+        "baseline", "sel-mismatched", "sel-mismatched-no-anneal"))
+    overrides = {"steps": "8", "warmup_steps": "2", "eval_interval": "4", "n_layer": "1"}
+    with pytest.warns(RuntimeWarning, match=r"^sel_anneal_steps 10 >= steps 8: .* 7/10 = 0\.7 "):
+        run_suite(suite, tmp_path, quick=True, echo=False, overrides=overrides)
+    summary = json.loads((tmp_path / "sel-mismatched" / "block_lr=0.003" / "seed0"
+                          / "summary.json").read_text())
+    assert summary["sel_anneal_fraction"] == pytest.approx(0.7)
+    assert summary["warnings"][0].startswith("sel_anneal_steps 10 >= steps 8: ")
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    notes = [i for i, line in enumerate(lines) if line.startswith("SEL scale annealing longer")]
+    assert [lines[i].split(" (")[0] for i in notes] == [
+        "SEL scale annealing longer than the run in 1/3 runs above",
+        "SEL scale annealing longer than the run in 1/3 tuning runs above"]
+    for i in notes:
+        assert "`sel-mismatched` 1/1 at 0.7." in lines[i] and "`baseline`" not in lines[i]
+        assert "no-anneal" not in lines[i] and lines[i - 1] == ""
+    assert not any(line.startswith("Warm-up") for line in lines)
+    with open(tmp_path / "results.csv") as f:
+        assert [(r["arm"], r["sel_anneal_fraction"]) for r in csv.DictReader(f)] == [
+            ("baseline", ""), ("sel-mismatched", "0.7"), ("sel-mismatched-no-anneal", "")]
 
 
 @pytest.mark.slow  # about 15 s: a sweep of two arms, run twice (one and two jobs)

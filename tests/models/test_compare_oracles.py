@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from models.build import lr_peak_fraction
+from models.build import lr_peak_fraction, sel_anneal_fraction, warmup_outlasts_run
 from models.compare import Suite, run_suite
 from models.config import ConfigError
 from models.data import load_corpus
@@ -60,7 +60,9 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
                    "finished": not diverged,
                    "steps": rows[-1]["step"] - (rows[-1].get("train_loss", 0) is None), "wall_time_s": 1.0,
                    "tokens_per_s": 1000.0, "unigram_entropy": 4.0,
-                   "lr_peak_fraction": lr_peak_fraction(cfg)}
+                   "lr_peak_fraction": lr_peak_fraction(cfg),
+                   "warmup_outlasts_run": warmup_outlasts_run(cfg) is not None,
+                   "sel_anneal_fraction": sel_anneal_fraction(cfg)}
         (run_dir / "summary.json").write_text(json.dumps(summary))
         return summary
 

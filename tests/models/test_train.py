@@ -29,7 +29,7 @@ from models.train import lr_scale, main, read_metrics
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"val_loss", "val_ppl", "steps", "tokens", "world_size", "wall_time_s",
                 "corpus_fingerprint", "last_finite_val_loss", "last_finite_val_step",
-                "lr_peak_fraction", "warnings"}
+                "lr_peak_fraction", "warmup_outlasts_run", "sel_anneal_fraction", "warnings"}
 COMPARED = ("step", "train_loss", "val_loss", "lr", "tokens", "grad_norm")
 
 
@@ -69,6 +69,7 @@ def test_smoke_run_writes_the_documented_run_directory(tmp_path):
     assert (summary["last_finite_val_loss"], summary["last_finite_val_step"]) == (
         summary["val_loss"], steps)
     assert summary["lr_peak_fraction"] == 1.0 and summary["warnings"] == []
+    assert summary["warmup_outlasts_run"] is False and summary["sel_anneal_fraction"] is None
     assert "warning:" not in proc.stderr
     initial, *rows = read_metrics(out / "metrics.jsonl")
     # a fresh run evaluates its initial model first: the reference for an early spike
@@ -390,6 +391,28 @@ def test_lr_peak_fraction_is_the_schedules_largest_multiplier(steps, warmup, sch
     if note is not None:
         assert note.startswith(f"warmup_steps {warmup} >= steps {steps}: ")
         assert f"schedule '{schedule}'" in note and ("min_lr_ratio" in note) == (schedule == "cosine")
+
+
+@pytest.mark.parametrize("steps, anneal, sel", [
+    (60, 100, "mismatched"), (100, 100, "congruent"), (101, 100, "mismatched"), (1, 1, "no-linear"),
+    (300, 100, "mismatched"), (10, 0, "mismatched"), (10, 100, "none")])
+def test_sel_anneal_fraction_is_where_the_last_update_reads_the_ramp(steps, anneal, sel):
+    """The anneal completes (fraction 1, the multipliers at 1) exactly where ``sel_anneal_steps
+    < steps``; otherwise the trainer's line names the fraction and where the rates end."""
+    from manifoldlib.charts import SELLRMultiplier
+    from models.build import sel_anneal_fraction, sel_anneal_outlasts_run
+
+    cfg = TrainConfig(steps=steps, sel=sel, sel_anneal_steps=anneal)
+    done, note = sel_anneal_fraction(cfg), sel_anneal_outlasts_run(cfg)
+    if sel == "none" or anneal == 0:
+        assert done is None and note is None
+        return
+    e_w, m = (SELLRMultiplier(role, anneal)(steps - 1) for role in ("e_w", "m"))
+    assert (done == 1.0) == (e_w == m == 1.0) == (anneal < steps) == (note is None)
+    assert done == pytest.approx((steps - 1) / anneal if anneal >= steps else 1.0, rel=1e-15)
+    if note is not None:
+        assert note.startswith(f"sel_anneal_steps {anneal} >= steps {steps}: ")
+        assert f"{steps - 1}/{anneal} = {done:.3g}" in note and f"ends at {e_w:.4g}" in note
 
 
 def test_a_huge_learning_rate_diverges_with_status_3(tmp_path, capsys):
