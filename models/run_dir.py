@@ -334,18 +334,24 @@ def finished_summary(out: Path, step: int, steps: int, echo: bool) -> dict:
     return saved
 
 
+#: The files a run's end writes (:func:`models.train._finish`), of the run as it ended there.
+END_FILES = ("summary.json", "loss.png", "sample.txt")
+
+
 def write_run_files(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> None:
     """``config.json``, ``corpus.json`` and, for a fresh BPE run, ``tokenizer.json`` (the one
     trained on the text, or a copy of the BPE shards' own).
 
-    A resumed run's ``summary.json`` is removed: it describes the run where the invocation
-    before ended (``finished`` at its old ``steps``, that step's loss) and, beside a
-    ``config.json`` of the new ``steps``, would read as this run's end until this invocation
-    writes its own, or for good where it is interrupted (:mod:`models.compare` reuses a run
-    directory whose config matches and whose summary says finished).
+    A resumed run's :data:`END_FILES` are removed: they describe the run where the invocation
+    before ended (``summary.json`` ``finished`` at its old ``steps`` with that step's loss, the
+    plot of its curve, the sample of its weights) and, beside a ``config.json`` of the new
+    ``steps``, would read as this run's end until this invocation writes its own, or for good
+    where it is interrupted (:mod:`models.compare` reuses a run directory whose config matches
+    and whose summary says finished).
     """
     if resume:
-        (out / "summary.json").unlink(missing_ok=True)
+        for name in END_FILES:
+            (out / name).unlink(missing_ok=True)
     write_json(out / "config.json", cfg.to_dict(), allow_nan=True)
     write_json(out / "corpus.json", corpus.describe())
     if cfg.tokenizer == "bpe" and not resume:

@@ -11,7 +11,8 @@ make two arms (or two swept values) the same configuration, or that no arm reads
 anything runs, and so is ``--stop_at`` (every run is trained to its ``steps``: a truncated run
 would be reported as a finished one; ``--steps N`` gives shorter runs).
 Finished runs of the same config already in ``--out`` are reused, whatever code made them: use
-a fresh ``--out`` after a change of the code. A run on data that changed since (its
+a fresh ``--out`` after a change of the code; not a summary of another length beside the config
+(a finished run's ``steps`` must be the config's, a diverged run's at most those). A run on data that changed since (its
 ``corpus.json`` fingerprint is not the corpus's now: a ``file:`` corpus rewritten, shards
 prepared again into their folder, ``stdlib`` of another Python) is trained again.
 

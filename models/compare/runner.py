@@ -184,9 +184,19 @@ def _corpus_fingerprint(cfg) -> str:
     return fingerprint.hexdigest()
 
 
+def _ends_within(summary: dict, steps: int) -> bool:
+    """Whether ``summary`` can be the end of a run of ``steps``: a finished run's ``steps`` are
+    those, a diverged run's at most those. A resume before d0a9640 rewrote ``config.json`` and,
+    interrupted, left the summary of the shorter run it extended beside it."""
+    ended = summary.get("steps")
+    if not isinstance(ended, int) or isinstance(ended, bool):
+        return False
+    return ended == steps if summary.get("finished") else ended <= steps
+
+
 def _reusable(run_dir: Path, cfg, fingerprints: dict) -> dict | None:
     """The summary of a finished run of the same config in ``run_dir`` (a re-run skips it),
-    trained on the corpus as it is now: its ``corpus.json`` fingerprint is the corpus's (a
+    ended at the config's ``steps`` (:func:`_ends_within`), trained on the corpus as it is now: its ``corpus.json`` fingerprint is the corpus's (a
     ``file:`` corpus rewritten, shards prepared again into their folder or ``stdlib`` under
     another Python make the config match a run of other data). ``fingerprints`` caches each
     corpus's, computed only where a run could be reused.
@@ -200,7 +210,7 @@ def _reusable(run_dir: Path, cfg, fingerprints: dict) -> dict | None:
     except (OSError, ValueError):
         return None
     finished = summary.get("finished") or summary.get("diverged")
-    if saved != cfg.to_dict() or not finished:
+    if saved != cfg.to_dict() or not finished or not _ends_within(summary, cfg.steps):
         return None
     try:
         trained_on = json.loads((run_dir / "corpus.json").read_text())["fingerprint"]

@@ -58,7 +58,9 @@ def _stub_training(monkeypatch, curve, diagnostics=None):
             {"spec": cfg.corpus, "fingerprint": load_corpus(cfg.corpus).fingerprint}))
         summary = {"val_loss": None if diverged else last, "val_ppl": None, "diverged": diverged,
                    "finished": not diverged,
-                   "steps": rows[-1]["step"] - (rows[-1].get("train_loss", 0) is None), "wall_time_s": 1.0,
+                   # a finished run ends at its steps (the reuse check reads them)
+                   "steps": cfg.steps if not diverged else
+                   rows[-1]["step"] - (rows[-1].get("train_loss", 0) is None), "wall_time_s": 1.0,
                    "tokens_per_s": 1000.0, "unigram_entropy": 4.0,
                    "lr_peak_fraction": lr_peak_fraction(cfg),
                    "warmup_outlasts_run": warmup_outlasts_run(cfg) is not None,

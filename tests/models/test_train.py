@@ -192,6 +192,20 @@ def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
 
 
+def _interrupt_at_third_step(monkeypatch):
+    """Make the third ``train_step`` from now raise ``KeyboardInterrupt``; the real one."""
+    real, calls = train_mod.train_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "train_step", interrupted)
+    return real
+
+
 def test_an_interrupted_resume_leaves_no_summary_of_the_run_before(tmp_path, monkeypatch):
     """A finished 4-step run resumed with ``--steps 10`` and interrupted at step 7 (checkpoint
     at 6) kept the 4-step run's summary.json (finished, steps 4, its val loss) beside a
@@ -203,15 +217,7 @@ def test_an_interrupted_resume_leaves_no_summary_of_the_run_before(tmp_path, mon
     common = _quiet("--eval_interval", "2", "--warmup_steps", "2", "--progress", "false")
     assert main([*common, "--steps", "4", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["finished"]
-    real, calls = train_mod.train_step, []
-
-    def interrupted_at_step_7(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(train_mod, "train_step", interrupted_at_step_7)
+    real = _interrupt_at_third_step(monkeypatch)  # of a resume from step 4: at step 7
     assert main(["--resume", "--steps", "10", "--out", str(out)]) == 130
     saved = json.loads((out / "config.json").read_text())
     assert saved["steps"] == 10
@@ -222,6 +228,34 @@ def test_an_interrupted_resume_leaves_no_summary_of_the_run_before(tmp_path, mon
     assert main(["--resume", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["finished"] and summary["steps"] == 10
+
+
+def test_an_interrupted_resume_leaves_no_end_files_of_the_run_before(tmp_path, monkeypatch):
+    """d0a9640 removed the old summary.json on resume, but the finished 4-step run's sample.txt
+    and loss.png stayed beside the config.json of steps 10 when the resume was interrupted at
+    step 7; and a directory left with the old summary too (by code before d0a9640) was still
+    reused by models.compare, whose check did not compare the summary's steps (4) with the
+    config's (10). The resume now removes all three; the reuse check needs the summary's steps
+    to be the config's. The end of the resumed run writes each again."""
+    from models.compare.runner import _reusable
+
+    out = tmp_path / "r"
+    common = ["--preset", "smoke", "--sample_tokens", "8", "--eval_interval", "2",
+              "--warmup_steps", "2", "--progress", "false"]
+    assert main([*common, "--steps", "4", "--out", str(out)]) == 0
+    ended = {name: (out / name).read_bytes() for name in ("summary.json", "loss.png", "sample.txt")}
+    real = _interrupt_at_third_step(monkeypatch)  # of a resume from step 4: at step 7
+    assert main(["--resume", "--steps", "10", "--out", str(out)]) == 130
+    assert not [name for name in ended if (out / name).exists()]
+    saved = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
+    (out / "summary.json").write_bytes(ended["summary.json"])  # as code before d0a9640 left it
+    assert _reusable(out, saved, {}) is None                    # steps 4 of 10: trained again
+    (out / "summary.json").unlink()
+    monkeypatch.setattr(train_mod, "train_step", real)
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 10
+    assert (out / "loss.png").read_bytes() != ended["loss.png"] and (out / "sample.txt").is_file()
+    assert _reusable(out, saved, {})["steps"] == 10
 
 
 def test_a_resume_that_changes_settings_names_them_and_what_dropout_makes_of_it(tmp_path, capsys):
