@@ -358,6 +358,10 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
     if set(held_out) & set(seeds):
         raise ConfigError(f"suite {suite.name!r}: tuning seeds {sorted(set(held_out) & set(seeds))} are also "
                           f"reported seeds; held-out tuning needs disjoint sets")
+    if key and not held_out and suite.tune_seeds > len(seeds):  # seeds[:N] would quietly tune on fewer
+        raise ConfigError(f"suite {suite.name!r}: --tune_seeds {suite.tune_seeds} tunes on the first "
+                          f"{suite.tune_seeds} reported seeds, but there are {len(seeds)} ({list(seeds)}); "
+                          f"give at least {suite.tune_seeds} --seeds or a smaller --tune_seeds")
     first_seeds = held_out or (seeds[:suite.tune_seeds] if key else seeds)
     plan = [(arm, seed, value, configs(arm_cfg, seed, value))
             for arm, arm_cfg, value in first for seed in first_seeds]

@@ -145,6 +145,18 @@ def test_held_out_tuning_reports_only_seeds_the_choice_did_not_see(tmp_path):
                   overrides=overrides)
 
 
+def test_more_tuning_seeds_than_reported_seeds_is_refused(tmp_path):
+    # --tune_seeds 3 with two reported seeds used to tune on two (seeds[:3]) without a word
+    suite = Suite(name="mini", baseline="pre-ln", seeds=(0, 1), tune_seeds=3,
+                  sweep=("lr", (1e-5, 2e-2)), quick_sweep=("lr", (1e-5, 2e-2)),
+                  arms=(("pre-ln", {"connection": "pre-ln"}),))
+    with pytest.raises(ConfigError, match=r"--tune_seeds 3 tunes on the first 3 reported seeds, but there are 2 "
+                                          r"\(\[0, 1\]\); give at least 3 --seeds"):
+        run_suite(suite, tmp_path / "c", quick=False, seeds=(0, 1), echo=False,
+                  overrides={"steps": "4", "corpus": "synthetic:20000"})
+    assert not list((tmp_path / "c").rglob("summary.json"))  # refused before any run
+
+
 @pytest.mark.filterwarnings("ignore:warmup_steps 5 >= steps 4:RuntimeWarning")
 def test_results_md_says_which_runs_never_reached_their_learning_rate(tmp_path):
     """``--steps 4`` under the quick base's ``warmup_steps`` 5: every run warned on stderr and
