@@ -98,13 +98,14 @@ def stiefel_polar(x: torch.Tensor, v: torch.Tensor, method: str = "auto") -> tor
 
 
 def stiefel_qr(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    r"""QR retraction: :math:`Q\,\operatorname{diag}(\operatorname{sign}\operatorname{diag} R)` for :math:`X + V = QR`."""
+    r"""QR retraction: :math:`Q\,\operatorname{diag}(\operatorname{sign}\operatorname{diag} R)` for :math:`X + V = QR`,
+    in the promoted dtype of ``x`` and ``v`` (as every retraction kernel here)."""
     _check_tall_pair(x, v, "stiefel_qr")
     y = x + v
     q, r = torch.linalg.qr(y.to(_linalg_dtype(y)))
     d = torch.diagonal(r, dim1=-2, dim2=-1)
     sign = torch.where(d >= 0, torch.ones_like(d), -torch.ones_like(d))
-    return (q * sign.unsqueeze(-2)).to(x.dtype)
+    return (q * sign.unsqueeze(-2)).to(y.dtype)
 
 
 def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -113,10 +114,12 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     With :math:`P = I - \tfrac12 XX^\top`, :math:`U_1 = [PV, X]`, :math:`U_2 = [X, -PV]`:
     :math:`R = X + U_1 (I - \tfrac12 U_2^\top U_1)^{-1} U_2^\top X`, which equals
     :math:`(I - \tfrac12 W)^{-1}(I + \tfrac12 W)X` for :math:`W = PVX^\top - XV^\top P`.
-    Cost :math:`O(mn^2)`; the solve is :math:`2n \times 2n`.
+    Cost :math:`O(mn^2)`; the solve is :math:`2n \times 2n`. Returned in the promoted dtype of
+    ``x`` and ``v``.
     """
     _check_tall_pair(x, v, "stiefel_cayley")
-    dtype = _linalg_dtype(x)
+    out_dtype = torch.promote_types(x.dtype, v.dtype)
+    dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
     # one batch for both (x (m, n) with v (..., m, n) is a step at each point): the blocks below
     # are concatenated, which does not broadcast
     xx, vv = torch.broadcast_tensors(x.to(dtype), v.to(dtype))
@@ -129,7 +132,7 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # (I - W/2)^{-1}(I + W/2) X = X + (I - W/2)^{-1} W X with W = U1 U2^T, and by Woodbury
     # (I - U1 U2^T/2)^{-1} U1 = U1 (I - U2^T U1/2)^{-1}
     out = xx + u1 @ torch.linalg.solve(inner, u2.mT @ xx)
-    return out.to(x.dtype)
+    return out.to(out_dtype)
 
 
 #: Longest step :math:`\|P_XV\|_F` :func:`stiefel_exp` takes (:math:`2^{43} \approx 8.8\cdot10^{12}`).
@@ -162,7 +165,7 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     :math:`[X\ V]\,\exp\!\begin{pmatrix} A & -S \\ I & A\end{pmatrix}\begin{pmatrix}I\\0\end{pmatrix}\exp(-A)`.
 
     Everything is computed in float64 whatever the input dtype, and the result is cast back to
-    ``x``'s:
+    the promoted dtype of ``x`` and ``v``:
 
     1. ``x`` — a Stiefel point up to its dtype's rounding — is re-orthonormalized
        (:func:`_reorthonormalize`). The formula assumes :math:`X^\top X = I` exactly and
@@ -212,4 +215,4 @@ def stiefel_exp(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     block = torch.cat([torch.cat([a, -s / c], dim=-1), torch.cat([eye * c, a], dim=-1)], dim=-2)  # (..., 2n, 2n)
     e = _matrix_exp(block)[..., :, :n]  # (..., 2n, n)
     out = torch.cat([xx, vv / c], dim=-1) @ e @ _matrix_exp(-a)  # (..., m, n)
-    return _reorthonormalize(out).to(x.dtype)
+    return _reorthonormalize(out).to(torch.promote_types(x.dtype, v.dtype))

@@ -8,19 +8,29 @@ instance); ``with_retraction`` returns a new manifold with the same geometry.
 Tolerances of the checks follow the input's dtype (from :func:`torch.finfo`, so bfloat16 and
 float16 work as well as float32/float64): ``max(1e-5, 16 * eps)`` unless given.
 
-Input checks come in two kinds. *Type checks* (a real floating dtype, a shape the manifold holds)
-read no values and always run. *Value checks* read the tensors — a sphere point's norm, a
-retraction's result being finite — and cost a reduction and a host synchronization per call; a
-failed one explains itself (which argument, which row, which value). Inside
+Input checks come in two kinds. *Type checks* (a real floating dtype, a shape the manifold holds,
+the arguments of one method sharing a point shape and batch dimensions that broadcast) read no
+values and always run. *Value checks* read the tensors — a sphere point's norm, a retraction's
+result being finite — and cost a reduction and a host synchronization per call; a failed one
+explains itself (which argument, which row, which value). Inside
 :func:`skip_value_checks` they are skipped, for a hot loop whose inputs are valid by
 construction; the retraction objects (``manifold.retraction``) and the kernels of
 :mod:`manifoldlib.functional` never check.
+
+Mixed dtypes promote, as torch's arithmetic does: a method given tensors of several dtypes
+(a float32 ``x`` with a float64 ``u``) computes in :func:`torch.promote_types` of all of them and
+returns that dtype (float64 here; float16 with bfloat16 gives float32) — every method of every
+manifold, points included (``retr``, ``expmap``), and the built-in retraction objects alike. A
+method of one tensor (``projx``) keeps its dtype. The checks of a point judge it at the
+tolerance of its own dtype (a float16 point is not refused because its step is float32).
+:doc:`/theory/retractions` (*Arguments: dtypes and batches*) gives the reasons.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import operator
 from collections.abc import Iterator
 from typing import Optional, Tuple, Union
@@ -177,12 +187,12 @@ class RetractionManifold(geoopt.manifolds.Manifold):
                 ``x`` off the manifold for a retraction that needs a point (value checks, see
                 :func:`skip_value_checks`).
         """
-        self._validate_pair(x, u)
+        dtype = self._validate_args(f"{self.name}.retr", x=x, u=u)
         if self._retraction.needs_point:
             self._require_point(x, f"{self.name}.retr", f"the {self._retraction!r} retraction (not a "
                                                         f"projection of x + u)")
         try:
-            y = self._retraction.retract(x, u)
+            y = self._retraction.retract(x.to(dtype), u.to(dtype))
         except torch.linalg.LinAlgError:  # nan/inf inputs fail inside a decomposition: say so
             check_tensor(x, "x", f"{self.name}.retr", finite=True)
             check_tensor(u, "u", f"{self.name}.retr", finite=True)
@@ -190,18 +200,36 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         return check_finite_result(y, f"{self.name}.retr", x=x, u=u)
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        y = self.retr(x, u)
-        return y, self.transp(x, y, v)
+        """:meth:`retr` of ``u`` and :meth:`transp` of ``v`` to the new point."""
+        return self._step_and_transp("retr_transp", self.retr, x, u, v)
 
     def transp_follow_retr(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.transp(x, self.retr(x, u), v)
+        """:meth:`transp` of ``v`` to ``retr(x, u)``."""
+        return self._step_and_transp("transp_follow_retr", self.retr, x, u, v)[1]
+
+    def expmap_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`expmap` of ``u`` and :meth:`transp` of ``v`` to the new point."""
+        return self._step_and_transp("expmap_transp", self.expmap, x, u, v)
+
+    def transp_follow_expmap(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`transp` of ``v`` to ``expmap(x, u)``."""
+        return self._step_and_transp("transp_follow_expmap", self.expmap, x, u, v)[1]
+
+    def _step_and_transp(self, method: str, step, x, u, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """``y = step(x, u)`` and ``v`` transported to it, both in the dtype of ``x``, ``u`` and
+        ``v`` promoted, the three checked as one batch first (``method`` names the caller)."""
+        dtype = self._validate_args(f"{self.name}.{method}", x=x, u=u, v=v)
+        y = step(x, u.to(dtype))  # u in the common dtype: y has it (x is checked in its own)
+        return y, self.transp(x, y, v)
 
     def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Vector transport by projection onto the tangent space at ``y``."""
-        return self.proju(y, v)
+        dtype = self._validate_args(f"{self.name}.transp", x=x, y=y, v=v)
+        return self.proju(y.to(dtype), v.to(dtype))
 
     def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Riemannian gradient of the embedded (Euclidean) metric: the tangent projection."""
+        self._validate_args(f"{self.name}.egrad2rgrad", x=x, u=u)
         return self.proju(x, u)
 
     def inner(
@@ -212,7 +240,10 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         (geoopt's convention), so ``inner(x, u)`` with ``x`` ``(3, d)`` and ``u`` ``(d,)`` is the
         inner product at each of the three points, shape ``(3,)``, not one value ``()``.
         ``keepdim`` keeps the point dimensions as size 1."""
-        v = u if v is None else v
+        vectors = {"u": u} if v is None else {"u": u, "v": v}
+        dtype = self._validate_args(f"{self.name}.inner", x=x, **vectors)
+        u = u.to(dtype)
+        v = u if v is None else v.to(dtype)
         prod = u * v
         ndim = getattr(self, "ndim", 0)
         if not ndim:
@@ -252,17 +283,57 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         if not ok:
             raise ValueError(reason)
 
-    def _validate_pair(self, x: torch.Tensor, u: torch.Tensor) -> None:
-        """:meth:`_validate` ``x``, and require the vector ``u`` to have the point shape of ``x``
-        (leading batch dimensions may broadcast)."""
-        self._validate(x, "x")
-        check_tensor(u, "u", self.name)
+    #: Argument names of :meth:`_validate_args` that are points (the others are vectors).
+    _POINT_ARGS = ("x", "y")
+
+    def _validate_args(self, where: str, **tensors: torch.Tensor) -> torch.dtype:
+        """The type checks of a method of several tensors (``x=x, u=u``, named as its arguments);
+        returns the dtype it computes in and returns, :func:`torch.promote_types` of them all.
+
+        Each must be a real floating-point tensor; a point (``x``, ``y``) must have a shape the
+        manifold holds (:meth:`_validate`); every tensor must have the point shape of the first;
+        and their leading batch dimensions must broadcast together (``x`` ``(2, d)`` with ``u``
+        ``(3, d)`` is no batch: torch's ``RuntimeError`` came from deep inside, or a check
+        returned ``True`` for it).
+
+        Raises:
+            ValueError: naming ``where``, the argument and its shape or dtype; for batches that
+                do not broadcast, every argument's shape.
+        """
+        for name, t in tensors.items():
+            if name in self._POINT_ARGS:
+                self._validate(t, name)
+            else:
+                check_tensor(t, name, where)
+        reason = self._shapes_problem(where, tensors)
+        if reason is not None:
+            raise ValueError(reason)
+        return functools.reduce(torch.promote_types, (t.dtype for t in tensors.values()))
+
+    def _shapes_problem(self, where: str, tensors: dict) -> str | None:
+        """Why ``tensors`` (name -> tensor, the first a point) are not one batch of the manifold's
+        shape: a point shape other than the first's, or batch dimensions that do not broadcast;
+        ``None`` when they are."""
         ndim = getattr(self, "ndim", 0)
-        if ndim and tuple(u.shape[-ndim:]) != tuple(x.shape[-ndim:]):
-            raise ValueError(
-                f"'u' must have the point shape {tuple(x.shape[-ndim:])} of x on {self.name}, "
-                f"got shape {tuple(u.shape)}"
-            )
+        (first, x), *others = tensors.items()
+        if x.dim() < ndim:
+            return (f"{where}: '{first}' on {self.name} needs at least {ndim} dimension(s), the "
+                    f"point's, got shape {tuple(x.shape)}")
+        point = tuple(x.shape[x.dim() - ndim:])
+        for name, t in others:
+            if t.dim() < ndim or tuple(t.shape[t.dim() - ndim:]) != point:
+                return (f"{where}: '{name}' must have the point shape {point} of {first} on "
+                        f"{self.name}, got shape {tuple(t.shape)}")
+        batches = [tuple(t.shape[: t.dim() - ndim]) for t in tensors.values()]
+        try:
+            torch.broadcast_shapes(*batches)
+        except RuntimeError:
+            shapes = [f"{name} of shape {tuple(t.shape)}" for name, t in tensors.items()]
+            leading = [str(b) for b in batches]
+            return (f"{where}: {', '.join(shapes[:-1])} and {shapes[-1]} are not one batch: their "
+                    f"batch dimensions {', '.join(leading[:-1])} and {leading[-1]} (before the point "
+                    f"shape {point}) do not broadcast (each dimension equal or 1, aligned from the right)")
+        return None
 
     def check_point_on_manifold(
         self, x: torch.Tensor, *, explain: bool = False, atol: Optional[float] = None, rtol: Optional[float] = None
@@ -283,7 +354,12 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         atol: Optional[float] = None,
         rtol: Optional[float] = None,
     ) -> Union[Tuple[bool, Optional[str]], bool]:
-        """geoopt's check with dtype-aware default tolerances; ``explain=True`` returns ``(ok, reason)``."""
+        """geoopt's check with dtype-aware default tolerances; ``explain=True`` returns ``(ok, reason)``.
+        A ``u`` of another point shape than ``x``, or batches that do not broadcast, fail it
+        (:meth:`_validate_args`'s reason)."""
+        reason = self._shapes_problem(f"{self.name}.check_vector_on_tangent", {"x": x, "u": u})
+        if reason is not None:
+            return (False, reason) if explain else False
         tol = default_tolerance(u.dtype)
         return super().check_vector_on_tangent(
             x,
@@ -313,6 +389,9 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         rtol: Optional[float] = None,
     ) -> None:
         """:meth:`check_vector_on_tangent`'s twin, with its tolerances: ``ValueError(reason)``."""
+        reason = self._shapes_problem(f"{self.name}.assert_check_vector_on_tangent", {"x": x, "u": u})
+        if reason is not None:
+            raise ValueError(reason)
         tol = default_tolerance(u.dtype)
         super().assert_check_vector_on_tangent(
             x, u, ok_point=ok_point, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol

@@ -7,6 +7,7 @@ from typing import Union
 import torch
 
 from ..retractions.base import Retraction
+from ..retractions.euclidean import AddRetraction
 from .base import RetractionManifold, _random_normal, _size_tuple
 
 __all__ = ["Euclidean"]
@@ -51,16 +52,28 @@ class Euclidean(RetractionManifold):
         return x
 
     def proju(self, x, u):
-        """``u`` itself, broadcast to the batch of ``x`` (a view, as geoopt's)."""
-        self._validate_pair(x, u)
-        return u.expand(torch.broadcast_shapes(x.shape, u.shape))
+        """``u`` itself, broadcast to the batch of ``x`` (a view, as geoopt's, where ``u`` has the
+        promoted dtype of ``x`` and ``u`` already)."""
+        dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
+        return u.to(dtype).expand(torch.broadcast_shapes(x.shape, u.shape))
+
+    def retr(self, x, u):
+        """:meth:`RetractionManifold.retr <manifoldlib.manifolds.RetractionManifold.retr>`; the
+        built-in ``add`` takes a ``u`` of ``x``'s shape only, and for any other shape its refusal
+        states that rule (not the broadcasting of the other methods, which it is stricter than)."""
+        if isinstance(self._retraction, AddRetraction) and isinstance(x, torch.Tensor) and isinstance(u, torch.Tensor):
+            AddRetraction.check_shapes(x, u)
+        return super().retr(x, u)
 
     def expmap(self, x, u):
-        self._validate_pair(x, u)
-        return x + u
+        """``x + u`` (in the promoted dtype of both, also where one is a 0-dim point)."""
+        dtype = self._validate_args(f"{self.name}.expmap", x=x, u=u)
+        return x.to(dtype) + u.to(dtype)
 
     def logmap(self, x, y):
-        return y - x
+        """``y - x`` (in the promoted dtype of both)."""
+        dtype = self._validate_args(f"{self.name}.logmap", x=x, y=y)
+        return y.to(dtype) - x.to(dtype)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Standard normal points of shape ``size``, which has at least :attr:`ndim` dimensions

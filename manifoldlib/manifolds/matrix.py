@@ -90,7 +90,10 @@ class MatrixConstraintManifold(RetractionManifold):
         return normal.norm() / a.norm().clamp_min(torch.finfo(a.dtype).tiny)
 
     def proju(self, x, u):
-        self._validate_pair(x, u)
+        r""":math:`P_X(u) = u - XS`, :math:`XS` the normal component (:meth:`normal_component`), in the
+        dtype of ``x`` and ``u`` promoted."""
+        dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
+        x, u = x.to(dtype), u.to(dtype)
         return u - self.normal_component(x, u)
 
     def gram_retraction_factor(self, gram: torch.Tensor, rsqrt) -> torch.Tensor | None:

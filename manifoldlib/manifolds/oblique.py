@@ -62,8 +62,8 @@ class Oblique(MatrixConstraintManifold):
     def proju(self, x, u):
         r""":math:`u - x\operatorname{diag}(x_j^\top u_j/\|x_j\|^2)`, column by column (``O(mn)``, no
         ``n x n`` product; scale-safe, :func:`~manifoldlib.functional.oblique_project_tangent`)."""
-        self._validate_pair(x, u)
-        return oblique_project_tangent(x, u)
+        dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
+        return oblique_project_tangent(x.to(dtype), u.to(dtype))
 
     def constraint_deviation(self, w):
         r""":math:`\|w_j\|^2 - 1`, ``(..., n)``."""
@@ -140,9 +140,9 @@ class Oblique(MatrixConstraintManifold):
                 overflows the working dtype, naming the column, the angle and the largest one
                 accepted (value checks, see :func:`~manifoldlib.manifolds.skip_value_checks`).
         """
-        self._validate_pair(x, u)
+        dtype = self._validate_args(f"{self.name}.expmap", x=x, u=u)
         self._require_point(x, f"{self.name}.expmap", "the exponential map (the geodesic from x)")
-        y = oblique_exp(x, self.proju(x, u))
+        y = oblique_exp(x.to(dtype), self.proju(x, u))
         try:
             return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
         except ValueError:

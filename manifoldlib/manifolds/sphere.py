@@ -108,11 +108,13 @@ class Sphere(RetractionManifold):
         """``(..., 1)`` row norms, computed in at least float32."""
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
 
-    def _off_sphere(self, x: torch.Tensor, norms: torch.Tensor | None = None, slack: float = 1.0) -> torch.Tensor:
+    def _off_sphere(self, x: torch.Tensor, norms: torch.Tensor | None = None, slack: float = 1.0,
+                    tolerance: float | None = None) -> torch.Tensor:
         """``(..., 1)`` mask of the rows whose norm is not :math:`r` within ``slack`` tolerances
-        (NaN rows included)."""
+        (``x``'s dtype's unless given; NaN rows included)."""
         norms = self._row_norms(x) if norms is None else norms
-        return ~((norms / self.radius - 1.0).abs() <= slack * default_tolerance(x.dtype))
+        tolerance = default_tolerance(x.dtype) if tolerance is None else tolerance
+        return ~((norms / self.radius - 1.0).abs() <= slack * tolerance)
 
     def _require_points(self, where: str, **points: torch.Tensor) -> None:
         """Raise ``ValueError`` naming the first argument of ``points`` with a row off the sphere
@@ -163,22 +165,24 @@ class Sphere(RetractionManifold):
         return (work * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(x.dtype)
 
     def proju(self, x, u):
-        self._validate_pair(x, u)
+        dtype = self._validate_args("sphere.proju", x=x, u=u)
         if value_checks_enabled():
             self._require_points("sphere.proju", x=x)
-        return sphere_project_tangent(x, u, self.radius**2)
+        return sphere_project_tangent(x.to(dtype), u.to(dtype), self.radius**2)
 
     def transp(self, x, y, v):
         """Vector transport by projection onto the tangent space at ``y``."""
-        self._validate_pair(y, v)
+        dtype = self._validate_args("sphere.transp", x=x, y=y, v=v)
         if value_checks_enabled():
             self._require_points("sphere.transp", y=y)
-        return sphere_project_tangent(y, v, self.radius**2)
+        return sphere_project_tangent(y.to(dtype), v.to(dtype), self.radius**2)
 
     def retr_transp(self, x, u, v):
-        y = self.retr(x, u)  # a point by construction: transported without a second check
-        self._validate_pair(y, v)
-        return y, sphere_project_tangent(y, v, self.radius**2)
+        dtype = self._validate_args("sphere.retr_transp", x=x, u=u, v=v)
+        # u in the common dtype: y has it (x is checked in its own); a point by construction, y is
+        # transported without a second check
+        y = self.retr(x, u.to(dtype))
+        return y, sphere_project_tangent(y, v.to(dtype), self.radius**2)
 
     def retr(self, x, u):
         r""":math:`R_x(P_x u)` with the chosen retraction, rescaled to norm :math:`r`.
@@ -195,28 +199,32 @@ class Sphere(RetractionManifold):
         return self._rotate(x, u, _EXPONENTIAL, "sphere.expmap")
 
     def _rotate(self, x: torch.Tensor, u: torch.Tensor, retraction: Retraction, where: str) -> torch.Tensor:
-        self._validate_pair(x, u)
+        dtype = self._validate_args(where, x=x, u=u)
+        xw, uw = x.to(dtype), u.to(dtype)  # (the checks of x below judge it in its own dtype)
         if isinstance(retraction, AngleRetraction):
-            y = retraction.retract(x, u, radius=self.radius)
+            y = retraction.retract(xw, uw, radius=self.radius)
         else:  # a user's own sphere retraction: give it a tangent vector
-            y = retraction.retract(x, sphere_project_tangent(x, u.to(x.dtype), self.radius**2))
+            y = retraction.retract(xw, sphere_project_tangent(xw, uw, self.radius**2))
         norms = self._row_norms(y)  # (..., 1)
         if value_checks_enabled():
-            # x within the tolerance gives y within it (the rotation keeps ||x||); twice it is
-            # room for rounding, and a long step's zero or NaN row is far outside
-            bad_y = self._off_sphere(y, norms, slack=2.0)
+            # x within the tolerance gives y within it (the rotation keeps ||x||): x's tolerance
+            # where it is the looser (a bfloat16 x with a float32 u); twice it is room for
+            # rounding, and a long step's zero or NaN row is far outside
+            tolerance = max(default_tolerance(x.dtype), default_tolerance(dtype))
+            bad_y = self._off_sphere(y, norms, slack=2.0, tolerance=tolerance)
             if bool((self._off_sphere(x) | bad_y).any()):
-                y = self._repair_long_steps(x, u, y, bad_y, retraction, where)
+                self._require_points(where, x=x)
+                y = self._repair_long_steps(xw, uw, y, bad_y, retraction, where, tolerance)
                 norms = self._row_norms(y)
-        return (y * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(x.dtype)
+        return (y * (self.radius / norms.clamp_min(torch.finfo(norms.dtype).tiny))).to(dtype)
 
-    def _repair_long_steps(self, x, u, y, bad_y, retraction, where) -> torch.Tensor:
-        """After a failed check of :meth:`_rotate`: name a bad ``x`` or ``u``, or recompute the
-        rows whose :math:`\\beta^2` or :math:`\\|P_xu\\|^2` overflowed from the angle, where
-        ``retract_long_step`` is the retraction's own map; anything else is an error."""
-        self._require_points(where, x=x)
+    def _repair_long_steps(self, x, u, y, bad_y, retraction, where, tolerance) -> torch.Tensor:
+        """After a failed check of :meth:`_rotate` with ``x`` a point: name a bad ``u``, or
+        recompute the rows whose :math:`\\beta^2` or :math:`\\|P_xu\\|^2` overflowed from the
+        angle, where ``retract_long_step`` is the retraction's own map; anything else is an error.
+        ``x`` and ``u`` have one dtype; ``tolerance`` is the check's on the result."""
         check_tensor(u, "u", where, finite=True)
-        beta, _ = sphere_step_length(sphere_project_tangent(x, u.to(x.dtype), self.radius**2), self.radius)
+        beta, _ = sphere_step_length(sphere_project_tangent(x, u, self.radius**2), self.radius)
         beta = beta.to(torch.promote_types(x.dtype, torch.float32))
         # the rotation forms sigma = ||P_x u||^2 / r^2: the numerator overflows first when r > 1
         # (float32, r = 1e15: from beta ~ 1.8e4), sigma itself first when r < 1
@@ -231,7 +239,7 @@ class Sphere(RetractionManifold):
                 y = torch.where(long_rows, retraction.retract_long_step(x, u, radius=self.radius), y)
             except NotImplementedError:  # an AngleRetraction defined by its coefficients only
                 no_angle = True
-            if not no_angle and not bool(self._off_sphere(y, slack=2.0).any()):
+            if not no_angle and not bool(self._off_sphere(y, slack=2.0, tolerance=tolerance).any()):
                 return y
         flat = int(bad_y.flatten().nonzero()[0])
         why = "" if mismatch is None else (
@@ -274,10 +282,10 @@ class Sphere(RetractionManifold):
 
     def _angle(self, x, y, where):
         """``(theta, w, ||w||)``: the angle from ``x`` to ``y`` ``(..., 1)`` and :math:`w = P_x y`."""
-        self._validate(x, "x")
-        self._validate(y, "y")
+        dtype = self._validate_args(where, x=x, y=y)
         if value_checks_enabled():
             self._require_points(where, x=x, y=y)
+        x, y = x.to(dtype), y.to(dtype)
         q = (x * x).sum(-1, keepdim=True)  # ||x||²
         a = (x * y).sum(-1, keepdim=True)  # (..., 1)
         # w = P_x y = P_x(y - s x), s = sign<x, y>: y - s x is small where y is near s x and then

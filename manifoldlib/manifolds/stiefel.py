@@ -163,9 +163,9 @@ class Stiefel(MatrixConstraintManifold):
         a matrix farther off the geodesic started elsewhere (for :math:`u = 0`, :math:`3X` gave
         :math:`X`, entries up to 1.67 from ``x``; :math:`X` plus noise of 1e-3 a point 1.35e-3 from it).
         """
-        self._validate_pair(x, u)
+        dtype = self._validate_args(f"{self.name}.expmap", x=x, u=u)
         self._require_point(x, f"{self.name}.expmap", "the exponential map (the geodesic from x)")
-        y = stiefel_exp(x, u)
+        y = stiefel_exp(x.to(dtype), u.to(dtype))
         return check_finite_result(y, f"{self.name}.expmap", x=x, u=u)
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:

@@ -18,7 +18,14 @@ class AddRetraction(Retraction):
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``x + v``; ``v`` must have ``x``'s shape (a broadcast would change the point's shape,
         or silently apply one step to many points)."""
+        self.check_shapes(x, v)
+        return x + v
+
+    @staticmethod
+    def check_shapes(x: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming both shapes unless ``v`` has the shape of ``x``: this
+        retraction's rule, stricter than the manifolds' broadcasting (which
+        :meth:`~manifoldlib.Euclidean.retr` therefore checks first)."""
         if v.shape != x.shape:
             raise ValueError(f"euclidean retraction: 'v' must have the shape {tuple(x.shape)} of "
                              f"x, got shape {tuple(v.shape)}")
-        return x + v

@@ -176,8 +176,8 @@ class AngleRetraction(Retraction):
             radius: sphere radius; ``None`` reads it from ``||x||``.
 
         Returns:
-            ``(..., d)`` points of ``x``'s dtype. float16 and bfloat16 inputs are rotated in
-            float32: :math:`\|v\|^2` overflows float16 from :math:`\|v\| \approx 256`, which
+            ``(..., d)`` points in the promoted dtype of ``x`` and ``v`` (``x``'s when they
+            agree). float16 and bfloat16 inputs are rotated in float32: :math:`\|v\|^2` overflows float16 from :math:`\|v\| \approx 256`, which
             would turn the point into NaN (or zero). Past :math:`\beta` or :math:`\|v\|` of
             about :math:`1.8\cdot 10^{19}` (float32) or :math:`1.3\cdot 10^{154}` (float64),
             :math:`\sigma = \|v\|^2/r^2` or its numerator overflows here too (on a sphere of
@@ -186,12 +186,13 @@ class AngleRetraction(Retraction):
             :meth:`~manifoldlib.Sphere.retr` checks and switches; for a class that overrides
             ``retract`` only where :meth:`retract_long_step` is overridden with it).
         """
-        work = torch.promote_types(x.dtype, torch.float32)
+        out = torch.promote_types(x.dtype, v.dtype)
+        work = torch.promote_types(out, torch.float32)
         xw, vw = x.to(work), v.to(work)
         radius_sq = (xw * xw).sum(-1, keepdim=True) if radius is None else radius * radius
         vw = sphere_project_tangent(xw, vw, radius_sq)  # (..., d)
         cos_theta, k = self.coefficients(sphere_normalized_sq_step(vw, radius_sq))
-        return rotate(xw, vw, cos_theta, k).to(x.dtype)
+        return rotate(xw, vw, cos_theta, k).to(out)
 
     def retract_long_step(self, x: torch.Tensor, v: torch.Tensor, radius: float | torch.Tensor | None = None) -> torch.Tensor:
         r""":meth:`retract` computed from :meth:`angle` itself, for steps whose :math:`\beta^2` overflows.
@@ -215,7 +216,8 @@ class AngleRetraction(Retraction):
 
         Same arguments and result as :meth:`retract`.
         """
-        work = torch.promote_types(x.dtype, torch.float32)
+        out = torch.promote_types(x.dtype, v.dtype)
+        work = torch.promote_types(out, torch.float32)
         xw, vw = x.to(work), v.to(work)
         r = xw.norm(dim=-1, keepdim=True) if radius is None else radius
         unit = xw / r  # (..., d)
@@ -225,7 +227,7 @@ class AngleRetraction(Retraction):
         vs = vs - (unit * vs).sum(-1, keepdim=True) * unit  # P_x(v) / m, (..., d)
         beta, direction = sphere_step_length(vs, r / m)  # (..., 1), (..., d)
         theta = self.angle(beta)
-        return (torch.cos(theta) * xw + (torch.sin(theta) * r) * direction).to(x.dtype)
+        return (torch.cos(theta) * xw + (torch.sin(theta) * r) * direction).to(out)
 
 
 @register_retraction("sphere", "exp")

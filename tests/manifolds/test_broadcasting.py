@@ -3,6 +3,8 @@ the broadcast batch, what it gives for that point and vector alone (geoopt's con
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -92,3 +94,82 @@ def test_retractions_and_exponentials_take_two_batch_dimensions(manifold, method
             want = getattr(manifold, method)(xs[i, j], us[i, j])
             # a batch shares one scaling-and-squaring count (the Stiefel exponential): a few roundings
             assert torch.allclose(got[i, j], want, rtol=0.0, atol=64 * torch.finfo(torch.float64).eps)
+
+
+def _batch_calls(manifold):
+    """(name, the argument names, call) of every public method of several tensors."""
+    calls = [
+        ("proju", "xu", manifold.proju), ("egrad2rgrad", "xu", manifold.egrad2rgrad),
+        ("retr", "xu", manifold.retr), ("inner", "xu", manifold.inner),
+        ("inner", "xuv", manifold.inner), ("transp", "xyv", manifold.transp),
+        ("retr_transp", "xuv", manifold.retr_transp),
+        ("transp_follow_retr", "xuv", manifold.transp_follow_retr),
+    ]
+    if not isinstance(manifold, DGram):  # no exponential map
+        calls += [("expmap", "xu", manifold.expmap), ("expmap_transp", "xuv", manifold.expmap_transp),
+                  ("transp_follow_expmap", "xuv", manifold.transp_follow_expmap)]
+    if isinstance(manifold, (Sphere, Euclidean)):
+        calls.append(("logmap", "xy", manifold.logmap))
+    if isinstance(manifold, Sphere):
+        calls.append(("dist", "xy", manifold.dist))
+    return calls
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+@pytest.mark.parametrize("odd", ["first", "last"])
+def test_batches_that_do_not_broadcast_are_refused_naming_every_shape(manifold, odd):
+    # x (2, *point) with u (3, *point): torch's RuntimeError from deep inside (the size of tensor
+    # a (2) must match ...), or for transp(x, y, v) with x (2,) and y, v (3,) a result; now a
+    # ValueError naming the method and every argument's shape
+    g = torch.Generator().manual_seed(4)
+    point = _point_shape(manifold)
+    two = manifold.random(2, *point, generator=g, dtype=torch.float64)
+    three = manifold.random(3, *point, generator=g, dtype=torch.float64)
+    step = 0.1 * manifold.proju(three, torch.randn(three.shape, generator=g, dtype=torch.float64))
+    failures = []
+    for name, args, method in _batch_calls(manifold):
+        # the first argument (2,), the others (3,); or only the last (2,)
+        values = [two if (i == 0) == (odd == "first") else (three if a in "xy" else step)
+                  for i, a in enumerate(args)]
+        shapes = [f"{a} of shape {tuple(t.shape)}" for a, t in zip(args, values)]
+        want = f"{manifold.name}.{name}: {', '.join(shapes[:-1])} and {shapes[-1]} are not one batch"
+        if isinstance(manifold, Euclidean) and name == "retr":  # 'add' takes x's shape only, and says so
+            want = f"euclidean retraction: 'v' must have the shape {tuple(values[0].shape)} of x, got shape"
+        try:
+            method(*values)
+        except ValueError as error:
+            if not str(error).startswith(want):
+                failures.append(f"{name}({args}): {error}")
+        except Exception as error:  # noqa: BLE001 - the old code's RuntimeError is the failure shown
+            failures.append(f"{name}({args}): {type(error).__name__}: {error}")
+        else:
+            failures.append(f"{name}({args}): no error")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("manifold", MANIFOLDS, ids=IDS)
+def test_the_tangent_check_fails_for_batches_that_do_not_broadcast(manifold):
+    # geoopt's convention for a shape it cannot take: (False, reason), and ValueError(reason) from
+    # the assert twin; the old code raised torch's RuntimeError (Sphere, Stiefel, ...) or returned
+    # True (Euclidean)
+    point = _point_shape(manifold)
+    x = manifold.random(2, *point, dtype=torch.float64)
+    u = torch.zeros((3, *point), dtype=torch.float64)
+    ok, reason = manifold.check_vector_on_tangent(x, u, explain=True)
+    assert not ok
+    assert f"x of shape {tuple(x.shape)} and u of shape {tuple(u.shape)} are not one batch" in reason
+    assert manifold.check_vector_on_tangent(x, u, ok_point=True) is False
+    with pytest.raises(ValueError, match="are not one batch"):
+        manifold.assert_check_vector_on_tangent(x, u)
+
+
+@pytest.mark.parametrize("manifold", [m for m in MANIFOLDS if m.ndim], ids=[i for m, i in zip(MANIFOLDS, IDS) if m.ndim])
+def test_a_second_point_of_another_shape_is_refused_naming_it(manifold):
+    point = _point_shape(manifold)
+    other = tuple(s + 1 for s in point)
+    x = manifold.random(*point, dtype=torch.float64)
+    y = manifold.random(*other, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"{manifold.name}\.transp: 'y' must have the point shape "
+                                         rf"{re.escape(str(point))} of x on {manifold.name}, got shape "
+                                         rf"{re.escape(str(other))}"):
+        manifold.transp(x, y, torch.zeros(point, dtype=torch.float64))
