@@ -136,3 +136,46 @@ def test_the_same_client_runs_the_kernels_where_they_build():
     assert result["sel_path"] == "_SELKernelRuleBackward"
     assert result["sphere_err"] <= 1e-14
     assert result["sel_err"] <= 1e-14
+
+
+# The client of a first use under torch.compile: imports the library, reports what the import
+# loaded, then runs a compiled SphereResidual (fullgraph, forward and backward) as the process's
+# first use of the kernels, and reports the kernels it ran (profiled: the compiled graph's calls).
+_COMPILE_CLIENT = r"""
+import json, sys
+import torch
+import manifoldlib, manifoldlib.nn
+from manifoldlib._cpu_kernels import loader
+
+report = {"imported": sorted(m for m in ("torch._dynamo", "manifoldlib._cpu_kernels.sphere_step") if m in sys.modules),
+          "loaded_at_import": loader._state["done"]}
+compiled = torch.compile(manifoldlib.nn.SphereResidual(8), fullgraph=True, backend="aot_eager")
+h, f = torch.randn(3, 8).requires_grad_(), torch.randn(3, 8)
+compiled(h, f).sum().backward()  # traces: the first use of the kernels
+with torch.profiler.profile() as prof:
+    compiled(h, f).sum().backward()
+report["calls"] = [e.name for e in prof.events() if e.name.startswith("manifoldlib_cpu::")]
+report["registered"] = "manifoldlib._cpu_kernels.sphere_step" in sys.modules
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("switch", [pytest.param("0", marks=pytest.mark.slow), "1"], ids=["off", "on"])  # ~5 s each
+def test_importing_loads_nothing_and_a_first_use_under_compile_takes_the_kernels_where_they_are_on(switch):
+    """``import manifoldlib`` builds, loads and registers nothing (nor imports torch._dynamo, about a
+    second); a process whose first use of the kernels is a torch.compile(fullgraph=True) trace loads
+    them while tracing and runs the row kernels, or, switched off, runs the ATen path and never
+    registers the operators."""
+    if switch == "1" and not _cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels are not built here")
+    environment = {**os.environ, _cpu_kernels.ENV_VAR: switch}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_CLIENT], check=False, cwd=REPO, env=environment,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["imported"] == [] and report["loaded_at_import"] is False
+    if switch == "1":
+        assert report["calls"] == ["manifoldlib_cpu::sphere_step_forward", "manifoldlib_cpu::sphere_step_backward"]
+        assert report["registered"] is True
+    else:
+        assert report["calls"] == [] and report["registered"] is False

@@ -13,6 +13,11 @@ the callers then use their ATen path.
 
 ``MANIFOLDLIB_CPU_KERNELS=0`` (also ``false``/``off``/``no``) disables the kernels before any
 build; :func:`disabled` does the same for a block of code (benchmarks, tests).
+
+Once the library is loaded, :func:`load` registers the fake functions and autograd formulas of the
+sphere residual's row kernels (:mod:`.sphere_step`), so that ``torch.compile`` keeps them; nothing
+is imported or registered before (``import manifoldlib`` neither builds nor loads anything).
+:func:`in_use` is the decision a traced function can make: whether to call the kernels now.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["ENV_VAR", "available", "disabled", "enabled", "load"]
+__all__ = ["ENV_VAR", "available", "disabled", "enabled", "in_use", "load"]
 
 #: Environment variable that switches the kernels off when set to 0 / false / off / no.
 ENV_VAR = "MANIFOLDLIB_CPU_KERNELS"
@@ -112,6 +117,9 @@ def _build():
     elif elapsed > 2.0:  # a cached library loads in milliseconds: torch rebuilt it
         _log.warning("manifoldlib: the cached C++ CPU kernels in %s were rebuilt "
                      "(%.1f s)", build_dir, elapsed)
+    from . import sphere_step
+
+    sphere_step.register()  # a failure here means the ATen path, as a failed build does
     return getattr(torch.ops, _NAMESPACE)
 
 
@@ -158,6 +166,26 @@ def enabled():
     if _disabled_depth:
         return None
     return load()
+
+
+def _built() -> bool:
+    return load() is not None
+
+
+# Fixed for the process once load() has run, so torch.compile may call it while tracing (building or
+# loading the kernels then if need be, outside the trace: load() takes a lock and runs a build) and
+# keep the answer. This is torch.compiler.assume_constant_result(_built), which sets this attribute
+# and nothing else, without its import of torch._dynamo (about a second) when manifoldlib is imported;
+# tests/nn/test_sphere_residual_cpu_kernels.py checks that the decorator still sets it.
+_built._dynamo_marked_constant = True
+
+
+def in_use() -> bool:
+    """Whether the kernels should be used right now, as :func:`enabled` decides, as a bool that
+    ``torch.compile`` can trace: the build is asked once, and a graph traced outside
+    :func:`disabled` is guarded on its depth (inside the block the function is traced anew, on the
+    ATen path)."""
+    return not _disabled_depth and _built()
 
 
 @contextlib.contextmanager

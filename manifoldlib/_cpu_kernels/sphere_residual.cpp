@@ -16,7 +16,13 @@
 //
 //   sphere_step_forward(h, f, s, family, p, eps)  -> (out, stats (N, 3) double: [±q or 0, a, n])  reads h, f
 //   sphere_step_backward(g, h, f, stats, s, family, p, eps, want_h, want_f)
-//       -> (grad_h?, grad_f?, dL/ds per row (N,) double)                               reads g, h, f
+//       -> (grad_h, grad_f, dL/ds per row (N,) double)                                 reads g, h, f
+//
+// (s a one-element tensor, read once per call: a step computed in the graph — exp(log alpha)
+// times the damping — stays a tensor under torch.compile; a gradient not asked for comes back as
+// an empty tensor). These two are operators with a fake (shape) function and an autograd formula
+// (registered from Python by sphere_step.py when the library loads), so torch.compile keeps them
+// as opaque calls in its graph.
 //
 // Each row is read from memory once per direction: its reductions, the per-row coefficients and
 // its combination run while the row is in L1 (the separate passes above read every row two or
@@ -562,6 +568,15 @@ inline double coefficients_vjp(const RowStep& r, int64_t family, double p, doubl
   return -r.k / (2.0 * one_z) * grad_cos + dk * grad_k;
 }
 
+// The step s: a one-element CPU tensor of the rows' dtype (SphereResidual's exp(log alpha) times its
+// damping, computed in the graph under torch.compile), read as the double of its value.
+double step_value(const at::Tensor& step) {
+  TORCH_CHECK(step.device().is_cpu() && step.numel() == 1,
+              "sphere_step kernels: s must be a one-element CPU tensor, got shape ", step.sizes(), " on ",
+              step.device());
+  return step.item<double>();
+}
+
 void check_family(int64_t family, double p) {
   TORCH_CHECK(family == kGnomonic || family == kCayley || family == kP,
               "sphere_step kernels: family must be 0 (gnomonic), 1 (Cayley) or 2 (p-family), got ", family);
@@ -636,12 +651,14 @@ MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t
   stats[0] = -stats[0];
 }
 
-std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, const at::Tensor& f, double s,
-                                                       int64_t family, double p, double eps) {
+std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, const at::Tensor& f,
+                                                       const at::Tensor& step, int64_t family, double p,
+                                                       double eps) {
   check_dtype(h);
   check_rows(h, "h", h);
   check_rows(f, "f", h);
   check_family(family, p);
+  const double s = step_value(step);
   const int64_t n = h.size(0), d = h.size(1);
   at::Tensor out = at::empty({n, d}, h.options());
   at::Tensor stats = at::empty({n, 3}, h.options().dtype(at::kDouble));
@@ -725,19 +742,22 @@ MANIFOLDLIB_ROW_KERNEL double backward_rescaled_row(const T* g, const T* x, cons
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Tensor& g, const at::Tensor& h,
                                                                     const at::Tensor& f, const at::Tensor& stats,
-                                                                    double s, int64_t family, double p,
-                                                                    double eps, bool want_h, bool want_f) {
+                                                                    const at::Tensor& step, int64_t family,
+                                                                    double p, double eps, bool want_h,
+                                                                    bool want_f) {
   check_dtype(h);
   check_rows(h, "h", h);
   check_rows(f, "f", h);
   check_rows(g, "grad", h);
   check_family(family, p);
+  const double s = step_value(step);
   const int64_t n = h.size(0), d = h.size(1);
   TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.dim() == 2 &&
                   stats.size(0) == n && stats.size(1) == 3,
               "sphere_step_backward: stats must be the forward's contiguous (N, 3) float64 tensor");
-  at::Tensor grad_h = want_h ? at::empty({n, d}, h.options()) : at::Tensor();
-  at::Tensor grad_f = want_f ? at::empty({n, d}, h.options()) : at::Tensor();
+  // a gradient not asked for: an empty tensor (an operator's output is a tensor, also under tracing)
+  at::Tensor grad_h = want_h ? at::empty({n, d}, h.options()) : at::empty({0}, h.options());
+  at::Tensor grad_f = want_f ? at::empty({n, d}, h.options()) : at::empty({0}, h.options());
   at::Tensor step_rows = at::empty({n}, h.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "sphere_step_backward", [&] {
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
@@ -775,8 +795,8 @@ TORCH_LIBRARY_FRAGMENT(manifoldlib_cpu, m) {
   m.def("backward_dots(Tensor grad, Tensor h, Tensor f) -> Tensor");
   m.def("backward_combine(Tensor grad, Tensor h, Tensor f, Tensor[] coef_f, Tensor[] coef_h, "
         "Tensor(a!)? grad_f, Tensor(b!)? grad_h) -> ()");
-  m.def("sphere_step_forward(Tensor h, Tensor f, float s, int family, float p, float eps) -> (Tensor, Tensor)");
-  m.def("sphere_step_backward(Tensor grad, Tensor h, Tensor f, Tensor stats, float s, int family, float p, "
+  m.def("sphere_step_forward(Tensor h, Tensor f, Tensor s, int family, float p, float eps) -> (Tensor, Tensor)");
+  m.def("sphere_step_backward(Tensor grad, Tensor h, Tensor f, Tensor stats, Tensor s, int family, float p, "
         "float eps, bool want_h, bool want_f) -> (Tensor, Tensor, Tensor)");
 }
 

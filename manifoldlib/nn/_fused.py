@@ -57,11 +57,22 @@ while :math:`\sigma` and :math:`z^2` are below :math:`10^{-5}`) (``sphere_step_f
 double) and combination done while it is in cache — 2 reads and 1 write forward, 3 reads and 2
 writes backward, against 6 + 1 and 6 + 2 for the separate passes (the update is bound by memory
 traffic, so the pass count is its cost); they too form the result as :math:`\cos\theta\,h + ks\,u`
-from :math:`u` itself, in double. Everywhere else (CUDA, other layouts, ``torch.compile``
-tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the passes are composed of ATen kernels,
-and both step forms take :math:`\|u\|^2` and the result from :math:`u = P_h f` itself (projected
-twice): :math:`\|f\|^2 - a^2/q` and :math:`A h + B f` cancel when :math:`f` is nearly parallel
-to :math:`h`, which would turn rounding into a step and move the result off the sphere.
+from :math:`u` itself, in double. Everywhere else (CUDA, other layouts, the separate passes under
+``torch.compile`` tracing, ``MANIFOLDLIB_CPU_KERNELS=0``, a failed build) the passes are composed of
+ATen kernels, and both step forms take :math:`\|u\|^2` and the result from :math:`u = P_h f` itself
+(projected twice): :math:`\|f\|^2 - a^2/q` and :math:`A h + B f` cancel when :math:`f` is nearly
+parallel to :math:`h`, which would turn rounding into a step and move the result off the sphere.
+
+Under ``torch.compile``. The two row kernels are operators with fake (shape) functions and an
+autograd formula (``manifoldlib/_cpu_kernels/sphere_step.py``, registered when the library loads),
+and the forward calls them the same way eager or traced: inductor keeps each as one opaque call
+in its graph (the step :math:`s` enters as a tensor, so the learnable :math:`\alpha` needs no
+graph break), and a compiled update runs the kernels an eager one runs, with their values and
+gradients (the step and the sum of the per-row :math:`dL/ds` computed by inductor: float64 within
+a few ulps). The separate passes are not traced: ``forward_dots`` returns tensors whose size
+depends on the values (the rescaled and nearly parallel rows), so a user's retraction compiles to
+the ATen path, which inductor fuses. The decision is guarded like any traced branch: a graph
+traced outside :func:`manifoldlib._cpu_kernels.disabled` is traced anew inside it (ATen path).
 
 Whose map runs. The update above is the angle form :math:`\cos\theta\,h + k\,v` of
 :meth:`~manifoldlib.retractions.AngleRetraction.retract`, computed from the class's
@@ -175,21 +186,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, x.shape[-1])
 
 
-def _cpu_kernels_for(h: torch.Tensor, f: torch.Tensor):
-    """The C++ kernels' namespace when they apply to ``h`` and ``f``, else ``None`` (ATen path).
+def _kernels_take(h: torch.Tensor, f: torch.Tensor) -> bool:
+    """Whether the C++ kernels take ``h`` and ``f``: contiguous float32/float64 CPU tensors, when the
+    kernels are built and not switched off. The cheap checks come first, so the build is only ever
+    triggered by a call that could use it; under ``torch.compile`` the answer is the traced
+    graph's, guarded on the inputs' device, dtype and layout and on
+    :func:`~manifoldlib._cpu_kernels.disabled`."""
+    return (
+        h.device.type == "cpu"
+        and h.dtype in _KERNEL_DTYPES
+        and f.dtype == h.dtype
+        and h.numel() > 0
+        and h.is_contiguous()
+        and f.is_contiguous()
+        and _cpu_kernels.in_use()
+    )
 
-    They apply to contiguous float32/float64 CPU tensors outside ``torch.compile`` tracing
-    (inductor fuses the ATen path itself), when built and not switched off; the cheap checks
-    come first, so the build is only ever triggered by a call that could use it.
-    """
-    if (
-        h.device.type != "cpu"
-        or h.dtype not in _KERNEL_DTYPES
-        or f.dtype != h.dtype
-        or h.numel() == 0
-        or not (h.is_contiguous() and f.is_contiguous())
-        or torch.compiler.is_compiling()
-    ):
+
+def _separate_passes_for(h: torch.Tensor, f: torch.Tensor):
+    """The C++ kernels' namespace for the separate passes (a retraction's own per-row math between
+    them) when they take ``h`` and ``f``, else ``None`` (ATen path). Not under ``torch.compile``
+    tracing: ``forward_dots`` returns tensors whose size depends on the values (the rescaled and
+    the nearly parallel rows, empty when there are none), which the Python math branches on, and the
+    combinations write into their arguments; inductor fuses the ATen path there instead."""
+    if torch.compiler.is_compiling() or not _kernels_take(h, f):
         return None
     return _cpu_kernels.enabled()
 
@@ -227,35 +247,6 @@ def _kernel_family(retraction: Retraction) -> tuple[int, float] | None:
     return None
 
 
-class _SphereStepKernel(torch.autograd.Function):
-    """The update of a closed-form retraction on the row-fused C++ kernels (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, h, f, scale, family: tuple[int, float], eps: float, kernels):
-        shape = h.shape
-        step = float(scale.detach())
-        out, stats = kernels.sphere_step_forward(_rows(h), _rows(f), step, *family, eps)  # (N, d), (N, 3)
-        ctx.save_for_backward(h, f, stats)
-        ctx.step, ctx.family, ctx.eps, ctx.kernels = step, family, eps, kernels
-        return out.view(shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
-        h, f, stats = ctx.saved_tensors
-        want_h, want_f, want_s = ctx.needs_input_grad[:3]
-        g = g.contiguous().to(h.dtype)
-        grad_h, grad_f, per_row = ctx.kernels.sphere_step_backward(
-            _rows(g), _rows(h), _rows(f), stats, ctx.step, *ctx.family, ctx.eps, want_h, want_f
-        )
-        grad_s = per_row.sum().to(h.dtype).reshape(()) if want_s else None
-        return (
-            grad_h.view(h.shape) if want_h else None,
-            grad_f.view(h.shape) if want_f else None,
-            grad_s, None, None, None,
-        )
-
-
 class _SphereResidual(torch.autograd.Function):
     # Autocast is switched off inside: it would run the row products (matmuls) in bf16. The
     # inputs arrive in one floating dtype (float32 or float64) and all arithmetic stays in it.
@@ -275,7 +266,7 @@ class _SphereResidual(torch.autograd.Function):
         # fresh large tensor costs page faults comparable to a pass. Both paths allocate it
         # before the small (..., 1) tensors (the backward likewise its gradients), so the
         # allocator sees one pattern whichever path runs.
-        kernels = _cpu_kernels_for(h, f) if eps is None else None
+        kernels = _separate_passes_for(h, f) if eps is None else None
         down = None  # (..., 1): the factors 2^-e of rows the kernels rescaled, if any
         parallel = None  # (N, 3) double: [a/q, ν, ||P_h f||²] of nearly parallel rows, if any
         if kernels is None:
@@ -508,9 +499,13 @@ def sphere_residual(
 
 def _apply(h, f, scale, retraction, eps):
     family = _kernel_family(retraction)
-    kernels = None if family is None or scale.device != h.device else _cpu_kernels_for(h, f)
-    if kernels is not None:
-        return _SphereStepKernel.apply(h, f, scale, family, 0.0 if eps is None else eps, kernels)
+    if family is not None and scale.device == h.device and _kernels_take(h, f):
+        # the row kernels: an operator with its autograd formula (_cpu_kernels/sphere_step.py), the
+        # same call eager and under torch.compile (an opaque node of inductor's graph)
+        out, _ = torch.ops.manifoldlib_cpu.sphere_step_forward(
+            _rows(h), _rows(f), scale, *family, 0.0 if eps is None else eps
+        )  # (N, d), (N, 3) stats for the backward
+        return out.view(h.shape)
     return _SphereResidual.apply(h, f, scale, retraction, eps)
 
 

@@ -108,11 +108,12 @@ class SphereResidual(nn.Module):
         eps: relative floor of the normalized step (see
             :func:`~manifoldlib.functional.sphere_unit_tangent`).
         fused: use the analytic-backward function (``True``) or the plain-autograd reference
-            (``False``; e.g. to let ``torch.compile`` fuse it). On contiguous float32/float64
-            CPU tensors (bf16 runs in float32) the fused path does its full-tensor passes in
-            small C++ kernels, compiled on first use into torch's extension cache
-            (``TORCH_EXTENSIONS_DIR``); ``MANIFOLDLIB_CPU_KERNELS=0`` switches them off, and
-            if they cannot be built it warns once and uses ATen, as on every other device.
+            (``False``; e.g. for a second derivative, which the fused path does not have). On
+            contiguous float32/float64 CPU tensors (bf16 runs in float32) the fused path does its
+            full-tensor passes in small C++ kernels, compiled on first use into torch's extension
+            cache (``TORCH_EXTENSIONS_DIR``), under ``torch.compile`` too (opaque operators in its
+            graph, for the built-in retractions); ``MANIFOLDLIB_CPU_KERNELS=0`` switches them off,
+            and if they cannot be built it warns once and uses ATen, as on every other device.
             The normalized step's per-row factor is plain autograd in both cases. Nonzero rows
             of tiny norm (float32 below :math:`2^{-32}`, float64 below :math:`2^{-300}`) are
             exact where the C++ kernels run them and come out NaN on the ATen path (which

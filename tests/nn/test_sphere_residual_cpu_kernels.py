@@ -11,7 +11,7 @@ from dispatch_ops import KernelRecorder  # tests/dispatch_ops.py (tests/ is on s
 from test_sphere_residual import _along_h, _UserP3  # pytest puts this folder on sys.path
 
 from manifoldlib import _cpu_kernels
-from manifoldlib.nn import sphere_residual, sphere_residual_reference
+from manifoldlib.nn import SphereResidual, sphere_residual, sphere_residual_reference
 from manifoldlib.retractions import (
     CayleyRetraction,
     GnomonicRetraction,
@@ -299,13 +299,16 @@ def test_kernels_reject_bad_inputs():
         ops.forward_dots(x.t(), x.t())
     with pytest.raises(RuntimeError, match="one per row"):
         ops.forward_combine(x, x, [torch.ones(3), torch.ones(4)], torch.empty(3, 4))
+    step = torch.tensor(0.5)
     with pytest.raises(RuntimeError, match="family must be"):
-        ops.sphere_step_forward(x, x, 0.5, 7, 1.0, 0.0)
+        ops.sphere_step_forward(x, x, step, 7, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="p must be in"):
-        ops.sphere_step_forward(x, x, 0.5, 2, -1.0, 0.0)
-    out, stats = ops.sphere_step_forward(x, x, 0.5, 0, 1.0, 0.0)
+        ops.sphere_step_forward(x, x, step, 2, -1.0, 0.0)
+    with pytest.raises(RuntimeError, match="s must be a one-element CPU tensor"):
+        ops.sphere_step_forward(x, x, torch.ones(2), 0, 1.0, 0.0)
+    out, stats = ops.sphere_step_forward(x, x, step, 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="stats must be"):
-        ops.sphere_step_backward(x, x, x, stats.float(), 0.5, 0, 1.0, 0.0, True, True)
+        ops.sphere_step_backward(x, x, x, stats.float(), step, 0, 1.0, 0.0, True, True)
 
 
 @pytest.mark.parametrize("p", [0.3, 1.5, math.inf])
@@ -385,9 +388,10 @@ def test_kernels_mark_the_rows_they_rescale():
     twin, _, _ = ops.forward_dots(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f)
     assert torch.equal(dots, twin)
     assert parallel.numel() == 0  # random rows: none nearly parallel
-    _, stats = ops.sphere_step_forward(row_scale * h, row_scale * f, 0.5, 0, 1.0, 0.0)
+    step = torch.tensor(0.5)
+    _, stats = ops.sphere_step_forward(row_scale * h, row_scale * f, step, 0, 1.0, 0.0)
     _, twin_stats = ops.sphere_step_forward(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f,
-                                            0.5, 0, 1.0, 0.0)
+                                            step, 0, 1.0, 0.0)
     assert torch.equal(stats[:, 0], torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64) * twin_stats[:, 0])
     assert torch.equal(stats[:, 1:], twin_stats[:, 1:])
 
@@ -490,3 +494,144 @@ def test_separate_passes_nearly_parallel_rows_beside_ordinary_and_rescaled_ones(
     (alone * w).sum().backward()
     assert torch.equal(alone.detach(), old)
     assert torch.equal(grad_h[:6], alone_h.grad) and torch.equal(grad_f[:6], alone_f.grad)
+
+
+# ---- torch.compile keeps the row kernels: operators with fake functions and an autograd formula ----
+
+# every retraction the row kernels run (the p-family at p = 1.5 besides its named members), both steps
+_COMPILED_LAYERS = [(name, step) for name in ("gnomonic", "cayley", "exp", "p") for step in ("literal", "normalized")]
+
+
+def _kernel_calls(fn):
+    """The C++ kernels ``fn()`` runs, by name, as the profiler records them, the calls of a compiled
+    graph included (not the ``spy`` fixture's dispatch mode: dynamo does not compile a function
+    first called under one, it runs it eagerly)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name.split("::")[1] for e in prof.events() if e.name.startswith("manifoldlib_cpu::")]
+
+
+def _layers_values_and_grads(layers, run, hs, fs, ws):
+    """Each layer's output on its own (h, f), and its gradients in h, f and log alpha."""
+    hs = [h.clone().requires_grad_(True) for h in hs]
+    fs = [f.clone().requires_grad_(True) for f in fs]
+    for layer in layers:
+        layer.log_alpha.grad = None
+    outs = run(hs, fs)
+    sum((out * w).sum() for out, w in zip(outs, ws)).backward()
+    return [(out.detach(), h.grad, f.grad, layer.log_alpha.grad)
+            for out, h, f, layer in zip(outs, hs, fs, layers)]
+
+
+@pytest.mark.slow  # one inductor compilation per dtype (forward and backward graph): about 10 s cold
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_compile_fullgraph_runs_the_row_kernels(dtype):
+    """torch.compile(fullgraph=True) of SphereResidual layers of every built-in retraction, both step
+    forms, forward and backward: each layer runs the row kernels once forward and once backward
+    (inductor traced the ATen path before: no kernel ran), with the eager kernels' values and
+    gradients (float64 to 1e-14, float32 to 4 ulps of each tensor's largest entry), and a zero row of
+    h is kept with the identity's gradients (the convention of _fused.py, "A zero row of h")."""
+    layers = torch.nn.ModuleList(
+        SphereResidual(24, layer=2, retraction=name, p=1.5, step=step, alpha_init=0.9)
+        for name, step in _COMPILED_LAYERS
+    ).to(dtype)
+    cases = [_case(20 + i, (3, 5, 24), radius=math.sqrt(24), f_scale=1.0, dtype=dtype) for i in range(len(layers))]
+    hs, fs = [h for h, _ in cases], [f for _, f in cases]
+    for h in hs:
+        h[1, 2] = 0.0  # a zero row
+    g = torch.Generator().manual_seed(7)
+    ws = [torch.randn(3, 5, 24, generator=g).to(dtype) for _ in layers]
+
+    def forward(hs, fs):
+        return [layer(h, f) for layer, h, f in zip(layers, hs, fs)]
+
+    compiled = torch.compile(forward, fullgraph=True)
+    eager = _layers_values_and_grads(layers, forward, hs, fs, ws)
+    _layers_values_and_grads(layers, compiled, hs, fs, ws)  # compiles the forward and backward graphs
+    calls = _kernel_calls(lambda: _layers_values_and_grads(layers, compiled, hs, fs, ws))
+    assert calls == ["sphere_step_forward"] * len(layers) + ["sphere_step_backward"] * len(layers)
+    found = _layers_values_and_grads(layers, compiled, hs, fs, ws)
+    tol = 1e-14 if dtype == torch.float64 else 4 * torch.finfo(dtype).eps
+    for (name, step), want, got, w in zip(_COMPILED_LAYERS, eager, found, ws):
+        for a, b in zip(got, want):
+            assert float((a - b).abs().max()) <= tol * float(b.abs().max()), (name, step)
+        out, grad_h, grad_f, grad_alpha = got
+        assert torch.equal(out[1, 2], torch.zeros(24, dtype=dtype))
+        assert torch.equal(grad_h[1, 2], w[1, 2]) and torch.equal(grad_f[1, 2], torch.zeros(24, dtype=dtype))
+        assert bool(torch.isfinite(grad_alpha))
+
+
+def test_torch_compile_takes_the_aten_path_where_the_kernels_do_not_run():
+    """Under torch.compile the ATen path runs where eager takes it: inside disabled() (a recompilation,
+    guarded on it; outside the block the kernels again) and for a user's own retraction (the
+    separate passes are eager only); a bfloat16 stream runs the float32 kernels, as in eager."""
+    res = SphereResidual(16, retraction="cayley", step="literal")
+    compiled = torch.compile(res, fullgraph=True, backend="aot_eager")
+    h, f = _case(5, (6, 16), radius=4.0, dtype=torch.float32)
+
+    def step(h, f):
+        return lambda: compiled(h.clone().requires_grad_(True), f).sum().backward()
+
+    step(h, f)()
+    assert _kernel_calls(step(h, f)) == list(ROW_KERNELS)
+    with _cpu_kernels.disabled():
+        assert _kernel_calls(step(h, f)) == []
+    assert _kernel_calls(step(h, f)) == list(ROW_KERNELS)
+    step(h.bfloat16(), f.bfloat16())()
+    assert _kernel_calls(step(h.bfloat16(), f.bfloat16())) == list(ROW_KERNELS)
+    # (not fullgraph: the generic coefficients_vjp calls torch.autograd.grad, which dynamo does not trace)
+    user = torch.compile(SphereResidual(16, retraction=RETRACTIONS["user-p3"], step="literal"), backend="aot_eager")
+    user(h.clone().requires_grad_(True), f).sum().backward()
+    assert _kernel_calls(lambda: user(h.clone().requires_grad_(True), f).sum().backward()) == []
+
+
+def _kernel_op_args(dtype, requires_grad):
+    h, f = _case(2, (5, 12), radius=2.0, dtype=dtype)
+    h[3] = 0.0  # a zero row: stats q = 0
+    h[4] *= 2.0**-100  # a rescaled row: stats q < 0
+    step = torch.tensor(0.7, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (h, f, step)]
+
+
+@pytest.mark.parametrize(("dtype", "family", "p", "eps"), [
+    (torch.float32, 0, 1.0, 0.0), (torch.float64, 1, 2.0, 1e-6), (torch.float32, 2, 1.5, 1e-3),
+    (torch.float64, 2, math.inf, 0.0),
+], ids=["gnomonic-float32", "cayley-float64-normalized", "p1.5-float32-normalized", "exp-float64"])
+def test_opcheck_the_row_kernel_operators(dtype, family, p, eps):
+    """torch.library.opcheck: the schemas, the fake functions against the kernels (shapes, dtypes,
+    strides), the autograd registration, and AOTAutograd tracing with dynamic shapes; the backward
+    with each subset of gradients asked for."""
+    ops = _cpu_kernels.load()
+    for requires_grad in (False, True):
+        args = (*_kernel_op_args(dtype, requires_grad), family, p, eps)
+        torch.library.opcheck(ops.sphere_step_forward.default, args)
+    h, f, step = _kernel_op_args(dtype, False)
+    _, stats = ops.sphere_step_forward(h, f, step, family, p, eps)
+    grad = torch.randn(h.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for want_h, want_f in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(ops.sphere_step_backward.default,
+                              (grad, h, f, stats, step, family, p, eps, want_h, want_f))
+
+
+def test_the_row_kernels_refuse_a_second_derivative():
+    """The backward kernel has no derivative: a double backward through the kernel path raises (it
+    did through the once_differentiable function before); a first backward with create_graph works."""
+    h, f = _case(4, (3, 8))
+    h.requires_grad_(True)
+    out = sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"])
+    (grad_h,) = torch.autograd.grad(out.sum(), h, create_graph=True)
+    (plain,) = torch.autograd.grad(sphere_residual(h, f, 0.5, RETRACTIONS["gnomonic"]).sum(), h)
+    assert torch.equal(grad_h.detach(), plain)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        grad_h.sum().backward()
+
+
+def test_the_compile_decision_is_marked_constant_as_the_public_decorator_marks():
+    """loader._built carries the mark torch.compiler.assume_constant_result sets (set by hand there, so
+    that importing manifoldlib does not import torch._dynamo): without it a first call under
+    torch.compile(fullgraph=True) would trace into load()'s lock and fail."""
+    from manifoldlib._cpu_kernels import loader
+
+    marked = torch.compiler.assume_constant_result(lambda: True)
+    names = [name for name in vars(marked) if name.startswith("_dynamo")]
+    assert names and all(getattr(loader._built, name) == getattr(marked, name) for name in names)
