@@ -129,7 +129,7 @@ def test_bfloat16_autocast_trains_and_is_recorded(tmp_path):
 
 
 def test_bfloat16_autocast_runs_the_matmuls_in_bfloat16():
-    cfg = build_config("smoke")  # spheret: its fused kernel steps aside under compile
+    cfg = build_config("smoke")  # spheret: its row kernels are operators dynamo captures
     model = build_model(cfg, vocab_size=256)
     x = torch.randint(0, 256, (2, cfg.block_size))
     with Precision("bfloat16", CPU).autocast():
@@ -203,7 +203,7 @@ def test_the_model_compiles_without_a_graph_break():
     """The token-id check reads values (a host sync and a graph break); the compiled forward
     leaves it out, so dynamo captures the whole model as one graph (``fullgraph=True``)."""
     torch.manual_seed(0)
-    cfg = build_config("smoke")  # spheret: its fused kernel steps aside under compile
+    cfg = build_config("smoke")  # spheret: its row kernels are operators dynamo captures
     model = build_model(cfg, vocab_size=256)
     x = torch.randint(0, 256, (2, cfg.block_size))
     _, loss = torch.compile(model, backend="eager", fullgraph=True)(x, x)
