@@ -271,7 +271,9 @@ class _SphereResidual(torch.autograd.Function):
         parallel = None  # (N, 3) double: [a/q, ν, ||P_h f||²] of nearly parallel rows, if any
         if kernels is None:
             q = _rowsq(h)  # (..., 1)
-            out = torch.mul(h, f)  # (..., d), scratch for <h, f>, then the result
+            # (..., d), scratch for <h, f>, then the result; contiguous whatever h's layout (dynamo
+            # refuses a non-contiguous out= below)
+            out = torch.mul(h, f, out=torch.empty(h.shape, dtype=h.dtype, device=h.device))
             a = out.sum(-1, keepdim=True)  # (..., 1)
             # a zero row is kept (below); q = 0 does not tell it from a row whose squares underflow
             zero = _zero_rows(h)  # (..., 1)

@@ -289,6 +289,22 @@ def test_torch_compile_matches_eager(fused):
         assert _rel(b, a) <= 1e-6
 
 
+@pytest.mark.slow
+def test_torch_compile_fullgraph_takes_a_non_contiguous_h():
+    # a transposed h runs the ATen path (the kernels take contiguous rows), whose scratch tensor
+    # took h's layout: dynamo refused its non-contiguous out= and fullgraph compilation failed
+    h, f = _case(13, 24, 16, radius=4.0, f_scale=1.0, dtype=torch.float32)
+    h = h.mT.contiguous().mT  # (24, 16), strides (1, 24)
+    assert not h.is_contiguous()
+    res = SphereResidual(16, layer=2, retraction="gnomonic", alpha_init=0.9)
+    compiled = torch.compile(res, fullgraph=True)
+    eager = _values_and_grads(lambda a, b, s, r: res(a, b), h, f, 0.0, None)
+    res.log_alpha.grad = None
+    comp = _values_and_grads(lambda a, b, s, r: compiled(a, b), h, f, 0.0, None)
+    for a, b in zip(eager[:3], comp[:3]):
+        assert _rel(b, a) <= 1e-6
+
+
 @pytest.mark.parametrize("retraction", ["gnomonic", "user-p3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_reference_matches_the_fused_path(retraction, dtype):
