@@ -81,10 +81,15 @@ class StiefelCayleyRetraction(Retraction):
     :func:`~manifoldlib.testing.retraction_order` (float64): 2.000 on 6×6 and 10×10 points,
     1.000 on 8×4, 12×3 and 7×6. :attr:`order` is the claim for every shape (1);
     :meth:`order_at` gives the shape's own.
+
+    The transform keeps the deviation of ``x`` from the manifold, so the kernel
+    (:func:`~manifoldlib.functional.stiefel_cayley`) re-orthonormalizes ``x`` first: chained
+    float32 steps stay at one step's rounding (their rounding accumulated to 1.07e-5 in 20,000
+    steps, towards the refusal at 2e-5).
     """
 
     order = 1
-    needs_point = True  # (I - W/2)^{-1}(I + W/2) X is orthonormal only for X^T X = I
+    needs_point = True  # (I - W/2)^{-1}(I + W/2) X keeps X's deviation; the kernel repairs only rounding
 
     def order_at(self, shape) -> int:
         """The order at points of ``shape`` ``(..., m, n)``: 2 if ``m == n``, else 1."""
