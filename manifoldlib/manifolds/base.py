@@ -283,8 +283,9 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         if not ok:
             raise ValueError(reason)
 
-    #: Argument names of :meth:`_validate_args` that are points (the others are vectors).
-    _POINT_ARGS = ("x", "y")
+    #: Argument names of :meth:`_validate_args` that are points (the others are vectors); ``w`` is
+    #: the point of the matrix manifolds' dual helpers.
+    _POINT_ARGS = ("x", "y", "w")
 
     def _validate_args(self, where: str, **tensors: torch.Tensor) -> torch.dtype:
         """The type checks of a method of several tensors (``x=x, u=u``, named as its arguments);
@@ -344,6 +345,15 @@ class RetractionManifold(geoopt.manifolds.Manifold):
             x, explain=explain, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
         )
 
+    def assert_check_point_on_manifold(
+        self, x: torch.Tensor, *, atol: Optional[float] = None, rtol: Optional[float] = None
+    ) -> None:
+        """:meth:`check_point_on_manifold`'s twin, with its tolerances: ``ValueError(reason)``."""
+        tol = default_tolerance(x.dtype)
+        super().assert_check_point_on_manifold(
+            x, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
+        )
+
     def check_vector_on_tangent(
         self,
         x: torch.Tensor,
@@ -355,29 +365,16 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         rtol: Optional[float] = None,
     ) -> Union[Tuple[bool, Optional[str]], bool]:
         """geoopt's check with dtype-aware default tolerances; ``explain=True`` returns ``(ok, reason)``.
-        A ``u`` of another point shape than ``x``, or batches that do not broadcast, fail it
-        (:meth:`_validate_args`'s reason)."""
-        reason = self._shapes_problem(f"{self.name}.check_vector_on_tangent", {"x": x, "u": u})
-        if reason is not None:
-            return (False, reason) if explain else False
-        tol = default_tolerance(u.dtype)
-        return super().check_vector_on_tangent(
-            x,
-            u,
-            ok_point=ok_point,
-            explain=explain,
-            atol=tol if atol is None else atol,
-            rtol=tol if rtol is None else rtol,
-        )
 
-    def assert_check_point_on_manifold(
-        self, x: torch.Tensor, *, atol: Optional[float] = None, rtol: Optional[float] = None
-    ) -> None:
-        """:meth:`check_point_on_manifold`'s twin, with its tolerances: ``ValueError(reason)``."""
-        tol = default_tolerance(x.dtype)
-        super().assert_check_point_on_manifold(
-            x, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
-        )
+        By default ``x`` is judged as a point at its own dtype's tolerances
+        (:meth:`check_point_on_manifold`; skipped with ``ok_point``), and ``u``'s tangency at the
+        looser of ``x``'s and ``u``'s: the rounding of either is in :math:`x^\top u` (a float16 point
+        with a float64 ``u`` was judged at float64's, and refused for its own rounding). Given
+        ``atol`` / ``rtol`` apply to both, as in geoopt. A ``u`` of another point shape than
+        ``x``, or batches that do not broadcast, fail it (:meth:`_validate_args`'s reason)."""
+        reason = self._shapes_problem(f"{self.name}.check_vector_on_tangent", {"x": x, "u": u})
+        ok, reason = (False, reason) if reason is not None else self._tangent_check(x, u, ok_point, atol, rtol)
+        return (ok, reason) if explain else ok
 
     def assert_check_vector_on_tangent(
         self,
@@ -392,10 +389,19 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         reason = self._shapes_problem(f"{self.name}.assert_check_vector_on_tangent", {"x": x, "u": u})
         if reason is not None:
             raise ValueError(reason)
-        tol = default_tolerance(u.dtype)
-        super().assert_check_vector_on_tangent(
-            x, u, ok_point=ok_point, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol
-        )
+        ok, reason = self._tangent_check(x, u, ok_point, atol, rtol)
+        if not ok:  # geoopt's message
+            raise ValueError(f"`u` seems to be a tensor not lying on tangent space to `x` for {self.name} "
+                             f"manifold.\nerror: {reason}")
+
+    def _tangent_check(self, x, u, ok_point: bool, atol, rtol) -> Tuple[bool, Optional[str]]:
+        """``(ok, reason)`` of :meth:`check_vector_on_tangent` for ``x`` and ``u`` of one batch."""
+        if not ok_point:
+            ok, reason = self.check_point_on_manifold(x, explain=True, atol=atol, rtol=rtol)
+            if not ok:
+                return ok, reason
+        tol = max(default_tolerance(x.dtype), default_tolerance(u.dtype))
+        return self._check_vector_on_tangent(x, u, atol=tol if atol is None else atol, rtol=tol if rtol is None else rtol)
 
     def extra_repr(self) -> str:
         return f"retraction={self._retraction!r}"

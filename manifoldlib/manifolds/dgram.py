@@ -138,15 +138,15 @@ class DGram(MatrixConstraintManifold):
     def multiplier_mask(a):
         return off_diagonal(a)
 
-    def normal_multiplier(self, w, z):
+    def _normal_multiplier(self, w, z):
         return dgram_normal_multiplier(w, z)
 
-    def normal_component(self, w, z):
+    def _normal_component(self, w, z):
         """:math:`WS` formed column-scaled (:func:`~manifoldlib.functional.dgram.dgram_project_tangent`):
         finite wherever :math:`WS` is, however much larger than ``w`` ``z`` is."""
         return _normal_component(w, z, off_diagonal)
 
-    def constraint_deviation(self, w):
+    def _constraint_deviation(self, w):
         r""":math:`\operatorname{Off}(C)/\|C\|_F` for the column cosines
         :math:`C = D^{-1}W^\top W D^{-1}`, :math:`D = \operatorname{diag}(\|w_j\|)`
         (:func:`column_cosines`), ``(..., n, n)``.

@@ -25,12 +25,16 @@ class Euclidean(RetractionManifold):
     muon_retraction = ("add", {})
 
     def constraint_residual(self, w: torch.Tensor) -> torch.Tensor:
-        """Zero: every tensor is a point."""
+        """Zero: every tensor is a point (checked as the matrix manifolds' dual helpers,
+        :meth:`~manifoldlib.manifolds.MatrixConstraintManifold.normal_multiplier`)."""
+        self._validate_args(f"{self.name}.constraint_residual", w=w)
         return torch.zeros((), dtype=w.dtype, device=w.device)
 
     def tangent_residual(self, w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """Zero: every vector is tangent."""
-        return torch.zeros((), dtype=a.dtype, device=a.device)
+        """Zero, in the promoted dtype of ``w`` and ``a``: every vector is tangent (checked as
+        :meth:`constraint_residual`)."""
+        dtype = self._validate_args(f"{self.name}.tangent_residual", w=w, a=a)
+        return torch.zeros((), dtype=dtype, device=a.device)
 
     def __init__(self, ndim: int = 0, retraction: Union[str, Retraction, None] = None, **retraction_options):
         if not isinstance(ndim, int) or ndim < 0:

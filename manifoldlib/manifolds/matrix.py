@@ -20,7 +20,10 @@ follows from
 * :meth:`~MatrixConstraintManifold.gram_retraction_factor`: the default Muon retraction as an
   ``n × n`` factor of :math:`Y^\top Y`.
 
-A new matrix manifold of this family is one subclass: the optimizer has no branch on names.
+A new matrix manifold of this family is one subclass: the optimizer has no branch on names. It
+implements the kernels ``_normal_multiplier`` and ``_constraint_deviation`` (and, where ``WS``
+must be formed scale-safe, ``_normal_component``); the public methods of those names check
+their arguments and call them.
 """
 
 from __future__ import annotations
@@ -57,7 +60,23 @@ class MatrixConstraintManifold(RetractionManifold):
         raise NotImplementedError
 
     def normal_multiplier(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        r"""``(..., n, n)`` ``S`` with ``WS`` the normal component of ``z`` at ``w``."""
+        r"""``(..., n, n)`` ``S`` with ``WS`` the normal component of ``z`` at ``w``, both ``(..., m, n)``,
+        in their promoted dtype (Stiefel :math:`\operatorname{sym}(W^\top Z)`; DGram and Oblique
+        :math:`\mathcal{P}(W^\top Z + Z^\top W)` over :math:`d_i^2 + d_j^2`, formed scale-safe).
+
+        The dual helpers (this, :meth:`normal_component`, :meth:`tangent_residual`,
+        :meth:`constraint_deviation`, :meth:`constraint_residual`) check their arguments as every
+        method of several tensors does (:meth:`_validate_args`): dtypes promote, and a tensor
+        that is not real floating point, a ``w`` that is not a tall matrix, a second argument
+        of another matrix shape, or batches that do not broadcast raise ``ValueError`` naming
+        the method and the argument. A subclass implements the ``_``-prefixed kernels, which take
+        checked arguments of one dtype (:meth:`proju` calls them after its own check).
+        """
+        dtype = self._validate_args(f"{self.name}.normal_multiplier", w=w, z=z)
+        return self._normal_multiplier(w.to(dtype), z.to(dtype))
+
+    def _normal_multiplier(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """:meth:`normal_multiplier` of checked arguments of one dtype."""
         raise NotImplementedError
 
     def dual_factor(self, w: torch.Tensor, check: bool = True) -> torch.Tensor | None:
@@ -68,22 +87,43 @@ class MatrixConstraintManifold(RetractionManifold):
         raise NotImplementedError
 
     def constraint_deviation(self, w: torch.Tensor) -> torch.Tensor:
-        """The constraint's violation at ``w`` (a tensor, zero exactly on the manifold)."""
+        r"""The constraint's violation at ``w`` ``(..., m, n)``, zero exactly on the manifold:
+        Stiefel :math:`W^\top W - I` ``(..., n, n)``; DGram the off-diagonal of the column cosines
+        over their Frobenius norm ``(..., n, n)``, invariant under column scaling, NaN for a zero
+        column; Oblique :math:`\|w_j\|^2 - 1` ``(..., n)``. Checked as :meth:`normal_multiplier`."""
+        self._validate_args(f"{self.name}.constraint_deviation", w=w)
+        return self._constraint_deviation(w)
+
+    def _constraint_deviation(self, w: torch.Tensor) -> torch.Tensor:
+        """:meth:`constraint_deviation` of a checked ``w``."""
         raise NotImplementedError
 
     def constraint_residual(self, w: torch.Tensor) -> torch.Tensor:
-        r"""Scalar distance of ``w`` (``(m, n)``, tall) from the manifold: :math:`\|\text{deviation}\|_F`."""
-        return self.constraint_deviation(w).norm()
+        r"""Scalar distance of ``w`` (``(m, n)``, tall) from the manifold: :math:`\|\text{deviation}\|_F`
+        (over the whole batch for a batch). Checked as :meth:`normal_multiplier`."""
+        self._validate_args(f"{self.name}.constraint_residual", w=w)
+        return self._constraint_deviation(w).norm()
 
     def normal_component(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         r"""``(..., m, n)`` :math:`WS`, :math:`S` = :meth:`normal_multiplier`: the normal component
-        of ``z`` at ``w``. A subclass whose ``S`` can leave the dtype's range where :math:`WS` does
-        not (DGram, Oblique: ``S`` scales like :math:`|z|/|w|`) forms it without ``S`` at scale."""
-        return w @ self.normal_multiplier(w, z)
+        of ``z`` at ``w``, in their promoted dtype. DGram and Oblique, whose ``S`` can leave the
+        dtype's range where :math:`WS` does not (``S`` scales like :math:`|z|/|w|`), form it
+        without ``S`` at scale. Checked as :meth:`normal_multiplier`."""
+        dtype = self._validate_args(f"{self.name}.normal_component", w=w, z=z)
+        return self._normal_component(w.to(dtype), z.to(dtype))
+
+    def _normal_component(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """:meth:`normal_component` of checked arguments of one dtype."""
+        return w @ self._normal_multiplier(w, z)
 
     def tangent_residual(self, w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        r"""Relative normal component :math:`\|A - P_W A\|_F / \|A\|_F` of ``a`` at ``w`` (tall ``(m, n)``)."""
-        normal = self.normal_component(w, a)  # (m, n)
+        r"""Relative normal component :math:`\|A - P_W A\|_F / \|A\|_F` of ``a`` at ``w`` (tall
+        ``(m, n)``; over the broadcast batch for batches), in their promoted dtype. Checked as
+        :meth:`normal_multiplier`."""
+        dtype = self._validate_args(f"{self.name}.tangent_residual", w=w, a=a)
+        w, a = w.to(dtype), a.to(dtype)
+        normal = self._normal_component(w, a)  # (..., m, n), the broadcast batch
+        a = a.expand_as(normal)  # a broadcast a counts once per point it is taken at
         if a.numel():  # both divided by the power of two of max |a|: the squares neither over- nor underflow
             scale = _power_of_two_scale(a.detach().abs().amax())
             normal, a = normal * scale, a * scale
@@ -94,7 +134,7 @@ class MatrixConstraintManifold(RetractionManifold):
         dtype of ``x`` and ``u`` promoted."""
         dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
         x, u = x.to(dtype), u.to(dtype)
-        return u - self.normal_component(x, u)
+        return u - self._normal_component(x, u)
 
     def gram_retraction_factor(self, gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
         r""":math:`\Phi` with :math:`R(Y) = Y\Phi` for the :attr:`muon_retraction`, from :math:`T = Y^\top Y`;

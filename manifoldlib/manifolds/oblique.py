@@ -51,10 +51,10 @@ class Oblique(MatrixConstraintManifold):
     def multiplier_mask(a):
         return diagonal_part(a)
 
-    def normal_multiplier(self, w, z):
+    def _normal_multiplier(self, w, z):
         return normal_multiplier(w, z, diagonal_part)
 
-    def normal_component(self, w, z):
+    def _normal_component(self, w, z):
         """:math:`W\\operatorname{diag}(w_j^\\top z_j/\\|w_j\\|^2)`, column-scaled (finite wherever it is representable)."""
         ws, s = _oblique_normal_coefficients(w, z)
         return ws * s
@@ -65,7 +65,7 @@ class Oblique(MatrixConstraintManifold):
         dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
         return oblique_project_tangent(x.to(dtype), u.to(dtype))
 
-    def constraint_deviation(self, w):
+    def _constraint_deviation(self, w):
         r""":math:`\|w_j\|^2 - 1`, ``(..., n)``."""
         return oblique_constraint_deviation(w)
 
@@ -84,7 +84,7 @@ class Oblique(MatrixConstraintManifold):
         return normalize_gram_factor(gram)
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        err = max_abs(self.constraint_deviation(x))
+        err = max_abs(self._constraint_deviation(x))
         ok = bool(err <= atol + rtol)
         return ok, None if ok else f"max | ||w_j||^2 - 1 | = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 

@@ -61,10 +61,10 @@ class Stiefel(MatrixConstraintManifold):
     def multiplier_mask(a):
         return a
 
-    def normal_multiplier(self, w, z):
+    def _normal_multiplier(self, w, z):
         return sym(w.mT @ z)
 
-    def constraint_deviation(self, w):
+    def _constraint_deviation(self, w):
         r""":math:`W^\top W - I`, ``(..., n, n)``."""
         return w.mT @ w - torch.eye(w.size(-1), dtype=w.dtype, device=w.device)
 
@@ -87,7 +87,7 @@ class Stiefel(MatrixConstraintManifold):
         return polar_gram_factor(gram, rsqrt)
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
-        err = max_abs(self.constraint_deviation(x))
+        err = max_abs(self._constraint_deviation(x))
         ok = bool(err <= atol + rtol)
         return ok, None if ok else f"max |X^T X - I| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
 

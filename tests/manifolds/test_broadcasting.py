@@ -173,3 +173,20 @@ def test_a_second_point_of_another_shape_is_refused_naming_it(manifold):
                                          rf"{re.escape(str(point))} of x on {manifold.name}, got shape "
                                          rf"{re.escape(str(other))}"):
         manifold.transp(x, y, torch.zeros(point, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("manifold", [Stiefel(), Oblique(), DGram()], ids=["stiefel", "oblique", "dgram"])
+def test_the_dual_helpers_refuse_batches_that_do_not_broadcast(manifold):
+    # torch's RuntimeError on the old code (the size of tensor a (2) must match ...)
+    g = torch.Generator().manual_seed(7)
+    two = manifold.random(2, 6, 4, generator=g, dtype=torch.float64)
+    three = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
+    for name, second in [("normal_multiplier", "z"), ("normal_component", "z"), ("tangent_residual", "a")]:
+        want = (f"{manifold.name}.{name}: w of shape (2, 6, 4) and {second} of shape (3, 6, 4) are not one "
+                f"batch")
+        with pytest.raises(ValueError, match=re.escape(want)):
+            getattr(manifold, name)(two, three)
+    # and a batch that broadcasts is one: a vector taken at two points counts at each
+    one = three[0]  # (6, 4)
+    assert torch.equal(manifold.normal_component(two, one), manifold.normal_component(two, one.expand(2, 6, 4)))
+    assert torch.equal(manifold.tangent_residual(two, one), manifold.tangent_residual(two, one.expand(2, 6, 4)))

@@ -12,6 +12,8 @@ and Stiefel's ``qr``, ``cayley`` and ``exp`` (``expmap`` too); ``inner(x, u)`` a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -144,3 +146,75 @@ def test_a_method_of_one_tensor_keeps_its_dtype(manifold):
     for dtype in (torch.float32, F64, torch.bfloat16):
         x = manifold.random(3, *_point_shape(manifold), dtype=dtype)
         assert manifold.projx(x).dtype == dtype
+
+
+# the matrix manifolds' dual helpers follow the same rule; on the old code torch's RuntimeError
+# (expected m1 and m2 to have the same dtype) from Stiefel's and DGram's four and Oblique's
+# normal_multiplier
+MATRIX = [Stiefel(), DGram(), Oblique()]
+MATRIX_IDS = ["stiefel", "dgram", "oblique"]
+HELPERS = ["normal_multiplier", "normal_component", "tangent_residual"]
+
+
+@pytest.mark.parametrize("x_dtype, other_dtype", PAIRS[:2], ids=PAIR_IDS[:2])
+@pytest.mark.parametrize("manifold", MATRIX, ids=MATRIX_IDS)
+def test_the_dual_helpers_compute_in_the_promoted_dtype(manifold, x_dtype, other_dtype):
+    g = torch.Generator().manual_seed(2)
+    w = manifold.random(3, 6, 4, generator=g, dtype=F64)
+    z = torch.randn(w.shape, generator=g, dtype=F64)
+    w, z = w.to(x_dtype), z.to(other_dtype)
+    dtype = torch.promote_types(x_dtype, other_dtype)
+    for name in HELPERS:
+        got = getattr(manifold, name)(w, z)
+        assert got.dtype == dtype, name
+        assert torch.equal(got, getattr(manifold, name)(w.to(dtype), z.to(dtype))), name
+
+
+@pytest.mark.parametrize("manifold", [*MATRIX, Euclidean(ndim=2)], ids=[*MATRIX_IDS, "euclidean-2"])
+def test_the_dual_helpers_refuse_what_is_no_matrix_of_the_manifold(manifold):
+    # an integer tensor gave an integer 'deviation' (or torch's error), a wide matrix an (m, m)
+    # deviation of the wrong constraint, a vector torch's RuntimeError / IndexError
+    w = manifold.random(6, 4, dtype=F64)
+    helpers = [("constraint_residual", (w.long(),), "'w' must be a real floating-point tensor"),
+               ("tangent_residual", (w, w.long()), "'a' must be a real floating-point tensor")]
+    if not isinstance(manifold, Euclidean):
+        helpers += [(name, (w.mT,), "needs (..., m, n) with m >= n >= 1, got m=4, n=6")
+                    for name in ("constraint_deviation", "constraint_residual")]
+        helpers += [("constraint_deviation", (w[:, 0],), "needs a matrix (..., m, n) with m >= n, got shape (6,)"),
+                    ("normal_multiplier", (w, w.int()), "'z' must be a real floating-point tensor")]
+    for name, args, message in helpers:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            getattr(manifold, name)(*args)
+
+
+# check_vector_on_tangent: x is judged as a point at its own dtype's tolerance and u's tangency at
+# the looser of x's and u's; the old code took both from u's dtype
+TANGENT_CHECKED = [m for m in MANIFOLDS if not isinstance(m, Euclidean)]
+TANGENT_IDS = [i for m, i in zip(MANIFOLDS, IDS) if not isinstance(m, Euclidean)]
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("manifold", TANGENT_CHECKED, ids=TANGENT_IDS)
+def test_the_tangent_check_of_a_low_precision_point_takes_its_rounding(manifold, low):
+    # a float16 point with a float64 tangent vector: the point's rounding (~1e-3) is in x^T u, and
+    # the old code judged both at float64's 1e-5 (not a point, not tangent)
+    x, u, _, _ = _arguments(manifold, low, F64)
+    assert manifold.check_vector_on_tangent(x, u)
+    manifold.assert_check_vector_on_tangent(x, u)
+    # still refused: a normal part as large as u (bfloat16's tolerance is 0.125)
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    normal = z - manifold.proju(x, z)  # (float64; x judged in its own dtype)
+    assert not manifold.check_vector_on_tangent(x, u + normal * (u.norm() / normal.norm()), ok_point=True)
+
+
+@pytest.mark.parametrize("manifold", TANGENT_CHECKED, ids=TANGENT_IDS)
+def test_the_tangent_check_judges_the_point_in_its_own_dtype(manifold):
+    # a float64 x off the manifold by 1e-3 with a float16 u: judged at float16's tolerance, the old
+    # code took it for a point
+    x, u, _, _ = _arguments(manifold, F64, torch.float16)
+    off = x + 1e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=F64)
+    ok, reason = manifold.check_vector_on_tangent(off, u, explain=True)
+    assert not ok and "exceeds atol=1e-05, rtol=1e-05" in reason
+    with pytest.raises(ValueError, match="not lying on tangent space"):
+        manifold.assert_check_vector_on_tangent(off, u)
+    assert manifold.check_vector_on_tangent(x, u)  # the point itself, u rounded to float16
