@@ -266,14 +266,23 @@ class RetractionManifold(geoopt.manifolds.Manifold):
             return
         ok, reason = self.check_point_on_manifold(x.detach(), explain=True)
         if ok:
-            return
-        check_tensor(x, "x", where, finite=True)
+            reason = self._repair_refusal(x.detach())
+            if reason is None:
+                return
+        else:
+            check_tensor(x, "x", where, finite=True)
+            reason = f"{reason} (the default tolerances for {x.dtype})"
         instead = ", ".join(repr(name) for name in self.projection_retractions)
         raise ValueError(
-            f"{where}: 'x' is not a point of {type(self).__name__}: {reason} (the default tolerances "
-            f"for {x.dtype}); {what} assumes one: project x first ({type(self).__name__}.projx)"
+            f"{where}: 'x' is not a point of {type(self).__name__}: {reason}; {what} assumes one: "
+            f"project x first ({type(self).__name__}.projx)"
             + (f", or use a retraction that maps any x + u ({instead})" if instead else "")
         )
+
+    def _repair_refusal(self, x: torch.Tensor) -> str | None:
+        """Why a point within its dtype's tolerances is still too far off for the maps that
+        repair its rounding before they use it (``None``: it is not); see Stiefel's."""
+        return None
 
     def _validate(self, x: torch.Tensor, name: str) -> None:
         """Raise ``ValueError`` when ``x`` is not a real floating-point tensor or has a shape the

@@ -13,12 +13,21 @@ from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
 
-__all__ = ["STIEFEL_COLUMN_TOLERANCE", "Stiefel", "check_tall_matrix"]
+__all__ = ["REPAIR_MAX_DEVIATION", "STIEFEL_COLUMN_TOLERANCE", "Stiefel", "check_tall_matrix"]
 
 #: Largest deviation from 1 of a column norm that :meth:`Stiefel.dual_factor` accepts: a sanity
 #: check (one ``m·n`` pass) against points that were never projected — columns scaled by a
 #: DGram-like spread — not a substitute for the constraint residual.
 STIEFEL_COLUMN_TOLERANCE = 0.1
+#: Largest :math:`\|X^\top X - I\|_\infty` (the largest row sum of :math:`|X^\top X - I|`, at least
+#: its spectral norm) of a point that the exponential map and the Cayley retraction take. They
+#: first repair the point's rounding by the cubic Newton–Schulz map normalized by the RMS
+#: singular value; from a deviation :math:`\delta \le 1/4` every normalized singular value lies in
+#: :math:`[0.77, 1.29] \subset (0, \sqrt 3)`, where the map converges monotonically. The entrywise
+#: tolerance of a 16-bit dtype (``check_point_on_manifold``) admits matrices far beyond it
+#: (bfloat16 columns at cosine 0.24 with each other: :math:`\delta = 0.24(n - 1)`), from which
+#: the repair diverged; a rounded Stiefel point is far inside it (bfloat16 1024 × 1024: 0.064).
+REPAIR_MAX_DEVIATION = 0.25
 
 
 def check_tall_matrix(shape, name: str, manifold: str):
@@ -67,6 +76,20 @@ class Stiefel(MatrixConstraintManifold):
     def _constraint_deviation(self, w):
         r""":math:`W^\top W - I`, ``(..., n, n)``."""
         return w.mT @ w - torch.eye(w.size(-1), dtype=w.dtype, device=w.device)
+
+    def _repair_refusal(self, x):
+        r"""A point within its dtype's tolerances whose :math:`\|X^\top X - I\|_\infty` exceeds
+        :data:`REPAIR_MAX_DEVIATION` (one ``m·n²`` product, in at least float32)."""
+        work = torch.promote_types(x.dtype, torch.float32)
+        rows = self._constraint_deviation(x.to(work)).abs().sum(-1)  # (..., n)
+        if rows.numel() == 0:  # an empty batch
+            return None
+        deviation = float(rows.amax())
+        if deviation <= REPAIR_MAX_DEVIATION:
+            return None
+        return (f"||X^T X - I||_inf = {deviation:.3g} (its largest row sum) exceeds {REPAIR_MAX_DEVIATION}, "
+                f"although its entries are within the default tolerances for {x.dtype}: from so far off, the "
+                f"repair of x's rounding that these maps take first does not converge")
 
     def dual_factor(self, w, check=True):
         if not check:

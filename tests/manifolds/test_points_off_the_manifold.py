@@ -11,6 +11,8 @@ raise ``ValueError`` beyond the dtype's default tolerances (a value check). The 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -100,3 +102,43 @@ def test_projection_retractions_still_map_any_x(manifold):
     x, u, noise = _point_and_step(Stiefel())
     for bad in (3.0 * x, x + 1e-3 * noise):
         assert manifold.check_point_on_manifold(manifold.retr(bad, u))
+
+
+STIEFEL_REPAIRS = [case for case in NEEDS_A_POINT if case[0].startswith("stiefel")]
+
+
+def _equal_cosines(m, n, cosine, dtype):
+    """``(m, n)`` columns of norm 1 at ``cosine`` with each other, rounded to ``dtype``."""
+    g = torch.Generator().manual_seed(n)
+    gram = (1 - cosine) * torch.eye(n, dtype=F64) + cosine * torch.ones(n, n, dtype=F64)
+    q = torch.linalg.qr(torch.randn(m, n, generator=g, dtype=F64))[0]
+    return (q @ torch.linalg.cholesky(gram).mT).to(dtype)
+
+
+@pytest.mark.parametrize("n", [8, 32])
+@pytest.mark.parametrize(("name", "manifold", "method", "instead"), STIEFEL_REPAIRS,
+                         ids=[case[0] for case in STIEFEL_REPAIRS])
+def test_a_16_bit_matrix_within_the_entry_tolerance_but_beyond_the_repair_is_refused(name, manifold, method,
+                                                                                      instead, n):
+    # bfloat16's entrywise tolerance took columns at cosine 0.24 (||X^T X - I||_inf = 0.24 (n - 1)),
+    # from which the repair of x's rounding diverged: Cayley returned points 1.7e3 (n = 32) off the
+    # manifold with no error, exp a non-finite result or a step past its limit
+    x = _equal_cosines(2 * n, n, 0.24, torch.bfloat16)
+    assert manifold.check_point_on_manifold(x)
+    u = manifold.proju(x, 1e-2 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.dtype))
+    expected = 0.24 * (n - 1)
+    with pytest.raises(ValueError, match=rf"stiefel\.{method}: 'x' is not a point of Stiefel: \|\|X\^T X - I\|\|_inf "
+                                         r"= (\S+) \(its largest row sum\) exceeds 0\.25") as refused:
+        getattr(manifold, method)(x, u)
+    named = float(re.search(r"_inf = (\S+) ", str(refused.value)).group(1))
+    assert named == pytest.approx(expected, rel=0.02)  # bfloat16 rounding of the cosines
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("name", "manifold", "method", "instead"), STIEFEL_REPAIRS,
+                         ids=[case[0] for case in STIEFEL_REPAIRS])
+def test_rounded_16_bit_points_are_far_inside_the_repair_bound(name, manifold, method, instead, dtype):
+    x = Stiefel().random(512, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
+    u = manifold.proju(x, 1e-2 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    y = getattr(manifold, method)(x, u)
+    assert y.dtype == dtype and Stiefel().check_point_on_manifold(y)
