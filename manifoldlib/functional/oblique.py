@@ -92,9 +92,8 @@ def oblique_exp(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     keeps a column's norm (:math:`\|\cos\theta\,w + \operatorname{sinc}\theta\,v\|^2 =
     \cos^2\theta\,\|w\|^2 + \sin^2\theta`), so a deviation of ``w`` stayed and chained steps added
     their rounding to it, with a bias at small angles, where :math:`\cos\theta` rounds the same
-    way at every step: float32 steps of angle 1e-3 drifted to :math:`\max|\|w_j\|^2 - 1|` =
-    1.08e-5 in 500 steps and past :meth:`~manifoldlib.Oblique.expmap`'s check (2e-5) after 1,214.
-    Now a chain is off by one step's rounding. This repairs rounding; it is no projection of an
+    way at every step, so that a chain reached :meth:`~manifoldlib.Oblique.expmap`'s own check.
+    Now a chain is off by one step's rounding (``test_chained_float32_oblique_expmap_stays_at_rounding``). This repairs rounding; it is no projection of an
     arbitrary ``w`` (``expmap`` refuses one off the manifold).
 
     A column whose :math:`\sigma_j` overflows (:math:`\theta_j` past about :math:`1.8\cdot10^{19}` in

@@ -119,15 +119,15 @@ def stiefel_cayley(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
     The transform multiplies :math:`X` by an orthogonal matrix, so :math:`R^\top R = X^\top X`:
     a deviation of ``x`` from the manifold is kept, not repaired, and chained steps added up
-    their rounding like a random walk (float32, ``6 × 3`` points, steps of 5%:
-    :math:`\max|X^\top X - I|` = 2.9e-6 after 2,000 steps, 1.07e-5 after 20,000, towards the
-    2e-5 beyond which :meth:`~manifoldlib.Stiefel.retr` refuses ``x``). ``x`` is therefore first
+    their rounding like a random walk (about :math:`\sqrt N` roundings after :math:`N` steps),
+    towards the deviation beyond which :meth:`~manifoldlib.Stiefel.retr` refuses ``x``. ``x`` is therefore first
     re-orthonormalized by the cubic Newton–Schulz map :math:`X(3I - X^\top X)/2` of
     :func:`stiefel_exp` (:func:`_reorthonormalize`), which takes a deviation :math:`E` to about
     :math:`\tfrac34E^2`; :func:`_cayley_repair_steps` says how many steps. A step costs
     :math:`2mn^2 + n^3` multiply-adds, a fifth of the transform's products for :math:`m \gg n`.
-    A chain is then off by the rounding of one step however long it runs, and the map of an
-    exact point is unchanged to rounding. This repairs rounding and small deviations; it is no
+    A chain is then off by the rounding of one step however long it runs
+    (``test_chained_float32_stiefel_cayley_stays_at_rounding``), and the map of an exact point is
+    unchanged to rounding. This repairs rounding and small deviations; it is no
     projection of an arbitrary ``x`` (the map of :math:`3X` is the map of :math:`X`), and
     :meth:`~manifoldlib.Stiefel.retr` refuses an ``x`` beyond the dtype's default tolerances.
     """
@@ -154,14 +154,13 @@ def _cayley_repair_steps(dtype: torch.dtype) -> int:
     r"""Cubic steps with which :func:`stiefel_cayley` repairs ``x`` for a result in ``dtype``: one
     in float32, two otherwise.
 
-    One step takes the rounding of a chained step to far below the working dtype's in every
-    dtype. The count is set by the largest deviation :meth:`~manifoldlib.Stiefel.retr` accepts,
-    :math:`\max|X^\top X - I| \le 2\cdot10^{-5}` in float32 and float64: after one step
-    float32 points are at float32's rounding (at most 4.5e-7 measured, up to ``512 × 128``, where
-    a second step gains nothing), float64 ones at 3.7e-8, which a second step takes to 1.3e-13
-    (float64 rounding for the random deviations a perturbed point has). float16 and bfloat16
-    points, repaired in float32, are accepted up to 0.031 and 0.25; two steps bring float16 to
-    about its rounding (2e-3 measured at worst) and bfloat16 to a fifth of that bound.
+    A step takes a deviation :math:`E` to about :math:`\tfrac34E^2`. The count is set by the
+    largest deviation :meth:`~manifoldlib.Stiefel.retr` accepts, :math:`2\cdot10^{-5}` in float32
+    and float64: one step leaves about :math:`3\cdot10^{-10}`, below float32's rounding but not
+    float64's, which a second step reaches. float16 and bfloat16 points are repaired in float32
+    from at most their tolerances (and :math:`\|X^\top X - I\|_\infty \le 1/4`,
+    :data:`~manifoldlib.manifolds.stiefel.REPAIR_MAX_DEVIATION`): two steps bring them to about
+    their own rounding (``test_stiefel_cayley_repairs_a_point_within_the_tolerance``).
     """
     return 1 if dtype == torch.float32 else 2
 

@@ -131,11 +131,10 @@ class Oblique(MatrixConstraintManifold):
         for a step that long.
 
         ``x`` must be a point of the manifold within the dtype's default tolerances: the formula
-        keeps a column's norm, so from a column of norm 3 it returned one of norm 3 (and from
-        unit columns perturbed by 1e-3 points 1.7e-3 off), with no error. The kernel now
-        normalizes the columns of ``x`` first, which repairs rounding (chained float32 steps of
-        angle 1e-3 drifted past this check after 1,214 steps; now they stay at one step's
-        rounding), but from a matrix farther off it steps from another point (``expmap(3x, 0)``
+        keeps a column's norm, so from a column of norm 3 it returned one of norm 3, with no
+        error. The kernel now normalizes the columns of ``x`` first, which repairs rounding
+        (chained float32 steps stay at one step's rounding, where they used to drift past this
+        check), but from a matrix farther off it steps from another point (``expmap(3x, 0)``
         is ``x``). :meth:`retr` (column normalization) maps any ``x``.
 
         Raises:

@@ -26,7 +26,8 @@ STIEFEL_COLUMN_TOLERANCE = 0.1
 #: :math:`[0.77, 1.29] \subset (0, \sqrt 3)`, where the map converges monotonically. The entrywise
 #: tolerance of a 16-bit dtype (``check_point_on_manifold``) admits matrices far beyond it
 #: (bfloat16 columns at cosine 0.24 with each other: :math:`\delta = 0.24(n - 1)`), from which
-#: the repair diverged; a rounded Stiefel point is far inside it (bfloat16 1024 × 1024: 0.064).
+#: the repair diverged; a rounded Stiefel point is inside it (of order :math:`nu/\sqrt m`, ``u`` the
+#: dtype's unit roundoff: 0.125 for a bfloat16 ``1024 × 1024`` point, half the bound).
 REPAIR_MAX_DEVIATION = 0.25
 
 
@@ -178,13 +179,14 @@ class Stiefel(MatrixConstraintManifold):
         rounding, and re-orthonormalized before the cast back
         (:func:`~manifoldlib.functional.stiefel_exp`): the result passes
         :meth:`check_point_on_manifold` in every dtype, where computing the projection in the
-        input dtype left float32 points 3.8e-3 off at step scale 300. A step longer than
+        input dtype left long float32 steps off the manifold (``test_long_steps_stay_on_the_manifold``).
+        A step longer than
         :data:`~manifoldlib.functional.stiefel.STIEFEL_EXP_MAX_STEP` (:math:`\|P_X u\|_F > 2^{43}`),
         whose end float64 does not determine, raises ``ValueError``, and so does an ``x`` off the
         manifold beyond the dtype's default tolerances (a value check, as
         :meth:`~manifoldlib.Sphere.expmap`'s): the re-orthonormalization repairs rounding, and from
-        a matrix farther off the geodesic started elsewhere (for :math:`u = 0`, :math:`3X` gave
-        :math:`X`, entries up to 1.67 from ``x``; :math:`X` plus noise of 1e-3 a point 1.35e-3 from it).
+        a matrix farther off the geodesic started elsewhere (for :math:`u = 0` the map of
+        :math:`3X` is :math:`X`).
         """
         dtype = self._validate_args(f"{self.name}.expmap", x=x, u=u)
         self._require_point(x, f"{self.name}.expmap", "the exponential map (the geodesic from x)")

@@ -77,15 +77,15 @@ class StiefelCayleyRetraction(Retraction):
     :math:`W = PVX^\top - XV^\top P = \tfrac12(VX^\top - XV^\top)` is skew with
     :math:`WX = V` and the curve :math:`(I - \tfrac t2 W)^{-1}(I + \tfrac t2 W)X` has
     acceleration :math:`W^2X = WV`, which is normal (:math:`X^\top WV` is symmetric for
-    :math:`V = X\Omega`, :math:`\Omega` skew). Measured with
-    :func:`~manifoldlib.testing.retraction_order` (float64): 2.000 on 6×6 and 10×10 points,
-    1.000 on 8×4, 12×3 and 7×6. :attr:`order` is the claim for every shape (1);
+    :math:`V = X\Omega`, :math:`\Omega` skew); :func:`~manifoldlib.testing.retraction_order`
+    finds both (``test_stiefel_cayley_order_depends_on_the_shape``). :attr:`order` is the claim
+    for every shape (1);
     :meth:`order_at` gives the shape's own.
 
     The transform keeps the deviation of ``x`` from the manifold, so the kernel
     (:func:`~manifoldlib.functional.stiefel_cayley`) re-orthonormalizes ``x`` first: chained
-    float32 steps stay at one step's rounding (their rounding accumulated to 1.07e-5 in 20,000
-    steps, towards the refusal at 2e-5).
+    float32 steps stay at one step's rounding (without it their rounding accumulated like a
+    random walk towards :meth:`~manifoldlib.Stiefel.retr`'s refusal of ``x``).
     """
 
     order = 1
