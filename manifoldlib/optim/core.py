@@ -213,19 +213,25 @@ def _bank_buffer(bank: Bank) -> Tensor:
 
 def _check_points(bank: Bank) -> None:
     """Raise ``ValueError`` before any matrix moves where a constrained bank's point is one its
-    manifold's dual cannot use, naming the matrix: an early-stopping bank only (it reads the
-    host anyway; a sync-free one reads nothing back, and its step keeps such a matrix's value)."""
+    manifold's dual cannot use (a point never projected, or edited after its group was added),
+    naming the matrix: one host read for the bank, more only where one fails."""
     manifold = bank.options.manifold
-    for j, p in enumerate(bank.params):
-        tall = (p.mT if bank.flips[j] else p).detach().unsqueeze(0).to(bank.work)
-        if manifold.decays:  # solved at a power-of-two scale (see _constrained)
-            tall = tall * out_of_range_scale(tall, SCALE_FREE_EXPONENT)
+    points = bank.stack([p.detach() for p in bank.params], bank.work)  # (B, m, n)
+    if manifold.decays:  # solved at a power-of-two scale (see _constrained)
+        points = points * out_of_range_scale(points, SCALE_FREE_EXPONENT)
+    try:
+        manifold.dual_factor(points, check=True)
+        return
+    except ValueError:
+        pass
+    for j, p in enumerate(bank.params):  # name the first matrix that fails
         try:
-            manifold.dual_factor(tall, check=True)
+            manifold.dual_factor(points[j:j + 1], check=True)
         except ValueError as err:
             raise ValueError(f"ManifoldMuon: a {tuple(p.shape)} matrix on {manifold.name}: {err}; no parameter or "
                              f"momentum buffer was changed (ManifoldMuon.project_parameters moves every matrix onto "
                              f"its manifold)") from err
+    raise AssertionError("a bank's points failed their check together but passed it one by one")
 
 
 def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -396,7 +402,7 @@ def _fused_retraction(solution, eta, beta) -> Tensor | None:
 
 
 def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, process_group=None,
-              check_layout: bool = True) -> None:
+              check_layout: bool = True, check_points: bool = False) -> None:
     """One step of every bank, in place.
 
     Args:
@@ -407,9 +413,12 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
         check_layout: sharded mode: let :func:`~manifoldlib.distributed.sharded_apply` check that
             every rank passed the same shapes, dtypes and owners (a host read; the optimizer
             checks on the first step of each plan only). The same on every rank.
+        check_points: also check the points of sync-free banks (a host read per bank; the
+            optimizer checks on the first step of each plan). Early-stopping banks, which read the
+            host anyway, are checked on every step.
     """
     for bank in banks:  # every refusal before anything moves
-        if not (bank.execution.sync_free or bank.options.manifold.flat):
+        if not bank.options.manifold.flat and (check_points or not bank.execution.sync_free):
             _check_points(bank)
     if owners is None:
         for bank in banks:

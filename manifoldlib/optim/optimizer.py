@@ -179,9 +179,13 @@ class ManifoldMuon(Optimizer):
         """Move every parameter onto its group's manifold (what adding a group does).
 
         Call it after changing the weights outside the optimizer (loading other weights into the
-        model, a manual edit): a step assumes its points are on their manifolds, and on the
-        sync-free path a matrix far off its manifold fails the retraction's check every step and
-        keeps its value (``state["skipped_steps"]`` counts it).
+        model, a manual edit): a step assumes its points are on their manifolds. A matrix its
+        manifold's dual cannot use (e.g. Stiefel columns far from unit norm) is refused, naming it,
+        before anything moves: on every early-stopping step, and on the sync-free path on the first
+        step after the optimizer was made, a group added or a state dict loaded (it reads nothing
+        back later). A matrix edited after that on the sync-free path is not checked: one far off
+        its manifold fails the retraction's check every step and keeps its value
+        (``state["skipped_steps"]`` counts it), one close to it is moved onto it by the retraction.
 
         Raises:
             ValueError: naming a parameter that has no nearest point (all zeros; DGram without
@@ -336,8 +340,8 @@ class ManifoldMuon(Optimizer):
         with step_threads(plan.threads):
             if plan.banks:
                 muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group,
-                          check_layout=not plan.layout_checked)
-                plan.layout_checked = True
+                          check_layout=not plan.checked, check_points=not plan.checked)
+                plan.checked = True
             for sharded in plan.meshes:
                 items = [(plan.options[g], p, p.grad, state["momentum_buffer"], state) for g, p, state in sharded]
                 fsdp_step(items, self._execution_of, strategy=self.distribution.strategy)
@@ -380,8 +384,10 @@ class _StepPlan:
         owners: sharded mode: the owner rank of each whole matrix (by the banks' ``indices``).
         meshes: FSDP2's row-sharded matrices per device mesh, ``(group position, param, state)``.
         threads: intra-op threads of the step (:meth:`~manifoldlib.optim.execution.Execution.threads`).
-        layout_checked: sharded mode: the ranks' agreement on the banks' shapes, dtypes and owners
-            was checked (on the plan's first step; a host read, not repeated while the plan lasts).
+        checked: the plan's first step ran its one-time checks (host reads, not repeated while the
+            plan lasts): every sync-free bank's points are usable by its manifold's dual (a weight
+            edited after its group was added is refused, as early-stopping banks refuse it on every
+            step), and in sharded mode the ranks agree on the banks' shapes, dtypes and owners.
     """
 
     key: tuple
@@ -393,7 +399,7 @@ class _StepPlan:
     owners: list[int] | None
     meshes: list[list[tuple[int, Tensor, dict]]]
     threads: int | None
-    layout_checked: bool = False
+    checked: bool = False
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:

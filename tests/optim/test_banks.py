@@ -359,8 +359,12 @@ def test_the_counter_sees_host_reads():
 @pytest.mark.parametrize("attn,mlp", [("stiefel", "dgram"), ("dgram", "stiefel"), ("oblique", "oblique"),
                                       ("euclidean", "euclidean")], ids=["hetero", "hetero-inv", "oblique", "euclidean"])
 def test_the_products_path_never_synchronizes_with_the_host(attn, mlp):
+    # but on a plan's first step, which checks each constrained bank's points (one host read per
+    # bank: the (64, 64) one and the (256, 64) one)
     counts = _counted_step(2, attn, mlp)
-    assert [c.syncs for c in counts] == [0] * len(counts), [c.by_name for c in counts if c.syncs]
+    first, *later = [c.syncs for c in counts]
+    assert first == (0 if attn == "euclidean" else 2), counts[0].by_name
+    assert later == [0] * len(later), [c.by_name for c in counts if c.syncs]
     assert counts[-1].flops > 0  # the counter saw the step's products
 
 
@@ -624,26 +628,31 @@ def test_a_refused_step_changes_no_parameter_and_no_momentum():
 
 @pytest.mark.parametrize("manifold", MANIFOLDS)
 def test_the_products_path_never_writes_a_non_finite_point(manifold):
-    # no host check of the point on the sync-free path: a zero column set behind the optimizer's
-    # back must still not turn the matrix into NaN (it is retracted, or skipped and counted)
+    # no host check of the point on the sync-free path after a plan's first step: a zero column
+    # set behind the optimizer's back then must still not turn the matrix into NaN (it is
+    # retracted, or skipped and counted)
     params = [torch.nn.Parameter(w) for w in _points(manifold, [(48, 12)] * 2, seed=14, dtype=torch.float64)]
     opt = ManifoldMuon(params, lr=0.05, manifold=manifold, dual={"spectral": "products"})
-    with torch.no_grad():
-        params[1][:, 3] = 0.0
-    for p, g in zip(params, _gradients([(48, 12)] * 2, seed=96)):
-        p.grad = g
-    opt.step()
+    for seed in (95, 96):
+        for p, g in zip(params, _gradients([(48, 12)] * 2, seed=seed)):
+            p.grad = g
+        if seed == 96:
+            with torch.no_grad():
+                params[1][:, 3] = 0.0
+        opt.step()
     assert all(bool(torch.isfinite(p).all()) for p in params)
     # (an Oblique matrix with a zero column became NaN here before 2026-12-06: now it is skipped)
     assert int(opt.state[params[0]]["skipped_steps"]) == 0
 
 
 @pytest.mark.parametrize("manifold", MANIFOLDS)
-def test_weights_loaded_off_the_manifold_are_skipped_until_projected(manifold):
-    # e.g. model.load_state_dict(pretrained) after building the optimizer: on the products path a
-    # matrix far off its manifold fails the sync-free retraction's check and keeps its value, counted
-    # (Oblique's normalization needs no check and retracts it); project_parameters() moves every
-    # matrix onto its manifold, and the steps go on from there
+def test_weights_loaded_off_the_manifold_are_refused_or_skipped_until_projected(manifold):
+    # e.g. model.load_state_dict(pretrained) after building the optimizer. The first step of a plan
+    # checks the points of the sync-free path as the early-stopping path checks them every step:
+    # Stiefel columns far from unit norm are refused by name before anything moves. What that
+    # check lets through (DGram's dual takes any nonzero columns) fails the sync-free retraction's
+    # check and keeps its value, counted (Oblique's normalization needs no check and retracts it).
+    # project_parameters() moves every matrix onto its manifold, and the steps go on from there
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64, generator=gen))
     opt = ManifoldMuon([p], lr=0.05, manifold=manifold, dual={"spectral": "products"})
@@ -651,10 +660,17 @@ def test_weights_loaded_off_the_manifold_are_skipped_until_projected(manifold):
         p.copy_(torch.randn(8, 8, dtype=torch.float64, generator=gen))
     loaded = p.detach().clone()
     p.grad = torch.randn(8, 8, dtype=torch.float64, generator=gen)
-    opt.step()
-    skipped = int(opt.state[p]["skipped_steps"])
-    assert skipped == (0 if manifold == "oblique" else 1)
-    assert torch.equal(p.detach(), loaded) == bool(skipped)
+    if manifold == "stiefel":
+        with pytest.raises(ValueError, match=r"\(8, 8\) matrix on stiefel: W is not a Stiefel point: column \d+ "
+                                             r".*no parameter or momentum buffer was changed.*project_parameters"):
+            opt.step()
+        assert torch.equal(p.detach(), loaded) and not opt.state[p]["momentum_buffer"].any()
+        skipped = 0
+    else:
+        opt.step()
+        skipped = int(opt.state[p]["skipped_steps"])
+        assert skipped == (0 if manifold == "oblique" else 1)
+        assert torch.equal(p.detach(), loaded) == bool(skipped)
     opt.project_parameters()
     assert constraint_residual(p.detach(), manifold) <= 1e-12
     for _ in range(3):
@@ -662,6 +678,28 @@ def test_weights_loaded_off_the_manifold_are_skipped_until_projected(manifold):
         opt.step()
     assert constraint_residual(p.detach(), manifold) <= 1e-10
     assert int(opt.state[p]["skipped_steps"]) == skipped  # no more skips
+
+
+@pytest.mark.parametrize("spectral", ["products", "eigh"])
+def test_both_paths_refuse_a_stiefel_bank_with_a_matrix_edited_off_it_naming_that_matrix(spectral):
+    # three matrices in one bank, the third edited after the optimizer was made: the sync-free
+    # path used to retract it silently (a direction solved from a dual that assumed a point),
+    # the early-stopping path refused it; now both refuse, naming its shape, before anything moves
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in [(24, 6), (6, 24), (24, 6)]]
+    opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", dual={"spectral": spectral})
+    with torch.no_grad():
+        params[1].mul_(1.5)  # rows of norm 1.5: off Stiefel (orthonormal rows), still full rank
+    values = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    with pytest.raises(ValueError, match=r"a \(6, 24\) matrix on stiefel: .*has norm 1.5"):
+        opt.step()
+    assert all(torch.equal(p.detach(), v) for p, v in zip(params, values))
+    assert all(not opt.state[p]["momentum_buffer"].any() for p in params)
+    opt.project_parameters()
+    opt.step()  # the plan is made again, checked, and steps
+    assert all(not torch.equal(p.detach(), v) for p, v in zip(params, values))
 
 
 # ---- Euclidean banks and torch.optim.Muon -----------------------------------------------------
