@@ -35,8 +35,9 @@ So the momentum and the warm start stay with the shards they belong to, and
 :mod:`torch.distributed.checkpoint` saves and reshards them like the parameters (the scalars are
 replicated 0-d tensors). The parameters equal a single process's to rounding: each matrix sees the
 same operations, in a bank of other members. Two all-to-alls a step, no host synchronization on the
-sync-free (products) path; where the dual checks its points on the host (the eigh path), the owners'
-refusals are shared before anything moves, so every rank raises.
+sync-free (products) path after a plan's first step; where the dual checks its points on the host
+(every eigh step, the first step of a plan), the owners' refusals are shared before anything moves,
+so every rank raises.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class _Matrix:
 
 def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
               execution_of: Callable[[MuonOptions, torch.device, int], Execution], *,
-              strategy: str = "size") -> None:
+              strategy: str = "size", check_points: bool = False) -> None:
     """One step of the row-sharded matrices ``items`` ``(options, param, grad, momentum_buffer,
     state)`` (DTensors on one mesh), in place; a collective over the mesh's group.
 
@@ -94,6 +95,9 @@ def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
         items: every rank passes the same matrices in the same order.
         execution_of: ``(options, device, columns) -> Execution`` (the optimizer's, cached).
         strategy: how matrices are given owners (:func:`~manifoldlib.distributed.assign_owners`).
+        check_points: the owners check the points of sync-free banks too
+            (:func:`~manifoldlib.optim.core.muon_step`), and every rank raises where one refuses
+            (a host read; the optimizer checks on the first step of each plan).
     """
     mesh = items[0][1].device_mesh
     group = mesh.get_group()
@@ -118,11 +122,11 @@ def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
         wholes.append([torch.cat([piece[f] for piece in pieces]) for f in range(count)])
     error = None
     try:
-        results = _solve(mine, wholes, execution_of)
+        results = _solve(mine, wholes, execution_of, check_points)
     except Exception as err:  # noqa: BLE001 - shared with the other ranks below
         error, results = err, None
-    if any(not execution_of(m.options, m.param.device, m.columns).sync_free for m in matrices):
-        raise_together(error, ValueError, group)  # the host-checked path: every rank raises
+    if check_points or any(not execution_of(m.options, m.param.device, m.columns).sync_free for m in matrices):
+        raise_together(error, ValueError, group)  # a host-checked step: every rank raises
     elif error is not None:
         raise error
 
@@ -183,14 +187,15 @@ def _returned_rows(matrix: _Matrix, rank: int, world: int) -> list[tuple[tuple[i
     return out
 
 
-def _solve(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of):
+def _solve(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of, check_points: bool = False):
     """The owner's part: per matrix ``(new W or Euclidean direction D, new Λ - Λ0 or None, scalars)``."""
     results: list = [None] * len(mine)
     flat = [j for j, matrix in enumerate(mine) if not matrix.constrained]
     for j, found in zip(flat, _directions([mine[j] for j in flat], [wholes[j] for j in flat], execution_of)):
         results[j] = found
     solved = [j for j, matrix in enumerate(mine) if matrix.constrained]
-    for j, found in zip(solved, _steps([mine[j] for j in solved], [wholes[j] for j in solved], execution_of)):
+    for j, found in zip(solved, _steps([mine[j] for j in solved], [wholes[j] for j in solved], execution_of,
+                                       check_points)):
         results[j] = found
     return results
 
@@ -225,7 +230,7 @@ def _directions(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], exe
     return out
 
 
-def _steps(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of):
+def _steps(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], execution_of, check_points: bool = False):
     """The owner's manifold step on whole matrices: per matrix ``(new W, new Λ - Λ0, scalars)``."""
     if not mine:
         return []
@@ -238,7 +243,7 @@ def _steps(mine: Sequence[_Matrix], wholes: Sequence[Sequence[Tensor]], executio
         items.append((matrix.options, w, update, None, state))
         finites.append(gradient_finite(update.unsqueeze(0))[0])
 
-    muon_step(make_banks(items, execution_of, updates_given=True))
+    muon_step(make_banks(items, execution_of, updates_given=True), check_points=check_points)
     return [(w, state.get("dual_correction"), _scalars(finite, state))
             for (_, w, _, _, state), finite in zip(items, finites)]
 

@@ -337,14 +337,15 @@ class ManifoldMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         plan = self._plan()
+        first = not plan.checked
         with step_threads(plan.threads):
             if plan.banks:
                 muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group,
-                          check_layout=not plan.checked, check_points=not plan.checked)
-                plan.checked = True
+                          check_layout=first, check_points=first)
             for sharded in plan.meshes:
                 items = [(plan.options[g], p, p.grad, state["momentum_buffer"], state) for g, p, state in sharded]
-                fsdp_step(items, self._execution_of, strategy=self.distribution.strategy)
+                fsdp_step(items, self._execution_of, strategy=self.distribution.strategy, check_points=first)
+        plan.checked = True
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -231,6 +231,23 @@ def refusal_job(rank: int) -> dict:
         out["builder"] = f"{type(error).__name__}: {error}"
     else:
         out["builder"] = "accepted"
+    # a row-sharded Stiefel matrix whose rows were edited off the manifold after the optimizer was
+    # made (each rank scales its own rows): the first step of the plan refuses it on every rank
+    for spectral in ("products", "eigh"):
+        param = torch.nn.Parameter(distribute_tensor(torch.randn(12, 6, generator=torch.Generator().manual_seed(1)),
+                                                     mesh, [Shard(0)]))
+        optimizer = ManifoldMuon([param], lr=0.05, manifold="stiefel", dual={"spectral": spectral})
+        with torch.no_grad():
+            param.to_local().mul_(1.5)
+        before = param.detach().full_tensor().clone()
+        param.grad = distribute_tensor(torch.randn(12, 6, generator=torch.Generator().manual_seed(2)), mesh, [Shard(0)])
+        try:
+            optimizer.step()
+        except ValueError as error:
+            out[f"edited_{spectral}"] = f"{type(error).__name__}: {error}"
+        else:
+            out[f"edited_{spectral}"] = "accepted"
+        out[f"edited_{spectral}_unchanged"] = bool(torch.equal(param.detach().full_tensor(), before))
     return out
 
 

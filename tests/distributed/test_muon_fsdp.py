@@ -156,13 +156,16 @@ def test_a_checkpoint_resumes_bit_exactly_on_any_world_size(tmp_path, worlds) ->
                 assert torch.equal(report[name], value), (world, name)
 
 
-def test_tensor_parallel_placements_are_refused_naming_them() -> None:
+def test_tensor_parallel_placements_and_edited_points_are_refused_naming_them() -> None:
     for report in run_workers(fw.refusal_job, 2, timeout=JOB_TIMEOUT_S):
         assert report["row_sharded"] == [True, False, False]  # is_row_sharded: FSDP2's placement only
         assert report["shard1"].startswith("UnsupportedParameterError: ")
         assert "(Shard(dim=1),)" in report["shard1"] and "fully_shard" in report["shard1"]
         assert "(Replicate(),)" in report["replicate"]
         assert "Shard(dim=1)" in report["builder"] and "attn.weight" in report["builder"]
+        for spectral in ("products", "eigh"):  # the sync-free path as the host-checked one: every rank
+            assert "(12, 6) matrix on stiefel: W is not a Stiefel point" in report[f"edited_{spectral}"]
+            assert report[f"edited_{spectral}_unchanged"]
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "euclidean"])
