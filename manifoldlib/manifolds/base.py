@@ -261,15 +261,13 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         """Raise ``ValueError`` when ``x`` is not a point of the manifold within the default
         tolerances of its dtype (:meth:`check_point_on_manifold`), for ``what``, a map whose formula
         assumes one (``"the exponential map"``): a value check, skipped inside
-        :func:`skip_value_checks`; one host synchronization."""
+        :func:`skip_value_checks`; one host synchronization (:meth:`_point_refusal`)."""
         if not value_checks_enabled() or x.device.type == "meta":
             return
-        ok, reason = self.check_point_on_manifold(x.detach(), explain=True)
-        if ok:
-            reason = self._repair_refusal(x.detach())
-            if reason is None:
-                return
-        else:
+        within, reason = self._point_refusal(x.detach())
+        if reason is None:
+            return
+        if not within:
             check_tensor(x, "x", where, finite=True)
             reason = f"{reason} (the default tolerances for {x.dtype})"
         instead = ", ".join(repr(name) for name in self.projection_retractions)
@@ -279,10 +277,12 @@ class RetractionManifold(geoopt.manifolds.Manifold):
             + (f", or use a retraction that maps any x + u ({instead})" if instead else "")
         )
 
-    def _repair_refusal(self, x: torch.Tensor) -> str | None:
-        """Why a point within its dtype's tolerances is still too far off for the maps that
-        repair its rounding before they use it (``None``: it is not); see Stiefel's."""
-        return None
+    def _point_refusal(self, x: torch.Tensor) -> Tuple[bool, Optional[str]]:
+        """Why :meth:`_require_point` refuses ``x`` (``None``: it takes it), with whether ``x`` is
+        within its dtype's default tolerances (:meth:`check_point_on_manifold`): ``(False, reason)``
+        when it is not; Stiefel's also gives ``(True, reason)`` for a point within them that is
+        still too far off for the maps that repair its rounding before they use it."""
+        return self.check_point_on_manifold(x, explain=True)
 
     def _validate(self, x: torch.Tensor, name: str) -> None:
         """Raise ``ValueError`` when ``x`` is not a real floating-point tensor or has a shape the

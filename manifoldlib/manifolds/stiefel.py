@@ -10,7 +10,7 @@ from ..functional.gram_rsqrt import polar_gram_factor
 from ..functional.msign import GRAM_EIGH_REFINE, msign
 from ..functional.stiefel import stiefel_exp, stiefel_qr, sym
 from ..retractions.base import Retraction
-from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
+from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, default_tolerance, max_abs
 from .matrix import MatrixConstraintManifold
 
 __all__ = ["REPAIR_MAX_DEVIATION", "STIEFEL_COLUMN_TOLERANCE", "Stiefel", "check_tall_matrix"]
@@ -42,6 +42,10 @@ def check_tall_matrix(shape, name: str, manifold: str):
             " (store a wide matrix transposed)"
         )
     return True, None
+
+
+def _tolerance_reason(err: float, atol: float, rtol: float) -> str:
+    return f"max |X^T X - I| = {err:.3e} exceeds atol={atol}, rtol={rtol}"
 
 
 class Stiefel(MatrixConstraintManifold):
@@ -78,19 +82,32 @@ class Stiefel(MatrixConstraintManifold):
         r""":math:`W^\top W - I`, ``(..., n, n)``."""
         return w.mT @ w - torch.eye(w.size(-1), dtype=w.dtype, device=w.device)
 
-    def _repair_refusal(self, x):
-        r"""A point within its dtype's tolerances whose :math:`\|X^\top X - I\|_\infty` exceeds
-        :data:`REPAIR_MAX_DEVIATION` (one ``m·n²`` product, in at least float32)."""
+    def _point_refusal(self, x):
+        r"""The value check of a point for ``exp`` and ``cayley``, from one
+        :math:`D = X^\top X - I` (one ``m·n²`` product, in at least float32) and, for a point it
+        takes, one host read: the entrywise check of :meth:`check_point_on_manifold` at the dtype's
+        default tolerances, then, for a point that passes it,
+        :math:`\|D\|_\infty \le` :data:`REPAIR_MAX_DEVIATION`."""
+        tol = default_tolerance(x.dtype)
         work = torch.promote_types(x.dtype, torch.float32)
-        rows = self._constraint_deviation(x.to(work)).abs().sum(-1)  # (..., n)
-        if rows.numel() == 0:  # an empty batch
-            return None
-        deviation = float(rows.amax())
-        if deviation <= REPAIR_MAX_DEVIATION:
-            return None
-        return (f"||X^T X - I||_inf = {deviation:.3g} (its largest row sum) exceeds {REPAIR_MAX_DEVIATION}, "
-                f"although its entries are within the default tolerances for {x.dtype}: from so far off, the "
-                f"repair of x's rounding that these maps take first does not converge")
+        w = x.to(work)  # (..., m, n)
+        gram = w.mT @ w  # (..., n, n)
+        eye = torch.eye(x.size(-1), dtype=work, device=x.device)
+        deviation = gram - eye  # (..., n, n)
+        # the entrywise check judges X^T X rounded to x's own dtype, as check_point_on_manifold does
+        own = deviation if work == x.dtype else gram.to(x.dtype) - eye.to(x.dtype)  # (..., n, n)
+        err = max_abs(own)
+        within = err <= tol + tol  # (NaN fails)
+        rows = max_abs(deviation.abs().sum(-1))  # the largest row sum; 0 for an empty batch
+        repairable = rows <= REPAIR_MAX_DEVIATION  # (NaN fails)
+        if bool(within & repairable):  # the one host read of a point taken
+            return True, None
+        if not bool(within):
+            return False, _tolerance_reason(err.item(), tol, tol)
+        return True, (f"||X^T X - I||_inf = {float(rows):.3g} (its largest row sum) exceeds "
+                      f"{REPAIR_MAX_DEVIATION}, although its entries are within the default tolerances for "
+                      f"{x.dtype}: from so far off, the repair of x's rounding that these maps take first "
+                      f"does not converge")
 
     def dual_factor(self, w, check=True):
         if not check:
@@ -113,7 +130,7 @@ class Stiefel(MatrixConstraintManifold):
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
         err = max_abs(self._constraint_deviation(x))
         ok = bool(err <= atol + rtol)
-        return ok, None if ok else f"max |X^T X - I| = {err.item():.3e} exceeds atol={atol}, rtol={rtol}"
+        return ok, None if ok else _tolerance_reason(err.item(), atol, rtol)
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
         r"""Every entry :math:`(i, j)`, the diagonal included:

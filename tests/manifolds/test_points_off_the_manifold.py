@@ -18,6 +18,7 @@ import torch
 
 from manifoldlib import DGram, Oblique, Stiefel
 from manifoldlib.manifolds import skip_value_checks
+from manifoldlib.testing import count_ops
 
 F64 = torch.float64
 
@@ -142,3 +143,25 @@ def test_rounded_16_bit_points_are_far_inside_the_repair_bound(name, manifold, m
     u = manifold.proju(x, 1e-2 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
     y = getattr(manifold, method)(x, u)
     assert y.dtype == dtype and Stiefel().check_point_on_manifold(y)
+
+
+PRODUCTS = ("mm", "bmm", "matmul")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("name", "manifold", "method", "instead"), STIEFEL_REPAIRS,
+                         ids=[case[0] for case in STIEFEL_REPAIRS])
+def test_the_point_check_forms_x_t_x_once_and_reads_the_host_once(name, manifold, method, instead, dtype):
+    # the entrywise tolerance check and the repair bound were two m n^2 products and two host
+    # reads; one D = X^T X - I now serves both (the other read is check_finite_result's)
+    x = Stiefel().random(3, 12, 5, generator=torch.Generator().manual_seed(0), dtype=F64)  # (3, 12, 5)
+    u = manifold.proju(x, 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=F64))
+    x, u = x.to(dtype), u.to(dtype)
+    checked = count_ops(lambda: getattr(manifold, method)(x, u))
+    with skip_value_checks():
+        unchecked = count_ops(lambda: getattr(manifold, method)(x, u))
+    assert torch.equal(checked.result, unchecked.result)
+    products = sum(checked.by_name[op] - unchecked.by_name[op] for op in PRODUCTS)
+    assert products == 1
+    assert checked.flops - unchecked.flops == 2 * 3 * 12 * 5 * 5  # one batched (12, 5)^T (12, 5)
+    assert checked.syncs - unchecked.syncs == 2
