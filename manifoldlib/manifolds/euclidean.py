@@ -8,7 +8,7 @@ import torch
 
 from ..retractions.base import Retraction
 from ..retractions.euclidean import AddRetraction
-from .base import RetractionManifold, _random_normal, _size_tuple
+from .base import RetractionManifold, _random_normal, _size_tuple, check_finite_result
 
 __all__ = ["Euclidean"]
 
@@ -62,12 +62,17 @@ class Euclidean(RetractionManifold):
         return u.to(dtype).expand(torch.broadcast_shapes(x.shape, u.shape))
 
     def retr(self, x, u):
-        """:meth:`RetractionManifold.retr <manifoldlib.manifolds.RetractionManifold.retr>`; the
-        built-in ``add`` takes a ``u`` of ``x``'s shape only, and for any other shape its refusal
-        states that rule (not the broadcasting of the other methods, which it is stricter than)."""
-        if isinstance(self._retraction, AddRetraction) and isinstance(x, torch.Tensor) and isinstance(u, torch.Tensor):
-            AddRetraction.check_shapes(x, u)
-        return super().retr(x, u)
+        """:meth:`RetractionManifold.retr <manifoldlib.manifolds.RetractionManifold.retr>`: ``x`` and
+        ``u`` broadcast to one batch and compute in their promoted dtype, as on every manifold
+        (``x`` ``(3, 4)`` with ``u`` ``(2, 3, 4)`` gives ``x + u``, ``(2, 3, 4)``; batches that do not
+        broadcast are refused naming every shape). The built-in ``add`` retraction object takes a
+        ``v`` of ``x``'s shape only, so it is given both broadcast to that batch (views)."""
+        if not isinstance(self._retraction, AddRetraction):
+            return super().retr(x, u)
+        dtype = self._validate_args(f"{self.name}.retr", x=x, u=u)
+        batch = torch.broadcast_shapes(x.shape, u.shape)
+        y = self._retraction.retract(x.to(dtype).expand(batch), u.to(dtype).expand(batch))
+        return check_finite_result(y, f"{self.name}.retr", x=x, u=u)
 
     def expmap(self, x, u):
         """``x + u`` (in the promoted dtype of both, also where one is a 0-dim point)."""

@@ -66,9 +66,11 @@ def test_stiefel_exponential_broadcasts_like_the_other_retractions(method, batch
 
 MAPS = [(Stiefel(retraction=name), "retr") for name in ("polar", "qr", "cayley", "exp")] + [
     (Stiefel(), "expmap"), (Oblique(), "retr"), (Oblique(), "expmap"), (DGram(), "retr"),
-    (DGram(retraction="colnorm-polar"), "retr"), (Sphere(2.0), "retr"), (Sphere(2.0), "expmap")]
+    (DGram(retraction="colnorm-polar"), "retr"), (Sphere(2.0), "retr"), (Sphere(2.0), "expmap")] + [
+    (Euclidean(ndim=ndim), "retr") for ndim in (0, 1, 2)]
 MAP_IDS = ["stiefel-polar", "stiefel-qr", "stiefel-cayley", "stiefel-exp", "stiefel-expmap", "oblique-retr",
-           "oblique-expmap", "dgram-alternating", "dgram-colnorm-polar", "sphere-retr", "sphere-expmap"]
+           "oblique-expmap", "dgram-alternating", "dgram-colnorm-polar", "sphere-retr", "sphere-expmap",
+           "euclidean-0-add", "euclidean-1-add", "euclidean-2-add"]
 
 
 @pytest.mark.parametrize("layout", ["both (3, 2)", "x (2,) u (3, 2)", "x (3, 2) u ()"])
@@ -133,8 +135,6 @@ def test_batches_that_do_not_broadcast_are_refused_naming_every_shape(manifold, 
                   for i, a in enumerate(args)]
         shapes = [f"{a} of shape {tuple(t.shape)}" for a, t in zip(args, values)]
         want = f"{manifold.name}.{name}: {', '.join(shapes[:-1])} and {shapes[-1]} are not one batch"
-        if isinstance(manifold, Euclidean) and name == "retr":  # 'add' takes x's shape only, and says so
-            want = f"euclidean retraction: 'v' must have the shape {tuple(values[0].shape)} of x, got shape"
         try:
             method(*values)
         except ValueError as error:
@@ -190,3 +190,26 @@ def test_the_dual_helpers_refuse_batches_that_do_not_broadcast(manifold):
     one = three[0]  # (6, 4)
     assert torch.equal(manifold.normal_component(two, one), manifold.normal_component(two, one.expand(2, 6, 4)))
     assert torch.equal(manifold.tangent_residual(two, one), manifold.tangent_residual(two, one.expand(2, 6, 4)))
+
+
+@pytest.mark.parametrize("ndim", [0, 1, 2])
+def test_euclidean_add_broadcasts_like_every_other_retraction(ndim):
+    # 'add' refused any u of another shape than x's ("'v' must have the shape (3, 4) of x"), where
+    # every other manifold's retr broadcasts x and u to one batch in their promoted dtype
+    g = torch.Generator().manual_seed(8)
+    manifold = Euclidean(ndim=ndim)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    u = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    for a, b in [(x, u), (u, x), (x.float(), u), (x, u.float())]:
+        got = manifold.retr(a, b)
+        assert got.shape == (2, 3, 4) and got.dtype == torch.float64
+        assert torch.equal(got, a.double() + b.double())  # float32 to float64 is exact
+    assert torch.equal(manifold.retr_transp(x, u, u)[0], x + u)
+
+
+@pytest.mark.parametrize("ndim", [0, 1])
+def test_euclidean_add_refuses_batches_that_do_not_broadcast_naming_both_shapes(ndim):
+    x, u = torch.zeros(3, 4, dtype=torch.float64), torch.ones(5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape("euclidean.retr: x of shape (3, 4) and u of shape (5, 4) are "
+                                                   "not one batch")):
+        Euclidean(ndim=ndim).retr(x, u)
