@@ -16,16 +16,11 @@ class AddRetraction(Retraction):
     order = 2
 
     def retract(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``x + v``; ``v`` must have ``x``'s shape (a broadcast would change the point's shape,
-        or silently apply one step to many points)."""
-        self.check_shapes(x, v)
+        """``x + v``, ``x`` and ``v`` broadcast to one batch as every manifold's ``retr`` broadcasts
+        them (geoopt's ``x + u``); shapes that do not broadcast are refused, naming both."""
+        try:
+            torch.broadcast_shapes(x.shape, v.shape)
+        except RuntimeError:
+            raise ValueError(f"euclidean retraction: x of shape {tuple(x.shape)} and v of shape "
+                             f"{tuple(v.shape)} are not one batch (they do not broadcast)") from None
         return x + v
-
-    @staticmethod
-    def check_shapes(x: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``ValueError`` naming both shapes unless ``v`` has the shape of ``x``: this
-        retraction's rule, stricter than the manifolds' broadcasting (which
-        :meth:`~manifoldlib.Euclidean.retr` therefore checks first)."""
-        if v.shape != x.shape:
-            raise ValueError(f"euclidean retraction: 'v' must have the shape {tuple(x.shape)} of "
-                             f"x, got shape {tuple(v.shape)}")

@@ -276,11 +276,15 @@ def test_check_tensor_refuses_a_non_tensor():
         check_tensor([1.0], "x", "stiefel.projx")
 
 
-@pytest.mark.parametrize("x_shape, u_shape", [((3, 4), (4,)), ((4,), (3, 4)), ((2, 3), (3, 2))])
-def test_euclidean_retr_refuses_a_step_of_another_shape(x_shape, u_shape):
-    with pytest.raises(ValueError, match=rf"'v' must have the shape {x_shape} of x, got shape "
-                                         rf"{u_shape}".replace("(", r"\(").replace(")", r"\)")):
-        Euclidean().retr(torch.zeros(x_shape), torch.ones(u_shape))
+@pytest.mark.parametrize("x_shape, u_shape", [((3, 4), (4,)), ((4,), (3, 4))])
+def test_euclidean_retr_broadcasts_a_step_as_every_manifold_does(x_shape, u_shape):
+    x, u = torch.randn(x_shape, dtype=torch.float64), torch.randn(u_shape, dtype=torch.float64)
+    torch.testing.assert_close(Euclidean().retr(x, u), x + u, rtol=0, atol=0)
+
+
+def test_euclidean_retr_refuses_a_step_of_another_batch_naming_both_shapes():
+    with pytest.raises(ValueError, match=r"x of shape \(2, 3\) and u of shape \(3, 2\) are not one batch"):
+        Euclidean().retr(torch.zeros(2, 3), torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("ndim", [-1, 1.5])

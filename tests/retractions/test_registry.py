@@ -357,3 +357,13 @@ def test_manifold_names_are_the_registries():
     with pytest.raises(ValueError, match="unknown manifold 'torus' for a retraction; valid manifolds: "
                        + ", ".join(MANIFOLD_NAMES)):
         available_retractions("torus")
+
+
+def test_the_add_retraction_object_broadcasts_as_euclidean_retr_and_names_other_batches():
+    # the object refused any v of another shape than x's, where Euclidean.retr (and geoopt's x + u)
+    # broadcasts: the two rules of one retraction now agree
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(AddRetraction()(x, v), x + v) and torch.equal(AddRetraction()(x, v), Euclidean().retr(x, v))
+    with pytest.raises(ValueError, match=r"x of shape \(3, 4\) and v of shape \(5, 4\) are not one batch"):
+        AddRetraction()(x, torch.ones(5, 4, dtype=torch.float64))
