@@ -621,20 +621,26 @@ MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, co
   stats[2] = tangent;
 }
 
+// A zero row, kept (_fused.py, "A zero row of h"): the update of a step 0, whose tangent space is
+// {0}: P_0 f = 0, so cos θ = k = 1 and out = 1 h + 0 f (NaN where f is not finite); its stats
+// [0, 0, 0], q = 0 the mark. No square of f is formed: ||f||² overflows a double for float64 rows
+// of entries past 1e154, and a step 0 times inf is NaN.
+template <typename T>
+void forward_zero_row(const T* x, const T* y, int64_t d, T* o, double* stats) {
+  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(static_cast<double>(x[i]) + 0.0 * static_cast<double>(y[i]));
+  stats[0] = stats[1] = stats[2] = 0.0;
+}
+
 // A row of sphere_step_forward whose q is out of range (see the top of this file): computed on its
 // copy scaled by 2^-e, its output times 2^e, its stats the scaled row's with q negated (the mark
-// the backward reads). A row with a non-finite entry is computed as it is (NaN). A zero row is
-// kept (_fused.py, "A zero row of h"): the update of a step 0, computed with q = 1 (a = 0, and
-// q multiplies nothing but h = 0), out = 1 h + 0 f, its stats [0, 0, n]: q = 0 is the mark.
+// the backward reads). A row with a non-finite entry is computed as it is (NaN); a zero row is kept.
 template <typename T>
 MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t d, const double* dots, double s,
                                                  int64_t family, double p, double eps, T* o, double* stats) {
   const int e = row_exponent(x, d);
   if (e == 0) {
     if (dots[0] == 0.0) {
-      const double unit[3] = {1.0, 0.0, dots[2]};
-      forward_row<T, false>(x, y, d, unit, 0.0, family, p, eps, 1.0, o, stats);
-      stats[0] = 0.0;
+      forward_zero_row(x, y, d, o, stats);
       return;
     }
     forward_row<T, false>(x, y, d, dots, s, family, p, eps, 1.0, o, stats);
@@ -725,6 +731,22 @@ MANIFOLDLIB_ALWAYS_INLINE double backward_row(const T* g, const T* x, const T* y
   return g_step * st.rho;  // d(s rho)/ds = rho
 }
 
+// A zero row's backward, the gradients of a step 0: grad_h = 1 g + 0 h + 0 f, grad_f = 0 g + 0 h + 0 f,
+// dL/ds 0; without <g, f>, which may overflow (P_0 f = 0: it does not enter).
+template <typename T>
+double backward_zero_row(const T* g, const T* x, const T* y, int64_t d, T* gf, T* gh) {
+  const T c[3] = {T(0), T(0), T(0)};  // of g, h, f in grad_f
+  const T e[3] = {T(1), T(0), T(0)};  // of g, h, f in grad_h
+  if (gf != nullptr && gh != nullptr) {
+    combine3x2(g, x, y, c, e, d, gf, gh);
+  } else if (gf != nullptr) {
+    combine3(g, x, y, c[0], c[1], c[2], d, gf);
+  } else if (gh != nullptr) {
+    combine3(g, x, y, e[0], e[1], e[2], d, gh);
+  }
+  return 0.0;
+}
+
 // A row the forward rescaled (q < 0 in its stats): its backward on the same scaled copy (the same
 // e, from the same row); its gradients in h and f as they come, its dL/ds times 2^e.
 template <typename T>
@@ -775,8 +797,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
         scalar_t* gh = want_h ? ghp + o : nullptr;
         if (row_stats[0] < 0.0) {  // rescaled by the forward
           rp[r] = backward_rescaled_row(gp + o, hp + o, fp + o, d, row_stats, s, family, p, eps, gf, gh);
-        } else if (row_stats[0] == 0.0) {  // a zero row, kept: the backward of a step 0 (q = 1), dL/ds 0
-          rp[r] = 0.0 * backward_row(gp + o, hp + o, fp + o, d, 1.0, 0.0, row_stats[2], 0.0, family, p, eps, gf, gh);
+        } else if (row_stats[0] == 0.0) {  // a zero row, kept: the backward of a step 0
+          rp[r] = backward_zero_row(gp + o, hp + o, fp + o, d, gf, gh);
         } else {
           rp[r] = backward_row(gp + o, hp + o, fp + o, d, row_stats[0], row_stats[1], row_stats[2], s, family, p,
                                eps, gf, gh);

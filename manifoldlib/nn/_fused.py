@@ -123,15 +123,19 @@ path: the sphere of radius 0 is the point 0 and its tangent space is :math:`\{0\
 ``test_a_zero_row_of_h_is_kept_with_the_gradients_of_the_identity_on_every_path`` in
 ``tests/nn/test_sphere_residual.py`` checks every path). Each path runs the formulas above with :math:`q = 1` (any
 :math:`q > 0`: :math:`a = \langle 0, f\rangle = 0`, and :math:`q` multiplies nothing but
-:math:`h = 0`) and the row's step :math:`s` times 0: :math:`\sigma = 0`, :math:`\cos\theta = k = 1`,
-:math:`h' = 1\,h + 0\,u`; in the backward :math:`\mu = t = 0`, so :math:`\nabla_f = 0\,g + 0\,f`,
-:math:`\nabla_h = 1\,g`, and the row's :math:`dL/ds` times 0. A non-finite entry of :math:`f` still
-gives NaN (:math:`0 \cdot \mathrm{NaN}`). The kernels' dots give :math:`q = 0` for a zero row only
-(every other row is in range or rescaled into it; the row kernels mark it with :math:`q = 0` in their
-stats); the ATen path tells it by its largest and smallest entry (two more reductions over
+:math:`h = 0`), the row's step :math:`s` times 0, and :math:`\|P_h f\|^2 = \langle g, P_h f\rangle = 0`
+as :math:`P_0 f = 0` (not :math:`\|f\|^2` and :math:`\langle g, f\rangle`, which overflow for an
+:math:`f` of large entries, and a step 0 times :math:`\infty` is NaN; a zero row is kept whatever
+:math:`f`'s scale, ``test_a_zero_row_of_h_is_kept_whatever_the_scale_of_f``): :math:`\sigma = 0`,
+:math:`\cos\theta = k = 1`, :math:`h' = 1\,h + 0\,u`; in the backward :math:`\mu = t = 0` and
+:math:`dL/ds = 0`, so :math:`\nabla_f = 0\,g + 0\,f`, :math:`\nabla_h = 1\,g`. A non-finite entry of
+:math:`f` still gives NaN in the value (:math:`0 \cdot \mathrm{NaN}`). The kernels' dots give :math:`q = 0` for a zero row only
+(every other row is in range or rescaled into it); the row kernels write it as :math:`1\,h + 0\,f`
+and its gradients as :math:`1\,g` and :math:`0\,g`, and mark it with :math:`q = 0` in their stats;
+the ATen path tells it by its largest and smallest entry (two more reductions over
 :math:`h`, read-only), since there :math:`q = 0` also for a nonzero row whose squares underflow, which stays NaN;
-:func:`sphere_residual_reference` computes the update on a row of ones in place of a zero row and
-takes :math:`h + 0\cdot R`.
+:func:`sphere_residual_reference` computes the update on a row of ones in place of a zero row and on
+:math:`0\cdot f`, and takes :math:`h + 0\cdot R`.
 """
 
 from __future__ import annotations
@@ -295,8 +299,7 @@ class _SphereResidual(torch.autograd.Function):
                 parallel = None
         # a zero row: the update of a step 0 (module docstring), computed with q = 1 (h = 0, a = 0)
         q = torch.where(zero, 1.0, q)
-        keep = (~zero).to(h.dtype)  # (..., 1): 0 for a zero row, else 1
-        s = scale.to(h.dtype) * keep  # (..., 1)
+        s = scale.to(h.dtype) * (~zero).to(h.dtype)  # (..., 1): the step, 0 for a zero row
         if kernels is None:
             # ||P_h f||² from P_h f itself, for both step forms: the difference form
             # ||f||² - <h, f>²/||h||² cancels when f is nearly parallel to h (its rounding,
@@ -318,6 +321,8 @@ class _SphereResidual(torch.autograd.Function):
             if parallel is not None:
                 par = parallel.view(*h.shape[:-1], 3)
                 n = torch.where(par[..., :1].isnan(), n, par[..., 2:].to(h.dtype))
+        # a zero row: ||P_0 f||² = 0, not ||f||², which may overflow (and 0 inf is NaN)
+        n = torch.where(zero, 0.0, n)
         rho = None
         if eps is not None:  # normalized
             rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
@@ -335,7 +340,7 @@ class _SphereResidual(torch.autograd.Function):
             else:  # the flagged rows: c h + ks u in double
                 coef.append(c.expand_as(coef_h).contiguous())
                 kernels.forward_combine(_rows(h), _rows(f), coef, _rows(out), parallel)
-        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho, down, keep)
+        ctx.save_for_backward(h, f, s, q, a, n, sigma, c, k, rho, down, zero)
         ctx.retraction, ctx.eps = retraction, eps
         ctx.kernels = kernels
         return out
@@ -348,7 +353,7 @@ class _SphereResidual(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g):
-        h, f, s, q, a, n, sigma, c, k, rho, down, keep = ctx.saved_tensors
+        h, f, s, q, a, n, sigma, c, k, rho, down, zero = ctx.saved_tensors
         want_h, want_f, want_s = ctx.needs_input_grad[:3]
         kernels = ctx.kernels
         if not (g.is_contiguous() and g.dtype == h.dtype and g.device == h.device):
@@ -367,7 +372,8 @@ class _SphereResidual(torch.autograd.Function):
             g_h, g_f = dots.view(*h.shape[:-1], 2).split(1, dim=-1)  # (..., 1) each
         if down is not None:  # the per-row math below is that of the rescaled rows (h, f) 2^-e
             g_h, g_f = g_h * down, g_f * down
-        g_u = g_f - a / q * g_h  # <g, u>, (..., 1)
+        # <g, u>, (..., 1); a zero row: <g, P_0 f> = 0, not <g, f>, which may overflow
+        g_u = torch.where(zero, 0.0, g_f - a / q * g_h)
         g_sigma = ctx.retraction.coefficients_vjp(sigma, c, k, g_h, s * g_u)
         ks = k * s
         mu = 2.0 * g_sigma * s * s / q
@@ -413,7 +419,7 @@ class _SphereResidual(torch.autograd.Function):
                 None if grad_h is None else _rows(grad_h),
             )
         if want_s:
-            per_row = (g_step if rho is None else g_step * rho) * keep  # d(s rho keep)/ds = rho keep
+            per_row = g_step if rho is None else g_step * rho  # d(s rho)/ds = rho; 0 for a zero row
             if down is not None:  # a rescaled row's dL/ds is 2^e times the scaled row's
                 per_row = per_row / down
             grad_s = per_row.sum().reshape(())
@@ -530,10 +536,12 @@ def sphere_residual_reference(
     if h.dtype in _LOW_PRECISION:  # ||h||² and the normalized step's floor overflow/underflow there
         return sphere_residual_reference(h.float(), f.float(), scale.float(), retraction, normalize_eps).to(h.dtype)
     f = f.to(h.dtype)
-    # A zero row is kept (module docstring): the update runs on a row of ones in its place, and the
-    # blend below takes 0 times that result (NaN for a non-finite f, as on the fused path) plus h.
+    # A zero row is kept (module docstring): the update runs on a row of ones in its place and on 0 f
+    # (P_0 f = 0: whatever f's scale, no square of it is formed; NaN for a non-finite f, as on the
+    # fused path), and the blend below takes 0 times that result plus h.
     zero = _zero_rows(h)  # (..., 1)
     point = torch.where(zero, 1.0, h)  # (..., d)
+    f = torch.where(zero, 0.0 * f, f)  # (..., d)
     if normalize_eps is not None:
         f = sphere_unit_tangent(point, f, normalize_eps)  # (..., d), tangent at h, norm <= r
     radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)

@@ -121,7 +121,8 @@ class SphereResidual(nn.Module):
             :func:`~manifoldlib.nn.sphere_residual`); a zero row is kept on every path (below).
 
     **A zero row of** :math:`h` (outside the contract: its sphere has radius 0) **is kept**, on
-    every path (C++ kernels, ATen, ``fused=False``, ``torch.compile``), with finite gradients. The
+    every path (C++ kernels, ATen, ``fused=False``, ``torch.compile``), with finite gradients, whatever
+    the scale of :math:`F` (no square of :math:`F` enters the row). The
     sphere of radius 0 is the single point 0 and its tangent space is :math:`\{0\}`, so
 
     .. math::

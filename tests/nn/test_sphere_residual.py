@@ -545,6 +545,40 @@ def test_a_zero_row_of_h_is_kept_with_the_gradients_of_the_identity_on_every_pat
     assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
 
 
+@pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+@pytest.mark.parametrize(("dtype", "big"), [(torch.float32, 1e20), (torch.float64, 1e160)])
+def test_a_zero_row_of_h_is_kept_whatever_the_scale_of_f(dtype, big, retraction, normalize_eps, path):
+    """A zero row of h is kept whatever f is: P_0 f = 0, so neither ||f||² nor <g, f> enters it.
+    Row 1's f has entries whose squares overflow the dtype, row 4's entries half its largest
+    number, of the signs of the upstream gradient (<g, f> overflows too). The old code formed
+    ||f||² (and <g, f>) of the row and multiplied it by the step 0: NaN values and gradients on
+    the ATen path and the separate passes (user-p3), on the row kernels in float64 (whose double
+    sums overflow there), and on the reference's Cayley and exponential maps. Every path now gives
+    the kept row and the gradients of the identity, the other rows as in a batch without them."""
+    ret = RETRACTIONS[retraction]
+    h, f = _case(43, 6, 16, radius=2.0, f_scale=1.5, dtype=dtype)
+    w = torch.randn(6, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    h[1], h[4] = 0.0, 0.0
+    f[1] = big * f[1]
+    f[4] = 0.5 * torch.finfo(dtype).max * w[4].sign()
+    rest, zero = [0, 2, 3, 5], [1, 4]
+    call = sphere_residual_reference if path == "reference" else sphere_residual
+
+    def fn(a, b, s, r):
+        return call(a, b, s, r, normalize_eps=normalize_eps)
+
+    out, grad_h, grad_f, grad_s = _on_path(path != "aten", lambda: _values_and_grads(fn, h, f, 0.7, ret, w=w))
+    assert torch.equal(out[zero], torch.zeros(2, 16, dtype=dtype))
+    assert torch.equal(grad_h[zero], w[zero])
+    assert torch.equal(grad_f[zero], torch.zeros(2, 16, dtype=dtype))
+    alone = _on_path(path != "aten", lambda: _values_and_grads(fn, h[rest], f[rest], 0.7, ret, w=w[rest]))
+    assert torch.equal(out[rest], alone[0])
+    assert torch.equal(grad_h[rest], alone[1]) and torch.equal(grad_f[rest], alone[2])
+    assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
+
+
 def _module_with_a_zero_row(step, fused, kernels, compiled):
     h, f = _case(42, 4, 8, radius=math.sqrt(8), f_scale=1.0, dtype=torch.float32)
     h[2] = 0.0
