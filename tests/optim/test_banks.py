@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import io
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -354,6 +355,13 @@ def test_the_counter_sees_host_reads():
     assert counts.syncs == 3
     assert {"_local_scalar_dense", "nonzero"} <= set(counts.by_name) and "nonzero" in SYNC_OPS
     assert count_ops(lambda: x @ x).flops == 2 * 8**3
+    # and the reads that dispatch nothing on a CPU tensor (a GPU tensor is copied to the host), or
+    # answer a Python bool; each read once (repr runs tolist), on the counting thread only
+    for read in (lambda: x.tolist(), lambda: x.numpy(), lambda: np.asarray(x), lambda: repr(x), lambda: torch.equal(x, x),
+                 lambda: torch.allclose(x, x)):
+        assert count_ops(read).syncs == 1
+    assert count_ops(lambda: x @ x).syncs == 0
+    assert "tolist" not in torch.Tensor.__dict__  # the counter leaves torch.Tensor as it found it
 
 
 @pytest.mark.parametrize("attn,mlp", [("stiefel", "dgram"), ("dgram", "stiefel"), ("oblique", "oblique"),
