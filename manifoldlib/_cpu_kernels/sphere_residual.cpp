@@ -45,7 +45,8 @@
 // row's first reduction: a row in range runs exactly the code it ran before, and only a row out
 // of range pays (it is copied, scaled, while in cache). A power of two scales exactly (short of
 // subnormal numbers), so a rescaled row gets the bits of its twin in range: its values times
-// 2^e, the same gradients in h and f, its dL/ds times 2^e.
+// 2^e, the same gradients in h and f, its dL/ds times 2^e (a row whose own update is out of T's
+// range is NaN instead: "Updates out of range" below).
 //   - sphere_step_forward redoes such a row on its scaled copy and multiplies the output by 2^e
 //     (in double, before rounding); its stats are the scaled row's, q negated to mark the row,
 //     and sphere_step_backward then redoes the row's backward on the same scaled copy.
@@ -58,6 +59,12 @@
 // the separate passes return its dots 0, from which their caller knows it (q = 0 nowhere else).
 // The exponent e is clamped so that 2^±e are normal numbers of the input dtype, which the separate
 // passes multiply in it.
+//
+// Updates out of range. A nonzero row whose ||P_h f||² (the row's own: a rescaled row's times 2^2e)
+// or σ is beyond T's largest number comes out NaN, values and gradients, as on the ATen path, which
+// forms both in T (_fused.py, "An update out of range"): the row kernels check both per row (their
+// stats' n NaN carries it to the backward); forward_dots gives a rescaled row whose own ||P_h f||² is
+// beyond T NaN dots (a row in range shows it in T to the caller, whose math has σ).
 //
 // Rows nearly parallel (the separate passes). With f nearly parallel to h, ||P_h f||² as
 // ||f||² - a²/q (the dots rounded to the input dtype) and the result as A h + B f (in the input
@@ -274,6 +281,13 @@ MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, 
     block_dots3(copy.data() + b, copy.data() + d + b, std::min(kBlock, d - b), total);
   }
   if ((*parallel = nearly_parallel(total))) parallel_row(copy.data(), copy.data() + d, d, total, par);
+  // the row's own ||P_h f||² beyond T's range (see the top of this file): NaN dots, so the caller's
+  // math gives the row NaN, as the ATen path does; a row in range shows it there in T itself
+  const double tangent = *parallel ? par[2] : total[2] - total[1] * (total[1] / total[0]);
+  if (!(std::ldexp(tangent, 2 * e) <= static_cast<double>(std::numeric_limits<T>::max()))) {
+    total[0] = total[1] = total[2] = std::numeric_limits<double>::quiet_NaN();
+    *parallel = false;
+  }
   return std::ldexp(1.0, -e);
 }
 
@@ -583,12 +597,21 @@ void check_family(int64_t family, double p) {
   TORCH_CHECK(family != kP || p > 0.0, "sphere_step kernels: p must be in (0, inf], got ", p);
 }
 
+// Whether a row's update is within T's range (see the top of this file): its ||P_h f||² (of the row
+// as given) and σ at most T's largest number. False for NaN.
+template <typename T>
+inline bool update_in_range(double tangent, double sigma) {
+  constexpr double largest = static_cast<double>(std::numeric_limits<T>::max());
+  return tangent <= largest && sigma <= largest;
+}
+
 // One row of sphere_step_forward after its first reduction (dots = [||x||², <x, y>, ||y||²]): its
 // ||P_h f||², coefficients and output, and its stats [q, a, n]. kRescaled: (x, y) are the row's
-// scaled copy and the output is multiplied by `up` = 2^e before it is rounded to T.
+// scaled copy and the output is multiplied by 2^e before it is rounded to T. A row whose update is
+// out of T's range comes out NaN, its stats' n NaN (so its backward is NaN too).
 template <typename T, bool kRescaled>
 MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, const double* dots, double s,
-                                           int64_t family, double p, double eps, double up, T* o,
+                                           int64_t family, double p, double eps, int e, T* o,
                                            double* stats) {
   const double q = dots[0], a = dots[1];
   // ||P_h f||² from P_h f itself, for both step forms (the difference form
@@ -598,8 +621,14 @@ MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, co
     block_residual_dots(x + b, y + b, a / q, std::min(kBlock, d - b), total);
   }
   const double normal = total[1] / q;  // the part of h that rounding left in u = f - (a/q) h
-  const double tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
-  const RowStep st = row_step(q, tangent, s, family, p, eps);
+  double tangent = std::max(total[0] - total[1] * normal, 0.0);  // ||u - normal h||²
+  RowStep st = row_step(q, tangent, s, family, p, eps);
+  // the row's own ||P_h f||²: a rescaled row's times 2^2e (ldexp: inf past a double's range)
+  const double own_tangent = kRescaled ? std::ldexp(tangent, 2 * e) : tangent;
+  if (!update_in_range<T>(own_tangent, st.sigma)) {  // NaN, as on the ATen path
+    tangent = std::numeric_limits<double>::quiet_NaN();
+    st = row_step(q, tangent, s, family, p, eps);  // cos θ NaN: every entry of the row NaN
+  }
   const double ks = st.k * st.step;
   // c h + ks u in double, from u itself, projected twice: the result keeps the norm of h
   // to rounding. Formed as A h + B f in the input dtype, B f and B (a/q) h would cancel
@@ -607,6 +636,7 @@ MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, co
   // plus a tangent of norm r: 1.5e-5 for the literal step; the normalized step's rho, up
   // to 1/eps, magnifies it to 10 %).
   const double alpha = a / q;
+  const double up = kRescaled ? std::ldexp(1.0, e) : 1.0;
   for (int64_t i = 0; i < d; ++i) {
     const double xi = static_cast<double>(x[i]);
     const double u = (static_cast<double>(y[i]) - alpha * xi) - normal * xi;
@@ -643,7 +673,7 @@ MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t
       forward_zero_row(x, y, d, o, stats);
       return;
     }
-    forward_row<T, false>(x, y, d, dots, s, family, p, eps, 1.0, o, stats);
+    forward_row<T, false>(x, y, d, dots, s, family, p, eps, 0, o, stats);
     return;
   }
   std::vector<T> copy(2 * d);
@@ -653,7 +683,7 @@ MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t
   scaled_copy(y, d, e, copy.data() + d);
   double scaled[3] = {};
   for (int64_t b = 0; b < d; b += kBlock) block_dots3(xs + b, ys + b, std::min(kBlock, d - b), scaled);
-  forward_row<T, true>(xs, ys, d, scaled, s, family, p, eps, std::ldexp(1.0, e), o, stats);
+  forward_row<T, true>(xs, ys, d, scaled, s, family, p, eps, e, o, stats);
   stats[0] = -stats[0];
 }
 
@@ -680,7 +710,7 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
         double dots[3] = {};  // ||h||², <h, f>, ||f||²
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
         if (in_range<scalar_t>(dots[0])) {
-          forward_row<scalar_t, false>(x, y, d, dots, s, family, p, eps, 1.0, op + r * d, sp + 3 * r);
+          forward_row<scalar_t, false>(x, y, d, dots, s, family, p, eps, 0, op + r * d, sp + 3 * r);
         } else {
           forward_rescaled_row(x, y, d, dots, s, family, p, eps, op + r * d, sp + 3 * r);
         }

@@ -102,7 +102,8 @@ degree 0 and in :math:`s` of degree 1. So the C++ kernels compute a row whose :m
 double) is out of their range (float32: norms outside :math:`2^{\pm 24}`, float64:
 :math:`2^{\pm 200}`) on :math:`(h, f)\,2^{-e}`, :math:`2^e` the power of two of its largest
 :math:`|h_i|`, while the row is in cache, and scale back; a power of two scales exactly, so such a
-row gets the bits of its twin in range (for rows whose largest entry is a normal number), and a
+row gets the bits of its twin in range (for rows whose largest entry is a normal number and whose
+update is in range, *An update out of range* below), and a
 row in range pays one comparison (``sphere_residual.cpp`` has the details). The ATen path cannot
 do that without another pass over every row (the row's largest entry, or scaled copies:
 ``vector_norm`` does not rescale, :math:`\|h\|` underflows with :math:`q`), so there a row whose
@@ -114,6 +115,27 @@ of one elementwise op on the :math:`(\ldots, 1)` tensor :math:`q` (it replaces t
 Rows above the floor get the bits they got before. Huge rows are left as they were on the ATen
 path: there the per-row math overflows to inf or NaN gradients (float32 norms above about
 :math:`2^{42}`), which is loud already, while the values stay right until :math:`q` overflows.
+
+An update out of range. A nonzero row whose :math:`n = \|P_h f\|^2` or :math:`\sigma = s^2 n/q`
+is beyond the input dtype's largest number (float32: :math:`\|P_h f\|` or the literal step's
+:math:`\beta = \sqrt\sigma` past about :math:`1.8\cdot 10^{19}`; float64: past about
+:math:`1.3\cdot 10^{154}`; e.g. a diverged sub-layer's output) comes out NaN on every path, its
+values and gradients, and with them the gradient in :math:`s`. The ATen path forms :math:`n` and
+:math:`\sigma` in the input dtype and cannot rescale them without another pass over every row;
+there :math:`\sigma = \infty` gave the gnomonic map :math:`\cos\theta = k = 0`, the row 0, off its
+sphere, and other maps NaN values, or values with NaN gradients. The C++ kernels, which form both
+in double and could compute most such rows, refuse the same rows (two comparisons per row; a
+rescaled row's own :math:`n`, not its scaled copy's), and so does
+:func:`sphere_residual_reference` (the angle forms of the retractions meet :math:`\sigma = \infty`
+there too): a run gives the same rows NaN on CPU and GPU, kernels on or off.
+``test_an_update_whose_squares_overflow_comes_out_nan_on_every_path`` and
+``test_a_literal_step_whose_sigma_overflows_comes_out_nan_on_every_path`` check every path. The
+ATen path tells such a row by :math:`\sigma = \infty` (:math:`n = \infty` makes it :math:`\infty`,
+or NaN through :math:`\rho = 0`) and makes it NaN: one elementwise op on a :math:`(\ldots, 1)`
+tensor. Within a small factor of that bound the paths' roundings (and the ATen path's intermediate
+products) decide. The normalized step's :math:`\sigma` is at most :math:`s^2`, so there only
+:math:`n` can leave the range (the update itself does not depend on the scale of :math:`f`). A zero
+row is not refused: it is kept (below).
 
 A zero row of h. Outside the contract (its sphere has radius 0), but defined, the same on every
 path: the sphere of radius 0 is the point 0 and its tangent space is :math:`\{0\}`, so
@@ -147,7 +169,11 @@ from torch.autograd.function import once_differentiable
 
 from .. import _cpu_kernels
 from .._numbers import is_real
-from ..functional.sphere import sphere_project_tangent, sphere_unit_tangent
+from ..functional.sphere import (
+    sphere_normalized_sq_step,
+    sphere_project_tangent,
+    sphere_unit_tangent,
+)
 from ..retractions.base import Retraction
 from ..retractions.sphere import (
     _ANGLE_MATH,
@@ -328,6 +354,9 @@ class _SphereResidual(torch.autograd.Function):
             rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
             s = s * rho  # the per-row step of the literal form
         sigma = s * s * n / q  # (..., 1)
+        # ||P_h f||² or σ past the dtype (n = inf makes σ inf, or NaN through rho = 0): NaN, the row
+        # and its gradients (module docstring, *An update out of range*); one op, NaN stays NaN
+        sigma = sigma.nan_to_num(nan=math.nan, posinf=math.nan)
         c, k = retraction.coefficients(sigma)
         ks = k * s
         coef_h = c - ks * a / q  # A, (..., 1)
@@ -481,6 +510,8 @@ def sphere_residual(
             of norm below :math:`2^{-32}` (float32) or :math:`2^{-300}` (float64) comes out NaN
             (see the module docstring).
         f: ``(..., d)`` update (e.g. a sub-layer output), any direction; only :math:`P_h(f)` acts.
+            A nonzero row whose :math:`\|P_h f\|^2` or :math:`\sigma` is beyond the dtype's largest
+            number comes out NaN on every path (module docstring, *An update out of range*).
         scale: step size :math:`s` (a scalar tensor, may require grad, or a finite number).
         retraction: a sphere :class:`~manifoldlib.retractions.AngleRetraction`; any other sphere
             retraction, and an angle retraction with a ``retract`` of its own (other than a
@@ -542,13 +573,20 @@ def sphere_residual_reference(
     zero = _zero_rows(h)  # (..., 1)
     point = torch.where(zero, 1.0, h)  # (..., d)
     f = torch.where(zero, 0.0 * f, f)  # (..., d)
+    radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)
+    v = sphere_project_tangent(point, f, radius_sq)  # (..., d), P_h f
+    tangent_sq = (v * v).sum(-1, keepdim=True)  # ||P_h f||², (..., 1)
     if normalize_eps is not None:
         f = sphere_unit_tangent(point, f, normalize_eps)  # (..., d), tangent at h, norm <= r
-    radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)
-    v = scale * sphere_project_tangent(point, f, radius_sq)  # (..., d), tangent at h
+        v = sphere_project_tangent(point, f, radius_sq)
+    v = scale * v  # (..., d), tangent at h
+    # ||P_h f||² or σ past the dtype: the row and its gradients NaN, as on the fused path (module
+    # docstring, *An update out of range*), through a constant factor NaN (else 1)
+    out_of_range = tangent_sq.isinf() | sphere_normalized_sq_step(v, radius_sq).isinf()  # (..., 1)
     if isinstance(retraction, AngleRetraction):
         out = retraction.retract(point, v, radius=None)
     else:
         out = retraction.retract(point, v)
+    out = out * torch.where(out_of_range, math.nan, 1.0)  # (..., d)
     zero = zero.to(out.dtype)
     return torch.addcmul(h * zero, out, 1.0 - zero)  # (..., d): out, or h for a zero row

@@ -119,6 +119,9 @@ class SphereResidual(nn.Module):
             exact where the C++ kernels run them and come out NaN on the ATen path (which
             includes a user's retraction in the normalized step;
             :func:`~manifoldlib.nn.sphere_residual`); a zero row is kept on every path (below).
+            A nonzero row whose update overflows the dtype (:math:`\|P_h F\|^2` or the literal
+            step's :math:`\beta^2` beyond its largest number: a diverged sub-layer) comes out NaN on
+            every path.
 
     **A zero row of** :math:`h` (outside the contract: its sphere has radius 0) **is kept**, on
     every path (C++ kernels, ATen, ``fused=False``, ``torch.compile``), with finite gradients, whatever

@@ -579,6 +579,61 @@ def test_a_zero_row_of_h_is_kept_whatever_the_scale_of_f(dtype, big, retraction,
     assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
 
 
+def _nan_rows_beside_rows_alone(path, fn, h, f, ret, bad, dtype):
+    """The rows ``bad`` NaN, values and gradients (and the gradient in s, a sum over rows); the other
+    rows' values and gradients those of a batch without them."""
+    rest = [i for i in range(h.shape[0]) if i not in bad]
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    out, grad_h, grad_f, grad_s = _on_path(path != "aten", lambda: _values_and_grads(fn, h, f, 0.7, ret, w=w))
+    assert all(bool(torch.isnan(t[bad]).all()) for t in (out, grad_h, grad_f)) and bool(torch.isnan(grad_s))
+    alone = _on_path(path != "aten", lambda: _values_and_grads(fn, h[rest], f[rest], 0.7, ret, w=w[rest]))
+    assert torch.equal(out[rest], alone[0])
+    assert torch.equal(grad_h[rest], alone[1]) and torch.equal(grad_f[rest], alone[2])
+
+
+@pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+@pytest.mark.parametrize(("dtype", "big", "huge"), [(torch.float32, 1e20, 2.0**30), (torch.float64, 1e160, 2.0**300)],
+                         ids=["float32", "float64"])
+def test_an_update_whose_squares_overflow_comes_out_nan_on_every_path(dtype, big, huge, retraction, normalize_eps,
+                                                                      path):
+    """Nonzero rows of h whose ||P_h f||² overflows the dtype: row 1 of norm 2, row 4 of a norm the
+    C++ kernels rescale (its scaled copy's ||P_h f||² fits). The paths disagreed: the float32 row
+    kernels computed such rows in double, finite; the ATen path, the separate passes and the
+    reference gave NaN, or values with NaN gradients (the gnomonic map's literal step: the row 0,
+    off its sphere); float64 rows likewise, the kernels' too. Every path now returns them NaN,
+    values and gradients, which is what the ATen path, forming ||P_h f||² in the dtype, can give
+    without another pass over every row; the other rows as in a batch without them."""
+    h, f = _case(44, 6, 16, radius=2.0, f_scale=1.5, dtype=dtype)
+    h[4] = huge * h[4]
+    f[1], f[4] = big * f[1], big * f[4]
+    call = sphere_residual_reference if path == "reference" else sphere_residual
+
+    def fn(a, b, s, r):
+        return call(a, b, s, r, normalize_eps=normalize_eps)
+
+    _nan_rows_beside_rows_alone(path, fn, h, f, RETRACTIONS[retraction], [1, 4], dtype)
+
+
+@pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
+@pytest.mark.parametrize(("dtype", "h_norm", "f_norm"), [(torch.float32, 2.0**-20, 2.0**50),
+                                                         (torch.float64, 2.0**-100, 2.0**500)],
+                         ids=["float32", "float64"])
+def test_a_literal_step_whose_sigma_overflows_comes_out_nan_on_every_path(dtype, h_norm, f_norm, retraction, path):
+    """Row 2: ||P_h f||² fits the dtype, sigma = s²||P_h f||²/||h||² does not (h in the kernels'
+    range, above the ATen path's floor). The float32 row kernels computed it in double, on its
+    sphere; the ATen path and the reference formed sigma = inf and returned the row 0 (gnomonic,
+    and about 0 for user-p3: off its sphere, with NaN h-gradients and a finite gradient in s) or
+    NaN; in float64 the kernels too (their p = 0.5 row off its sphere as well). Every path now
+    returns it NaN, values and gradients; the other rows as in a batch without it."""
+    h, f = _case(45, 4, 16, radius=1.0, f_scale=1.0, dtype=dtype)
+    h[2], f[2] = h_norm * h[2], f_norm * f[2]
+    call = sphere_residual_reference if path == "reference" else sphere_residual
+    _nan_rows_beside_rows_alone(path, call, h, f, RETRACTIONS[retraction], [2], dtype)
+
+
 def _module_with_a_zero_row(step, fused, kernels, compiled):
     h, f = _case(42, 4, 8, radius=math.sqrt(8), f_scale=1.0, dtype=torch.float32)
     h[2] = 0.0

@@ -379,11 +379,12 @@ def test_kernels_mark_the_rows_they_rescale():
     # the rows in range; sphere_step_forward: the scaled row's stats, its q negated
     ops = _cpu_kernels.load()
     h, f = _case(3, (4, 16), radius=1.0, f_scale=1.0, dtype=torch.float32)
-    row_scale = torch.tensor([[1.0], [2.0**-90], [1.0], [2.0**70]])
+    # (a huge row whose own ||P_h f||² fits float32: beyond it the row is NaN, an update out of range)
+    row_scale = torch.tensor([[1.0], [2.0**-90], [1.0], [2.0**50]])
     dots, factors, parallel = ops.forward_dots(row_scale * h, row_scale * f)
     _, e = torch.frexp(h.abs().amax(-1))  # the unit rows' exponents
     expected = torch.ones(4)
-    expected[1], expected[3] = math.ldexp(1.0, 90 - int(e[1])), math.ldexp(1.0, -70 - int(e[3]))
+    expected[1], expected[3] = math.ldexp(1.0, 90 - int(e[1])), math.ldexp(1.0, -50 - int(e[3]))
     assert torch.equal(factors, expected)
     twin, _, _ = ops.forward_dots(expected[:, None] * row_scale * h, expected[:, None] * row_scale * f)
     assert torch.equal(dots, twin)
@@ -589,6 +590,7 @@ def _kernel_op_args(dtype, requires_grad):
     h, f = _case(2, (5, 12), radius=2.0, dtype=dtype)
     h[3] = 0.0  # a zero row: stats q = 0
     h[4] *= 2.0**-100  # a rescaled row: stats q < 0
+    f[4] *= 2.0**-100  # (its update in range: an f of its scale, so sigma is that of a row of norm 2)
     step = torch.tensor(0.7, dtype=dtype)
     return [t.requires_grad_(requires_grad) for t in (h, f, step)]
 
