@@ -632,9 +632,9 @@ MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, co
   const double ks = st.k * st.step;
   // c h + ks u in double, from u itself, projected twice: the result keeps the norm of h
   // to rounding. Formed as A h + B f in the input dtype, B f and B (a/q) h would cancel
-  // in their normal part: for f nearly parallel to h the norm drifted (float32, f = 1000 h
-  // plus a tangent of norm r: 1.5e-5 for the literal step; the normalized step's rho, up
-  // to 1/eps, magnifies it to 10 %).
+  // in their normal part: for f nearly parallel to h the norm would drift by the rounding
+  // of B f's normal part, of order eps_T ||f|| / ||h|| relative (eps_T the input dtype's
+  // epsilon), which the normalized step's rho (up to 1/eps) magnifies further.
   const double alpha = a / q;
   const double up = kRescaled ? std::ldexp(1.0, e) : 1.0;
   for (int64_t i = 0; i < d; ++i) {
