@@ -723,6 +723,19 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
 // One row of sphere_step_backward, from its stats [q, a, n]: writes its gradients in h and f (those
 // asked for) and returns its dL/ds. (x, y) are the row of (h, f) the stats belong to: for a
 // rescaled row its scaled copy, whose gradients in h and f are the row's own (degree 0).
+// grad_f = c[0] g + c[1] h + c[2] f and grad_h = e[0] g + e[1] h + e[2] f, whichever are asked for
+// (a null output is not wanted), in one pass over the row where both are.
+template <typename T>
+void combine_gradients(const T* g, const T* x, const T* y, const T* c, const T* e, int64_t d, T* gf, T* gh) {
+  if (gf != nullptr && gh != nullptr) {
+    combine3x2(g, x, y, c, e, d, gf, gh);
+  } else if (gf != nullptr) {
+    combine3(g, x, y, c[0], c[1], c[2], d, gf);
+  } else if (gh != nullptr) {
+    combine3(g, x, y, e[0], e[1], e[2], d, gh);
+  }
+}
+
 template <typename T>
 MANIFOLDLIB_ALWAYS_INLINE double backward_row(const T* g, const T* x, const T* y, int64_t d, double q, double a,
                                               double tangent, double s, int64_t family, double p, double eps,
@@ -751,13 +764,7 @@ MANIFOLDLIB_ALWAYS_INLINE double backward_row(const T* g, const T* x, const T* y
   const T c[3] = {static_cast<T>(ks), static_cast<T>(-t), static_cast<T>(mu_f)};
   const T e[3] = {static_cast<T>(coef_g), static_cast<T>(coef_h), static_cast<T>(-t)};
   // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f
-  if (gf != nullptr && gh != nullptr) {
-    combine3x2(g, x, y, c, e, d, gf, gh);
-  } else if (gf != nullptr) {
-    combine3(g, x, y, c[0], c[1], c[2], d, gf);
-  } else if (gh != nullptr) {
-    combine3(g, x, y, e[0], e[1], e[2], d, gh);
-  }
+  combine_gradients(g, x, y, c, e, d, gf, gh);
   return g_step * st.rho;  // d(s rho)/ds = rho
 }
 
@@ -767,13 +774,7 @@ template <typename T>
 double backward_zero_row(const T* g, const T* x, const T* y, int64_t d, T* gf, T* gh) {
   const T c[3] = {T(0), T(0), T(0)};  // of g, h, f in grad_f
   const T e[3] = {T(1), T(0), T(0)};  // of g, h, f in grad_h
-  if (gf != nullptr && gh != nullptr) {
-    combine3x2(g, x, y, c, e, d, gf, gh);
-  } else if (gf != nullptr) {
-    combine3(g, x, y, c[0], c[1], c[2], d, gf);
-  } else if (gh != nullptr) {
-    combine3(g, x, y, e[0], e[1], e[2], d, gh);
-  }
+  combine_gradients(g, x, y, c, e, d, gf, gh);
   return 0.0;
 }
 

@@ -510,6 +510,27 @@ def test_rows_of_tiny_norm_leave_the_other_rows_alone(dtype, exponent, edge, ret
         assert bool(torch.isnan(mixed[3]))  # the gradient in s sums over the rows
 
 
+def _zero_rows_kept(path, h, f, w, ret, normalize_eps, dtype):
+    """Rows 1 and 4 (zero rows of h) kept, ``out = h = 0``, with the identity's gradients (``w`` in h,
+    0 in f); the other rows' values and gradients those of a batch without them, the gradient in s
+    theirs to the rounding of another order of its additions (a sum over rows; over entries on the
+    reference)."""
+    rest, zero = [0, 2, 3, 5], [1, 4]
+    call = sphere_residual_reference if path == "reference" else sphere_residual
+
+    def fn(a, b, s, r):
+        return call(a, b, s, r, normalize_eps=normalize_eps)
+
+    out, grad_h, grad_f, grad_s = _on_path(path != "aten", lambda: _values_and_grads(fn, h, f, 0.7, ret, w=w))
+    assert torch.equal(out[zero], torch.zeros(2, 16, dtype=dtype))
+    assert torch.equal(grad_h[zero], w[zero])
+    assert torch.equal(grad_f[zero], torch.zeros(2, 16, dtype=dtype))
+    alone = _on_path(path != "aten", lambda: _values_and_grads(fn, h[rest], f[rest], 0.7, ret, w=w[rest]))
+    assert torch.equal(out[rest], alone[0])
+    assert torch.equal(grad_h[rest], alone[1]) and torch.equal(grad_f[rest], alone[2])
+    assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
+
+
 @pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
 @pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
 @pytest.mark.parametrize("retraction", ["gnomonic", "cayley", "exp", "p=0.5", "user-p3"])
@@ -528,21 +549,7 @@ def test_a_zero_row_of_h_is_kept_with_the_gradients_of_the_identity_on_every_pat
     h, f = _case(41, 6, 16, radius=2.0, f_scale=1.5, dtype=dtype)
     h[1], h[4], f[4] = 0.0, 0.0, 0.0
     w = torch.randn(6, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
-    rest, zero = [0, 2, 3, 5], [1, 4]
-    call = sphere_residual_reference if path == "reference" else sphere_residual
-
-    def fn(a, b, s, r):
-        return call(a, b, s, r, normalize_eps=normalize_eps)
-
-    out, grad_h, grad_f, grad_s = _on_path(path != "aten", lambda: _values_and_grads(fn, h, f, 0.7, ret, w=w))
-    assert torch.equal(out[zero], torch.zeros(2, 16, dtype=dtype))
-    assert torch.equal(grad_h[zero], w[zero])
-    assert torch.equal(grad_f[zero], torch.zeros(2, 16, dtype=dtype))
-    alone = _on_path(path != "aten", lambda: _values_and_grads(fn, h[rest], f[rest], 0.7, ret, w=w[rest]))
-    assert torch.equal(out[rest], alone[0])
-    assert torch.equal(grad_h[rest], alone[1]) and torch.equal(grad_f[rest], alone[2])
-    # the gradient in s sums over rows (over entries, on the reference): another order of the additions
-    assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
+    _zero_rows_kept(path, h, f, w, ret, normalize_eps, dtype)
 
 
 @pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
@@ -563,20 +570,7 @@ def test_a_zero_row_of_h_is_kept_whatever_the_scale_of_f(dtype, big, retraction,
     h[1], h[4] = 0.0, 0.0
     f[1] = big * f[1]
     f[4] = 0.5 * torch.finfo(dtype).max * w[4].sign()
-    rest, zero = [0, 2, 3, 5], [1, 4]
-    call = sphere_residual_reference if path == "reference" else sphere_residual
-
-    def fn(a, b, s, r):
-        return call(a, b, s, r, normalize_eps=normalize_eps)
-
-    out, grad_h, grad_f, grad_s = _on_path(path != "aten", lambda: _values_and_grads(fn, h, f, 0.7, ret, w=w))
-    assert torch.equal(out[zero], torch.zeros(2, 16, dtype=dtype))
-    assert torch.equal(grad_h[zero], w[zero])
-    assert torch.equal(grad_f[zero], torch.zeros(2, 16, dtype=dtype))
-    alone = _on_path(path != "aten", lambda: _values_and_grads(fn, h[rest], f[rest], 0.7, ret, w=w[rest]))
-    assert torch.equal(out[rest], alone[0])
-    assert torch.equal(grad_h[rest], alone[1]) and torch.equal(grad_f[rest], alone[2])
-    assert abs(float(grad_s) - float(alone[3])) <= 64 * torch.finfo(dtype).eps * max(1.0, abs(float(alone[3])))
+    _zero_rows_kept(path, h, f, w, ret, normalize_eps, dtype)
 
 
 def _nan_rows_beside_rows_alone(path, fn, h, f, ret, bad, dtype):
