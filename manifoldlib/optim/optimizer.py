@@ -543,6 +543,11 @@ def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list
         options: the group's options: a :class:`~manifoldlib.optim.options.MuonOptions` or a dict
             of group options (the keys of :class:`ManifoldMuon`'s arguments; missing ones take its
             defaults).
+
+    The points must be on their manifolds (``ManifoldMuon.project_parameters`` moves them there).
+    An early-stopping step refuses one its manifold's dual cannot use, naming it; a sync-free step
+    checks nothing, so that it compiles as one graph (:class:`ManifoldMuon` checks its points on
+    the first step of each plan).
     """
     for state, buf in zip(states, momentum_bufs):
         state["momentum_buffer"] = buf
