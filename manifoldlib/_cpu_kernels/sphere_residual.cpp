@@ -49,7 +49,8 @@
 // range is NaN instead: "Updates out of range" below).
 //   - sphere_step_forward redoes such a row on its scaled copy and multiplies the output by 2^e
 //     (in double, before rounding); its stats are the scaled row's, q negated to mark the row,
-//     and sphere_step_backward then redoes the row's backward on the same scaled copy.
+//     and sphere_step_backward then redoes the row's backward on the same scaled copy (combining
+//     its f-terms at a power of two of their own, which keeps their coefficients normal: backward_row).
 //   - forward_dots returns the scaled row's dots, and as second output the (N,) factors 2^-e
 //     (1 for rows in range), or an empty tensor when no row was rescaled: the coefficients of
 //     A h + B f are ratios of the dots (the same for the scaled row), and the backward's Python
@@ -544,10 +545,15 @@ struct RowStep {
 inline RowStep row_step(double q, double n, double s, int64_t family, double p, double eps) {
   RowStep r{1.0, s, 0.0, 0.0, 0.0, 0.0};
   if (eps > 0.0) {
-    r.rho = std::sqrt(q / (n + eps * eps * q));  // r / sqrt(||P_h f||² + eps² r²)
+    // σ = (s rho)² n/q from the ratio n/D: (s rho)² and q/D are of order ||h||²/||P_h f||², below a
+    // double's normal range for float64 rows with ||P_h f|| / ||h|| past 2^511 (_fused.py)
+    const double denominator = n + eps * eps * q;  // D = ||P_h f||² + eps² r²
+    r.rho = std::sqrt(q) / std::sqrt(denominator);  // r / sqrt(D)
     r.step = s * r.rho;
+    r.sigma = s * s * (n / denominator);
+  } else {
+    r.sigma = s * s * n / q;
   }
-  r.sigma = r.step * r.step * n / q;
   if (family == kGnomonic) {
     r.c = r.k = 1.0 / std::sqrt(1.0 + r.sigma);
   } else if (family == kCayley) {
@@ -736,35 +742,55 @@ void combine_gradients(const T* g, const T* x, const T* y, const T* c, const T* 
   }
 }
 
-template <typename T>
+// kRescaled: (x, y) are the row's scaled copy, 2^-e times the row (h, f_own), and f_terms receives
+// the f that the gradients' f-terms combine (it may be y's buffer: y is read before).
+template <typename T, bool kRescaled>
 MANIFOLDLIB_ALWAYS_INLINE double backward_row(const T* g, const T* x, const T* y, int64_t d, double q, double a,
                                               double tangent, double s, int64_t family, double p, double eps,
-                                              T* gf, T* gh) {
+                                              T* gf, T* gh, T* f_terms = nullptr, const T* f_own = nullptr,
+                                              int e = 0) {
   double dots[2] = {};  // <g, h>, <g, f>
   for (int64_t b = 0; b < d; b += kBlock) {
     block_dots2(g + b, x + b, y + b, std::min(kBlock, d - b), dots);
   }
   const RowStep st = row_step(q, tangent, s, family, p, eps);
-  const double g_h = dots[0], g_u = dots[1] - a / q * g_h;  // <g, h>, <g, P_h f>
+  const double along = a / q;
+  const double g_h = dots[0], g_u = dots[1] - along * g_h;  // <g, h>, <g, P_h f>
   const double g_sigma = coefficients_vjp(st, family, p, g_h, st.step * g_u);
   const double ks = st.k * st.step;
-  const double mu = 2.0 * g_sigma * st.step * st.step / q;
-  double t = (mu * a + ks * g_h) / q;
-  const double g_step = st.k * g_u + 2.0 * g_sigma * st.step * tangent / q;  // dL/d(s rho)
-  const double coef_g = st.c - ks * a / q;
-  double coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * st.sigma) / q;
+  // grouped as in _fused.py: no product smaller than the coefficient it forms, nor (a/q)²
+  const double mu = 2.0 * (g_sigma / q) * st.step * st.step;
+  double t = mu * along + ks * (g_h / q);
+  const double g_step = st.k * g_u + 2.0 * g_sigma * ((st.step / q) * tangent);  // dL/d(s rho)
+  const double coef_g = st.c - ks * along;
+  double coef_h = (mu * along + 2.0 * ks * (g_h / q)) * along - 2.0 * g_sigma * st.sigma / q;
   double mu_f = mu;
   if (eps > 0.0) {  // s rho depends on h and f through ||P_h f||² and ||h||²
     const double denominator = tangent + eps * eps * q;
     const double w = g_step * st.step / denominator;
+    const double w_along = w * along;
     mu_f = mu - w;
-    t -= w * a / q;
-    coef_h += -w * (a / q) * (a / q) + g_step * st.step * (1.0 / q - eps * eps / denominator);
+    t -= w_along;
+    coef_h += -w_along * along + g_step * st.step * (1.0 / q - eps * eps / denominator);
+  }
+  double t_f = t;  // t as the coefficient of f
+  if constexpr (kRescaled) {
+    // The f-terms as (coefficient 2^-j) (f_own 2^(j-e)), the larger coefficient in [1/2, 1): the
+    // same products (powers of two are exact), but the copy's coefficient of f in grad_f, of order
+    // ||g|| ||h|| / ||P_h f||² at the copy's scale (2^e times the row's own for a tiny row), would
+    // leave T's normal range where the terms themselves are normal.
+    int j = 0;
+    const double largest = std::max(std::abs(mu_f), std::abs(t));
+    if (largest > 0.0 && std::isfinite(largest)) std::frexp(largest, &j);
+    mu_f = std::ldexp(mu_f, -j);
+    t_f = std::ldexp(t, -j);
+    for (int64_t i = 0; i < d; ++i) f_terms[i] = static_cast<T>(std::ldexp(static_cast<double>(f_own[i]), j - e));
+    y = f_terms;
   }
   const T c[3] = {static_cast<T>(ks), static_cast<T>(-t), static_cast<T>(mu_f)};
-  const T e[3] = {static_cast<T>(coef_g), static_cast<T>(coef_h), static_cast<T>(-t)};
+  const T e_coef[3] = {static_cast<T>(coef_g), static_cast<T>(coef_h), static_cast<T>(-t_f)};
   // grad_f = ks g - t h + mu_f f,  grad_h = coef_g g + coef_h h - t f
-  combine_gradients(g, x, y, c, e, d, gf, gh);
+  combine_gradients(g, x, y, c, e_coef, d, gf, gh);
   return g_step * st.rho;  // d(s rho)/ds = rho
 }
 
@@ -779,7 +805,8 @@ double backward_zero_row(const T* g, const T* x, const T* y, int64_t d, T* gf, T
 }
 
 // A row the forward rescaled (q < 0 in its stats): its backward on the same scaled copy (the same
-// e, from the same row); its gradients in h and f as they come, its dL/ds times 2^e.
+// e, from the same row); its gradients in h and f as they come (the f-terms on f rescaled once more,
+// see backward_row), its dL/ds times 2^e.
 template <typename T>
 MANIFOLDLIB_ROW_KERNEL double backward_rescaled_row(const T* g, const T* x, const T* y, int64_t d,
                                                     const double* stats, double s, int64_t family, double p,
@@ -788,8 +815,8 @@ MANIFOLDLIB_ROW_KERNEL double backward_rescaled_row(const T* g, const T* x, cons
   std::vector<T> copy(2 * d);
   scaled_copy(x, d, e, copy.data());
   scaled_copy(y, d, e, copy.data() + d);
-  const double per_row = backward_row(g, copy.data(), copy.data() + d, d, -stats[0], stats[1], stats[2], s,
-                                      family, p, eps, gf, gh);
+  const double per_row = backward_row<T, true>(g, copy.data(), copy.data() + d, d, -stats[0], stats[1], stats[2],
+                                               s, family, p, eps, gf, gh, copy.data() + d, y, e);
   return per_row * std::ldexp(1.0, e);
 }
 
@@ -831,8 +858,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
         } else if (row_stats[0] == 0.0) {  // a zero row, kept: the backward of a step 0
           rp[r] = backward_zero_row(gp + o, hp + o, fp + o, d, gf, gh);
         } else {
-          rp[r] = backward_row(gp + o, hp + o, fp + o, d, row_stats[0], row_stats[1], row_stats[2], s, family, p,
-                               eps, gf, gh);
+          rp[r] = backward_row<scalar_t, false>(gp + o, hp + o, fp + o, d, row_stats[0], row_stats[1],
+                                                row_stats[2], s, family, p, eps, gf, gh);
         }
       }
     });

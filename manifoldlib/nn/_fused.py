@@ -131,11 +131,28 @@ there too): a run gives the same rows NaN on CPU and GPU, kernels on or off.
 ``test_an_update_whose_squares_overflow_comes_out_nan_on_every_path`` and
 ``test_a_literal_step_whose_sigma_overflows_comes_out_nan_on_every_path`` check every path. The
 ATen path tells such a row by :math:`\sigma = \infty` (:math:`n = \infty` makes it :math:`\infty`,
-or NaN through :math:`\rho = 0`) and makes it NaN: one elementwise op on a :math:`(\ldots, 1)`
+or NaN through :math:`n/D` below) and makes it NaN: one elementwise op on a :math:`(\ldots, 1)`
 tensor. Within a small factor of that bound the paths' roundings (and the ATen path's intermediate
 products) decide. The normalized step's :math:`\sigma` is at most :math:`s^2`, so there only
 :math:`n` can leave the range (the update itself does not depend on the scale of :math:`f`). A zero
 row is not refused: it is kept (below).
+
+A step far longer than its row. The normalized step's :math:`\rho = r/\sqrt D`,
+:math:`D = n + \varepsilon^2 q`, is of order :math:`\|h\|/\|P_h f\|`, and :math:`(s\rho)^2` and
+:math:`q/D` of order :math:`\|h\|^2/\|P_h f\|^2`: for a row with :math:`\|P_h f\|/\|h\|` past
+:math:`2^{63}` (float32) or :math:`2^{511}` (float64), in range otherwise, they are subnormal or 0,
+and :math:`\sigma = (s\rho)^2 n/q` formed from them left the row off its sphere (float32, ATen
+path) or made the step the identity (float64, every path). So every path forms
+:math:`\rho = \sqrt q/\sqrt D` and :math:`\sigma = s^2 (n/D)`, ratios of numbers in range, and the
+backward groups its products so that none is smaller than the coefficient it forms (:math:`\mu`
+as :math:`(g_\sigma/q)(s\rho)^2` from the left, :math:`(a/q)^2` never formed: it overflows first).
+The coefficients themselves are what they are: :math:`\nabla_f`'s coefficient of :math:`f`,
+:math:`\mu - w`, is of order :math:`\|g\|\,\|h\|/\|P_h f\|^2` (its product with :math:`f` of
+order :math:`\|g\|\,\|h\|/\|P_h f\|`), and where it leaves the dtype's normal range that
+gradient loses precision on every path, as a product of subnormal numbers does (the C++ kernels
+combine a rescaled row's :math:`f`-terms at a power of two that keeps them normal, so their
+rescaling does not bring that limit nearer). ``test_a_step_far_longer_than_its_row_is_exact_on_every_path``
+in ``tests/nn/test_sphere_residual_normalized.py`` checks every path.
 
 A zero row of h. Outside the contract (its sphere has radius 0), but defined, the same on every
 path: the sphere of radius 0 is the point 0 and its tangent space is :math:`\{0\}`, so
@@ -172,7 +189,6 @@ from .._numbers import is_real
 from ..functional.sphere import (
     sphere_normalized_sq_step,
     sphere_project_tangent,
-    sphere_unit_tangent,
 )
 from ..retractions.base import Retraction
 from ..retractions.sphere import (
@@ -350,11 +366,14 @@ class _SphereResidual(torch.autograd.Function):
         # a zero row: ||P_0 f||² = 0, not ||f||², which may overflow (and 0 inf is NaN)
         n = torch.where(zero, 0.0, n)
         rho = None
-        if eps is not None:  # normalized
-            rho = torch.sqrt(q / (n + (eps * eps) * q))  # r / sqrt(||P_h f||² + eps² r²), (..., 1)
+        if eps is None:  # literal
+            sigma = s * s * n / q  # (..., 1)
+        else:  # normalized: σ = (s rho)² n/q as a ratio (module docstring, *A step far longer than its row*)
+            denominator = n + (eps * eps) * q  # D = ||P_h f||² + eps² r², (..., 1)
+            rho = q.sqrt() / denominator.sqrt()  # r / sqrt(D)
+            sigma = s * s * (n / denominator)  # (..., 1)
             s = s * rho  # the per-row step of the literal form
-        sigma = s * s * n / q  # (..., 1)
-        # ||P_h f||² or σ past the dtype (n = inf makes σ inf, or NaN through rho = 0): NaN, the row
+        # ||P_h f||² or σ past the dtype (n = inf makes σ inf, or NaN through n/D): NaN, the row
         # and its gradients (module docstring, *An update out of range*); one op, NaN stays NaN
         sigma = sigma.nan_to_num(nan=math.nan, posinf=math.nan)
         c, k = retraction.coefficients(sigma)
@@ -405,25 +424,30 @@ class _SphereResidual(torch.autograd.Function):
         g_u = torch.where(zero, 0.0, g_f - a / q * g_h)
         g_sigma = ctx.retraction.coefficients_vjp(sigma, c, k, g_h, s * g_u)
         ks = k * s
-        mu = 2.0 * g_sigma * s * s / q
-        t = (mu * a + ks * g_h) / q  # shared coefficient, (..., 1)
+        along = a / q  # (..., 1)
+        # Products grouped so that none is smaller than the coefficient it forms: s² and a ks are
+        # of order ||h||²/||P_h f||² and ||h||² in the normalized step, and (a/q)² of order
+        # ||f||²/||h||² (module docstring, *A step far longer than its row*)
+        mu = 2.0 * (g_sigma / q) * s * s
+        t = mu * along + ks * (g_h / q)  # shared coefficient, (..., 1)
         grad_s = None
         # grad_f = ks g + mu_f f - t h,  grad_h = coef_g g - t f + coef_h h  (row coefficients)
         mu_f = mu
-        g_step = k * g_u + 2.0 * g_sigma * s * n / q  # dL/ds per row, (..., 1)
+        g_step = k * g_u + 2.0 * g_sigma * ((s / q) * n)  # dL/ds per row, (..., 1)
         if want_h:
-            coef_g = c - ks * a / q
-            coef_h = (mu * a * a / q + 2.0 * a * ks * g_h / q - 2.0 * g_sigma * sigma) / q
+            coef_g = c - ks * along
+            coef_h = (mu * along + 2.0 * ks * (g_h / q)) * along - 2.0 * g_sigma * sigma / q
         if rho is not None:
             # the per-row step s rho depends on h and f: s rho = s r D^(-1/2), D = n + eps² q,
             # n = ||P_h f||² (dn/df = 2u, dn/dh = -2(a/q)u), q = ||h||² (dq/dh = 2h)
             floor_sq = ctx.eps * ctx.eps
             denominator = n + floor_sq * q  # D, (..., 1)
             w = g_step * s / denominator  # (..., 1)
+            w_along = w * along
             mu_f = mu - w
-            t = t - w * a / q
+            t = t - w_along
             if want_h:
-                coef_h = coef_h - w * (a / q) ** 2 + g_step * s * (1.0 / q - floor_sq / denominator)
+                coef_h = coef_h - w_along * along + g_step * s * (1.0 / q - floor_sq / denominator)
         if down is not None:  # the coefficients of h and f act on (h, f) 2^-e (exact: powers of two)
             t, mu_f = t * down, mu_f * down
             if want_h:
@@ -577,7 +601,10 @@ def sphere_residual_reference(
     v = sphere_project_tangent(point, f, radius_sq)  # (..., d), P_h f
     tangent_sq = (v * v).sum(-1, keepdim=True)  # ||P_h f||², (..., 1)
     if normalize_eps is not None:
-        f = sphere_unit_tangent(point, f, normalize_eps)  # (..., d), tangent at h, norm <= r
+        # the unit tangent r v / sqrt(D) of sphere_unit_tangent, D = ||P_h f||² + eps² r², with
+        # r / sqrt(D) a ratio of roots: q/D is of order ||h||²/||P_h f||² (module docstring)
+        denominator = tangent_sq + (normalize_eps * normalize_eps) * radius_sq  # (..., 1)
+        f = v * (radius_sq.sqrt() / denominator.sqrt())  # (..., d), tangent at h, norm <= r
         v = sphere_project_tangent(point, f, radius_sq)
     v = scale * v  # (..., d), tangent at h
     # ||P_h f||² or σ past the dtype: the row and its gradients NaN, as on the fused path (module

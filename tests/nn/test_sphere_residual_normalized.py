@@ -89,3 +89,61 @@ def test_a_bad_floor_is_refused_by_value(bad):
     h, f = _case()
     with pytest.raises(ValueError, match="normalize_eps must be None or a finite number > 0"):
         sphere_residual(h, f, 0.4, get_retraction("sphere", "gnomonic"), normalize_eps=bad)
+
+
+# (exponent of ||h||, exponent of ||f||) per row: rows 1 and 3 with ||P_h f|| / ||h|| past 2^63
+# (float32) or 2^511 (float64), where (s rho)² and ||h||²/D leave the normal range; float32 row 3
+# is one the C++ kernels rescale (||h|| below 2^-24)
+FAR_ROWS = {torch.float32: [(0, 0), (-20, 50), (0, 0), (-25, 45)], torch.float64: [(0, 0), (-180, 340), (0, 0)]}
+
+
+def _far_rows_truth(h, f, w, retraction, exponents):
+    """Values and gradients of the normalized step, each row from the float64 reference on (h 2^-i,
+    f 2^-j) with the floor eps 2^(i-j), where its numbers are of order 1: the step is homogeneous
+    of degree 1 in (h, f), of degree 0 in (f, eps) together (D scales by 2^-2j, rho by 2^(j-i)), so
+    the row's value is 2^i times that one's, its gradient in h the same, in f 2^(i-j) times, in s
+    2^i times (exact scalings)."""
+    rows = []
+    for k, (i, j) in enumerate(exponents):
+        a = (h[k : k + 1].double() * 2.0**-i).requires_grad_()
+        b = (f[k : k + 1].double() * 2.0**-j).requires_grad_()
+        s = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+        out = sphere_residual_reference(a, b, s, retraction, normalize_eps=1e-6 * 2.0 ** (i - j))
+        (out * w[k : k + 1].double()).sum().backward()
+        rows.append((out.detach() * 2.0**i, a.grad, b.grad * 2.0 ** (i - j), s.grad * 2.0**i))
+    return [torch.cat([row[m] for row in rows]) for m in range(3)] + [sum(row[3] for row in rows)]
+
+
+@pytest.mark.parametrize("path", [*PATHS, "reference"])
+@pytest.mark.parametrize("name", ["gnomonic", "exp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_step_far_longer_than_its_row_is_exact_on_every_path(dtype, name, path):
+    """Rows whose ||P_h f|| / ||h|| is past 2^63 (float32) or 2^511 (float64), h and f in range. The
+    old code formed sigma = (s rho)² n/q and rho = sqrt(q/D) from numbers of order ||h||²/||P_h f||²,
+    subnormal there: the ATen path left the float32 rows off their sphere with inf h-gradients, the
+    reference rotated them by the wrong angle, every path made the float64 row's step the identity
+    (and the kernels' float32 rescaled row lost its gradient in f). Now every path gives the values
+    and gradients of the same step on rows of moderate scale, to a few roundings."""
+    retraction = get_retraction("sphere", name)
+    exponents = FAR_ROWS[dtype]
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(len(exponents), 16, generator=g, dtype=torch.float64)
+    f = torch.randn(len(exponents), 16, generator=g, dtype=torch.float64) / 4.0
+    scale = torch.tensor([[2.0**i] for i, _ in exponents], dtype=torch.float64)
+    h = (scale * h / h.norm(dim=-1, keepdim=True)).to(dtype)
+    f = (torch.tensor([[2.0**j] for _, j in exponents], dtype=torch.float64) * f).to(dtype)
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
+    fn = sphere_residual_reference if path == "reference" else sphere_residual
+    a, b = h.clone().requires_grad_(), f.clone().requires_grad_()
+    s = torch.tensor(0.7, dtype=dtype, requires_grad=True)
+    with _path(path):
+        out = fn(a, b, s, retraction, normalize_eps=1e-6)
+    (out * w).sum().backward()
+    truth = _far_rows_truth(h, f, w, retraction, exponents)
+    eps = torch.finfo(dtype).eps
+    ratio = (out.double() * scale.reciprocal()).norm(dim=-1) / (h.double() * scale.reciprocal()).norm(dim=-1)
+    assert float((ratio - 1.0).abs().max()) <= 4 * eps
+    for got, want in zip((out, a.grad, b.grad), truth[:3]):  # row by row: their scales differ
+        error = (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert float(error.max()) <= 16 * eps
+    assert abs(float(s.grad) - float(truth[3])) <= 16 * eps * abs(float(truth[3]))
