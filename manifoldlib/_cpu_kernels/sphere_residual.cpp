@@ -658,13 +658,16 @@ MANIFOLDLIB_ALWAYS_INLINE void forward_row(const T* x, const T* y, int64_t d, co
 }
 
 // A zero row, kept (_fused.py, "A zero row of h"): the update of a step 0, whose tangent space is
-// {0}: P_0 f = 0, so cos θ = k = 1 and out = 1 h + 0 f (NaN where f is not finite); its stats
-// [0, 0, 0], q = 0 the mark. No square of f is formed: ||f||² overflows a double for float64 rows
-// of entries past 1e154, and a step 0 times inf is NaN.
+// {0}: P_0 f = 0, so cos θ = k = 1 and out = h; its stats [0, a, a], q = 0 the mark. a = <0, f>
+// (the row's double sum) is 0, or NaN where f has a non-finite entry: then the row is NaN, its
+// output, its gradients and its dL/ds, as any row with a non-finite input. No square of f is
+// formed: ||f||² overflows a double for float64 rows of entries past 1e154, and a step 0 times inf
+// is NaN.
 template <typename T>
-void forward_zero_row(const T* x, const T* y, int64_t d, T* o, double* stats) {
-  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(static_cast<double>(x[i]) + 0.0 * static_cast<double>(y[i]));
-  stats[0] = stats[1] = stats[2] = 0.0;
+void forward_zero_row(const T* x, int64_t d, double a, T* o, double* stats) {
+  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(static_cast<double>(x[i]) + a);
+  stats[0] = 0.0;
+  stats[1] = stats[2] = a;
 }
 
 // A row of sphere_step_forward whose q is out of range (see the top of this file): computed on its
@@ -676,7 +679,7 @@ MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t
   const int e = row_exponent(x, d);
   if (e == 0) {
     if (dots[0] == 0.0) {
-      forward_zero_row(x, y, d, o, stats);
+      forward_zero_row(x, d, dots[1], o, stats);
       return;
     }
     forward_row<T, false>(x, y, d, dots, s, family, p, eps, 0, o, stats);
@@ -795,13 +798,15 @@ MANIFOLDLIB_ALWAYS_INLINE double backward_row(const T* g, const T* x, const T* y
 }
 
 // A zero row's backward, the gradients of a step 0: grad_h = 1 g + 0 h + 0 f, grad_f = 0 g + 0 h + 0 f,
-// dL/ds 0; without <g, f>, which may overflow (P_0 f = 0: it does not enter).
+// dL/ds 0, each plus the row's a from its stats (0, or NaN: forward_zero_row); without <g, f>,
+// which may overflow (P_0 f = 0: it does not enter).
 template <typename T>
-double backward_zero_row(const T* g, const T* x, const T* y, int64_t d, T* gf, T* gh) {
-  const T c[3] = {T(0), T(0), T(0)};  // of g, h, f in grad_f
-  const T e[3] = {T(1), T(0), T(0)};  // of g, h, f in grad_h
+double backward_zero_row(const T* g, const T* x, const T* y, int64_t d, double a, T* gf, T* gh) {
+  const T nan_or_0 = static_cast<T>(a);
+  const T c[3] = {nan_or_0, nan_or_0, nan_or_0};         // of g, h, f in grad_f
+  const T e[3] = {T(1) + nan_or_0, nan_or_0, nan_or_0};  // of g, h, f in grad_h
   combine_gradients(g, x, y, c, e, d, gf, gh);
-  return 0.0;
+  return a;
 }
 
 // A row the forward rescaled (q < 0 in its stats): its backward on the same scaled copy (the same
@@ -856,7 +861,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sphere_step_backward(const at::Te
         if (row_stats[0] < 0.0) {  // rescaled by the forward
           rp[r] = backward_rescaled_row(gp + o, hp + o, fp + o, d, row_stats, s, family, p, eps, gf, gh);
         } else if (row_stats[0] == 0.0) {  // a zero row, kept: the backward of a step 0
-          rp[r] = backward_zero_row(gp + o, hp + o, fp + o, d, gf, gh);
+          rp[r] = backward_zero_row(gp + o, hp + o, fp + o, d, row_stats[1], gf, gh);
         } else {
           rp[r] = backward_row<scalar_t, false>(gp + o, hp + o, fp + o, d, row_stats[0], row_stats[1],
                                                 row_stats[2], s, family, p, eps, gf, gh);

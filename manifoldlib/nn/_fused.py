@@ -167,14 +167,23 @@ as :math:`P_0 f = 0` (not :math:`\|f\|^2` and :math:`\langle g, f\rangle`, which
 :math:`f` of large entries, and a step 0 times :math:`\infty` is NaN; a zero row is kept whatever
 :math:`f`'s scale, ``test_a_zero_row_of_h_is_kept_whatever_the_scale_of_f``): :math:`\sigma = 0`,
 :math:`\cos\theta = k = 1`, :math:`h' = 1\,h + 0\,u`; in the backward :math:`\mu = t = 0` and
-:math:`dL/ds = 0`, so :math:`\nabla_f = 0\,g + 0\,f`, :math:`\nabla_h = 1\,g`. A non-finite entry of
-:math:`f` still gives NaN in the value (:math:`0 \cdot \mathrm{NaN}`). The kernels' dots give :math:`q = 0` for a zero row only
-(every other row is in range or rescaled into it); the row kernels write it as :math:`1\,h + 0\,f`
-and its gradients as :math:`1\,g` and :math:`0\,g`, and mark it with :math:`q = 0` in their stats;
-the ATen path tells it by its largest and smallest entry (two more reductions over
-:math:`h`, read-only), since there :math:`q = 0` also for a nonzero row whose squares underflow, which stays NaN;
-:func:`sphere_residual_reference` computes the update on a row of ones in place of a zero row and on
-:math:`0\cdot f`, and takes :math:`h + 0\cdot R`.
+:math:`dL/ds = 0`, so :math:`\nabla_f = 0\,g + 0\,f`, :math:`\nabla_h = 1\,g`. The kernels' dots give
+:math:`q = 0` for a zero row only (every other row is in range or rescaled into it); the row kernels
+write it as :math:`h` and its gradients as :math:`1\,g` and :math:`0\,g`, and mark it with
+:math:`q = 0` in their stats; the ATen path tells it by its largest and smallest entry (two more
+reductions over :math:`h`, read-only), since there :math:`q = 0` also for a nonzero row whose squares
+underflow, which stays NaN; :func:`sphere_residual_reference` computes the update on a row of ones in
+place of a zero row and on :math:`0\cdot f`, and takes :math:`h + 0\cdot R`.
+
+A non-finite entry of :math:`f` in a zero row of :math:`h` gives what a non-finite input gives every
+other row: the row NaN, its values and its gradients in :math:`h` and :math:`f`, and with them the
+gradient in :math:`s` (as an update out of range does), on every path. The row's
+:math:`a = \langle 0, f\rangle = \sum_i 0\cdot f_i` is 0, or NaN exactly where an entry of :math:`f`
+is not finite (:math:`0\cdot\infty` is NaN; no square of :math:`f` is formed, so a finite :math:`f`
+of any scale still gives 0), and each path carries it into the row: the ATen path takes
+:math:`\|P_0 f\|^2 = a` (:math:`\sigma` NaN), the row kernels write :math:`h + a`, the gradients
+:math:`(1 + a)\,g` and :math:`a\,g` and :math:`dL/ds = a`, and the reference blends with the factor
+:math:`1 + a` in place of 1 (``test_a_zero_row_of_h_with_a_non_finite_f_comes_out_nan_on_every_path``).
 """
 
 from __future__ import annotations
@@ -363,8 +372,9 @@ class _SphereResidual(torch.autograd.Function):
             if parallel is not None:
                 par = parallel.view(*h.shape[:-1], 3)
                 n = torch.where(par[..., :1].isnan(), n, par[..., 2:].to(h.dtype))
-        # a zero row: ||P_0 f||² = 0, not ||f||², which may overflow (and 0 inf is NaN)
-        n = torch.where(zero, 0.0, n)
+        # a zero row: ||P_0 f||² = 0, not ||f||², which may overflow (and 0 inf is NaN); its a = <0, f>
+        # is that 0, or NaN where f has a non-finite entry, which makes the row NaN (module docstring)
+        n = torch.where(zero, a, n)
         rho = None
         if eps is None:  # literal
             sigma = s * s * n / q  # (..., 1)
@@ -596,7 +606,8 @@ def sphere_residual_reference(
     # fused path), and the blend below takes 0 times that result plus h.
     zero = _zero_rows(h)  # (..., 1)
     point = torch.where(zero, 1.0, h)  # (..., d)
-    f = torch.where(zero, 0.0 * f, f)  # (..., d)
+    f_zero = 0.0 * f  # (..., d)
+    f = torch.where(zero, f_zero, f)  # (..., d)
     radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)
     v = sphere_project_tangent(point, f, radius_sq)  # (..., d), P_h f
     tangent_sq = (v * v).sum(-1, keepdim=True)  # ||P_h f||², (..., 1)
@@ -615,5 +626,7 @@ def sphere_residual_reference(
     else:
         out = retraction.retract(point, v)
     out = out * torch.where(out_of_range, math.nan, 1.0)  # (..., d)
-    zero = zero.to(out.dtype)
-    return torch.addcmul(h * zero, out, 1.0 - zero)  # (..., d): out, or h for a zero row
+    # 1 for a zero row, 0 for the others; NaN for a zero row whose f has a non-finite entry (its
+    # <0, f> NaN), which makes the row NaN, values and gradients, as on the fused path
+    keep = torch.where(zero, 1.0 + f_zero.detach().sum(-1, keepdim=True), 0.0)  # (..., 1)
+    return torch.addcmul(h * keep, out, 1.0 - keep)  # (..., d): out, or h for a zero row

@@ -138,7 +138,8 @@ class SphereResidual(nn.Module):
     differentiable there (as :math:`h \to 0` along a direction :math:`e`, the literal step's
     angle tends to :math:`\theta_R(\infty)` and the normalized step's stays
     :math:`\theta_R(\alpha\lambda)`, so :math:`h'/\|h\|` depends on :math:`e`), and these are
-    the gradients of the kept row. A non-finite entry of :math:`F` in such a row still gives NaN.
+    the gradients of the kept row. A non-finite entry of :math:`F` in such a row makes it NaN, as
+    it does any row: its values and gradients, and with them the gradient in :math:`\alpha`.
 
     Shapes: ``h`` and ``f`` are ``(..., d)``; the output is ``(..., d)`` in ``h``'s dtype.
     """

@@ -628,6 +628,27 @@ def test_a_literal_step_whose_sigma_overflows_comes_out_nan_on_every_path(dtype,
     _nan_rows_beside_rows_alone(path, call, h, f, RETRACTIONS[retraction], [2], dtype)
 
 
+@pytest.mark.parametrize("path", ["kernels", "aten", "reference"])
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize(("retraction", "dtype"), [("gnomonic", torch.float32), ("user-p3", torch.float64)])
+def test_a_zero_row_of_h_with_a_non_finite_f_comes_out_nan_on_every_path(dtype, retraction, normalize_eps, path):
+    """Zero rows of h whose f has a NaN (row 1) or an infinite entry (row 4); row 2 a zero row with a
+    finite f, kept. The paths disagreed: the row kernels gave NaN only at those entries (values and
+    h- and f-gradients) and a gradient in s of 0, the ATen path and the separate passes a NaN row
+    with a gradient in s of 0, the reference a NaN row with a finite h-gradient and a NaN gradient in
+    s. Every path now gives such a row NaN, values and gradients, and the gradient in s NaN, as for
+    any row with a non-finite input; the other rows as in a batch without them."""
+    h, f = _case(46, 6, 16, radius=2.0, f_scale=1.5, dtype=dtype)
+    h[1], h[2], h[4] = 0.0, 0.0, 0.0
+    f[1, 3], f[4, 7] = math.nan, -math.inf
+    call = sphere_residual_reference if path == "reference" else sphere_residual
+
+    def fn(a, b, s, r):
+        return call(a, b, s, r, normalize_eps=normalize_eps)
+
+    _nan_rows_beside_rows_alone(path, fn, h, f, RETRACTIONS[retraction], [1, 4], dtype)
+
+
 def _module_with_a_zero_row(step, fused, kernels, compiled):
     h, f = _case(42, 4, 8, radius=math.sqrt(8), f_scale=1.0, dtype=torch.float32)
     h[2] = 0.0
