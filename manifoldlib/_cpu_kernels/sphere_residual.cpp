@@ -70,8 +70,8 @@
 // Rows nearly parallel (the separate passes). With f nearly parallel to h, ||P_h f||² as
 // ||f||² - a²/q (the dots rounded to the input dtype) and the result as A h + B f (in the input
 // dtype, B f and B (a/q) h cancelling in their normal part) both lose eps ||f||²/||P_h f||² of
-// that dtype: float32 f = 1e3 h + (a tangent of norm ||h||) left the sphere by 2e-5, 1e4 h by 12 %;
-// float64 1e6 h by 6e-5, 1e8 h by 30 %. forward_dots flags a row whose double sums give
+// that dtype (relative), and the row leaves its sphere by the rounding that cancellation exposes.
+// forward_dots flags a row whose double sums give
 // ||f||² - a²/q < ||f||² 2^-3 (kParallel: cancellation would cost more than 3 bits; one division
 // and one comparison per row) and, while the row is in cache, sweeps it once more for
 // ||u||² and <h, u> of u = f - (a/q) h in double (on the scaled copy of a rescaled row, as the row

@@ -85,7 +85,10 @@ def sphere_unit_tangent(x: torch.Tensor, z: torch.Tensor, eps: float = 1e-6) -> 
     its norm is taken (not as :math:`\|z\|^2 - \langle x,z\rangle^2/r^2`, which cancels when
     :math:`z` is nearly parallel to :math:`x` and would turn rounding into a full step), and the
     floor keeps the value and every derivative finite where :math:`P_x z = 0` (there
-    :math:`\hat z = 0`, so the retraction is the identity).
+    :math:`\hat z = 0`, so the retraction is the identity). The factor is formed as
+    :math:`r/\sqrt{D}`, :math:`D = \|P_x z\|^2 + \varepsilon^2 r^2`, not :math:`\sqrt{r^2/D}`, whose
+    quotient is subnormal (a few bits) where :math:`\|P_x z\|/r` is past the square root of the
+    dtype's largest number.
 
     Args:
         x: ``(..., d)`` nonzero points.
@@ -98,7 +101,8 @@ def sphere_unit_tangent(x: torch.Tensor, z: torch.Tensor, eps: float = 1e-6) -> 
     q = (x * x).sum(-1, keepdim=True)  # r², (..., 1)
     u = z - ((x * z).sum(-1, keepdim=True) / q) * x  # P_x z, (..., d)
     n = (u * u).sum(-1, keepdim=True)  # ||P_x z||², (..., 1)
-    return u * torch.sqrt(q / (n + (eps * eps) * q))
+    # r / sqrt(D), not sqrt(r² / D): for ||P_x z|| far above r the quotient r²/D is subnormal
+    return u * (q.sqrt() / (n + (eps * eps) * q).sqrt())
 
 
 def sphere_step_length(v: torch.Tensor, radius: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -355,8 +355,8 @@ class _SphereResidual(torch.autograd.Function):
             # ||P_h f||² from P_h f itself, for both step forms: the difference form
             # ||f||² - <h, f>²/||h||² cancels when f is nearly parallel to h (its rounding,
             # eps ||f||², then stands for the step), and so does A h + B f, whose B f and
-            # B (a/q) h agree in their normal part: with f = 1000 h + (a tangent of norm r) the
-            # literal step left the sphere by 3 % in float32
+            # B (a/q) h agree in their normal part: both lose eps ||f||²/||P_h f||² of the
+            # dtype (relative), and the row leaves its sphere by the rounding that exposes
             torch.addcmul(f, h, -a / q, out=out)  # (..., d): u = P_h f, kept for the combination
             normal = (h.unsqueeze(-2) @ out.unsqueeze(-1)).squeeze(-1) / q  # (..., 1): h left in u
             out.addcmul_(h, -normal)  # projected twice: tangent to rounding
@@ -364,8 +364,8 @@ class _SphereResidual(torch.autograd.Function):
         else:
             # The dots are summed in double but come back in the input dtype: the difference form
             # loses eps ||f||²/||P_h f||² of that dtype, and A h + B f below cancels in its normal
-            # part, when f is nearly parallel to h (float32, f = 1000 h plus a tangent of norm r:
-            # off the sphere by 2e-5; 1e4 h: 12 %). forward_dots flags such rows (cancellation
+            # part, when f is nearly parallel to h (both lose eps ||f||²/||P_h f||² of the input
+            # dtype, relative). forward_dots flags such rows (cancellation
             # beyond 3 bits) and sweeps them once more while they are in cache: their ||P_h f||²
             # comes from P_h f itself, and forward_combine writes them as c h + ks u in double.
             n = (f_sq - a * a / q).clamp_min(0.0)  # ||P_h f||², (..., 1)

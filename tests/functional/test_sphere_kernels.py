@@ -22,6 +22,7 @@ from manifoldlib.functional import (
     sphere_normalized_sq_step,
     sphere_project_tangent,
     sphere_step_length,
+    sphere_unit_tangent,
 )
 
 EPS = {torch.float64: torch.finfo(torch.float64).eps, torch.float32: torch.finfo(torch.float32).eps}
@@ -123,3 +124,18 @@ def test_sphere_step_length_never_squares_v(dtype, scale):
     assert torch.allclose(beta.double(), expected_beta, rtol=8 * eps, atol=0)
     assert torch.allclose(direction.double(), v64 / norms.clamp_min(1e-300), rtol=0, atol=8 * eps)
     assert float(beta[2]) == 0.0 and torch.equal(direction[2], torch.zeros(7, dtype=dtype))
+
+
+@pytest.mark.parametrize(("dtype", "tiny", "big"), [(torch.float32, -20, 50), (torch.float64, -150, 450)])
+def test_the_unit_tangent_of_a_step_far_longer_than_its_point_keeps_every_bit_of_its_factor(dtype, tiny, big):
+    # r / sqrt(D) with D = ||P_x z||^2 + eps^2 r^2 (r^2 / D was subnormal: a few bits of the factor
+    # left, the step off its length r); the same rows scaled into range are exact by homogeneity
+    g = torch.Generator().manual_seed(3)
+    x, z = torch.randn(4, 32, generator=g, dtype=torch.float64), torch.randn(4, 32, generator=g, dtype=torch.float64)
+    # homogeneous: degree 1 in x, 0 in z, with the floor eps relative to ||z|| / ||x||
+    expected = sphere_unit_tangent(x, z, eps=1e-6 * 2.0 ** (tiny - big)) * 2.0**tiny
+    got = sphere_unit_tangent((x * 2.0**tiny).to(dtype), (z * 2.0**big).to(dtype))
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), expected, rtol=64 * eps, atol=0)
+    lengths = got.double().norm(dim=-1) / (x * 2.0**tiny).norm(dim=-1)
+    assert float((lengths - 1).abs().max()) <= 64 * eps  # the normalized step has the radius's length
