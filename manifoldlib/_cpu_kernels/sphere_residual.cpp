@@ -472,10 +472,13 @@ void combine3(const T* g, const T* x, const T* y, T a, T b, T c, int64_t d, T* o
 
 template <typename T>
 void combine3x2(const T* g, const T* x, const T* y, const T* c, const T* e, int64_t d, T* o1, T* o2) {
+  // the coefficients in locals: the outputs could alias c and e for all the compiler knows, and it
+  // would reload them in every iteration instead of vectorizing the loop
+  const T c0 = c[0], c1 = c[1], c2 = c[2], e0 = e[0], e1 = e[1], e2 = e[2];
   for (int64_t i = 0; i < d; ++i) {
     const T gi = g[i], xi = x[i], yi = y[i];
-    o1[i] = c[0] * gi + c[1] * xi + c[2] * yi;
-    o2[i] = e[0] * gi + e[1] * xi + e[2] * yi;
+    o1[i] = c0 * gi + c1 * xi + c2 * yi;
+    o2[i] = e0 * gi + e1 * xi + e2 * yi;
   }
 }
 
@@ -735,7 +738,8 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
 // grad_f = c[0] g + c[1] h + c[2] f and grad_h = e[0] g + e[1] h + e[2] f, whichever are asked for
 // (a null output is not wanted), in one pass over the row where both are.
 template <typename T>
-void combine_gradients(const T* g, const T* x, const T* y, const T* c, const T* e, int64_t d, T* gf, T* gh) {
+MANIFOLDLIB_ALWAYS_INLINE void combine_gradients(const T* g, const T* x, const T* y, const T* c, const T* e,
+                                                 int64_t d, T* gf, T* gh) {
   if (gf != nullptr && gh != nullptr) {
     combine3x2(g, x, y, c, e, d, gf, gh);
   } else if (gf != nullptr) {
