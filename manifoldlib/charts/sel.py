@@ -122,6 +122,21 @@ def _positive(name: str, value) -> float:
     return v
 
 
+def _rms(weight: torch.Tensor) -> float:
+    r"""The RMS of ``weight``, in float64 on the entries scaled by :math:`2^{-e}` with :math:`2^e`
+    just above the largest magnitude: exact (a power of two), and the squares of float64 entries
+    beyond :math:`10^{154}` no longer overflow, nor those below :math:`10^{-154}` underflow (a
+    nonzero weight read as all-zero, calibrated by the width rule). 0 for an all-zero weight."""
+    w = weight.detach().double()
+    top = float(w.abs().max())
+    if top == 0.0:
+        return 0.0
+    e = math.frexp(top)[1]  # top = m 2^e, 1/2 <= m < 1
+    half = -e // 2  # two factors: 2^-e alone overflows for a subnormal top
+    scaled = w * 2.0**half * 2.0 ** (-e - half)  # (...) entries in (-1, 1)
+    return math.ldexp(float(scaled.square().mean().sqrt()), e)
+
+
 def _explicit_clamp(max_exponent, dtype: torch.dtype) -> float:
     """An explicit ``max_exponent`` for a weight stored in ``dtype``, as a float; ``ValueError``
     unless it is a number in ``(0, _largest_clamp(dtype)]``."""
@@ -282,7 +297,7 @@ class SEL(Chart):
         self.exact_inverse = init == "congruent" or not self.linear  # without l_w both rules agree
         self.kappa, self.gain, self.rank, self.fan_in = kappa, gain, rank, fan_in
 
-        sigma0 = float(weight.detach().double().square().mean().sqrt())
+        sigma0 = _rms(weight)
         if calibration == "width" or sigma0 == 0.0:  # an all-zero tensor has no scale of its own
             calibration, sigma0 = "width", gain / math.sqrt(fan_in)
         self.calibration, self.sigma0 = calibration, sigma0

@@ -159,6 +159,21 @@ def test_curvature_from_the_weight_it_is_built_on(std):
         SEL(W, calibration="rms")
 
 
+def test_a_float64_weight_below_the_square_root_of_the_range_is_calibrated_by_its_own_rms():
+    """The RMS was sqrt(mean(W^2)) in float64, whose squares underflow to 0 for entries below
+    about 1e-162: a nonzero weight of scale 2^-550 read as all-zero and got the width rule,
+    curved at 1/sqrt(fan_in) instead of its own scale. Its RMS is that of W times 2^-550 (exact:
+    a power of two), and the congruent chart still round-trips."""
+    W = torch.randn(4, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    tiny = W * 2.0**-550
+    chart = SEL(tiny, init="congruent")
+    assert chart.calibration == "weight"
+    assert chart.sigma0 == pytest.approx(float(W.square().mean().sqrt()) * 2.0**-550, rel=1e-15)
+    _, b, _ = chart.coefficients()
+    assert torch.allclose(b * chart.sigma0, torch.ones_like(b), rtol=1e-14, atol=0)
+    assert rel_err(chart(chart.right_inverse(tiny)), tiny) <= TOL[torch.float64]
+
+
 def test_scale_parameter_count_and_structure():
     out_f, in_f, rank = 24, 40, 3
     chart = SEL(torch.zeros(out_f, in_f), rank=rank)
