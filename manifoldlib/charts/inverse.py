@@ -45,7 +45,8 @@ where the root is an ordinary number; hence
 
 All arithmetic runs in float64 (float32 and half-precision inputs are promoted; float64 holds
 every product of their values; the coefficients are taken in float64 as given, whatever
-``y``'s dtype), and the root is rounded to ``y``'s dtype at the end; a root that
+``y``'s dtype, and so is a ``y`` given as Python numbers, which has no dtype of its own), and the
+root is rounded to ``y``'s dtype at the end; a root that
 does not fit that dtype raises a ``ValueError`` naming the coefficients. The degenerate cases
 have closed forms that the iteration reaches: ``c = 0`` gives :math:`\log1p(y/a)/b` and
 ``a = 0`` gives :math:`y/c`. Arguments broadcast against each other; the solvers run under
@@ -74,7 +75,11 @@ _LOG_REFINEMENTS = 4
 
 
 def _as_tensors(y, a, b, c) -> tuple[torch.Tensor, ...]:
-    y = torch.as_tensor(y)
+    if isinstance(y, bool):
+        raise ValueError(f"y must be a floating-point tensor or real numbers, got {y!r}")
+    # Python numbers (no dtype of their own) are float64 like the coefficients: through torch's
+    # default dtype, float32, y = 1e-50 became 0 (and its root 0) and y = 1e300 inf
+    y = torch.as_tensor(y, dtype=None if hasattr(y, "dtype") else _WORK)
     if not y.is_floating_point():
         raise ValueError(f"y must be a floating-point tensor, got dtype {y.dtype}")
     # the coefficients go straight to the float64 work dtype: rounded to y's dtype first, one below
@@ -219,7 +224,8 @@ def solve_expm1_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
     for coefficients anywhere in the floating range (module docstring).
 
     Args:
-        y: ``(...)`` target magnitudes, finite and :math:`\ge 0`.
+        y: ``(...)`` target magnitudes, finite and :math:`\ge 0`: a tensor, or Python numbers
+            (taken as float64).
         a: exponential scale :math:`a \ge 0`, broadcastable to ``y``.
         b: curvature :math:`b > 0`, broadcastable to ``y``.
         c: linear slope :math:`c \ge 0`, broadcastable to ``y``; ``a`` and ``c`` may not both be 0.
@@ -227,7 +233,8 @@ def solve_expm1_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
             working precision).
 
     Returns:
-        ``(...)`` the root :math:`x`, in ``y``'s dtype (broadcast shape).
+        ``(...)`` the root :math:`x`, in ``y``'s dtype (float64 for Python numbers; broadcast
+            shape).
 
     Raises:
         ValueError: on negative or non-finite inputs, where ``a = c = 0`` (no root), or where the
@@ -270,7 +277,8 @@ def solve_expm1_minus_linear(y, a, b, c, *, tol: float | None = None) -> torch.T
     docstring, for coefficients anywhere in the floating range.
 
     Args:
-        y: ``(...)`` target magnitudes, finite and :math:`\ge 0`.
+        y: ``(...)`` target magnitudes, finite and :math:`\ge 0`: a tensor, or Python numbers
+            (taken as float64).
         a: exponential scale :math:`a \ge 0`, broadcastable to ``y``.
         b: curvature :math:`b > 0`, broadcastable to ``y``.
         c: linear slope :math:`c \ge 0`, broadcastable to ``y``.
@@ -278,8 +286,8 @@ def solve_expm1_minus_linear(y, a, b, c, *, tol: float | None = None) -> torch.T
             working precision).
 
     Returns:
-        ``(...)`` the root :math:`t`; ``nan`` where ``a = 0`` and ``y > 0`` (then
-        :math:`h(t) = -ct \le 0` has no root).
+        ``(...)`` the root :math:`t`, in ``y``'s dtype (float64 for Python numbers); ``nan``
+        where ``a = 0`` and ``y > 0`` (then :math:`h(t) = -ct \le 0` has no root).
 
     Raises:
         ValueError: on negative or non-finite inputs, or where the root is beyond the largest

@@ -264,3 +264,19 @@ def test_coefficients_are_not_rounded_to_the_targets_dtype(sign, dtype, a, c):
     t = solve(torch.tensor([y], dtype=dtype), a, b, c)
     assert t.dtype == dtype
     assert t.item() == pytest.approx(float(root), rel=torch.finfo(dtype).eps, abs=0)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_target_given_as_python_numbers_is_solved_in_float64(sign):
+    """Python numbers have no dtype of their own; y went through torch's default dtype, float32,
+    so y = 1e-50 became 0 and the root 0, y = 0.1 got a float32 root and y = 1e300 was refused as
+    inf. Taken in float64 like the coefficients, they give the float64 tensor's roots."""
+    solve = solve_expm1_linear if sign > 0 else solve_expm1_minus_linear
+    y = [1e-50, 0.1, 1e300]
+    t = solve(y, 1.0, 1.0, 0.5)
+    assert t.dtype == torch.float64 and torch.equal(t, solve(_t(y), 1.0, 1.0, 0.5))
+    assert t[0].item() == pytest.approx(1e-50 / (1.0 + sign * 0.5), rel=4 * EPS64, abs=0)
+    scalar = solve(1e-50, 1.0, 1.0, 0.5)
+    assert scalar.dtype == torch.float64 and scalar.item() == t[0].item()
+    with pytest.raises(ValueError, match="y must be a floating-point tensor or real numbers"):
+        solve(True, 1.0, 1.0, 0.5)
