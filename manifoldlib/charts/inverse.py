@@ -59,6 +59,8 @@ import math
 
 import torch
 
+from .._numbers import is_real
+
 __all__ = ["solve_expm1_linear", "solve_expm1_minus_linear"]
 
 _MAX_ITER = 100
@@ -88,6 +90,17 @@ def _as_tensors(y, a, b, c) -> tuple[torch.Tensor, ...]:
     a, b, c = (v.to(device=y.device, dtype=_WORK) if isinstance(v, torch.Tensor)
                else torch.as_tensor(v, dtype=_WORK, device=y.device) for v in (a, b, c))
     return torch.broadcast_tensors(y, a, b, c)
+
+
+def _tolerance(tol) -> float:
+    r"""``tol`` as a float, by default :math:`4\varepsilon` of float64; ``ValueError`` unless a real
+    number, finite and :math:`\ge 0` (a NaN or infinite one stopped Newton after its first step,
+    unconverged: no step is larger than it; a bool passed as 0 or 1)."""
+    if tol is None:
+        return 4.0 * torch.finfo(_WORK).eps
+    if not (is_real(tol) and math.isfinite(tol) and tol >= 0):
+        raise ValueError(f"tol must be a finite number >= 0 (a relative step size), got {tol!r}")
+    return float(tol)
 
 
 def _check(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
@@ -230,16 +243,17 @@ def solve_expm1_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
         b: curvature :math:`b > 0`, broadcastable to ``y``.
         c: linear slope :math:`c \ge 0`, broadcastable to ``y``; ``a`` and ``c`` may not both be 0.
         tol: relative step size at which to stop (default :math:`4\varepsilon` of float64, the
-            working precision).
+            working precision), a finite number :math:`\ge 0`.
 
     Returns:
         ``(...)`` the root :math:`x`, in ``y``'s dtype (float64 for Python numbers; broadcast
             shape).
 
     Raises:
-        ValueError: on negative or non-finite inputs, where ``a = c = 0`` (no root), or where the
-            root is beyond the largest number of ``y``'s dtype.
+        ValueError: on negative or non-finite inputs or ``tol``, where ``a = c = 0`` (no root), or
+            where the root is beyond the largest number of ``y``'s dtype.
     """
+    tol = _tolerance(tol)
     with torch.no_grad():
         y, a, b, c = _as_tensors(y, a, b, c)
         _check(y, a, b, c)
@@ -247,7 +261,6 @@ def solve_expm1_linear(y, a, b, c, *, tol: float | None = None) -> torch.Tensor:
             raise ValueError("a and c are both 0 somewhere: a*expm1(b*x) + c*x = y has no root")
         dtype = y.dtype
         y64, a64, b64, c64 = (v.to(_WORK) for v in (y, a, b, c))
-        tol = 4.0 * torch.finfo(_WORK).eps if tol is None else tol
         log_y = torch.log(torch.where(y64 > 0, y64, 1.0))  # y = 0 is masked to x = 0 below
         log_lin = log_y - torch.log(c64)  # log(y/c), inf where c = 0
         log_exp = _log_softplus(log_y - torch.log(a64)) - torch.log(b64)  # log(log1p(y/a)/b)
@@ -283,22 +296,22 @@ def solve_expm1_minus_linear(y, a, b, c, *, tol: float | None = None) -> torch.T
         b: curvature :math:`b > 0`, broadcastable to ``y``.
         c: linear slope :math:`c \ge 0`, broadcastable to ``y``.
         tol: relative step size at which to stop (default :math:`4\varepsilon` of float64, the
-            working precision).
+            working precision), a finite number :math:`\ge 0`.
 
     Returns:
         ``(...)`` the root :math:`t`, in ``y``'s dtype (float64 for Python numbers); ``nan``
         where ``a = 0`` and ``y > 0`` (then :math:`h(t) = -ct \le 0` has no root).
 
     Raises:
-        ValueError: on negative or non-finite inputs, or where the root is beyond the largest
-            number of ``y``'s dtype.
+        ValueError: on negative or non-finite inputs or ``tol``, or where the root is beyond the
+            largest number of ``y``'s dtype.
     """
+    tol = _tolerance(tol)
     with torch.no_grad():
         y, a, b, c = _as_tensors(y, a, b, c)
         _check(y, a, b, c)
         dtype = y.dtype
         y64, a64, b64, c64 = (v.to(_WORK) for v in (y, a, b, c))
-        tol = 4.0 * torch.finfo(_WORK).eps if tol is None else tol
         ok = a64 > 0
         a64 = torch.where(ok, a64, 1.0)  # a = 0 is masked below
         log_y, log_a, log_b, log_c = (torch.log(v) for v in (y64, a64, b64, c64))

@@ -280,3 +280,15 @@ def test_a_target_given_as_python_numbers_is_solved_in_float64(sign):
     assert scalar.dtype == torch.float64 and scalar.item() == t[0].item()
     with pytest.raises(ValueError, match="y must be a floating-point tensor or real numbers"):
         solve(True, 1.0, 1.0, 0.5)
+
+
+@pytest.mark.parametrize("solve", [solve_expm1_linear, solve_expm1_minus_linear])
+def test_a_tolerance_that_is_not_a_finite_number_at_least_0_is_refused(solve):
+    """A NaN or infinite tol stopped Newton after its first step (no step is larger than it) and
+    returned that iterate as the root, without an error; True was taken as 1."""
+    y = _t([1e6, 3.0])
+    for tol in (math.nan, math.inf, -1e-3, True, "1e-3"):
+        with pytest.raises(ValueError, match=rf"tol must be a finite number >= 0 .*, got {tol!r}"):
+            solve(y, 0.5, 2.0, 0.25, tol=tol)
+    exact = solve(y, 0.5, 2.0, 0.25)  # 0: iterate until no step is left
+    assert torch.allclose(solve(y, 0.5, 2.0, 0.25, tol=0), exact, rtol=4 * EPS64, atol=0)
