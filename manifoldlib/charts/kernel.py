@@ -245,20 +245,28 @@ def sel_forward_rule(
         a: row ``(out, 1)`` and column ``(1, in)`` factors of :math:`a > 0`.
         b: row and column factors of :math:`b > 0`.
         c: row and column factors of :math:`c > 0`, or None (no linear path).
-        max_exponent: :math:`M`, the clamp of :math:`b|w|` (its gradient is 0 beyond).
+        max_exponent: :math:`M > 0`, the clamp of :math:`b|w|` (its gradient is 0 beyond).
         impl: one of :data:`SEL_IMPLS`; all three give the same values and gradients.
 
     Returns:
         ``(out, in)`` the effective weight: in ``raw``'s dtype where that is float16 or bfloat16,
         else in the dtype it is evaluated in.
+
+    Raises:
+        ValueError: for a ``max_exponent`` that is not a number > 0 or an unknown ``impl``.
     """
+    clamp = float(max_exponent)
+    if not clamp > 0:  # M < 0 flips expm1's sign (a positive raw, a negative weight); NaN: NaNs
+        raise ValueError(
+            f"max_exponent must be a number > 0 (the clamp of b|w|), got {max_exponent!r}"
+        )
     c_r, c_c = (None, None) if c is None else c
     factors = (a[0], a[1], b[0], b[1], c_r, c_c)
     work = _work_dtype(raw, factors)
     # the factors in the compute dtype: vectors, so the copies are small; their gradients are
     # rounded once to each factor's own dtype by the conversion's backward
     factors = tuple(None if t is None else t.to(work) for t in factors)
-    args = (raw, *factors, float(max_exponent))
+    args = (raw, *factors, clamp)
     if impl == "fused":
         ops = _cpu_kernels_for(raw, work, args[7])
         if ops is not None:

@@ -436,6 +436,23 @@ def test_forward_rule_rejects_unknown_impl():
         sel_forward_rule(torch.zeros(2, 3), one, one, one, 10.0, impl="cuda")
 
 
+@pytest.mark.parametrize("impl", ["fused", "autograd"])
+def test_forward_rule_refuses_a_clamp_that_is_not_a_number_above_0(impl):
+    """The clamp min(b|w|, M) at M < 0 made expm1 negative: a positive raw coordinate came back as
+    a negative weight (and a negative one as a positive), at M = 0 without its exponential part,
+    at M = NaN as NaN, without an error on every implementation."""
+    from manifoldlib.charts import sel_forward_rule
+
+    one = (torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64))
+    raw = torch.tensor([[0.5, -0.5, 2.0]], dtype=torch.float64)
+    for clamp in (-1.0, 0.0, math.nan):
+        with pytest.raises(ValueError, match=rf"max_exponent must be a number > 0 .*, got {clamp}"):
+            sel_forward_rule(raw, one, one, None, clamp, impl=impl)
+    want = raw.sign() * torch.expm1(raw.abs().clamp(max=1.0))  # e^0.5 - 1, its mirror, e - 1
+    weight = sel_forward_rule(raw, one, one, None, 1.0, impl=impl)
+    assert torch.allclose(weight, want, rtol=1e-15, atol=0)
+
+
 def test_every_listed_init_and_impl_is_accepted():
     w = heavy_tailed((6, 5), torch.float64, seed=3)
     for init in SEL_INITS:
