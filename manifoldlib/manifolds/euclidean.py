@@ -7,8 +7,7 @@ from typing import Union
 import torch
 
 from ..retractions.base import Retraction
-from ..retractions.euclidean import AddRetraction
-from .base import RetractionManifold, _random_normal, _size_tuple, check_finite_result
+from .base import RetractionManifold, _random_normal, _size_tuple
 
 __all__ = ["Euclidean"]
 
@@ -60,19 +59,6 @@ class Euclidean(RetractionManifold):
         promoted dtype of ``x`` and ``u`` already)."""
         dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
         return u.to(dtype).expand(torch.broadcast_shapes(x.shape, u.shape))
-
-    def retr(self, x, u):
-        """:meth:`RetractionManifold.retr <manifoldlib.manifolds.RetractionManifold.retr>`: ``x`` and
-        ``u`` broadcast to one batch and compute in their promoted dtype, as on every manifold
-        (``x`` ``(3, 4)`` with ``u`` ``(2, 3, 4)`` gives ``x + u``, ``(2, 3, 4)``; batches that do not
-        broadcast are refused naming every shape). The built-in ``add`` retraction object takes a
-        ``v`` of ``x``'s shape only, so it is given both broadcast to that batch (views)."""
-        if not isinstance(self._retraction, AddRetraction):
-            return super().retr(x, u)
-        dtype = self._validate_args(f"{self.name}.retr", x=x, u=u)
-        batch = torch.broadcast_shapes(x.shape, u.shape)
-        y = self._retraction.retract(x.to(dtype).expand(batch), u.to(dtype).expand(batch))
-        return check_finite_result(y, f"{self.name}.retr", x=x, u=u)
 
     def expmap(self, x, u):
         """``x + u`` (in the promoted dtype of both, also where one is a 0-dim point)."""

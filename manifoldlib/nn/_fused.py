@@ -198,6 +198,7 @@ from .._numbers import is_real
 from ..functional.sphere import (
     sphere_normalized_sq_step,
     sphere_project_tangent,
+    sphere_unit_tangent,
 )
 from ..retractions.base import Retraction
 from ..retractions.sphere import (
@@ -611,12 +612,8 @@ def sphere_residual_reference(
     radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)
     v = sphere_project_tangent(point, f, radius_sq)  # (..., d), P_h f
     tangent_sq = (v * v).sum(-1, keepdim=True)  # ||P_h f||², (..., 1)
-    if normalize_eps is not None:
-        # the unit tangent r v / sqrt(D) of sphere_unit_tangent, D = ||P_h f||² + eps² r², with
-        # r / sqrt(D) a ratio of roots: q/D is of order ||h||²/||P_h f||² (module docstring)
-        denominator = tangent_sq + (normalize_eps * normalize_eps) * radius_sq  # (..., 1)
-        f = v * (radius_sq.sqrt() / denominator.sqrt())  # (..., d), tangent at h, norm <= r
-        v = sphere_project_tangent(point, f, radius_sq)
+    if normalize_eps is not None:  # r P_h f / sqrt(||P_h f||² + eps² r²), norm <= r
+        v = sphere_project_tangent(point, sphere_unit_tangent(point, f, normalize_eps), radius_sq)
     v = scale * v  # (..., d), tangent at h
     # ||P_h f||² or σ past the dtype: the row and its gradients NaN, as on the fused path (module
     # docstring, *An update out of range*), through a constant factor NaN (else 1)
