@@ -163,7 +163,9 @@ def apply_chart(
             :func:`functools.partial` is the caller's and is left alone.
         include: ``include(name, module) -> bool`` selects modules (default: every
             :class:`torch.nn.Linear`). Selected modules without a ``tensor_name`` parameter (e.g.
-            ``bias=False``) are skipped.
+            ``bias=False``) are skipped. A frozen tensor (``requires_grad=False``) stays frozen:
+            its chart's own parameters (SEL's scales) are created with ``requires_grad=False``
+            too, so training the rest of the model leaves its effective weight unchanged.
         tensor_name: the parameter to chart on each selected module.
 
     Returns:
@@ -216,11 +218,11 @@ def apply_chart(
                 f"{qname} is tied to {shared}; a chart would overwrite the shared tensor with raw "
                 f"coordinates. Untie it or exclude it with include=..."
             )
-        targets.append((qname, module))
+        targets.append((qname, module, param.requires_grad))
     names = []
     done: list[tuple[nn.Module, torch.Tensor, list[str]]] = []  # charted here: values, parameter order
     takes_layout = _takes_layout(chart)
-    for qname, module in targets:
+    for qname, module, trainable in targets:
         weight = getattr(module, tensor_name).detach()
         try:
             built = chart(weight, layout=_layout(module)) if takes_layout else chart(weight)
@@ -230,6 +232,8 @@ def apply_chart(
                 )
             saved, order = weight.clone(), list(module._parameters)
             _own_parametrized_class(module)
+            if not trainable:  # a frozen weight stays frozen: its chart's scales too
+                built.requires_grad_(False)
             parametrize.register_parametrization(module, tensor_name, built)
             built._owner_order = tuple(order)  # merge_charts puts the tensor back in its place
         except Exception as err:

@@ -386,6 +386,32 @@ class SEL(Chart):
         was left to the default (which follows casts downwards, see :attr:`max_exponent`)."""
         return None if getattr(self, "_default_clamp", False) else self._max_exponent
 
+    def get_extra_state(self) -> dict:
+        """The clamp in the state dict (key ``<chart>._extra_state``): ``{"max_exponent": M,
+        "default": bool}``, the clamp the chart holds and whether it was left to its default.
+
+        A loaded chart clamps like the saved one: a clamp lowered by a cast (a default chart
+        trained after ``module.half()`` holds 5.54) or given explicitly is part of the function
+        the weights define, as :attr:`beta` is."""
+        return {"max_exponent": self._max_exponent, "default": bool(self._default_clamp)}
+
+    def set_extra_state(self, state) -> None:
+        """Take the clamp of :meth:`get_extra_state`, checked against the chart's current dtype
+        as an assignment to :attr:`max_exponent` is (a default one lowered to the dtype's default,
+        as a cast lowers it); ``ValueError`` naming what is wrong otherwise."""
+        keys = {"max_exponent", "default"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"an SEL chart's extra state must be a dict with keys {sorted(keys)} "
+                             f"(its clamp), got {state!r}")
+        default = state["default"]
+        if not isinstance(default, bool):
+            raise ValueError(f"the SEL extra state's 'default' must be a bool, got {default!r}")
+        dtype = self.beta.dtype
+        clamp = _positive("max_exponent", state["max_exponent"])
+        clamp = min(clamp, _default_max_exponent(dtype)) if default else _explicit_clamp(clamp, dtype)
+        self._check_scale(clamp, dtype, then=" (loading a state dict)")
+        self._max_exponent, self._default_clamp = clamp, default
+
     def __setstate__(self, state):
         if "max_exponent" in state:  # pickled before max_exponent became a property
             state["_max_exponent"] = state.pop("max_exponent")

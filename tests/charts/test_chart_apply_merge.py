@@ -287,3 +287,28 @@ def test_merge_puts_each_weight_back_in_its_place_among_the_parameters():
     # a congruent chart reproduces the weights: the same vector, entry by entry
     merged_vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     torch.testing.assert_close(merged_vector, plain_vector, rtol=0, atol=1e-13)
+
+
+def test_a_frozen_weight_stays_frozen_when_charted():
+    # the chart's scales were created trainable whatever the weight: charting every Linear of a
+    # model whose first block is frozen let AdamW move that block's effective weights through
+    # the scales (the raw coordinates stayed, the function did not)
+    model = small_gpt(seed=0)
+    frozen = model.blocks[0].attn.q
+    frozen.weight.requires_grad_(False)
+    apply_chart(model, SEL, include=in_blocks)
+    chart = frozen.parametrizations.weight[0]
+    assert not any(p.requires_grad for p in chart.parameters())
+    assert not frozen.parametrizations.weight.original.requires_grad
+    trained = model.blocks[0].attn.k.parametrizations.weight[0]
+    assert all(p.requires_grad for p in trained.parameters())
+    before, other = frozen.weight.detach().clone(), model.blocks[0].attn.k.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    idx, targets = batch()
+    for _ in range(3):
+        _, loss = model(idx, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.equal(frozen.weight, before)
+    assert not torch.equal(model.blocks[0].attn.k.weight, other)

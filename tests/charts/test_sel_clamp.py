@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import re
 
@@ -252,3 +253,69 @@ def test_a_chart_cast_down_and_back_up_keeps_its_weight(built):
         torch.testing.assert_close(lin.weight.detach(), before.to(dtype),
                                    rtol=torch.finfo(torch.float16).eps, atol=0)
         assert chart.max_exponent == F16_DEFAULT
+
+
+def _saved_and_loaded(source: nn.Linear, twin: nn.Linear) -> None:
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    twin.load_state_dict(torch.load(buffer, weights_only=True))
+
+
+@pytest.mark.parametrize("case", ["cast-down-and-up", "explicit-into-default", "default-into-explicit"])
+def test_a_state_dict_carries_the_clamp(case):
+    # the clamp was not in the state dict: a default chart trained after .half() and cast back
+    # with .float() (clamp 5.545) loaded into a fresh float32 chart ran at 44.36, an explicit
+    # clamp of 2 loaded into a default chart at 44.36, and the other way round at 2: entries
+    # beyond the smaller clamp changed (a weight of 27.5 at b|w| = 8 became 318) without an error
+    source_options, twin_options = {}, {}
+    if case == "explicit-into-default":
+        source_options = {"max_exponent": 2.0}
+    elif case == "default-into-explicit":
+        twin_options = {"max_exponent": 2.0}
+    lin, chart = _charted_linear(torch.float32, **source_options)
+    if case == "cast-down-and-up":
+        lin.half().float()
+    _, b, _ = _float64_scales(chart)
+    with torch.no_grad():
+        lin.parametrizations.weight.original[0, 0] = 8.0 / b[0, 0]  # beyond 2 and 5.545
+    twin, twin_chart = _charted_linear(torch.float32, **twin_options)
+    _saved_and_loaded(lin, twin)
+    assert twin_chart.max_exponent == chart.max_exponent
+    assert twin_chart.requested_max_exponent == chart.requested_max_exponent
+    assert torch.equal(twin.weight, lin.weight)
+    if case != "default-into-explicit":  # the clamp in effect is the smaller one
+        assert lin.weight[0, 0].abs() < 100.0
+
+
+def test_a_loaded_default_clamp_follows_the_charts_dtype_down():
+    # a default float32 clamp (44.36) loaded into a float16 chart is its default 5.545, as a cast
+    lin, _ = _charted_linear(torch.float32)
+    twin, twin_chart = _charted_linear(torch.float16)
+    twin.load_state_dict(lin.state_dict())
+    assert twin_chart.max_exponent == F16_DEFAULT and twin_chart.requested_max_exponent is None
+
+
+@pytest.mark.parametrize(("state", "match"), [
+    ({"max_exponent": 30.0, "default": False}, r"for a torch.float16 weight .* got 30.0$"),
+    ({"max_exponent": float("nan"), "default": False}, r"max_exponent must be a finite number > 0, got nan"),
+    ({"max_exponent": 3.0, "default": 1}, r"'default' must be a bool, got 1"),
+    ({"max_exponent": 3.0}, r"must be a dict with keys \['default', 'max_exponent'\]"),
+])
+def test_a_clamp_the_chart_cannot_take_from_a_state_dict_is_refused(state, match):
+    lin, chart = _charted_linear(torch.float16)
+    saved = lin.state_dict()
+    saved["parametrizations.weight.0._extra_state"] = state
+    with pytest.raises(ValueError, match=match):
+        lin.load_state_dict(saved)
+    assert chart.max_exponent == F16_DEFAULT
+
+
+def test_a_state_dict_without_the_clamp_is_refused_by_a_strict_load():
+    # a checkpoint written before the clamp was saved: strict loading names the missing key
+    # rather than running at whatever clamp the fresh chart has
+    lin, _ = _charted_linear(torch.float32)
+    saved = lin.state_dict()
+    del saved["parametrizations.weight.0._extra_state"]
+    with pytest.raises(RuntimeError, match=r"parametrizations\.weight\.0\._extra_state"):
+        lin.load_state_dict(saved)
