@@ -45,7 +45,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._numbers import is_integer
-from .base import _own_parametrized_class, output_dim  # output_dim: also read from here by optim
+from .base import (  # output_dim: also read from here by optim
+    _own_parametrized_class,
+    _restore_order,
+    output_dim,
+)
 
 __all__ = ["FUSED_NAMES", "PER_HEAD_NAMES", "SplitBlocks", "merge_blocks", "split_blocks"]
 
@@ -246,20 +250,33 @@ def split_blocks(
             )
         targets.append((qname, module, tname, split))
     for qname, module, tname, split in targets:
+        split._owner_order = tuple(module._parameters)  # merge_blocks puts the tensor back in its place
         _own_parametrized_class(module)
         parametrize.register_parametrization(module, tname, split)
     return [qname for qname, *_ in targets]
 
 
 def merge_blocks(model: nn.Module) -> list[str]:
-    """Store every split tensor back as one plain tensor (the concatenation); return the names."""
+    """Store every split tensor back as one plain parameter (the concatenation); return the names.
+
+    The merged tensor is a new :class:`torch.nn.Parameter` (an optimizer holding the blocks needs
+    rebuilding) in the tensor's place among its module's parameters, as :func:`split_blocks`
+    found it; it requires a gradient unless every block was frozen (a frozen fused weight stays a
+    frozen parameter, not a buffer)."""
     names = []
     for mname, module in list(model.named_modules()):
         if not parametrize.is_parametrized(module):
             continue
         for tname in list(module.parametrizations.keys()):
-            if any(isinstance(p, SplitBlocks) for p in module.parametrizations[tname]):
-                _own_parametrized_class(module)  # a deep copy's original keeps its split
-                parametrize.remove_parametrizations(module, tname, leave_parametrized=True)
-                names.append(f"{mname}.{tname}" if mname else tname)
+            splits = [p for p in module.parametrizations[tname] if isinstance(p, SplitBlocks)]
+            if not splits:
+                continue
+            order = getattr(splits[0], "_owner_order", ())
+            _own_parametrized_class(module)  # a deep copy's original keeps its split
+            parametrize.remove_parametrizations(module, tname, leave_parametrized=True)
+            merged = module._buffers.pop(tname, None)  # torch leaves a frozen tensor as a buffer
+            if merged is not None:
+                module.register_parameter(tname, nn.Parameter(merged.detach(), requires_grad=False))
+            _restore_order(module, order)
+            names.append(f"{mname}.{tname}" if mname else tname)
     return names

@@ -113,3 +113,26 @@ def test_split_blocks_accept_numpy_integers():
     assert SplitBlocks(np.array([4, 2]), dim=np.int64(0)).sizes == [4, 2]
     model = _Model()
     assert split_blocks(model, blocks=np.int64(3)) == ["a.c_attn.weight", "b.c_attn.weight"]
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_merged_matrix_is_a_parameter_in_its_place(frozen):
+    # torch's remove_parametrizations leaves a frozen concatenation as a buffer: the merged model's
+    # parameters() lost the fused weight (model.requires_grad_() could not unfreeze it, an
+    # optimizer built afterwards never saw it), and every merged weight came back after its bias
+    # (an optimizer state saved on the unsplit model loaded positionally into the wrong tensors)
+    torch.manual_seed(0)
+    model = _Model().double()
+    model.a.c_attn.weight.requires_grad_(not frozen)
+    names = [name for name, _ in model.named_parameters()]
+    x = torch.randn(2, 4, dtype=torch.float64)
+    expected = model.a.c_attn(x)
+    split_blocks(model)
+    merge_blocks(model)
+    assert [name for name, _ in model.named_parameters()] == names
+    weight = model.a.c_attn.weight
+    assert isinstance(weight, nn.Parameter) and weight.requires_grad is not frozen
+    assert not dict(model.named_buffers())
+    assert torch.equal(model.a.c_attn(x), expected)
+    model.requires_grad_(True)
+    assert weight.requires_grad
