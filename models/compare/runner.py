@@ -144,6 +144,24 @@ def _check_whole_runs(suite: Suite, planned: list[tuple]) -> None:
                 f"length), or leave --stop_at out")
 
 
+def _check_no_seed_override(suite: Suite, overrides: dict, seeds: tuple[int, ...]) -> None:
+    """Refuse a ``--seed`` override: the suite sets each run's seed from its seeds, and an
+    override applied on top would train every run at the one seed, so the directories
+    ``seed<k>`` of different seeds would hold the same run, reported as that many seeds (a
+    standard deviation of 0, paired differences over copies).
+
+    Raises:
+        ConfigError: naming the value and the flags that choose the seeds.
+    """
+    for key, value in overrides.items():
+        if key.replace("-", "_") == "seed":
+            raise ConfigError(
+                f"suite {suite.name!r}: --{key} {value} would train every run at seed {value}, "
+                f"so the runs of seeds {list(seeds)} (and of the tuning seeds) would be one run "
+                f"reported as several; give the seeds with --seeds (and --tuning_seeds for the "
+                f"sweep's), not --{key}")
+
+
 def _steps_to(rows: list[dict], target: float) -> int | None:
     """The step of the first evaluation at or below ``target`` (``None``: none is). A run that
     diverged after it still has it: "steps to target" is when a run first reached the
@@ -320,9 +338,9 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
         ConfigError: a bad ``jobs``, an invalid configuration, an override that no arm reads
             (``--muon_ns_dtype`` in an AdamW-only suite; one that some arms read is kept), or
             ``overrides`` that make two arms (or two swept values) the same configuration (e.g.
-            ``--policy`` in a manifolds suite, ``--lr`` in the swept ``manifolds``), or a
-            ``--stop_at`` (a truncated run would be reported as a finished one); nothing is
-            written then.
+            ``--policy`` in a manifolds suite, ``--lr`` in the swept ``manifolds``), a
+            ``--stop_at`` (a truncated run would be reported as a finished one), or a ``--seed``
+            (every run would train at that seed); nothing is written then.
         CorpusError: a ``--tokenizer`` override that disagrees with the ``bin:`` shards'.
     """
     check_requirements(suite)
@@ -342,6 +360,7 @@ def run_suite(suite: Suite, out: str | Path, *, quick: bool = False,
 
     # refused before anything is written: an override no arm reads, two arms (or swept values)
     # that are one configuration
+    _check_no_seed_override(suite, overrides or {}, seeds)
     planned = suite_configs(suite, quick=quick, seed=seeds[0], overrides=overrides)
     _check_read(suite, planned, overrides or {})
     _check_distinct(suite, planned, overrides or {})

@@ -668,6 +668,20 @@ def test_an_override_is_refused_with_each_arms_reason_and_kept_where_an_arm_read
                   echo=False)
 
 
+@pytest.mark.parametrize("argv", [["--suite", "spheret", "--quick", "--seeds", "0", "1"],
+                                  ["--suite", "manifolds", "--quick", "--seeds", "0", "1"]])
+def test_a_seed_override_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch, argv):
+    """--seed 7 replaced the seed of every run: seed0/ and seed1/ (and the tuning seeds') all
+    trained at seed 7, and results.md reported one run as two seeds."""
+    _no_training(monkeypatch)
+    out = tmp_path / "out"
+    assert compare.main([*argv, "--seed", "7", "--out", str(out)]) == compare.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: suite '{argv[1]}': --seed 7 would train every run at seed 7, "
+                          f"so the runs of seeds [0, 1] ") and "give the seeds with --seeds" in err
+    assert not out.exists()
+
+
 def test_a_tokenizer_override_the_shards_were_not_made_with_is_refused(tmp_path, capsys,
                                                                        monkeypatch):
     from models.prepare import prepare
