@@ -52,6 +52,9 @@ large inputs down (their ``eps`` floor still maps a tiny input to a small output
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from .gram_rsqrt import CHORD_TOL_EPS, products_only_rsqrt
@@ -94,8 +97,10 @@ def _check_matrix(x: torch.Tensor) -> None:
         )
 
 
-def _msign_svd(x: torch.Tensor) -> torch.Tensor:
+def _msign_svd(x: torch.Tensor, complete: bool = False) -> torch.Tensor:
     u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    if complete:  # every singular value to 1, zero ones too: U V^T, the SVD's completion of the range
+        return u @ vh  # (the same bits as msign's (U diag(1)) V^T where no singular value is zero)
     # zero (numerically zero) singular values map to 0
     tol = s.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(x.dtype).eps
     sign = (s > tol).to(x.dtype)
@@ -277,6 +282,8 @@ def _gram_eigh_pass(y: torch.Tensor, refine: bool = False) -> tuple[torch.Tensor
 
 
 def _msign_gram_eigh(x: torch.Tensor, fallback: str = "svd") -> torch.Tensor:
+    # fallback: "svd" (msign's), "complete" (the float64 SVD's U V^T, an orthonormal factor for a
+    # rank-deficient input too: a retraction's) or "newton"
     # X (X^T X)^{-1/2} on the tall orientation, from one n x n eigendecomposition, refined in the
     # column-scaled variables where kappa^2 eps is above rounding; a second pass on the result when
     # the error still says the first lost orthogonality, the fallback (the SVD, or the Newton
@@ -291,7 +298,7 @@ def _msign_gram_eigh(x: torch.Tensor, fallback: str = "svd") -> torch.Tensor:
         else:
             # the rare ill-conditioned case: an SVD in float64, which resolves singular values down to
             # 1e-16 of the largest (float32's own SVD stops at about 1e-7 and would zero the rest)
-            out = _msign_svd(y.to(torch.float64)).to(y.dtype)
+            out = _msign_svd(y.to(torch.float64), complete=fallback == "complete").to(y.dtype)
     elif error > GRAM_EIGH_ONE_PASS:
         out = _gram_eigh_pass(out)[0]
     return out.mT if transposed else out
@@ -345,7 +352,10 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
     return y.mT if transposed else y
 
 
-def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
+def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int, complete: bool = False) -> torch.Tensor:
+    # complete: where the iteration has not converged after max_steps (a zero singular value stays
+    # 0; one below about 1.875^-max_steps of the largest does not reach 1), U V^T of a float64 SVD
+    # instead, an orthonormal factor (a retraction's); a non-finite input still gives NaN
     transposed = x.size(-2) > x.size(-1)
     y = x.mT if transposed else x
     # scale so every singular value lies in (0, 1]; the spectral norm is bounded by Frobenius
@@ -356,7 +366,7 @@ def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int) -> torch.T
     a, b, c = CONVERGENT_QUINTIC
     eye = torch.eye(y.size(-2), dtype=y.dtype, device=y.device)
     scaled_tol = tol * y.size(-2) ** 0.5
-    previous = float("inf")
+    previous = err = float("inf")
     for _ in range(max_steps):
         gram = y @ y.mT
         err = float(torch.linalg.matrix_norm(gram.detach() - eye).max())
@@ -364,7 +374,34 @@ def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int) -> torch.T
             break  # converged, or rounding stopped the progress (cubic convergence near 1)
         previous = err
         y = a * y + (b * gram + c * (gram @ gram)) @ y
+    else:
+        if complete and not math.isnan(err):
+            return _msign_svd(x.to(torch.float64), complete=True).to(x.dtype)
     return y.mT if transposed else y
+
+
+def _orthonormal_polar(x: torch.Tensor, method: str) -> torch.Tensor:
+    r"""``msign(x, method)`` for a polar retraction: where ``x`` ``(..., m, n)`` has a zero singular
+    value, an orthonormal factor all the same.
+
+    :func:`msign` maps a zero singular value to 0 (``"svd"``, the float64 SVD that ``"gram-eigh"``
+    falls back to, the convergent Newton–Schulz iteration, which also leaves one below about
+    :math:`1.875^{-60}` of the largest short of 1): its factor of a rank-deficient ``x`` is no
+    Stiefel point. Those three methods here take :math:`UV^\top` of the SVD instead, a nearest
+    orthonormal factor (:meth:`~manifoldlib.Stiefel.projx`'s), the same bits as :func:`msign`'s
+    where no singular value is zero; ``"newton"`` raises ``ValueError`` for a rank-deficient
+    ``x``."""
+    if method not in ("svd", "gram-eigh", "newton-schulz") or x.numel() == 0:
+        return msign(x, method)
+    work = into_safe_range(x.to(_compute_dtype(x.dtype)))
+    if method == "svd":
+        polar = functools.partial(_msign_svd, complete=True)
+    elif method == "gram-eigh":
+        polar = functools.partial(_msign_gram_eigh, fallback="complete")
+    else:
+        tol, cap = _default_tol(work.dtype), _DEFAULT_STEPS["newton-schulz"]
+        polar = functools.partial(_msign_convergent_ns, tol=tol, max_steps=cap, complete=True)
+    return _with_polar_derivative(work, polar).to(x.dtype)
 
 
 def msign(

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .msign import msign
+from .msign import _orthonormal_polar
 from .newton_schulz import newton_schulz
 
 __all__ = [
@@ -89,12 +89,19 @@ def stiefel_polar(x: torch.Tensor, v: torch.Tensor, method: str = "auto") -> tor
     Newton iteration, differentiated through its steps, when one is. Any
     :func:`~manifoldlib.functional.msign` method may be named instead; the polar ones carry the
     polar factor's own derivative, finite at :math:`V = 0` too, where every singular value is 1.
+
+    Where :math:`X + V` is rank deficient (a step that cancels a column, :math:`V = -X`), its polar
+    factor is not unique and :func:`~manifoldlib.functional.msign` maps the zero singular values
+    to 0, which is no Stiefel point (:math:`V = -X` gave the zero matrix): ``"svd"``,
+    ``"gram-eigh"`` and ``"newton-schulz"`` return :math:`UV^\top` of the SVD there, a nearest
+    Stiefel point (:meth:`~manifoldlib.Stiefel.projx`'s), and ``"newton"`` (``"auto"`` under
+    autograd) raises ``ValueError``.
     """
     _check_tall_pair(x, v, "stiefel_polar")
     y = x + v
     if method == "auto":
         method = "newton" if (torch.is_grad_enabled() and y.requires_grad) else "svd"
-    return msign(y, method)
+    return _orthonormal_polar(y, method)
 
 
 def stiefel_qr(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

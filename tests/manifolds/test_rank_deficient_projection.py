@@ -223,3 +223,22 @@ def test_the_same_spread_over_fewer_columns_is_projected():
     w = DGram().projx(x)
     assert float(DGram().proju(w, x - w).norm()) <= 1e-8 * float((x - w).norm())
     assert float(w.norm(dim=0).min()) > 0
+
+
+@pytest.mark.parametrize("method", ["auto", "svd", "gram-eigh", "newton-schulz"])
+@pytest.mark.parametrize("cancelled", [[0], [0, 1, 2, 3, 4]], ids=["one-column", "all"])
+def test_stiefel_polar_retraction_of_a_rank_deficient_step_is_on_the_manifold(method, cancelled):
+    """A step that cancels columns of x (u = -x there) makes x + u rank deficient: msign maps its
+    zero singular values to 0, and the polar retraction returned that, a matrix with zero columns
+    (u = -x: the zero matrix), off the manifold without an error. It completes the range as
+    projx does: a Stiefel point, the polar factor on the row space of x + u."""
+    x = Stiefel().random(9, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    mask = torch.zeros(5, dtype=torch.float64)
+    mask[cancelled] = 1.0
+    u = -x * mask
+    y = Stiefel(retraction="polar", method=method).retr(x, u)
+    eye = torch.eye(5, dtype=torch.float64)
+    assert float((y.T @ y - eye).abs().max()) <= 1e-14
+    kept = [j for j in range(5) if j not in cancelled]
+    if kept:  # x + u = x diag(1 - mask): its row space is spanned by the kept coordinates
+        torch.testing.assert_close(y[:, kept], msign(x + u, "svd")[:, kept], rtol=0, atol=1e-14)
