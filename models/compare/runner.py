@@ -71,20 +71,29 @@ def _check_distinct(suite: Suite, planned: list[tuple], overrides: dict) -> None
 
     An override of a key that distinguishes the arms (``--policy`` in a manifolds suite,
     ``--connection`` in spheret) or of the swept key (``--lr`` in ``manifolds``) would otherwise
-    run one configuration under several names and report their differences as noise.
+    run one configuration under several names and report their differences as noise. So would
+    one that makes what distinguishes them inert (:func:`~models.config.inert_settings`:
+    ``--optimizer adamw`` in a manifolds suite, whose arms then differ only in the ``policy``
+    that AdamW never reads): configurations are compared without their inert settings.
     """
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, dict]] = {}
     for arm, value, cfg in planned:
         name = arm if value is None else f"{arm} at {value_label(value)}"
-        fingerprint = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+        values, inert = cfg.to_dict(), inert_settings(cfg)
+        read = {k: v for k, v in values.items() if k not in inert}
+        fingerprint = json.dumps(read, sort_keys=True, default=str)
         if fingerprint in seen:
+            first, first_values = seen[fingerprint]
             given = f" (overrides: {', '.join(f'--{k} {v}' for k, v in overrides.items())})" \
                 if overrides else ""
-            raise ConfigError(f"suite {suite.name!r}: {seen[fingerprint]!r} and {name!r} build "
-                              f"the same configuration{given}; an override of a key that "
-                              f"distinguishes the arms or of the swept key makes the "
-                              f"comparison empty")
-        seen[fingerprint] = name
+            unread = sorted(k for k in values if values[k] != first_values[k])
+            only = f", differing only in {', '.join(unread)}, which it never reads" \
+                if unread else ""
+            raise ConfigError(f"suite {suite.name!r}: {first!r} and {name!r} build "
+                              f"the same configuration{given}{only}; an override of a key that "
+                              f"distinguishes the arms or of the swept key, or that makes it "
+                              f"inert, makes the comparison empty")
+        seen[fingerprint] = name, values
 
 
 def _check_read(suite: Suite, planned: list[tuple], overrides: dict) -> None:

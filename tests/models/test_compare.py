@@ -668,6 +668,21 @@ def test_an_override_is_refused_with_each_arms_reason_and_kept_where_an_arm_read
                   echo=False)
 
 
+@pytest.mark.parametrize("name, overrides, unread", [
+    ("manifolds", {"optimizer": "adamw"}, "policy"),
+    ("spheret-p", {"retraction": "cayley"}, "p"),
+])
+def test_an_override_that_makes_the_arms_differences_inert_is_refused(tmp_path, monkeypatch,
+                                                                       name, overrides, unread):
+    """--optimizer adamw in manifolds ran its 8 arms as one AdamW configuration (the policy they
+    differ in is read by manifold-muon only), reported under 8 policy names."""
+    _no_training(monkeypatch)
+    with pytest.raises(ConfigError, match=f"build the same configuration .*differing only in "
+                                          f"{unread}, which it never reads"):
+        run_suite(SUITES[name], tmp_path / "out", quick=True, overrides=overrides, echo=False)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv", [["--suite", "spheret", "--quick", "--seeds", "0", "1"],
                                   ["--suite", "manifolds", "--quick", "--seeds", "0", "1"]])
 def test_a_seed_override_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch, argv):
