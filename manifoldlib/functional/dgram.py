@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .msign import _gram_eigh_polar, msign
+from .msign import _gram_eigh_polar, _orthonormal_polar, msign
 from .normal_space import _normal_component, normal_multiplier, off_diagonal
 from .scaling import SAFE_EXPONENT, out_of_range_scale
 from .stiefel import _check_tall_pair, _linalg_dtype
@@ -51,7 +51,7 @@ def dgram_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 def _polar(y: torch.Tensor, method: str) -> torch.Tensor:
     if method == "auto":
         method = "newton" if (torch.is_grad_enabled() and y.requires_grad) else "svd"
-    return msign(y, method)
+    return _orthonormal_polar(y, method)
 
 
 def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
@@ -81,14 +81,18 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
     if method == "gram-eigh":
         q = _gram_eigh_polar(y * c, fallback="newton")
     else:
-        q = msign(y * c, "newton" if method == "auto" else method)
+        q = _orthonormal_polar(y * c, "newton" if method == "auto" else method)
     d = (q * y).sum(-2, keepdim=True)  # (..., 1, n)
     tiny = torch.finfo(d.dtype).tiny
     return (q * (d.clamp_min(tiny) / scale)).to(out_dtype)
 
 
 def dgram_colnorm_polar(w: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    r"""Column-normalized polar retraction (first order): :math:`\operatorname{msign}(Y D_Y^{-1}) D_Y`."""
+    r"""Column-normalized polar retraction (first order): :math:`\operatorname{msign}(Y D_Y^{-1}) D_Y`.
+
+    Where :math:`Y` is rank deficient (dependent nonzero columns), the polar factor is the SVD's
+    :math:`UV^\top`, orthonormal (msign's zero singular values to 0 put two columns of the result
+    on one line, off the manifold without an error)."""
     _check_tall_pair(w, v, "dgram_colnorm_polar")
     y = w + v
     # scale-equivariant too: the column norms of Y at the power of two that brings its largest

@@ -41,15 +41,16 @@ class DGramAlternatingRetraction(_PolarBacked):
     The polar factor is taken of :math:`Y\operatorname{diag}(c)`, :math:`c_j = \|y_j\|`, whose
     columns have the norms :math:`c_j^2`: a spread of the column norms is squared. An SVD is
     backward stable only in norm, so it resolves a column of norm :math:`c_j^2` only to about
-    :math:`\epsilon\,c_{\max}^2/c_j^2` and maps it to 0 once that passes its rank threshold
-    :math:`\max(m, n)\,\epsilon`: the column of the point then collapses to zero, with no
-    error, at a column-norm spread of about :math:`10^3` in float32 (:math:`10^7` in float64).
+    :math:`\epsilon\,c_{\max}^2/c_j^2`, past its rank threshold :math:`\max(m, n)\,\epsilon`
+    (a column-norm spread of about :math:`10^3` in float32, :math:`10^7` in float64) only through
+    the singular vector it completes the range with (:math:`UV^\top`; msign's 0 there made the
+    point's column collapse to zero, with no error).
     ``method="auto"`` therefore takes the scaled Newton iteration
     (:func:`~manifoldlib.functional.msign`, ``"newton"``) with or without autograd: its
     :math:`X^{-\top}` comes from a QR factorization, which is backward stable column by column,
     so a column is resolved relative to its own norm whatever the others' are, and a matrix
     whose columns cannot be resolved is refused with a ``ValueError``. ``"svd"`` named
-    explicitly keeps the limit above. ``"gram-eigh"`` (ManifoldMuon's) refines its eigh in
+    explicitly keeps the SVD's accuracy. ``"gram-eigh"`` (ManifoldMuon's) refines its eigh in
     column-scaled variables, so the grading costs it no accuracy, and takes the Newton polar factor
     where the Gram matrix cannot resolve the columns.
     """

@@ -242,3 +242,25 @@ def test_stiefel_polar_retraction_of_a_rank_deficient_step_is_on_the_manifold(me
     kept = [j for j in range(5) if j not in cancelled]
     if kept:  # x + u = x diag(1 - mask): its row space is spanned by the kept coordinates
         torch.testing.assert_close(y[:, kept], msign(x + u, "svd")[:, kept], rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("retraction", "method"),
+    [("colnorm-polar", "auto"), ("colnorm-polar", "svd"), ("colnorm-polar", "gram-eigh"),
+     ("colnorm-polar", "newton-schulz"), ("alternating", "svd"), ("alternating", "newton-schulz")],
+)
+def test_dgram_retraction_of_a_step_to_parallel_columns_is_a_dgram_point(retraction, method):
+    """A step that makes column 1 of x + u twice column 0: the polar factor of the rank-deficient
+    x + u (or x + u diag(c)) had a zero column, so both columns of the result lay along one
+    direction (cosine 1), off the manifold without an error. The SVD's completion gives
+    orthonormal factors: orthogonal columns, colnorm-polar's of the norms of x + u's columns."""
+    w = DGram().random(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = torch.zeros_like(w)
+    u[:, 1] = 2.0 * w[:, 0] - w[:, 1]
+    y = DGram(retraction=retraction, method=method).retr(w, u)
+    norms = y.norm(dim=0)
+    assert float(norms.min()) > 0.1
+    cosines = (y.T @ y) / (norms.unsqueeze(0) * norms.unsqueeze(1))
+    assert float((cosines - torch.eye(3, dtype=torch.float64)).abs().max()) <= 1e-14
+    if retraction == "colnorm-polar":
+        torch.testing.assert_close(norms, (w + u).norm(dim=0), rtol=1e-15, atol=0)
