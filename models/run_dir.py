@@ -362,18 +362,25 @@ class MetricsLog:
     """``metrics.jsonl`` (one JSON object per row, appended and flushed) and, with
     ``log="tensorboard"``, the same numbers as TensorBoard scalars in ``out/tensorboard``.
 
+    A resumed run's TensorBoard writer purges the events of the steps after its checkpoint
+    (``purge_step``), as ``metrics.jsonl`` drops their rows: a run killed after it logged them
+    produces them again, and TensorBoard would otherwise show both.
+
     Args:
         out: the run directory.
         rows: the rows already there (kept, and extended by :meth:`append`).
         write: whether this process writes (rank 0).
         log: ``none`` or ``tensorboard`` (skipped with a warning if it is not installed).
+        resumed_at: the step of the checkpoint a resumed run starts from (``None``: fresh).
     """
 
-    def __init__(self, out: Path, rows: list[dict], write: bool, log: str = "none") -> None:
+    def __init__(self, out: Path, rows: list[dict], write: bool, log: str = "none",
+                 resumed_at: int | None = None) -> None:
         self.path, self.rows, self.tensorboard = out / "metrics.jsonl", rows, None
         self.file = open(self.path, "a") if write else None  # noqa: SIM115 - until close()
         if write and log == "tensorboard":
-            self.tensorboard = _tensorboard_writer(out / "tensorboard")
+            self.tensorboard = _tensorboard_writer(
+                out / "tensorboard", None if resumed_at is None else resumed_at + 1)
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
@@ -410,7 +417,7 @@ class MetricsLog:
                 self.tensorboard = None
 
 
-def _tensorboard_writer(path: Path):
+def _tensorboard_writer(path: Path, purge_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -418,7 +425,7 @@ def _tensorboard_writer(path: Path):
                       "tensorboard); training without it, metrics.jsonl has every number",
                       RuntimeWarning, stacklevel=3)
         return None
-    return SummaryWriter(log_dir=str(path))
+    return SummaryWriter(log_dir=str(path), purge_step=purge_step)
 
 
 def load_optimizer_state(optimizer, state: dict) -> None:

@@ -284,7 +284,7 @@ def _setup(cfg: TrainConfig, out: Path, resume: bool, echo: bool, job: Job, corp
     start = ckpt["step"] if ckpt is not None else 0
     progress = Progress(echo and job.is_main, cfg.progress, cfg.progress_interval, start,
                         cfg.last_step)
-    log = MetricsLog(out, rows, job.is_main, cfg.log)
+    log = MetricsLog(out, rows, job.is_main, cfg.log, resumed_at=start if ckpt is not None else None)
     run = Run(cfg, out, job, corpus, model, trained, evaluator, optimizer, multipliers,
               base_lrs, sampler, precision, log, progress, meter)
     if ckpt is not None:

@@ -192,13 +192,13 @@ def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
                read_metrics(tmp_path / "b" / "metrics.jsonl"))
 
 
-def _interrupt_at_third_step(monkeypatch):
-    """Make the third ``train_step`` from now raise ``KeyboardInterrupt``; the real one."""
+def _interrupt_at_call(monkeypatch, n: int):
+    """Make the ``n``-th ``train_step`` from now raise ``KeyboardInterrupt``; the real one."""
     real, calls = train_mod.train_step, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
@@ -217,7 +217,7 @@ def test_an_interrupted_resume_leaves_no_summary_of_the_run_before(tmp_path, mon
     common = _quiet("--eval_interval", "2", "--warmup_steps", "2", "--progress", "false")
     assert main([*common, "--steps", "4", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["finished"]
-    real = _interrupt_at_third_step(monkeypatch)  # of a resume from step 4: at step 7
+    real = _interrupt_at_call(monkeypatch, 3)  # of a resume from step 4: at step 7
     assert main(["--resume", "--steps", "10", "--out", str(out)]) == 130
     saved = json.loads((out / "config.json").read_text())
     assert saved["steps"] == 10
@@ -244,7 +244,7 @@ def test_an_interrupted_resume_leaves_no_end_files_of_the_run_before(tmp_path, m
               "--warmup_steps", "2", "--progress", "false"]
     assert main([*common, "--steps", "4", "--out", str(out)]) == 0
     ended = {name: (out / name).read_bytes() for name in ("summary.json", "loss.png", "sample.txt")}
-    real = _interrupt_at_third_step(monkeypatch)  # of a resume from step 4: at step 7
+    real = _interrupt_at_call(monkeypatch, 3)  # of a resume from step 4: at step 7
     assert main(["--resume", "--steps", "10", "--out", str(out)]) == 130
     assert not [name for name in ended if (out / name).exists()]
     saved = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
@@ -256,6 +256,47 @@ def test_an_interrupted_resume_leaves_no_end_files_of_the_run_before(tmp_path, m
     assert json.loads((out / "summary.json").read_text())["steps"] == 10
     assert (out / "loss.png").read_bytes() != ended["loss.png"] and (out / "sample.txt").is_file()
     assert _reusable(out, saved, {})["steps"] == 10
+
+
+def test_a_resumed_runs_tensorboard_log_holds_each_step_once(tmp_path, monkeypatch):
+    """A run killed at step 4 had logged step 3 to TensorBoard after its checkpoint at step 2;
+    the resume drops that row from metrics.jsonl and logs step 3 again, but its writer kept the
+    killed run's events: TensorBoard showed step 3 twice. The resume's writer now purges the
+    steps after the checkpoint (``purge_step``: TensorBoard hides the events of earlier files
+    at and after it), which the fake writer below applies."""
+    import types
+
+    writers = []
+
+    class Writer:  # records what reaches TensorBoard
+        def __init__(self, log_dir, purge_step=None):
+            self.purge_step, self.events = purge_step, []
+            writers.append(self)
+
+        def add_scalar(self, key, value, step):
+            self.events.append((key, step, value))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=Writer))
+    out = tmp_path / "run"
+    real = _interrupt_at_call(monkeypatch, 4)
+    args = _quiet("--steps", "6", "--eval_interval", "2", "--log_interval", "1", "--log",
+                  "tensorboard", "--progress", "false", "--out", str(out))
+    assert main(args) == 130
+    monkeypatch.setattr(train_mod, "train_step", real)
+    assert main(["--resume", "--out", str(out)]) == 0
+    shown = []
+    for writer in writers:  # each file hides the earlier files' events from its purge_step on
+        if writer.purge_step is not None:
+            shown = [e for e in shown if e[1] < writer.purge_step]
+        shown += writer.events
+    losses = [(step, value) for key, step, value in shown if key == "train_loss"]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert losses == [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_resume_that_changes_settings_names_them_and_what_dropout_makes_of_it(tmp_path, capsys):
