@@ -183,21 +183,42 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         (``polar``, ``qr``, ``normalize``, DGram's) maps any ``x``, as geoopt's retractions do.
 
         Raises:
-            ValueError: naming a non-finite ``x`` or ``u``, a step too long for the dtype, or an
-                ``x`` off the manifold for a retraction that needs a point (value checks, see
-                :func:`skip_value_checks`).
+            ValueError: naming a non-finite ``x`` or ``u``, a step too long for the dtype, an
+                ``x`` off the manifold for a retraction that needs a point, or a step the
+                retraction has no point for (:meth:`_step_refusal`: Oblique's and DGram's zero
+                columns of ``x + u``) (value checks, see :func:`skip_value_checks`).
         """
-        dtype = self._validate_args(f"{self.name}.retr", x=x, u=u)
+        where = f"{self.name}.retr"
+        dtype = self._validate_args(where, x=x, u=u)
         if self._retraction.needs_point:
-            self._require_point(x, f"{self.name}.retr", f"the {self._retraction!r} retraction (not a "
-                                                        f"projection of x + u)")
+            self._require_point(x, where, f"the {self._retraction!r} retraction (not a projection of x + u)")
         try:
             y = self._retraction.retract(x.to(dtype), u.to(dtype))
-        except torch.linalg.LinAlgError:  # nan/inf inputs fail inside a decomposition: say so
-            check_tensor(x, "x", f"{self.name}.retr", finite=True)
-            check_tensor(u, "u", f"{self.name}.retr", finite=True)
+        except (torch.linalg.LinAlgError, ValueError):  # nan/inf inputs fail inside a decomposition: say so
+            self._explain_failed_step(x, u, where)
             raise
-        return check_finite_result(y, f"{self.name}.retr", x=x, u=u)
+        try:
+            return check_finite_result(y, where, x=x, u=u)
+        except ValueError:
+            self._explain_failed_step(x, u, where)
+            raise
+
+    def _explain_failed_step(self, x: torch.Tensor, u: torch.Tensor, where: str) -> None:
+        """After :meth:`retr`'s retraction failed or returned non-finite values: raise
+        ``ValueError`` naming a non-finite ``x`` or ``u``, else the manifold's
+        :meth:`_step_refusal`; return when neither applies (the caller re-raises)."""
+        if not value_checks_enabled():
+            return
+        check_tensor(x, "x", where, finite=True)
+        check_tensor(u, "u", where, finite=True)
+        reason = self._step_refusal(x.detach(), u.detach())
+        if reason is not None:
+            raise ValueError(f"{where}: {reason}")
+
+    def _step_refusal(self, x: torch.Tensor, u: torch.Tensor) -> str | None:
+        """Why the retraction has no point for the finite step ``u`` at ``x`` (``None``: no reason
+        known); asked only after it failed, so it may cost a pass."""
+        return None
 
     def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """:meth:`retr` of ``u`` and :meth:`transp` of ``v`` to the new point."""

@@ -274,6 +274,10 @@ class DGram(MatrixConstraintManifold):
         check_full_column_rank(x, self.name)
         return dgram_metric_projection(x)
 
+    def _step_refusal(self, x, u):
+        return self._zero_columns_refusal(x, u, f"the {self._retraction.name!r} retraction has no "
+                                                f"DGram point for them (DGram's columns are nonzero)")
+
     def expmap(self, x, u):
         raise NotImplementedError(
             "DGram has no closed-form exponential map; use retr (retraction "

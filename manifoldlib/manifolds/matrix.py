@@ -136,6 +136,18 @@ class MatrixConstraintManifold(RetractionManifold):
         x, u = x.to(dtype), u.to(dtype)
         return u - self._normal_component(x, u)
 
+    def _zero_columns_refusal(self, x: torch.Tensor, u: torch.Tensor, why: str) -> str | None:
+        """For a retraction that projects ``x + u``: the zero columns of ``x + u`` (tall
+        orientation, in any matrix of a batch) and ``why`` the projection has no point for them;
+        ``None`` without any."""
+        y = x + u  # (..., m, n), promoted
+        zero = (y == 0).all(dim=-2)  # (..., n)
+        if not bool(zero.any()):
+            return None
+        cols = sorted(set(zero.nonzero()[:, -1].tolist()))
+        return (f"columns {cols} of x + u (tall orientation) are zero, a step u_j = -x_j: {why}; "
+                f"shorten the step")
+
     def gram_retraction_factor(self, gram: torch.Tensor, rsqrt) -> torch.Tensor | None:
         r""":math:`\Phi` with :math:`R(Y) = Y\Phi` for the :attr:`muon_retraction`, from :math:`T = Y^\top Y`;
         ``rsqrt`` maps a symmetric ``T`` to :math:`T^{-1/2}` or ``None`` (then ``None``)."""

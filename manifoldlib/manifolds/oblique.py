@@ -112,6 +112,9 @@ class Oblique(MatrixConstraintManifold):
             raise ValueError(f"oblique needs nonzero columns, got zero columns {cols}: no nearest point exists")
         return _normalize_columns(x)
 
+    def _step_refusal(self, x, u):
+        return self._zero_columns_refusal(x, u, "a zero column has no direction to normalize")
+
     def expmap(self, x, u):
         r"""The geodesic of every column along the tangent part :math:`P_W u` (a normal part of
         ``u`` is dropped, as :meth:`~manifoldlib.manifolds.Stiefel.expmap` and

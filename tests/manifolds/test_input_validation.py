@@ -228,3 +228,22 @@ def test_random_accepts_a_shape_and_numpy_or_torch_ints():
     assert Stiefel().random(torch.Size([5, 3])).shape == (5, 3)
     assert Sphere().random(np.int64(2), torch.tensor(4).item()).shape == (2, 4)
     assert Sphere().random(0, 4).shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "manifold",
+    [Oblique(), DGram(retraction="colnorm-polar"), DGram(retraction="colnorm-polar", method="newton-schulz"),
+     DGram(retraction="alternating")],
+    ids=["oblique", "colnorm-polar", "colnorm-polar-ns", "alternating"],
+)
+def test_a_step_that_zeroes_a_column_is_refused_by_name(manifold):
+    """u_j = -x_j makes column j of x + u zero, which column normalization cannot map: Oblique's
+    retr said 'the step is too long for torch.float64' of a unit step, DGram's colnorm-polar raised
+    torch's LinAlgError from its SVD, its alternating retraction msign's 'needs matrices of full
+    rank'. Each names the zero columns of x + u."""
+    x = manifold.random(2, 5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = torch.zeros_like(x)
+    u[1, :, 2] = -x[1, :, 2]  # column 2 of the second matrix
+    with pytest.raises(ValueError, match=re.escape(f"{manifold.name}.retr: columns [2] of x + u (tall "
+                                                   f"orientation) are zero, a step u_j = -x_j")):
+        manifold.retr(x, u)
