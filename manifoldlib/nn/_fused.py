@@ -112,8 +112,14 @@ do that without another pass over every row (the row's largest entry, or scaled 
 :math:`2^{-300} \approx 4.9\cdot 10^{-91}`) comes out NaN, its values and gradients, and with them
 the gradient in :math:`s` (a sum over rows): loud rather than silently off the sphere, at the cost
 of one elementwise op on the :math:`(\ldots, 1)` tensor :math:`q` (it replaces the floor's clamp).
-Rows above the floor get the bits they got before. Huge rows are left as they were on the ATen
-path: there the per-row math overflows to inf or NaN gradients (float32 norms above about
+Rows above the floor get the bits they got before. :func:`sphere_residual_reference` rescales as the
+kernels do, with the ``(..., 1)`` largest :math:`|h_i|` it reads for the zero rows anyway and three
+more elementwise passes (no host read): a row outside :data:`_REFERENCE_RANGE` is computed on
+:math:`(h, f)\,2^{-e}` (a larger :math:`e` where :math:`f\,2^{-e}` would pass :math:`2^K`), the
+scalings passing the upstream gradient through unscaled and :math:`dL/ds` taking its :math:`2^e` through a
+per-row step, so that such a row gets its twin's values, gradients and :math:`dL/ds`, bit for bit
+(``test_the_reference_computes_rows_of_tiny_and_huge_norm_as_their_twins_in_range``). Huge rows are
+left as they were on the ATen path: there the per-row math overflows to inf or NaN gradients (float32 norms above about
 :math:`2^{42}`), which is loud already, while the values stay right until :math:`q` overflows.
 
 An update out of range. A nonzero row whose :math:`n = \|P_h f\|^2` or :math:`\sigma = s^2 n/q`
@@ -235,6 +241,43 @@ def _zero_rows(x: torch.Tensor) -> torch.Tensor:
     single-pass reductions: ``vector_norm(x, inf)`` runs about 40x slower than ``amax`` on CPU, and
     ``x == 0`` would materialize a ``(..., d)`` mask). A NaN row is not zero."""
     return (x.amax(-1, keepdim=True) == 0) & (x.amin(-1, keepdim=True) == 0)
+
+
+#: The range of a row's largest :math:`|h_i|` that :func:`sphere_residual_reference` computes as it
+#: is (float32: norms of about :math:`2^{\pm 24}`, float64 :math:`2^{\pm 200}`, as the C++ kernels), the
+#: power of two :math:`2^K` that a rescaled row's largest :math:`|f_i|` may reach, and the bound on
+#: :math:`|e|` that keeps :math:`2^{\pm e}` normal numbers. A row outside the range is computed on
+#: :math:`(h, f)\,2^{-e}`: plain autograd meets :math:`q` and terms of higher degree in the row's
+#: scale, which leave the range (inf gradients in :math:`h`, values off the sphere) long before the
+#: row's entries do.
+_REFERENCE_RANGE = {torch.float32: (2.0**-24, 2.0**24, 48, 126), torch.float64: (2.0**-200, 2.0**200, 400, 1022)}
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """``(..., d) -> (..., 1)``: the largest ``|x_i|`` of each row (NaN for a row with a NaN), detached."""
+    return torch.maximum(x.amax(-1, keepdim=True), -x.amin(-1, keepdim=True)).detach()
+
+
+def _reference_factors(largest_h: torch.Tensor, largest_f: torch.Tensor) -> torch.Tensor:
+    """The factor :math:`2^{-e}` of each row for :func:`sphere_residual_reference`, ``(..., 1)``, from its
+    largest ``|h_i|`` and ``|f_i|``: 1 for a row in :data:`_REFERENCE_RANGE`, a zero row and a
+    non-finite one; for the others :math:`2^e` the power of two of the largest :math:`|h_i|`, as the
+    C++ kernels take it, or a larger one where :math:`f 2^{-e}` would pass :math:`2^K` (its squares
+    would overflow where the row's own do not). Powers of two: a rescaled row's values are its twin's
+    times :math:`2^{-e}`, bit for bit."""
+    low, high, reach, bound = _REFERENCE_RANGE[largest_h.dtype]
+    exponent = torch.frexp(largest_h).exponent  # (..., 1) int32, 0 for 0, inf and NaN
+    of_f = torch.frexp(largest_f).exponent - reach  # 0 - K for f = 0: no bound
+    exponent = torch.maximum(exponent, torch.where(largest_f.isfinite(), of_f, exponent))
+    exponent = exponent.clamp(-bound, bound).to(largest_h.dtype)  # 2^±e normal numbers
+    keep = ~((largest_h < low) | (largest_h > high)) | (largest_h == 0) | ~largest_h.isfinite()
+    return torch.where(keep, 1.0, torch.exp2(-exponent))
+
+
+def _scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``x * factor`` (a ``(..., 1)`` power of two per row) with the gradient of ``x`` itself: the
+    value of the product, exactly, and a backward that passes the gradient through unscaled."""
+    return (x * factor).detach() + (x - x.detach())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -594,7 +637,10 @@ def sphere_residual_reference(
     against, and the path for sphere retractions that are not :class:`AngleRetraction`.
 
     Same arguments and shapes as :func:`sphere_residual` (half-precision inputs likewise computed in
-    float32).
+    float32). Rows of tiny or huge norm are computed rescaled by a power of two, as the C++ kernels
+    do (module docstring, *Rows of tiny (or huge) norm*): their first derivatives are exact; a
+    second derivative of such a row (double backward) is its rescaled twin's, :math:`2^e` times the
+    row's own (the second derivatives in :math:`h, f` are of degree :math:`-1`).
     """
     _check_scale(scale)
     scale = torch.as_tensor(scale, dtype=h.dtype, device=h.device)
@@ -605,24 +651,37 @@ def sphere_residual_reference(
     # A zero row is kept (module docstring): the update runs on a row of ones in its place and on 0 f
     # (P_0 f = 0: whatever f's scale, no square of it is formed; NaN for a non-finite f, as on the
     # fused path), and the blend below takes 0 times that result plus h.
-    zero = _zero_rows(h)  # (..., 1)
-    point = torch.where(zero, 1.0, h)  # (..., d)
+    largest = _largest(h)  # (..., 1)
+    zero = largest == 0  # (..., 1); a NaN row is not zero
     f_zero = 0.0 * f  # (..., d)
     f = torch.where(zero, f_zero, f)  # (..., d)
+    # A row whose largest |h_i| is out of range is computed on (h, f) 2^-e, as the C++ kernels do
+    # (module docstring, *Rows of tiny (or huge) norm*): exact, with the bits of its twin in range.
+    # The scalings carry no gradient factor (the update is of degree 1 in (h, f), its Jacobians in
+    # h and f of degree 0), so the twin's backward runs on the upstream gradient itself, not on
+    # 2^e times it, which goes subnormal with a tiny row's coefficients; dL/ds, of degree 1, gets
+    # its 2^e through a per-row step.
+    down = _reference_factors(largest, _largest(f))  # (..., 1): 2^-e, or 1
+    up = 1.0 / down  # (..., 1), exact
+    point = _scaled(torch.where(zero, 1.0, h), down)  # (..., d)
+    f = _scaled(f, down)  # (..., d)
+    step = scale.detach() + (scale * up - (scale * up).detach())  # (..., 1): s, dL/ds times 2^e
     radius_sq = (point * point).sum(-1, keepdim=True)  # (..., 1)
     v = sphere_project_tangent(point, f, radius_sq)  # (..., d), P_h f
     tangent_sq = (v * v).sum(-1, keepdim=True)  # ||P_h f||², (..., 1)
     if normalize_eps is not None:  # r P_h f / sqrt(||P_h f||² + eps² r²), norm <= r
         v = sphere_project_tangent(point, sphere_unit_tangent(point, f, normalize_eps), radius_sq)
-    v = scale * v  # (..., d), tangent at h
-    # ||P_h f||² or σ past the dtype: the row and its gradients NaN, as on the fused path (module
-    # docstring, *An update out of range*), through a constant factor NaN (else 1)
-    out_of_range = tangent_sq.isinf() | sphere_normalized_sq_step(v, radius_sq).isinf()  # (..., 1)
+    v = step * v  # (..., d), tangent at h
+    # ||P_h f||² (the row's own: the scaled row's times 2^2e) or σ past the dtype: the row and its
+    # gradients NaN, as on the fused path (module docstring, *An update out of range*), through a
+    # constant factor NaN (else 1)
+    own_sq = tangent_sq.detach() * up * up  # (..., 1)
+    out_of_range = own_sq.isinf() | sphere_normalized_sq_step(v, radius_sq).isinf()  # (..., 1)
     if isinstance(retraction, AngleRetraction):
         out = retraction.retract(point, v, radius=None)
     else:
         out = retraction.retract(point, v)
-    out = out * torch.where(out_of_range, math.nan, 1.0)  # (..., d)
+    out = _scaled(out, up) * torch.where(out_of_range, math.nan, 1.0)  # (..., d)
     # 1 for a zero row, 0 for the others; NaN for a zero row whose f has a non-finite entry (its
     # <0, f> NaN), which makes the row NaN, values and gradients, as on the fused path
     keep = torch.where(zero, 1.0 + f_zero.detach().sum(-1, keepdim=True), 0.0)  # (..., 1)

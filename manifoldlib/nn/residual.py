@@ -116,7 +116,7 @@ class SphereResidual(nn.Module):
             and if they cannot be built it warns once and uses ATen, as on every other device.
             The normalized step's per-row factor is plain autograd in both cases. Nonzero rows
             of tiny norm (float32 below :math:`2^{-32}`, float64 below :math:`2^{-300}`) are
-            exact where the C++ kernels run them and come out NaN on the ATen path (which
+            exact where the C++ kernels run them and with ``fused=False``, and come out NaN on the ATen path (which
             includes a user's retraction in the normalized step;
             :func:`~manifoldlib.nn.sphere_residual`); a zero row is kept on every path (below).
             A nonzero row whose update overflows the dtype (:math:`\|P_h F\|^2` or the literal

@@ -510,6 +510,30 @@ def test_rows_of_tiny_norm_leave_the_other_rows_alone(dtype, exponent, edge, ret
         assert bool(torch.isnan(mixed[3]))  # the gradient in s sums over the rows
 
 
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+@pytest.mark.parametrize("retraction", ["gnomonic", "exp", "user-p3"])
+@pytest.mark.parametrize(("dtype", "exponents"), [(torch.float32, (-76, -100, 40)), (torch.float64, (-540, -900, 300))])
+def test_the_reference_computes_rows_of_tiny_and_huge_norm_as_their_twins_in_range(dtype, exponents, retraction,
+                                                                                   normalize_eps):
+    """sphere_residual_reference on rows scaled by 2^k out of range (entries normal numbers): their
+    values are their twins' in range times 2^k, their gradients in h and f the twins', their dL/ds
+    2^k times the twins', bit for bit (the update is homogeneous of degree 1 in (h, f)). Its plain
+    autograd computed them as they were, where ||h||² underflows or the gradient's terms of higher
+    degree leave the range: inf gradients in h, values off their sphere, or NaN."""
+    ret = RETRACTIONS[retraction]
+    h, f = _case(33, 3, 24, radius=1.0, f_scale=1.5, dtype=dtype)
+
+    def reference(a, b, s, r):
+        return sphere_residual_reference(a, b, s, r, normalize_eps=normalize_eps)
+
+    twin = _values_and_grads(reference, h, f, 0.7, ret)
+    for k in exponents:
+        out, grad_h, grad_f, grad_s = _values_and_grads(reference, h * 2.0**k, f * 2.0**k, 0.7, ret)
+        assert torch.equal(out, twin[0] * 2.0**k)
+        assert torch.equal(grad_h, twin[1]) and torch.equal(grad_f, twin[2])
+        assert torch.equal(grad_s, twin[3] * 2.0**k)
+
+
 def _zero_rows_kept(path, h, f, w, ret, normalize_eps, dtype):
     """Rows 1 and 4 (zero rows of h) kept, ``out = h = 0``, with the identity's gradients (``w`` in h,
     0 in f); the other rows' values and gradients those of a batch without them, the gradient in s
