@@ -564,6 +564,9 @@ INERT_RULES: tuple[tuple[tuple[str, ...], str, Callable[[TrainConfig], bool], st
      "only a --corpus bin:DIR reads it"),
     (("sample_prompt", "temperature", "top_k"), "sample_tokens", lambda c: c.sample_tokens == 0,
      "only --sample_tokens N > 0 reads it"),
+    (("sample_prompt",), "tokenizer", lambda c: c.tokenizer == "ids",
+     ("ids read as they are have no text to encode a prompt with (the sample starts from the "
+      "first training token); only a corpus with a tokenizer reads it")),
     (("progress_interval",), "progress", lambda c: not c.progress,
      "only --progress true reads it"),
     (("retraction", "p"), "connection", lambda c: c.connection != "spheret",

@@ -267,6 +267,32 @@ def _without_meta(folder: Path) -> Path:
     return folder
 
 
+def test_a_sample_prompt_on_shards_of_ids_is_refused(tmp_path, capsys):
+    """On nanoGPT shards (tokenizer ids) the prompt encodes to no ids and the sample starts from
+    the first training token: --sample_prompt hello gave the sample of the default 'def '."""
+    from models.data import load_corpus
+    from models.evaluation import generate_sample
+
+    nano, out = _without_meta(tmp_path / "nano"), tmp_path / "r"
+    _refused(capsys, ["--preset", "smoke", "--corpus", f"bin:{nano}", "--shard_dtype", "uint16",
+                      "--steps", "2", "--sample_prompt", "hello", "--out", str(out)],
+             "--sample_prompt does nothing with tokenizer=ids: ids read as they are have no text "
+             "to encode a prompt with (the sample starts from the first training token); only a "
+             "corpus with a tokenizer reads it")
+    assert not out.exists()
+    cfg = build_config("smoke", overrides={"sample_tokens": "4"})
+    for spec, kw, prompts_read in ((f"bin:{nano}", {"shard_dtype": "uint16"}, False),
+                                   ("synthetic:20000", {}, True)):
+        corpus = load_corpus(spec, **kw)
+        torch.manual_seed(0)
+        model = build_model(cfg, corpus.vocab_size)
+        samples = {generate_sample(model, corpus, cfg.replace(sample_prompt=prompt),
+                                   torch.device("cpu")) for prompt in ("hello", "def ")}
+        assert len(samples) == (2 if prompts_read else 1)
+        assert ("sample_prompt" in inert_settings(resolve_tokenizer(cfg.replace(corpus=spec, **kw)))
+                ) is not prompts_read
+
+
 def _disagrees(given: str, label: str, folder: Path, made_with: str) -> str:
     return (f"tokenizer {given!r} ({label}) disagrees with the token shards {folder}: they were "
             f"made with the {made_with!r} tokenizer (their meta.json says so), which a run on "
