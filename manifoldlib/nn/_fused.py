@@ -545,7 +545,7 @@ def _check_scale(scale) -> None:
 def _check(
     h: torch.Tensor, f: torch.Tensor, scale: torch.Tensor, retraction: Retraction, normalize_eps: float | None
 ) -> None:
-    finite_positive = isinstance(normalize_eps, (int, float)) and 0 < normalize_eps < float("inf")
+    finite_positive = is_real(normalize_eps) and 0 < normalize_eps < float("inf")
     if normalize_eps is not None and not finite_positive:
         raise ValueError(f"normalize_eps must be None or a finite number > 0, got {normalize_eps!r}")
     if h.shape != f.shape:
@@ -556,6 +556,15 @@ def _check(
         raise ValueError(f"scale must be a scalar tensor, got shape {tuple(scale.shape)}")
     if not h.is_floating_point():
         raise ValueError(f"h must be a floating-point tensor, got dtype {h.dtype}")
+    if normalize_eps is not None:
+        # the floor eps² r² of D = ||P_h f||² + eps² r² must be a number of the dtype the rows are
+        # computed in: below, a zero update (P_h f = 0, e.g. a zero-initialized sub-layer) has D = 0
+        # and comes out NaN, values and gradients, on the ATen path and the reference
+        work = torch.float32 if h.dtype in _LOW_PRECISION else h.dtype
+        smallest = math.sqrt(torch.finfo(work).tiny)
+        if normalize_eps < smallest:
+            raise ValueError(f"normalize_eps must be at least {smallest:.3g} for {h.dtype} rows (computed in "
+                             f"{work}, where its square must be a normal number), got {normalize_eps!r}")
     if not isinstance(retraction, Retraction):
         raise ValueError(f"retraction must be a sphere Retraction instance (e.g. get_retraction('sphere', "
                          f"'p')), got {retraction!r}")
@@ -596,7 +605,10 @@ def sphere_residual(
             plain ``super()`` forward; module docstring, *Whose map runs*), falls back to
             :func:`sphere_residual_reference`, which calls that ``retract``.
         normalize_eps: ``None`` (the literal step :math:`s P_h f`) or the relative floor
-            :math:`\varepsilon > 0` of the normalized step.
+            :math:`\varepsilon > 0` of the normalized step, whose square must be a normal number of
+            the dtype the rows are computed in (:math:`\varepsilon \ge` about :math:`1.1\cdot 10^{-19}`
+            for float32 and half precision, :math:`1.5\cdot 10^{-154}` for float64; ``ValueError``
+            otherwise).
 
     Returns:
         ``(..., d)`` points with the norms of ``h``. Half-precision inputs are computed in

@@ -106,7 +106,10 @@ class SphereResidual(nn.Module):
         step: ``"normalized"`` or ``"literal"``.
         alpha_init: initial :math:`\alpha > 0` (default: 0.5 normalized, 1 literal).
         eps: relative floor of the normalized step (see
-            :func:`~manifoldlib.functional.sphere_unit_tangent`).
+            :func:`~manifoldlib.functional.sphere_unit_tangent`); a call refuses one whose square
+            is not a normal number of the dtype the rows are computed in (below about
+            :math:`1.1\cdot 10^{-19}` for float32, bfloat16 and float16, :math:`1.5\cdot 10^{-154}`
+            for float64), where a zero update would come out NaN.
         fused: use the analytic-backward function (``True``) or the plain-autograd reference
             (``False``; e.g. for a second derivative, which the fused path does not have). On
             contiguous float32/float64 CPU tensors (bf16 runs in float32) the fused path does its
@@ -170,12 +173,14 @@ class SphereResidual(nn.Module):
             raise ValueError(f"alpha_init must be a finite number > 0, got {alpha_init!r}")
         if not (isinstance(eps, (int, float)) and 0 < eps < 1):
             raise ValueError(f"eps must be in (0, 1), got {eps!r}")
+        if fused is not True and fused is not False:  # bool() took any object: "False" ran fused
+            raise ValueError(f"fused must be True or False, got {fused!r}")
         options = {"p": p} if retraction == "p" else {}
         self.retraction = resolve_retraction("sphere", retraction, **options)
         self.dim = dim
         self.step = step
         self.eps = float(eps)
-        self.fused = bool(fused)
+        self.fused = fused
         self.log_alpha = nn.Parameter(torch.tensor(math.log(alpha_init)))
 
     @property

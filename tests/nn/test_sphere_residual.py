@@ -230,6 +230,7 @@ def test_learnable_alpha_is_a_scalar_and_gets_gradients():
         ({"alpha_init": -0.5}, "alpha_init must be a finite number > 0, got -0.5"),
         ({"step": "scaled"}, "unknown step 'scaled'; valid step forms: normalized, literal"),
         ({"eps": 0.0}, r"eps must be in \(0, 1\), got 0.0"),
+        ({"fused": "False"}, "fused must be True or False, got 'False'"),
     ],
 )
 def test_bad_arguments_raise_value_errors(kwargs, message):

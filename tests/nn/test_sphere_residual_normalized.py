@@ -11,7 +11,7 @@ import torch
 
 from manifoldlib import _cpu_kernels
 from manifoldlib.functional import sphere_unit_tangent
-from manifoldlib.nn import sphere_residual, sphere_residual_reference
+from manifoldlib.nn import SphereResidual, sphere_residual, sphere_residual_reference
 from manifoldlib.retractions import get_retraction
 
 PATHS = ["kernels", "aten"]
@@ -84,11 +84,35 @@ def test_the_folded_step_equals_the_explicit_tangent_in_float32():
     torch.testing.assert_close(folded, explicit, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("bad", [0.0, -1e-6, float("nan"), float("inf"), "1e-6"])
+@pytest.mark.parametrize("bad", [0.0, -1e-6, float("nan"), float("inf"), "1e-6", True])
 def test_a_bad_floor_is_refused_by_value(bad):
     h, f = _case()
     with pytest.raises(ValueError, match="normalize_eps must be None or a finite number > 0"):
         sphere_residual(h, f, 0.4, get_retraction("sphere", "gnomonic"), normalize_eps=bad)
+
+
+@pytest.mark.parametrize("path", [*PATHS, "reference"])
+def test_a_floor_whose_square_is_not_a_normal_number_of_the_dtype_is_refused(path):
+    """The floor eps² r² of D = ||P_h f||² + eps² r² in the dtype the rows are computed in: with eps²
+    below its normal range a zero update (P_h f = 0: f = 0, f parallel to h) had D = 0 and came out
+    NaN, values and gradients, on the ATen path and the reference, and with a NaN gradient in f on
+    the C++ kernels, without an error. Such a floor is refused naming it; float64 takes that
+    eps, and there a zero update is the identity with finite gradients on every path."""
+    retraction = get_retraction("sphere", "gnomonic")
+    fn = sphere_residual_reference if path == "reference" else sphere_residual
+    h, f = _case(degenerate=True)
+    for dtype, eps in [(torch.float32, 1e-30), (torch.bfloat16, 1e-30), (torch.float64, 1e-170)]:
+        with _path(path), pytest.raises(ValueError, match=f"normalize_eps must be at least .* for {dtype} rows"):
+            fn(h.to(dtype), f.to(dtype), 0.4, retraction, normalize_eps=eps)
+    with _path(path), pytest.raises(ValueError, match="must be at least"):
+        SphereResidual(9, eps=1e-30, fused=path != "reference")(h.float(), f.float())
+    a, b = h.clone().requires_grad_(), f.clone().requires_grad_()
+    s = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+    with _path(path):
+        out = fn(a, b, s, retraction, normalize_eps=1e-30)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    assert torch.equal(out[2], h[2])  # f = 0: the step 0
+    assert all(bool(t.isfinite().all()) for t in (out, a.grad, b.grad, s.grad))
 
 
 # (exponent of ||h||, exponent of ||f||) per row: rows 1 and 3 with ||P_h f|| / ||h|| past 2^63
@@ -99,7 +123,7 @@ FAR_ROWS = {torch.float32: [(0, 0), (-20, 50), (0, 0), (-25, 45)], torch.float64
 
 def _far_rows_truth(h, f, w, retraction, exponents):
     """Values and gradients of the normalized step, each row from the float64 reference on (h 2^-i,
-    f 2^-j) with the floor eps 2^(i-j), where its numbers are of order 1: the step is homogeneous
+    f 2^-j) with the floor eps 2^(i-j) (at least 2^-511), where its numbers are of order 1: the step is homogeneous
     of degree 1 in (h, f), of degree 0 in (f, eps) together (D scales by 2^-2j, rho by 2^(j-i)), so
     the row's value is 2^i times that one's, its gradient in h the same, in f 2^(i-j) times, in s
     2^i times (exact scalings)."""
@@ -108,7 +132,10 @@ def _far_rows_truth(h, f, w, retraction, exponents):
         a = (h[k : k + 1].double() * 2.0**-i).requires_grad_()
         b = (f[k : k + 1].double() * 2.0**-j).requires_grad_()
         s = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
-        out = sphere_residual_reference(a, b, s, retraction, normalize_eps=1e-6 * 2.0 ** (i - j))
+        # the floor eps 2^(i-j), or the smallest float64 takes where that one's square is not a
+        # normal number (the floor is then far below ||P_h f|| / ||h|| of these rows: the same D)
+        floor = max(1e-6 * 2.0 ** (i - j), 2.0**-511)
+        out = sphere_residual_reference(a, b, s, retraction, normalize_eps=floor)
         (out * w[k : k + 1].double()).sum().backward()
         rows.append((out.detach() * 2.0**i, a.grad, b.grad * 2.0 ** (i - j), s.grad * 2.0**i))
     return [torch.cat([row[m] for row in rows]) for m in range(3)] + [sum(row[3] for row in rows)]
