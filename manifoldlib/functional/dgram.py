@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .._numbers import is_integer
 from .msign import _gram_eigh_polar, _orthonormal_polar, msign
 from .normal_space import _normal_component, normal_multiplier, off_diagonal
 from .scaling import SAFE_EXPONENT, out_of_range_scale
@@ -150,13 +151,13 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
             with ``"newton"``, whose QR resolves every column relative to its own norm.
 
     Raises:
-        ValueError: ``iterations < 1``, or a column whose norm the search does not determine
+        ValueError: ``iterations`` not ``None`` or an int ``>= 1``, or a column whose norm the search does not determine
             (:data:`PROJECTION_COLUMN_TOL`; column norms spread over too many orders), naming
             the columns.
         RuntimeError: the search stalled above :data:`PROJECTION_FLOOR`, naming the stationarity.
     """
-    if iterations is not None and iterations < 1:
-        raise ValueError(f"iterations must be >= 1 (or None: to convergence), got {iterations}")
+    if iterations is not None and not (is_integer(iterations) and iterations >= 1):  # (True ran one round)
+        raise ValueError(f"iterations must be an int >= 1 (or None: to convergence), got {iterations!r}")
     # Y diag(d) is graded like the squared spread of the column norms; a float32 SVD resolves its
     # singular values only down to ~1e-7 of the largest and would zero the smaller columns, so the
     # search runs in float64 (the projection is not on a hot path)

@@ -57,8 +57,9 @@ import math
 
 import torch
 
+from .._numbers import is_integer, is_real
 from .gram_rsqrt import CHORD_TOL_EPS, products_only_rsqrt
-from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, newton_schulz
+from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, _check_floor, newton_schulz
 from .scaling import into_safe_range
 
 __all__ = ["CONVERGENT_NS_CAP", "GRAM_EIGH_ONE_PASS", "GRAM_EIGH_REFINE", "MSIGN_METHODS", "POLAR_METHODS", "msign"]
@@ -426,14 +427,20 @@ def msign(
         ``(..., m, n)`` tensor with ``x``'s dtype and device.
 
     Raises:
-        ValueError: unknown method, a non-matrix input, or a negative step count.
+        ValueError: unknown method, a non-matrix input, a ``steps`` that is not ``None`` or an int
+            ``>= 0`` (``True`` ran one step), a ``tol`` that is not ``None`` or a finite number
+            ``>= 0`` (``True`` stopped the Newton iteration at 1.0, an infinite one after its first
+            step), or an ``eps`` that is not a finite number ``> 0`` (NaN gave NaN matrices).
     """
     _check_matrix(x)
     if method not in MSIGN_METHODS:
         raise ValueError(f"unknown msign method {method!r}; valid methods: {', '.join(MSIGN_METHODS)}")
-    n_steps = _DEFAULT_STEPS.get(method) if steps is None else steps
-    if n_steps is not None and n_steps < 0:
-        raise ValueError(f"steps must be >= 0, got {n_steps}")
+    if steps is not None and not (is_integer(steps) and steps >= 0):
+        raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
+    if tol is not None and not (is_real(tol) and math.isfinite(tol) and tol >= 0):
+        raise ValueError(f"tol must be None or a finite number >= 0, got {tol!r}")
+    _check_floor(eps)
+    n_steps = _DEFAULT_STEPS.get(method) if steps is None else int(steps)
     if x.numel() == 0:  # an empty matrix or batch is its own polar factor
         return x.clone()
     if method in ("jordan5", "polar-express"):

@@ -34,11 +34,13 @@ None of them reads a value back to the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .._numbers import is_integer, is_real
 from .scaling import into_safe_range
 
 __all__ = [
@@ -115,7 +117,8 @@ def resolve_schedule(
             and its safety scale.
 
     Raises:
-        ValueError: an unknown preset, a malformed schedule or a negative step count.
+        ValueError: an unknown preset, a malformed schedule (or one of values that are not finite
+            numbers) or a step count that is not an int ``>= 0``.
     """
     if coefficients is None:
         if preset not in NEWTON_SCHULZ_PRESETS:
@@ -126,17 +129,30 @@ def resolve_schedule(
     else:
         if len(coefficients) == 0:
             raise ValueError(f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}")
-        single = isinstance(coefficients[0], (int, float))
-        schedule = (tuple(coefficients),) if single else tuple(tuple(c) for c in coefficients)
+        # one triple unless the entries are sequences themselves (a string is a bad number, not a triple)
+        single = not isinstance(coefficients[0], (tuple, list))
+        schedule = (tuple(coefficients),) if single else tuple(
+            tuple(c) if isinstance(c, (tuple, list)) else (c,) for c in coefficients)
         if any(len(t) != 3 for t in schedule):
             raise ValueError(f"coefficients must be one (a, b, c) triple or a sequence of triples, got {coefficients!r}")
+        if not all(is_real(v) and math.isfinite(v) for t in schedule for v in t):
+            # float() parsed '3.4445' and took True as 1.0; a NaN or inf gave NaN matrices
+            raise ValueError(f"coefficients must be finite numbers, got {coefficients!r}")
         scale = 1.0
         if steps is None:
             steps = NEWTON_SCHULZ_PRESETS[preset].steps if preset in NEWTON_SCHULZ_PRESETS else len(schedule)
-    if not (isinstance(steps, int) and steps >= 0):
+    if not (is_integer(steps) and steps >= 0):  # (True ran one step)
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    triples = tuple(tuple(float(v) for v in schedule[min(k, len(schedule) - 1)]) for k in range(steps))
+    triples = tuple(tuple(float(v) for v in schedule[min(k, len(schedule) - 1)]) for k in range(int(steps)))
     return triples, scale
+
+
+def _check_floor(eps, name: str = "eps") -> None:
+    """Raise ``ValueError`` unless ``eps`` (a normalization's floor or scale) is a finite number
+    ``> 0``: a NaN one gave NaN matrices, 0 or a negative one NaN for a zero matrix, a negative
+    scale NaN for every matrix, all without an error."""
+    if not (is_real(eps) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float, alpha: float = 1.0) -> torch.Tensor:
@@ -189,11 +205,17 @@ def newton_schulz(
         ``(..., m, n)`` approximation of :math:`\operatorname{msign}(X)`, in ``dtype``.
 
     Raises:
-        ValueError: a non-matrix input, a negative step count or a malformed schedule.
+        ValueError: a non-matrix input, a step count that is not an int ``>= 0``, a malformed
+            schedule, an ``eps`` or ``normalize_scale`` that is not a finite number ``> 0``, or a
+            ``dtype`` that is not a real floating-point dtype.
     """
     if x.dim() < 2:
         raise ValueError(f"newton_schulz expects a matrix or a batch of matrices (..., m, n), got shape {tuple(x.shape)}")
     triples, _ = resolve_schedule(None, steps, coefficients)
+    _check_floor(eps)
+    _check_floor(normalize_scale, "normalize_scale")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a real floating-point dtype, got {dtype!r}")
     work = dtype if dtype is not None else (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
     x = into_safe_range(x, up=False)  # entries whose squares would overflow: scaled down exactly
     y = x.to(work)
@@ -234,8 +256,12 @@ def gram_newton_schulz(
 
     Returns:
         ``(..., n, n)`` symmetric factor ``R``.
+
+    Raises:
+        ValueError: as :func:`resolve_schedule`, or an ``eps`` that is not a finite number ``> 0``.
     """
     triples, scale = resolve_schedule(preset, steps, coefficients)
+    _check_floor(eps)
     fro = torch.diagonal(s, dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # (...,) ||X||_F
     r0 = (scale * fro).clamp_min(eps).reciprocal()[..., None, None]  # (..., 1, 1)
     eye = torch.eye(s.size(-1), dtype=s.dtype, device=s.device)
@@ -272,8 +298,12 @@ def newton_schulz_gain(
 
     Returns:
         ``(..., n)`` gains.
+
+    Raises:
+        ValueError: as :func:`gram_newton_schulz`.
     """
     triples, scale = resolve_schedule(preset, steps, coefficients)
+    _check_floor(eps)
     s0 = (scale * lam.sum(-1, keepdim=True).clamp_min(0).sqrt()).clamp_min(eps).reciprocal()  # (..., 1)
     gain = s0.expand_as(lam).clone()
     t = lam * (s0 * s0)  # y_k^2

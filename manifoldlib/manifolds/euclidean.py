@@ -6,6 +6,7 @@ from typing import Union
 
 import torch
 
+from .._numbers import is_integer
 from ..retractions.base import Retraction
 from .base import RetractionManifold, _random_normal, _size_tuple
 
@@ -36,10 +37,10 @@ class Euclidean(RetractionManifold):
         return torch.zeros((), dtype=dtype, device=a.device)
 
     def __init__(self, ndim: int = 0, retraction: Union[str, Retraction, None] = None, **retraction_options):
-        if not isinstance(ndim, int) or ndim < 0:
+        if not (is_integer(ndim) and ndim >= 0):  # (True was taken as 1)
             raise ValueError(f"ndim must be an int >= 0, got {ndim!r}")
         super().__init__(retraction, **retraction_options)
-        self.ndim = ndim
+        self.ndim = int(ndim)
 
     def _init_kwargs(self) -> dict:
         return {"ndim": self.ndim}

@@ -250,3 +250,34 @@ def test_evaluators_refuse_bad_input_by_name():
         newton_schulz(torch.ones(3, dtype=F64), MUON_COEFFICIENTS, 5)
     with pytest.raises(ValueError, match="steps must be an int >= 0, got -2"):
         newton_schulz(s, MUON_COEFFICIENTS, -2)
+
+
+_X = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: manifoldlib.functional.msign(_X, "jordan5", steps=True), "steps must be None or an int >= 0, got True"),
+        (lambda: manifoldlib.functional.msign(_X, "newton", steps=2.5), "steps must be None or an int >= 0, got 2.5"),
+        (lambda: manifoldlib.functional.msign(_X, "newton", tol=True), "tol must be None or a finite number >= 0, got True"),
+        (lambda: manifoldlib.functional.msign(_X, "jordan5", eps=math.nan), "eps must be a finite number > 0, got nan"),
+        (lambda: newton_schulz(_X, MUON_COEFFICIENTS, 5, normalize_scale=-1.0),
+         "normalize_scale must be a finite number > 0, got -1.0"),
+        (lambda: newton_schulz(_X, MUON_COEFFICIENTS, 5, dtype=torch.int64),
+         "dtype must be None or a real floating-point dtype, got torch.int64"),
+        (lambda: newton_schulz(_X, ("3.4445", -4.7750, 2.0315), 5), "coefficients must be finite numbers, got"),
+        (lambda: gram_newton_schulz(_X.mT @ _X, eps=0.0), "eps must be a finite number > 0, got 0.0"),
+        (lambda: manifoldlib.functional.sphere_unit_tangent(_X, _X, eps=0.0), "eps must be a finite number > 0, got 0.0"),
+        (lambda: manifoldlib.functional.dgram_metric_projection(_X, iterations=True),
+         r"iterations must be an int >= 1 \(or None: to convergence\), got True"),
+    ],
+    ids=["msign-steps-bool", "msign-steps-float", "msign-tol-bool", "msign-eps-nan", "ns-scale-negative",
+         "ns-dtype-int", "ns-coefficient-str", "gram-ns-eps-0", "unit-tangent-eps-0", "projection-iterations-bool"],
+)
+def test_an_option_outside_its_range_is_refused_by_name(call, match):
+    """Each ran without an error before, to a wrong result (True as one step, a tolerance of 1.0,
+    a string coefficient parsed) or NaN (a NaN or zero floor, a negative scale), or failed deep
+    in torch (steps=2.5: range(), dtype=int64: vector_norm)."""
+    with pytest.raises(ValueError, match=match):
+        call()

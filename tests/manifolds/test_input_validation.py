@@ -101,6 +101,8 @@ def test_euclidean_ndim_must_be_non_negative_int():
         Euclidean(ndim=-1)
     with pytest.raises(ValueError, match="ndim must be an int >= 0, got 1.5"):
         Euclidean(ndim=1.5)
+    with pytest.raises(ValueError, match="ndim must be an int >= 0, got True"):  # was taken as 1
+        Euclidean(ndim=True)
 
 
 def test_unknown_manifold_name_lists_valid():
@@ -132,14 +134,14 @@ def test_unknown_polar_method_in_retraction(cls):
 def test_msign_rejects_vectors_and_negative_steps():
     with pytest.raises(ValueError, match=r"got shape \(5,\)"):
         msign(VECTOR)
-    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="steps must be None or an int >= 0, got -1"):
         msign(WIDE, "jordan5", steps=-1)
     with pytest.raises(ValueError, match="steps must be an int >= 0, got -2"):
         newton_schulz(WIDE, (1.5, -0.5, 0.0), -2)
 
 
 def test_metric_projection_iterations():
-    with pytest.raises(ValueError, match="iterations must be >= 1 \\(or None: to convergence\\), got 0"):
+    with pytest.raises(ValueError, match="iterations must be an int >= 1 \\(or None: to convergence\\), got 0"):
         dgram_metric_projection(WIDE.mT, iterations=0)
 
 
