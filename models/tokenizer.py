@@ -11,6 +11,7 @@ joined by the tokens of a newline. Both the in-memory path (``models.data.load_c
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -123,7 +124,11 @@ class BPETokenizer:
     @classmethod
     def train(cls, documents: Iterable[bytes], vocab_size: int, progress: bool = False
               ) -> BPETokenizer:
-        """Train on ``documents`` (decoded as UTF-8, invalid bytes replaced), locally."""
+        """Train on ``documents`` (decoded as UTF-8, invalid bytes replaced), locally.
+
+        A text with fewer distinct merges than ``vocab_size`` asks for gives a smaller
+        vocabulary (the one the run then has): a :class:`RuntimeWarning` names both sizes, so
+        that runs asking for different sizes are not taken for different tokenizers."""
         tk = cls._module()
         tok = tk.Tokenizer(tk.models.BPE())
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -133,7 +138,13 @@ class BPETokenizer:
             initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator((d.decode("utf-8", errors="replace") for d in documents),
                                 trainer=trainer)
-        return cls(tok)
+        trained = cls(tok)
+        if trained.vocab_size < vocab_size:
+            warnings.warn(f"the BPE trained {trained.vocab_size} ids of the {vocab_size} asked: the "
+                          f"training text holds no more merges, so the vocabulary is "
+                          f"{trained.vocab_size} (a larger size gives the same tokenizer)",
+                          RuntimeWarning, stacklevel=2)
+        return trained
 
     @classmethod
     def load(cls, path: Path) -> BPETokenizer:

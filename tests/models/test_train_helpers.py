@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -31,6 +32,20 @@ def test_byte_tokenizer_round_trips_utf8():
 def test_bpe_without_the_extra_is_a_corpus_error_naming_it():
     with pytest.raises(CorpusError, match=r"optional 'tokenizers' package.*pip install -e '\.\[bpe\]'"):
         BPETokenizer.train([b"abc abc"], vocab_size=300)
+
+
+def test_a_bpe_vocabulary_smaller_than_asked_is_announced():
+    # a text with fewer merges than asked gave a smaller vocabulary without a word: a sweep over
+    # --bpe_vocab_size 1024 / 4096 on synthetic:20000 trained one 334-id tokenizer under each name
+    pytest.importorskip("tokenizers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        small = BPETokenizer.train([b"abc abd abe " * 50], vocab_size=258)
+    assert small.vocab_size == 258
+    with pytest.warns(RuntimeWarning) as caught:
+        tok = BPETokenizer.train([b"abc abd abe " * 50], vocab_size=4096)
+    assert tok.vocab_size < 4096
+    assert str(caught[0].message).startswith(f"the BPE trained {tok.vocab_size} ids of the 4096 asked")
 
 
 def test_load_corpus_returns_a_corpus_with_a_deterministic_split():
