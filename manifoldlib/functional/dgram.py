@@ -45,7 +45,9 @@ def dgram_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
     :math:`WS` is formed column-scaled, never :math:`S` at its own scale (of order
     :math:`|z|/|w|`), so a ``Z`` far larger than ``W`` and columns far smaller than the largest
-    are projected wherever :math:`WS` is representable."""
+    are projected wherever :math:`WS` is representable. In the promoted dtype of ``w`` and ``z``."""
+    dtype = torch.promote_types(w.dtype, z.dtype)
+    w, z = w.to(dtype), z.to(dtype)
     return z - _normal_component(w, z, off_diagonal)
 
 

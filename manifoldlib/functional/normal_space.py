@@ -54,8 +54,10 @@ def normal_multiplier(w: torch.Tensor, z: torch.Tensor, mask) -> torch.Tensor:
     columns of norm 1e20 gave NaN, of norm 1e-22 a projection off tangent by 5e-3 relative).
     ``Z`` is not rescaled (scaling it with ``W`` could push a ``Z`` much larger than ``W`` past the
     dtype's range). Bit-identical where nothing over- or underflowed. One max reduction over
-    ``W``, one scaled copy of ``W`` and an ``n x n`` scale.
+    ``W``, one scaled copy of ``W`` and an ``n x n`` scale. In the promoted dtype of ``w`` and ``z``.
     """
+    dtype = torch.promote_types(w.dtype, z.dtype)
+    w, z = w.to(dtype), z.to(dtype)
     if w.numel() == 0:
         return _normal_multiplier(w, z, mask)
     scale = _power_of_two_scale(w.detach().abs().amax(dim=(-2, -1), keepdim=True))  # (..., 1, 1)

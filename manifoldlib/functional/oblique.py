@@ -41,7 +41,10 @@ def _oblique_normal_coefficients(w: torch.Tensor, z: torch.Tensor) -> tuple[torc
 
 def oblique_project_tangent(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     r""":math:`P_W(Z) = Z - W\operatorname{diag}(w_j^\top z_j/\|w_j\|^2)`, shapes ``(..., m, n)``
-    (any nonzero columns; scale-safe, see ``_oblique_normal_coefficients``)."""
+    (any nonzero columns; scale-safe, see ``_oblique_normal_coefficients``), in the promoted dtype
+    of ``w`` and ``z`` (a float32 ``w`` with a float64 ``z`` had its :math:`\|w_j\|^2` in float32)."""
+    dtype = torch.promote_types(w.dtype, z.dtype)
+    w, z = w.to(dtype), z.to(dtype)
     ws, s = _oblique_normal_coefficients(w, z)
     return z - ws * s
 

@@ -78,7 +78,10 @@ def sym(a: torch.Tensor) -> torch.Tensor:
 
 
 def stiefel_project_tangent(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    r""":math:`P_X(Z) = Z - X\operatorname{sym}(X^\top Z)`, shapes ``(..., m, n)``."""
+    r""":math:`P_X(Z) = Z - X\operatorname{sym}(X^\top Z)`, shapes ``(..., m, n)``, in the promoted
+    dtype of ``x`` and ``z`` (a float32 ``x`` with a float64 ``z`` was torch's matmul error)."""
+    dtype = torch.promote_types(x.dtype, z.dtype)
+    x, z = x.to(dtype), z.to(dtype)
     return z - x @ sym(x.mT @ z)
 
 

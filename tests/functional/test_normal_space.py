@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from manifoldlib.functional import (
+    dgram_normal_multiplier,
+    dgram_project_tangent,
     diagonal_part,
     normal_metric,
     normal_multiplier,
@@ -15,6 +17,7 @@ from manifoldlib.functional import (
     oblique_normalize,
     oblique_project_tangent,
     off_diagonal,
+    stiefel_project_tangent,
 )
 from manifoldlib.manifolds import DGram, MatrixConstraintManifold, Oblique, Stiefel
 from manifoldlib.optim import DualOptions
@@ -212,3 +215,17 @@ def test_oblique_expmap_of_long_low_precision_steps_stays_on_the_manifold(dtype)
         assert ok, reason
         worst = max(worst, float((y.to(F64).norm(dim=0) - 1).abs().max()))
     assert worst <= 2 * torch.finfo(dtype).eps
+
+
+def test_projection_kernels_compute_mixed_dtypes_in_the_promoted_one():
+    """A float32 point with a float64 vector: stiefel_project_tangent, dgram_project_tangent and
+    dgram_normal_multiplier raised torch's 'expected m1 and m2 to have the same dtype' from their
+    products, and oblique_project_tangent, elementwise, formed the squared column norms of the
+    point in float32. Each is now the float64 result of the point cast to float64, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    x = Stiefel().random(6, 3, generator=g, dtype=torch.float32)
+    z = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    for kernel in (stiefel_project_tangent, dgram_project_tangent, dgram_normal_multiplier, oblique_project_tangent):
+        out = kernel(x, z)
+        assert out.dtype == torch.float64, kernel.__name__
+        torch.testing.assert_close(out, kernel(x.double(), z), rtol=0, atol=0)
