@@ -183,8 +183,10 @@ class ManifoldMuon(Optimizer):
         manifold's dual cannot use (e.g. Stiefel columns far from unit norm) is refused, naming it,
         before anything moves: on every early-stopping step, and on the sync-free path on the first
         step after the optimizer was made, a group added or a state dict loaded (it reads nothing
-        back later). A matrix edited after that on the sync-free path is not checked: one far off
-        its manifold fails the retraction's check every step and keeps its value
+        back later), and again on the first step after a matrix was changed in place (torch's
+        version counter of the tensor: ``model.load_state_dict``, an edit under ``torch.no_grad``; a
+        host read per bank on that step only). A matrix edited through ``.data`` is not checked:
+        one far off its manifold fails the retraction's check every step and keeps its value
         (``state["skipped_steps"]`` counts it), one close to it is moved onto it by the retraction.
 
         Raises:
@@ -283,9 +285,11 @@ class ManifoldMuon(Optimizer):
         banks = make_banks(whole, self._execution_of)
         shapes = [tuple(item[1].shape) for item in whole] + [tuple(p.shape) for m in meshes.values() for _, p, _ in m]
         device = whole[0][1].device if whole else next(iter(meshes.values()))[0][1].device if meshes else None
+        watched = [p for bank in banks if bank.execution.sync_free and not bank.options.manifold.flat
+                   for p in bank.params]
         return _StepPlan(key, copy.deepcopy(settings), [None] * len(options), options, banks,
                          [[groups[i] for i in bank.indices] for bank in banks], owners, list(meshes.values()),
-                         Execution.threads(device, shapes) if device is not None else None)
+                         Execution.threads(device, shapes) if device is not None else None, watched=watched)
 
     def _execution_of(self, opts: MuonOptions, device: torch.device, columns: int) -> Execution:
         """The :class:`~manifoldlib.optim.execution.Execution` of a bank (facts of the device: kept
@@ -338,14 +342,18 @@ class ManifoldMuon(Optimizer):
                 loss = closure()
         plan = self._plan()
         first = not plan.checked
+        # a matrix changed in place since the last step (a model.load_state_dict, an edit under
+        # no_grad) has a new version: its points are checked again (host reads on this step only)
+        edited = not first and [(p._version, p.data_ptr()) for p in plan.watched] != plan.versions
         with step_threads(plan.threads):
             if plan.banks:
                 muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group,
-                          check_layout=first, check_points=first)
+                          check_layout=first, check_points=first or edited)
             for sharded in plan.meshes:
                 items = [(plan.options[g], p, p.grad, state["momentum_buffer"], state) for g, p, state in sharded]
                 fsdp_step(items, self._execution_of, strategy=self.distribution.strategy, check_points=first)
         plan.checked = True
+        plan.versions = [(p._version, p.data_ptr()) for p in plan.watched]
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -389,6 +397,12 @@ class _StepPlan:
             plan lasts): every sync-free bank's points are usable by its manifold's dual (a weight
             edited after its group was added is refused, as early-stopping banks refuse it on every
             step), and in sharded mode the ranks agree on the banks' shapes, dtypes and owners.
+        watched: the matrices of the constrained sync-free banks (which a step does not check).
+        versions: their ``(version, data_ptr)`` after the last step, torch's counter of in-place
+            changes of a tensor and its storage (host attributes, no device read): where they
+            differ at the next step, a matrix was changed in place in between and the sync-free
+            banks' points are checked again on that step (an edit through ``.data`` changes
+            neither).
     """
 
     key: tuple
@@ -401,6 +415,8 @@ class _StepPlan:
     meshes: list[list[tuple[int, Tensor, dict]]]
     threads: int | None
     checked: bool = False
+    watched: list[Tensor] = dataclasses.field(default_factory=list)
+    versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:

@@ -636,17 +636,16 @@ def test_a_refused_step_changes_no_parameter_and_no_momentum():
 
 @pytest.mark.parametrize("manifold", MANIFOLDS)
 def test_the_products_path_never_writes_a_non_finite_point(manifold):
-    # no host check of the point on the sync-free path after a plan's first step: a zero column
-    # set behind the optimizer's back then must still not turn the matrix into NaN (it is
-    # retracted, or skipped and counted)
+    # no host check of the point on the sync-free path after a plan's first step but where a
+    # matrix's version changed: a zero column set through .data (which changes no version) must
+    # still not turn the matrix into NaN (it is retracted, or skipped and counted)
     params = [torch.nn.Parameter(w) for w in _points(manifold, [(48, 12)] * 2, seed=14, dtype=torch.float64)]
     opt = ManifoldMuon(params, lr=0.05, manifold=manifold, dual={"spectral": "products"})
     for seed in (95, 96):
         for p, g in zip(params, _gradients([(48, 12)] * 2, seed=seed)):
             p.grad = g
         if seed == 96:
-            with torch.no_grad():
-                params[1][:, 3] = 0.0
+            params[1].data[:, 3] = 0.0
         opt.step()
     assert all(bool(torch.isfinite(p).all()) for p in params)
     # (an Oblique matrix with a zero column became NaN here before 2026-12-06: now it is skipped)
@@ -708,6 +707,41 @@ def test_both_paths_refuse_a_stiefel_bank_with_a_matrix_edited_off_it_naming_tha
     opt.project_parameters()
     opt.step()  # the plan is made again, checked, and steps
     assert all(not torch.equal(p.detach(), v) for p, v in zip(params, values))
+
+
+@pytest.mark.parametrize("edit", ["load_state_dict", "no_grad", "assign_data"])
+def test_a_matrix_changed_after_the_first_step_is_checked_on_the_next(edit):
+    # the sync-free path checked its points on a plan's first step only: an unconstrained
+    # checkpoint loaded into the model after a step was skipped on every later step (a (32, 16)
+    # Stiefel matrix stayed 41 off its manifold, state["skipped_steps"] 1, 2, ...), without an
+    # error. A change of the tensor's version (or storage) since the last step re-checks the
+    # points on that step, one host read per constrained bank, and then none again
+    gen = torch.Generator().manual_seed(7)
+    lin, other = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 16, bias=False)
+    params = [lin.weight, other.weight]
+    opt = ManifoldMuon(params, lr=0.02, manifold="stiefel", dual={"spectral": "products"})
+
+    def step():
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        return count_ops(opt.step).syncs
+
+    assert [step() for _ in range(3)] == [2, 0, 0]  # two banks: (32, 16) and (16, 16)
+    unconstrained = torch.randn(32, 16, generator=gen)
+    if edit == "load_state_dict":
+        lin.load_state_dict({"weight": unconstrained})
+    elif edit == "no_grad":
+        with torch.no_grad():
+            lin.weight.copy_(unconstrained)
+    else:
+        lin.weight.data = unconstrained.clone()
+    loaded = lin.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"a \(32, 16\) matrix on stiefel: W is not a Stiefel point.*project_parameters"):
+        step()
+    assert torch.equal(lin.weight.detach(), loaded) and int(opt.state[lin.weight]["skipped_steps"]) == 0
+    opt.project_parameters()
+    assert [step() for _ in range(3)] == [2, 0, 0]  # checked once after the projection's change
+    assert int(opt.state[lin.weight]["skipped_steps"]) == 0
 
 
 # ---- Euclidean banks and torch.optim.Muon -----------------------------------------------------
