@@ -256,7 +256,10 @@ def assert_retraction(
        :math:`|\|y\|/r - 1|`); the built-ins are within :math:`O(\epsilon)` on the sphere and
        :math:`O(n\epsilon)` elsewhere (sums of ``n`` products per entry), far inside the tolerances;
     2. :math:`R_x(0) = x` to ``zero_rtol`` relative (SVD-based retractions are exact only to
-       :math:`O(n\,\kappa\,\epsilon)`);
+       :math:`O(n\,\kappa\,\epsilon)`), as ``retract`` returns it and through ``manifold.retr``:
+       a formula that divides by :math:`\|v\|` returns NaN there (a zero-initialized layer's
+       step), which fails this check also inside
+       :func:`~manifoldlib.manifolds.skip_value_checks`;
     3. :math:`\mathrm{D}R_x(0) = \mathrm{id}` on the tangent space: the central difference at
        :math:`h = 10^{-4}` has relative error ``<= derivative_rtol``;
     4. :func:`retraction_order` matches ``order`` (default ``manifold.retraction.order``):
@@ -315,10 +318,22 @@ def assert_retraction(
         if not ok:
             _fail(manifold, f"R_x({scale}·v) is off the manifold (rtol={manifold_rtol}): {reason}")
 
-    with torch.no_grad():
-        y0 = manifold.retr(x, torch.zeros_like(v))
+    # the raw result too: a zero step is what a zero-initialized layer gives SphereResidual, which
+    # calls retract itself; and NaN-safe (a NaN ||R_x(0) - x|| compares false both ways)
+    zero = torch.zeros_like(v)
+    allowed = zero_rtol * float(torch.linalg.vector_norm(x))
+    for raw in _raw_retracts(manifold, x, zero):
+        dev = float(torch.linalg.vector_norm(raw - x))
+        if not dev <= allowed:
+            _fail(manifold, f"R_x(0) != x as retract returns it: ||R_x(0) - x|| = {dev:.3e} "
+                            f"(allowed {zero_rtol} relative)")
+    try:
+        with torch.no_grad():
+            y0 = manifold.retr(x, zero)
+    except ValueError as err:  # the manifold's value checks refused the retraction's result
+        _fail(manifold, f"R_x(0) is not x: {err}")
     dev = float(torch.linalg.vector_norm(y0 - x))
-    if dev > zero_rtol * float(torch.linalg.vector_norm(x)):
+    if not dev <= allowed:
         _fail(manifold, f"R_x(0) != x: ||R_x(0) - x|| = {dev:.3e} (allowed {zero_rtol} relative)")
 
     err = central_difference_error(manifold, x, v, 1e-4)

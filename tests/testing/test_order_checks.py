@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -213,6 +214,30 @@ def test_assert_retraction_reads_the_raw_result_not_the_rescaled_one(retraction,
 def test_assert_retraction_catches_moved_base_point():
     with pytest.raises(AssertionError, match=r"R_x\(0\) != x"):
         assert_retraction(Sphere(retraction=Shifted()), manifold_rtol=1e-3)
+
+
+class NaNAtZero(AngleRetraction):
+    """The exponential map written as cos(b) x + sin(b) r v / ||v||, b = ||v|| / r, without a
+    guard for v = 0: right for every step but the zero one, where it is 0/0."""
+
+    order = 2
+
+    def retract(self, x, v, radius=None):
+        r, n = x.norm(dim=-1, keepdim=True), v.norm(dim=-1, keepdim=True)
+        return torch.cos(n / r) * x + torch.sin(n / r) * r * v / n
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["value-checks", "skip-value-checks"])
+def test_assert_retraction_catches_a_nan_at_the_zero_step(checked):
+    """R_x(0) was compared as ``dev > allowed``, which a NaN passes: inside skip_value_checks such a
+    retraction passed (measured 2.000), outside it Sphere.retr's ValueError escaped instead of an
+    AssertionError; the raw retract, which SphereResidual calls on a zero-initialized layer's zero
+    step, was not asked at 0 at all."""
+    from manifoldlib.manifolds import skip_value_checks
+
+    message = r"R_x\(0\) != x as retract returns it: \|\|R_x\(0\) - x\|\| = nan"
+    with pytest.raises(AssertionError, match=message), contextlib.nullcontext() if checked else skip_value_checks():
+        assert_retraction(Sphere(2.5, retraction=NaNAtZero()))
 
 
 def test_assert_retraction_catches_wrong_derivative():
