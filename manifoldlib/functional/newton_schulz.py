@@ -262,6 +262,13 @@ def gram_newton_schulz(
     """
     triples, scale = resolve_schedule(preset, steps, coefficients)
     _check_floor(eps)
+    return _gram_newton_schulz(s, triples, scale, eps)
+
+
+def _gram_newton_schulz(s: torch.Tensor, triples: Sequence[tuple[float, float, float]], scale: float,
+                        eps: float) -> torch.Tensor:
+    """:func:`gram_newton_schulz` on a schedule :func:`resolve_schedule` gave and a checked ``eps``
+    (a caller that evaluates one schedule many times resolves it once)."""
     fro = torch.diagonal(s, dim1=-2, dim2=-1).sum(-1).clamp_min(0).sqrt()  # (...,) ||X||_F
     r0 = (scale * fro).clamp_min(eps).reciprocal()[..., None, None]  # (..., 1, 1)
     eye = torch.eye(s.size(-1), dtype=s.dtype, device=s.device)
@@ -304,6 +311,13 @@ def newton_schulz_gain(
     """
     triples, scale = resolve_schedule(preset, steps, coefficients)
     _check_floor(eps)
+    return _newton_schulz_gain(lam, triples, scale, eps)
+
+
+def _newton_schulz_gain(lam: torch.Tensor, triples: Sequence[tuple[float, float, float]], scale: float,
+                        eps: float) -> torch.Tensor:
+    """:func:`newton_schulz_gain` on a resolved schedule and a checked ``eps`` (as
+    :func:`_gram_newton_schulz`)."""
     s0 = (scale * lam.sum(-1, keepdim=True).clamp_min(0).sqrt()).clamp_min(eps).reciprocal()  # (..., 1)
     gain = s0.expand_as(lam).clone()
     t = lam * (s0 * s0)  # y_k^2

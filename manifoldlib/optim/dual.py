@@ -42,12 +42,18 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from ..functional.msign import msign
-from ..functional.newton_schulz import gram_newton_schulz, newton_schulz_gain
+from ..functional.newton_schulz import (
+    _check_floor,
+    _gram_newton_schulz,
+    _newton_schulz_gain,
+    gram_newton_schulz,
+    resolve_schedule,
+)
 from ..functional.normal_space import normal_metric
 from .execution import Execution
 
@@ -90,6 +96,12 @@ class Spectral:
         coefficients: a custom ``(a, b, c)`` or schedule (``None``: the preset's).
         eps: floor of the Newton–Schulz normalization.
         path: ``"eigh"`` or ``"products"``.
+        schedule: the Newton–Schulz ``(triples, scale)`` of :func:`~manifoldlib.functional.newton_schulz.resolve_schedule`,
+            resolved (and ``steps``, ``coefficients`` and ``eps`` checked) once, here, not at every
+            evaluation (``None`` for ``"svd"``).
+
+    Raises:
+        ValueError: as :func:`~manifoldlib.functional.newton_schulz.gram_newton_schulz`, naming the value.
     """
 
     method: str = "jordan5"
@@ -97,6 +109,12 @@ class Spectral:
     coefficients: tuple | None = None
     eps: float = 1e-7
     path: str = "eigh"
+    schedule: tuple | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        _check_floor(self.eps)
+        if self.method != "svd":
+            object.__setattr__(self, "schedule", resolve_schedule(self.method, self.steps, self.coefficients))
 
     @classmethod
     def of_group(cls, options, path: str) -> Spectral:
@@ -372,7 +390,7 @@ class DualProblem:
                 gain = torch.where(eig > floor, eig.clamp_min(torch.finfo(eig.dtype).tiny).rsqrt(), 0.0)
                 value = None
             else:
-                gain = newton_schulz_gain(eig, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
+                gain = _newton_schulz_gain(eig, *sp.schedule, sp.eps)
                 value = None
             a_sq = (eig * gain * gain).sum(-1)  # ||A||_F^2
             mv = m @ vec  # (B, n, n) = M V
@@ -385,7 +403,7 @@ class DualProblem:
                 return ev
         else:
             if self.smoothing is None:
-                r = gram_newton_schulz(s, sp.method, sp.steps, coefficients=sp.coefficients, eps=sp.eps)
+                r = _gram_newton_schulz(s, *sp.schedule, sp.eps)
             else:  # (S + mu^2 I)^{-1/2}: the smoothed dual's own map, well conditioned (Polar Express)
                 t = s + torch.diag_embed(self._mu2(s).expand(s.shape[:-1]))
                 r = gram_newton_schulz(t, SMOOTHED_PRESET, eps=sp.eps)
