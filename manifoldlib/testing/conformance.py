@@ -29,7 +29,7 @@ directly on ``.grad``. The checks:
     manifold (a minimizer of the quadratic; geodesically convex near it): 60 steps decrease the
     distance :math:`\|x - x^*\|` by at least half the initial distance or half the length of
     the path walked, whichever is less (a small ``lr`` cannot go far in 60 steps, but what it
-    walks must mostly be progress).
+    walks must mostly be progress); a point that does not move fails.
 ``normal_gradient``
     3 steps from a fresh state, in float64, with the gradients :math:`g_k` and with
     :math:`g_k + n_k`, each :math:`n_k` normal to the tangent space at the current point
@@ -77,7 +77,7 @@ directly on ``.grad``. The checks:
     change of ``lr`` moved the last 3 steps. An optimizer that caches the step size from the first
     step, renewing it only when the group holds another ``lr`` object (a tensor changed in place
     is the same object), fails. Skipped where a tensor ``lr`` is refused with ``ValueError`` or
-    ``TypeError``.
+    ``TypeError`` before the parameter changed (an error after it moved is a failure).
 ``global_rng``
     building the optimizer and 3 steps leave torch's global random generator as they found it (an
     optimizer that draws from it — a random probe, sketch or restart — shifts the data order,

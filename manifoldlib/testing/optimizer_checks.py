@@ -134,6 +134,7 @@ def _check_descent(s: Setup) -> str:
     points = [start]
     s.run(s.factory(params), params, [target], 60, every=lambda _: points.append(p.detach().clone()))
     path = sum(float((b - a).norm()) for a, b in itertools.pairwise(points))
+    _require(path > 0, "60 steps did not move the point")  # else half of a path of 0 asks for nothing
     before, after = float((start - target).norm()), float((points[-1] - target).norm())
     # half the distance, or, where 60 steps of this lr cannot go that far, half the path walked
     required = 0.5 * min(before, path)
@@ -369,9 +370,10 @@ def _check_maximize(s: Setup) -> str:
     return "maximize=True on the gradients of -f equals minimizing f, bit for bit (3 steps)"
 
 
-def _lr_run(s: Setup, start, target, lr, halve: Callable[[dict], None]) -> torch.Tensor:
-    """3 steps at the group ``lr``, ``halve(group)``, 3 more steps: the final point."""
-    (p,) = params = s.parameters(start)
+def _lr_run(s: Setup, start, target, lr, halve: Callable[[dict], None], params=None) -> torch.Tensor:
+    """3 steps at the group ``lr``, ``halve(group)``, 3 more steps: the final point (of
+    ``params``, default: fresh parameters at ``start``)."""
+    (p,) = params = params or s.parameters(start)
     opt = s.factory([{"params": params, "lr": lr}])
     s.run(opt, params, [target], 3)
     halve(opt.param_groups[0])
@@ -384,12 +386,15 @@ def _check_tensor_lr(s: Setup) -> str:
     if not _positive_number(lr):
         return _NO_DEFAULT_LR
     start, target = s.point(54), s.point(55)
+    params = s.parameters(start)
     try:
         # torch's LR schedulers change a tensor lr in place (fill_), so a plan or a copy made
         # from its value at the first step would miss the change
         given = _lr_run(s, start, target, torch.tensor(float(lr), dtype=torch.float64),
-                        lambda group: group["lr"].fill_(lr / 2))
-    except (ValueError, TypeError) as err:
+                        lambda group: group["lr"].fill_(lr / 2), params)
+    except (ValueError, TypeError) as err:  # a refusal leaves the parameter as it was
+        _require(torch.equal(params[0].detach(), start), f"with a tensor lr, a step raised {type(err).__name__} "
+                                                         f"after the parameter had moved: {err}")
         return f"skip: a tensor lr is refused ({type(err).__name__}: {err})"
     reference = _lr_run(s, start, target, float(lr), lambda group: group.__setitem__("lr", lr / 2))
     kept = _lr_run(s, start, target, float(lr), lambda group: None)
@@ -397,7 +402,7 @@ def _check_tensor_lr(s: Setup) -> str:
                                                  "next 3 (the step kept lr's first value)")
     path = float((reference - start).norm())
     diff = float((given - reference).norm()) / max(path, torch.finfo(torch.float64).tiny)
-    if diff > 1e-12:
+    if not diff <= 1e-12:  # NaN too
         stale = float((given - kept).norm()) / max(path, torch.finfo(torch.float64).tiny) <= 1e-12
         raise CheckFailed(f"a float64 tensor lr halved in place after 3 steps (as torch's LR schedulers do) ends "
                           f"{diff:.3e} of the path away from a float lr halved after 3 steps"
@@ -770,10 +775,11 @@ def _check_batched(s: Setup) -> str:
     starts = [s.point(23 + k) for k in range(3)]
     targets = [s.point(26 + k) for k in range(3)]
     together = _trajectory(s, starts, targets, 5)
-    worst = 0.0
+    diffs = []
     for x, t, joint in zip(starts, targets, together):
         alone = _trajectory(s, [x], [t], 5)[0]
-        worst = max(worst, float((joint - alone).norm()) / float(alone.norm()))
+        diffs.append(float((joint - alone).norm()) / float(alone.norm()))
+    worst = max(diffs, key=lambda d: (math.isnan(d), d))  # max() alone passes over a NaN
     _require(worst <= 1e-12, f"three same-shape parameters in one group differ from each alone by "
                              f"{worst:.3e} (relative; 1e-12 allowed)")
     return f"relative difference {worst:.1e}"

@@ -17,6 +17,7 @@ from manifoldlib.testing import OPTIMIZER_CHECKS, check_optimizer
 
 
 def _check_lr(lr):
+    lr = float(lr) if isinstance(lr, torch.Tensor) and lr.dim() == 0 else lr  # a scheduler's tensor lr
     if not (isinstance(lr, float) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
 
@@ -50,12 +51,17 @@ class MutantSGD(torch.optim.Optimizer):
         elif closure is not None and self.flaw != "ignores_closure":
             with torch.enable_grad():
                 loss = closure()
+        if self.flaw == "never_moves":  # reads its gradients from somewhere they never are
+            return loss
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(p, group, p.grad)
                 elif self.flaw == "none_grad_as_zero":  # a frozen parameter's momentum keeps moving it
                     self._update(p, group, torch.zeros_like(p))
+            stacked = [p for p in group["params"] if p.shape == group["params"][0].shape]
+            if self.flaw == "nan_in_a_stack_of_three" and len(stacked) >= 3:  # a batched solve's defect
+                stacked[2].fill_(math.nan)
         return loss
 
     def _update(self, p, group, grad):
@@ -102,7 +108,12 @@ class MutantSGD(torch.optim.Optimizer):
         nesterov = (self.param_groups[0] if flaw == "first_group_nesterov" else group)["nesterov"]
         if nesterov:  # look ahead along the momentum, as torch's SGD(nesterov=True)
             buf = m.proju(x, rgrad + momentum * buf)
-        new = m.retr(x, (group["lr"] if flaw == "ascent" else -group["lr"]) * buf)
+        lr = group["lr"]
+        if flaw == "nan_once_a_tensor_lr_changes" and isinstance(lr, torch.Tensor):  # NaN from a stale copy
+            lr = lr * (math.nan if float(lr) != state.setdefault("first_lr", float(lr)) else 1.0)
+        new = m.retr(x, (lr if flaw == "ascent" else -lr) * buf)
+        if flaw == "writes_nan_for_a_tensor_lr" and isinstance(lr, torch.Tensor):
+            new = new * math.nan
         decay = (self.param_groups[0] if flaw == "first_group_weight_decay" else group)["weight_decay"]
         if decay and m.name == "euclidean":  # no scale freedom elsewhere
             new = new * (1 - group["lr"] * decay)
@@ -380,3 +391,23 @@ def test_a_descent_too_slow_for_its_path_fails_descent():
     """At a small lr, ascent still fails: the decrease asked for is half the path walked."""
     report = _report("ascent", checks=("descent",), lr=1e-3)
     assert "(a decrease of at least" in _failure(report, "descent")
+
+
+@pytest.mark.parametrize("flaw, check, message", [
+    ("never_moves", "descent", "60 steps did not move the point"),
+    ("nan_in_a_stack_of_three", "batched", "three same-shape parameters in one group differ from each alone by nan"),
+    ("writes_nan_for_a_tensor_lr", "tensor_lr", "halved in place after 3 steps (as torch's LR schedulers do) ends nan"),
+    ("nan_once_a_tensor_lr_changes", "tensor_lr", ("with a tensor lr, a step raised ValueError after the parameter "
+                                                   "had moved: stiefel.retr: 'u' holds 15 non-finite value(s)")),
+])
+def test_a_check_does_not_pass_a_point_that_never_moves_or_turns_nan(flaw, check, message):
+    """descent asked for a decrease of half the path walked, 0 for a point that never moves; batched
+    took the worst difference with max(), which passes over a NaN (max(0.0, nan) is 0.0); tensor_lr
+    failed where the difference was > 1e-12, which a NaN is not, and skipped as 'a tensor lr is
+    refused' on a ValueError from any step, the fourth too (the manifold refusing the NaN step
+    once lr changed): each passed or was skipped."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = check_optimizer(lambda params: MutantSGD(params, flaw=flaw), ALL_MANIFOLDS["stiefel"],
+                                 checks=(check,))
+    assert message in _failure(report, check)
