@@ -11,6 +11,8 @@ a step of the same ``scale`` means the same thing on a sphere of radius 100 and 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..manifolds.base import RetractionManifold
@@ -63,14 +65,19 @@ def random_tangent(
     Args:
         manifold: the manifold ``x`` lies on.
         x: ``(..., *point_shape)`` points.
-        scale: relative size, ``>= 0``.
+        scale: relative size, a finite number ``>= 0``.
         generator: torch generator for the Gaussian draw.
 
     Returns:
         ``v`` with ``x``'s shape and dtype, ``manifold.proju(x, v) == v``.
+
+    Raises:
+        ValueError: ``scale`` not a finite number ``>= 0`` (a bool included), or
+            :math:`\text{scale}\cdot\|x\|` past the largest number of ``x``'s dtype (the
+            tangent would hold infinities).
     """
-    if not scale >= 0:
-        raise ValueError(f"scale must be >= 0, got {scale!r}")
+    if isinstance(scale, bool) or not (scale >= 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be >= 0 and finite (not a bool), got {scale!r}")
     work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     xw = x.to(work)
     z = torch.randn(x.shape, generator=generator, dtype=work, device=x.device)
@@ -79,4 +86,8 @@ def random_tangent(
     ref = point_norm(manifold, xw)
     ref = torch.where(ref > 0, ref, torch.ones_like(ref))
     vnorm = point_norm(manifold, v).clamp_min(torch.finfo(work).tiny)
-    return (v * (scale * ref / vnorm)).to(x.dtype)
+    v = (v * (scale * ref / vnorm)).to(x.dtype)
+    if bool(torch.isfinite(x).all()) and not bool(torch.isfinite(v).all()):
+        raise ValueError(f"scale={scale!r} times the points' norm (up to {float(ref.max()):.3g}) is past the "
+                         f"largest {x.dtype} ({torch.finfo(x.dtype).max:.3g}): the tangent would not be finite")
+    return v

@@ -24,6 +24,7 @@ them is an ``int`` or an inclusive ``(low, high)`` range.
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
@@ -52,9 +53,9 @@ def _int_range(value: IntRange, name: str, low: int = 1) -> st.SearchStrategy[in
 
 def _float_range(value: FloatRange, name: str) -> st.SearchStrategy[float]:
     lo, hi = (value, value) if isinstance(value, (int, float)) else value
-    if not (0 <= lo <= hi):
+    if not (0 <= lo <= hi and math.isfinite(hi)):
         raise ValueError(
-            f"{name} must be >= 0 or a range (lo, hi) with 0 <= lo <= hi, got {value!r}"
+            f"{name} must be >= 0 and finite, or a range (lo, hi) with 0 <= lo <= hi < inf, got {value!r}"
         )
     if lo == hi:
         return st.just(float(lo))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -9,7 +12,7 @@ from hypothesis import strategies as st
 
 from manifoldlib import DGram, Euclidean, Sphere, Stiefel
 from manifoldlib.retractions import AngleRetraction, register_retraction
-from manifoldlib.testing import point_norm, registered_manifolds
+from manifoldlib.testing import point_norm, random_tangent, registered_manifolds
 from manifoldlib.testing import strategies as mst
 
 MANIFOLDS = [Sphere(4.0), Stiefel(), DGram(), Euclidean(ndim=2)]
@@ -63,6 +66,24 @@ def test_strategy_argument_errors():
         mst.shapes(Sphere(), dim=0)
     with pytest.raises(ValueError, match="scale must be >= 0"):
         mst.tangents(Sphere(), torch.ones(3), scale=-1.0)
+
+
+def test_a_scale_that_gives_infinite_tangents_is_refused():
+    """random_tangent took any scale >= 0: scale=inf (and a range (0, inf) in the strategies, whose
+    draws reach 1e308, past float64's largest number times ||x|| = 2.5) gave tangents of inf
+    entries, True one of relative size 1."""
+    s = Sphere(2.5)
+    x = s.random(2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for scale in (math.inf, math.nan, -1.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"scale must be >= 0 and finite (not a bool), got {scale!r}")):
+            random_tangent(s, x, scale=scale)
+    with pytest.raises(ValueError, match=r"scale=1e\+308 times the points' norm \(up to 2.5\) is past the largest "
+                                         r"torch.float64 \(1.8e\+308\): the tangent would not be finite"):
+        random_tangent(s, x, scale=1e308)
+    for scale in (math.inf, (0.0, math.inf)):
+        with pytest.raises(ValueError, match=r"scale must be >= 0 and finite, or a range \(lo, hi\) with 0 <= lo <= "
+                                             r"hi < inf, got"):
+            mst.point_and_tangent(s, scale=scale)
 
 
 def test_seeds_from_different_streams_differ():
