@@ -282,8 +282,14 @@ def _euclidean(bank: Bank, execution: Execution) -> Tensor:
     return torch.where(finite.view(-1, 1, 1), new, w)
 
 
-def _constrained(bank: Bank, execution: Execution) -> Tensor:
-    """A Stiefel / DGram / Oblique bank: ``(B, m, n)`` new values (tall, the parameters' dtype)."""
+def _constrained(bank: Bank, execution: Execution, checked: bool = False) -> Tensor:
+    """A Stiefel / DGram / Oblique bank: ``(B, m, n)`` new values (tall, the parameters' dtype).
+
+    ``checked``: this step reads the host for the bank's points anyway (:func:`muon_step`), and
+    where the sync-free Gram-form retraction fails for a matrix (its fixed chord steps do not reach
+    a point far off the manifold: a square DGram matrix loaded from an unconstrained checkpoint),
+    that matrix takes the manifold's own retraction instead of keeping its value; on other steps it
+    keeps its value (counted in ``state["skipped_steps"]``)."""
     opts = bank.options
     manifold = opts.manifold
     work = bank.work
@@ -318,8 +324,15 @@ def _constrained(bank: Bank, execution: Execution) -> Tensor:
         new = None
         if opts.fused and execution.sync_free:  # form Y, its Gram matrix, fixed chord steps
             base = point if isinstance(beta, float) and beta == 1.0 else point * beta
-            new, residual = _gram_retraction(manifold, base - eta * solution.direction().to(w.dtype))
-            ok = ok & (residual <= RETRACTION_TOL)
+            step = eta * solution.direction().to(w.dtype)
+            new, residual = _gram_retraction(manifold, base - step)
+            retracted = residual <= RETRACTION_TOL
+            if checked and not bool((retracted | ~ok).all()):  # (a host read on a checked step only)
+                redo = (ok & ~retracted).view(-1, 1, 1)
+                new = torch.where(redo, manifold.retraction.retract(base, -step), new)
+                residual = torch.where(redo.view(-1), 0.0, residual)
+                retracted = ok
+            ok = ok & retracted
             residual = torch.where(finite, residual, float("nan"))  # no retraction of a solved direction
             for state, value in zip(bank.states, residual.unbind(0)):
                 state["retraction_residual"] = value
@@ -414,15 +427,17 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
             every rank passed the same shapes, dtypes and owners (a host read; the optimizer
             checks on the first step of each plan only). The same on every rank.
         check_points: also check the points of sync-free banks (a host read per bank; the
-            optimizer checks on the first step of each plan). Early-stopping banks, which read the
-            host anyway, are checked on every step.
+            optimizer checks on the first step of each plan and after a matrix changed in place),
+            and let a matrix whose sync-free retraction fails take its manifold's own
+            (:func:`_constrained`: a second host read per bank). Early-stopping banks, which read the host anyway, are checked on
+            every step.
     """
     for bank in banks:  # every refusal before anything moves
         if not bank.options.manifold.flat and (check_points or not bank.execution.sync_free):
             _check_points(bank)
     if owners is None:
         for bank in banks:
-            torch._foreach_copy_(bank.params, bank.unstack(_step(bank)))
+            torch._foreach_copy_(bank.params, bank.unstack(_step(bank, check_points)))
         return
     rank = get_rank_world(process_group)[0]
     values: dict[int, Tensor] = {}
@@ -437,7 +452,7 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
         part = _subset(bank, mine)
         if len(mine) < len(bank.params):
             _momentum(_subset(bank, [j for j in range(len(bank.params)) if j not in mine]), bank.params[0].dtype)
-        for i, value in zip(part.indices, part.unstack(_step(part))):
+        for i, value in zip(part.indices, part.unstack(_step(part, check_points))):
             values[i] = value
     order = sorted(params)
     shared = sharded_apply([params[i] for i in order], lambda k, p: values[order[k]],
@@ -446,7 +461,7 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
     torch._foreach_copy_([params[i] for i in order], shared)
 
 
-def _step(bank: Bank) -> Tensor:
+def _step(bank: Bank, checked: bool = False) -> Tensor:
     """``(B, m, n)`` new values of a bank; a large constrained bank on the CPU is solved in equal
     parts side by side (:func:`~manifoldlib.optim.execution.side_by_side`)."""
     execution = bank.execution
@@ -456,7 +471,7 @@ def _step(bank: Bank) -> Tensor:
     parts = 1 if execution.sync_free else side_by_side(bank.params[0].device, bank.params[0].shape, count,
                                                         path=execution.spectral)
     if parts == 1:
-        return _constrained(bank, execution)
+        return _constrained(bank, execution, checked)
     size = count // parts
     subs = [_subset(bank, range(k * size, (k + 1) * size)) for k in range(parts)]
     with ieee_float32_matmul():  # set here: the threads only read the process-wide setting

@@ -184,8 +184,10 @@ class ManifoldMuon(Optimizer):
         before anything moves: on every early-stopping step, and on the sync-free path on the first
         step after the optimizer was made, a group added or a state dict loaded (it reads nothing
         back later), and again on the first step after a matrix was changed in place (torch's
-        version counter of the tensor: ``model.load_state_dict``, an edit under ``torch.no_grad``; a
-        host read per bank on that step only). A matrix edited through ``.data`` is not checked:
+        version counter of the tensor: ``model.load_state_dict``, an edit under ``torch.no_grad``; two
+        host reads per bank on that step only, which also let a matrix the sync-free retraction
+        cannot bring back, e.g. a square DGram matrix far off its manifold, take the manifold's own
+        retraction). A matrix edited through ``.data`` is not checked:
         one far off its manifold fails the retraction's check every step and keeps its value
         (``state["skipped_steps"]`` counts it), one close to it is moved onto it by the retraction.
 
