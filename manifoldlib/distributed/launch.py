@@ -178,7 +178,9 @@ def run_workers(
 
     Raises:
         ValueError: a bad argument, or ``fn`` that the workers cannot import.
-        WorkerError: a worker raised or exited abnormally; the others are terminated.
+        WorkerError: a worker raised or exited abnormally; the others are terminated. Also one
+            that exited with code 0 without returning (``sys.exit(0)``, ``KeyboardInterrupt``,
+            ``os._exit(0)`` in ``fn``), naming its rank.
         WorkerTimeoutError: the job ran past ``timeout``.
     """
     _check_picklable_function(fn)
@@ -231,8 +233,23 @@ def run_workers(
             _kill(context)
         if failure is not None:
             raise _first_failure(workdir, world_size, fn, failure) from None
-        return [_load_result(os.path.join(workdir, _RESULT_FILE.format(rank=r)), r)
-                for r in range(world_size)]
+        paths = [os.path.join(workdir, _RESULT_FILE.format(rank=r)) for r in range(world_size)]
+        missing = [r for r, path in enumerate(paths) if not os.path.exists(path)]
+        if missing:  # exited with code 0 without returning: SystemExit(0), KeyboardInterrupt, os._exit(0)
+            raise _unreturned(workdir, world_size, fn, missing) from None
+        return [_load_result(path, r) for r, path in enumerate(paths)]
+
+
+def _unreturned(workdir: str, world_size: int, fn: Callable[..., Any], missing: list[int]) -> WorkerError:
+    """The error for workers that exited with code 0 but returned nothing: the first recorded
+    failure (``sys.exit(0)``, ``KeyboardInterrupt``: a ``BaseException`` that torch's spawn wrapper
+    turns into exit code 0), else the ranks that left without a word (``os._exit(0)``)."""
+    error = _first_failure(workdir, world_size, fn, RuntimeError("exit code 0"))
+    if error.rank >= 0:
+        return error
+    name = getattr(fn, "__qualname__", repr(fn))
+    return WorkerError(f"worker rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} exited with "
+                       f"code 0 in {name} without returning a result (os._exit(0)?)", missing[0])
 
 
 def _load_result(path: str, rank: int) -> Any:

@@ -45,6 +45,21 @@ def test_job_past_its_timeout_is_killed(no_leftover_workers: None) -> None:
         run_workers(workers.never_finishing_job, 2, timeout=2.0)
 
 
+@pytest.mark.slow  # three 2-process jobs
+@pytest.mark.parametrize(("how", "message"), [
+    ("sys.exit", "worker rank 1 raised first in leaving_job"),
+    ("KeyboardInterrupt", "worker rank 1 raised first in leaving_job"),
+    ("os._exit", "worker rank 1 exited with code 0 in leaving_job without returning a result"),
+])
+def test_a_worker_that_exits_without_returning_is_named(how: str, message: str, no_leftover_workers: None) -> None:
+    """torch's spawn wrapper turns SystemExit(0) and KeyboardInterrupt into exit code 0, as is
+    os._exit(0): the job counted as a success and the harness then failed opening the missing
+    result file (FileNotFoundError: .../result-rank1.pt)."""
+    with pytest.raises(WorkerError, match=message) as caught:
+        run_workers(workers.leaving_job, 2, how, timeout=120.0)
+    assert caught.value.rank == 1
+
+
 def test_results_come_back_in_rank_order() -> None:
     assert run_workers(workers.rank_and_world_job, 3, timeout=120.0) == [(0, 3), (1, 3), (2, 3)]
 

@@ -7,6 +7,8 @@ inside an initialized gloo process group and returns plain data for the parent t
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import threading
 
 import torch
@@ -153,6 +155,18 @@ def raising_job(rank: int) -> None:
     if rank == 1:
         raise ValueError("deliberate failure on rank 1")
     dist.barrier()
+
+
+def leaving_job(rank: int, how: str) -> int:
+    """Rank 1 leaves ``fn`` with exit code 0 without returning (``how``: ``"sys.exit"``,
+    ``"KeyboardInterrupt"`` or ``"os._exit"``); rank 0 returns its rank."""
+    if rank == 1:
+        if how == "sys.exit":
+            sys.exit(0)
+        if how == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        os._exit(0)
+    return rank
 
 
 def hung_collective_job(rank: int) -> None:
