@@ -13,6 +13,8 @@ initialized, or a world of one), so a loop calls them unconditionally:
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -29,8 +31,34 @@ def _world() -> int:
     return get_rank_world()[1]
 
 
+#: Integers of larger magnitude are not all float64 numbers: 2**53 + 1 would travel as 2**53.
+_EXACT_INTEGERS = 2**53
+
+
+def _number(value, where: str) -> float:
+    """``value`` as the float64 number the collective carries; ``ValueError`` naming it where it
+    is not a real number (a bool counts as 0 or 1; a one-element tensor as its value) or an
+    integer that float64 does not hold exactly."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(  # noqa: TRY004 - the project's convention for bad input
+            f"{where} takes a real number (int, float, bool or a one-element real tensor), got {value!r}")
+    if isinstance(value, numbers.Integral) and abs(int(value)) > _EXACT_INTEGERS:
+        raise ValueError(f"{where} carries float64, which holds integers exactly up to 2**53 only, got {value!r} "
+                         f"(it would arrive as {float(value)!r})")
+    return float(value)
+
+
 def all_mean(value: float, device: torch.device | str = "cpu") -> float:
-    """The mean of ``value`` over the ranks (a float64 ``all_reduce`` on ``device``)."""
+    """The mean of ``value`` over the ranks (a float64 ``all_reduce`` on ``device``), a float.
+
+    Raises:
+        ValueError: ``value`` not a real number (an int, float, bool or one-element real tensor),
+            or an int past :math:`2^{53}` (float64 would round it), on the rank that passed it,
+            before the collective (its peers then wait until the process group's timeout).
+    """
+    value = _number(value, "all_mean")
     world = _world()
     if world == 1:
         return value
@@ -40,7 +68,12 @@ def all_mean(value: float, device: torch.device | str = "cpu") -> float:
 
 
 def from_rank0(value: float, device: torch.device | str = "cpu") -> float:
-    """Rank 0's ``value`` on every rank (a float64 ``broadcast`` on ``device``)."""
+    """Rank 0's ``value`` on every rank (a float64 ``broadcast`` on ``device``), a float.
+
+    Raises:
+        ValueError: as :func:`all_mean`.
+    """
+    value = _number(value, "from_rank0")
     if _world() == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
