@@ -68,6 +68,15 @@ REMOVED_GROUP_KEYS = {
     "shard_strategy": "distribution={'strategy': ...}",
     "process_group": "distribution={'process_group': ...}",
 }
+#: Options of torch's optimizers that change what a step computes and that ManifoldMuon does not
+#: have, refused in a group (``False`` is accepted for the flags): kept as extra keys, a group's
+#: ``maximize=True`` descended while the user asked to ascend.
+FOREIGN_GROUP_KEYS = {
+    "maximize": "ManifoldMuon minimizes: negate the loss to maximize it",
+    "differentiable": "ManifoldMuon's step is not differentiable (it runs under torch.no_grad)",
+    "amsgrad": "an Adam option: build an AdamW group for these parameters (build_optimizer does)",
+    "betas": "an Adam option: ManifoldMuon's momentum is 'momentum'",
+}
 #: Per-matrix state that only the owner keeps in sharded mode (the momentum buffer is every rank's).
 OWNER_STATE_KEYS = ("dual_correction", "dual_iterations", "dual_residual", "skipped_steps", "retraction_residual")
 
@@ -423,7 +432,8 @@ class _StepPlan:
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:
     """Raise ``TypeError`` for a group key that looks meant for the optimizer but is not one of its
-    options: a removed spelling (:data:`REMOVED_GROUP_KEYS`), a dual option outside ``"dual"``, or a
+    options: a removed spelling (:data:`REMOVED_GROUP_KEYS`), another torch optimizer's option that
+    would change the step (:data:`FOREIGN_GROUP_KEYS`), a dual option outside ``"dual"``, or a
     near miss of an option name. Other extra keys (a scheduler's ``initial_lr``, a user's labels)
     are kept, as torch's optimizers keep them."""
     known = set(defaults) | {"params", "param_names", "kind", "initial_lr"}
@@ -433,6 +443,9 @@ def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:
             continue
         if key in REMOVED_GROUP_KEYS:
             raise TypeError(f"ManifoldMuon parameter group: {key!r} no longer exists ({REMOVED_GROUP_KEYS[key]})")
+        if key in FOREIGN_GROUP_KEYS and group[key] is not False:
+            raise TypeError(f"ManifoldMuon parameter group: {key}={group[key]!r} is not an option of "
+                            f"ManifoldMuon ({FOREIGN_GROUP_KEYS[key]})")
         if key in dual_fields:
             raise TypeError(f"ManifoldMuon parameter group: {key!r} is a dual option; give it as "
                             f"'dual': {{{key!r}: ...}}")

@@ -134,3 +134,15 @@ def test_an_unknown_group_key_is_refused_by_name(key):
     p = nn.Parameter(torch.randn(6, 4))
     with pytest.raises(TypeError, match=key):
         ManifoldMuon([{"params": [p], key: {"method": "svd"}}], manifold="stiefel")
+
+
+@pytest.mark.parametrize(("key", "value"), [("maximize", True), ("differentiable", True), ("amsgrad", True),
+                                            ("betas", (0.9, 0.95))])
+def test_another_optimizers_option_that_changes_the_step_is_refused_in_a_group(key, value):
+    # kept as an extra key, a group's maximize=True was ignored: the step descended on the loss
+    # the user asked to ascend, bit for bit the maximize=False step, without an error
+    p = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(TypeError, match=rf"ManifoldMuon parameter group: {key}=.* is not an option of ManifoldMuon"):
+        ManifoldMuon([{"params": [p], key: value}], manifold="stiefel")
+    if value is True:  # the flag's default is accepted: it asks for nothing ManifoldMuon lacks
+        ManifoldMuon([{"params": [p], key: False}], manifold="stiefel")
