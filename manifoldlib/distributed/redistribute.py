@@ -39,10 +39,14 @@ def row_chunks(rows: int, world_size: int) -> list[int]:
     per rank, the last ranks fewer or none), e.g. ``row_chunks(5, 4) == [2, 2, 1, 0]``.
 
     Raises:
-        ValueError: ``rows < 0`` or ``world_size < 1``.
+        ValueError: ``rows`` not an int ``>= 0`` or ``world_size`` not an int ``>= 1`` (bools
+            and floats included: ``5.0`` rows would give float counts).
     """
-    if rows < 0 or world_size < 1:
-        raise ValueError(f"row_chunks needs rows >= 0 and world_size >= 1, got rows={rows!r}, "
+    def is_int(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool)
+
+    if not (is_int(rows) and is_int(world_size)) or rows < 0 or world_size < 1:
+        raise ValueError(f"row_chunks needs an int rows >= 0 and an int world_size >= 1, got rows={rows!r}, "
                          f"world_size={world_size!r}")
     chunk = -(-rows // world_size)
     return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
@@ -52,8 +56,7 @@ def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, stop)`` of ``rank``'s rows under ``Shard(0)`` (see :func:`row_chunks`).
 
     Raises:
-        ValueError: ``rows < 0``, ``world_size < 1``, or ``rank`` not an int in
-            ``[0, world_size)``.
+        ValueError: as :func:`row_chunks`, or ``rank`` not an int in ``[0, world_size)``.
     """
     chunks = row_chunks(rows, world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:

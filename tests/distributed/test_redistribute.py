@@ -30,6 +30,17 @@ def test_row_chunks_refuses_bad_sizes_naming_them():
         row_chunks(4, 0)
 
 
+@pytest.mark.parametrize("rows, world", [(5.0, 2), (True, 2), (5, True), (5, 2.0)])
+def test_row_chunks_and_row_range_refuse_sizes_that_are_not_ints(rows, world):
+    """row_chunks(5.0, 2) was [3.0, 2.0] and row_range(5.0, 2, 0) (0, 3.0), row_chunks(True, 2)
+    [1, 0], row_chunks(5, True) [5]; a float world_size a TypeError from range()."""
+    needle = re.escape(f"row_chunks needs an int rows >= 0 and an int world_size >= 1, got rows={rows!r}, "
+                       f"world_size={world!r}")
+    for call in (lambda: row_chunks(rows, world), lambda: row_range(rows, world, 0)):
+        with pytest.raises(ValueError, match=needle):
+            call()
+
+
 @pytest.mark.parametrize("args, needle", [((8, 2, -1), "rank=-1"), ((8, 2, 2), "rank=2"),
                                           ((8, 0, 0), "world_size=0"), ((8, 2, 1.0), "rank=1.0")])
 def test_row_range_refuses_a_rank_outside_the_world_naming_it(args, needle):
