@@ -87,22 +87,28 @@ def shapes(
         manifold: a manifoldlib manifold.
         batch: size range of one leading batch dimension, or ``None`` for none.
         dim: sphere ``d``; Stiefel/DGram ``m``; Euclidean size of each point dimension.
-        cols: Stiefel/DGram ``n`` range (clipped to ``<= m``); default ``(1, m)``.
+        cols: Stiefel/DGram ``n`` range (clipped to ``<= m``; ``m`` is drawn from the part of
+            ``dim`` at or above its low end); default ``(1, m)``.
+
+    Raises:
+        ValueError: a range that is not ints ``>= 1`` with ``lo <= hi`` (``cols`` too), or a
+            ``cols`` whose low end is above every ``m`` of ``dim``.
     """
     lead = st.just(()) if batch is None else _int_range(batch, "batch").map(lambda b: (b,))
     dims = _int_range(dim, "dim")
     if manifold.name in ("stiefel", "dgram", "oblique"):
+        # checked here, not per draw: an n range above some of dim's m failed only the draws of such m
+        m_lo, m_hi = (dim, dim) if isinstance(dim, int) else dim
+        n_lo, n_hi = (1, m_hi) if cols is None else (cols, cols) if isinstance(cols, int) else cols
+        _int_range((n_lo, n_hi), "cols")
+        if n_lo > m_hi:
+            raise ValueError(f"cols must allow 1 <= n <= m for some m in dim {dim!r}, got {cols!r}")
+        rows = st.integers(max(m_lo, n_lo), m_hi)  # the m that admit an n of cols
 
         @st.composite
         def matrix(draw):
-            m = draw(dims)
-            if cols is None:
-                n = draw(st.integers(1, m))
-            else:
-                lo, hi = (cols, cols) if isinstance(cols, int) else cols
-                if lo < 1 or lo > m:
-                    raise ValueError(f"cols must allow 1 <= n <= m={m}, got {cols!r}")
-                n = draw(st.integers(lo, min(hi, m)))
+            m = draw(rows)
+            n = draw(st.integers(n_lo, min(n_hi, m)))
             return draw(lead) + (m, n)
 
         return matrix()

@@ -86,6 +86,20 @@ def test_a_scale_that_gives_infinite_tangents_is_refused():
             mst.point_and_tangent(s, scale=scale)
 
 
+@given(data=st.data())
+def test_a_cols_range_above_part_of_dim_draws_only_the_rows_that_admit_it(data):
+    """cols=(4, 5) with dim=(2, 6) raised 'cols must allow 1 <= n <= m=2' from inside the draws
+    of m = 2 or 3 only (a test failing on some examples, passing on others); a cols range above
+    every m, or reversed, failed the same way or with hypothesis' InvalidArgument."""
+    m, n = data.draw(mst.shapes(Stiefel(), batch=None, dim=(2, 6), cols=(4, 5)))
+    assert 4 <= n <= min(5, m) and m <= 6
+    with pytest.raises(ValueError, match=re.escape("cols must allow 1 <= n <= m for some m in dim (2, 3), got (4, 5)")):
+        mst.shapes(Stiefel(), dim=(2, 3), cols=(4, 5))
+    with pytest.raises(ValueError, match=re.escape("cols must be an int >= 1 or a range (lo, hi) with 1 <= lo <= hi, "
+                                                   "got (3, 2)")):
+        mst.shapes(Stiefel(), cols=(3, 2))
+
+
 def test_seeds_from_different_streams_differ():
     # the same drawn integer gives different generators in stream 0 and stream 1
     a = torch.Generator().manual_seed(5)
