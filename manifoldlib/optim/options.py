@@ -156,7 +156,9 @@ class DualOptions:
             smoothing that meets ``tol`` (a training step needs no certificate).
         sync_free: run a fixed number of iterations and read nothing back to the host (``True``),
             or stop as soon as every matrix has converged (``False``); ``None``: sync-free on the
-            products path (:mod:`~manifoldlib.optim.execution`).
+            products path (:mod:`~manifoldlib.optim.execution`). On the eigh path each
+            eigendecomposition synchronizes a CUDA device with the host itself (torch's
+            ``linalg.eigh``), so only the products path is free of host synchronization.
     """
 
     msign_method: str = "ns"

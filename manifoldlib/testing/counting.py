@@ -49,12 +49,14 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = ["HOST_READ_FUNCTIONS", "HOST_READ_METHODS", "SYNC_OPS", "OpCounts", "count_ops", "is_sync"]
 
 #: ATen operators that make the host wait for the device: scalar reads, the linalg error check
-#: (``torch.linalg.cholesky``, ``inv``, ``solve``, ``lu_factor``, ``ldl_factor``: "synchronizes that
-#: device with the CPU", torch's documentation), and operators whose output size depends on the
+#: (``torch.linalg.cholesky``, ``inv``, ``solve``, ``lu_factor``, ``ldl_factor``) and the
+#: eigendecompositions and SVDs (``eigh``, ``eigvalsh``, ``svd``, ``svdvals``, ``pinv``): "synchronizes
+#: that device with the CPU", torch's documentation; and operators whose output size depends on the
 #: values (a GPU reads the size back before it can allocate the output).
 SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "nonzero_static", "equal",
                       "allclose", "_linalg_check_errors", "masked_select", "_unique", "_unique2", "unique_dim",
-                      "unique_consecutive", "unique_dim_consecutive", "bincount"})
+                      "unique_consecutive", "unique_dim_consecutive", "bincount",
+                      "_linalg_eigh", "_linalg_svd", "linalg_pinv"})
 #: Tensor methods that read a tensor's values on the host without dispatching an operator on a CPU
 #: tensor (on a GPU tensor they copy it to the host first): each call counts as a synchronization.
 HOST_READ_METHODS = ("tolist", "numpy", "__array__", "__repr__")

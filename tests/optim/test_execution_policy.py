@@ -125,8 +125,10 @@ def test_the_optimizer_runs_the_path_it_resolves(shape, resolved):
 @pytest.mark.parametrize("sync_free", [True, False])
 def test_the_sync_free_option_decides_the_host_reads(spectral, sync_free):
     _, counts, _, _ = _step((48, 12), {"spectral": spectral, "sync_free": sync_free})
-    assert (counts.syncs == 0) == sync_free, counts.syncs
     eighs = sum(n for name, n in counts.by_name.items() if "eigh" in name)
+    # sync-free: no read of the step's own; an eigendecomposition synchronizes a CUDA device itself
+    # (torch's linalg.eigh), counted as one, so the eigh path is never free of them
+    assert (counts.syncs == eighs) == sync_free, (counts.syncs, eighs)
     if spectral == "products" and sync_free:
         assert eighs == 0  # products only
     if spectral == "eigh":

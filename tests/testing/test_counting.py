@@ -15,8 +15,8 @@ def _data():
 
 def test_reads_of_values_that_set_an_output_size_or_an_error_count_as_syncs():
     # each reads device values on the host on a GPU: a data-dependent output size (allocated after
-    # a read of it), the linalg error check torch documents as a synchronization, a list of tensors
-    # read element by element into a new tensor
+    # a read of it), the linalg error check and the eigendecompositions / SVDs torch documents as
+    # synchronizations, a list of tensors read element by element into a new tensor
     a, spd, mask = _data()
     counts_of = torch.tensor([1, 0, 2, 1])
     reads = {
@@ -35,6 +35,12 @@ def test_reads_of_values_that_set_an_output_size_or_an_error_count_as_syncs():
         "inv": lambda: torch.linalg.inv(spd),
         "solve": lambda: torch.linalg.solve(spd, a.T),
         "lu_factor": lambda: torch.linalg.lu_factor(spd),
+        "eigh": lambda: torch.linalg.eigh(spd),
+        "eigvalsh": lambda: torch.linalg.eigvalsh(spd),
+        "svd": lambda: torch.linalg.svd(a, full_matrices=False),
+        "svdvals": lambda: torch.linalg.svdvals(a),
+        "spectral norm": lambda: torch.linalg.matrix_norm(a, ord=2),
+        "pinv": lambda: torch.linalg.pinv(a),
         "tensor of a list": lambda: torch.tensor([a.sum(), a.mean()]),
         "as_tensor of a list": lambda: torch.as_tensor([[a.sum()], [a.mean()]]),
     }
