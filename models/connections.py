@@ -75,7 +75,13 @@ class PostLN(nn.Module):
 class PeriLN(nn.Module):
     r"""Peri-LN: normalize the input and the output of the sub-layer,
     :math:`x' = x + \mathrm{LN}_{out}(F(\mathrm{LN}_{in}(x)))`; the stream starts at
-    :math:`\mathrm{LN}(x_{embed})` (:func:`make_entry`, ``periln_embed_norm``)."""
+    :math:`\mathrm{LN}(x_{embed})` (:func:`make_entry`, ``periln_embed_norm``), and a final
+    LayerNorm reads it before the head (:func:`make_exit`).
+
+    :math:`\mathrm{LN}_{out}` runs in the stream's dtype: under autocast the sub-layer returns
+    bfloat16 (float16), which CUDA's autocast normalizes in float32 and CPU's in bfloat16
+    (``layer_norm`` is on CUDA's float32 list only), so the sub-layer output is cast to the
+    stream's dtype first and both devices compute the same normalization."""
 
     def __init__(self, config, layer: int):
         super().__init__()
@@ -83,7 +89,8 @@ class PeriLN(nn.Module):
         self.norm_out = _layer_norm(config)
 
     def forward(self, x: torch.Tensor, sublayer: SubLayer) -> torch.Tensor:
-        return x + self.norm_out(sublayer(self.norm_in(x)))
+        f = sublayer(self.norm_in(x))  # (B, T, C), bfloat16 under autocast
+        return x + self.norm_out(f.to(x.dtype))
 
 
 class PreDyT(nn.Module):
