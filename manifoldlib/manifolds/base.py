@@ -273,6 +273,17 @@ class RetractionManifold(geoopt.manifolds.Manifold):
         batch = tuple(x.shape[: max(x.dim() - ndim, 0)]) + (1,) * (ndim * keepdim)
         return prod.expand(torch.broadcast_shapes(batch, prod.shape))
 
+    def norm(self, x: torch.Tensor, u: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+        r""":math:`\|u\| = \langle u, u\rangle^{1/2}`, one value per point as :meth:`inner`.
+
+        At :math:`u = 0`, where the norm is not differentiable, its gradient is 0, the subgradient
+        :func:`torch.linalg.vector_norm` takes; geoopt's ``inner ** 0.5`` gave NaN there (the
+        infinite derivative of the square root at 0 times the zero gradient of ``inner``)."""
+        sq = self.inner(x, u, keepdim=keepdim)
+        zero = sq == 0
+        # double-where: the square root never sees the zeros, so its infinite derivative is not formed
+        return torch.where(zero, torch.zeros_like(sq), torch.where(zero, torch.ones_like(sq), sq) ** 0.5)
+
     # -- validation ---------------------------------------------------------------------
     #: The retractions of this manifold that map any ``x + u`` (named where a map that needs a
     #: point refuses one).
