@@ -266,22 +266,33 @@ class Sphere(RetractionManifold):
         with :math:`\langle x, y\rangle < 0`) every direction is a shortest geodesic; the one
         taken is :func:`~manifoldlib.functional.sphere_antipode_direction`, so
         ``logmap(x, -x)`` has norm :math:`\pi r` and does not depend on rounding.
+
+        At :math:`y = x` the map is smooth, :math:`r\,(\|x\|/\langle x, y\rangle)\,w` to first
+        order, and its derivative there is the tangent projection :math:`P_x` in ``y`` (and
+        :math:`-P_x` in ``x``); :math:`\theta\,w/\|w\|` is :math:`0 \cdot 0` there, whose
+        gradient is 0, so those rows take that first-order form (the same value, 0).
         """
-        theta, w, w_norm = self._angle(x, y, "sphere.logmap")
+        theta, w, w_norm, q, a = self._angle(x, y, "sphere.logmap")
         eps = torch.finfo(w_norm.dtype).eps
         antipodal = (w_norm <= 4.0 * math.sqrt(x.shape[-1]) * eps * self.radius) & (theta > math.pi / 2)
         direction = torch.where(antipodal, sphere_antipode_direction(x), w / w_norm.clamp_min(torch.finfo(w.dtype).tiny))
-        return self.radius * theta * direction
+        log = self.radius * theta * direction  # (..., d)
+        # y = x: theta = atan(||w|| ||x|| / <x, y>), so the first-order form carries the derivative
+        # that theta * w / ||w|| (0 * 0, gradient 0) loses
+        same = (w_norm == 0) & (a > 0)  # (..., 1)
+        slope = self.radius * q.sqrt() / torch.where(same, a, torch.ones_like(a))
+        return torch.where(same, slope * w, log)  # the same value there, 0
 
     def dist(self, x, y, *, keepdim=False):
         r"""Geodesic (great-circle) distance :math:`r\,\theta`, :math:`\theta \in [0, \pi]` (:math:`\pi r`
         between antipodes)."""
-        theta, _, _ = self._angle(x, y, "sphere.dist")
+        theta = self._angle(x, y, "sphere.dist")[0]
         theta = self.radius * theta
         return theta if keepdim else theta.squeeze(-1)
 
     def _angle(self, x, y, where):
-        """``(theta, w, ||w||)``: the angle from ``x`` to ``y`` ``(..., 1)`` and :math:`w = P_x y`."""
+        """``(theta, w, ||w||, ||x||², <x, y>)``: the angle from ``x`` to ``y`` ``(..., 1)``, :math:`w = P_x y`
+        and the two inner products the angle is formed from, ``(..., 1)`` each."""
         dtype = self._validate_args(where, x=x, y=y)
         if value_checks_enabled():
             self._require_points(where, x=x, y=y)
@@ -295,7 +306,7 @@ class Sphere(RetractionManifold):
         e = y - torch.where(a < 0, -1.0, 1.0).to(x.dtype) * x  # (..., d); the sign is exact
         w = e - ((x * e).sum(-1, keepdim=True) / q) * x  # (..., d)
         w_norm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
-        return torch.atan2(w_norm * q.sqrt(), a), w, w_norm
+        return torch.atan2(w_norm * q.sqrt(), a), w, w_norm, q, a
 
     def random(self, *size, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
         """Uniform points: ``random(8, 64)`` gives 8 points of :math:`S^{63}_r`."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manifoldlib.manifolds import get_manifold
+from manifoldlib.manifolds import Sphere, get_manifold
 
 SHAPES = {"sphere": (3, 4), "stiefel": (3, 5, 3), "oblique": (3, 5, 3), "dgram": (3, 5, 3), "euclidean": (3, 4)}
 
@@ -30,3 +30,22 @@ def test_the_norm_of_a_zero_tangent_has_the_zero_subgradient(name):
     expected = u.detach() / u.detach().norm(dim=dims, keepdim=True)
     for i in (0, 2):
         assert torch.allclose(grad[i], expected[i], rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("radius", [1.0, 1e-3])
+def test_sphere_logmap_at_equal_points_has_the_tangent_projection_as_derivative(radius):
+    # log_x(y) is smooth at y = x, r (||x|| / <x, y>) P_x y to first order: its Jacobian there is
+    # P_x in y and -P_x in x. theta * w / ||w|| is 0 * 0 at w = 0, and autograd gave the zero
+    # matrix for both. Checked against finite differences at y = x and at a generic y (rows 0
+    # and 1 of one batch), and the Jacobian at y = x against P_x itself
+    s = Sphere(radius)
+    g = torch.Generator().manual_seed(4)
+    x = s.random(2, 5, generator=g, dtype=torch.float64)
+    y = x.clone()
+    y[1] = s.expmap(x[1], s.proju(x[1], torch.randn(5, generator=g, dtype=torch.float64)))
+    inputs = (x.clone().requires_grad_(True), y.clone().requires_grad_(True))
+    assert torch.autograd.gradcheck(s.logmap, inputs, eps=1e-6 * radius, atol=1e-8, rtol=1e-6)
+    tangent = torch.eye(5, dtype=torch.float64) - torch.outer(x[0], x[0]) / radius**2  # P_x
+    jac_x, jac_y = torch.autograd.functional.jacobian(s.logmap, (x, y))  # (2, 5, 2, 5) each
+    assert torch.allclose(jac_y[0, :, 0], tangent, rtol=0, atol=1e-15)
+    assert torch.allclose(jac_x[0, :, 0], -tangent, rtol=0, atol=1e-15)
