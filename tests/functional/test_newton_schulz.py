@@ -133,6 +133,22 @@ def test_zero_maps_to_zero(preset):
     assert bool(torch.isfinite(gram_newton_schulz(z.mT @ z, preset)).all()) and torch.equal(norm_sq, torch.zeros(2, dtype=F64))
 
 
+@pytest.mark.parametrize("form", ["gram", "gain"])
+def test_the_gram_forms_of_a_zero_matrix_have_finite_gradients(form):
+    # ||X||_F = sqrt(tr S) is floored at eps, so near S = 0 both forms are polynomials in S: the
+    # square root's infinite derivative at 0 times the floor's zero gradient gave NaN (the diagonal
+    # of dR/dS, every entry of d gain/d lambda). A batch of a zero matrix and a nonzero one, against
+    # finite differences (eps = 1 and two steps keep the slopes where finite differences resolve them)
+    x = torch.stack([torch.zeros(6, 3, dtype=F64), 0.1 * _gaussian((6, 3), 5)])
+    s = x.mT @ x  # (2, 3, 3)
+    if form == "gram":
+        f, arg = (lambda t: gram_newton_schulz(0.5 * (t + t.mT), "jordan5", 2, eps=1.0)), s
+    else:
+        f, arg = (lambda t: newton_schulz_gain(t, "jordan5", 2, eps=1.0)), torch.linalg.eigvalsh(s).clamp_min(0)
+    arg = arg.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (arg,), eps=1e-6, atol=1e-9, rtol=1e-7)
+
+
 @pytest.mark.parametrize("shape", [(64, 16), (16, 64), (33, 33), (7, 300)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_bfloat16_matrix_form_is_torch_muon(shape, dtype):
