@@ -35,8 +35,7 @@ else:  # pragma: no cover - Python 3.10
 from manifoldlib.optim import available_policies
 
 from .connections import CONNECTIONS as _CONNECTIONS
-from .connections import SPHERE_CONNECTIONS
-from .gpt import GPTConfig
+from .gpt import READ_RULES, GPTConfig
 from .presets import PRESETS
 
 __all__ = [
@@ -117,6 +116,14 @@ class TrainConfig:
     ``model`` is the :class:`~models.gpt.GPTConfig` of the network (its ``vocab_size`` is
     replaced by the corpus's when the model is built); its fields read through:
     ``cfg.n_layer is cfg.model.n_layer``.
+
+    A value of a model field the network never reads (``p`` under ``connection="geonorm"``:
+    :func:`models.gpt.unread_fields`), which a preset, a config file or an older run's
+    ``config.json`` may hold (the command line refuses one a user gives), stays out of
+    ``model``, which :class:`~models.gpt.GPTConfig` keeps at the field's default
+    (:meth:`~models.gpt.GPTConfig.from_settings`), so it builds the model it always built; it is
+    held in ``unread_model_values`` and read through like the others (``cfg.p``,
+    :meth:`to_dict`), so a saved run resumes as saved.
     """
 
     model: GPTConfig = DEFAULT_MODEL
@@ -187,10 +194,14 @@ class TrainConfig:
     sample_prompt: str = "def "
     temperature: float = 0.8
     top_k: int = 40
+    #: ``(name, value)`` of each model field at a value ``model`` never reads (not a config key:
+    #: :meth:`from_dict` fills it, :meth:`to_dict` and ``cfg.name`` report the values)
+    unread_model_values: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
             raise ConfigError(f"model must be a GPTConfig, got {type(self.model).__name__}")
+        _check_unread_model_values(self.model, self.unread_model_values)
         _check_types(self)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         # checked with adamw too, where it is unused: a misspelt policy is never silently ignored
@@ -253,8 +264,12 @@ class TrainConfig:
                               f"takes batch_size / grad_accum_steps sequences")
 
     def __getattr__(self, name: str):
-        """A model field read through: ``cfg.n_layer`` is ``cfg.model.n_layer``."""
+        """A model field read through: ``cfg.n_layer`` is ``cfg.model.n_layer`` (a value the
+        model never reads: the one :attr:`unread_model_values` holds)."""
         if name in MODEL_KEYS:
+            unread = dict(object.__getattribute__(self, "unread_model_values"))
+            if name in unread:
+                return unread[name]
             return getattr(object.__getattribute__(self, "model"), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -264,9 +279,12 @@ class TrainConfig:
         return self.stop_at or self.steps
 
     def to_dict(self) -> dict:
-        """Flat plain data: the training fields and the model's (without ``vocab_size``)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        """Flat plain data: the training fields and the model's (without ``vocab_size``), those
+        the model never reads with the values :attr:`unread_model_values` holds."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in _NOT_KEYS}
         out.update({k: getattr(self.model, k) for k in MODEL_KEYS})
+        out.update(self.unread_model_values)
         return out
 
     @classmethod
@@ -277,21 +295,45 @@ class TrainConfig:
         Raises:
             ConfigError: an unknown key or an invalid value (model values included).
         """
-        train_names = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        train_names = {f.name for f in dataclasses.fields(cls)} - _NOT_KEYS
         unknown = sorted(set(values) - train_names - set(MODEL_KEYS))
         if unknown:
             raise ConfigError(f"unknown config key {unknown[0]!r}; "
                               + _suggest_key(unknown[0], config_keys()))
-        model_values = {k: v for k, v in values.items() if k in MODEL_KEYS}
-        try:
-            model = dataclasses.replace(DEFAULT_MODEL, **model_values)
+        settings = {**DEFAULT_MODEL.to_dict(),
+                    **{k: v for k, v in values.items() if k in MODEL_KEYS}}
+        try:  # a field the model never reads keeps its default (GPTConfig refuses another)
+            model = GPTConfig.from_settings(**settings)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        return cls(model=model, **{k: v for k, v in values.items() if k in train_names})
+        unread = tuple((k, settings[k]) for k in MODEL_KEYS if settings[k] != getattr(model, k))
+        return cls(model=model, unread_model_values=unread,
+                   **{k: v for k, v in values.items() if k in train_names})
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with flat ``changes`` (training or model fields)."""
         return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+
+#: :class:`TrainConfig` fields that are not flat config keys.
+_NOT_KEYS = frozenset({"model", "unread_model_values"})
+
+
+def _check_unread_model_values(model: GPTConfig, unread) -> None:
+    """``unread`` holds distinct ``(name, value)`` pairs of valid values that ``model`` never
+    reads, none at ``model``'s own value (so equal configurations compare equal)."""
+    if not (isinstance(unread, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in unread)
+            and len(dict(unread)) == len(unread)):
+        raise ConfigError(f"unread_model_values must be distinct (name, value) pairs, got "
+                          f"{unread!r}")
+    try:
+        held = GPTConfig.from_settings(**{**model.to_dict(), **dict(unread)})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"unread_model_values: {exc}") from None
+    for name, value in unread:
+        if getattr(held, name) != getattr(model, name) or value == getattr(model, name):
+            raise ConfigError(f"unread_model_values holds {name}={value!r}, which is not a value "
+                              f"the model leaves unread; set it in model")
 
 
 _CLASH = set(MODEL_KEYS) & {f.name for f in dataclasses.fields(TrainConfig)}
@@ -340,7 +382,8 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def _field_types() -> dict[str, type]:
     """Flat key -> type: the training fields and the model's (:data:`MODEL_KEYS`)."""
     hints = typing.get_type_hints(TrainConfig)
-    types = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    types = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)
+             if f.name not in _NOT_KEYS}
     model_hints = typing.get_type_hints(GPTConfig)
     types.update({k: model_hints[k] for k in MODEL_KEYS})
     return types
@@ -519,10 +562,6 @@ def build_config(preset: str | None = None, toml_path: str | Path | None = None,
 #: ``optimizer="manifold-muon"`` only.
 _MUON_SETTINGS = ("policy", "adamw_lr", "muon_weight_decay", "muon_ns_dtype", "muon_recipe",
                   "muon_distributed")
-#: The sphere residual's settings: :class:`models.connections.Spheret` and the ScaleNorm entry
-#: read them for the sphere connections only.
-_SPHERE_SETTINGS = ("damping", "sphere_step", "alpha_init", "damping_depth", "norm_eps",
-                    "learn_alpha", "learn_radius", "fused")
 
 
 def _no_euclidean_matrix(policy: str) -> bool:
@@ -569,20 +608,10 @@ INERT_RULES: tuple[tuple[tuple[str, ...], str, Callable[[TrainConfig], bool], st
       "first training token); only a corpus with a tokenizer reads it")),
     (("progress_interval",), "progress", lambda c: not c.progress,
      "only --progress true reads it"),
-    (("retraction", "p"), "connection", lambda c: c.connection != "spheret",
-     "only --connection spheret reads it (geonorm is spheret with the exponential map)"),
-    (("p",), "retraction", lambda c: c.retraction != "p",
-     "only --retraction p reads it"),
-    (_SPHERE_SETTINGS, "connection", lambda c: c.connection not in SPHERE_CONNECTIONS,
-     "only --connection spheret or geonorm reads it"),
-    (("damping_depth",), "damping", lambda c: c.damping == "none",
-     "only --damping sqrt or linear reads it"),
-    (("dyt_alpha_init", "dyt_alpha_attn", "dyt_embed_scale"), "connection",
-     lambda c: c.connection != "pre-dyt", "only --connection pre-dyt reads it"),
-    (("periln_embed_norm",), "connection", lambda c: c.connection != "peri-ln",
-     "only --connection peri-ln reads it"),
-    (("keel_alpha",), "connection", lambda c: c.connection != "keel",
-     "only --connection keel reads it"),
+    # the model's fields: the GPT's own rules (models.gpt.READ_RULES), as the command line says them
+    *((names, cause, lambda c, cause=cause, readers=readers: getattr(c, cause) not in readers,
+       f"only --{cause} {' or '.join(readers)} reads it" + (f" ({note})" if note else ""))
+      for names, cause, readers, note in READ_RULES),
 )
 
 

@@ -22,7 +22,8 @@ Names are part of the API: each block holds ``attn`` (linear maps ``q``, ``k``, 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,8 @@ from .connections import (
     make_exit,
 )
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "GPTConfig"]
+__all__ = ["GPT", "MLP", "READ_RULES", "SPHERE_FIELDS", "Block", "CausalSelfAttention", "GPTConfig",
+           "unread_fields"]
 
 
 #: Largest size of a dimension (a C int): larger ones overflow inside torch's allocators.
@@ -62,9 +64,52 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be at most 2**31 - 1, got {value!r}")
 
 
+#: The sphere residual's fields: :class:`models.connections.Spheret` and the ScaleNorm entry
+#: read them for the sphere connections only.
+SPHERE_FIELDS = ("damping", "sphere_step", "alpha_init", "damping_depth", "norm_eps",
+                 "learn_alpha", "learn_radius", "fused")
+
+#: When a field is read, from the code that reads it (:mod:`models.connections` and :class:`GPT`):
+#: ``(fields, cause, readers, note)`` — the ``fields`` are read only where the value of the field
+#: ``cause`` is one of ``readers``; ``note`` ("" or a clause) says more. The first rule that
+#: leaves a field unread names its cause. :class:`GPTConfig` refuses a field left unread at a
+#: value other than its default, and :data:`models.config.INERT_RULES` (the command line's
+#: refusal of settings that do nothing) takes its rules for the model's fields from here.
+READ_RULES: tuple[tuple[tuple[str, ...], str, tuple[str, ...], str], ...] = (
+    (("retraction", "p"), "connection", ("spheret",),
+     "geonorm is spheret with the exponential map"),
+    (("p",), "retraction", ("p",), ""),
+    (SPHERE_FIELDS, "connection", SPHERE_CONNECTIONS, ""),
+    (("damping_depth",), "damping", ("sqrt", "linear"), ""),
+    (("dyt_alpha_init", "dyt_alpha_attn", "dyt_embed_scale"), "connection", ("pre-dyt",), ""),
+    (("periln_embed_norm",), "connection", ("peri-ln",), ""),
+    (("keel_alpha",), "connection", ("keel",), ""),
+)
+
+
+def unread_fields(config) -> dict[str, tuple[str, tuple[str, ...], str]]:
+    """The fields ``config`` never reads, each with the ``(cause, readers, note)`` of the first
+    rule of :data:`READ_RULES` that says so: ``{"p": ("connection", ("spheret",), "geonorm is
+    ..."), ...}`` for ``connection="geonorm"``. ``config``: a :class:`GPTConfig`, or anything
+    with its fields as attributes (a :class:`~models.config.TrainConfig`)."""
+    out: dict[str, tuple[str, tuple[str, ...], str]] = {}
+    for names, cause, readers, note in READ_RULES:
+        if getattr(config, cause) in readers:
+            continue
+        for name in names:
+            out.setdefault(name, (cause, readers, note))
+    return out
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Configuration of :class:`GPT` (frozen, plain data: round-trips through ``asdict`` / JSON).
+
+    A field the ``connection`` (or the ``retraction``, ``damping``) never reads must keep its
+    default (:data:`READ_RULES`): ``GPTConfig(connection="geonorm", p=2.0)`` raises a
+    ``ValueError`` naming ``p``, its value, what leaves it unread and what reads it, since
+    geonorm is the exponential map whatever ``p`` says. :meth:`from_settings` resets such fields
+    to their defaults instead, for settings that hold every field (a saved run's).
 
     Attributes:
         vocab_size: number of token ids (256 = raw bytes).
@@ -141,51 +186,37 @@ class GPTConfig:
     fused: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            _positive_int(name, getattr(self, name))
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        for name in ("bias", "tie_weights", "fused", "dyt_embed_scale", "periln_embed_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(  # noqa: TRY004 - build_model makes a ValueError a ConfigError
-                    f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not (_number(self.dropout) and 0.0 <= self.dropout < 1.0):
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.connection not in CONNECTIONS:
-            raise ValueError(
-                f"unknown connection {self.connection!r}; valid connections: {', '.join(CONNECTIONS)}"
-            )
-        valid = available_retractions("sphere")
-        if not isinstance(self.retraction, str) or self.retraction not in valid:
-            raise ValueError(
-                f"unknown sphere retraction {self.retraction!r}; valid names: {', '.join(valid)} "
-                "(register your own with manifoldlib.retractions.register_retraction('sphere', name))"
-            )
-        if not (_number(self.p) and self.p > 0):
-            raise ValueError(f"p must be a number in (0, inf], got {self.p!r}")
-        if self.damping not in DAMPINGS:
-            raise ValueError(f"unknown damping {self.damping!r}; valid dampings: {', '.join(DAMPINGS)}")
-        for name in ("dyt_alpha_init", "dyt_alpha_attn"):
-            value = getattr(self, name)
-            if not (_number(value) and math.isfinite(value)):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not (_number(self.keel_alpha) and math.isfinite(self.keel_alpha) and self.keel_alpha >= 0):
-            raise ValueError(f"keel_alpha must be a finite number >= 0 (0: 2 * n_layer), "
-                             f"got {self.keel_alpha!r}")
-        if not (_number(self.alpha_init) and math.isfinite(self.alpha_init) and self.alpha_init > 0):
-            raise ValueError(f"alpha_init must be a finite number > 0, got {self.alpha_init!r}")
-        if self.sphere_step not in STEP_FORMS:
-            raise ValueError(f"unknown sphere_step {self.sphere_step!r}; valid step forms: "
-                             f"{', '.join(STEP_FORMS)}")
-        if self.damping_depth not in DAMPING_DEPTHS:
-            raise ValueError(f"unknown damping_depth {self.damping_depth!r}; valid: "
-                             f"{', '.join(DAMPING_DEPTHS)}")
-        if not (_number(self.norm_eps) and 0 < self.norm_eps < 1):
-            raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
-        for name in ("learn_alpha", "learn_radius"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(  # noqa: TRY004 - build_model makes a ValueError a ConfigError
-                    f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_values(self)
+        unread = [f"{name}={getattr(self, name)!r} does nothing with {cause}="
+                  f"{getattr(self, cause)!r}: only {cause}={' or '.join(map(repr, readers))} "
+                  f"reads it{f' ({note})' if note else ''}; leave {name} at its default "
+                  f"{_DEFAULTS[name]!r}"
+                  for name, (cause, readers, note) in unread_fields(self).items()
+                  if getattr(self, name) != _DEFAULTS[name]]
+        if unread:
+            raise ValueError("; ".join(unread))
+
+    @classmethod
+    def from_settings(cls, **settings) -> GPTConfig:
+        """The configuration of ``settings`` with each field it never reads at its default.
+
+        What a :class:`~models.config.TrainConfig` builds from a preset, a config file or a
+        saved run's ``config.json``: those hold a value for every field, the ones the
+        connection never reads too (``p`` of a ``geonorm`` run), which the constructor refuses.
+        Every value is checked as the constructor checks it, the unread ones included.
+
+        Raises:
+            TypeError: a name that is not a field.
+            ValueError: a value the constructor refuses for its own sake.
+        """
+        unknown = sorted(set(settings) - set(_DEFAULTS))
+        if unknown:
+            raise TypeError(f"GPTConfig has no field {unknown[0]!r}")
+        values = SimpleNamespace(**{**_DEFAULTS, **settings})
+        _check_values(values)
+        unread = unread_fields(values)
+        return cls(**{name: _DEFAULTS[name] if name in unread else value
+                      for name, value in vars(values).items()})
 
     @property
     def on_sphere(self) -> bool:
@@ -195,6 +226,60 @@ class GPTConfig:
     def to_dict(self) -> dict:
         """Plain-data dict of the fields (JSON-serializable; ``p = inf`` becomes ``Infinity``)."""
         return asdict(self)
+
+
+def _check_values(c) -> None:
+    """Refuse a bad value of any field of ``c`` (a :class:`GPTConfig`, or its fields in a
+    namespace), read or not: the error names the field, the value and what is accepted."""
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        _positive_int(name, getattr(c, name))
+    if c.n_embd % c.n_head:
+        raise ValueError(f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})")
+    for name in ("bias", "tie_weights", "fused", "dyt_embed_scale", "periln_embed_norm"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(  # noqa: TRY004 - build_model makes a ValueError a ConfigError
+                f"{name} must be True or False, got {getattr(c, name)!r}")
+    if not (_number(c.dropout) and 0.0 <= c.dropout < 1.0):
+        raise ValueError(f"dropout must be in [0, 1), got {c.dropout!r}")
+    if c.connection not in CONNECTIONS:
+        raise ValueError(
+            f"unknown connection {c.connection!r}; valid connections: {', '.join(CONNECTIONS)}"
+        )
+    valid = available_retractions("sphere")
+    if not isinstance(c.retraction, str) or c.retraction not in valid:
+        raise ValueError(
+            f"unknown sphere retraction {c.retraction!r}; valid names: {', '.join(valid)} "
+            "(register your own with manifoldlib.retractions.register_retraction('sphere', name))"
+        )
+    if not (_number(c.p) and c.p > 0):
+        raise ValueError(f"p must be a number in (0, inf], got {c.p!r}")
+    if c.damping not in DAMPINGS:
+        raise ValueError(f"unknown damping {c.damping!r}; valid dampings: {', '.join(DAMPINGS)}")
+    for name in ("dyt_alpha_init", "dyt_alpha_attn"):
+        value = getattr(c, name)
+        if not (_number(value) and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not (_number(c.keel_alpha) and math.isfinite(c.keel_alpha) and c.keel_alpha >= 0):
+        raise ValueError(f"keel_alpha must be a finite number >= 0 (0: 2 * n_layer), "
+                         f"got {c.keel_alpha!r}")
+    if not (_number(c.alpha_init) and math.isfinite(c.alpha_init) and c.alpha_init > 0):
+        raise ValueError(f"alpha_init must be a finite number > 0, got {c.alpha_init!r}")
+    if c.sphere_step not in STEP_FORMS:
+        raise ValueError(f"unknown sphere_step {c.sphere_step!r}; valid step forms: "
+                         f"{', '.join(STEP_FORMS)}")
+    if c.damping_depth not in DAMPING_DEPTHS:
+        raise ValueError(f"unknown damping_depth {c.damping_depth!r}; valid: "
+                         f"{', '.join(DAMPING_DEPTHS)}")
+    if not (_number(c.norm_eps) and 0 < c.norm_eps < 1):
+        raise ValueError(f"norm_eps must be in (0, 1), got {c.norm_eps!r}")
+    for name in ("learn_alpha", "learn_radius"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(  # noqa: TRY004 - build_model makes a ValueError a ConfigError
+                f"{name} must be True or False, got {getattr(c, name)!r}")
+
+
+#: Field name -> default of :class:`GPTConfig`.
+_DEFAULTS = {f.name: f.default for f in fields(GPTConfig)}
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,5 +1,7 @@
 """Settings the configuration never reads (models.config.INERT_RULES): a user's are refused by
 the command line, a preset's and a saved run's are not, and every rule is what the code does.
+GPTConfig refuses the model's own (models.gpt.READ_RULES, the same rules), while a TrainConfig
+holds a preset's or a saved run's outside its model and builds the model it always built.
 Likewise a given tokenizer that is not the one the bin: shards were made with, and the one they
 record, which a run on them takes when none is given."""
 
@@ -18,12 +20,15 @@ import torch
 from models.cli import config_from_args, parse_args
 from models.config import (
     ConfigError,
+    TrainConfig,
     build_config,
     config_keys,
     inert_settings,
     refuse_inert_settings,
 )
+from models.connections import CONNECTIONS
 from models.data import CorpusError, check_given_tokenizer, resolve_tokenizer
+from models.gpt import GPT, GPTConfig
 from models.prepare import prepare
 from models.shards import META_FILE, SHARD_FORMAT, recorded_tokenizer
 from models.storage import load_checkpoint, save_checkpoint
@@ -77,7 +82,7 @@ def _refused(capsys, argv: list[str], line: str) -> None:
     (["--retraction", "gnomonic", "--p", "2"],
      "--p does nothing with retraction=gnomonic: only --retraction p reads it"),
     (["--connection", "keel", "--sphere_step", "literal"],
-     ("--sphere_step does nothing with connection=keel: only --connection spheret or geonorm "
+     ("--sphere_step does nothing with connection=keel: only --connection geonorm or spheret "
       "reads it")),
     (["--damping", "none", "--damping_depth", "block"],
      "--damping_depth does nothing with damping=none: only --damping sqrt or linear reads it"),
@@ -233,6 +238,188 @@ def test_refuse_inert_settings_names_the_given_inert_settings_only():
     refuse_inert_settings(cfg, {"lr": "--lr"})  # read under adamw
     with pytest.raises(ConfigError, match=rf"^--muon_ns_dtype does nothing with optimizer=adamw: {MUON}$"):
         refuse_inert_settings(cfg, {"lr": "--lr", "muon_ns_dtype": "--muon_ns_dtype"})
+
+
+
+# ---- the Python API: GPTConfig refuses a field its connection never reads --------------------
+
+TINY = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+GEONORM = "(geonorm is spheret with the exponential map)"
+
+
+@pytest.mark.parametrize("given, line", [
+    ({"connection": "geonorm", "p": 2.0},
+     (f"p=2.0 does nothing with connection='geonorm': only connection='spheret' reads it "
+      f"{GEONORM}; leave p at its default 1.0")),
+    ({"connection": "pre-ln", "retraction": "cayley"},
+     (f"retraction='cayley' does nothing with connection='pre-ln': only connection='spheret' "
+      f"reads it {GEONORM}; leave retraction at its default 'p'")),
+    ({"connection": "spheret", "retraction": "exp", "p": 3},
+     ("p=3 does nothing with retraction='exp': only retraction='p' reads it; leave p at its "
+      "default 1.0")),
+    ({"connection": "keel", "dyt_alpha_init": 0.5},
+     ("dyt_alpha_init=0.5 does nothing with connection='keel': only connection='pre-dyt' reads "
+      "it; leave dyt_alpha_init at its default 0.2")),
+    ({"connection": "pre-ln", "alpha_init": 1.0},
+     ("alpha_init=1.0 does nothing with connection='pre-ln': only connection='geonorm' or "
+      "'spheret' reads it; leave alpha_init at its default 0.5")),
+    ({"connection": "geonorm", "damping": "none", "damping_depth": "block"},
+     ("damping_depth='block' does nothing with damping='none': only damping='sqrt' or 'linear' "
+      "reads it; leave damping_depth at its default 'sublayer'")),
+    ({"connection": "pre-dyt", "periln_embed_norm": False},
+     ("periln_embed_norm=False does nothing with connection='pre-dyt': only connection='peri-ln' "
+      "reads it; leave periln_embed_norm at its default True")),
+    ({"connection": "peri-ln", "keel_alpha": 4.0},
+     ("keel_alpha=4.0 does nothing with connection='peri-ln': only connection='keel' reads it; "
+      "leave keel_alpha at its default 0.0")),
+    ({"connection": "post-ln", "p": 2.0, "fused": False},
+     (f"p=2.0 does nothing with connection='post-ln': only connection='spheret' reads it "
+      f"{GEONORM}; leave p at its default 1.0; fused=False does nothing with "
+      f"connection='post-ln': only connection='geonorm' or 'spheret' reads it; leave fused at "
+      f"its default True")),
+])
+def test_gpt_config_refuses_a_field_its_configuration_never_reads(given, line):
+    """Each was accepted and ignored: GPTConfig(connection="geonorm", p=2.0) built the
+    exponential map, not the Cayley retraction the user asked for."""
+    with pytest.raises(ValueError) as info:
+        GPTConfig(**TINY, **given)
+    assert str(info.value) == line
+
+
+#: Values other than the defaults of the fields each connection reads besides the common ones.
+READ_BY = {
+    "pre-ln": {}, "post-ln": {},
+    "peri-ln": {"periln_embed_norm": False},
+    "pre-dyt": {"dyt_alpha_init": 0.3, "dyt_alpha_attn": 0.5, "dyt_embed_scale": False},
+    "keel": {"keel_alpha": 3.0},
+    "geonorm": {"damping": "linear", "damping_depth": "block", "sphere_step": "literal",
+                "alpha_init": 1.0, "norm_eps": 1e-5, "learn_alpha": False,
+                "learn_radius": False, "fused": False},
+    "spheret": {"retraction": "p", "p": 2.0, "damping": "none", "sphere_step": "literal",
+                "alpha_init": 1.0, "norm_eps": 1e-5, "learn_alpha": False,
+                "learn_radius": False, "fused": False},
+}
+
+
+@pytest.mark.parametrize("connection", CONNECTIONS)
+def test_every_connection_takes_the_defaults_and_the_fields_it_reads(connection):
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    for fields in ({}, READ_BY[connection]):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY, connection=connection, dropout=0.1, bias=True,
+                              tie_weights=False, **fields))
+        logits, _ = model(idx)
+        assert logits.shape == (2, 8, 32) and torch.isfinite(logits).all()
+
+
+#: A value other than the default for every field that some configuration leaves unread.
+OTHER = {"retraction": "cayley", "p": 2.0, "damping": "linear", "sphere_step": "literal",
+         "alpha_init": 1.0, "damping_depth": "block", "dyt_alpha_init": 0.3,
+         "dyt_alpha_attn": 0.5, "dyt_embed_scale": False, "periln_embed_norm": False,
+         "keel_alpha": 3.0, "norm_eps": 1e-5, "learn_alpha": False, "learn_radius": False,
+         "fused": False, "dropout": 0.1, "bias": True, "tie_weights": False}
+
+
+def test_gpt_config_refuses_exactly_the_model_fields_the_command_line_calls_inert():
+    """One set of rules for both: under every connection, retraction and damping, a model field
+    at another value than its default is refused by GPTConfig iff inert_settings names it."""
+    assert OTHER.keys() | TINY.keys() | {"connection"} == set(GPTConfig.__dataclass_fields__)
+    checked = 0
+    for connection in CONNECTIONS:
+        for retraction, damping in (("p", "sqrt"), ("exp", "sqrt"), ("p", "none")):
+            base = {"connection": connection, "retraction": retraction, "damping": damping}
+            if connection not in ("spheret", "geonorm") and (retraction, damping) != ("p", "sqrt"):
+                continue  # unread themselves
+            if connection == "geonorm" and retraction != "p":
+                continue
+            inert = inert_settings(build_config("smoke", overrides=base)).keys()
+            for name, value in OTHER.items():
+                if name in base:
+                    continue
+                try:
+                    GPTConfig(**TINY, **base, **{name: value})
+                    refused = False
+                except ValueError as exc:
+                    refused = True
+                    assert str(exc).startswith(f"{name}={value!r} does nothing with "), exc
+                assert refused == (name in inert), (base, name)
+                checked += refused
+    assert checked > 50
+
+
+def test_from_settings_keeps_what_the_configuration_reads_and_checks_every_value():
+    cfg = GPTConfig.from_settings(**TINY, connection="geonorm", p=2.0, retraction="cayley",
+                                  alpha_init=1.0, keel_alpha=3.0)
+    assert cfg == GPTConfig(**TINY, connection="geonorm", alpha_init=1.0)
+    with pytest.raises(ValueError, match=r"^p must be a number in \(0, inf\], got -1.0$"):
+        GPTConfig.from_settings(connection="pre-ln", p=-1.0)  # unread, and still a bad value
+    with pytest.raises(ValueError, match=r"^unknown sphere retraction 'cayly'"):
+        GPTConfig.from_settings(connection="pre-ln", retraction="cayly")
+    with pytest.raises(TypeError, match=r"^GPTConfig has no field 'pp'$"):
+        GPTConfig.from_settings(pp=2.0)
+
+
+def _state(model: torch.nn.Module) -> dict:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("read, unread", [
+    ({"connection": "pre-ln"},
+     {"retraction": "cayley", "p": 3.0, "alpha_init": 1.0, "fused": False}),
+    ({"connection": "geonorm"}, {"p": 2.0, "retraction": "cayley", "dyt_alpha_init": 0.5}),
+    ({"connection": "spheret", "retraction": "exp", "damping": "none"},
+     {"p": 3.0, "damping_depth": "block", "keel_alpha": 2.0, "periln_embed_norm": False}),
+])
+def test_a_train_config_holding_unread_model_values_builds_the_model_it_always_built(read, unread):
+    """A preset, a config file loaded without the command line or an older run's config.json may
+    hold them (only the command line refuses them): the TrainConfig holds them outside its
+    model, and build_model builds the model it built before, parameter for parameter."""
+    clean = build_config("smoke", overrides=read)
+    for held in (build_config("smoke", overrides={**read, **unread}),
+                 TrainConfig.from_dict({**clean.to_dict(), **unread})):
+        assert held.model == clean.model and held.to_dict() == {**clean.to_dict(), **unread}
+        assert all(getattr(held, name) == value for name, value in unread.items())
+        torch.manual_seed(0)
+        built = _state(build_model(held, vocab_size=256))
+        torch.manual_seed(0)
+        expected = _state(build_model(clean, vocab_size=256))
+        assert built.keys() == expected.keys()
+        assert all(torch.equal(built[name], expected[name]) for name in expected)
+
+
+def test_a_train_config_holds_only_values_its_model_leaves_unread():
+    """unread_model_values reads through like a model field; one the model reads (or holds at
+    that value) would make two descriptions of one configuration, and is refused."""
+    model = GPTConfig(connection="pre-ln")
+    cfg = TrainConfig(model=model, unread_model_values=(("alpha_init", 1.0),))
+    assert cfg.alpha_init == 1.0 and cfg.to_dict()["alpha_init"] == 1.0
+    assert build_model(cfg, vocab_size=256).config == GPTConfig(connection="pre-ln",
+                                                               vocab_size=256)
+    for pairs, match in [((("n_layer", 3),), "holds n_layer=3, which is not a value the model"),
+                         ((("p", 1.0),), "holds p=1.0, which is not"),
+                         ((("p", -1.0),), r"p must be a number in \(0, inf\], got -1.0")]:
+        with pytest.raises(ConfigError, match=match):
+            TrainConfig(model=model, unread_model_values=pairs)
+
+
+def test_a_saved_run_holding_unread_model_values_resumes(tmp_path):
+    """An older run may have saved values its connection never read, and no periln_embed_norm
+    (which a resume takes as False, the behaviour before the field): a plain --resume finishes
+    it, and its config.json keeps them."""
+    out = tmp_path / "run"
+    cfg = build_config("smoke", overrides={
+        "connection": "pre-ln", "sample_tokens": 0, "progress": False, "eval_interval": 2,
+        "warmup_steps": 1, "steps": 4, "stop_at": 2})
+    run_training(cfg, out, echo=False)
+    ckpt = load_checkpoint(out, move_damaged=False)[0]
+    unread = {"retraction": "cayley", "p": 3.0, "alpha_init": 1.0, "keel_alpha": 2.0}
+    old = {k: v for k, v in {**ckpt["config"], **unread}.items() if k != "periln_embed_norm"}
+    save_checkpoint(out / "checkpoint.pt", {**ckpt, "config": old}, -1)
+    (out / "config.json").write_text(json.dumps(old))
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["finished"]
+    saved = json.loads((out / "config.json").read_text())
+    assert {k: saved[k] for k in unread} == unread and saved["periln_embed_norm"] is False
 
 
 # ---- a given tokenizer on token shards of another one --------------------------------------
