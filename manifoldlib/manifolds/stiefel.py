@@ -2,12 +2,13 @@ r"""The Stiefel manifold :math:`\mathrm{St}(m, n) = \{X: X^\top X = I_n\}`, :mat
 
 from __future__ import annotations
 
+import functools
 from typing import Union
 
 import torch
 
 from ..functional.gram_rsqrt import polar_gram_factor
-from ..functional.msign import GRAM_EIGH_REFINE, msign
+from ..functional.msign import GRAM_EIGH_REFINE, _msign_svd, _with_polar_derivative, msign
 from ..functional.stiefel import stiefel_exp, stiefel_qr, sym
 from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, default_tolerance, max_abs
@@ -171,11 +172,15 @@ class Stiefel(MatrixConstraintManifold):
         is — the SVD's orthonormal completion of the range fills the missing directions.
         Computed in float64 and returned in ``x``'s dtype.
 
-        Differentiable with finite gradients at full, well-conditioned column rank, repeated
-        singular values included (every Stiefel point and its multiples, where the SVD's backward
-        divides by zero): when a gradient is needed there the polar factor comes from the scaled
-        Newton iteration (:func:`~manifoldlib.functional.msign`, ``"newton"``), the same point
-        to rounding. At a Stiefel point the derivative is the tangent projection.
+        Differentiable with finite gradients at full column rank, repeated singular values
+        included (every Stiefel point and its multiples, where the SVD's backward divides by
+        zero): when a gradient is needed at well-conditioned column rank the polar factor comes
+        from the scaled Newton iteration (:func:`~manifoldlib.functional.msign`, ``"newton"``),
+        the same point to rounding; at :math:`\kappa(X)^2\epsilon` above
+        :data:`~manifoldlib.functional.msign.GRAM_EIGH_REFINE` from the SVD, differentiated by the
+        polar factor's own derivative (once: a second derivative raises), as
+        :func:`~manifoldlib.functional.msign` does (autograd through the SVD gave NaN where two
+        singular values repeat). At a Stiefel point the derivative is the tangent projection.
         """
         self._validate(x, "x")
         check_tensor(x, "x", "stiefel.projx", finite=True)
@@ -186,6 +191,9 @@ class Stiefel(MatrixConstraintManifold):
             kappa_sq_eps = (s.amax(-1) / s.amin(-1)).square() * torch.finfo(torch.float64).eps
             if bool((kappa_sq_eps <= GRAM_EIGH_REFINE).all()):  # Newton's Gram solves are accurate
                 return msign(work, "newton").to(x.dtype)
+            # U V^T of the same SVD, with the polar factor's own derivative: autograd through the SVD
+            # divides by sigma_i^2 - sigma_j^2, NaN where two singular values repeat
+            return _with_polar_derivative(work, functools.partial(_msign_svd, complete=True)).to(x.dtype)
         u, _, vh = torch.linalg.svd(work, full_matrices=False)  # (..., m, n), (..., n, n)
         return (u @ vh).to(x.dtype)
 

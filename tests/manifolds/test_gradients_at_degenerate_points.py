@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manifoldlib.manifolds import Sphere, get_manifold
+from manifoldlib.functional import msign
+from manifoldlib.manifolds import Sphere, Stiefel, get_manifold
 
 SHAPES = {"sphere": (3, 4), "stiefel": (3, 5, 3), "oblique": (3, 5, 3), "dgram": (3, 5, 3), "euclidean": (3, 4)}
 
@@ -49,3 +50,24 @@ def test_sphere_logmap_at_equal_points_has_the_tangent_projection_as_derivative(
     jac_x, jac_y = torch.autograd.functional.jacobian(s.logmap, (x, y))  # (2, 5, 2, 5) each
     assert torch.allclose(jac_y[0, :, 0], tangent, rtol=0, atol=1e-15)
     assert torch.allclose(jac_x[0, :, 0], -tangent, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("singular_values", [(1.0, 1.0, 1e-6), (1.0, 1.0, 1.0, 2e-7)], ids=["n3", "n4"])
+def test_stiefel_projx_of_an_ill_conditioned_matrix_with_repeated_singular_values(singular_values):
+    # kappa^2 eps above GRAM_EIGH_REFINE sends projx to the SVD; autograd through it divides by
+    # sigma_i^2 - sigma_j^2 and gave NaN where two singular values repeat, though the polar factor
+    # is smooth at full rank. The reference differentiates another algorithm: autograd through the
+    # QR steps of msign's Newton iteration (a vector-Jacobian product of order 1e6; finite
+    # differences resolve it only to about eps kappa / h ~ 1e-6 relative)
+    n = len(singular_values)
+    g = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(6, n, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    x = (u * torch.tensor(singular_values, dtype=torch.float64)) @ v.mT  # (6, n)
+    w = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    grads = []
+    for polar in (Stiefel().projx, lambda t: msign(t, "newton")):
+        leaf = x.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad((polar(leaf) * w).sum(), leaf)[0])
+    assert bool(torch.isfinite(grads[0]).all())
+    assert float((grads[0] - grads[1]).abs().max()) <= 1e-8 * float(grads[1].abs().max())
