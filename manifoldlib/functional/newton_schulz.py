@@ -155,14 +155,6 @@ def _check_floor(eps, name: str = "eps") -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
 
 
-def _floored_sqrt(sq: torch.Tensor) -> torch.Tensor:
-    """``sq.clamp_min(0).sqrt()`` bit for bit, for a norm that its caller floors at ``eps > 0``, with
-    a finite gradient at ``sq = 0`` (the square root's derivative there is infinite, and the
-    floor's zero gradient times it was NaN: a zero matrix's Gram form); elementwise."""
-    positive = sq > 0
-    return torch.where(positive, torch.where(positive, sq, torch.ones_like(sq)).sqrt(), sq.clamp_min(0))
-
-
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float, alpha: float = 1.0) -> torch.Tensor:
     """``beta * bias + alpha * a @ b``, one fused product for a matrix or a batch of them (any
     number of batch dimensions: ``baddbmm`` takes one, so more are flattened into it)."""
@@ -277,7 +269,11 @@ def _gram_newton_schulz(s: torch.Tensor, triples: Sequence[tuple[float, float, f
                         eps: float) -> torch.Tensor:
     """:func:`gram_newton_schulz` on a schedule :func:`resolve_schedule` gave and a checked ``eps``
     (a caller that evaluates one schedule many times resolves it once)."""
-    fro = _floored_sqrt(torch.diagonal(s, dim1=-2, dim2=-1).sum(-1))  # (...,) ||X||_F
+    # ||X||_F = sqrt(tr S), the trace taken at least at the dtype's smallest normal number: the same
+    # R wherever the floor eps is above scale sqrt(tiny) (it takes over first), and a finite
+    # gradient at S = 0, where the square root's derivative is infinite (times the floor's 0: NaN)
+    trace = torch.diagonal(s, dim1=-2, dim2=-1).sum(-1)  # (...,)
+    fro = trace.clamp_min(torch.finfo(trace.dtype).tiny).sqrt()  # (...,)
     r0 = (scale * fro).clamp_min(eps).reciprocal()[..., None, None]  # (..., 1, 1)
     eye = torch.eye(s.size(-1), dtype=s.dtype, device=s.device)
     if not triples:
@@ -326,7 +322,8 @@ def _newton_schulz_gain(lam: torch.Tensor, triples: Sequence[tuple[float, float,
                         eps: float) -> torch.Tensor:
     """:func:`newton_schulz_gain` on a resolved schedule and a checked ``eps`` (as
     :func:`_gram_newton_schulz`)."""
-    s0 = (scale * _floored_sqrt(lam.sum(-1, keepdim=True))).clamp_min(eps).reciprocal()  # (..., 1)
+    total = lam.sum(-1, keepdim=True)  # (..., 1) tr S, floored as in _gram_newton_schulz
+    s0 = (scale * total.clamp_min(torch.finfo(total.dtype).tiny).sqrt()).clamp_min(eps).reciprocal()  # (..., 1)
     gain = s0.expand_as(lam).clone()
     t = lam * (s0 * s0)  # y_k^2
     for a, b, c in triples:

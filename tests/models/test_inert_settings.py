@@ -28,7 +28,7 @@ from models.config import (
 )
 from models.connections import CONNECTIONS
 from models.data import CorpusError, check_given_tokenizer, resolve_tokenizer
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, SPHERE_FIELDS, GPTConfig, unread_fields
 from models.prepare import prepare
 from models.shards import META_FILE, SHARD_FORMAT, recorded_tokenizer
 from models.storage import load_checkpoint, save_checkpoint
@@ -672,3 +672,14 @@ def test_a_run_on_bpe_shards_saved_as_byte_still_resumes_as_saved(tmp_path, caps
     assert json.loads((out / "summary.json").read_text())["finished"]
     assert json.loads((out / "config.json").read_text())["tokenizer"] == "byte"
     assert load_checkpoint(out, move_damaged=False)[0]["config"]["tokenizer"] == "byte"
+
+
+def test_unread_fields_names_what_each_connection_leaves_unread_and_why():
+    pre_ln = unread_fields(GPTConfig(connection="pre-ln"))
+    assert set(SPHERE_FIELDS) | {"retraction", "p", "keel_alpha", "dyt_alpha_init"} <= set(pre_ln)
+    assert pre_ln["p"] == ("connection", ("spheret",), "geonorm is spheret with the exponential map")
+    geonorm = unread_fields(GPTConfig(connection="geonorm"))
+    assert not set(SPHERE_FIELDS) & set(geonorm) and {"retraction", "p"} <= set(geonorm)
+    spheret = unread_fields(GPTConfig(connection="spheret", retraction="p", p=2.0))
+    assert not {"retraction", "p", *SPHERE_FIELDS} & set(spheret)
+    assert "p" in unread_fields(GPTConfig(connection="spheret", retraction="cayley"))
