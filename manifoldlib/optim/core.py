@@ -328,10 +328,15 @@ def _constrained(bank: Bank, execution: Execution, checked: bool = False) -> Ten
             new, residual = _gram_retraction(manifold, base - step)
             retracted = residual <= RETRACTION_TOL
             if checked and not bool((retracted | ~ok).all()):  # (a host read on a checked step only)
-                redo = (ok & ~retracted).view(-1, 1, 1)
-                new = torch.where(redo, manifold.retraction.retract(base, -step), new)
-                residual = torch.where(redo.view(-1), 0.0, residual)
-                retracted = ok
+                try:
+                    own = manifold.retraction.retract(base, -step)  # (B, m, n)
+                except (ValueError, torch.linalg.LinAlgError):  # no point there either: kept, counted
+                    own = None
+                if own is not None:  # a matrix whose own retraction is not finite keeps its value too
+                    redo = ok & ~retracted & torch.isfinite(own).flatten(1).all(1)  # (B,)
+                    new = torch.where(redo.view(-1, 1, 1), own, new)
+                    residual = torch.where(redo, 0.0, residual)
+                    retracted = retracted | redo
             ok = ok & retracted
             residual = torch.where(finite, residual, float("nan"))  # no retraction of a solved direction
             for state, value in zip(bank.states, residual.unbind(0)):

@@ -711,6 +711,32 @@ def test_both_paths_refuse_a_stiefel_bank_with_a_matrix_edited_off_it_naming_tha
     assert all(not torch.equal(p.detach(), v) for p, v in zip(params, values))
 
 
+@pytest.mark.parametrize("failure", ["raises", "nan"])
+def test_a_matrix_its_own_retraction_cannot_bring_back_either_keeps_its_value(failure, monkeypatch):
+    # the checked step's fallback to the manifold's own retraction (for a square DGram matrix far
+    # off its manifold): where that one raises or returns non-finite values too, the matrix keeps
+    # its value and the skip is counted, as on any other step, not a NaN written or an error
+    # raised after the momentum moved
+    from manifoldlib.retractions.dgram import DGramAlternatingRetraction
+
+    def failing(self, x, v):
+        if failure == "raises":
+            raise ValueError("no point")
+        return torch.full_like(x + v, float("nan"))
+
+    monkeypatch.setattr(DGramAlternatingRetraction, "retract", failing)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64, generator=gen))
+    opt = ManifoldMuon([p], lr=0.05, manifold="dgram", dual={"spectral": "products"})
+    with torch.no_grad():
+        p.copy_(torch.randn(8, 8, dtype=torch.float64, generator=gen))
+    loaded = p.detach().clone()
+    p.grad = torch.randn(8, 8, dtype=torch.float64, generator=gen)
+    opt.step()
+    assert torch.equal(p.detach(), loaded)
+    assert int(opt.state[p]["skipped_steps"]) == 1
+
+
 @pytest.mark.parametrize("edit", ["load_state_dict", "no_grad", "assign_data"])
 def test_a_matrix_changed_after_the_first_step_is_checked_on_the_next(edit):
     # the sync-free path checked its points on a plan's first step only: an unconstrained
