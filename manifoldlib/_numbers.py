@@ -7,9 +7,10 @@ about them). An *integer* is a Python or NumPy integer, again not a ``bool``.
 
 from __future__ import annotations
 
+import math
 import numbers
 
-__all__ = ["is_integer", "is_real"]
+__all__ = ["is_integer", "is_real", "require_positive"]
 
 
 def is_real(value) -> bool:
@@ -20,3 +21,9 @@ def is_real(value) -> bool:
 def is_integer(value) -> bool:
     """Whether ``value`` is an integer (Python or NumPy; bools excluded)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def require_positive(name: str, value) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a real, finite and ``> 0``."""
+    if not (is_real(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -57,9 +57,9 @@ import math
 
 import torch
 
-from .._numbers import is_integer, is_real
+from .._numbers import is_integer, is_real, require_positive
 from .gram_rsqrt import CHORD_TOL_EPS, products_only_rsqrt
-from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, _check_floor, newton_schulz
+from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, newton_schulz
 from .scaling import into_safe_range
 
 __all__ = ["CONVERGENT_NS_CAP", "GRAM_EIGH_ONE_PASS", "GRAM_EIGH_REFINE", "MSIGN_METHODS", "POLAR_METHODS", "msign"]
@@ -439,7 +439,7 @@ def msign(
         raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
     if tol is not None and not (is_real(tol) and math.isfinite(tol) and tol >= 0):
         raise ValueError(f"tol must be None or a finite number >= 0, got {tol!r}")
-    _check_floor(eps)
+    require_positive("eps", eps)
     n_steps = _DEFAULT_STEPS.get(method) if steps is None else int(steps)
     if x.numel() == 0:  # an empty matrix or batch is its own polar factor
         return x.clone()

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._numbers import is_integer, is_real
+from .._numbers import is_integer, is_real, require_positive
 from .scaling import into_safe_range
 
 __all__ = [
@@ -147,14 +147,6 @@ def resolve_schedule(
     return triples, scale
 
 
-def _check_floor(eps, name: str = "eps") -> None:
-    """Raise ``ValueError`` unless ``eps`` (a normalization's floor or scale) is a finite number
-    ``> 0``: a NaN one gave NaN matrices, 0 or a negative one NaN for a zero matrix, a negative
-    scale NaN for every matrix, all without an error."""
-    if not (is_real(eps) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
-
-
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float, alpha: float = 1.0) -> torch.Tensor:
     """``beta * bias + alpha * a @ b``, one fused product for a matrix or a batch of them (any
     number of batch dimensions: ``baddbmm`` takes one, so more are flattened into it)."""
@@ -212,8 +204,8 @@ def newton_schulz(
     if x.dim() < 2:
         raise ValueError(f"newton_schulz expects a matrix or a batch of matrices (..., m, n), got shape {tuple(x.shape)}")
     triples, _ = resolve_schedule(None, steps, coefficients)
-    _check_floor(eps)
-    _check_floor(normalize_scale, "normalize_scale")
+    require_positive("eps", eps)  # a NaN floor gave NaN matrices, 0 NaN for a zero matrix
+    require_positive("normalize_scale", normalize_scale)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be None or a real floating-point dtype, got {dtype!r}")
     work = dtype if dtype is not None else (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
@@ -261,7 +253,7 @@ def gram_newton_schulz(
         ValueError: as :func:`resolve_schedule`, or an ``eps`` that is not a finite number ``> 0``.
     """
     triples, scale = resolve_schedule(preset, steps, coefficients)
-    _check_floor(eps)
+    require_positive("eps", eps)
     return _gram_newton_schulz(s, triples, scale, eps)
 
 
@@ -314,7 +306,7 @@ def newton_schulz_gain(
         ValueError: as :func:`gram_newton_schulz`.
     """
     triples, scale = resolve_schedule(preset, steps, coefficients)
-    _check_floor(eps)
+    require_positive("eps", eps)
     return _newton_schulz_gain(lam, triples, scale, eps)
 
 

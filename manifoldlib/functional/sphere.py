@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .._numbers import is_real
+from .._numbers import require_positive
 
 __all__ = [
     "sphere_project_tangent",
@@ -104,8 +104,7 @@ def sphere_unit_tangent(x: torch.Tensor, z: torch.Tensor, eps: float = 1e-6) -> 
         ValueError: ``eps`` is not a finite number ``> 0`` (0 gave NaN rows where
             :math:`P_x z = 0`, NaN every row NaN).
     """
-    if not (is_real(eps) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    require_positive("eps", eps)
     q = (x * x).sum(-1, keepdim=True)  # r², (..., 1)
     u = z - ((x * z).sum(-1, keepdim=True) / q) * x  # P_x z, (..., d)
     n = (u * u).sum(-1, keepdim=True)  # ||P_x z||², (..., 1)

@@ -194,8 +194,7 @@ class Stiefel(MatrixConstraintManifold):
             # U V^T of the same SVD, with the polar factor's own derivative: autograd through the SVD
             # divides by sigma_i^2 - sigma_j^2, NaN where two singular values repeat
             return _with_polar_derivative(work, functools.partial(_msign_svd, complete=True)).to(x.dtype)
-        u, _, vh = torch.linalg.svd(work, full_matrices=False)  # (..., m, n), (..., n, n)
-        return (u @ vh).to(x.dtype)
+        return _msign_svd(work, complete=True).to(x.dtype)  # U V^T of the SVD
 
     def expmap(self, x, u):
         r"""The geodesic from ``x`` along :math:`P_X u` (a normal part of ``u`` is dropped).

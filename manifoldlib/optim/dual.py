@@ -46,9 +46,9 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from .._numbers import require_positive
 from ..functional.msign import msign
 from ..functional.newton_schulz import (
-    _check_floor,
     _gram_newton_schulz,
     _newton_schulz_gain,
     gram_newton_schulz,
@@ -112,7 +112,7 @@ class Spectral:
     schedule: tuple | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        _check_floor(self.eps)
+        require_positive("eps", self.eps)
         if self.method != "svd":
             object.__setattr__(self, "schedule", resolve_schedule(self.method, self.steps, self.coefficients))
 
