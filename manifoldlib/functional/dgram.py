@@ -61,7 +61,9 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
     r"""Alternating retraction (second order): one step of alternating metric projection.
 
     With :math:`Y = W + V`, :math:`c_j = \|y_j\|`: :math:`Q' = \operatorname{msign}(Y\operatorname{diag}(c))`,
-    :math:`d'_j = q_j'^\top y_j` (clamped positive), :math:`R = Q'\operatorname{diag}(d')`.
+    :math:`d'_j = q_j'^\top y_j`, :math:`R = Q'\operatorname{diag}(d')`; a column with
+    :math:`d'_j \le 0` (a zero column of :math:`Y`, where no DGram point exists) is NaN, with
+    every method (:meth:`~manifoldlib.DGram.retr` refuses it by name).
     :math:`Y\operatorname{diag}(c)` has column norms :math:`c_j^2`: ``method="auto"`` takes the
     scaled Newton polar factor, whose QR resolves each column relative to its own norm (an SVD
     maps the small ones to 0 once the spread passes its rank threshold, and the point's column
@@ -85,9 +87,11 @@ def dgram_alternating(w: torch.Tensor, v: torch.Tensor, method: str = "auto") ->
         q = _gram_eigh_polar(y * c, fallback="newton")
     else:
         q = _orthonormal_polar(y * c, "newton" if method == "auto" else method)
-    d = (q * y).sum(-2, keepdim=True)  # (..., 1, n)
-    tiny = torch.finfo(d.dtype).tiny
-    return (q * (d.clamp_min(tiny) / scale)).to(out_dtype)
+    d = (q * y).sum(-2, keepdim=True)  # (..., 1, n): > 0 for every column Q' resolves
+    # d_j <= 0 (a zero column of Y, a step u_j = -x_j) has no DGram point: NaN there, which
+    # DGram.retr refuses by name; clamping it to a tiny norm returned a collapsed column, no error
+    d = torch.where(d > 0, d, torch.nan)
+    return (q * (d / scale)).to(out_dtype)
 
 
 def dgram_colnorm_polar(w: torch.Tensor, v: torch.Tensor, method: str = "auto") -> torch.Tensor:
