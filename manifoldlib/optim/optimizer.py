@@ -296,8 +296,9 @@ class ManifoldMuon(Optimizer):
         banks = make_banks(whole, self._execution_of)
         shapes = [tuple(item[1].shape) for item in whole] + [tuple(p.shape) for m in meshes.values() for _, p, _ in m]
         device = whole[0][1].device if whole else next(iter(meshes.values()))[0][1].device if meshes else None
-        watched = [p for bank in banks if bank.execution.sync_free and not bank.options.manifold.flat
-                   for p in bank.params]
+        watched = [[p for bank in banks if bank.execution.sync_free and not bank.options.manifold.flat
+                    for p in bank.params]]
+        watched += [[p for g, p, _ in sharded if not options[g].manifold.flat] for sharded in meshes.values()]
         return _StepPlan(key, copy.deepcopy(settings), [None] * len(options), options, banks,
                          [[groups[i] for i in bank.indices] for bank in banks], owners, list(meshes.values()),
                          Execution.threads(device, shapes) if device is not None else None, watched=watched)
@@ -355,16 +356,18 @@ class ManifoldMuon(Optimizer):
         first = not plan.checked
         # a matrix changed in place since the last step (a model.load_state_dict, an edit under
         # no_grad) has a new version: its points are checked again (host reads on this step only)
-        edited = not first and [(p._version, p.data_ptr()) for p in plan.watched] != plan.versions
+        versions = [[(p._version, p.data_ptr()) for p in watched] for watched in plan.watched]
+        edited = [False] * len(versions) if first else [now != then for now, then in zip(versions, plan.versions)]
         with step_threads(plan.threads):
             if plan.banks:
                 muon_step(plan.banks, owners=plan.owners, process_group=self.distribution.process_group,
-                          check_layout=first, check_points=first or edited)
-            for sharded in plan.meshes:
+                          check_layout=first, check_points=first or edited[0])
+            for sharded, changed in zip(plan.meshes, edited[1:]):
                 items = [(plan.options[g], p, p.grad, state["momentum_buffer"], state) for g, p, state in sharded]
-                fsdp_step(items, self._execution_of, strategy=self.distribution.strategy, check_points=first)
+                fsdp_step(items, self._execution_of, strategy=self.distribution.strategy,
+                          check_points=first or changed)
         plan.checked = True
-        plan.versions = [(p._version, p.data_ptr()) for p in plan.watched]
+        plan.versions = [[(p._version, p.data_ptr()) for p in watched] for watched in plan.watched]
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -408,12 +411,17 @@ class _StepPlan:
             plan lasts): every sync-free bank's points are usable by its manifold's dual (a weight
             edited after its group was added is refused, as early-stopping banks refuse it on every
             step), and in sharded mode the ranks agree on the banks' shapes, dtypes and owners.
-        watched: the matrices of the constrained sync-free banks (which a step does not check).
+        watched: the matrices whose points a step does not check: those of the constrained
+            sync-free banks, then per device mesh its constrained row-sharded matrices.
         versions: their ``(version, data_ptr)`` after the last step, torch's counter of in-place
             changes of a tensor and its storage (host attributes, no device read): where they
-            differ at the next step, a matrix was changed in place in between and the sync-free
-            banks' points are checked again on that step (an edit through ``.data`` changes
-            neither).
+            differ at the next step, a matrix was changed in place in between and the points of
+            its banks (or of its mesh) are checked again on that step. A row-sharded matrix is
+            watched through its :class:`~torch.distributed.tensor.DTensor`, whose version moves
+            with every DTensor operation (``copy_``, ``load_state_dict``, ``set_model_state_dict``),
+            which every rank runs, so the ranks agree on whether the mesh's step checks (a
+            collective). An edit through ``.data``, or of one rank's ``to_local()`` rows, changes
+            neither.
     """
 
     key: tuple
@@ -426,8 +434,8 @@ class _StepPlan:
     meshes: list[list[tuple[int, Tensor, dict]]]
     threads: int | None
     checked: bool = False
-    watched: list[Tensor] = dataclasses.field(default_factory=list)
-    versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    watched: list[list[Tensor]] = dataclasses.field(default_factory=list)
+    versions: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
 
 
 def _refuse_misspelt_keys(group: Mapping, defaults: Mapping) -> None:

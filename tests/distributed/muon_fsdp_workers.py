@@ -239,16 +239,33 @@ def refusal_job(rank: int) -> dict:
         optimizer = ManifoldMuon([param], lr=0.05, manifold="stiefel", dual={"spectral": spectral})
         with torch.no_grad():
             param.to_local().mul_(1.5)
-        before = param.detach().full_tensor().clone()
         param.grad = distribute_tensor(torch.randn(12, 6, generator=torch.Generator().manual_seed(2)), mesh, [Shard(0)])
-        try:
-            optimizer.step()
-        except ValueError as error:
-            out[f"edited_{spectral}"] = f"{type(error).__name__}: {error}"
-        else:
-            out[f"edited_{spectral}"] = "accepted"
-        out[f"edited_{spectral}_unchanged"] = bool(torch.equal(param.detach().full_tensor(), before))
+        out[f"edited_{spectral}"], out[f"edited_{spectral}_unchanged"] = _refused_step(optimizer, param)
+    # the same edit after the plan's first step, as a checkpoint loaded into the running model (a
+    # DTensor copy_, which every rank runs): the next step checks the points again
+    for spectral in ("products", "eigh"):
+        point = torch.linalg.qr(torch.randn(12, 6, generator=torch.Generator().manual_seed(1)))[0]
+        param = torch.nn.Parameter(distribute_tensor(point, mesh, [Shard(0)]))
+        optimizer = ManifoldMuon([param], lr=0.05, manifold="stiefel", dual={"spectral": spectral})
+        param.grad = distribute_tensor(torch.randn(12, 6, generator=torch.Generator().manual_seed(2)), mesh, [Shard(0)])
+        optimizer.step()
+        model = torch.nn.Module()
+        model.weight = param
+        model.load_state_dict({"weight": distribute_tensor(1.5 * point, mesh, [Shard(0)])})
+        out[f"loaded_{spectral}"], out[f"loaded_{spectral}_unchanged"] = _refused_step(optimizer, param)
     return out
+
+
+def _refused_step(optimizer, param) -> tuple[str, bool]:
+    """``(what the step raised or "accepted", whether the row-sharded ``param`` kept its value)``."""
+    before = param.detach().full_tensor().clone()
+    try:
+        optimizer.step()
+    except ValueError as error:
+        said = f"{type(error).__name__}: {error}"
+    else:
+        said = "accepted"
+    return said, bool(torch.equal(param.detach().full_tensor(), before))
 
 
 def bytes_job(rank: int, shapes: list[tuple[int, int]], manifold: str, steps: int) -> int:

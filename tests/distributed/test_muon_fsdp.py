@@ -164,8 +164,9 @@ def test_tensor_parallel_placements_and_edited_points_are_refused_naming_them() 
         assert "(Replicate(),)" in report["replicate"]
         assert "Shard(dim=1)" in report["builder"] and "attn.weight" in report["builder"]
         for spectral in ("products", "eigh"):  # the sync-free path as the host-checked one: every rank
-            assert "(12, 6) matrix on stiefel: W is not a Stiefel point" in report[f"edited_{spectral}"]
-            assert report[f"edited_{spectral}_unchanged"]
+            for when in ("edited", "loaded"):  # before the first step; loaded after it
+                assert "(12, 6) matrix on stiefel: W is not a Stiefel point" in report[f"{when}_{spectral}"]
+                assert report[f"{when}_{spectral}_unchanged"]
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "euclidean"])
