@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from manifoldlib.testing import count_ops
 
@@ -66,3 +67,86 @@ def test_their_twins_that_read_nothing_count_none():
     counted = {name: count_ops(read).syncs for name, read in quiet.items()}
     assert counted == dict.fromkeys(quiet, 0)
     assert (torch.tensor, torch.as_tensor) == (tensor, as_tensor)  # restored as found
+
+
+def test_reads_that_only_a_gpu_makes_count_as_syncs_on_the_cpu():
+    # what a CUDA device would wait for, though a CPU tensor dispatches nothing that reads: a copy
+    # to the host, a documented synchronizing decomposition, CUDA's range check of an
+    # accumulating put (two .item() calls; the backward of x[mask] also expands the mask), the
+    # range of histc's values read where its bounds are equal in float32
+    a, _, mask = _data()
+    rows, ones = torch.tensor([0, 2, 2]), torch.ones(3, 4, dtype=a.dtype)
+
+    def deterministic_put():
+        torch.use_deterministic_algorithms(True)
+        try:
+            a.clone()[rows] = ones
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    def backward_of_mask():
+        x = a.clone().requires_grad_()
+        x[mask].sum().backward()  # the forward's mask and its backward's put: 2
+
+    reads = {
+        "cpu()": lambda: a.cpu(),
+        "eig": lambda: torch.linalg.eig(a[:4]),
+        "eigvals": lambda: torch.linalg.eigvals(a[:4]),
+        "index_put_ accumulating": lambda: a.clone().index_put_((rows,), ones, accumulate=True),
+        "index_put accumulating": lambda: a.index_put((rows,), ones, accumulate=True),
+        "x[rows] = v deterministic": deterministic_put,
+        "histc, bounds equal in float32": lambda: torch.histc(a.float(), bins=4, min=1.0, max=1.0 + 1e-9),
+        "backward of x[mask]": backward_of_mask,
+    }
+    counted = {name: count_ops(read).syncs for name, read in reads.items()}
+    assert counted == {**dict.fromkeys(reads, 1), "backward of x[mask]": 2}
+
+
+def test_their_twins_that_a_gpu_runs_without_reading_count_none():
+    # autograd's backward of x[rows] puts with unsafe=True (no range check); an empty histc reads
+    # no range; a put that does not accumulate scatters without reading
+    a, _, _ = _data()
+    rows = torch.tensor([0, 2, 2])
+
+    def backward_of_rows():
+        x = a.clone().requires_grad_()
+        x[rows].sum().backward()
+
+    quiet = {
+        "backward of x[rows]": backward_of_rows,
+        "unsafe put": lambda: torch.ops.aten._index_put_impl_(
+            a.clone(), (rows,), torch.ones(3, 4, dtype=a.dtype), True, True),
+        "x[rows] = 1": lambda: a.clone().__setitem__(rows, 1.0),
+        "histc of nothing": lambda: torch.histc(torch.empty(0), bins=4),
+        "histc, bounds apart in float64": lambda: torch.histc(a, bins=4, min=1.0, max=1.0 + 1e-9),
+    }
+    counted = {name: count_ops(read).syncs for name, read in quiet.items()}
+    assert counted == dict.fromkeys(quiet, 0)
+
+
+def test_copies_between_the_host_and_a_device_count_as_syncs():
+    # tensors that report a CUDA device without CUDA (FakeTensorMode): a blocking copy either
+    # way ends in a stream synchronization (ATen's cuda/Copy.cu), so does a non-blocking one into
+    # pageable host memory; .to(..., non_blocking=True) to the host allocates pinned memory
+    with FakeTensorMode():
+        x = torch.empty(6, 4, device="cuda")
+        host = torch.ones(6, 4)
+        copies = {
+            "cpu()": lambda: x.cpu(),
+            "to('cpu')": lambda: x.to("cpu"),
+            "to('cpu', float64)": lambda: x.to("cpu", torch.float64),
+            "host.copy_(x)": lambda: torch.empty(6, 4).copy_(x),
+            "host.copy_(x, non_blocking)": lambda: torch.empty(6, 4).copy_(x, non_blocking=True),
+            "host.to(x.device)": lambda: host.to(x.device),
+            "tensor(list, device)": lambda: torch.tensor([1.0, 2.0], device="cuda"),
+        }
+        twins = {
+            "to('cpu', non_blocking)": lambda: x.to("cpu", non_blocking=True),
+            "host.to(x.device, non_blocking)": lambda: host.to(x.device, non_blocking=True),
+            "to(float64)": lambda: x.to(torch.float64),
+            "x @ x.mT": lambda: x @ x.mT,
+        }
+        counted = {name: count_ops(copy).syncs for name, copy in {**copies, **twins}.items()}
+        ops = count_ops(lambda: x.to("cpu", non_blocking=True)).ops  # its device queries are no kernels
+    assert counted == {**dict.fromkeys(copies, 1), **dict.fromkeys(twins, 0)}
+    assert ops == 1
