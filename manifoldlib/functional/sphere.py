@@ -183,8 +183,9 @@ def exponential_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.T
     safe = torch.where(small, torch.ones_like(sigma), sigma)  # double-where: no sqrt(0) in autograd
     beta = safe.sqrt()
     cos_big, k_big = torch.cos(beta), torch.sin(beta) / beta
-    cos_small = _cos_sqrt_series(sigma)
-    k_small = _sinc_sqrt_series(sigma)
+    series = torch.where(small, sigma, torch.zeros_like(sigma))  # and no sigma^3 = inf in it either
+    cos_small = _cos_sqrt_series(series)
+    k_small = _sinc_sqrt_series(series)
     return torch.where(small, cos_small, cos_big), torch.where(small, k_small, k_big)
 
 
@@ -205,13 +206,17 @@ def p_coefficients(sigma: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.T
     small_z = z2 < threshold
     z2_safe = torch.where(small_z, torch.ones_like(z2), z2)
     z_safe = z2_safe.sqrt()
-    g = torch.where(small_z, _atanc_sqrt_series(z2), torch.atan(z_safe) / z_safe)
+    # the series at a safe argument too: at a large z^2 its powers overflow, and the backward of
+    # the branch torch.where does not take turned 0 * inf into NaN gradients
+    z2_series = torch.where(small_z, z2, torch.zeros_like(z2))
+    g = torch.where(small_z, _atanc_sqrt_series(z2_series), torch.atan(z_safe) / z_safe)
     theta_sq = sigma * g * g
     small_t = theta_sq < threshold
     t2_safe = torch.where(small_t, torch.ones_like(theta_sq), theta_sq)
     theta_safe = t2_safe.sqrt()
-    cos_theta = torch.where(small_t, _cos_sqrt_series(theta_sq), torch.cos(theta_safe))
-    sinc = torch.where(small_t, _sinc_sqrt_series(theta_sq), torch.sin(theta_safe) / theta_safe)
+    t2_series = torch.where(small_t, theta_sq, torch.zeros_like(theta_sq))
+    cos_theta = torch.where(small_t, _cos_sqrt_series(t2_series), torch.cos(theta_safe))
+    sinc = torch.where(small_t, _sinc_sqrt_series(t2_series), torch.sin(theta_safe) / theta_safe)
     return cos_theta, sinc * g
 
 

@@ -236,9 +236,15 @@ class Sphere(RetractionManifold):
         no_angle = False
         if long_steps and mismatch is None:
             try:
-                y = torch.where(long_rows, retraction.retract_long_step(x, u, radius=self.radius), y)
+                long = retraction.retract_long_step(x, u, radius=self.radius)
             except NotImplementedError:  # an AngleRetraction defined by its coefficients only
                 no_angle = True
+            if not no_angle:
+                # y's long rows are NaN or inf, and their backward turns the zero gradient that
+                # torch.where gives them into NaN (0 * inf): the other rows again, from a u with
+                # the long rows zeroed (the map is row by row: the same values)
+                y = retraction.retract(x, torch.where(long_rows, 0.0, u), radius=self.radius)
+                y = torch.where(long_rows, long, y)
             if not no_angle and not bool(self._off_sphere(y, slack=2.0, tolerance=tolerance).any()):
                 return y
         flat = int(bad_y.flatten().nonzero()[0])

@@ -205,6 +205,9 @@ class AngleRetraction(Retraction):
         :math:`\beta \approx 2\pi/\varepsilon` the position along the great circle is
         therefore not determined by the input, though the point is on it. Rows whose angle
         is not finite (the exponential map when :math:`\beta` overflows) come back non-finite.
+        Where :math:`\theta = \beta` to rounding (:math:`\beta^2 < \epsilon`) the second term is
+        formed as :math:`P_xv` itself, so the Jacobian at :math:`v = 0` is :math:`P_x`, as the
+        retraction's is; gradients are finite for every finite angle.
 
         This is the long-step form of the angle form only. A class that overrides :meth:`retract`
         with a map of its own (one that is not a pure ``super()`` forward; module docstring, *Whose
@@ -225,9 +228,16 @@ class AngleRetraction(Retraction):
         m = torch.where(m > 0, m, torch.ones_like(m))
         vs = vw / m
         vs = vs - (unit * vs).sum(-1, keepdim=True) * unit  # P_x(v) / m, (..., d)
-        beta, direction = sphere_step_length(vs, r / m)  # (..., 1), (..., d)
+        length, direction = sphere_step_length(vs, 1.0)  # ||P_x v|| / m, (..., 1); (..., d)
+        # m / r, not a radius r / m: that quotient's square underflows in the backward of the
+        # division (0 * inf, a NaN gradient for every step past 1/sqrt of the smallest number)
+        beta = (m / r) * length  # (..., 1)
         theta = self.angle(beta)
-        return (torch.cos(theta) * xw + (torch.sin(theta) * r) * direction).to(out)
+        # where theta = beta to rounding, sin(theta) r v_hat is P_x v = m vs: that form there, whose
+        # Jacobian at v = 0 is P_x (v_hat is 0 at v = 0, and so was the Jacobian of the other)
+        short = beta * beta < torch.finfo(beta.dtype).eps
+        along = torch.where(short, m * vs, (torch.sin(theta) * r) * direction)  # (..., d)
+        return (torch.cos(theta) * xw + along).to(out)
 
 
 @register_retraction("sphere", "exp")

@@ -171,6 +171,27 @@ def test_long_step_on_a_large_sphere_where_only_the_step_norm_overflows(name, dt
         assert float((y - ref).abs().max()) <= 4 * torch.finfo(dtype).eps
 
 
+@pytest.mark.parametrize("name", RETRACTIONS)
+@pytest.mark.parametrize("dtype, large, long", [(torch.float64, 1e80, 1e200), (torch.float32, 1e7, 1e25)])
+def test_long_and_large_steps_have_finite_gradients(name, dtype, large, long):
+    # three NaN gradients: the Taylor branches of the exp and p coefficients, not taken, overflowed
+    # (sigma^3) and their backward made 0 * inf; retr's rows whose beta^2 overflows are NaN in the
+    # usual form, whose backward did the same under torch.where; and the long-step form's was NaN
+    s = Sphere(1.0, retraction=name, **({"p": 1.5} if name == "p" else {}))
+    x = _points(s, 4, 5, dtype)
+    lengths = torch.tensor([[0.0], [0.7], [large], [long]], dtype=dtype)
+    u = (_unit_tangent(s, x) * lengths).requires_grad_(True)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    (grad,) = torch.autograd.grad((s.retr(x, u) * w).sum(), u)
+    assert torch.isfinite(grad).all()
+    alone = u[:2].detach().requires_grad_(True)  # the short rows, without the others
+    (want,) = torch.autograd.grad((s.retr(x[:2], alone) * w[:2]).sum(), alone)
+    assert torch.equal(grad[:2], want)
+    # |dR/du| is of order 1/beta for a saturating angle, of order 1 for the exponential map's
+    bound = 10.0 if name == "exp" else 100.0 / lengths[2:]
+    assert bool((grad[2:].abs() <= bound).all())
+
+
 def test_expmap_takes_long_steps_too():
     s = Sphere(1.0)
     x = _points(s, 3, 5, torch.float64)

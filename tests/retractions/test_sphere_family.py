@@ -323,3 +323,29 @@ def test_a_subclass_that_overrides_the_coefficients_of_a_built_in_differentiates
     s = sigma.clone().requires_grad_(True)
     (want,) = torch.autograd.grad(retraction.coefficients(s), s, (grad_cos, grad_k))
     assert float((got - want).abs().max()) <= 16 * EPS * float(want.abs().max())
+
+
+@pytest.mark.parametrize(
+    "retraction",
+    [GnomonicRetraction(), CayleyRetraction(), PRetraction(3.0), get_retraction("sphere", "exp")],
+    ids=["gnomonic", "cayley", "p=3", "exp"],
+)
+def test_the_long_step_form_has_the_tangent_projection_as_derivative_at_zero(retraction):
+    # cos(theta) x + sin(theta) r v/||v|| has a zero Jacobian at v = 0 (v/||v|| is 0 there): the
+    # long-step form gave 0 where the retraction's derivative is P_x; and its backward formed
+    # (r/m)^2, which underflows past steps of ~1e154: NaN gradients for the rows it is taken for
+    g = torch.Generator().manual_seed(5)
+    radius = 1.3
+    x = random_point(Sphere(radius), (3, 5), generator=g)
+    v = random_tangent(Sphere(radius), x, scale=0.7, generator=g)
+    v[0] = 0.0
+    v[2] *= 1e200  # a step whose beta^2 overflows
+    jac = torch.autograd.functional.jacobian(lambda w: retraction.retract_long_step(x, w, radius=radius), v)  # (3, 5, 3, 5)
+    projection = torch.eye(5, dtype=torch.float64) - torch.outer(x[0], x[0]) / radius**2
+    assert torch.allclose(jac[0, :, 0], projection, rtol=0, atol=4 * EPS)
+    assert torch.allclose(jac[1, :, 1], torch.autograd.functional.jacobian(
+        lambda w: retraction.retract(x[1], w, radius=radius), v[1]), rtol=0, atol=1e-14)
+    assert torch.isfinite(jac).all() and float(jac[2, :, 2].abs().max()) < 2.0
+    short = v[:2].clone().requires_grad_(True)  # v = 0 and a random tangent
+    assert torch.autograd.gradcheck(lambda w: retraction.retract_long_step(x[:2], w, radius=radius), (short,),
+                                    eps=1e-6, atol=1e-8, rtol=1e-6)
