@@ -86,8 +86,10 @@ __all__ = ["HOST_READ_FUNCTIONS", "HOST_READ_METHODS", "SYNC_OPS", "OpCounts", "
 #: (``torch.linalg.cholesky``, ``inv``, ``solve``, ``lu_factor``, ``ldl_factor``) and the
 #: eigendecompositions and SVDs (``eigh``, ``eigvalsh``, ``eig``, ``eigvals``, ``svd``, ``svdvals``,
 #: ``pinv``): "synchronizes that device with the CPU", torch's documentation; and operators whose
-#: output size depends on the values (a GPU reads the size back before it can allocate the output).
-SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "nonzero_static", "equal",
+#: output size depends on the values (a GPU reads the size back before it can allocate the output;
+#: not ``nonzero_static``, whose size is given: its CUDA kernels count and pad on the device,
+#: aten/src/ATen/native/cuda/Nonzero.cu, ``nonzero_static_cuda_out_impl``).
+SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal",
                       "allclose", "_linalg_check_errors", "masked_select", "_unique", "_unique2", "unique_dim",
                       "unique_consecutive", "unique_dim_consecutive", "bincount",
                       "_linalg_eigh", "_linalg_svd", "linalg_pinv", "linalg_eig", "linalg_eigvals"})

@@ -104,8 +104,9 @@ def test_reads_that_only_a_gpu_makes_count_as_syncs_on_the_cpu():
 
 def test_their_twins_that_a_gpu_runs_without_reading_count_none():
     # autograd's backward of x[rows] puts with unsafe=True (no range check); an empty histc reads
-    # no range; a put that does not accumulate scatters without reading
-    a, _, _ = _data()
+    # no range; a put that does not accumulate scatters without reading; nonzero_static's size is
+    # given (CUDA counts and pads on the device)
+    a, _, mask = _data()
     rows = torch.tensor([0, 2, 2])
 
     def backward_of_rows():
@@ -119,6 +120,7 @@ def test_their_twins_that_a_gpu_runs_without_reading_count_none():
         "x[rows] = 1": lambda: a.clone().__setitem__(rows, 1.0),
         "histc of nothing": lambda: torch.histc(torch.empty(0), bins=4),
         "histc, bounds apart in float64": lambda: torch.histc(a, bins=4, min=1.0, max=1.0 + 1e-9),
+        "nonzero_static": lambda: torch.nonzero_static(mask, size=4),
     }
     counted = {name: count_ops(read).syncs for name, read in quiet.items()}
     assert counted == dict.fromkeys(quiet, 0)
