@@ -297,7 +297,9 @@ def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:
     Args:
         model: the model, modified in place.
         charts_only: merge only tensors whose parametrization list contains a :class:`Chart`;
-            with False, every parametrization in the model is merged.
+            with False, every parametrization in the model is merged, the blocks of
+            :func:`~manifoldlib.charts.split_blocks` as :func:`~manifoldlib.charts.merge_blocks`
+            merges them (one parameter, trainable unless every block was frozen).
 
     Returns:
         Qualified names of the merged tensors.
@@ -310,13 +312,36 @@ def merge_charts(model: nn.Module, charts_only: bool = True) -> list[str]:
         for tensor_name in list(module.parametrizations.keys()):
             if charts_only and not _has_chart(module, tensor_name):
                 continue
-            order = next((p._owner_order for p in module.parametrizations[tensor_name]
-                          if getattr(p, "_owner_order", None) is not None), ())
-            _own_parametrized_class(module)
-            parametrize.remove_parametrizations(module, tensor_name, leave_parametrized=True)
-            _restore_order(module, order)
+            _leave_merged(module, tensor_name)
             names.append(_qualified(mname, tensor_name))
     return names
+
+
+def _leave_merged(module: nn.Module, tensor_name: str) -> None:
+    """Remove ``module``'s parametrization of ``tensor_name``, leaving its current value as a
+    plain :class:`torch.nn.Parameter` in the place :func:`apply_chart` or
+    :func:`~manifoldlib.charts.split_blocks` found it (``_owner_order``).
+
+    A tensor parametrized by one original keeps that parameter object (torch sets its value).
+    One parametrized by several (blocks) becomes a new parameter that requires a gradient where
+    any original does: torch reads that from the value it computes, so it left the merge of a
+    frozen tensor, and of any tensor merged under :func:`torch.no_grad` or
+    :func:`torch.inference_mode`, as a buffer, out of ``parameters()``."""
+    plist = module.parametrizations[tensor_name]
+    order = next((p._owner_order for p in plist if getattr(p, "_owner_order", None) is not None), ())
+    trainable = plist.is_tensor or any(getattr(plist, f"original{i}").requires_grad
+                                       for i in range(plist.ntensors))
+    _own_parametrized_class(module)  # a deep copy's original keeps its parametrization
+    parametrize.remove_parametrizations(module, tensor_name, leave_parametrized=True)
+    if not plist.is_tensor:
+        merged = module._parameters.pop(tensor_name, None)
+        merged = module._buffers.pop(tensor_name) if merged is None else merged
+        merged = merged.detach()
+        if merged.is_inference():  # computed under inference_mode: it could never train
+            with torch.inference_mode(False):
+                merged = merged.clone()
+        module.register_parameter(tensor_name, nn.Parameter(merged, requires_grad=trainable))
+    _restore_order(module, order)
 
 
 def chart_parameter_names(model: nn.Module) -> set[str]:

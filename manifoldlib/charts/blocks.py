@@ -46,8 +46,8 @@ from torch.nn.utils import parametrize
 
 from .._numbers import is_integer
 from .base import (  # output_dim: also read from here by optim
+    _leave_merged,
     _own_parametrized_class,
-    _restore_order,
     output_dim,
 )
 
@@ -262,7 +262,8 @@ def merge_blocks(model: nn.Module) -> list[str]:
     The merged tensor is a new :class:`torch.nn.Parameter` (an optimizer holding the blocks needs
     rebuilding) in the tensor's place among its module's parameters, as :func:`split_blocks`
     found it; it requires a gradient unless every block was frozen (a frozen fused weight stays a
-    frozen parameter, not a buffer)."""
+    frozen parameter, not a buffer), also when merged under :func:`torch.no_grad` or
+    :func:`torch.inference_mode`."""
     names = []
     for mname, module in list(model.named_modules()):
         if not parametrize.is_parametrized(module):
@@ -271,12 +272,6 @@ def merge_blocks(model: nn.Module) -> list[str]:
             splits = [p for p in module.parametrizations[tname] if isinstance(p, SplitBlocks)]
             if not splits:
                 continue
-            order = getattr(splits[0], "_owner_order", ())
-            _own_parametrized_class(module)  # a deep copy's original keeps its split
-            parametrize.remove_parametrizations(module, tname, leave_parametrized=True)
-            merged = module._buffers.pop(tname, None)  # torch leaves a frozen tensor as a buffer
-            if merged is not None:
-                module.register_parameter(tname, nn.Parameter(merged.detach(), requires_grad=False))
-            _restore_order(module, order)
+            _leave_merged(module, tname)
             names.append(f"{mname}.{tname}" if mname else tname)
     return names

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from manifoldlib.charts import merge_blocks, split_blocks
+from manifoldlib.charts import merge_blocks, merge_charts, split_blocks
 
 
 class _Attention(nn.Module):
@@ -115,12 +116,26 @@ def test_split_blocks_accept_numpy_integers():
     assert split_blocks(model, blocks=np.int64(3)) == ["a.c_attn.weight", "b.c_attn.weight"]
 
 
-@pytest.mark.parametrize("frozen", [False, True])
-def test_a_merged_matrix_is_a_parameter_in_its_place(frozen):
-    # torch's remove_parametrizations leaves a frozen concatenation as a buffer: the merged model's
-    # parameters() lost the fused weight (model.requires_grad_() could not unfreeze it, an
-    # optimizer built afterwards never saw it), and every merged weight came back after its bias
-    # (an optimizer state saved on the unsplit model loaded positionally into the wrong tensors)
+@pytest.mark.parametrize(
+    ("merge", "context", "frozen"),
+    [
+        ("merge_blocks", "plain", False),
+        ("merge_blocks", "plain", True),
+        ("merge_blocks", "no_grad", False),
+        ("merge_blocks", "inference_mode", False),
+        ("merge_charts", "plain", True),
+        ("merge_charts", "no_grad", False),
+        ("merge_charts", "inference_mode", False),
+    ],
+)
+def test_a_merged_matrix_is_a_parameter_in_its_place(merge, context, frozen):
+    # torch's remove_parametrizations leaves a concatenation that needs no gradient as a buffer:
+    # the merged model's parameters() lost the fused weight (model.requires_grad_() could not
+    # unfreeze it, an optimizer built afterwards never saw it), and every merged weight came back
+    # after its bias (an optimizer state saved on the unsplit model loaded positionally into the
+    # wrong tensors). It reads "needs no gradient" from the value it computes, so under no_grad /
+    # inference_mode merge_blocks froze a trainable c_attn, and merge_charts(charts_only=False)
+    # left it (and a frozen one anywhere) a buffer
     torch.manual_seed(0)
     model = _Model().double()
     model.a.c_attn.weight.requires_grad_(not frozen)
@@ -128,11 +143,17 @@ def test_a_merged_matrix_is_a_parameter_in_its_place(frozen):
     x = torch.randn(2, 4, dtype=torch.float64)
     expected = model.a.c_attn(x)
     split_blocks(model)
-    merge_blocks(model)
+    run = {"merge_blocks": merge_blocks,
+           "merge_charts": lambda m: merge_charts(m, charts_only=False)}[merge]
+    scope = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad,
+             "inference_mode": torch.inference_mode}[context]
+    with scope():
+        assert run(model) == ["a.c_attn.weight", "b.c_attn.weight"]
     assert [name for name, _ in model.named_parameters()] == names
     weight = model.a.c_attn.weight
     assert isinstance(weight, nn.Parameter) and weight.requires_grad is not frozen
     assert not dict(model.named_buffers())
     assert torch.equal(model.a.c_attn(x), expected)
-    model.requires_grad_(True)
-    assert weight.requires_grad
+    model.requires_grad_(True)  # it trains: the gradient reaches the merged parameter
+    model.a.c_attn(x).sum().backward()
+    assert weight.grad is not None and torch.equal(weight.grad, x.sum(0).expand(12, 4))
