@@ -216,16 +216,41 @@ def _constant(step: int) -> float:
 
 
 def lr_scale(step: int, cfg: TrainConfig) -> float:
-    """Learning-rate multiplier for the update that produces step ``step + 1``.
+    r"""Learning-rate multiplier for the update that produces step ``step + 1``.
 
-    Linear warm-up over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio``.
+    With :math:`t` = ``step`` (the run's updates are :math:`t = 0, \dots, S - 1`),
+    :math:`S` = ``steps``, :math:`W` = ``warmup_steps`` and :math:`m` = ``min_lr_ratio``:
+
+    - warm-up, :math:`t < W`: :math:`(t + 1) / W`, so that update :math:`W - 1` is the first
+      at the peak, 1;
+    - after it, ``schedule="constant"``: 1;
+    - after it, ``schedule="cosine"``: :math:`m + (1 - m)\,\tfrac12\,(1 + \cos \pi p)` with,
+      under ``lr_schedule_version`` 2 and :math:`W' = \max(W, 1)`,
+
+      .. math:: p = \operatorname{clamp}\Big(\frac{t + 1 - W'}{\max(S - W', 1)}, 0, 1\Big)
+
+      The decay takes the :math:`S - W'` updates after the peak, the first of them already
+      below it (no two updates at 1 at the seam) and the last, :math:`t = S - 1`, exactly at
+      :math:`m` (:math:`p = 1`), non-increasing in between. Without a warm-up (:math:`W = 0`,
+      treated as :math:`W = 1`) update 0 is the peak: the run starts at its configured rates.
+      Where :math:`S \le W'` the run ends at the peak or before it (:func:`warmup_outlasts_run`
+      where :math:`W \ge S`) and nothing decays.
+
+    ``lr_schedule_version`` 1, the formula of runs saved before the field (kept so that they
+    resume bit for bit), has :math:`p = \min\big((t - W) / \max(S - W, 1), 1\big)`: update
+    :math:`W` repeats the peak, and the last update stays above :math:`m` by
+    :math:`(1 - m)\,\tfrac12\,(1 - \cos(\pi / (S - W)))`.
     """
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
-    span = max(cfg.steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    if cfg.lr_schedule_version == 1:
+        span = max(cfg.steps - cfg.warmup_steps, 1)
+        progress = min((step - cfg.warmup_steps) / span, 1.0)
+    else:
+        first = max(cfg.warmup_steps, 1)  # the first update after the peak's (W - 1, or 0)
+        progress = min(max(step + 1 - first, 0) / max(cfg.steps - first, 1), 1.0)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

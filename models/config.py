@@ -42,7 +42,9 @@ __all__ = [
     "CONNECTIONS",
     "DTYPES",
     "INERT_RULES",
+    "LEGACY_LR_SCHEDULE_VERSION",
     "LEGACY_MUON_NS_DTYPE",
+    "LR_SCHEDULE_VERSIONS",
     "MODEL_KEYS",
     "RESUMABLE_FIELDS",
     "ConfigError",
@@ -59,6 +61,11 @@ OPTIMIZERS = ("adamw", "manifold-muon")
 #: ``sel`` values: no chart, or SEL on every block linear map with the given variant.
 SEL_VARIANTS = ("none", "mismatched", "congruent", "no-linear")
 SCHEDULES = ("cosine", "constant")
+#: ``lr_schedule_version`` values: the cosine formulas of :func:`models.build.lr_scale`. 2 ends
+#: at ``min_lr_ratio`` on the run's last update; 1, the formula of runs saved before the field
+#: (its first decay update repeats the peak, its last stays above ``min_lr_ratio``), is kept so
+#: that such runs resume bit for bit.
+LR_SCHEDULE_VERSIONS = (1, 2)
 #: ``muon_distributed`` values: each matrix solved on one rank, or on every rank.
 MUON_DISTRIBUTED = ("sharded", "replicated")
 #: ``muon_ns_dtype`` values (ManifoldMuon's ``ns_dtype``): ``auto`` runs Muon's Newton–Schulz in
@@ -81,6 +88,8 @@ LOGS = ("none", "tensorboard")
 SHARD_DTYPES = ("meta", "uint16", "uint32")
 #: ``muon_ns_dtype`` of a saved configuration that predates the field (such runs used bfloat16).
 LEGACY_MUON_NS_DTYPE = "bfloat16"
+#: ``lr_schedule_version`` of a saved configuration that predates the field.
+LEGACY_LR_SCHEDULE_VERSION = 1
 #: Largest ``threads``: more than any CPU node has (torch crashes setting up ~1e5 threads).
 MAX_THREADS = 4096
 #: Largest ``seed``: numpy's global generator takes seeds in ``[0, 2**32 - 1]``.
@@ -168,6 +177,9 @@ class TrainConfig:
     schedule: str = "cosine"          #: ``cosine`` (to ``min_lr_ratio``) or ``constant``
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    #: the cosine's formula (:func:`models.build.lr_scale`): 2 reaches ``min_lr_ratio`` on the
+    #: last update; 1 is that of runs saved before the field, which resume with it
+    lr_schedule_version: int = 2
     batch_size: int = 16              #: sequences per optimizer step, over all ranks and micro-steps
     grad_accum_steps: int = 1         #: micro-steps per optimizer step (batch_size / K each)
     steps: int = 1000                 #: total optimizer steps (the schedule's length)
@@ -208,6 +220,11 @@ class TrainConfig:
         _check_choice("policy", self.policy, tuple(available_policies()))
         _check_choice("sel", self.sel, SEL_VARIANTS)
         _check_choice("schedule", self.schedule, SCHEDULES)
+        if self.lr_schedule_version not in LR_SCHEDULE_VERSIONS:
+            raise ConfigError(
+                f"lr_schedule_version must be 2 (the cosine ends at min_lr_ratio on the last "
+                f"update) or 1 (the formula of runs saved before the field, kept to resume them), "
+                f"got {self.lr_schedule_version!r}")
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         _check_choice("muon_distributed", self.muon_distributed, MUON_DISTRIBUTED)
         _check_choice("muon_ns_dtype", self.muon_ns_dtype, MUON_NS_DTYPES)
@@ -593,7 +610,7 @@ INERT_RULES: tuple[tuple[tuple[str, ...], str, Callable[[TrainConfig], bool], st
       "(--policy unconstrained does)")),
     (("sel_scale_lr", "sel_anneal_steps", "sel_kappa"), "sel", lambda c: c.sel == "none",
      f"only --sel {', '.join(SEL_VARIANTS[1:-1])} or {SEL_VARIANTS[-1]} reads it"),
-    (("min_lr_ratio",), "schedule", lambda c: c.schedule == "constant",
+    (("min_lr_ratio", "lr_schedule_version"), "schedule", lambda c: c.schedule == "constant",
      "only --schedule cosine reads it"),
     (("bpe_vocab_size", "val_fraction"), "corpus", lambda c: c.corpus.startswith("bin:"),
      "token shards carry their tokenizer and their split; only a text corpus reads it"),

@@ -22,7 +22,13 @@ from pathlib import Path
 
 from manifoldlib.distributed import all_gather_objects
 
-from .config import LEGACY_MUON_NS_DTYPE, RESUMABLE_FIELDS, ConfigError, TrainConfig
+from .config import (
+    LEGACY_LR_SCHEDULE_VERSION,
+    LEGACY_MUON_NS_DTYPE,
+    RESUMABLE_FIELDS,
+    ConfigError,
+    TrainConfig,
+)
 from .data import (
     Corpus,
     check_given_tokenizer,
@@ -66,10 +72,12 @@ __all__ = ["MetricsLog", "check_corpus", "check_resumable", "check_same_corpus",
 def with_legacy_defaults(saved: dict) -> dict:
     """A saved configuration with the values that runs made before a field existed used
     (``muon_ns_dtype``: bfloat16; ``periln_embed_norm``: off; ``muon_weight_decay``: 0;
-    ``tokenizer``: byte, the default before ``auto``), so that resuming such a run repeats its
+    ``tokenizer``: byte, the default before ``auto``; ``lr_schedule_version``: 1, the cosine
+    whose last update stays above ``min_lr_ratio``), so that resuming such a run repeats its
     computation."""
     return {"muon_ns_dtype": LEGACY_MUON_NS_DTYPE, "periln_embed_norm": False,
-            "muon_weight_decay": 0.0, "tokenizer": "byte", **saved}
+            "muon_weight_decay": 0.0, "tokenizer": "byte",
+            "lr_schedule_version": LEGACY_LR_SCHEDULE_VERSION, **saved}
 
 
 def read_saved_config(out: str | Path) -> dict:

@@ -226,7 +226,9 @@ def _reusable(run_dir: Path, cfg, fingerprints: dict) -> dict | None:
     ended at the config's ``steps`` (:func:`_ends_within`), trained on the corpus as it is now: its ``corpus.json`` fingerprint is the corpus's (a
     ``file:`` corpus rewritten, shards prepared again into their folder or ``stdlib`` under
     another Python make the config match a run of other data). ``fingerprints`` caches each
-    corpus's, computed only where a run could be reused.
+    corpus's, computed only where a run could be reused. A run saved before a field existed
+    has a ``config.json`` without it and is trained again: one without ``lr_schedule_version``
+    had the cosine that ends above ``min_lr_ratio`` (:func:`~models.build.lr_scale`).
 
     Raises:
         CorpusError: the corpus of a finished run cannot be read (nothing is deleted).

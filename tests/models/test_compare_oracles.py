@@ -372,3 +372,23 @@ def test_stop_at_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     assert trained == [] and not (tmp_path / "cli").exists()
     run_suite(suite, tmp_path / "out", overrides={"stop_at": "0"}, echo=False)  # the default
     assert len(trained) == 2
+
+
+@pytest.mark.parametrize("version", [None, 1])
+def test_a_finished_run_of_the_old_lr_schedule_is_trained_again(tmp_path, monkeypatch, version):
+    """A run finished before ``lr_schedule_version`` (its config.json has none: the cosine
+    that repeats its peak and ends above ``min_lr_ratio``) matched a new request of the same
+    settings and was reported as its result. Its saved configuration now reads as version 1,
+    not the request's 2: that run is trained again (and saved at 2), the other arm reused."""
+    trained = _stub_training(monkeypatch, lambda cfg: [4.0, 3.0])
+    monkeypatch.setattr("models.plotting.plot_curves", lambda *args, **kwargs: None)  # not read
+    small = {"corpus": "synthetic:20000"}
+    suite = Suite(name="mini", baseline="a", arms=(("a", {}), ("b", {"lr": 0.02})), seeds=(0,))
+    run_suite(suite, tmp_path, echo=False, overrides=small)
+    path = tmp_path / "a" / "seed0" / "config.json"
+    saved = {k: v for k, v in json.loads(path.read_text()).items() if k != "lr_schedule_version"}
+    path.write_text(json.dumps(saved if version is None else {**saved, "lr_schedule_version": 1}))
+    del trained[:]
+    run_suite(suite, tmp_path, echo=False, overrides=small)
+    assert trained == [(saved["lr"], 0)]
+    assert json.loads(path.read_text())["lr_schedule_version"] == 2

@@ -197,6 +197,7 @@ MUON_ON = {"optimizer": "manifold-muon", "policy": "unconstrained", "lr": 0.02}
     ({}, {"sel_scale_lr": 0.1}, {"sel": "mismatched"}),
     ({}, {"sel_anneal_steps": 2}, {"sel": "mismatched"}),
     ({"schedule": "constant"}, {"min_lr_ratio": 0.9}, {"schedule": "cosine"}),
+    ({"schedule": "constant"}, {"lr_schedule_version": 1}, {"schedule": "cosine"}),
     ({"connection": "pre-ln"}, {"retraction": "cayley"}, {"connection": "spheret"}),
     ({"connection": "geonorm"}, {"p": 2.0}, {"connection": "spheret"}),
     ({"retraction": "gnomonic"}, {"p": 2.0}, {"retraction": "p"}),

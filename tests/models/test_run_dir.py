@@ -38,9 +38,9 @@ def test_read_saved_config_and_legacy_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"lr": 0.5}))
     assert read_saved_config(tmp_path) == {"lr": 0.5, "muon_ns_dtype": "bfloat16",
                                            "periln_embed_norm": False, "muon_weight_decay": 0.0,
-                                           "tokenizer": "byte"}
+                                           "tokenizer": "byte", "lr_schedule_version": 1}
     saved = {"muon_ns_dtype": "float32", "periln_embed_norm": True, "muon_weight_decay": 0.1,
-             "tokenizer": "bpe"}
+             "tokenizer": "bpe", "lr_schedule_version": 2}
     assert with_legacy_defaults(saved) == saved
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(RunError, match="is not a valid configuration"):
