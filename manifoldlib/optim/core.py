@@ -37,7 +37,8 @@ the new point is :math:`Y\Phi`, :math:`Y = \beta W - \eta A`, with :math:`\Phi` 
 Gram-form factor of :math:`Y^\top Y` (:meth:`~manifoldlib.manifolds.matrix.MatrixConstraintManifold.gram_retraction_factor`)
 from fixed chord steps (:func:`~manifoldlib.functional.gram_rsqrt.chord_rsqrt`); a matrix whose
 factor does not reach :data:`RETRACTION_TOL` keeps its value and ``state["skipped_steps"]`` counts
-it. Everywhere else the manifold's own retraction runs (it checks its own accuracy).
+it. Everywhere else the manifold's own retraction runs (it checks its own accuracy); a matrix for
+which it returns a non-finite value keeps its value, counted the same way.
 """
 
 from __future__ import annotations
@@ -346,6 +347,9 @@ def _constrained(bank: Bank, execution: Execution, checked: bool = False) -> Ten
         if new is None:  # form the direction and take the manifold's own retraction
             base = point if isinstance(beta, float) and beta == 1.0 else point * beta
             new = manifold.retraction.retract(base, solution.direction().to(w.dtype) * -eta)
+            # a retraction with no point there (DGram's for a step that zeroes a column; a user's)
+            # may return NaN or inf: that matrix keeps its value, counted (on the device)
+            ok = ok & torch.isfinite(new).flatten(1).all(1)
         if unit is not None:
             new = new / unit
     # the next step starts from this correction, unless the solve ended far from tangent (a warm

@@ -737,6 +737,41 @@ def test_a_matrix_its_own_retraction_cannot_bring_back_either_keeps_its_value(fa
     assert int(opt.state[p]["skipped_steps"]) == 1
 
 
+@pytest.mark.parametrize("dual", [{"spectral": "products"}, {"spectral": "products", "sync_free": False},
+                                  {"spectral": "eigh"}])
+def test_a_matrix_its_retraction_returns_non_finite_for_keeps_its_value(dual, monkeypatch):
+    # a retraction other than the Gram-form default runs as itself, and one with no point for a
+    # step (DGram's for a step that zeroes a column; a user's) returns NaN: the step wrote it into
+    # the weight, uncounted. Now that matrix keeps its value and the skip is counted, on the
+    # device; the other member of its bank steps as before
+    from manifoldlib.retractions.stiefel import StiefelQRRetraction
+
+    qr = StiefelQRRetraction.retract
+
+    def partly_nan(self, x, v):
+        return torch.where(x[..., :1, :1] > 0, float("nan"), qr(self, x, v))  # the first entry's sign
+
+    gen = torch.Generator().manual_seed(3)
+    points = [torch.linalg.qr(torch.randn(8, 4, dtype=torch.float64, generator=gen))[0] for _ in range(2)]
+    points = [w * w[0, 0].sign() * sign for w, sign in zip(points, (1.0, -1.0))]  # first entry > 0, < 0
+    grads = [torch.randn(8, 4, dtype=torch.float64, generator=gen) for _ in points]
+    stepped = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(StiefelQRRetraction, "retract", partly_nan)
+        params = [torch.nn.Parameter(w.clone()) for w in points]
+        opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", retraction="qr", dual=dual)
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        stepped.append([p.detach().clone() for p in params])
+    assert torch.equal(stepped[1][0], before[0])  # kept
+    assert int(opt.state[params[0]]["skipped_steps"]) == 1
+    assert torch.equal(stepped[1][1], stepped[0][1]) and not torch.equal(stepped[1][1], before[1])
+    assert int(opt.state[params[1]]["skipped_steps"]) == 0
+
+
 @pytest.mark.parametrize("edit", ["load_state_dict", "no_grad", "assign_data"])
 def test_a_matrix_changed_after_the_first_step_is_checked_on_the_next(edit):
     # the sync-free path checked its points on a plan's first step only: an unconstrained
