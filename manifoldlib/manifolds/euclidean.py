@@ -61,6 +61,18 @@ class Euclidean(RetractionManifold):
         dtype = self._validate_args(f"{self.name}.proju", x=x, u=u)
         return u.to(dtype).expand(torch.broadcast_shapes(x.shape, u.shape))
 
+    def component_inner(self, x, u, v=None):
+        """The metric entry by entry: ``u * v`` (``u * u`` without ``v``), broadcast to the batch of
+        ``x``, in the promoted dtype. Flat space is a product of lines, so geoopt's adaptive
+        optimizers keep one second moment per entry: ``RiemannianAdam`` is torch's ``Adam``, as
+        with geoopt's ``Euclidean``. (geoopt's default, :meth:`inner` with ``keepdim``, sums over
+        the ``ndim`` point dimensions: one second moment per point, another optimizer, no error.)"""
+        vectors = {"u": u} if v is None else {"u": u, "v": v}
+        dtype = self._validate_args(f"{self.name}.component_inner", x=x, **vectors)
+        u = u.to(dtype)
+        prod = u * (u if v is None else v.to(dtype))
+        return prod.expand(torch.broadcast_shapes(x.shape, prod.shape))
+
     def expmap(self, x, u):
         """``x + u`` (in the promoted dtype of both, also where one is a 0-dim point)."""
         dtype = self._validate_args(f"{self.name}.expmap", x=x, u=u)

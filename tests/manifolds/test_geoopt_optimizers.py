@@ -142,3 +142,23 @@ def test_euclidean_least_squares_matches_scipy_lstsq(name):
         optimizer,
     )
     assert float((x - answer).norm()) <= 1e-8 * max(1.0, float(np.linalg.norm(answer.numpy())))
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_riemannian_adam_on_euclidean_is_torch_adam(ndim):
+    # geoopt's Adam takes its second moment from component_inner; the inherited default sums it
+    # over the point dimensions (one second moment per point: 0.49 off Adam after 5 steps of this
+    # problem), where geoopt's Euclidean keeps one per entry
+    g = torch.Generator().manual_seed(4)
+    w0 = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    scale = torch.arange(20, dtype=torch.float64).reshape(5, 4)
+    target = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    results = []
+    for param in (torch.nn.Parameter(w0.clone()), geoopt.ManifoldParameter(w0.clone(), manifold=Euclidean(ndim))):
+        opt = (torch.optim.Adam if type(param) is torch.nn.Parameter else geoopt.optim.RiemannianAdam)([param], lr=0.1)
+        for _ in range(5):
+            opt.zero_grad()
+            ((param * scale - target) ** 2).sum().backward()
+            opt.step()
+        results.append(param.detach())
+    assert torch.allclose(results[1], results[0], rtol=0, atol=1e-14)
