@@ -226,6 +226,27 @@ def _rule_in_work_dtype(raw, a_r, a_c, b_r, b_c, c_r, c_c, max_exponent: float):
     return weight.to(raw.dtype) if raw.dtype in _HALF else weight
 
 
+def _check_shapes(raw: torch.Tensor, a, b, c) -> None:
+    """``ValueError`` unless ``raw`` is ``(out, in)`` and every pair a row ``(out, 1)`` and a column
+    ``(1, in)``. The kernels read the factors by their number of entries and the ATen paths
+    broadcast them, so a pair given as vectors ``(out,), (in,)`` or transposed ``(1, out), (in, 1)``
+    gave the right weight on one path and, for a square ``raw``, another one on the other (a
+    ``(in,)`` ``raw`` was broadcast to ``(out, in)``)."""
+    if raw.dim() != 2:
+        raise ValueError(f"raw must be an (out, in) matrix, got shape {tuple(raw.shape)}")
+    rows, cols = raw.shape
+    for name, pair in (("a", a), ("b", b), ("c", c)):
+        if pair is None and name == "c":
+            continue
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                  for t in (pair if isinstance(pair, (tuple, list)) else [pair])]
+        if shapes != [(rows, 1), (1, cols)]:
+            raise ValueError(
+                f"{name} must be a row factor ({rows}, 1) and a column factor (1, {cols}) for "
+                f"raw of shape {(rows, cols)}, got {shapes}"
+            )
+
+
 def sel_forward_rule(
     raw: torch.Tensor,
     a: tuple[torch.Tensor, torch.Tensor],
@@ -253,13 +274,16 @@ def sel_forward_rule(
         else in the dtype it is evaluated in.
 
     Raises:
-        ValueError: for a ``max_exponent`` that is not a number > 0 or an unknown ``impl``.
+        ValueError: for a ``max_exponent`` that is not a number > 0, an unknown ``impl``, or
+            ``raw`` and factors of other shapes (no broadcasting: factors given as vectors or
+            transposed gave another weight on the ATen paths than on the kernels).
     """
     clamp = float(max_exponent)
     if not clamp > 0:  # M < 0 flips expm1's sign (a positive raw, a negative weight); NaN: NaNs
         raise ValueError(
             f"max_exponent must be a number > 0 (the clamp of b|w|), got {max_exponent!r}"
         )
+    _check_shapes(raw, a, b, c)
     c_r, c_c = (None, None) if c is None else c
     factors = (a[0], a[1], b[0], b[1], c_r, c_c)
     work = _work_dtype(raw, factors)

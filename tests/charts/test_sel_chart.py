@@ -453,6 +453,32 @@ def test_forward_rule_refuses_a_clamp_that_is_not_a_number_above_0(impl):
     assert torch.allclose(weight, want, rtol=1e-15, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["fused", "autograd"])
+def test_forward_rule_refuses_factors_and_raw_of_other_shapes(impl):
+    """The kernels read the factors by their number of entries and the ATen paths broadcast them:
+    on a square raw, factors given as vectors (n,) or transposed ((1, n), (n, 1)) gave the right
+    weight on the kernels and another on ATen (5.1 and 4.0 off at n = 4), and a raw of shape
+    (n,) or (2, out, in) was broadcast to one or two weights, without an error."""
+    from manifoldlib.charts import sel_forward_rule
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    a, b = ((0.5 + torch.rand(4, 1, generator=g, dtype=torch.float64),
+             0.5 + torch.rand(1, 4, generator=g, dtype=torch.float64)) for _ in range(2))
+    want = raw.sign() * (a[0] * a[1]) * torch.expm1(b[0] * b[1] * raw.abs())
+    assert torch.allclose(sel_forward_rule(raw, a, b, None, 10.0, impl), want, rtol=1e-14, atol=0)
+    for pairs in ((a[0].view(-1), a[1].view(-1)), (a[0].mT, a[1].mT)):
+        with pytest.raises(ValueError, match=r"a must be a row factor \(4, 1\) and a column "
+                                             r"factor \(1, 4\) .*, got \[\((1, )?4,?\)"):
+            sel_forward_rule(raw, pairs, b, None, 10.0, impl)
+        with pytest.raises(ValueError, match=r"c must be a row factor"):
+            sel_forward_rule(raw, a, b, pairs, 10.0, impl)
+    for bad in (raw[0], raw.expand(2, 4, 4)):
+        with pytest.raises(ValueError, match=rf"raw must be an \(out, in\) matrix, got shape "
+                                             rf"{re.escape(str(tuple(bad.shape)))}"):
+            sel_forward_rule(bad, a, b, None, 10.0, impl)
+
+
 def test_every_listed_init_and_impl_is_accepted():
     w = heavy_tailed((6, 5), torch.float64, seed=3)
     for init in SEL_INITS:
