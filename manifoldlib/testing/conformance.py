@@ -244,8 +244,9 @@ def check_optimizer(
             dicts, as torch optimizers take. Put the options under test in it
             (``lambda params: RiemannianSGD(params, lr=0.1, momentum=0.9)``).
         manifold: a manifoldlib manifold; the parameters carry it (``geoopt.ManifoldParameter``).
-        checks: names from :data:`OPTIMIZER_CHECKS` (default: all, in that order).
-        shape: the point shape of the parameters (default: :func:`default_shape` without a batch).
+        checks: names from :data:`OPTIMIZER_CHECKS`, at least one (default: all, in that order).
+        shape: the point shape of the parameters (default: :func:`default_shape` without a batch;
+            ``()`` is a 0-dim point, a scalar parameter on Euclidean space of ``ndim=0``).
         seed: seed of every random draw.
         name: the optimizer's name in the report (default: its class name).
 
@@ -255,12 +256,15 @@ def check_optimizer(
         skipped (not applicable: the detail says why).
 
     Raises:
-        ValueError: an unknown check name.
+        ValueError: an unknown check name, or no check at all.
     """
+    if isinstance(checks, str) or not checks:  # a report of nothing run would read as a pass
+        raise ValueError(f"checks must name at least one check (a sequence of names), got {checks!r}; "
+                         f"valid checks: {', '.join(OPTIMIZER_CHECKS)}")
     unknown = [c for c in checks if c not in CHECKS]
     if unknown:
         raise ValueError(f"unknown checks {unknown}; valid checks: {', '.join(OPTIMIZER_CHECKS)}")
-    s = Setup(factory, manifold, tuple(shape or default_shape(manifold, batch=None)), seed)
+    s = Setup(factory, manifold, tuple(default_shape(manifold, batch=None) if shape is None else shape), seed)
     results = []
     for check in checks:
         try:

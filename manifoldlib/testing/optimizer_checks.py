@@ -221,7 +221,10 @@ def _check_resume(s: Setup) -> str:
 
 
 def _second_shape(s: Setup) -> tuple[int, ...]:
-    """A point shape other than ``shape`` (separate groups stay separate for batched optimizers)."""
+    """A point shape other than ``shape`` (separate groups stay separate for batched optimizers);
+    for 0-dim points (Euclidean ``ndim=0``, a scalar parameter) a batch of two."""
+    if not s.shape:
+        return (2,)
     return s.shape[:-1] + (s.shape[-1] + 2,) if s.manifold.name in ("sphere", "euclidean") else \
         s.shape[:-2] + (s.shape[-2] + 1, max(1, s.shape[-1] - 1))
 

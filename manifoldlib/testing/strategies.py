@@ -87,12 +87,13 @@ def shapes(
         manifold: a manifoldlib manifold.
         batch: size range of one leading batch dimension, or ``None`` for none.
         dim: sphere ``d``; Stiefel/DGram ``m``; Euclidean size of each point dimension.
-        cols: Stiefel/DGram ``n`` range (clipped to ``<= m``; ``m`` is drawn from the part of
-            ``dim`` at or above its low end); default ``(1, m)``.
+        cols: Stiefel/DGram/Oblique ``n`` range (clipped to ``<= m``; ``m`` is drawn from the
+            part of ``dim`` at or above its low end); default ``(1, m)``; only for those.
 
     Raises:
-        ValueError: a range that is not ints ``>= 1`` with ``lo <= hi`` (``cols`` too), or a
-            ``cols`` whose low end is above every ``m`` of ``dim``.
+        ValueError: a range that is not ints ``>= 1`` with ``lo <= hi`` (``cols`` too), a
+            ``cols`` whose low end is above every ``m`` of ``dim``, or a ``cols`` for a manifold
+            whose points are not matrices (the sphere, Euclidean space).
     """
     lead = st.just(()) if batch is None else _int_range(batch, "batch").map(lambda b: (b,))
     dims = _int_range(dim, "dim")
@@ -112,6 +113,9 @@ def shapes(
             return draw(lead) + (m, n)
 
         return matrix()
+    if cols is not None:  # the points have no columns to draw: cols would pass without effect
+        raise ValueError(f"cols applies to the matrix manifolds (stiefel, dgram, oblique), not {manifold.name}, "
+                         f"got cols={cols!r}")
     if manifold.name == "sphere":
         return st.tuples(lead, dims).map(lambda t: t[0] + (t[1],))
     return st.tuples(lead, st.lists(dims, min_size=manifold.ndim, max_size=manifold.ndim)).map(
@@ -129,9 +133,11 @@ def points(
 ) -> st.SearchStrategy[torch.Tensor]:
     """Points of ``manifold`` (``manifold.random`` from a drawn seed and shape), in ``dtype``."""
 
+    shape_strategy = shapes(manifold, batch=batch, dim=dim, cols=cols)  # its argument errors raise here
+
     @st.composite
     def draw_point(draw):
-        shape = draw(shapes(manifold, batch=batch, dim=dim, cols=cols))
+        shape = draw(shape_strategy)
         return random_point(manifold, shape, generator=draw(seeds()), dtype=dtype)
 
     return draw_point()

@@ -182,3 +182,26 @@ def test_an_optimizer_that_raises_unexpectedly_fails_with_the_exception():
 def test_unknown_check_names_are_refused():
     with pytest.raises(ValueError, match=r"unknown checks \['speed'\]; valid checks: on_manifold, descent"):
         check_optimizer(lambda params: ToySGD(params), Stiefel(), checks=("descent", "speed"))
+
+
+def test_no_check_at_all_is_refused_not_passed():
+    # checks=() ran nothing and reported ok, so assert_optimizer passed any optimizer
+    with pytest.raises(ValueError, match=r"checks must name at least one check .*got \(\)"):
+        assert_optimizer(lambda params: ToySGD(params, flaw="ascent"), Stiefel(), checks=())
+    with pytest.raises(ValueError, match=r"checks must name at least one check .*got 'descent'"):
+        check_optimizer(lambda params: ToySGD(params), Stiefel(), checks="descent")
+
+
+def test_a_0_dim_shape_is_the_shape_checked():
+    # shape=() (a scalar parameter on Euclidean space of ndim=0) was taken as "no shape" and
+    # checked the default (4,) instead
+    shapes = set()
+
+    def factory(params):
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        shapes.update(tuple(p.shape) for group in groups for p in group["params"])
+        return ToySGD(params)
+
+    report = check_optimizer(factory, Euclidean(ndim=0), shape=(), checks=("descent", "add_param_group"))
+    assert report.ok, str(report)
+    assert () in shapes and (4,) not in shapes

@@ -68,6 +68,14 @@ def test_strategy_argument_errors():
         mst.tangents(Sphere(), torch.ones(3), scale=-1.0)
 
 
+def test_cols_is_refused_where_the_points_have_no_columns():
+    # cols=3 on the sphere or Euclidean space drew points as if it were not there
+    for manifold in (Sphere(), Euclidean(ndim=2)):
+        for build in (mst.shapes, mst.points, mst.point_and_tangent):
+            with pytest.raises(ValueError, match=f"cols applies to the matrix manifolds .*not {manifold.name}"):
+                build(manifold, cols=3)
+
+
 def test_a_scale_that_gives_infinite_tangents_is_refused():
     """random_tangent took any scale >= 0: scale=inf (and a range (0, inf) in the strategies, whose
     draws reach 1e308, past float64's largest number times ||x|| = 2.5) gave tangents of inf
