@@ -209,6 +209,9 @@ def is_sync(func, args: tuple = (), kwargs: dict | None = None) -> bool:
     * ``histc`` of a non-empty tensor with ``min == max`` as CUDA compares them (the default: it
       reads the range of the values; aten/src/ATen/native/cuda/SummaryOps.cu,
       ``_histc_cuda_template``);
+    * ``masked_fill_`` with a value tensor on a device, which CUDA reads with ``.item()``
+      (aten/src/ATen/native/cuda/Indexing.cu, ``masked_fill__cuda``; a host value is read
+      without waiting);
     * ``_to_copy`` (``.to``, ``.cpu()``, ``.cuda()``) and ``copy_`` between the host and a device,
       unless non-blocking (``.to("cpu", non_blocking=True)`` copies into pinned memory; a
       non-blocking ``copy_`` to the host still waits unless its destination is pinned).
@@ -228,6 +231,9 @@ def is_sync(func, args: tuple = (), kwargs: dict | None = None) -> bool:
     if name == "histc":
         low, high = _arg(args, kwargs, 2, "min", 0), _arg(args, kwargs, 3, "max", 0)
         return args[0].numel() > 0 and _histc_bound(low, args[0].dtype) == _histc_bound(high, args[0].dtype)
+    if name in ("masked_fill", "masked_fill_"):  # CUDA's Tensor overload runs value.item()
+        value = _arg(args, kwargs, 2, "value")
+        return isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
     if name == "_to_copy":
         source = args[0]
         target = torch.device(kwargs.get("device") or source.device)

@@ -141,12 +141,15 @@ def test_copies_between_the_host_and_a_device_count_as_syncs():
             "host.copy_(x, non_blocking)": lambda: torch.empty(6, 4).copy_(x, non_blocking=True),
             "host.to(x.device)": lambda: host.to(x.device),
             "tensor(list, device)": lambda: torch.tensor([1.0, 2.0], device="cuda"),
+            "masked_fill(mask, device value)": lambda: x.masked_fill(x > 0, x.sum()),  # value.item()
         }
         twins = {
             "to('cpu', non_blocking)": lambda: x.to("cpu", non_blocking=True),
             "host.to(x.device, non_blocking)": lambda: host.to(x.device, non_blocking=True),
             "to(float64)": lambda: x.to(torch.float64),
             "x @ x.mT": lambda: x @ x.mT,
+            "masked_fill(mask, host value)": lambda: x.masked_fill(x > 0, torch.tensor(1.0)),
+            "where(mask, x, device value)": lambda: torch.where(x > 0, x, x.sum()),
         }
         counted = {name: count_ops(copy).syncs for name, copy in {**copies, **twins}.items()}
         ops = count_ops(lambda: x.to("cpu", non_blocking=True)).ops  # its device queries are no kernels
