@@ -417,10 +417,12 @@ def eval_batches(tokens: torch.Tensor | TokenFile | np.ndarray, batch_size: int,
     """Fixed, evenly spaced validation windows: the same batches at every evaluation.
 
     Uses no random state, so evaluating never perturbs training (which keeps ``--resume``
-    exact) and successive validation losses are comparable.
+    exact) and successive validation losses are comparable. The starts are spaced in float32
+    (the spacing every run has had) and clamped to the last window: past 2**24 tokens float32
+    rounds the last start up to a window that runs off the end of the split.
     """
-    high = len(tokens) - block_size - 1
+    high = max(len(tokens) - block_size - 1, 0)
     total = batch_size * n_batches
-    starts = torch.linspace(0, max(high, 0), total).round().long()  # (n_batches * B,)
+    starts = torch.linspace(0, high, total).round().long().clamp_(max=high)  # (n_batches * B,)
     for i in range(n_batches):
         yield _windows(tokens, starts[i * batch_size:(i + 1) * batch_size], block_size)

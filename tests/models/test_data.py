@@ -7,6 +7,7 @@ import math
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,6 +154,19 @@ def test_eval_batches_are_fixed_and_in_range():
     for (x1, y1), (x2, y2) in zip(first, second):
         assert torch.equal(x1, x2) and torch.equal(y1, y2) and x1.shape == (4, 32)
     assert int(first[-1][1][-1, -1]) == int(tokens[-1])    # the last window reaches the end
+
+
+@pytest.mark.parametrize("kind", ["tensor", "memmap"])
+def test_eval_windows_of_a_split_past_float32s_integers_stay_inside_it(kind):
+    """The last start of a split of 2**24 + 12 tokens (block 8: last start 2**24 + 3) rounds
+    up in float32: the window ran one token off the end (IndexError / a ragged np.stack)."""
+    n = 2**24 + 12
+    array = np.zeros(n, dtype=np.uint8)  # (n,)
+    array[-1] = 7
+    tokens = torch.from_numpy(array) if kind == "tensor" else array
+    batches = list(eval_batches(tokens, 4, 8, 2))
+    assert all(x.shape == y.shape == (4, 8) for x, y in batches)
+    assert int(batches[-1][1][-1, -1]) == int(array[-1])   # the last window ends at the end
 
 
 # ---- errors ---------------------------------------------------------------------------------
