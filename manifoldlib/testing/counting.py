@@ -209,6 +209,8 @@ def is_sync(func, args: tuple = (), kwargs: dict | None = None) -> bool:
     * ``histc`` of a non-empty tensor with ``min == max`` as CUDA compares them (the default: it
       reads the range of the values; aten/src/ATen/native/cuda/SummaryOps.cu,
       ``_histc_cuda_template``);
+    * ``linalg_matrix_exp`` of matrices larger than ``1 x 1`` (it reads their norms and its
+      number of squarings to the host, aten/src/ATen/native/LinearAlgebra.cpp, ``mexp_impl``);
     * ``masked_fill_`` with a value tensor on a device, which CUDA reads with ``.item()``
       (aten/src/ATen/native/cuda/Indexing.cu, ``masked_fill__cuda``; a host value is read
       without waiting);
@@ -231,6 +233,9 @@ def is_sync(func, args: tuple = (), kwargs: dict | None = None) -> bool:
     if name == "histc":
         low, high = _arg(args, kwargs, 2, "min", 0), _arg(args, kwargs, 3, "max", 0)
         return args[0].numel() > 0 and _histc_bound(low, args[0].dtype) == _histc_bound(high, args[0].dtype)
+    if name == "linalg_matrix_exp":  # mexp_impl reads the 1-norms to the host to pick a degree, then the
+        # squaring counts (aten/src/ATen/native/LinearAlgebra.cpp: norm.to(kCPU), s.to(kCPU)); 1 x 1 is exp
+        return args[0].numel() > 0 and args[0].size(-1) > 1
     if name in ("masked_fill", "masked_fill_"):  # CUDA's Tensor overload runs value.item()
         value = _arg(args, kwargs, 2, "value")
         return isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")

@@ -73,7 +73,7 @@ def test_reads_that_only_a_gpu_makes_count_as_syncs_on_the_cpu():
     # what a CUDA device would wait for, though a CPU tensor dispatches nothing that reads: a copy
     # to the host, a documented synchronizing decomposition, CUDA's range check of an
     # accumulating put (two .item() calls; the backward of x[mask] also expands the mask), the
-    # range of histc's values read where its bounds are equal in float32
+    # range of histc's values read where its bounds are equal in float32, matrix_exp's norms
     a, _, mask = _data()
     rows, ones = torch.tensor([0, 2, 2]), torch.ones(3, 4, dtype=a.dtype)
 
@@ -97,6 +97,7 @@ def test_reads_that_only_a_gpu_makes_count_as_syncs_on_the_cpu():
         "x[rows] = v deterministic": deterministic_put,
         "histc, bounds equal in float32": lambda: torch.histc(a.float(), bins=4, min=1.0, max=1.0 + 1e-9),
         "backward of x[mask]": backward_of_mask,
+        "matrix_exp": lambda: torch.linalg.matrix_exp(a[:4] / 10),  # its norms and squarings read
     }
     counted = {name: count_ops(read).syncs for name, read in reads.items()}
     assert counted == {**dict.fromkeys(reads, 1), "backward of x[mask]": 2}
@@ -121,6 +122,7 @@ def test_their_twins_that_a_gpu_runs_without_reading_count_none():
         "histc of nothing": lambda: torch.histc(torch.empty(0), bins=4),
         "histc, bounds apart in float64": lambda: torch.histc(a, bins=4, min=1.0, max=1.0 + 1e-9),
         "nonzero_static": lambda: torch.nonzero_static(mask, size=4),
+        "matrix_exp of 1 x 1": lambda: torch.linalg.matrix_exp(a[:1, :1]),  # exp
     }
     counted = {name: count_ops(read).syncs for name, read in quiet.items()}
     assert counted == dict.fromkeys(quiet, 0)
