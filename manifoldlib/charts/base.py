@@ -328,7 +328,8 @@ def _leave_merged(module: nn.Module, tensor_name: str) -> None:
     frozen tensor, and of any tensor merged under :func:`torch.no_grad` or
     :func:`torch.inference_mode`, as a buffer, out of ``parameters()``."""
     plist = module.parametrizations[tensor_name]
-    order = next((p._owner_order for p in plist if getattr(p, "_owner_order", None) is not None), ())
+    order = next((p._owner_order for p in plist
+                  if getattr(p, "_owner_order", None) is not None), ())
     trainable = plist.is_tensor or any(getattr(plist, f"original{i}").requires_grad
                                        for i in range(plist.ntensors))
     _own_parametrized_class(module)  # a deep copy's original keeps its parametrization

@@ -216,7 +216,8 @@ class SEL(Chart):
             that lets the weight or its gradient overflow at the initial scales (and
             later, casting the chart to a dtype it is out of range for), initial scales whose
             :math:`b` is not a positive finite number in the weight's dtype, a weight that is
-            not finite or not 1-/2-D, or a bad ``rank``.
+            not finite or not 1-/2-D, or a bad ``rank``; and loading a state dict whose scales
+            are not finite or whose ``beta`` is not a finite number > 0 (before any is copied).
     """
 
     def __init__(
@@ -411,6 +412,24 @@ class SEL(Chart):
         clamp = min(clamp, _default_max_exponent(dtype)) if default else _explicit_clamp(clamp, dtype)
         self._check_scale(clamp, dtype, then=" (loading a state dict)")
         self._max_exponent, self._default_clamp = clamp, default
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the scales and beta a state dict brings are checked as the constructor checks them,
+        # before any is copied: a NaN or infinite log_l_w loaded silently and gave NaN or inf
+        # weights, log_e_w = -inf an exponential part of 0, beta = 0 a ZeroDivisionError
+        def given(name):  # a tensor with values to check (a meta tensor has none)
+            t = state_dict.get(prefix + name)
+            return t if isinstance(t, torch.Tensor) and not t.is_meta else None
+
+        bad = [prefix + name for name, _ in self.named_parameters(recurse=False)
+               if given(name) is not None and not bool(torch.isfinite(given(name)).all())]
+        if bad:
+            raise ValueError(f"{bad} hold NaN or inf entries: an SEL chart's parameters (scales, "
+                             f"low-rank residual) must be finite")
+        beta = given("beta")
+        if beta is not None and not (beta.numel() == 1 and 0 < float(beta) < math.inf):
+            raise ValueError(f"{prefix}beta must be a finite number > 0, got {beta!r}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __setstate__(self, state):
         if "max_exponent" in state:  # pickled before max_exponent became a property

@@ -319,3 +319,24 @@ def test_a_state_dict_without_the_clamp_is_refused_by_a_strict_load():
     del saved["parametrizations.weight.0._extra_state"]
     with pytest.raises(RuntimeError, match=r"parametrizations\.weight\.0\._extra_state"):
         lin.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("log_l_w_row", math.inf), ("log_l_w_col", math.nan), ("log_e_w_row", -math.inf), ("beta", 0.0),
+])
+def test_a_state_dict_with_scales_the_chart_cannot_take_is_refused(key, value):
+    # a non-finite log_l_w loaded silently and gave inf / NaN weights, log_e_w = -inf (e_w = 0)
+    # an exponential part of 0, beta = 0 a ZeroDivisionError; refused by name, before any of the
+    # chart is copied, also from a state dict without the clamp loaded non-strictly
+    lin, chart = _charted_linear(torch.float32)
+    before = {name: t.clone() for name, t in chart.state_dict().items() if torch.is_tensor(t)}
+    weight = lin.weight.detach().clone()
+    saved = lin.state_dict()
+    name = f"parametrizations.weight.0.{key}"
+    saved[name] = torch.full_like(saved[name], value)
+    del saved["parametrizations.weight.0._extra_state"]
+    with pytest.raises(ValueError, match=rf"parametrizations\.weight\.0\.{key}.* (must be finite|"
+                                         rf"must be a finite number > 0, got tensor\(0\.\))"):
+        lin.load_state_dict(saved, strict=False)
+    assert all(torch.equal(t, before[name]) for name, t in chart.state_dict().items() if name in before)
+    assert torch.equal(lin.weight, weight) and torch.isfinite(lin.weight).all()
