@@ -263,7 +263,8 @@ class OpCounts:
     """What :func:`count_ops` saw.
 
     Attributes:
-        ops: ATen operators run that are not views (about one kernel launch each on a GPU).
+        ops: ATen operators run that are not views nor ``prim`` queries of metadata (about one
+            kernel launch each on a GPU).
         syncs: host synchronizations (:func:`is_sync`, :data:`HOST_READ_METHODS`,
             :data:`HOST_READ_FUNCTIONS`).
         flops: floating-point operations (:class:`~torch.utils.flop_counter.FlopCounterMode`).
