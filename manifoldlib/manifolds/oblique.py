@@ -16,6 +16,7 @@ from ..functional.oblique import (
     oblique_exp,
     oblique_project_tangent,
 )
+from ..functional.scaling import _power_of_two_scale
 from ..retractions.base import Retraction
 from .base import _random_normal, _size_tuple, check_finite_result, check_tensor, max_abs
 from .matrix import MatrixConstraintManifold
@@ -90,11 +91,18 @@ class Oblique(MatrixConstraintManifold):
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
         # column by column, against the column's own norm (one bound for the whole matrix let a
-        # fully normal column of norm 1e-2 pass next to columns of norm 1e4)
-        excess = (x * u).sum(-2).abs() - rtol * u.norm(dim=-2)  # (..., n)
-        if bool((excess <= atol).all()):  # (NaN fails)
+        # fully normal column of norm 1e-2 pass next to columns of norm 1e4); both sides times the
+        # power of two g <= 1 that brings a column's largest |u| to at most 1 (exact), in at least
+        # float32: ||u_j|| overflowed first (float32 u = 1e20 x, all normal, passed)
+        work = torch.promote_types(torch.promote_types(x.dtype, u.dtype), torch.float32)
+        x, u = x.to(work), u.to(work)
+        g = _power_of_two_scale(u.detach().abs().amax(-2, keepdim=True)).clamp_max(1.0)  # (..., 1, n)
+        u = u * g
+        g = g.squeeze(-2)  # (..., n)
+        excess = (x * u).sum(-2).abs() - rtol * u.norm(dim=-2)  # (..., n), times g
+        if bool((excess <= atol * g).all()):  # (NaN fails)
             return True, None
-        flat = torch.nan_to_num(excess, nan=float("inf")).flatten()
+        flat = torch.nan_to_num(excess.double() / g.double(), nan=float("inf")).flatten()
         j = int(flat.argmax()) % x.size(-1)
         return False, (f"|w_j^T u_j| - rtol ||u_j|| = {float(flat.max()):.3e} (column {j}) exceeds "
                        f"atol={atol}, rtol={rtol}")

@@ -96,12 +96,21 @@ class Sphere(RetractionManifold):
 
     def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
         # <x/r, u/r>: the normal component of u in units of r, as the step beta = ||u||/r is (an
-        # absolute bound on <x, u> let u = x pass on spheres of radius 1e-4 and below)
-        x, u = x / self.radius, u / self.radius
+        # absolute bound on <x, u> let u = x pass on spheres of radius 1e-4 and below). Both sides
+        # are multiplied by the power of two g <= 1 that brings a row's largest |u| to at most 1
+        # (exact), in at least float32: ||u|| overflowed first, and u = 1e20 x (float32, all normal)
+        # had the bound inf and passed
+        work = torch.promote_types(torch.promote_types(x.dtype, u.dtype), torch.float32)
+        x, u = x.to(work) / self.radius, u.to(work)
+        g = _power_of_two_scale(u.detach().abs().amax(-1, keepdim=True)).clamp_max(1.0)  # (..., 1)
+        u = u * g / self.radius  # (..., d), g u / r
         inner = (x * u).sum(-1).abs()
-        bound = atol + rtol * u.norm(dim=-1)
-        ok = bool((inner <= bound).all())
-        return ok, None if ok else f"<x/r, u/r> = {inner.max().item():.3e} exceeds atol={atol}, rtol={rtol}"
+        excess = inner - rtol * u.norm(dim=-1)  # (...,)
+        ok = bool((excess <= atol * g.squeeze(-1)).all())  # (NaN fails)
+        if ok:
+            return True, None
+        unscaled = inner.double() / g.squeeze(-1).double()  # <x/r, u/r>
+        return False, f"<x/r, u/r> = {unscaled.max().item():.3e} exceeds atol={atol}, rtol={rtol}"
 
     # -- value checks -------------------------------------------------------------------
     def _row_norms(self, x: torch.Tensor) -> torch.Tensor:

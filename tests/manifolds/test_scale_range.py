@@ -171,3 +171,18 @@ def test_dgram_alternating_computes_16_bit_points_in_float32(method):
     assert torch.allclose(y.double(), want, rtol=torch.finfo(torch.float16).eps, atol=0.0)
     ok, reason = manifold.check_point_on_manifold(y, explain=True)
     assert ok, reason
+
+
+@pytest.mark.parametrize("manifold", [Sphere(1.0), Sphere(1e-10), Oblique()], ids=["sphere", "sphere-1e-10", "oblique"])
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1e20), (torch.bfloat16, 1e30), (torch.float64, 1e200)],
+                         ids=["float32-1e20", "bfloat16-1e30", "float64-1e200"])
+def test_a_large_normal_vector_fails_the_tangent_check(manifold, dtype, scale):
+    # u = s x is all normal; ||u|| (and u / r) overflowed, so the bound atol + rtol ||u|| was inf
+    # and the check passed it; a tangent vector of the same size still passes
+    g = torch.Generator().manual_seed(6)
+    shape = (3, 5) if isinstance(manifold, Sphere) else (5, 3)
+    x = manifold.random(*shape, generator=g, dtype=torch.float64)
+    tangent = manifold.proju(x, torch.randn(shape, generator=g, dtype=torch.float64))
+    ok, reason = manifold.check_vector_on_tangent(x.to(dtype), (scale * x).to(dtype), explain=True)
+    assert not ok and "exceeds" in reason
+    assert manifold.check_vector_on_tangent(x.to(dtype), (scale * tangent).to(dtype))
