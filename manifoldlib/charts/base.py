@@ -230,7 +230,7 @@ def apply_chart(
                 raise ValueError(
                     f"chart builder must return a Chart, got {type(built).__name__} for {qname}"
                 )
-            saved, order = weight.clone(), list(module._parameters)
+            saved, order = weight.clone(), _owner_order(module)
             _own_parametrized_class(module)
             if not trainable:  # a frozen weight stays frozen: its chart's scales too
                 built.requires_grad_(False)
@@ -258,6 +258,22 @@ def _uncharted(done: list[tuple[nn.Module, torch.Tensor, list[str]]], tensor_nam
         with torch.no_grad():
             getattr(module, tensor_name).copy_(saved)
         _restore_order(module, order)
+
+
+def _owner_order(module: nn.Module) -> tuple[str, ...]:
+    """``module``'s parameter names in their order before any parametrization of
+    :func:`apply_chart` or :func:`~manifoldlib.charts.split_blocks`: the order one of them
+    recorded (``_owner_order``), with parameters registered since at the end. A tensor that is
+    already parametrized has left ``_parameters``: read from there alone, a weight charted after
+    its bias recorded ``("weight",)`` and came back after the bias when merged."""
+    present = tuple(module._parameters)
+    if parametrize.is_parametrized(module):
+        for plist in module.parametrizations.values():
+            for p in plist:
+                order = getattr(p, "_owner_order", None)
+                if order:
+                    return tuple(order) + tuple(k for k in present if k not in order)
+    return present
 
 
 def _restore_order(module: nn.Module, order) -> None:

@@ -48,6 +48,7 @@ from .._numbers import is_integer
 from .base import (  # output_dim: also read from here by optim
     _leave_merged,
     _own_parametrized_class,
+    _owner_order,
     output_dim,
 )
 
@@ -250,7 +251,7 @@ def split_blocks(
             )
         targets.append((qname, module, tname, split))
     for qname, module, tname, split in targets:
-        split._owner_order = tuple(module._parameters)  # merge_blocks puts the tensor back in its place
+        split._owner_order = _owner_order(module)  # merge_blocks puts the tensor back in its place
         _own_parametrized_class(module)
         parametrize.register_parametrization(module, tname, split)
     return [qname for qname, *_ in targets]

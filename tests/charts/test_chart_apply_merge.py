@@ -18,9 +18,11 @@ from manifoldlib.charts import (
     apply_chart,
     assert_chart_compatible,
     chart_parameter_names,
+    merge_blocks,
     merge_charts,
     sel_lr_scheduler,
     sel_param_groups,
+    split_blocks,
 )
 from models import GPT, GPTConfig
 
@@ -287,6 +289,30 @@ def test_merge_puts_each_weight_back_in_its_place_among_the_parameters():
     # a congruent chart reproduces the weights: the same vector, entry by entry
     merged_vector = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     torch.testing.assert_close(merged_vector, plain_vector, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("steps", ["bias, weight", "bias, split, merge_charts, merge_blocks"])
+def test_a_tensor_parametrized_after_another_of_its_module_is_merged_in_its_place(steps):
+    """The place a tensor returns to was read from the module's parameters when it was charted
+    (or split), where a tensor parametrized before it no longer is: a weight charted after its
+    bias recorded ("weight",), so the merged model listed bias before weight, and a fused c_attn
+    split after its bias was charted came back after it when the chart was merged first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Linear(12, 3)).double()
+    plain = [name for name, _ in model.named_parameters()]
+    x = torch.randn(2, 6, dtype=torch.float64)
+    expected = model(x)
+    congruent = functools.partial(SEL, init="congruent")
+    apply_chart(model, congruent, tensor_name="bias")
+    if steps == "bias, weight":
+        apply_chart(model, congruent)
+        merge_charts(model)
+    else:
+        split_blocks(model, include=lambda name, module: name == "0")
+        merge_charts(model)
+        merge_blocks(model)
+    assert [name for name, _ in model.named_parameters()] == plain
+    torch.testing.assert_close(model(x), expected, rtol=1e-13, atol=1e-13)
 
 
 def test_a_frozen_weight_stays_frozen_when_charted():
