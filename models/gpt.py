@@ -452,9 +452,14 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=EMBEDDING_INIT_STD)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; ``non_embedding`` leaves out the position embedding (nanoGPT)."""
+        """Parameter count; ``non_embedding`` leaves out the lookup tables, which do no matrix
+        products: the position embedding (nanoGPT) and, under ``tie_weights=False``, the token
+        embedding (tied, it is also the LM head's matrix, which does)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        if not non_embedding:
+            return n
+        n -= self.wpe.weight.numel()
+        return n if self.config.tie_weights else n - self.wte.weight.numel()
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):

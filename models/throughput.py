@@ -8,7 +8,9 @@ backward:
 
 .. math:: F = 6N + 12\,L\,T\,d,
 
-with :math:`N` the parameters without the position embedding (a lookup, no products).
+with :math:`N` the parameters without the embedding lookups (no products): the position
+embedding, and the token embedding where it is not tied to the LM head
+(:meth:`models.gpt.GPT.num_params`).
 
 **MFU** is the FLOPs the run does per second, :math:`F \cdot \text{tokens/s}`, over the peak of
 the devices it runs on, :math:`W \cdot P`. :data:`PEAK_FLOPS` holds vendors' dense peaks per

@@ -248,6 +248,24 @@ def test_metrics_carry_throughput_and_mfu_with_a_given_peak(tmp_path, capsys):
     assert "mfu" not in read_metrics(_run_plain(tmp_path))[-1]  # CPU: no peak, no MFU
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_mfu_counts_the_products_and_not_the_embedding_lookups(tmp_path, tied):
+    """MFU's :math:`6N + 12LTd` counts the parameters that do products: untied, the token
+    embedding is a lookup and does not count; tied, it is the LM head's matrix and counts."""
+    out = tmp_path / "run"
+    assert main([*_quiet("--steps", "2", "--eval_interval", "2", "--eval_batches", "1",
+                         "--tie_weights", str(tied).lower(), "--peak_flops", "1e12",
+                         "--out", str(out))]) == 0
+    row = read_metrics(out / "metrics.jsonl")[-1]
+    cfg = build_config("smoke", overrides={"tie_weights": str(tied).lower()})
+    model = build_model(cfg, vocab_size=256)
+    lookups = model.wpe.weight.numel() + (0 if tied else model.wte.weight.numel())
+    n = sum(p.numel() for p in model.parameters()) - lookups
+    assert model.num_params() == n
+    assert row["mfu"] * 1e12 / row["tokens_per_s"] == pytest.approx(
+        flops_per_token(n, cfg.n_layer, cfg.block_size, cfg.n_embd), rel=1e-9)
+
+
 def _run_plain(tmp_path):
     out = tmp_path / "plain"
     assert main([*_quiet("--steps", "5", "--out", str(out))]) == 0
