@@ -11,7 +11,8 @@ Methods (all batched over leading dimensions, tall and wide inputs):
   flows through a retraction).
 - ``"newton-schulz"``: the convergent quintic iteration ``(15/8, -10/8, 3/8)`` run to a
   tolerance; converges for singular values in ``(0, sqrt(7/3))`` after scaling, fastest when
-  they are already near 1 (Stiefel retractions of small steps).
+  they are already near 1 (Stiefel retractions of small steps). Where it has not converged
+  within its cap (singular values too small to reach 1 in time), the SVD's factor.
 - ``"jordan5"``: Muon's quintic ``(3.4445, -4.7750, 2.0315)``, fixed step count (5 by
   default). Fast, *not* convergent: singular values end in roughly [0.5, 1.2]. An update
   direction, not a retraction.
@@ -354,9 +355,11 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
 
 
 def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int, complete: bool = False) -> torch.Tensor:
-    # complete: where the iteration has not converged after max_steps (a zero singular value stays
-    # 0; one below about 1.875^-max_steps of the largest does not reach 1), U V^T of a float64 SVD
-    # instead, an orthonormal factor (a retraction's); a non-finite input still gives NaN
+    # where the iteration has not converged after max_steps (one singular value below about
+    # 1.875^-max_steps of the largest does not reach 1; a rank-deficient float64 input's rounding-
+    # level ones ended anywhere in (0, 1), neither msign's 0 nor 1), the float64 SVD's factor
+    # instead: msign's, or with complete U V^T, an orthonormal factor (a retraction's); a
+    # non-finite input still gives NaN
     transposed = x.size(-2) > x.size(-1)
     y = x.mT if transposed else x
     # scale so every singular value lies in (0, 1]; the spectral norm is bounded by Frobenius
@@ -376,8 +379,8 @@ def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int, complete: 
         previous = err
         y = a * y + (b * gram + c * (gram @ gram)) @ y
     else:
-        if complete and not math.isnan(err):
-            return _msign_svd(x.to(torch.float64), complete=True).to(x.dtype)
+        if not math.isnan(err):
+            return _msign_svd(x.to(torch.float64), complete=complete).to(x.dtype)
     return y.mT if transposed else y
 
 
@@ -419,7 +422,8 @@ def msign(
         x: ``(..., m, n)``, tall or wide.
         method: one of :data:`MSIGN_METHODS` (see the module docstring).
         steps: iteration count for ``jordan5``/``polar-express``; the iteration cap for the
-            convergent methods.
+            convergent methods (``newton-schulz`` not converged by then returns the float64
+            SVD's factor, not its last iterate).
         tol: convergence tolerance of the convergent methods (default ``8 * eps(dtype)``).
         eps: added to the normalizing norm of the fixed-count methods.
 

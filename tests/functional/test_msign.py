@@ -374,3 +374,15 @@ def test_an_empty_matrix_or_batch_is_its_own_polar_factor(method, shape):
     x = torch.empty(shape, dtype=torch.float64)
     out = msign(x, method)
     assert out.shape == x.shape and out.dtype == x.dtype
+
+
+def test_newton_schulz_maps_a_rank_deficient_input_as_the_svd():
+    # a product of rank 2 (a low-rank gradient): its two rounding-level singular values (~1e-16)
+    # did not reach 1 in the 60 steps of the cap, and the last iterate came back with singular
+    # values 0.81 and 0.61, neither msign's 0 nor 1
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 6, 2, generator=g, dtype=torch.float64) @ torch.randn(3, 2, 4, generator=g, dtype=torch.float64)
+    for matrix in (x, x.mT):
+        expected = msign(matrix, "svd")
+        assert torch.linalg.svdvals(expected)[..., 2:].max() <= 1e-14  # msign maps them to 0
+        assert _rel(msign(matrix, "newton-schulz"), expected) <= 1e-12
