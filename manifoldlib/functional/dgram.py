@@ -110,6 +110,34 @@ def dgram_colnorm_polar(w: torch.Tensor, v: torch.Tensor, method: str = "auto") 
     return _polar(y / c, method) * (c / scale)
 
 
+def check_full_column_rank(x: torch.Tensor, who: str) -> None:
+    """Raise ``ValueError`` naming the rank when a tall ``(..., m, n)`` matrix is numerically rank
+    deficient: a zero column, or, with every column scaled to unit norm, a smallest singular value
+    at most ``max(m, n)·eps`` of the largest, ``eps`` of float64, the precision the projection
+    runs in (:func:`~manifoldlib.functional.dgram.dgram_metric_projection`).
+
+    The scaling matters: DGram's columns are free in norm, and float32 columns of norms 1e-3 and
+    1e3 are independent though the unscaled matrix's singular values span 1e6. So does the
+    precision: the matrix as stored is what is projected, and a float32 Gaussian initialization
+    of a square ``n × n`` map has a condition number above ``1/(n·eps₃₂)`` with a probability of
+    about ``2n²·eps₃₂`` (one in seven at ``n = 768``), so float32's ``eps`` would refuse valid
+    weights that float64 projects accurately."""
+    work = x.detach().to(torch.float64)
+    work = work * out_of_range_scale(work, SAFE_EXPONENT)  # rank is scale-free; the norms are not
+    norms = work.norm(dim=-2, keepdim=True)  # (..., 1, n)
+    sv = torch.linalg.svdvals(work / torch.where(norms > 0, norms, 1.0))  # (..., n)
+    floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(work.dtype).eps
+    rank = (sv > floor).sum(-1)  # (...,)
+    n = x.shape[-1]
+    if bool((rank < n).any()):
+        zero_cols = (work.norm(dim=-2) == 0).nonzero()[:, -1].unique().tolist()
+        detail = f"; zero columns: {zero_cols}" if zero_cols else ""
+        raise ValueError(
+            f"{who} needs a matrix of full column rank {n} (nonzero, linearly independent "
+            f"columns), got rank {int(rank.min())}{detail}: no nearest dgram point exists"
+        )
+
+
 #: Relative stationarity :math:`\|d - c\|/\|d\|` (:func:`dgram_metric_projection`) at which the
 #: nearest point is taken as found (the Frobenius distance's accuracy: large columns weigh most).
 PROJECTION_TOL = 1e-12
@@ -150,20 +178,31 @@ def dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, meth
     rounds (one round is the alternating retraction).
 
     Args:
-        y: ``(..., m, n)`` with :math:`m \ge n` and full column rank (DGram.projx checks it).
+        y: ``(..., m, n)`` with :math:`m \ge n` and full column rank (checked: a rank-deficient
+            ``y`` has no nearest point).
         iterations: ``None`` or the number of alternating rounds (>= 1).
         method: the polar factor's method (:func:`~manifoldlib.functional.msign`); with the
             default ``"svd"``, a search that leaves a column undetermined or stalls is repeated
             with ``"newton"``, whose QR resolves every column relative to its own norm.
 
     Raises:
-        ValueError: ``iterations`` not ``None`` or an int ``>= 1``, or a column whose norm the search does not determine
+        ValueError: ``iterations`` not ``None`` or an int ``>= 1``, a ``y`` that is not of full
+            column rank (:func:`check_full_column_rank`: with ``iterations`` a zero column came
+            back zero, two parallel ones a point off DGram) or with non-finite entries, or a column whose norm the search does not determine
             (:data:`PROJECTION_COLUMN_TOL`; column norms spread over too many orders), naming
             the columns.
         RuntimeError: the search stalled above :data:`PROJECTION_FLOOR`, naming the stationarity.
     """
     if iterations is not None and not (is_integer(iterations) and iterations >= 1):  # (True ran one round)
         raise ValueError(f"iterations must be an int >= 1 (or None: to convergence), got {iterations!r}")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("dgram_metric_projection needs finite entries, got nan or inf: no nearest DGram point exists")
+    check_full_column_rank(y, "dgram_metric_projection")
+    return _dgram_metric_projection(y, iterations, method)
+
+
+def _dgram_metric_projection(y: torch.Tensor, iterations: int | None = None, method: str = "svd") -> torch.Tensor:
+    """:func:`dgram_metric_projection` of a checked ``y``."""
     # Y diag(d) is graded like the squared spread of the column norms; a float32 SVD resolves its
     # singular values only down to ~1e-7 of the largest and would zero the smaller columns, so the
     # search runs in float64 (the projection is not on a hot path)

@@ -8,9 +8,13 @@ from typing import Union
 
 import torch
 
-from ..functional.dgram import dgram_metric_projection, dgram_normal_multiplier, off_diagonal
+from ..functional.dgram import (
+    _dgram_metric_projection,
+    check_full_column_rank,
+    dgram_normal_multiplier,
+    off_diagonal,
+)
 from ..functional.gram_rsqrt import alternating_gram_factor
-from ..functional.scaling import SAFE_EXPONENT, out_of_range_scale
 from ..functional.normal_space import _normal_component
 from ..functional.stiefel import stiefel_qr
 from ..retractions.base import Retraction
@@ -19,34 +23,6 @@ from .matrix import MatrixConstraintManifold
 from .stiefel import check_tall_matrix
 
 __all__ = ["DGram", "column_cosines"]
-
-
-def check_full_column_rank(x: torch.Tensor, manifold: str) -> None:
-    """Raise ``ValueError`` naming the rank when a tall ``(..., m, n)`` matrix is numerically rank
-    deficient: a zero column, or, with every column scaled to unit norm, a smallest singular value
-    at most ``max(m, n)·eps`` of the largest, ``eps`` of float64, the precision the projection
-    runs in (:func:`~manifoldlib.functional.dgram.dgram_metric_projection`).
-
-    The scaling matters: DGram's columns are free in norm, and float32 columns of norms 1e-3 and
-    1e3 are independent though the unscaled matrix's singular values span 1e6. So does the
-    precision: the matrix as stored is what is projected, and a float32 Gaussian initialization
-    of a square ``n × n`` map has a condition number above ``1/(n·eps₃₂)`` with a probability of
-    about ``2n²·eps₃₂`` (one in seven at ``n = 768``), so float32's ``eps`` would refuse valid
-    weights that float64 projects accurately."""
-    work = x.detach().to(torch.float64)
-    work = work * out_of_range_scale(work, SAFE_EXPONENT)  # rank is scale-free; the norms are not
-    norms = work.norm(dim=-2, keepdim=True)  # (..., 1, n)
-    sv = torch.linalg.svdvals(work / torch.where(norms > 0, norms, 1.0))  # (..., n)
-    floor = sv.amax(dim=-1, keepdim=True) * max(x.shape[-2:]) * torch.finfo(work.dtype).eps
-    rank = (sv > floor).sum(-1)  # (...,)
-    n = x.shape[-1]
-    if bool((rank < n).any()):
-        zero_cols = (work.norm(dim=-2) == 0).nonzero()[:, -1].unique().tolist()
-        detail = f"; zero columns: {zero_cols}" if zero_cols else ""
-        raise ValueError(
-            f"{manifold} needs a matrix of full column rank {n} (nonzero, linearly independent "
-            f"columns), got rank {int(rank.min())}{detail}: no nearest {manifold} point exists"
-        )
 
 
 def column_cosines(w: torch.Tensor) -> torch.Tensor:
@@ -272,7 +248,7 @@ class DGram(MatrixConstraintManifold):
         self._validate(x, "x")
         check_tensor(x, "x", "dgram.projx", finite=True)
         check_full_column_rank(x, self.name)
-        return dgram_metric_projection(x)
+        return _dgram_metric_projection(x)
 
     def _step_refusal(self, x, u):
         return self._zero_columns_refusal(x, u, f"the {self._retraction.name!r} retraction has no "

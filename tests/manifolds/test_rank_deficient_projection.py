@@ -9,6 +9,7 @@ matrix into NaNs on its first step.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -264,3 +265,17 @@ def test_dgram_retraction_of_a_step_to_parallel_columns_is_a_dgram_point(retract
     assert float((cosines - torch.eye(3, dtype=torch.float64)).abs().max()) <= 1e-14
     if retraction == "colnorm-polar":
         torch.testing.assert_close(norms, (w + u).norm(dim=0), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("iterations", [None, 3], ids=["to-convergence", "3-rounds"])
+def test_the_functional_dgram_projection_refuses_rank_deficient_input(iterations):
+    # with iterations, a zero column came back zero and two parallel ones a point off DGram (a
+    # column of norm 0.16 at cosine far from 0), no error; to convergence msign's "use method='svd'"
+    y = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    parallel = y.clone()
+    parallel[:, 1] = 2.0 * y[:, 0]
+    for x, detail in ((y * torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64), "; zero columns: [1]"),
+                      (parallel, ": no nearest")):
+        with pytest.raises(ValueError, match=re.escape(f"dgram_metric_projection needs a matrix of full column "
+                                                       f"rank 3 (nonzero, linearly independent columns), got rank 2{detail}")):
+            dgram_metric_projection(x, iterations)
