@@ -29,3 +29,37 @@ html_static_path = ["_static"]
 html_title = "manifoldlib"
 nitpicky = False
 myst_enable_extensions = ["dollarmath"]
+
+
+def _public_alias(app, env, node, contnode):
+    """Link a reference written with a public alias (``manifoldlib.Sphere``,
+    ``manifoldlib.charts.SEL``) to the object where the API pages render it (its defining module)."""
+    import importlib
+
+    if node.get("refdomain") != "py" or node.get("reftype") == "mod":
+        return None
+    parts = node["reftarget"].split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        owner, rest = obj, parts[i:]
+        try:
+            for name in rest[:1]:
+                owner = getattr(owner, name)
+        except AttributeError:
+            return None
+        home = getattr(owner, "__module__", None)
+        if not home or not isinstance(getattr(owner, "__qualname__", None), str):
+            return None
+        target = ".".join([home, owner.__qualname__, *rest[1:]])
+        if target == node["reftarget"]:
+            return None
+        return env.get_domain("py").resolve_xref(env, node["refdoc"], app.builder, node["reftype"],
+                                                 target, node, contnode)
+    return None
+
+
+def setup(app):
+    app.connect("missing-reference", _public_alias)
