@@ -76,6 +76,7 @@ CHORD_STEPS = {torch.float64: 12, torch.float32: 3}
 #: retracted at the power-of-two scale that brings it into ``[1/2, 1)``: float32 fourth powers of
 #: its column norms then stay in range for column norms spread over about four decades.
 SCALE_FREE_EXPONENT = 16
+_EPS64 = torch.finfo(torch.float64).eps
 
 
 @dataclass
@@ -98,6 +99,9 @@ class Bank:
             members' for a constrained bank, theirs for a Euclidean one).
         eta, beta: ``lrs`` and ``decays`` as the step uses them, set by :meth:`set_step_sizes`: one
             float where the members agree, else a ``(B, 1, 1)`` tensor in ``work``.
+        ratios: the members' step sizes relative to the largest, on the device, by
+            ``(quantity, indices)`` (shared with the bank's parts, :func:`_subset`): see
+            :meth:`set_step_sizes`.
     """
 
     options: MuonOptions
@@ -115,6 +119,7 @@ class Bank:
     work: torch.dtype | None = None
     eta: float | Tensor = 1.0
     beta: float | Tensor = 1.0
+    ratios: dict = field(default_factory=dict, repr=False)
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """``(B, m, n)`` the members' tall orientations, one copy."""
@@ -127,18 +132,39 @@ class Bank:
         return [t.mT if f else t for t, f in zip(stacked.unbind(0), self.flips)]
 
     def set_step_sizes(self, sizes: Sequence[tuple[float, float]]) -> None:
-        """Set the members' ``(eta, beta)`` (:func:`step_sizes`, in member order): the lists
+        r"""Set the members' ``(eta, beta)`` (:func:`step_sizes`, in member order): the lists
         :attr:`lrs` and :attr:`decays`, and :attr:`eta` and :attr:`beta` as the step uses them
-        (once per plan and learning rate, not per step)."""
+        (once per plan and learning rate, not per step).
+
+        Where the members differ, their values go to the device as ratios :math:`r_j` to the
+        largest, :math:`s`, times :math:`s` (:math:`\eta_j = r_js`, :math:`1 - \beta_j = r_js`,
+        float64, then ``work``): a schedule that scales every ``lr`` alike changes :math:`s`
+        alone, and the ratios uploaded once are reused while they give every value to four units
+        of float64 rounding.
+        A copy from the host would make a GPU wait for the work queued so far at every step of
+        a schedule; where the ratios do change it is asynchronous from pinned memory on CUDA.
+        """
         self.lrs, self.decays = [lr for lr, _ in sizes], [decay for _, decay in sizes]
-        device = self.params[0].device
+        same = lambda values: all(v == values[0] for v in values)  # noqa: E731
+        self.eta = self.lrs[0] if same(self.lrs) else self._per_member("eta", self.lrs, 0.0).to(self.work)
+        self.beta = self.decays[0] if same(self.decays) else \
+            (1.0 - self._per_member("1 - beta", [1.0 - decay for decay in self.decays], 1.0)).to(self.work)
 
-        def scalar(values: list[float]) -> float | Tensor:
-            if all(v == values[0] for v in values):
-                return values[0]
-            return torch.tensor(values, dtype=self.work, device=device).view(-1, 1, 1)
-
-        self.eta, self.beta = scalar(self.lrs), scalar(self.decays)
+    def _per_member(self, quantity: str, values: list[float], unit: float) -> Tensor:
+        """``(B, 1, 1)`` float64 ``values``, not all equal, on the device (:meth:`set_step_sizes`):
+        the ratios known for these members where they give every value to four units of float64
+        rounding of ``max(|value|, unit)`` (``unit`` 1 for ``1 - beta``, a difference from 1)."""
+        scale = max(values, key=abs)
+        ratios = [v / scale for v in values]
+        key = (quantity, tuple(self.indices))
+        known = self.ratios.get(key)
+        if known is None or any(abs(r * scale - v) > 4 * _EPS64 * max(abs(v), unit) for r, v in zip(known[0], values)):
+            device = self.params[0].device
+            host = torch.tensor(ratios, dtype=torch.float64).view(-1, 1, 1)
+            if device.type == "cuda":  # asynchronous from pinned memory: no wait for the queue
+                host = host.pin_memory()
+            known = self.ratios[key] = (ratios, host.to(device, non_blocking=device.type == "cuda"))
+        return known[1] * scale
 
 
 def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None, dict]],
@@ -493,7 +519,7 @@ def _subset(bank: Bank, members: Sequence[int]) -> Bank:
     pick = lambda values: [values[j] for j in members]  # noqa: E731
     part = Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
                 pick(bank.flips), indices=pick(bank.indices), updates_given=bank.updates_given,
-                execution=bank.execution, spectral=bank.spectral, work=bank.work)
+                execution=bank.execution, spectral=bank.spectral, work=bank.work, ratios=bank.ratios)
     part.set_step_sizes(list(zip(pick(bank.lrs), pick(bank.decays))))
     return part
 

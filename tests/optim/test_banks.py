@@ -772,6 +772,43 @@ def test_a_matrix_its_retraction_returns_non_finite_for_keeps_its_value(dual, mo
     assert int(opt.state[params[1]]["skipped_steps"]) == 0
 
 
+def test_a_schedule_that_scales_every_lr_alike_makes_no_tensor_from_host_numbers(monkeypatch):
+    # two groups of one bank at different lr (and so decay factors): their (B, 1, 1) step sizes
+    # were made from the host's numbers at every lr change, torch.tensor(values, device=...), a
+    # blocking copy on a GPU (it waits for the queued work) at every step of a schedule. Their
+    # ratios are uploaded once; a schedule scaling every lr alike changes one float. The steps
+    # equal those of the two groups in separate optimizers (banks of one) to rounding
+    gen = torch.Generator().manual_seed(11)
+    points = [torch.randn(12, 6, dtype=torch.float64, generator=gen) for _ in range(2)]
+    grads = [[torch.randn(12, 6, dtype=torch.float64, generator=gen) for _ in points] for _ in range(4)]
+
+    def run(together: bool, watch: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(get_manifold("dgram").projx(w)) for w in points]
+        groups = [{"params": [params[0]]}, {"params": [params[1]], "lr": 0.01}]
+        opts = [ManifoldMuon(groups, lr=0.03, manifold="dgram", weight_decay=0.5)] if together else \
+            [ManifoldMuon([group], lr=0.03, manifold="dgram", weight_decay=0.5) for group in groups]
+        schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + t)) for opt in opts]
+        made = []
+        for step, gs in enumerate(grads):
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            with monkeypatch.context() as patch:
+                if watch and step > 0:
+                    for name in ("tensor", "as_tensor", "asarray"):
+                        original = getattr(torch, name)
+                        patch.setattr(torch, name, lambda data, *a, _f=original, **k:
+                                      _f(data, *a, **k) if isinstance(data, torch.Tensor) else made.append(data) or
+                                      _f(data, *a, **k))
+                for opt, schedule in zip(opts, schedules):
+                    opt.step()
+                    schedule.step()
+        assert made == []
+        return [p.detach() for p in params]
+
+    for a, b in zip(run(True, watch=True), run(False, watch=False)):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
 @pytest.mark.parametrize("edit", ["load_state_dict", "no_grad", "assign_data"])
 def test_a_matrix_changed_after_the_first_step_is_checked_on_the_next(edit):
     # the sync-free path checked its points on a plan's first step only: an unconstrained
