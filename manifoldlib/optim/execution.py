@@ -19,7 +19,8 @@ Everything that depends on the hardware and not on the mathematics is decided he
   than :data:`EIGH_MIN_COLUMNS`; the eigh for wider ones on the CPU.
 * **Host synchronization** (``sync_free``). On the products path the dual runs a fixed number of
   iterations with per-matrix convergence masks on the device, and nothing is read back to the
-  host: a GPU step is a few milliseconds of launches, and every read would stall it; on a CPU the
+  host (but on the one-time checks of :class:`~manifoldlib.optim.ManifoldMuon`: a plan's first
+  step and the first after a matrix changed in place, two reads per constrained bank): a GPU step is a few milliseconds of launches, and every read would stall it; on a CPU the
   same fixed, short loop is what keeps a small model's step near Muon's (its cost there is per
   operation, not per flop). On the eigh path the loop stops as soon as every matrix has converged
   and may continue a stalled matrix on the smoothed dual. ``DualOptions(sync_free=...)``

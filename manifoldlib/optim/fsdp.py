@@ -97,7 +97,8 @@ def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
         strategy: how matrices are given owners (:func:`~manifoldlib.distributed.assign_owners`).
         check_points: the owners check the points of sync-free banks too
             (:func:`~manifoldlib.optim.core.muon_step`), and every rank raises where one refuses
-            (a host read; the optimizer checks on the first step of each plan).
+            (a host read; the optimizer checks on the first step of each plan and on the first
+            after a matrix of the mesh changed in place: the same on every rank).
     """
     mesh = items[0][1].device_mesh
     group = mesh.get_group()

@@ -196,9 +196,12 @@ class ManifoldMuon(Optimizer):
         version counter of the tensor: ``model.load_state_dict``, an edit under ``torch.no_grad``; two
         host reads per bank on that step only, which also let a matrix the sync-free retraction
         cannot bring back, e.g. a square DGram matrix far off its manifold, take the manifold's own
-        retraction). A matrix edited through ``.data`` is not checked:
-        one far off its manifold fails the retraction's check every step and keeps its value
-        (``state["skipped_steps"]`` counts it), one close to it is moved onto it by the retraction.
+        retraction); FSDP2's row-sharded matrices likewise, through their DTensor's version (every
+        DTensor operation, which every rank runs). A matrix edited in place through ``.data``
+        (``p.data.copy_(...)``; not ``p.data = ...``, whose new storage is seen), or one rank's
+        ``to_local()`` rows, is not checked: one far off its manifold fails the retraction's check
+        every step and keeps its value (``state["skipped_steps"]`` counts it), one close to it is
+        moved onto it by the retraction.
 
         Raises:
             ValueError: naming a parameter that has no nearest point (all zeros; DGram without
@@ -420,8 +423,8 @@ class _StepPlan:
             watched through its :class:`~torch.distributed.tensor.DTensor`, whose version moves
             with every DTensor operation (``copy_``, ``load_state_dict``, ``set_model_state_dict``),
             which every rank runs, so the ranks agree on whether the mesh's step checks (a
-            collective). An edit through ``.data``, or of one rank's ``to_local()`` rows, changes
-            neither.
+            collective). An in-place edit through ``.data`` (``p.data.copy_``; ``p.data = ...``
+            has a new storage), or of one rank's ``to_local()`` rows, changes neither.
     """
 
     key: tuple
@@ -586,7 +589,7 @@ def manifold_muon(params: list[Tensor], grads: list[Tensor], momentum_bufs: list
     The points must be on their manifolds (``ManifoldMuon.project_parameters`` moves them there).
     An early-stopping step refuses one its manifold's dual cannot use, naming it; a sync-free step
     checks nothing, so that it compiles as one graph (:class:`ManifoldMuon` checks its points on
-    the first step of each plan).
+    the first step of each plan and on the first after a matrix changed in place).
     """
     for state, buf in zip(states, momentum_bufs):
         state["momentum_buffer"] = buf
