@@ -42,6 +42,11 @@ CASES = {
         ["--blocks", "1", "--width", "16", "--ranks", "2,3"],
         ["6 matrices (1 blocks of width 16)", "stiefel / dgram", "euclidean", "x minimum"],
     ),
+    "check_step_syncs.py": (
+        ["--device", "cpu", "--blocks", "1", "--width", "16", "--steps", "1"],
+        ["6 matrices (1 blocks of width 16) on cpu", "stiefel, two learning rates, LambdaLR",
+         "stiefel, one non-finite gradient", "syncs per step after the first: [0]"],
+    ),
     "bench_tiny_model.py": (
         ["--layers", "1", "--width", "16", "--steps", "2", "--warmup", "1", "--load", "0", "--threads", "1"],
         ["tiny LLaMA: 1 layers, width 16", "load 0, threads       1: ManifoldMuon hetero"],
@@ -49,7 +54,7 @@ CASES = {
 }
 
 
-@pytest.mark.slow  # six subprocesses, about 5 s each; CI runs them with -m slow
+@pytest.mark.slow  # seven subprocesses, about 5 s each; CI runs them with -m slow
 @pytest.mark.parametrize("script", list(CASES))
 def test_script_runs_and_prints_its_table(script):
     args, expected = CASES[script]
