@@ -8,7 +8,11 @@ Methods (all batched over leading dimensions, tall and wide inputs):
 - ``"svd"``: exact reference via :func:`torch.linalg.svd`; zero singular values map to 0.
 - ``"newton"``: scaled Newton iteration for the polar factor of a full-column-rank matrix,
   run to convergence; differentiated through its QR steps (``"auto"``'s choice where autograd
-  flows through a retraction).
+  flows through a retraction). Its QR resolves each column relative to its own norm, so the rank
+  is judged with the columns scaled to unit norm (:math:`RD^{-1}`, ``D`` the column norms): a
+  singular value at most :math:`\max(m, n)\,\epsilon` of the largest there (a rank-2 product,
+  whose rounding leaves no zero on ``R``'s diagonal) raises ``ValueError`` naming the numerical
+  rank; graded full-rank matrices (column norms over many orders, DGram's) are resolved.
 - ``"newton-schulz"``: the convergent quintic iteration ``(15/8, -10/8, 3/8)`` run to a
   tolerance; converges for singular values in ``(0, sqrt(7/3))`` after scaling, fastest when
   they are already near 1 (Stiefel retractions of small steps). Where it has not converged
@@ -317,6 +321,25 @@ def _gram_eigh_polar(x: torch.Tensor, fallback: str = "svd") -> torch.Tensor:
     return _with_polar_derivative(work, lambda y: _msign_gram_eigh(y, fallback)).to(x.dtype)
 
 
+def _require_full_rank(x: torch.Tensor, r: torch.Tensor, norms: torch.Tensor) -> None:
+    r"""Raise ``ValueError`` naming the numerical rank where the column-scaled :math:`RD^{-1}` of a
+    finite ``x`` (``r`` the QR factor of its tall orientation, ``norms`` the column norms) has a
+    singular value at most ``max(m, n)`` eps (of ``r``'s dtype) of its largest (msign's rank
+    threshold): the Newton iteration cannot tell its polar factor from a rank-deficient matrix's.
+    Scaling the columns keeps graded full-rank matrices (column norms over many orders, DGram's)
+    resolved; the threshold grows with ``m`` as the QR's rounding does."""
+    if not bool(torch.isfinite(x).all()):
+        return  # NaN out, as the SVD gives
+    n, size = r.size(-1), max(x.shape[-2:])
+    sv = torch.linalg.svdvals((r / torch.where(norms > 0, norms, 1.0)).to(torch.float64))  # (..., n)
+    rank = int((sv > sv.amax(-1, keepdim=True) * size * torch.finfo(r.dtype).eps).sum(-1).amin())
+    if rank < n:
+        raise ValueError(
+            f"msign(method='newton') needs matrices of full rank {n}; got a rank-deficient {tuple(x.shape)} "
+            f"input (numerical rank {rank}: with its columns scaled to unit norm, a singular value at most "
+            f"{size} eps of the largest; use method='svd', which maps zero singular values to 0)")
+
+
 def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
     # Scaled Newton iteration X <- (zeta X + X^{-T}/zeta)/2 on the tall orientation, with
     # X^{-T} = X (X^T X)^{-1} = Q R^{-T} from X = QR (through X^T X it would square the condition
@@ -325,11 +348,22 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
     # triangular inverse: gradients stay finite where SVD's do not (equal singular values).
     transposed = x.size(-2) < x.size(-1)
     y = x.mT if transposed else x
-    eye = torch.eye(y.size(-1), dtype=y.dtype, device=y.device)
+    n = y.size(-1)
+    eye = torch.eye(n, dtype=y.dtype, device=y.device)
     previous = float("inf")
-    for _ in range(max_steps):
+    for step in range(max_steps):
         q, r = torch.linalg.qr(y)  # (..., m, n), (..., n, n)
         r_inv = torch.linalg.solve_triangular(r, eye.expand_as(r), upper=True)
+        if step == 0:
+            # the rank, on the column-scaled R D^{-1} (D: the column norms, R's as y's): a product of
+            # rank 2 rounds to an R with no zero on its diagonal, and the iteration maps its
+            # rounding-level singular values to 1 (no error). 1 / sigma_min(R D^{-1}) = ||D R^{-1}||_2
+            # is at most ||D R^{-1}||_F and sigma_max at most sqrt(n) (unit columns): under that bound
+            # the rank is full, without a decomposition
+            norms = r.detach().norm(dim=-2, keepdim=True)  # (..., 1, n)
+            bound = float((r_inv.detach() * norms.mT).square().sum((-2, -1)).amax().sqrt())
+            if not bound * n**0.5 * max(y.shape[-2:]) * torch.finfo(y.dtype).eps < 1.0:  # (NaN, inf too)
+                _require_full_rank(x, r.detach(), norms)
         y_inv_t = q @ r_inv.mT  # (..., m, n)
         zeta = (
             torch.linalg.matrix_norm(y_inv_t, keepdim=True)
@@ -434,7 +468,9 @@ def msign(
         ValueError: unknown method, a non-matrix input, a ``steps`` that is not ``None`` or an int
             ``>= 0`` (``True`` ran one step), a ``tol`` that is not ``None`` or a finite number
             ``>= 0`` (``True`` stopped the Newton iteration at 1.0, an infinite one after its first
-            step), or an ``eps`` that is not a finite number ``> 0`` (NaN gave NaN matrices).
+            step), an ``eps`` that is not a finite number ``> 0`` (NaN gave NaN matrices), or, with
+            ``"newton"``, a numerically rank-deficient ``x`` (see the module docstring; its
+            iteration mapped the rounding-level singular values to 1), naming the rank.
     """
     _check_matrix(x)
     if method not in MSIGN_METHODS:

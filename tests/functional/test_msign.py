@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mpmath
 import numpy as np
 import pytest
 import scipy.linalg
@@ -85,6 +86,40 @@ def test_newton_refuses_a_rank_deficient_matrix_by_name():
     x[:, 1] = 0
     with pytest.raises(ValueError, match=r"method='newton'\) needs matrices of full rank 4; got a rank-deficient \(8, 4\)"):
         msign(x, "newton")
+
+
+@pytest.mark.parametrize("m, n", [(6, 4), (10, 6), (5, 8)], ids=str)
+def test_newton_refuses_a_numerically_rank_deficient_matrix_by_its_rank(m, n):
+    # a product of rank 2 rounds to an R with no zero on its diagonal: the iteration mapped its
+    # rounding-level singular values to 1 and returned an orthonormal matrix 0.69 to 0.75 off
+    # msign(x, "svd") in its largest entry (float32: up to 1.08), no error
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(m, 2, generator=g, dtype=torch.float64) @ torch.randn(2, n, generator=g, dtype=torch.float64)
+    batch = torch.stack([_gaussian((m, n), 1), x])  # one full-rank member, one rank-deficient
+    for matrix in (x, x.mT, batch, x.float()):
+        with pytest.raises(ValueError, match=r"full rank \d; got a rank-deficient .* \(numerical rank 2: .*method='svd'"):
+            msign(matrix, "newton")
+
+
+def _polar_oracle(x: torch.Tensor) -> torch.Tensor:
+    """The polar factor of a tall float64 ``x``, :math:`X(X^\top X)^{-1/2}` in 80-digit mpmath."""
+    with mpmath.workdps(80):
+        a = mpmath.matrix(x.tolist())
+        lam, v = mpmath.eigsy(a.T * a)
+        q = a * (v * mpmath.diag([1 / mpmath.sqrt(value) for value in lam]) * v.T)
+        return torch.tensor(q.tolist(), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("m, n", [(6, 4), (9, 5)], ids=str)
+def test_newton_resolves_graded_full_rank_matrices(m, n):
+    """Column norms from 1e-8 to 1e8 (DGram's grading): full rank with the columns scaled, so the
+    rank test lets them through, and the QR-based iteration is exact to rounding, where the SVD
+    maps the small columns' singular values to 0."""
+    x = _gaussian((m, n), 4) * torch.logspace(-8, 8, n, dtype=torch.float64)
+    exact = _polar_oracle(x)
+    for matrix, expected in ((x, exact), (x.mT, exact.mT)):
+        assert (msign(matrix, "newton") - expected).abs().max() <= 4 * EPS
+    assert (msign(x, "svd") - exact).abs().max() > 0.1
 
 
 def test_svd_maps_zero_singular_values_to_zero():
