@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib
+import math
 import os
 import warnings
 import weakref
@@ -41,6 +42,9 @@ __all__ = [
 BACKENDS = ("gloo", "nccl")
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+#: Seconds a collective of a group started by :func:`init_from_env` waits when no timeout is given.
+_DEFAULT_TIMEOUT = 1800.0
 
 #: torch modules that bind the default group as a default argument when imported (see above).
 _CAPTURE_WORLD_ON_IMPORT = ("torch.distributed.nn.functional",)
@@ -96,55 +100,107 @@ def get_rank_world(process_group: dist.ProcessGroup | None = None) -> tuple[int,
     return rank, dist.get_world_size(process_group)
 
 
-def init_from_env(backend: str | None = None, *, timeout: float = 1800.0) -> tuple[int, int, int]:
+def init_from_env(backend: str | None = None, *, timeout: float | None = None) -> tuple[int, int, int]:
     """Initialize the default process group from ``torchrun``'s environment variables.
 
     ``torchrun`` (``python -m torch.distributed.run``) sets ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Without them this is a plain
     single-process run and nothing is initialized.
 
+    If a default group already exists (a second call, or a group started elsewhere such as by
+    :func:`~manifoldlib.distributed.launch.run_workers`), it is kept and checked, not replaced:
+    ``backend`` must be one the group runs, ``RANK`` and ``WORLD_SIZE`` (where set) must be the
+    group's rank and size, and ``timeout`` (where given) becomes the group's timeout for the
+    collectives that follow. The rank and size returned are then the group's.
+
     Args:
         backend: ``"gloo"`` or ``"nccl"``; ``None`` picks ``nccl`` when CUDA is available
-            and ``gloo`` otherwise. With ``nccl`` the CUDA device is set to ``LOCAL_RANK``.
-        timeout: seconds a collective may wait before it fails instead of hanging.
+            and ``gloo`` otherwise (for an existing group: whatever it runs). With ``nccl`` the
+            CUDA device is set to ``LOCAL_RANK`` (not where an existing group has no torchrun
+            variables: a group of one process keeps the device it was given).
+        timeout: seconds a collective may wait before it fails instead of hanging; ``None``:
+            1800 for a new group, an existing group's own timeout unchanged.
 
     Returns:
-        ``(rank, world_size, local_rank)``; ``(0, 1, 0)`` outside ``torchrun``.
+        ``(rank, world_size, local_rank)``; ``(0, 1, 0)`` outside ``torchrun`` with no group.
 
     Raises:
-        ValueError: an unknown backend, a non-positive timeout, or an incomplete set of
-            torchrun variables.
+        ValueError: an unknown backend, a timeout that is not a finite number ``> 0``, or an
+            incomplete set of torchrun variables; with an existing group: a ``backend`` it does
+            not run, ``RANK`` / ``WORLD_SIZE`` other than its rank and size, or no
+            ``LOCAL_RANK`` in a group of several processes (this process's local rank is then
+            unknown: :func:`get_rank_world` gives the rank and size).
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None, got {backend!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a finite number > 0 of seconds or None, got {timeout!r}")
     present = [name for name in _TORCHRUN_VARIABLES if name in os.environ]
-    if not present:
-        return 0, 1, 0
-    if len(present) != len(_TORCHRUN_VARIABLES):
+    if present and len(present) != len(_TORCHRUN_VARIABLES):
         missing = sorted(set(_TORCHRUN_VARIABLES) - set(present))
         raise ValueError(
             f"incomplete torchrun environment: {', '.join(present)} set but {', '.join(missing)} "
             "missing; launch with python -m torch.distributed.run"
         )
+    if is_distributed():
+        return _join_existing_group(backend, timeout, bool(present))
+    if not present:
+        return 0, 1, 0
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this PyTorch build")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
+    rank, world_size, local_rank = (_env_int(name) for name in _TORCHRUN_VARIABLES)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        import_before_init()
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+    import_before_init()
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_DEFAULT_TIMEOUT if timeout is None else timeout),
+    )
+    return rank, world_size, local_rank
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer (torchrun sets it), got {name}={value!r}") from None
+
+
+def _group_backends(name: str) -> set[str]:
+    """The backends of a group named ``"gloo"`` or, with one per device, ``"cpu:gloo,cuda:nccl"``."""
+    return {part.rpartition(":")[2] for part in name.split(",")}
+
+
+def _join_existing_group(backend: str | None, timeout: float | None, torchrun: bool) -> tuple[int, int, int]:
+    """:func:`init_from_env` where the default group exists: check it against the arguments and
+    the torchrun variables, apply ``timeout``, and return its rank and size."""
+    name = dist.get_backend()
+    if backend is not None and backend not in _group_backends(name):
+        raise ValueError(f"init_from_env(backend={backend!r}): the default process group already exists with "
+                         f"backend {name!r}; pass backend=None (or one it runs), or destroy the group first")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if torchrun:
+        env_rank, env_world, local_rank = (_env_int(name) for name in _TORCHRUN_VARIABLES)
+        if (env_rank, env_world) != (rank, world_size):
+            raise ValueError(f"RANK={env_rank}, WORLD_SIZE={env_world} in the environment, but the existing default "
+                             f"process group has this process as rank {rank} of {world_size}")
+    elif world_size == 1:
+        local_rank = 0
+    else:
+        raise ValueError(f"the default process group exists (rank {rank} of {world_size}) but LOCAL_RANK is not "
+                         "set, so this process's local rank is unknown; set RANK, WORLD_SIZE and LOCAL_RANK, or "
+                         "use get_rank_world()")
+    if torchrun and "nccl" in _group_backends(name):
+        torch.cuda.set_device(local_rank)
+    if timeout is not None:
+        dist.group.WORLD.set_timeout(datetime.timedelta(seconds=timeout))
     return rank, world_size, local_rank
 
 

@@ -67,7 +67,11 @@ def _worker_entry(
     # oversubscribe them, and a fixed thread count keeps reductions bitwise reproducible.
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
+    # torchrun's variables, so code written for torchrun (init_from_env) finds this rank; one host
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
+        if backend == "nccl":  # one device per rank; nccl and its object collectives use the current one
+            torch.cuda.set_device(rank)
         import_before_init()  # or a DDP in fn keeps the group (and its threads) alive past exit
         dist.init_process_group(
             backend,
@@ -151,9 +155,11 @@ def run_workers(
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``world_size`` spawned processes sharing a process group.
 
-    Each worker sets its thread count, joins the default process group through a file store
-    in a fresh temporary directory, runs ``fn``, saves the return value with
-    :func:`torch.save`, and destroys the process group whether ``fn`` returned or raised.
+    Each worker sets its thread count, sets torchrun's ``RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_RANK`` (all on one host: ``LOCAL_RANK`` is the rank), with ``nccl`` makes CUDA device
+    ``rank`` its current device, joins the default process group through a file store in a fresh
+    temporary directory, runs ``fn``, saves the return value with :func:`torch.save`, and
+    destroys the process group whether ``fn`` returned or raised.
 
     Args:
         fn: a module-level function (the workers import it by name); its return value must
@@ -165,7 +171,8 @@ def run_workers(
             killed and :class:`WorkerTimeoutError` is raised.
         collective_timeout: seconds a collective may wait (the process group's timeout);
             defaults to ``timeout``.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one CUDA device per rank).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one CUDA device per rank: rank ``r`` runs
+            on ``cuda:r``).
         num_threads: :func:`torch.set_num_threads` in each worker.
         start_method: ``"forkserver"`` or ``"spawn"``; ``None`` picks ``forkserver`` where
             the platform has it. A fork server imports torch and this package once and forks
@@ -177,7 +184,8 @@ def run_workers(
         ``[result_rank0, result_rank1, ...]``.
 
     Raises:
-        ValueError: a bad argument, or ``fn`` that the workers cannot import.
+        ValueError: a bad argument, ``fn`` that the workers cannot import, or ``nccl`` with
+            fewer CUDA devices than ``world_size``.
         WorkerError: a worker raised or exited abnormally; the others are terminated. Also one
             that exited with code 0 without returning (``sys.exit(0)``, ``KeyboardInterrupt``,
             ``os._exit(0)`` in ``fn``), naming its rank.
@@ -193,6 +201,9 @@ def run_workers(
         raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' needs one CUDA device per rank: world_size={world_size} but "
+                         f"{torch.cuda.device_count()} visible; use backend='gloo' or fewer ranks")
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
     if not dist.is_available():

@@ -79,12 +79,14 @@ def exchange_bytes(outgoing: Sequence[Sequence[Spec]], rank: int) -> int:
                for shape, dtype in specs)
 
 
+# Slices are taken with narrow, not [a:b], which also runs on the CUDA tensors of FakeTensorMode
+# without CUDA (count_ops of an exchange on a CPU-only machine).
 def _pack(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     offset = 0
     for piece in pieces:
         size = piece.numel() * piece.element_size()
         if size:
-            out[offset:offset + size].copy_(piece.contiguous().view(-1).view(torch.uint8))
+            out.narrow(0, offset, size).copy_(piece.contiguous().view(-1).view(torch.uint8))
         offset += piece_bytes(piece.shape, piece.dtype)
 
 
@@ -92,13 +94,43 @@ def _unpack(buffer: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
     out, offset = [], 0
     for shape, dtype in specs:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append(buffer[offset:offset + size].view(dtype).view(shape))
+        out.append(buffer.narrow(0, offset, size).view(dtype).view(shape))
         offset += piece_bytes(shape, dtype)
     return out
 
 
+def _buffer_device(outgoing: Sequence[Sequence[torch.Tensor]], process_group: dist.ProcessGroup | None,
+                   world: int, device: torch.device | str | None) -> torch.device:
+    """The device of :func:`exchange`'s buffers: ``device``, else the pieces', else the group's.
+
+    A rank that sends nothing took the CPU, under nccl too: it then failed in the all-to-all, or
+    received onto the host while the other ranks' pieces were on their GPUs."""
+    devices = sorted({t.device for pieces in outgoing for t in pieces}, key=str)
+    if device is not None:
+        device = torch.device(device)  # "cuda" (the current device) admits pieces on cuda:i
+        if any(d.type != device.type or device.index not in (None, d.index) for d in devices):
+            raise ValueError(f"exchange(device={str(device)!r}) but outgoing pieces are on "
+                             f"{', '.join(map(str, devices))}; move them to {device} first")
+        return devices[0] if len(devices) == 1 else device
+    if len(devices) > 1:
+        raise ValueError(f"exchange needs every outgoing piece on one device, got pieces on "
+                         f"{', '.join(map(str, devices))}")
+    if devices:
+        return devices[0]
+    if world == 1 and not dist.is_initialized():
+        return torch.device("cpu")
+    backend = dist.get_backend(process_group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda")  # the current CUDA device, where nccl's other ranks put theirs
+    raise ValueError(f"this rank sends nothing and the group's backend {backend!r} does not say where to "
+                     f"receive; pass exchange(..., device=...)")
+
+
 def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequence[Spec]],
-             process_group: dist.ProcessGroup | None = None) -> list[list[torch.Tensor]]:
+             process_group: dist.ProcessGroup | None = None, *,
+             device: torch.device | str | None = None) -> list[list[torch.Tensor]]:
     """Send ``outgoing[d]`` to rank ``d`` and receive what every rank sends here, in one
     all-to-all (a collective: every rank of the group calls it).
 
@@ -108,12 +140,18 @@ def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequ
         incoming: per source rank, the ``(shape, dtype)`` of each tensor it sends here, in its
             order (every rank computes the same plan, so both sides agree).
         process_group: the group (``None``: the default group).
+        device: where the buffers live and the received pieces come back. ``None``: the device
+            of the outgoing pieces; where this rank sends nothing at all, the group's backend
+            says (CPU for gloo, the current CUDA device for nccl; a group of one backend per
+            device type needs ``device``), and CPU outside a group.
 
     Returns:
-        Per source rank, its tensors as views of one received buffer.
+        Per source rank, its tensors as views of one received buffer, on ``device``.
 
     Raises:
-        ValueError: ``outgoing`` or ``incoming`` does not have one entry per rank, or what this
+        ValueError: ``outgoing`` or ``incoming`` does not have one entry per rank; outgoing
+            pieces on several devices, or on another device than ``device``; nothing to send, no
+            ``device``, and a group whose backend names no one device; or what this
             rank sends itself (``outgoing[rank]``) is not what it expects from itself
             (``incoming[rank]``), naming the first piece that differs. What another rank sends
             is not checked against ``incoming`` (that would cost communication): a plan that
@@ -132,7 +170,7 @@ def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequ
         want = f"{expected[i][0]} {expected[i][1]}" if i < len(expected) else "nothing"
         raise ValueError(f"exchange: rank {rank} sends itself {len(sent)} pieces and expects {len(expected)} "
                          f"from itself; piece {i} is {got} in outgoing[{rank}] and {want} in incoming[{rank}]")
-    device = next((t.device for pieces in outgoing for t in pieces), torch.device("cpu"))
+    device = _buffer_device(outgoing, process_group, world, device)
     send_sizes = [sum(piece_bytes(t.shape, t.dtype) for t in pieces) for pieces in outgoing]
     recv_sizes = [sum(piece_bytes(shape, dtype) for shape, dtype in specs) for specs in incoming]
     send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
@@ -140,7 +178,7 @@ def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequ
     for size in send_sizes:
         starts.append(starts[-1] + size)
     for d, pieces in enumerate(outgoing):
-        _pack(pieces, send[starts[d]:starts[d + 1]])
+        _pack(pieces, send.narrow(0, starts[d], send_sizes[d]))
     if world == 1:
         received = send
     else:
@@ -148,6 +186,6 @@ def exchange(outgoing: Sequence[Sequence[torch.Tensor]], incoming: Sequence[Sequ
         dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=process_group)
     out, offset = [], 0
     for size, specs in zip(recv_sizes, incoming):
-        out.append(_unpack(received[offset:offset + size], specs))
+        out.append(_unpack(received.narrow(0, offset, size), specs))
         offset += size
     return out

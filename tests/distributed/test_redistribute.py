@@ -1,5 +1,5 @@
 """Row shards and the all-to-all of pieces, in one process (the multi-process exchange runs in
-tests/distributed/test_muon_fsdp.py, through ManifoldMuon)."""
+tests/distributed/test_muon_fsdp.py, through ManifoldMuon, and once here: a rank that sends nothing)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,20 @@ import re
 import pytest
 import torch
 
-from manifoldlib.distributed import exchange, exchange_bytes, is_row_sharded, row_chunks, row_range
+from manifoldlib.distributed import (
+    exchange,
+    exchange_bytes,
+    is_row_sharded,
+    row_chunks,
+    row_range,
+    run_workers,
+)
 from manifoldlib.distributed.redistribute import ALIGNMENT, piece_bytes
+
+try:  # tests laid out as packages
+    from . import workers
+except ImportError:  # pytest's default rootdir-relative import puts this folder on sys.path
+    import workers
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 5, 8, 10, 768, 3072])
@@ -85,3 +97,50 @@ def test_exchange_bytes_counts_aligned_pieces_sent_to_other_ranks():
 def test_a_whole_tensor_is_not_row_sharded():
     assert not is_row_sharded(torch.zeros(4, 4))
     assert not is_row_sharded(torch.nn.Parameter(torch.zeros(4, 4)))
+
+
+def test_exchange_refuses_pieces_on_several_devices_or_off_the_given_device():
+    # pieces on the CPU and on meta were packed into one buffer on the first one's device, a
+    # NotImplementedError from the copy out of meta; device= did not exist
+    cpu, meta = torch.ones(2), torch.ones(3, device="meta")
+    specs = [((2,), torch.float32), ((3,), torch.float32)]
+    with pytest.raises(ValueError, match="exchange needs every outgoing piece on one device, got pieces on cpu, meta"):
+        exchange([[cpu, meta]], [specs])
+    with pytest.raises(ValueError, match=r"exchange\(device='meta'\) but outgoing pieces are on cpu; move them"):
+        exchange([[cpu]], [specs[:1]], device="meta")
+    out = exchange([[]], [[]], device="meta")  # nothing to send or receive: on the device named
+    assert out == [[]]
+
+
+def test_a_rank_that_sends_nothing_under_nccl_receives_on_the_gpu(monkeypatch):
+    """Rank 1 of a two-rank nccl group that sends nothing took the CPU for its buffers (the first
+    outgoing piece's device, else the CPU): an all-to-all of host tensors under nccl. A fake
+    group (torch.distributed's queries patched) and fake CUDA tensors stand in for the GPUs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.distributed, "all_to_all_single",
+                        lambda out, send, *args, **kwargs: seen.append((out.device.type, send.device.type)))
+    with FakeTensorMode():
+        out = exchange([[], []], [[((3, 2), torch.float64), ((5,), torch.int32)], []])
+    assert seen == [("cuda", "cuda")]
+    assert [(p.shape, p.dtype, p.device.type) for p in out[0]] == [
+        ((3, 2), torch.float64, "cuda"), ((5,), torch.int32, "cuda")]
+    assert out[1] == []
+
+
+@pytest.mark.slow  # a 2-process job
+def test_a_rank_that_sends_nothing_receives_its_pieces_on_the_group_device():
+    # its buffer's device came from its own (absent) pieces, the CPU whatever the backend; under
+    # gloo that is right, and a device named with device= must agree
+    reports = run_workers(workers.exchange_from_one_side_job, 2, timeout=120.0)
+    for device in ("None", "cpu"):
+        kept, received = reports[0][device], reports[1][device]
+        assert [(d, dtype) for d, dtype, _ in kept[0]] == [("cpu", "torch.bfloat16")] and kept[1] == []
+        assert [(d, dtype) for d, dtype, _ in received[0]] == [("cpu", "torch.float64"), ("cpu", "torch.int32")]
+        assert torch.equal(received[0][0][2], torch.arange(6, dtype=torch.float64).view(3, 2))
+        assert torch.equal(received[0][1][2], torch.arange(5, dtype=torch.int32)) and received[1] == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
+import torch
 
 from manifoldlib.distributed import WorkerError, WorkerTimeoutError, run_workers
 
@@ -60,8 +61,13 @@ def test_a_worker_that_exits_without_returning_is_named(how: str, message: str, 
     assert caught.value.rank == 1
 
 
-def test_results_come_back_in_rank_order() -> None:
-    assert run_workers(workers.rank_and_world_job, 3, timeout=120.0) == [(0, 3), (1, 3), (2, 3)]
+def test_results_come_back_in_rank_order_and_workers_see_torchrun_variables() -> None:
+    """Workers had no RANK / WORLD_SIZE / LOCAL_RANK, so init_from_env() in a job ignored the
+    group it was in and returned (0, 1, 0) on every rank of 3."""
+    reports = run_workers(workers.rank_and_world_job, 3, timeout=120.0)
+    assert [r["rank_world"] for r in reports] == [(0, 3), (1, 3), (2, 3)]
+    assert [r["env"] for r in reports] == [[str(r), "3", str(r)] for r in range(3)]
+    assert [r["init_from_env"] for r in reports] == [(0, 3, 0), (1, 3, 1), (2, 3, 2)]
 
 
 @pytest.mark.parametrize(
@@ -71,6 +77,10 @@ def test_results_come_back_in_rank_order() -> None:
         ({"world_size": 2, "timeout": 0.0}, "timeout must be > 0 seconds, got 0.0"),
         ({"world_size": 2, "collective_timeout": -1.0}, "collective_timeout must be > 0 seconds"),
         ({"world_size": 2, "backend": "mpi"}, "backend must be one of gloo, nccl, got 'mpi'"),
+        # spawned workers that failed in init_process_group (or all shared cuda:0 where they ran)
+        ({"world_size": torch.cuda.device_count() + 1, "backend": "nccl"},
+         (f"backend='nccl' needs one CUDA device per rank: world_size={torch.cuda.device_count() + 1} but "
+          f"{torch.cuda.device_count()} visible")),
         ({"world_size": 2, "num_threads": 0}, "num_threads must be an int >= 1, got 0"),
         ({"world_size": 2, "start_method": "fork"}, "start_method must be one of"),
     ],

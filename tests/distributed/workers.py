@@ -18,6 +18,7 @@ from manifoldlib.distributed import (
     STRATEGIES,
     assign_owners,
     get_rank_world,
+    init_from_env,
     reject_unsupported_parameter,
     sharded_apply,
 )
@@ -182,10 +183,12 @@ def never_finishing_job(rank: int) -> None:
     threading.Event().wait()
 
 
-def rank_and_world_job(rank: int) -> tuple[int, int]:
-    """Report ``(rank, world_size)`` as the process group sees it."""
+def rank_and_world_job(rank: int) -> dict:
+    """Report ``(rank, world_size)`` as the process group sees it, the torchrun variables the
+    worker was given, and what :func:`init_from_env` makes of them beside the existing group."""
     assert get_rank_world() == (rank, dist.get_world_size())
-    return get_rank_world()
+    return {"rank_world": get_rank_world(), "env": [os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")],
+            "init_from_env": init_from_env(timeout=30.0)}
 
 
 #: Stiefel matrices (m >= n) of the optimizer-pattern job.
@@ -499,3 +502,24 @@ def ddp_teardown_job(rank: int) -> dict:
         warnings.simplefilter("always")
         destroy_process_group()
     return {"before": before, "after": gloo_threads(), "warnings": [str(w.message) for w in caught]}
+
+
+def exchange_from_one_side_job(rank: int) -> dict:
+    """:func:`exchange` where rank 1 sends nothing at all: rank 0 sends it a float64 and an int32
+    piece and keeps a bfloat16 one; ``device`` left to the group (``None``) and named (``"cpu"``).
+
+    Returns ``{device: [[(device type, dtype name, values), ...] per source rank]}``."""
+    from manifoldlib.distributed import exchange
+
+    pieces = [torch.arange(6, dtype=torch.float64).view(3, 2), torch.arange(5, dtype=torch.int32)]
+    kept = [torch.full((2,), 1.5, dtype=torch.bfloat16)]
+
+    def specs(tensors):
+        return [(tuple(t.shape), t.dtype) for t in tensors]
+
+    outgoing, incoming = ([kept, pieces], [specs(kept), []]) if rank == 0 else ([[], []], [specs(pieces), []])
+    report = {}
+    for device in (None, "cpu"):
+        received = exchange(outgoing, incoming, device=device)
+        report[str(device)] = [[(t.device.type, str(t.dtype), t.clone()) for t in source] for source in received]
+    return report
