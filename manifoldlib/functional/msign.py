@@ -16,7 +16,11 @@ Methods (all batched over leading dimensions, tall and wide inputs):
 - ``"newton-schulz"``: the convergent quintic iteration ``(15/8, -10/8, 3/8)`` run to a
   tolerance; converges for singular values in ``(0, sqrt(7/3))`` after scaling, fastest when
   they are already near 1 (Stiefel retractions of small steps). Where it has not converged
-  within its cap (singular values too small to reach 1 in time), the SVD's factor.
+  within its cap (singular values too small to reach 1 in time), or where it may have carried a
+  singular value at most :math:`\max(m, n)\,\epsilon` of the largest to 1 (a step multiplies
+  one by at most 15/8, so the steps until all exceed 1/2 bound the smallest from below; a float32
+  rank-deficient input's rounding-level ones reach 1 along directions the rounding chose), the
+  float64 SVD's factor.
 - ``"jordan5"``: Muon's quintic ``(3.4445, -4.7750, 2.0315)``, fixed step count (5 by
   default). Fast, *not* convergent: singular values end in roughly [0.5, 1.2]. An update
   direction, not a retraction.
@@ -391,9 +395,11 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
 def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int, complete: bool = False) -> torch.Tensor:
     # where the iteration has not converged after max_steps (one singular value below about
     # 1.875^-max_steps of the largest does not reach 1; a rank-deficient float64 input's rounding-
-    # level ones ended anywhere in (0, 1), neither msign's 0 nor 1), the float64 SVD's factor
-    # instead: msign's, or with complete U V^T, an orthonormal factor (a retraction's); a
-    # non-finite input still gives NaN
+    # level ones ended anywhere in (0, 1), neither msign's 0 nor 1), or where it may have carried a
+    # singular value at most max(m, n) eps of the largest to 1 (a float32 input's rounding-level
+    # ones reach 1 within the cap, along directions the rounding chose: orthonormal, and 0.6 to 0.9
+    # off the float64 SVD's factor), that factor instead: msign's, or with complete U V^T, an
+    # orthonormal factor (a retraction's); a non-finite input still gives NaN
     transposed = x.size(-2) > x.size(-1)
     y = x.mT if transposed else x
     # scale so every singular value lies in (0, 1]; the spectral norm is bounded by Frobenius
@@ -405,16 +411,23 @@ def _msign_convergent_ns(x: torch.Tensor, tol: float, max_steps: int, complete: 
     eye = torch.eye(y.size(-2), dtype=y.dtype, device=y.device)
     scaled_tol = tol * y.size(-2) ** 0.5
     previous = err = float("inf")
-    for _ in range(max_steps):
+    passed_half = None  # the first step at which every singular value exceeds 1/2
+    for step in range(max_steps):
         gram = y @ y.mT
         err = float(torch.linalg.matrix_norm(gram.detach() - eye).max())
+        if passed_half is None and err < 0.75:  # err >= 1 - sigma_min^2
+            passed_half = step
         if err <= scaled_tol or (err < 1e-3 * y.size(-2) ** 0.5 and err > 0.5 * previous):
             break  # converged, or rounding stopped the progress (cubic convergence near 1)
         previous = err
         y = a * y + (b * gram + c * (gram @ gram)) @ y
     else:
-        if not math.isnan(err):
-            return _msign_svd(x.to(torch.float64), complete=complete).to(x.dtype)
+        passed_half = None
+    # each step multiplies a singular value in [0, 1] by at most a = 15/8, so the smallest was at
+    # least (1/2) (8/15)^passed_half of the largest: above msign's rank threshold, it was resolved
+    if not math.isnan(err) and (passed_half is None or 0.5 * (1.0 / a) ** passed_half <= max(x.shape[-2:])
+                                * torch.finfo(y.dtype).eps):
+        return _msign_svd(x.to(torch.float64), complete=complete).to(x.dtype)
     return y.mT if transposed else y
 
 
@@ -456,8 +469,8 @@ def msign(
         x: ``(..., m, n)``, tall or wide.
         method: one of :data:`MSIGN_METHODS` (see the module docstring).
         steps: iteration count for ``jordan5``/``polar-express``; the iteration cap for the
-            convergent methods (``newton-schulz`` not converged by then returns the float64
-            SVD's factor, not its last iterate).
+            convergent methods (``newton-schulz`` not converged by then, or not shown to have
+            resolved every singular value, returns the float64 SVD's factor, not its last iterate).
         tol: convergence tolerance of the convergent methods (default ``8 * eps(dtype)``).
         eps: added to the normalizing norm of the fixed-count methods.
 

@@ -421,3 +421,19 @@ def test_newton_schulz_maps_a_rank_deficient_input_as_the_svd():
         expected = msign(matrix, "svd")
         assert torch.linalg.svdvals(expected)[..., 2:].max() <= 1e-14  # msign maps them to 0
         assert _rel(msign(matrix, "newton-schulz"), expected) <= 1e-12
+
+
+@pytest.mark.parametrize("case", ["float32 rank 2", "float64 below the rank threshold"])
+def test_newton_schulz_does_not_carry_numerically_zero_singular_values_to_one(case):
+    # both reached 1 within the cap along directions the rounding chose: an orthonormal result
+    # 0.82 off the float64 SVD's factor (float32 products of rank 2), 0.49 off msign's 0
+    # and 0.014 off U V^T (a float64 singular value of 1e-15, under max(m, n) eps = 2e-15), no error
+    g = torch.Generator().manual_seed(1)
+    if case == "float32 rank 2":
+        x = torch.randn(3, 9, 2, generator=g) @ torch.randn(3, 2, 5, generator=g)
+        tol = 1e-6
+    else:
+        x, tol = _with_spectrum(9, 4, torch.tensor([1.0, 0.7, 0.3, 1e-15], dtype=torch.float64), seed=0), 1e-14
+    for matrix in (x, x.mT):
+        expected = msign(matrix.double(), "svd")
+        assert (msign(matrix, "newton-schulz").double() - expected).abs().max() <= tol
