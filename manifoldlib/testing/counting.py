@@ -12,11 +12,12 @@ What a step costs on a GPU is mostly decided by three numbers that can be read o
   - ``_local_scalar_dense`` (what ``.item()``, ``float(t)`` and ``bool(t)`` run), ``nonzero``,
     ``is_nonzero``, ``equal`` and ``allclose`` (which answer a Python bool);
   - the error check of ``torch.linalg.cholesky`` / ``inv`` / ``solve`` / ``lu_factor`` /
-    ``ldl_factor`` (``_linalg_check_errors``; their ``_ex`` twins skip it) and the decompositions
+    ``ldl_factor`` / ``lstsq`` (``_linalg_check_errors``; their ``_ex`` twins skip it) and the decompositions
     torch documents as synchronizing (``eigh``, ``eigvalsh``, ``eig``, ``eigvals``, ``svd``,
     ``svdvals``, ``pinv``);
   - the operators whose output size depends on the values, which a GPU reads back to allocate the
-    output (:data:`SYNC_OPS`), and those that read only with some arguments: indexing with a
+    output (:data:`SYNC_OPS`; the backward of ``masked_scatter`` too, not its forward), and those that
+    read only with some arguments: indexing with a
     boolean mask, ``index_put_`` that accumulates (``x.index_put_(i, v, accumulate=True)``: CUDA
     reads the largest and smallest index to check them), ``repeat_interleave`` without
     ``output_size``, ``histc`` with ``min == max`` (:func:`is_sync`);
@@ -92,7 +93,17 @@ __all__ = ["HOST_READ_FUNCTIONS", "HOST_READ_METHODS", "SYNC_OPS", "OpCounts", "
 SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal",
                       "allclose", "_linalg_check_errors", "masked_select", "_unique", "_unique2", "unique_dim",
                       "unique_consecutive", "unique_dim_consecutive", "bincount",
-                      "_linalg_eigh", "_linalg_svd", "linalg_pinv", "linalg_eig", "linalg_eigvals"})
+                      "_linalg_eigh", "_linalg_svd", "linalg_pinv", "linalg_eig", "linalg_eigvals",
+                      # linalg_lstsq_out ends in _linalg_check_errors(infos, ...) for every driver, CUDA's
+                      # 'gels' included (aten/src/ATen/native/BatchLinearAlgebra.cpp, linalg_lstsq_out),
+                      # which reads infos.any().item(); one op here, its check runs inside it
+                      "linalg_lstsq",
+                      # autograd's backward of masked_scatter: grad.masked_select(mask), then a cat sized
+                      # by the count (aten/src/ATen/native/TensorAdvancedIndexing.cpp,
+                      # masked_scatter_backward_symint). The forward masked_scatter_ reads nothing: CUDA
+                      # sums the mask on the device and checks it against the source in a kernel
+                      # (aten/src/ATen/native/cuda/IndexKernel.cu, launch_masked_scatter_kernel)
+                      "masked_scatter_backward"})
 #: Tensor methods that read a tensor's values on the host, or copy it there, without dispatching an
 #: operator on a CPU tensor (on a GPU tensor they copy it to the host first): each call counts as a
 #: synchronization (``cpu`` once, not again for the copy it dispatches on a device tensor).

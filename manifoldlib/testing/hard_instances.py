@@ -18,6 +18,9 @@ enough).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from ..manifolds import get_manifold
@@ -47,16 +50,34 @@ def hard_instance(
 
     Raises:
         ValueError: a manifold other than ``"stiefel"``/``"dgram"``/``"oblique"``, a wide shape,
-            or a rank outside ``1..n``.
+            a rank outside ``1..n``, sizes or a seed that are not ints, a ``noise`` that is not a
+            finite number ``>= 0`` (NaN gave a NaN gradient), or a ``dtype`` that is not floating.
     """
+    _check_common(m, n, seed, dtype)
+    if isinstance(noise, bool) or not isinstance(noise, numbers.Real) or not 0 <= noise < math.inf:
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
     gen = torch.Generator().manual_seed(seed)
     w = _point(manifold, m, n, gen)  # checks the manifold and the shape first
-    if not 1 <= rank <= n:
-        raise ValueError(f"rank must be in 1..{n}, got {rank}")
+    if not _is_int(rank) or not 1 <= rank <= n:
+        raise ValueError(f"rank must be an int in 1..{n}, got {rank!r}")
     f64 = torch.float64
     g = torch.randn(m, rank, generator=gen, dtype=f64) @ torch.randn(rank, n, generator=gen, dtype=f64)
     g = g + noise * torch.randn(m, n, generator=gen, dtype=f64)
     return w.to(dtype), g.to(dtype)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_common(m, n, seed, dtype) -> None:
+    """The arguments both instance builders share: int sizes and seed, a floating dtype (an int
+    dtype truncated the point and the gradient to integers)."""
+    for name, value in (("m", m), ("n", n), ("seed", seed)):
+        if not _is_int(value):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
 
 
 def _point(manifold: str, m: int, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -84,10 +105,11 @@ def nearly_normal_instance(
     Generated in float64 from ``seed``, then cast to ``dtype``.
 
     Raises:
-        ValueError: as :func:`hard_instance`, or ``tangent`` outside ``(0, 1]``.
+        ValueError: as :func:`hard_instance`, or ``tangent`` not a number in ``(0, 1]``.
     """
-    if not 0.0 < tangent <= 1.0:
-        raise ValueError(f"tangent must be in (0, 1], got {tangent!r}")
+    _check_common(m, n, seed, dtype)
+    if isinstance(tangent, bool) or not isinstance(tangent, numbers.Real) or not 0.0 < tangent <= 1.0:
+        raise ValueError(f"tangent must be a number in (0, 1], got {tangent!r}")
     gen = torch.Generator().manual_seed(seed)
     w = _point(manifold, m, n, gen)
     space = get_manifold(manifold)  # the manifold's own normal and tangent spaces

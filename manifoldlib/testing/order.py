@@ -145,13 +145,13 @@ def retraction_order(
         says nothing and raises).
 
     Raises:
-        ValueError: empty or non-positive ``ts``, a zero direction, or no usable pair of steps
+        ValueError: empty, non-positive or infinite ``ts``, a zero direction, or no usable pair of steps
             (in float64: the remainder rises above the rounding floor only at some steps of each
             pair; below float64: no pair above it).
     """
-    if len(ts) == 0 or any(not (t > 0) for t in ts):
+    if len(ts) == 0 or any(not 0 < t < math.inf for t in ts):
         raise ValueError(
-            f"ts must be a non-empty sequence of positive step sizes, got {tuple(ts)!r}"
+            f"ts must be a non-empty sequence of positive finite step sizes, got {tuple(ts)!r}"
         )
     x, v = _sample(manifold, x, v, generator, dtype)
     return _measure(manifold, x, v, ts)[0]
@@ -281,11 +281,20 @@ def assert_retraction(
 
     Raises:
         AssertionError: naming the failed check and the measured numbers.
-        ValueError: ``order`` not 1 or 2.
+        ValueError: ``order`` not 1 or 2, a tolerance that is not a finite number ``>= 0``, or an
+            ``order_tolerance`` of 0.5 or more (orders 1 and 2 would both pass either claim).
     """
+    tolerances = {"manifold_rtol": manifold_rtol, "zero_rtol": zero_rtol, "derivative_rtol": derivative_rtol}
+    for name, value in tolerances.items():  # NaN failed every check with a wrong reason, inf skipped it
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if isinstance(order_tolerance, bool) or not isinstance(order_tolerance, (int, float)) \
+            or not 0 <= order_tolerance < 0.5:
+        # from 0.5 on, a first-order retraction that claims order 2 passes (and one of order 2 claiming 1)
+        raise ValueError(f"order_tolerance must be a number in [0, 0.5), got {order_tolerance!r}")
     x, v = _sample(manifold, x, v, generator, torch.float64)
     claim = _claimed_order(manifold, x) if order is None else order
-    if claim not in (1, 2):
+    if isinstance(claim, bool) or claim not in (1, 2):
         raise ValueError(f"order must be 1 or 2, got {claim!r}")
     v = _unit_direction(x, v)
 

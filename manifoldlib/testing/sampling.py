@@ -25,8 +25,15 @@ def default_shape(manifold: RetractionManifold, batch: int | None = 2) -> tuple[
 
     ``(batch, 5)`` on the sphere, ``(batch, 5, 3)`` on Stiefel and DGram (tall,
     ``m > n >= 2``: square Stiefel makes Cayley second order and a single
-    column makes every DGram retraction exact), ``(batch, 4)`` for Euclidean."""
-    lead = () if batch is None else (int(batch),)
+    column makes every DGram retraction exact), ``(batch, 4)`` for Euclidean.
+
+    Raises:
+        ValueError: ``batch`` not ``None`` nor an int ``>= 1`` (``2.7`` was truncated to 2, a bool
+            taken as 0 or 1, ``-1`` returned as a size).
+    """
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch must be None or an int >= 1, got {batch!r}")
+    lead = () if batch is None else (batch,)
     if manifold.name == "sphere":
         return lead + (5,)
     if manifold.name in ("stiefel", "dgram", "oblique"):

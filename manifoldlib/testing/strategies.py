@@ -41,9 +41,15 @@ FloatRange = Union[float, tuple[float, float]]
 _SEED_MAX = 2**31 - 1
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int_range(value: IntRange, name: str, low: int = 1) -> st.SearchStrategy[int]:
-    lo, hi = (value, value) if isinstance(value, int) else value
-    if lo < low or hi < lo:
+    # a bool was a size of 0 or 1, a float a TypeError from unpacking or from hypothesis
+    pair = (value, value) if _is_int(value) else tuple(value) if isinstance(value, (tuple, list)) else ()
+    lo, hi = pair if len(pair) == 2 and all(_is_int(v) for v in pair) else (None, None)
+    if lo is None or lo < low or hi < lo:
         raise ValueError(
             f"{name} must be an int >= {low} or a range (lo, hi) with {low} <= lo <= hi, "
             f"got {value!r}"
@@ -100,6 +106,8 @@ def shapes(
     if manifold.name in ("stiefel", "dgram", "oblique"):
         # checked here, not per draw: an n range above some of dim's m failed only the draws of such m
         m_lo, m_hi = (dim, dim) if isinstance(dim, int) else dim
+        if cols is not None:
+            _int_range(cols, "cols")  # its own value in the message
         n_lo, n_hi = (1, m_hi) if cols is None else (cols, cols) if isinstance(cols, int) else cols
         _int_range((n_lo, n_hi), "cols")
         if n_lo > m_hi:

@@ -157,3 +157,23 @@ def test_copies_between_the_host_and_a_device_count_as_syncs():
         ops = count_ops(lambda: x.to("cpu", non_blocking=True)).ops  # its device queries are no kernels
     assert counted == {**dict.fromkeys(copies, 1), **dict.fromkeys(twins, 0)}
     assert ops == 1
+
+
+def test_lstsq_and_the_backward_of_masked_scatter_count_as_syncs_its_forward_none():
+    """linalg.lstsq (its error check reads the LAPACK / cuSOLVER infos on the host, CUDA's gels too)
+    and masked_scatter's backward (a masked_select) counted 0; the forward sums its mask on the
+    device (aten/src/ATen/native/cuda/IndexKernel.cu) and stays 0."""
+    a, _, mask = _data()
+    source = torch.arange(24, dtype=a.dtype)
+
+    def backward_of_masked_scatter():
+        s = source.clone().requires_grad_()
+        a.masked_scatter(mask, s).sum().backward()  # the forward's masked_scatter_ reads nothing: 1
+
+    counted = {
+        "lstsq": count_ops(lambda: torch.linalg.lstsq(a, a[:, :2])).syncs,
+        "lstsq gels": count_ops(lambda: torch.linalg.lstsq(a, a[:, :2], driver="gels")).syncs,
+        "masked_scatter_": count_ops(lambda: a.clone().masked_scatter_(mask, source)).syncs,
+        "backward of masked_scatter": count_ops(backward_of_masked_scatter).syncs,
+    }
+    assert counted == {"lstsq": 1, "lstsq gels": 1, "masked_scatter_": 0, "backward of masked_scatter": 1}

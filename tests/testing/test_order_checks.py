@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -146,10 +147,11 @@ def test_retraction_order_uses_given_points_and_rescales_direction():
 
 def test_retraction_order_input_errors():
     s = Sphere()
-    with pytest.raises(ValueError, match="ts must be a non-empty sequence of positive step sizes"):
+    with pytest.raises(ValueError, match="ts must be a non-empty sequence of positive finite step sizes"):
         retraction_order(s, ts=())
-    with pytest.raises(ValueError, match="positive"):
-        retraction_order(s, ts=(0.1, -0.01))
+    for ts in ((0.1, -0.01), (math.inf, 0.01)):  # inf: an error about non-finite values in 'u'
+        with pytest.raises(ValueError, match=re.escape(f"positive finite step sizes, got {ts!r}")):
+            retraction_order(s, ts=ts)
     x = s.random(3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="direction v is zero"):
         retraction_order(s, x, torch.zeros_like(x))
@@ -329,6 +331,19 @@ def test_assert_retraction_argument_errors():
     bad = torch.ones(2, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="base point x is not on sphere"):
         assert_retraction(Sphere(), x=bad)
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("manifold_rtol", math.inf, "manifold_rtol must be a finite number >= 0, got inf"),  # skipped the check
+    ("zero_rtol", math.nan, "zero_rtol must be a finite number >= 0, got nan"),  # 'R_x(0) != x'
+    ("order_tolerance", 1.0, r"order_tolerance must be a number in \[0, 0.5\), got 1.0"),
+])
+def test_assert_retraction_refuses_tolerances_that_would_decide_the_result(option, value, needle):
+    """A first-order QR retraction claiming order 2 passed with order_tolerance=1.0 (and with
+    manifold_rtol=inf a retraction off the manifold); a NaN tolerance failed a correct retraction
+    with a reason that blamed it."""
+    with pytest.raises(ValueError, match=needle):
+        assert_retraction(Stiefel(retraction="qr"), order=2, **{option: value})
 
 
 def test_assert_retraction_accepts_float32_points():

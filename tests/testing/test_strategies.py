@@ -1,4 +1,5 @@
-"""manifoldlib.testing.strategies and registered_manifolds."""
+"""manifoldlib.testing.strategies, the sampling helpers, the hard instances' argument checks and
+registered_manifolds."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 
 from manifoldlib import DGram, Euclidean, Sphere, Stiefel
 from manifoldlib.retractions import AngleRetraction, register_retraction
-from manifoldlib.testing import point_norm, random_tangent, registered_manifolds
+from manifoldlib.testing import (
+    default_shape,
+    hard_instance,
+    nearly_normal_instance,
+    point_norm,
+    random_tangent,
+    registered_manifolds,
+)
 from manifoldlib.testing import strategies as mst
 
 MANIFOLDS = [Sphere(4.0), Stiefel(), DGram(), Euclidean(ndim=2)]
@@ -66,6 +74,37 @@ def test_strategy_argument_errors():
         mst.shapes(Sphere(), dim=0)
     with pytest.raises(ValueError, match="scale must be >= 0"):
         mst.tangents(Sphere(), torch.ones(3), scale=-1.0)
+
+
+@pytest.mark.parametrize("option, value", [("batch", True), ("dim", (2, 6.5)), ("cols", True)])
+def test_sizes_that_are_not_ints_are_refused_naming_them(option, value):
+    # batch=True drew batches of one, cols=True one column; floats a TypeError from unpacking
+    # or from hypothesis
+    with pytest.raises(ValueError, match=re.escape(f"{option} must be an int >= 1 or a range (lo, hi)")
+                       + ".*" + re.escape(f"got {value!r}")):
+        mst.shapes(Stiefel(), **{option: value})
+
+
+def test_default_shape_refuses_a_batch_that_is_not_a_positive_int():
+    # 2.7 was truncated to 2, True was a batch of 1, -1 a shape (-1, 5)
+    assert default_shape(Sphere(), 3) == (3, 5) and default_shape(Stiefel(), None) == (5, 3)
+    for batch in (2.7, True, -1, 0):
+        with pytest.raises(ValueError, match=re.escape(f"batch must be None or an int >= 1, got {batch!r}")):
+            default_shape(Sphere(), batch)
+
+
+@pytest.mark.parametrize("build, option, value, needle", [
+    (hard_instance, "noise", math.nan, "noise must be a finite number >= 0, got nan"),  # a NaN gradient
+    (hard_instance, "rank", 2.5, "rank must be an int in 1..4, got 2.5"),
+    (hard_instance, "dtype", torch.int64, "dtype must be a floating torch dtype, got torch.int64"),  # W of 0s
+    (nearly_normal_instance, "m", 8.0, "m must be an int, got 8.0"),
+    (nearly_normal_instance, "tangent", True, r"tangent must be a number in \(0, 1\], got True"),
+])
+def test_hard_instances_refuse_values_that_are_not_what_they_mean(build, option, value, needle):
+    args = {"manifold": "stiefel", "m": 8, "n": 4, "seed": 0}
+    args.update({"rank": 2, "noise": 0.1} if build is hard_instance else {"tangent": 0.1})
+    with pytest.raises(ValueError, match=needle):
+        build(**{**args, option: value})
 
 
 def test_cols_is_refused_where_the_points_have_no_columns():
