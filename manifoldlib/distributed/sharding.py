@@ -254,7 +254,7 @@ def sharded_apply(
     fn: Callable[[int, torch.Tensor], torch.Tensor],
     *,
     process_group: dist.ProcessGroup | None = None,
-    strategy: str = "size",
+    strategy: str | None = None,
     owners: Sequence[int] | None = None,
     check_layout: bool = True,
 ) -> list[torch.Tensor]:
@@ -276,8 +276,10 @@ def sharded_apply(
             owner's values are read; on the other ranks they are shape and dtype templates.
         fn: ``fn(i, tensor) -> tensor`` of the same shape and dtype; deterministic.
         process_group: the group to shard over; ``None`` for the default group.
-        strategy: ownership strategy of :func:`assign_owners`, used when ``owners`` is None.
-        owners: a precomputed owner rank per tensor (e.g. cached by an optimizer).
+        strategy: ownership strategy of :func:`assign_owners` (``None``: ``"size"``); not
+            with ``owners``.
+        owners: a precomputed owner rank per tensor (e.g. cached by an optimizer), instead of
+            a ``strategy``.
         check_layout: before any gather of results, all_gather an 8-byte digest of every
             rank's shapes, dtypes and owners and compare them on the host (one small collective
             and one host read, which on CUDA waits for the work queued so far); a caller that
@@ -290,7 +292,8 @@ def sharded_apply(
         :math:`W > 1` they are views into the gathered buffer, detached from autograd.
 
     Raises:
-        ValueError: ``fn`` returned a wrong shape or dtype, a bad ``owners``/``strategy``, or
+        ValueError: ``fn`` returned a wrong shape or dtype, a bad ``owners``/``strategy``, both
+            of them (the strategy would not be used), or
             tensors of one dtype on different devices. Raised before any collective on the
             rank that detects it; the other ranks then fail at the process group's timeout.
             Also, with ``check_layout``, on every rank and before any gather of results, where
@@ -302,7 +305,9 @@ def sharded_apply(
     rank, world_size = get_rank_world(process_group)
     tensors = list(tensors)
     if owners is None:
-        owners = assign_owners([tuple(t.shape) for t in tensors], world_size, strategy)
+        owners = assign_owners([tuple(t.shape) for t in tensors], world_size, strategy or "size")
+    elif strategy is not None:  # it was ignored: the owners decide
+        raise ValueError(f"sharded_apply takes owners or a strategy, not both; got strategy={strategy!r} and owners")
     else:
         owners = list(owners)
         _check_owners(owners, len(tensors), world_size)

@@ -70,6 +70,13 @@ def test_bad_owners_and_strategy_are_refused() -> None:
         sharded_apply(_inputs(), _solve, strategy="largest")
 
 
+@pytest.mark.parametrize("strategy", ["round-robin", "largest"])
+def test_a_strategy_beside_owners_is_refused_not_ignored(strategy: str) -> None:
+    # the owners decided and the strategy, even an unknown one, was dropped without a word
+    with pytest.raises(ValueError, match=f"sharded_apply takes owners or a strategy, not both; got strategy='{strategy}'"):
+        sharded_apply(_inputs(), _solve, strategy=strategy, owners=[0, 0, 0])
+
+
 def test_a_process_group_without_initialization_is_refused() -> None:
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         sharded_apply(_inputs(), _solve, process_group=object())  # type: ignore[arg-type]
