@@ -74,7 +74,14 @@ def piece_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 def exchange_bytes(outgoing: Sequence[Sequence[Spec]], rank: int) -> int:
     """Bytes ``rank`` sends to *other* ranks when it sends ``outgoing[d]`` to rank ``d``
-    (what it keeps for itself moves nowhere)."""
+    (what it keeps for itself moves nowhere).
+
+    Raises:
+        ValueError: ``rank`` not an int in ``[0, len(outgoing))`` (one outside counted what it
+            keeps as sent).
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(outgoing):
+        raise ValueError(f"exchange_bytes needs a rank in [0, {len(outgoing)}), got rank={rank!r}")
     return sum(piece_bytes(shape, dtype) for d, specs in enumerate(outgoing) if d != rank
                for shape, dtype in specs)
 

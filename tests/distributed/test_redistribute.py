@@ -92,6 +92,9 @@ def test_exchange_bytes_counts_aligned_pieces_sent_to_other_ranks():
     assert piece_bytes((3,), torch.bfloat16) == ALIGNMENT  # 6 bytes, aligned to 8
     assert exchange_bytes(specs, rank=0) == 8 + 32
     assert exchange_bytes(specs, rank=1) == 64  # 60 bytes of float32, aligned
+    for rank in (2, -1):  # counted what the rank keeps as sent too: 104 bytes, silently
+        with pytest.raises(ValueError, match=re.escape(f"exchange_bytes needs a rank in [0, 2), got rank={rank}")):
+            exchange_bytes(specs, rank=rank)
 
 
 def test_a_whole_tensor_is_not_row_sharded():
