@@ -102,6 +102,7 @@ def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
     """
     mesh = items[0][1].device_mesh
     group = mesh.get_group()
+    device = items[0][1].to_local().device  # where the shards live: every exchange's buffers
     rank, world = get_rank_world(group)
     owners = assign_owners([tuple(p.shape) for _, p, *_ in items], world, strategy)
     matrices = [_prepare(item, owner, execution_of) for item, owner in zip(items, owners)]
@@ -111,7 +112,7 @@ def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
         outgoing[matrix.owner].extend(matrix.fields)
     incoming = [[spec for matrix in matrices if matrix.owner == rank for spec in _sent_rows(matrix, source, world)]
                 for source in range(world)]
-    received = exchange(outgoing, incoming, group)
+    received = exchange(outgoing, incoming, group, device=device)
 
     mine = [matrix for matrix in matrices if matrix.owner == rank]
     wholes, position = [], [0] * world
@@ -142,7 +143,7 @@ def fsdp_step(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor, dict]],
             back[d].append(scalars)
     expected = [[spec for matrix in matrices if matrix.owner == source for spec in _returned_rows(matrix, rank, world)]
                 for source in range(world)]
-    returned = exchange(back, expected, group)
+    returned = exchange(back, expected, group, device=device)
     position = [0] * world
     for matrix in matrices:
         s = matrix.owner
