@@ -389,6 +389,9 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
         if delta <= tol or (delta < 1e-3 and delta > 0.5 * previous):
             break
         previous = delta
+    else:  # not converged within max_steps (a cap below the ~10 steps it takes): the float64 SVD's
+        # factor, as the convergent Newton-Schulz iteration gives, not the last iterate
+        return _with_polar_derivative(x, lambda z: _msign_svd(z.to(torch.float64)).to(z.dtype))
     return y.mT if transposed else y
 
 
@@ -469,8 +472,9 @@ def msign(
         x: ``(..., m, n)``, tall or wide.
         method: one of :data:`MSIGN_METHODS` (see the module docstring).
         steps: iteration count for ``jordan5``/``polar-express``; the iteration cap for the
-            convergent methods (``newton-schulz`` not converged by then, or not shown to have
-            resolved every singular value, returns the float64 SVD's factor, not its last iterate).
+            convergent methods (``newton`` or ``newton-schulz`` not converged by then, or
+            ``newton-schulz`` not shown to have resolved every singular value, returns the float64
+            SVD's factor, not its last iterate).
         tol: convergence tolerance of the convergent methods (default ``8 * eps(dtype)``).
         eps: added to the normalizing norm of the fixed-count methods.
 

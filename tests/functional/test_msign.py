@@ -437,3 +437,11 @@ def test_newton_schulz_does_not_carry_numerically_zero_singular_values_to_one(ca
     for matrix in (x, x.mT):
         expected = msign(matrix.double(), "svd")
         assert (msign(matrix, "newton-schulz").double() - expected).abs().max() <= tol
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_newton_stopped_by_its_cap_returns_the_svd_factor(steps):
+    # the last iterate came back: x itself at steps=0 (2e3 off msign(x, "svd")), 0.28 off after 3
+    x = _gaussian((9, 4), 0) * torch.tensor([1e-3, 1.0, 10.0, 1e3], dtype=torch.float64)
+    for matrix in (x, x.mT):
+        assert _rel(msign(matrix, "newton", steps=steps), msign(matrix, "svd")) <= 1e-14
