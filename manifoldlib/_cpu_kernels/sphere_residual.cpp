@@ -37,13 +37,16 @@
 // and k are ratios), its gradients in h and f of degree 0 and in s of degree 1. A row whose
 // q = ||h||² (the double sum) falls outside [RowRange<T>::low, RowRange<T>::high] — float32 rows
 // of norm outside [2^-24, 2^24], float64 rows outside [2^-200, 2^200] — is therefore computed on
-// (h, f) 2^-e, 2^e the power of two of its largest |h_i| (row_exponent): the double sums of a
-// float64 row underflow below a norm of about 1e-154 (q clamped at a floor left such rows off their
-// sphere, by up to 1e6 in the normalized step), the per-row math of the separate passes runs in
-// the input dtype and meets a² ~ ||h||⁴ far earlier, and a float32 row's gradient coefficients
-// (about 1/||h||) leave float32. The decision is one comparison of q per row, taken after the
-// row's first reduction: a row in range runs exactly the code it ran before, and only a row out
-// of range pays (it is copied, scaled, while in cache). A power of two scales exactly (short of
+// (h, f) 2^-e by the reference's rule (row_exponent; _fused._reference_factors): 2^e the power of
+// two of its largest |h_i|, or a larger one where f 2^-e would pass 2^K (RowRange<T>::reach, K = 48
+// float32, 400 float64). The double sums of a float64 row underflow below a norm of about 1e-154
+// (q clamped at a floor left such rows off their sphere, by up to 1e6 in the normalized step), the
+// per-row math of the separate passes runs in the input dtype and meets a² ~ ||h||⁴ far earlier, a
+// float32 row's gradient coefficients (about 1/||h||) leave float32, and a copy scaled by its h
+// alone would square an f of 2^520 (float64 h of 2^-250, f of 2^270). The decision is one
+// comparison of q per row, taken after the row's first reduction: a row in range runs exactly the
+// code it ran before, and only a row out of range pays (it is copied, scaled, while in cache). A
+// power of two scales exactly (short of
 // subnormal numbers), so a rescaled row gets the bits of its twin in range: its values times
 // 2^e, the same gradients in h and f, its dL/ds times 2^e (a row whose own update is out of T's
 // range is NaN instead: "Updates out of range" below).
@@ -52,9 +55,10 @@
 //     and sphere_step_backward then redoes the row's backward on the same scaled copy (combining
 //     its f-terms at a power of two of their own, which keeps their coefficients normal: backward_row).
 //   - forward_dots returns the scaled row's dots, and as second output the (N,) factors 2^-e
-//     (1 for rows in range), or an empty tensor when no row was rescaled: the coefficients of
-//     A h + B f are ratios of the dots (the same for the scaled row), and the backward's Python
-//     math multiplies <g, h>, <g, f> and the coefficients of h and f by 2^-e, dL/ds by 2^e.
+//     (1 for rows in range and those whose e is 0), or an empty tensor when no row was rescaled:
+//     the coefficients of A h + B f are ratios of the dots (the same for the scaled row), and the
+//     backward's Python math multiplies <g, h>, <g, f> and the coefficients of h and f by 2^-e,
+//     dL/ds by 2^e.
 // A zero row (outside the contract: its sphere has radius 0) is not rescaled: it is kept, the update
 // of a step 0 (_fused.py, "A zero row of h"); the row kernels mark it with q = 0 in its stats, and
 // the separate passes return its dots 0, from which their caller knows it (q = 0 nowhere else).
@@ -204,16 +208,19 @@ MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c
 // row is computed rescaled by a power of two (see the top of this file). The per-row math of the
 // separate passes runs in T and forms a² ~ q ||f||²: for q in 2^±48 float32 keeps it normal while
 // ||f|| / ||h|| stays within 2^±15; float64's 2^±400 keeps q² and the backward's terms of degree
-// three (a <g, h> ~ q^(3/2)) at least 2^200 inside the range of a double.
+// three (a <g, h> ~ q^(3/2)) at least 2^200 inside the range of a double. `reach` is K of the
+// reference (_fused._REFERENCE_RANGE): a rescaled copy's largest |f_i| stays below 2^K.
 template <typename T>
 struct RowRange;
 template <>
 struct RowRange<float> {
   static constexpr double low = 0x1p-48, high = 0x1p48;
+  static constexpr int reach = 48;
 };
 template <>
 struct RowRange<double> {
   static constexpr double low = 0x1p-400, high = 0x1p400;
+  static constexpr int reach = 400;
 };
 
 template <typename T>
@@ -221,18 +228,34 @@ inline bool in_range(double q) {
   return q >= RowRange<T>::low && q <= RowRange<T>::high;  // false for NaN
 }
 
-// The exponent e of the row's largest |x_i| = m 2^e, m in [1/2, 1) (frexp), clamped so that 2^e
-// and 2^-e are normal numbers of T; 0 for a zero row or one with an infinite entry (NaN entries
-// are passed over: they reach the result through the sums).
+// The largest |x_i| of a row (NaN entries are passed over: they reach the result through the sums).
 template <typename T>
-MANIFOLDLIB_ROW_KERNEL int row_exponent(const T* x, int64_t d) {
+T largest_entry(const T* x, int64_t d) {
   T largest = 0;
   for (int64_t i = 0; i < d; ++i) largest = std::max(largest, std::abs(x[i]));
-  if (!(largest > 0) || !std::isfinite(largest)) return 0;
-  int e = 0;
-  std::frexp(static_cast<double>(largest), &e);
+  return largest;
+}
+
+// The exponent e by which a row out of range is rescaled, the rule of the reference
+// (_fused._reference_factors): that of the row's largest |h_i| = m 2^e, m in [1/2, 1) (frexp), or
+// e_f - K where f 2^-e would pass 2^K (its largest |f_i| = m 2^e_f), so that the copy's squares do
+// not overflow where the row's own do not; clamped so that 2^e and 2^-e are normal numbers of T.
+// False (not rescaled) for a zero row of h and one with an infinite entry of h; an f with an
+// infinite entry, or a zero f, sets no bound.
+template <typename T>
+MANIFOLDLIB_ROW_KERNEL bool row_exponent(const T* x, const T* y, int64_t d, int* e) {
+  const T largest = largest_entry(x, d);
+  if (!(largest > 0) || !std::isfinite(largest)) return false;
+  std::frexp(static_cast<double>(largest), e);
+  const T largest_f = largest_entry(y, d);
+  if (largest_f > 0 && std::isfinite(largest_f)) {
+    int e_f = 0;
+    std::frexp(static_cast<double>(largest_f), &e_f);
+    *e = std::max(*e, e_f - RowRange<T>::reach);
+  }
   constexpr int bound = std::numeric_limits<T>::max_exponent - 2;  // 126 (float), 1022 (double)
-  return std::clamp(e, -bound, bound);
+  *e = std::clamp(*e, -bound, bound);
+  return true;
 }
 
 // out = x 2^-e, exact (short of subnormal results, entries below 2^-126 resp. 2^-1022 of the row's largest)
@@ -263,14 +286,14 @@ MANIFOLDLIB_ROW_KERNEL void parallel_row(const T* x, const T* y, int64_t d, cons
   par[2] = std::max(total[0] - total[1] * normal, 0.0);
 }
 
-// [||x||², <x, y>, ||y||²] of one row; a row whose ||x||² is out of range: those of (x, y) 2^-e,
-// its factor 2^-e returned (1 for a row in range). A nearly parallel row: its [a/q, ν, ||u||²] in
-// par (from the scaled copy), `*parallel` set.
+// [||x||², <x, y>, ||y||²] of one row; a row out of range: those of (x, y) 2^-e, its factor 2^-e
+// returned (1 for a row in range, and for one whose e is 0). A nearly parallel row: its
+// [a/q, ν, ||u||²] in par (from the scaled copy), `*parallel` set.
 template <typename T>
 MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, double* total, double* par,
                                              bool* parallel) {
-  const int e = row_exponent(x, d);
-  if (e == 0) {  // a zero or non-finite row: its dots as they are
+  int e = 0;
+  if (!row_exponent(x, y, d, &e) || e == 0) {  // a zero or non-finite row, or 2^0: its dots as they are
     if ((*parallel = nearly_parallel(total))) parallel_row(x, y, d, total, par);
     return 1.0;
   }
@@ -283,9 +306,11 @@ MANIFOLDLIB_ROW_KERNEL double rescaled_dots3(const T* x, const T* y, int64_t d, 
   }
   if ((*parallel = nearly_parallel(total))) parallel_row(copy.data(), copy.data() + d, d, total, par);
   // the row's own ||P_h f||² beyond T's range (see the top of this file): NaN dots, so the caller's
-  // math gives the row NaN, as the ATen path does; a row in range shows it there in T itself
+  // math gives the row NaN, as the ATen path does; a row in range shows it there in T itself. So
+  // does a copy whose h underflowed to 0 (||f|| / ||h|| past about 2^(K + 149) float32, 2^(K + 1074)
+  // float64), which the caller would otherwise keep as a zero row.
   const double tangent = *parallel ? par[2] : total[2] - total[1] * (total[1] / total[0]);
-  if (!(std::ldexp(tangent, 2 * e) <= static_cast<double>(std::numeric_limits<T>::max()))) {
+  if (!(total[0] > 0.0) || !(std::ldexp(tangent, 2 * e) <= static_cast<double>(std::numeric_limits<T>::max()))) {
     total[0] = total[1] = total[2] = std::numeric_limits<double>::quiet_NaN();
     *parallel = false;
   }
@@ -674,13 +699,15 @@ void forward_zero_row(const T* x, int64_t d, double a, T* o, double* stats) {
 }
 
 // A row of sphere_step_forward whose q is out of range (see the top of this file): computed on its
-// copy scaled by 2^-e, its output times 2^e, its stats the scaled row's with q negated (the mark
-// the backward reads). A row with a non-finite entry is computed as it is (NaN); a zero row is kept.
+// copy scaled by 2^-e, its output times 2^e, its stats the scaled row's with q negated (the mark the backward reads). A row with a
+// non-finite entry of h is computed as it is (NaN); a zero row is kept; a copy whose h underflowed
+// to 0 (||f|| / ||h|| past about 2^(K + 149) float32, 2^(K + 1074) float64) comes out NaN, values
+// and gradients.
 template <typename T>
 MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t d, const double* dots, double s,
                                                  int64_t family, double p, double eps, T* o, double* stats) {
-  const int e = row_exponent(x, d);
-  if (e == 0) {
+  int e = 0;
+  if (!row_exponent(x, y, d, &e)) {
     if (dots[0] == 0.0) {
       forward_zero_row(x, d, dots[1], o, stats);
       return;
@@ -695,6 +722,10 @@ MANIFOLDLIB_ROW_KERNEL void forward_rescaled_row(const T* x, const T* y, int64_t
   scaled_copy(y, d, e, copy.data() + d);
   double scaled[3] = {};
   for (int64_t b = 0; b < d; b += kBlock) block_dots3(xs + b, ys + b, std::min(kBlock, d - b), scaled);
+  if (!(scaled[0] > 0.0)) {  // q 1 (the mark stays negative), a and n NaN: the row NaN
+    scaled[0] = 1.0;
+    scaled[1] = scaled[2] = std::numeric_limits<double>::quiet_NaN();
+  }
   forward_row<T, true>(xs, ys, d, scaled, s, family, p, eps, e, o, stats);
   stats[0] = -stats[0];
 }
@@ -820,7 +851,8 @@ template <typename T>
 MANIFOLDLIB_ROW_KERNEL double backward_rescaled_row(const T* g, const T* x, const T* y, int64_t d,
                                                     const double* stats, double s, int64_t family, double p,
                                                     double eps, T* gf, T* gh) {
-  const int e = row_exponent(x, d);
+  int e = 0;
+  row_exponent(x, y, d, &e);  // true: the forward rescaled the row
   std::vector<T> copy(2 * d);
   scaled_copy(x, d, e, copy.data());
   scaled_copy(y, d, e, copy.data() + d);

@@ -100,8 +100,10 @@ floored at the dtype's smallest normal, such rows came back off their sphere wit
 update is homogeneous of degree 1 in :math:`(h, f)` together, its gradients in :math:`h, f` of
 degree 0 and in :math:`s` of degree 1. So the C++ kernels compute a row whose :math:`q` (summed in
 double) is out of their range (float32: norms outside :math:`2^{\pm 24}`, float64:
-:math:`2^{\pm 200}`) on :math:`(h, f)\,2^{-e}`, :math:`2^e` the power of two of its largest
-:math:`|h_i|`, while the row is in cache, and scale back; a power of two scales exactly, so such a
+:math:`2^{\pm 200}`) on :math:`(h, f)\,2^{-e}` by the rule of :func:`sphere_residual_reference`
+below: :math:`2^e` the power of two of its largest :math:`|h_i|`, or a larger one where
+:math:`f\,2^{-e}` would pass :math:`2^K` (:math:`K` = 48 float32, 400 float64). They do it while
+the row is in cache, and scale back; a power of two scales exactly, so such a
 row gets the bits of its twin in range (for rows whose largest entry is a normal number and whose
 update is in range, *An update out of range* below), and a
 row in range pays one comparison (``sphere_residual.cpp`` has the details). The ATen path cannot
@@ -267,8 +269,9 @@ def _reference_factors(largest_h: torch.Tensor, largest_f: torch.Tensor) -> torc
     times :math:`2^{-e}`, bit for bit."""
     low, high, reach, bound = _REFERENCE_RANGE[largest_h.dtype]
     exponent = torch.frexp(largest_h).exponent  # (..., 1) int32, 0 for 0, inf and NaN
-    of_f = torch.frexp(largest_f).exponent - reach  # 0 - K for f = 0: no bound
-    exponent = torch.maximum(exponent, torch.where(largest_f.isfinite(), of_f, exponent))
+    of_f = torch.frexp(largest_f).exponent - reach  # (..., 1)
+    # a zero f (frexp's exponent 0) or a non-finite one sets no bound, as in the C++ kernels
+    exponent = torch.maximum(exponent, torch.where(largest_f.isfinite() & (largest_f > 0), of_f, exponent))
     exponent = exponent.clamp(-bound, bound).to(largest_h.dtype)  # 2^±e normal numbers
     keep = ~((largest_h < low) | (largest_h > high)) | (largest_h == 0) | ~largest_h.isfinite()
     return torch.where(keep, 1.0, torch.exp2(-exponent))

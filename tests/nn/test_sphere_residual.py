@@ -535,6 +535,24 @@ def test_the_reference_computes_rows_of_tiny_and_huge_norm_as_their_twins_in_ran
         assert torch.equal(grad_s, twin[3] * 2.0**k)
 
 
+@pytest.mark.parametrize("normalize_eps", [None, 1e-6], ids=["literal", "normalized"])
+def test_the_reference_computes_a_tiny_row_with_a_zero_f_as_its_twin_in_range(normalize_eps):
+    """float64 rows of norm 2^-1000 whose f is 0 (a zero-initialized sub-layer): the reference's
+    rule took a zero f's frexp exponent 0 for a bound on the rescaling, 2^e at least 2^-400, so the
+    copy's ||h||² (2^-1200) underflowed and the row came out NaN. A zero f now sets no bound, as in
+    the C++ kernels: the row is its twin's (of norm 1) bit for bit, its values 2^-1000 times them."""
+    h, _ = _case(34, 3, 24, radius=1.0, f_scale=1.0)
+    f = torch.zeros_like(h)
+
+    def reference(a, b, s, r):
+        return sphere_residual_reference(a, b, s, r, normalize_eps=normalize_eps)
+
+    twin = _values_and_grads(reference, h, f, 0.7, RETRACTIONS["exp"])
+    out, grad_h, grad_f, grad_s = _values_and_grads(reference, h * 2.0**-1000, f, 0.7, RETRACTIONS["exp"])
+    assert torch.equal(out, twin[0] * 2.0**-1000)
+    assert torch.equal(grad_h, twin[1]) and torch.equal(grad_f, twin[2]) and torch.equal(grad_s, twin[3] * 2.0**-1000)
+
+
 def _zero_rows_kept(path, h, f, w, ret, normalize_eps, dtype):
     """Rows 1 and 4 (zero rows of h) kept, ``out = h = 0``, with the identity's gradients (``w`` in h,
     0 in f); the other rows' values and gradients those of a batch without them, the gradient in s

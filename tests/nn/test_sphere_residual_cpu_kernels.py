@@ -374,6 +374,36 @@ def test_kernels_compute_rows_out_of_range_rescaled_bit_for_bit(spy, dtype, expo
     assert float((ratio - 1.0).abs().max()) <= 4 * torch.finfo(dtype).eps
 
 
+@pytest.mark.parametrize(("name", "normalize_eps", "step"), [("gnomonic", 1e-6, 0.7), ("exp", 1e-6, 0.7),
+                                                             ("p=1.5", None, 2.0**-510), ("user-p3", None, 2.0**-510)])
+def test_a_row_whose_f_outgrows_its_h_is_rescaled_by_the_references_rule(spy, name, normalize_eps, step):
+    """float64 rows with ||f|| / ||h|| = 2^520 (a literal step of 2^-510: β about 2^10): h of norm
+    2^-250 with f of 2^270, and its twin h of 2^-100 with f of 2^420. The kernels rescaled a row
+    by the power of two of its largest |h_i| alone, so the first one's copy had f of 2^520, whose
+    squares overflow a double: NaN, values and gradients, where the reference (and the row's own
+    ||P_h f||²) is finite. Now they take the reference's exponent (the larger where f 2^-e would
+    pass 2^400): both rows are computed on the same copy, so they are twins bit for bit, and they
+    agree with the reference (its dL/ds, plain autograd, to β eps)."""
+    retraction = RETRACTIONS[name]
+    h, f = _case(21, (3, 24), radius=1.0, f_scale=1.0)
+    f = f * 2.0**520
+
+    def fn(a, b, s, r):
+        return sphere_residual(a, b, s, r, normalize_eps=normalize_eps)
+
+    tiny = _values_and_grads(fn, h * 2.0**-250, f * 2.0**-250, step, retraction)
+    assert spy.calls == list(_kernels_of(name))
+    twin = _values_and_grads(fn, h * 2.0**-100, f * 2.0**-100, step, retraction)
+    assert all(bool(torch.isfinite(t).all()) for t in tiny)
+    assert torch.equal(tiny[0], twin[0] * 2.0**-150)
+    assert torch.equal(tiny[1], twin[1]) and torch.equal(tiny[2], twin[2])
+    assert torch.equal(tiny[3], twin[3] * 2.0**-150)
+    reference = _values_and_grads(lambda a, b, s, r: sphere_residual_reference(a, b, s, r, normalize_eps),
+                                  h * 2.0**-250, f * 2.0**-250, step, retraction)
+    for mine, truth, tolerance in zip(tiny, reference, (1e-13, 1e-13, 1e-13, 1e-11)):
+        assert _err(mine, truth) <= tolerance * float(torch.linalg.vector_norm(truth))
+
+
 def test_kernels_mark_the_rows_they_rescale():
     # forward_dots: the dots of the scaled row and its factor 2^-e (e of the largest |h_i|), 1 for
     # the rows in range; sphere_step_forward: the scaled row's stats, its q negated
