@@ -69,7 +69,7 @@ import torch
 from .._numbers import is_integer, is_real, require_positive
 from .gram_rsqrt import CHORD_TOL_EPS, products_only_rsqrt
 from .newton_schulz import CONVERGENT_QUINTIC, NEWTON_SCHULZ_PRESETS, newton_schulz
-from .scaling import into_safe_range
+from .scaling import into_safe_range, out_of_range_scale
 
 __all__ = ["CONVERGENT_NS_CAP", "GRAM_EIGH_ONE_PASS", "GRAM_EIGH_REFINE", "MSIGN_METHODS", "POLAR_METHODS", "msign"]
 
@@ -378,13 +378,26 @@ def _msign_newton(x: torch.Tensor, tol: float, max_steps: int) -> torch.Tensor:
         delta = float(
             (torch.linalg.matrix_norm(y_next - y) / torch.linalg.matrix_norm(y_next)).detach().max()
         )
-        y = y_next
-        if delta != delta:  # a non-finite input (NaN out, as the SVD gives), or a zero on R's diagonal
+        if delta != delta:  # a non-finite input (NaN out, as the SVD gives), or an overflow
             if not bool(torch.isfinite(x).all()):
                 break
-            raise ValueError(f"msign(method='newton') needs matrices of full rank {y.size(-1)}; got a "
-                             f"rank-deficient {tuple(x.shape)} input (use method='svd', which maps zero "
-                             f"singular values to 0)")
+            # the rank is full (checked above), but the squares in ||Y^{-T}||_F overflowed: column
+            # norms over more orders than the dtype's range holds squared (float32 columns of norms
+            # 1e-10 and 1e10, DGram's alternating retraction of column norms 1e-5 .. 1e5): the same
+            # ratio from the matrices at powers of two (exact)
+            scale_inv, scale = out_of_range_scale(y_inv_t, 0), out_of_range_scale(y, 0)
+            zeta = (
+                torch.linalg.matrix_norm(y_inv_t * scale_inv, keepdim=True) * scale
+                / (torch.linalg.matrix_norm(y * scale, keepdim=True) * scale_inv)
+            ).sqrt()
+            y_next = 0.5 * (zeta * y + y_inv_t / zeta)
+            delta = float((torch.linalg.matrix_norm(y_next - y) / torch.linalg.matrix_norm(y_next)).detach().max())
+            if delta != delta:
+                raise ValueError(
+                    f"msign(method='newton') cannot iterate on a {tuple(x.shape)} {x.dtype} input whose column "
+                    f"norms span more orders than its dtype holds (its inverse overflows); use float64 or "
+                    f"method='svd'")
+        y = y_next
         # quadratic convergence: stop at tolerance, or once rounding stops the progress
         if delta <= tol or (delta < 1e-3 and delta > 0.5 * previous):
             break

@@ -12,7 +12,7 @@ from dispatch_ops import ProductRecorder  # tests/dispatch_ops.py (tests/ is on 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, msign, newton_schulz
+from manifoldlib.functional import MSIGN_METHODS, POLAR_EXPRESS_COEFFICIENTS, dgram_alternating, msign, newton_schulz
 
 EPS = torch.finfo(torch.float64).eps
 CONVERGENT = ("svd", "newton", "newton-schulz")
@@ -445,3 +445,17 @@ def test_newton_stopped_by_its_cap_returns_the_svd_factor(steps):
     x = _gaussian((9, 4), 0) * torch.tensor([1e-3, 1.0, 10.0, 1e3], dtype=torch.float64)
     for matrix in (x, x.mT):
         assert _rel(msign(matrix, "newton", steps=steps), msign(matrix, "svd")) <= 1e-14
+
+
+def test_newton_resolves_float32_columns_whose_norms_span_more_than_its_range_squared():
+    # ||Y^{-T}||_F squared entries of about 1e20 relative and overflowed float32: NaN, then
+    # ValueError 'needs matrices of full rank 5; got a rank-deficient (10, 5) input', also from the
+    # DGram alternating retraction (its default polar factor) of float32 column norms 1e-5 .. 1e5
+    x = (_gaussian((10, 5), 5) * torch.logspace(-10, 10, 5, dtype=torch.float64)).float()
+    expected = _polar_oracle(x.double())
+    for matrix, exact in ((x, expected), (x.mT, expected.mT)):
+        assert (msign(matrix, "newton").double() - exact).abs().max() <= 1e-6
+    q = torch.linalg.qr(_gaussian((10, 5), 6))[0]
+    w = (q * torch.logspace(-5, 5, 5, dtype=torch.float64)).float()
+    r = dgram_alternating(w, torch.zeros_like(w))  # R_W(0) = W
+    assert ((r - w).norm(dim=0) / w.norm(dim=0)).max() <= 1e-6
