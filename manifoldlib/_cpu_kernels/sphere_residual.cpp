@@ -36,17 +36,18 @@
 // Rows of tiny or huge norm. The update is homogeneous of degree 1 in (h, f) together (σ, ρ, cos θ
 // and k are ratios), its gradients in h and f of degree 0 and in s of degree 1. A row whose
 // q = ||h||² (the double sum) falls outside [RowRange<T>::low, RowRange<T>::high] — float32 rows
-// of norm outside [2^-24, 2^24], float64 rows outside [2^-200, 2^200] — is therefore computed on
+// of norm outside [2^-24, 2^24], float64 rows outside [2^-200, 2^200] — or whose ||f||² or q ||f||²
+// passes 2^2K (RowRange<T>::f_high, K = reach: 48 float32, 400 float64) is therefore computed on
 // (h, f) 2^-e by the reference's rule (row_exponent; _fused._reference_factors): 2^e the power of
-// two of its largest |h_i|, or a larger one where f 2^-e would pass 2^K (RowRange<T>::reach, K = 48
-// float32, 400 float64). The double sums of a float64 row underflow below a norm of about 1e-154
-// (q clamped at a floor left such rows off their sphere, by up to 1e6 in the normalized step), the
-// per-row math of the separate passes runs in the input dtype and meets a² ~ ||h||⁴ far earlier, a
-// float32 row's gradient coefficients (about 1/||h||) leave float32, and a copy scaled by its h
-// alone would square an f of 2^520 (float64 h of 2^-250, f of 2^270). The decision is one
-// comparison of q per row, taken after the row's first reduction: a row in range runs exactly the
-// code it ran before, and only a row out of range pays (it is copied, scaled, while in cache). A
-// power of two scales exactly (short of
+// two of its largest |h_i|, or a larger one where f 2^-e would pass 2^K. The double sums of a
+// float64 row underflow below a norm of about 1e-154 (q clamped at a floor left such rows off their
+// sphere, by up to 1e6 in the normalized step), the per-row math of the separate passes runs in
+// the input dtype and meets a² ~ ||h||⁴ (and ||h||² ||f||²) far earlier, a float32 row's gradient
+// coefficients (about 1/||h||, and ||h|| / ||P_h f||² for f's) leave float32, and a copy scaled by
+// its h alone would square an f of 2^520 (float64 h of 2^-250, f of 2^270). The decision is a few
+// comparisons per row, taken after the row's first reduction: a row in range runs exactly the code
+// it ran before, and only a row out of range pays (it is copied, scaled, while in cache). A power
+// of two scales exactly (short of
 // subnormal numbers), so a rescaled row gets the bits of its twin in range: its values times
 // 2^e, the same gradients in h and f, its dL/ds times 2^e (a row whose own update is out of T's
 // range is NaN instead: "Updates out of range" below).
@@ -204,28 +205,33 @@ MANIFOLDLIB_ROW_KERNEL void block_residual_dots(const T* x, const T* y, double c
   total[1] += lane_sum(xu) + txu;
 }
 
-// The range of q = ||h||² (summed in double) in which a row is computed as it is; outside it the
-// row is computed rescaled by a power of two (see the top of this file). The per-row math of the
-// separate passes runs in T and forms a² ~ q ||f||²: for q in 2^±48 float32 keeps it normal while
-// ||f|| / ||h|| stays within 2^±15; float64's 2^±400 keeps q² and the backward's terms of degree
-// three (a <g, h> ~ q^(3/2)) at least 2^200 inside the range of a double. `reach` is K of the
-// reference (_fused._REFERENCE_RANGE): a rescaled copy's largest |f_i| stays below 2^K.
+// The range in which a row is computed as it is; outside it the row is computed rescaled by a
+// power of two (see the top of this file). q = ||h||² (summed in double) within [low, high]: the
+// per-row math of the separate passes runs in T and forms a² ~ q ||f||², and float64's 2^±400 keeps
+// q² and the backward's terms of degree three (a <g, h> ~ q^(3/2)) at least 2^200 inside the range
+// of a double. ||f||² and q ||f||² (so a²) at most 2^2K, K = `reach`: past it a row whose h is in
+// range (float32 h of norm 2^20 with f of norm 2^46, float64 2^100 with 2^450) overflowed a² in
+// the separate passes' math in T and came out off its sphere without an error, and the gradient's
+// coefficient of f (of order ||h|| / ||P_h f||²) went subnormal in T. K is the reference's
+// (_fused._REFERENCE_RANGE): its rescaled copy's largest |f_i| stays below 2^K.
 template <typename T>
 struct RowRange;
 template <>
 struct RowRange<float> {
-  static constexpr double low = 0x1p-48, high = 0x1p48;
+  static constexpr double low = 0x1p-48, high = 0x1p48, f_high = 0x1p96;
   static constexpr int reach = 48;
 };
 template <>
 struct RowRange<double> {
-  static constexpr double low = 0x1p-400, high = 0x1p400;
+  static constexpr double low = 0x1p-400, high = 0x1p400, f_high = 0x1p800;
   static constexpr int reach = 400;
 };
 
+// dots = [||h||², <h, f>, ||f||²] of a row (double sums): whether it is computed as it is.
 template <typename T>
-inline bool in_range(double q) {
-  return q >= RowRange<T>::low && q <= RowRange<T>::high;  // false for NaN
+inline bool in_range(const double* dots) {
+  return dots[0] >= RowRange<T>::low && dots[0] <= RowRange<T>::high && dots[2] <= RowRange<T>::f_high &&
+         dots[0] * dots[2] <= RowRange<T>::f_high;  // false for NaN
 }
 
 // The largest |x_i| of a row (NaN entries are passed over: they reach the result through the sums).
@@ -376,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_dots(const at::Tensor& h,
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), total);
         std::array<double, 3> par;
         bool parallel = false;
-        if (!in_range<scalar_t>(total[0])) {
+        if (!in_range<scalar_t>(total)) {
           const double factor = rescaled_dots3(x, y, d, total, par.data(), &parallel);
           if (factor != 1.0) {
             std::lock_guard<std::mutex> guard(lock);
@@ -698,8 +704,9 @@ void forward_zero_row(const T* x, int64_t d, double a, T* o, double* stats) {
   stats[1] = stats[2] = a;
 }
 
-// A row of sphere_step_forward whose q is out of range (see the top of this file): computed on its
-// copy scaled by 2^-e, its output times 2^e, its stats the scaled row's with q negated (the mark the backward reads). A row with a
+// A row of sphere_step_forward out of range (see the top of this file): computed on its copy scaled
+// by 2^-e (e = 0 too: the backward then combines its f-terms as a rescaled row's), its output times
+// 2^e, its stats the scaled row's with q negated (the mark the backward reads). A row with a
 // non-finite entry of h is computed as it is (NaN); a zero row is kept; a copy whose h underflowed
 // to 0 (||f|| / ||h|| past about 2^(K + 149) float32, 2^(K + 1074) float64) comes out NaN, values
 // and gradients.
@@ -752,7 +759,7 @@ std::tuple<at::Tensor, at::Tensor> sphere_step_forward(const at::Tensor& h, cons
         const scalar_t* y = fp + r * d;
         double dots[3] = {};  // ||h||², <h, f>, ||f||²
         for (int64_t b = 0; b < d; b += kBlock) block_dots3(x + b, y + b, std::min(kBlock, d - b), dots);
-        if (in_range<scalar_t>(dots[0])) {
+        if (in_range<scalar_t>(dots)) {
           forward_row<scalar_t, false>(x, y, d, dots, s, family, p, eps, 0, op + r * d, sp + 3 * r);
         } else {
           forward_rescaled_row(x, y, d, dots, s, family, p, eps, op + r * d, sp + 3 * r);

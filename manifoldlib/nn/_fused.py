@@ -100,13 +100,15 @@ floored at the dtype's smallest normal, such rows came back off their sphere wit
 update is homogeneous of degree 1 in :math:`(h, f)` together, its gradients in :math:`h, f` of
 degree 0 and in :math:`s` of degree 1. So the C++ kernels compute a row whose :math:`q` (summed in
 double) is out of their range (float32: norms outside :math:`2^{\pm 24}`, float64:
-:math:`2^{\pm 200}`) on :math:`(h, f)\,2^{-e}` by the rule of :func:`sphere_residual_reference`
-below: :math:`2^e` the power of two of its largest :math:`|h_i|`, or a larger one where
-:math:`f\,2^{-e}` would pass :math:`2^K` (:math:`K` = 48 float32, 400 float64). They do it while
-the row is in cache, and scale back; a power of two scales exactly, so such a
+:math:`2^{\pm 200}`), or whose :math:`\|f\|` or :math:`\|h\|\,\|f\|` passes :math:`2^K`
+(:math:`K` = 48 float32, 400 float64: the separate passes' math in the input dtype forms
+:math:`a^2 \sim \|h\|^2\|f\|^2`), on :math:`(h, f)\,2^{-e}` by the rule of
+:func:`sphere_residual_reference` below: :math:`2^e` the power of two of its largest :math:`|h_i|`, or
+a larger one where :math:`f\,2^{-e}` would pass :math:`2^K`. They do it while the row is in cache,
+and scale back; a power of two scales exactly, so such a
 row gets the bits of its twin in range (for rows whose largest entry is a normal number and whose
 update is in range, *An update out of range* below), and a
-row in range pays one comparison (``sphere_residual.cpp`` has the details). The ATen path cannot
+row in range pays a few comparisons (``sphere_residual.cpp`` has the details). The ATen path cannot
 do that without another pass over every row (the row's largest entry, or scaled copies:
 ``vector_norm`` does not rescale, :math:`\|h\|` underflows with :math:`q`), so there a row whose
 :math:`q` is not above :data:`_ATEN_Q_FLOOR` (float32 :math:`2^{-64}`: norms below
@@ -157,9 +159,12 @@ as :math:`(g_\sigma/q)(s\rho)^2` from the left, :math:`(a/q)^2` never formed: it
 The coefficients themselves are what they are: :math:`\nabla_f`'s coefficient of :math:`f`,
 :math:`\mu - w`, is of order :math:`\|g\|\,\|h\|/\|P_h f\|^2` (its product with :math:`f` of
 order :math:`\|g\|\,\|h\|/\|P_h f\|`), and where it leaves the dtype's normal range that
-gradient loses precision on every path, as a product of subnormal numbers does (the C++ kernels
-combine a rescaled row's :math:`f`-terms at a power of two that keeps them normal, so their
-rescaling does not bring that limit nearer). ``test_a_step_far_longer_than_its_row_is_exact_on_every_path``
+gradient loses precision, as a product of subnormal numbers does. The C++ row kernels combine a
+rescaled row's :math:`f`-terms at a power of two that keeps them normal, and rescale every row whose
+:math:`\|f\|` passes :math:`2^K` (above), where that coefficient leaves the normal range for an
+upstream gradient of order 1 (float32 :math:`h` of norm :math:`2^{-20}` with :math:`f` of
+:math:`2^{55}`); the other paths, and the row kernels for a far smaller upstream gradient, meet
+the limit. ``test_a_step_far_longer_than_its_row_is_exact_on_every_path``
 in ``tests/nn/test_sphere_residual_normalized.py`` checks every path.
 
 A zero row of h. Outside the contract (its sphere has radius 0), but defined, the same on every

@@ -404,6 +404,43 @@ def test_a_row_whose_f_outgrows_its_h_is_rescaled_by_the_references_rule(spy, na
         assert _err(mine, truth) <= tolerance * float(torch.linalg.vector_norm(truth))
 
 
+@pytest.mark.parametrize(("name", "normalize_eps", "step", "dtype", "h_exp", "f_exp", "shift"), [
+    ("gnomonic", 1e-6, 0.7, torch.float32, -20, 55, -10),
+    ("user-p3", None, 2.0**-26, torch.float32, 20, 46, -20),
+    ("user-p3", None, 2.0**-350, torch.float64, 100, 450, -100),
+])
+def test_a_row_in_range_with_a_far_larger_f_is_computed_rescaled(spy, name, normalize_eps, step, dtype, h_exp, f_exp,
+                                                                 shift):
+    """Rows whose ||h||² is in range but ||f|| or ||h|| ||f|| is past 2^K (K = 48 float32, 400 float64,
+    the reference's bound on a copy's f): the kernels computed them as they were. The gradient's
+    coefficient of f, of order ||h|| / ||P_h f||², was subnormal in float32 (h of norm 2^-20, f of
+    2^55, normalized step) and lost bits that the row scaled out of range (its twin 2^-10 times it,
+    rescaled) keeps; the separate passes' math in the input dtype formed a² ~ ||h||² ||f||² past its
+    largest number, and a user's literal step left the row off its sphere (float32) or far from it
+    (float64), without an error. Now such rows are rescaled by the reference's rule as well: they are
+    their twins (2^shift times them) bit for bit, on their sphere, and agree with the float64 reference."""
+    retraction = RETRACTIONS[name]
+    h, f = _case(22, (3, 24), radius=1.0, f_scale=1.0, dtype=dtype)
+    h, f = h * 2.0**h_exp, f * 2.0**f_exp
+
+    def fn(a, b, s, r):
+        return sphere_residual(a, b, s, r, normalize_eps=normalize_eps)
+
+    mine = _values_and_grads(fn, h, f, step, retraction)
+    assert spy.calls == list(_kernels_of(name))
+    twin = _values_and_grads(fn, h * 2.0**shift, f * 2.0**shift, step, retraction)
+    assert torch.equal(mine[0], twin[0] * 2.0**-shift)
+    assert torch.equal(mine[1], twin[1]) and torch.equal(mine[2], twin[2])
+    assert torch.equal(mine[3], twin[3] * 2.0**-shift)
+    eps = torch.finfo(dtype).eps
+    ratio = mine[0].double().norm(dim=-1) / h.double().norm(dim=-1)
+    assert float((ratio - 1.0).abs().max()) <= 4 * eps
+    reference = _values_and_grads(lambda a, b, s, r: sphere_residual_reference(a, b, s, r, normalize_eps),
+                                  h.double(), f.double(), step, retraction)
+    for value, truth, ulps in zip(mine, reference, (16, 16, 16, 64)):  # dL/ds: a sum over rows and terms
+        assert _err(value, truth) <= ulps * eps * float(torch.linalg.vector_norm(truth))
+
+
 def test_kernels_mark_the_rows_they_rescale():
     # forward_dots: the dots of the scaled row and its factor 2^-e (e of the largest |h_i|), 1 for
     # the rows in range; sphere_step_forward: the scaled row's stats, its q negated
