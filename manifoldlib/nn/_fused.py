@@ -26,7 +26,12 @@ The coefficients and :math:`g_\sigma` come from the retraction itself:
 :meth:`~manifoldlib.retractions.AngleRetraction.coefficients_vjp`. The gnomonic and Cayley
 members (also as ``PRetraction(p=1)`` / ``(p=2)``) give closed-form derivatives; every other
 :class:`~manifoldlib.retractions.AngleRetraction` — a user's own included — a vector-Jacobian
-product through its coefficients on the small ``(..., 1)`` tensor :math:`\sigma`.
+product through its coefficients on the small ``(..., 1)`` tensor :math:`\sigma`. For the built-in
+retractions :math:`\nabla_s` is formed in closed form, from :math:`k + 2\sigma k'(\sigma) =
+d(ks)/ds = \cos\theta/(1 + z^2)` and :math:`2\cos\theta'(\sigma) = -k/(1 + z^2)`,
+:math:`z^2 = \sigma/p^2` (gnomonic :math:`c^3`, Cayley :math:`ck`, the exponential map :math:`c`):
+the sum cancels at a long step (gnomonic: terms of order :math:`1/\beta`, the sum :math:`1/\beta^3`)
+and would lose about :math:`\beta` ulps (:func:`_step_gradient`; the C++ row kernels likewise).
 
 On contiguous float32/float64 CPU tensors the full-tensor passes run in the C++ kernels of
 :mod:`manifoldlib._cpu_kernels` — forward: one pass for :math:`q, a, \|f\|^2` and one for
@@ -354,6 +359,22 @@ def _kernel_family(retraction: Retraction) -> tuple[int, float] | None:
     return None
 
 
+def _step_gradient(retraction, sigma, c, k, g_u, g_h, g_sigma, step_n_q):
+    r""":math:`dL/dt` per row for the step :math:`t` (:math:`\sigma = t^2 n/q`), ``(..., 1)``:
+    :math:`k\langle g,u\rangle + 2g_\sigma tn/q`. For the built-in retractions in closed form,
+    :math:`(c\langle g,u\rangle - k\langle g,h\rangle tn/q)/(1 + z^2)`, :math:`z^2 = \sigma/p^2`
+    (:math:`\theta'(\beta) = 1/(1 + z^2)`, so :math:`d(kt)/dt = c/(1 + z^2)` and
+    :math:`2\cos\theta'(\sigma) = -k/(1 + z^2)`): the sum holds :math:`k + 2\sigma k'(\sigma)`, whose
+    terms cancel to :math:`c/(1 + z^2)` (gnomonic: :math:`k \sim 1/\beta`, the sum
+    :math:`c^3 \sim 1/\beta^3`) and lose :math:`\beta` ulps at a long step. A user's retraction keeps
+    the sum, from its own ``coefficients_vjp`` (``g_sigma``)."""
+    family = _kernel_family(retraction)
+    if family is None:
+        return k * g_u + 2.0 * g_sigma * step_n_q
+    one_z = 1.0 + sigma / (family[1] * family[1])  # p = inf (the exponential map): 1
+    return (c * g_u - k * g_h * step_n_q) / one_z
+
+
 class _SphereResidual(torch.autograd.Function):
     # Autocast is switched off inside: it would run the row products (matmuls) in bf16. The
     # inputs arrive in one floating dtype (float32 or float64) and all arithmetic stays in it.
@@ -495,7 +516,7 @@ class _SphereResidual(torch.autograd.Function):
         grad_s = None
         # grad_f = ks g + mu_f f - t h,  grad_h = coef_g g - t f + coef_h h  (row coefficients)
         mu_f = mu
-        g_step = k * g_u + 2.0 * g_sigma * ((s / q) * n)  # dL/ds per row, (..., 1)
+        g_step = _step_gradient(ctx.retraction, sigma, c, k, g_u, g_h, g_sigma, (s / q) * n)  # dL/ds per row
         if want_h:
             coef_g = c - ks * along
             coef_h = (mu * along + 2.0 * ks * (g_h / q)) * along - 2.0 * g_sigma * sigma / q

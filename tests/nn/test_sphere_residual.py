@@ -396,6 +396,50 @@ def _exact_reference(h, f, scale, retraction, seed=7):
     return out, grad_h - torch.tensor(ratios, dtype=torch.float64) * grad_f, grad_f, grad_s
 
 
+def _literal_step_gradient_truth(h, f, w, s, p):
+    """dL/ds of L = <w, R_h(s P_h f)> for the p-family (the update as cos θ h + sin θ / ratio u,
+    ratio = ||u|| / ||h||, θ = p arctan(β/p)) at the exact values of the inputs, by mpmath's
+    numerical differentiation at 50 digits."""
+    mp = pytest.importorskip("mpmath").mp
+    mp.dps = 50
+    total = mp.mpf(0)
+    for row_h, row_f, row_w in zip(h.double().tolist(), f.double().tolist(), w.double().tolist()):
+        row_h, row_f, row_w = ([mp.mpf(x) for x in row] for row in (row_h, row_f, row_w))
+        along = mp.fsum(x * y for x, y in zip(row_h, row_f)) / mp.fsum(x * x for x in row_h)
+        u = [y - along * x for x, y in zip(row_h, row_f)]
+        ratio = mp.sqrt(mp.fsum(x * x for x in u) / mp.fsum(x * x for x in row_h))
+        w_h, w_u = mp.fsum(x * y for x, y in zip(row_w, row_h)), mp.fsum(x * y for x, y in zip(row_w, u))
+
+        def loss(t, ratio=ratio, w_h=w_h, w_u=w_u):
+            theta = p * mp.atan(t * ratio / p)
+            return mp.cos(theta) * w_h + mp.sin(theta) / ratio * w_u
+
+        total += mp.diff(loss, mp.mpf(s))
+    return float(total)
+
+
+@pytest.mark.parametrize(("retraction", "p", "dtype", "kernels"), [
+    ("gnomonic", 1.0, torch.float64, True), ("gnomonic", 1.0, torch.float64, False),
+    ("gnomonic", 1.0, torch.float32, False), ("p=1.5", 1.5, torch.float64, True),
+    ("p=1.5", 1.5, torch.float64, False), ("p=1.5", 1.5, torch.float32, False),
+    ("cayley", 2.0, torch.float64, True), ("cayley", 2.0, torch.float32, False),
+], ids=lambda v: {True: "kernels", False: "aten"}.get(v, str(v)) if isinstance(v, bool) else str(v))
+def test_the_literal_steps_gradient_in_s_is_exact_at_a_long_step(retraction, p, dtype, kernels):
+    """dL/ds at s = 1e6 (β about 1e6) against mpmath. It was formed as k <g, u> + 2 g_σ s n/q,
+    whose k + 2σ k'(σ) cancels to c/(1 + σ/p²) (gnomonic c³ ~ 1/β³ from terms ~ 1/β) and lost
+    about β eps of the dtype, on the kernels (in double) and the ATen path (in the dtype); Cayley's
+    c k does not cancel (a pin). The closed forms d(k s)/ds = c/(1 + z²) and
+    2 cos θ'(σ) = -k/(1 + z²), z² = σ/p², give it to a few eps."""
+    g = torch.Generator().manual_seed(5)
+    h, f, w = (torch.randn(3, 6, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    s = torch.tensor(1e6, dtype=dtype, requires_grad=True)
+    ret = PRetraction(p) if retraction == "p=1.5" else RETRACTIONS[retraction]
+    out = _on_path(kernels, lambda: sphere_residual(h, f, s, ret))
+    (out * w).sum().backward()
+    truth = _literal_step_gradient_truth(h, f, w, 1e6, p)
+    assert abs(float(s.grad) - truth) <= 16 * torch.finfo(dtype).eps * abs(truth)
+
+
 @pytest.mark.parametrize(
     ("dtype", "along"),
     [(torch.float32, a) for a in (1e2, 1e3, 1e4, 1e5)] + [(torch.float64, a) for a in (1e2, 1e4, 1e6, 1e7, 1e8)],
