@@ -240,7 +240,10 @@ def gram_newton_schulz(
 
     Args:
         s: ``(..., n, n)`` symmetric positive semi-definite; each matrix of a batch is normalized
-            by its own :math:`\|X\|_F = \operatorname{tr}(S)^{1/2}`.
+            by its own :math:`\|X\|_F = \operatorname{tr}(S)^{1/2}`. Nothing is checked (no
+            host read): a matrix whose trace overflows its dtype gives :math:`R = 0`, one with
+            NaN entries NaN; scale such an ``X`` into range by a power of two first and form
+            ``S`` from that (:func:`~manifoldlib.functional.scaling.into_safe_range`).
         preset: a name of :data:`NEWTON_SCHULZ_PRESETS`.
         steps: the step count (``None``: the preset's).
         coefficients: custom ``(a, b, c)`` or schedule (replaces the preset's schedule and scale).
