@@ -152,6 +152,12 @@ def apply_chart(
 ) -> list[str]:
     """Install a chart on every selected tensor; ``right_inverse`` converts the current values.
 
+    Build the optimizer *after* this call. The charted tensor's parameter object now holds the
+    chart's raw coordinates (:mod:`torch.nn.utils.parametrize` keeps it as ``original``) and the
+    chart's own parameters (SEL's scales) are new: an optimizer made before would go on stepping
+    the raw coordinates with moments gathered on the weights, and never see the scales. Nothing
+    can detect such an optimizer here.
+
     Args:
         model: the model, modified in place.
         chart: builder called as ``chart(weight)`` with the tensor's current value (detached),
