@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import pickle
@@ -143,6 +144,12 @@ def _kill(context: mp.ProcessContext) -> None:
         process.join()
 
 
+def _check_seconds(name: str, value: Any) -> None:
+    # a bool is an int to Python: timeout=True would be taken as 1 s
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
 def run_workers(
     fn: Callable[..., Any],
     world_size: int,
@@ -184,8 +191,10 @@ def run_workers(
         ``[result_rank0, result_rank1, ...]``.
 
     Raises:
-        ValueError: a bad argument, ``fn`` that the workers cannot import, or ``nccl`` with
-            fewer CUDA devices than ``world_size``.
+        ValueError: a bad argument (a timeout that is a bool, not a number, not finite or not
+            positive; a ``world_size`` or ``num_threads`` that is not an int ``>= 1``), ``fn``
+            that the workers cannot import, or ``nccl`` with fewer CUDA devices than
+            ``world_size``.
         WorkerError: a worker raised or exited abnormally; the others are terminated. Also one
             that exited with code 0 without returning (``sys.exit(0)``, ``KeyboardInterrupt``,
             ``os._exit(0)`` in ``fn``), naming its rank.
@@ -194,11 +203,9 @@ def run_workers(
     _check_picklable_function(fn)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    _check_seconds("timeout", timeout)
     collective_timeout = timeout if collective_timeout is None else collective_timeout
-    if not collective_timeout > 0:
-        raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
+    _check_seconds("collective_timeout", collective_timeout)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:

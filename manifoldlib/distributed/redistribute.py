@@ -67,7 +67,14 @@ def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def piece_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    """Bytes a piece of ``shape`` and ``dtype`` takes in the exchanged buffer (aligned)."""
+    """Bytes a piece of ``shape`` and ``dtype`` takes in the exchanged buffer (aligned).
+
+    Raises:
+        ValueError: a size in ``shape`` that is not an int ``>= 0`` (a negative one gave a
+            negative count, or a positive one from two negatives).
+    """
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"piece_bytes needs sizes that are ints >= 0, got shape={tuple(shape)!r}")
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return -(-size // ALIGNMENT) * ALIGNMENT
 

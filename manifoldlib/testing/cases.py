@@ -8,6 +8,8 @@ Meant for parametrized tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..manifolds import get_manifold
 from ..manifolds.base import RetractionManifold
 from ..retractions.base import MANIFOLD_NAMES, available_retractions
@@ -19,19 +21,29 @@ _GEOMETRY = {"sphere": {"radius": 2.5}, "stiefel": {}, "dgram": {}, "oblique": {
 
 
 def registered_manifolds(
-    families: tuple[str, ...] = MANIFOLD_NAMES, *, aliases: bool = False
+    families: str | Sequence[str] = MANIFOLD_NAMES, *, aliases: bool = False
 ) -> list[tuple[str, RetractionManifold]]:
     """``[(id, manifold), ...]`` with one manifold per registered retraction of ``families``.
 
     Args:
-        families: registry names to include.
+        families: registry names to include, at least one; a single name (``"sphere"``) is
+            that family.
         aliases: include alias names (``projection``, ``stereographic``) as separate cases.
 
     Returns:
         ids like ``"sphere-cayley"`` with the matching manifold object.
+
+    Raises:
+        ValueError: no family at all (a suite parametrized by no case runs nothing and passes),
+            or an unknown family name.
     """
     from ..retractions.base import _ALIASES  # registry internals: aliases are skipped by default
 
+    if isinstance(families, str):  # iterated, a name is its letters: "unknown manifold 's'"
+        families = (families,)
+    if not families:
+        raise ValueError(f"families must name at least one manifold family, got {families!r}; "
+                         f"valid names: {', '.join(MANIFOLD_NAMES)}")
     cases = []
     for family in families:
         for name in available_retractions(family):

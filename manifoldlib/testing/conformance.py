@@ -247,7 +247,7 @@ def check_optimizer(
         checks: names from :data:`OPTIMIZER_CHECKS`, at least one (default: all, in that order).
         shape: the point shape of the parameters (default: :func:`default_shape` without a batch;
             ``()`` is a 0-dim point, a scalar parameter on Euclidean space of ``ndim=0``).
-        seed: seed of every random draw.
+        seed: seed of every random draw, an int.
         name: the optimizer's name in the report (default: its class name).
 
     Returns:
@@ -256,8 +256,12 @@ def check_optimizer(
         skipped (not applicable: the detail says why).
 
     Raises:
-        ValueError: an unknown check name, or no check at all.
+        ValueError: an unknown check name, no check at all, or a seed that is not an int
+            (one the generators refuse would fail every check instead).
     """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(  # noqa: TRY004 - the project's convention for bad input
+            f"seed must be an int, got {seed!r}")
     if isinstance(checks, str) or not checks:  # a report of nothing run would read as a pass
         raise ValueError(f"checks must name at least one check (a sequence of names), got {checks!r}; "
                          f"valid checks: {', '.join(OPTIMIZER_CHECKS)}")

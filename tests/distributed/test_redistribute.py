@@ -97,6 +97,14 @@ def test_exchange_bytes_counts_aligned_pieces_sent_to_other_ranks():
             exchange_bytes(specs, rank=rank)
 
 
+@pytest.mark.parametrize("shape", [(-3,), (-2, -4), (2, -1), (0, -1), (True, 2), (2.0, 3)])
+def test_piece_bytes_refuses_sizes_that_are_not_ints_at_least_zero(shape):
+    # (-3,) counted -16 bytes and (-2, -4) as many as (2, 4), silently
+    with pytest.raises(ValueError, match=re.escape(f"piece_bytes needs sizes that are ints >= 0, got shape={shape!r}")):
+        piece_bytes(shape, torch.float32)
+    assert piece_bytes((0, 3), torch.float32) == 0  # an empty piece takes no room
+
+
 def test_a_whole_tensor_is_not_row_sharded():
     assert not is_row_sharded(torch.zeros(4, 4))
     assert not is_row_sharded(torch.nn.Parameter(torch.zeros(4, 4)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import re
 
 import pytest
 import torch
@@ -74,8 +75,8 @@ def test_results_come_back_in_rank_order_and_workers_see_torchrun_variables() ->
     ("kwargs", "message"),
     [
         ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
-        ({"world_size": 2, "timeout": 0.0}, "timeout must be > 0 seconds, got 0.0"),
-        ({"world_size": 2, "collective_timeout": -1.0}, "collective_timeout must be > 0 seconds"),
+        ({"world_size": 2, "timeout": 0.0}, "timeout must be a finite number of seconds > 0, got 0.0"),
+        ({"world_size": 2, "collective_timeout": -1.0}, "collective_timeout must be a finite number of seconds > 0"),
         ({"world_size": 2, "backend": "mpi"}, "backend must be one of gloo, nccl, got 'mpi'"),
         # spawned workers that failed in init_process_group (or all shared cuda:0 where they ran)
         ({"world_size": torch.cuda.device_count() + 1, "backend": "nccl"},
@@ -89,6 +90,21 @@ def test_bad_arguments_raise_before_starting_anything(kwargs: dict, message: str
     world_size = kwargs.pop("world_size")
     with pytest.raises(ValueError, match=message):
         run_workers(workers.rank_and_world_job, world_size, **kwargs)
+
+
+_BAD_SECONDS = [True, False, float("inf"), float("nan"), -1, "5"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("timeout", v) for v in [*_BAD_SECONDS, None]] + [("collective_timeout", v) for v in _BAD_SECONDS],
+)
+def test_timeouts_that_are_not_finite_positive_seconds_are_refused(name: str, value) -> None:
+    # timeout=True was taken as 1 s and inf as no limit, silently; start_method="fork" (refused
+    # after the timeouts) keeps a timeout that is wrongly accepted from starting workers
+    message = f"{name} must be a finite number of seconds > 0, got {value!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_workers(workers.rank_and_world_job, 2, start_method="fork", **{name: value})
 
 
 def test_functions_the_workers_cannot_import_are_refused() -> None:

@@ -5,6 +5,7 @@ off the manifold is refused by the manifold's own checks)."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -190,6 +191,13 @@ def test_no_check_at_all_is_refused_not_passed():
         assert_optimizer(lambda params: ToySGD(params, flaw="ascent"), Stiefel(), checks=())
     with pytest.raises(ValueError, match=r"checks must name at least one check .*got 'descent'"):
         check_optimizer(lambda params: ToySGD(params), Stiefel(), checks="descent")
+
+
+@pytest.mark.parametrize("seed", [1.5, 2.0, "0", None, True])
+def test_a_seed_that_is_not_an_int_is_refused_not_reported_as_failures(seed):
+    # seed=1.5 reached the generators, which refused it in every check: a report of all failures
+    with pytest.raises(ValueError, match=re.escape(f"seed must be an int, got {seed!r}")):
+        check_optimizer(lambda params: ToySGD(params), Stiefel(), checks=("descent",), seed=seed)
 
 
 def test_a_0_dim_shape_is_the_shape_checked():

@@ -167,3 +167,16 @@ def test_registered_manifolds_covers_new_registrations(clean_registry):
     assert isinstance(cases["sphere-test-registered"].retraction, P4)
     assert "sphere-projection" not in cases
     assert "sphere-projection" in dict(registered_manifolds(aliases=True))
+
+
+def test_registered_manifolds_takes_one_name_as_that_family():
+    # a str was iterated as its letters: "unknown manifold 's'"
+    assert dict(registered_manifolds("sphere")).keys() == dict(registered_manifolds(("sphere",))).keys()
+    assert all(case_id.startswith("sphere-") for case_id, _ in registered_manifolds("sphere"))
+
+
+@pytest.mark.parametrize("families", [(), []])
+def test_registered_manifolds_refuses_an_empty_selection(families):
+    # no cases parametrized a suite that ran nothing and passed, silently
+    with pytest.raises(ValueError, match=re.escape(f"families must name at least one manifold family, got {families!r}")):
+        registered_manifolds(families)
