@@ -44,11 +44,9 @@ def _public_alias(app, env, node, contnode):
             obj = importlib.import_module(".".join(parts[:i]))
         except ImportError:
             continue
-        owner, rest = obj, parts[i:]
-        try:
-            for name in rest[:1]:
-                owner = getattr(owner, name)
-        except AttributeError:
+        rest = parts[i:]
+        owner = getattr(obj, rest[0], None)
+        if owner is None:
             return None
         home = getattr(owner, "__module__", None)
         if not home or not isinstance(getattr(owner, "__qualname__", None), str):
