@@ -46,12 +46,17 @@ class MatrixConstraintManifold(RetractionManifold):
         square_dual: what the plain dual does on square matrices: ``"closed-form"`` (Stiefel:
             :math:`\Lambda_0` is optimal), ``"rank-deficient"`` (DGram: the optimum is rank
             deficient, smooth from the start) or ``None``.
+        orthonormal_dual: the dual's factor :math:`F` of :math:`W = QF` is the identity and so are the
+            multiplier mask and the normal-space metric (Stiefel): the optimizer's sync-free
+            products-path solve takes :func:`~manifoldlib.optim.dual_solvers.stiefel_solve`. A
+            subclass that changes :meth:`dual_factor` or :meth:`multiplier_mask` sets it ``False``.
     """
 
     ndim = 2
     flat = False
     decays = False
     square_dual: str | None = None
+    orthonormal_dual = False
     muon_retraction: tuple[str, dict] = ("", {})
 
     @staticmethod

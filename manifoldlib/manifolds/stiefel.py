@@ -64,6 +64,7 @@ class Stiefel(MatrixConstraintManifold):
     default_retraction = "polar"
     projection_retractions = ("polar", "qr")
     square_dual = "closed-form"
+    orthonormal_dual = True
     muon_retraction = ("polar", {"method": "gram-eigh"})
 
     def __init__(self, retraction: Union[str, Retraction, None] = None, **retraction_options):

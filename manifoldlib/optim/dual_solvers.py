@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from ..functional.newton_schulz import _gram_newton_schulz
 from ..functional.scaling import into_safe_range
 from ..manifolds import MatrixConstraintManifold
 from .dual import _DIMS, DualProblem, Evaluation, Spectral, with_smoothing
@@ -53,6 +54,7 @@ __all__ = [
     "resolve_smoothing",
     "smoothed_solve",
     "solve_bank",
+    "stiefel_solve",
 ]
 
 #: Relative smoothing :math:`\kappa` of ``smoothing="auto"``.
@@ -142,10 +144,7 @@ class Progress:
         self.history.append(r)
         self.iterations = self.iterations + stepped.long()
         improved = stepped & ((r < self.best.residual) | torch.isnan(self.best.residual))
-        if not self.sync_free and bool(improved.all()):  # a host read where it is free: no masked copies
-            self.best = ev
-        else:
-            self.best = ev.where(improved, self.best)
+        self.best = ev.where(improved, self.best)
         progress = r < 0.9 * self.mark
         self.mark = torch.where(stepped & progress, r, self.mark)
         self.stall = torch.where(stepped, torch.where(progress, 0, self.stall + 1), self.stall)
@@ -481,6 +480,87 @@ def _normalized(g: torch.Tensor) -> torch.Tensor:
     return torch.where(usable, g * inv, 0.0)
 
 
+def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, options: DualOptions,
+                  start: torch.Tensor | None) -> BankSolution:
+    r"""The sync-free products-path solve of a Stiefel bank, written out: ``(B, m, n)`` tall points and
+    gradients in the solve's dtype, ``start`` a warm-start correction (as :func:`solve_bank`'s).
+
+    On Stiefel :math:`W = Q` (:math:`F = I`) and the multiplier mask and normal-space metric are the
+    identity: with :math:`B = W^\top G`, :math:`G_\perp = G - WB`, :math:`C = G_\perp^\top G_\perp`
+    the reduced dual (:class:`~manifoldlib.optim.dual.DualProblem`) is :math:`M = B + 2\Lambda`,
+    :math:`S = C + M^\top M`, :math:`R = \mathrm{ns}(S)`, :math:`K = MR`, gradient :math:`H = K + K^\top`,
+    answer :math:`A = G_\perp R + WK`. It starts from :math:`\Lambda_0 = -(B + B^\top)/4` (then
+    :math:`G + 2W\Lambda_0 = P_WG`) plus the warm start and takes :func:`bb_solve`'s steps, masks, stall
+    counts and best iterates: the same iterates bit for bit (``DualOptions(update="bb")`` runs that
+    general solver instead). A square bank takes :math:`\Lambda_0`, optimal for every odd spectral
+    map. Nothing is read back to the host.
+    """
+    g = _normalized(g)
+    n, square = w.size(-1), w.size(-2) == w.size(-1)
+    b = w.mT @ g  # (B, n, n)
+    gperp = None if square else g - w @ b  # (B, m, n)
+    c = torch.zeros_like(b) if square else gperp.mT @ gperp
+    trace_c = torch.diagonal(c, dim1=-2, dim2=-1).sum(-1)  # (B,)
+    tiny = torch.finfo(w.dtype).tiny
+    lam0 = -(b + b.mT) / 4.0
+
+    def x_norm(lam):  # (B,) ||G + 2 W Lambda||_F, as computed
+        m = torch.add(b, lam, alpha=2.0)
+        return ((m * m).sum(_DIMS) + trace_c).clamp_min(0).sqrt()
+
+    def evaluate(lam):  # (residual, H, K, R, S R) at lam
+        m = torch.add(b, lam, alpha=2.0)
+        s = m.mT @ m if square else torch.baddbmm(c, m.mT, m)
+        finite = torch.isfinite(s.sum(_DIMS))
+        r = _gram_newton_schulz(s, *spectral.schedule, spectral.eps)
+        sr, k = s @ r, m @ r
+        h = k + k.mT
+        residual = (h / 2.0).norm(dim=_DIMS) / (sr * r).sum(_DIMS).clamp_min(tiny).sqrt()
+        return torch.where(finite, residual, torch.full_like(residual, float("nan"))), h, k, r, sr
+
+    tangent = x_norm(lam0)  # (B,) ||P_W G||
+    unit = torch.where(torch.isfinite(tangent) & (tangent > 0), tangent, 1.0).view(-1, 1, 1)
+    lam = lam0
+    if start is not None and not square:
+        lam = lam0 + (0.5 * (start + start.mT)).to(lam0.dtype) * unit
+    tol, patience, iterations = options.tol, options.patience, 0 if square else options.iterations(True)
+    residual, h, k, r, sr = evaluate(lam)
+    best = (lam, k, r, sr)
+    best_residual, history = residual, [residual]
+    active = (residual > tol) & torch.isfinite(residual)
+    mark, stall = residual.clone(), torch.zeros_like(residual, dtype=torch.long)
+    counts = torch.zeros_like(stall)
+    size = x_norm(lam)  # the first step: a quarter of a typical singular value of X (as bb_solve's)
+    size = 0.25 * torch.where(torch.isfinite(size) & (size > 0), size, 1.0) / math.sqrt(n)
+    lam_prev = grad_prev = None
+    for taken in range(iterations):
+        if lam_prev is not None:
+            size = torch.where(active, _barzilai_borwein(size, lam - lam_prev, h - grad_prev, long=bool(taken % 2)),
+                               size)
+        lam_prev, grad_prev = lam, h
+        lam = torch.where(active.view(-1, 1, 1), lam - size.view(-1, 1, 1) * h, lam)
+        residual, h, k, r, sr = evaluate(lam)
+        history.append(residual)
+        counts = counts + active.long()
+        improved = active & ((residual < best_residual) | torch.isnan(best_residual))
+        best = tuple(torch.where(improved.view(-1, 1, 1), new, old) for new, old in zip((lam, k, r, sr), best))
+        best_residual = torch.where(improved, residual, best_residual)
+        progress = residual < 0.9 * mark
+        mark = torch.where(active & progress, residual, mark)
+        stall = torch.where(active, torch.where(progress, 0, stall + 1), stall)
+        still = (residual > tol) & torch.isfinite(residual)
+        if patience is not None:
+            still = still & (stall < patience)
+        active = active & still
+    lam, k, r, sr = best
+    ata = r.mT @ sr
+    ata = 0.5 * (ata + ata.mT)  # A^T A = R S R
+    answer_residual = ((k + k.mT) / 2.0).norm(dim=_DIMS) / torch.diagonal(ata, dim1=-2, dim2=-1).sum(-1) \
+        .clamp_min(tiny).sqrt()  # of A = G_perp R + W K: W^T A = K
+    a = w @ k if square else torch.baddbmm(w @ k, gperp, r)
+    return BankSolution(None, None, a, answer_residual, counts, lam, lam0, tangent, (lam - lam0) / unit,
+                        [None] * w.size(0), ("bb",), iterations + 1, 0, history, (k, ata))
+
 
 def resolve_smoothing(smoothing, manifold, shape, exact: bool = False) -> tuple[float | None, float | None]:
     r"""``(kappa, fallback)``: the relative smoothing to solve with from the start (``None``: the
@@ -516,9 +596,14 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
     float32 products.
     """
     with ieee_float32_matmul():
-        g = _normalized(g)
         sync_free = execution.sync_free
         kappa, fallback = resolve_smoothing(options.smoothing, manifold, w.shape, exact=spectral.method == "svd")
+        if (manifold.orthonormal_dual and sync_free and kappa is None and spectral.path == "products"
+                and spectral.method != "svd" and options.update == "auto" and not multiplier):
+            if check_point:
+                manifold.dual_factor(w, check=True)
+            return stiefel_solve(w, g, spectral, options, start)
+        g = _normalized(g)
         smooth_dtype = execution.work_dtype(w.dtype, smoothed=kappa is not None and not sync_free)
         if kappa is not None and spectral.method == "svd" and not sync_free:
             spectral = replace(spectral, path="eigh")

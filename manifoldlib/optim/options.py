@@ -119,7 +119,10 @@ def weight_layout(module: nn.Module) -> str:
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
 #: Dual-solve msign maps; ``"ns"`` is the group's own Newton–Schulz (``ns_coefficients``, ``ns_steps``).
 DUAL_MSIGN_METHODS = ("ns", "jordan5", "polar-express", "newton-schulz", "svd")
-#: How the plain dual moves: ``"auto"`` (Anderson on the eigh path, Barzilai–Borwein elsewhere).
+#: How the plain dual moves: ``"auto"`` (Anderson on the eigh path, Barzilai–Borwein elsewhere, a
+#: sync-free Stiefel bank by :func:`~manifoldlib.optim.dual_solvers.stiefel_solve`, its steps
+#: written out), ``"anderson"`` or ``"bb"`` (Barzilai–Borwein on the general
+#: :class:`~manifoldlib.optim.dual.DualProblem`, for Stiefel too).
 DUAL_UPDATES = ("auto", "anderson", "bb")
 #: ``max_iter=None`` on a sync-free solve: the dual iterations every step runs.
 PRODUCTS_ITERATIONS = 3

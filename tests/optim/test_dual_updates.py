@@ -190,3 +190,78 @@ def test_over_relaxed_anderson_steps_converge_on_a_low_rank_dgram_instance():
     assert info.converged and info.iterations <= 30 and info.stages == ("anderson",)
     assert len(info.history) == info.iterations + 1
     assert float(tangent_residual(w, a, "dgram")) <= 1e-3
+
+
+# -- the Stiefel solve written out (stiefel_solve) against the general Barzilai–Borwein solver -----
+
+def _same(x, y):
+    """Bit for bit, NaN where NaN."""
+    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0))
+
+
+def _stiefel_bank(dtype, m, n, seed):
+    """Five Stiefel points and gradients: generic, zero, non-finite, nearly normal, tiny."""
+    torch.manual_seed(seed)
+    w = torch.linalg.qr(torch.randn(5, m, n, dtype=torch.float64))[0].to(dtype)
+    g = torch.randn(5, m, n, dtype=dtype)
+    g[1] = 0
+    g[2, 0, 0] = float("nan")
+    g[3] = 1e-3 * g[3] + w[3] @ torch.randn(n, n, dtype=dtype)  # mostly normal: G_perp small
+    g[4] = g[4] * 1e-30
+    return w, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m,n", [(40, 8), (30, 12), (9, 9)])
+@pytest.mark.parametrize("warm,max_iter,patience", [(False, None, 6), (True, 7, 6), (True, 12, None)])
+def test_the_written_out_stiefel_solve_takes_the_general_solvers_iterates(dtype, m, n, warm, max_iter, patience):
+    w, g = _stiefel_bank(dtype, m, n, seed=m + n)
+    start = 0.1 * torch.randn(5, n, n, dtype=dtype) if warm else None
+    execution = Execution(spectral="products", sync_free=True)
+    spectral = Spectral("jordan5", 5, None, 1e-7, "products")
+    options = DualOptions(max_iter=max_iter, patience=patience, tol=1e-6)
+    ours = solve_bank(w, g, matrix_manifold("stiefel"), options, execution, spectral, start=start, check_point=False)
+    general = solve_bank(w, g, matrix_manifold("stiefel"), DualOptions(max_iter=max_iter, patience=patience, tol=1e-6,
+                         update="bb"), execution, spectral, start=start, check_point=False)
+    assert ours.problem is None and general.problem is not None  # the two solvers ran
+    for name in ("residual", "iterations", "lam", "lam0", "tangent", "correction"):
+        assert _same(getattr(ours, name), getattr(general, name)), name
+    assert all(_same(x, y) for x, y in zip(ours.pieces, general.problem.pieces(general.best)))
+    assert _same(ours.direction(), general.direction())
+    assert [_same(x, y) for x, y in zip(ours.history, general.history)] == [True] * len(general.history)
+    assert ours.evaluations == general.evaluations == (1 if m == n else options.iterations(True) + 1)
+    assert int(ours.iterations.max()) == 0 if m == n else int(ours.iterations.max()) > 1  # square: the closed form
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_manifold_muon_stiefel_steps_are_the_general_solvers_with_fewer_launches(dtype):
+    from manifoldlib.testing import count_ops
+
+    def run(update):
+        torch.manual_seed(0)
+        shapes = [(48, 12), (12, 48), (48, 12), (12, 12), (12, 12)]
+        params = [torch.nn.Parameter(torch.linalg.qr(torch.randn(max(s), min(s), dtype=torch.float64))[0]
+                                     .to(dtype).reshape(s) if s[0] >= s[1] else
+                                     torch.linalg.qr(torch.randn(s[1], s[0], dtype=torch.float64))[0].mT.to(dtype))
+                  for s in shapes]
+        opt = ManifoldMuon(params, lr=0.05, manifold="stiefel", dual={"update": update, "spectral": "products"})
+        counts = None
+        for step in range(4):
+            for k, p in enumerate(params):
+                p.grad = torch.randn_like(p)
+            params[1].grad[0, 0] = float("nan") if step == 1 else params[1].grad[0, 0]
+            if step == 2:
+                counts = count_ops(opt.step)
+            else:
+                opt.step()
+        return params, opt, counts
+
+    (ours, ours_opt, ours_counts), (general, general_opt, general_counts) = run("auto"), run("bb")
+    for a, b in zip(ours, general):
+        assert _same(a.detach(), b.detach())
+        sa, sb = ours_opt.state[a], general_opt.state[b]
+        for key in ("dual_correction", "dual_iterations", "dual_residual", "skipped_steps", "momentum_buffer"):
+            assert _same(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), key
+    assert int(ours_opt.state[ours[1]]["skipped_steps"]) == 1
+    assert ours_counts.syncs == general_counts.syncs == 0
+    assert ours_counts.ops < general_counts.ops
