@@ -55,11 +55,11 @@ from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
 from ..functional.scaling import out_of_range_scale
 from .dual import NORMAL_GRADIENT_ULPS, Spectral
-from .dual_solvers import solve_bank
+from .dual_solvers import resolve_smoothing, solve_bank, stiefel_solve
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
 from .options import MuonOptions, adjusted_lr, flipped
 
-__all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step"]
+__all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step", "stiefel_iterations"]
 
 #: Largest residual :math:`\|I - \Phi^\top T\Phi\|_1` of a sync-free retraction factor at which the
 #: new point is taken (a larger one means the fixed chord steps diverged: the matrix keeps its
@@ -102,6 +102,9 @@ class Bank:
         ratios: the members' step sizes relative to the largest, on the device, by
             ``(quantity, indices)`` (shared with the bank's parts, :func:`_subset`): see
             :meth:`set_step_sizes`.
+        stiefel_iterations: the iterations of :func:`~manifoldlib.optim.dual_solvers.stiefel_solve`
+            where it solves this bank (:func:`stiefel_iterations`), else ``None`` (the general
+            :func:`~manifoldlib.optim.dual_solvers.solve_bank`).
     """
 
     options: MuonOptions
@@ -120,6 +123,7 @@ class Bank:
     eta: float | Tensor = 1.0
     beta: float | Tensor = 1.0
     ratios: dict = field(default_factory=dict, repr=False)
+    stiefel_iterations: int | None = None
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """``(B, m, n)`` the members' tall orientations, one copy."""
@@ -187,9 +191,10 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None,
         bank = banks.get(key)
         if bank is None:
             execution = execution_of(opts, p.device, min(shape))
-            bank = banks[key] = Bank(opts, updates_given=updates_given, execution=execution,
-                                     spectral=Spectral.of_group(opts, execution.spectral),
-                                     work=p.dtype if opts.manifold.flat else solve_dtype(p.dtype))
+            spectral = Spectral.of_group(opts, execution.spectral)
+            bank = banks[key] = Bank(opts, updates_given=updates_given, execution=execution, spectral=spectral,
+                                     work=p.dtype if opts.manifold.flat else solve_dtype(p.dtype),
+                                     stiefel_iterations=stiefel_iterations(opts, execution, spectral, shape))
             sizes[key] = []
         _check_warm_start(opts, p, state)
         sizes[key].append(step_sizes(opts, p.shape))
@@ -202,6 +207,21 @@ def make_banks(items: Sequence[tuple[MuonOptions, Tensor, Tensor, Tensor | None,
     for key, bank in banks.items():
         bank.set_step_sizes(sizes[key])
     return list(banks.values())
+
+
+def stiefel_iterations(opts: MuonOptions, execution: Execution, spectral: Spectral, shape) -> int | None:
+    """The iterations :func:`~manifoldlib.optim.dual_solvers.stiefel_solve` runs on a bank of tall
+    ``shape`` ``(m, n)``, or ``None`` where :func:`~manifoldlib.optim.dual_solvers.solve_bank` solves it:
+    decided once per plan. It runs where its written-out steps are the general solver's: a sync-free,
+    unsmoothed, products-path solve with a Newton–Schulz map on a manifold with ``orthonormal_dual``
+    (Stiefel), under ``update="auto"``."""
+    manifold, dual = opts.manifold, opts.dual
+    if manifold.flat or not (manifold.orthonormal_dual and not manifold.decays and execution.sync_free
+                             and spectral.path == "products" and spectral.method != "svd" and dual.update == "auto"):
+        return None
+    if resolve_smoothing(dual.smoothing, manifold, shape)[0] is not None:  # smoothed from the start
+        return None
+    return 0 if shape[-2] == shape[-1] else dual.iterations(True)  # square: the closed form
 
 
 def _check_warm_start(opts: MuonOptions, p: Tensor, state: dict) -> None:
@@ -336,9 +356,13 @@ def _constrained(bank: Bank, execution: Execution, checked: bool = False) -> Ten
         zero = torch.zeros(n, n, dtype=work, device=w.device)
         start = torch.stack([zero if s is None else s.to(work) for s in starts])
     with ieee_float32_matmul():
-        solution = solve_bank(point, update, manifold, opts.dual, execution, bank.spectral,
-                              start=start if unit is None or start is None else start / unit,
-                              check_point=False)  # checked before the step where it can be (_check_points)
+        if bank.stiefel_iterations is not None:
+            solution = stiefel_solve(point, update, bank.spectral, start, opts.dual.tol, opts.dual.patience,
+                                     bank.stiefel_iterations)
+        else:
+            solution = solve_bank(point, update, manifold, opts.dual, execution, bank.spectral,
+                                  start=start if unit is None or start is None else start / unit,
+                                  check_point=False)  # checked before the step where it can be (_check_points)
         eta = bank.eta if unit is None else bank.eta * unit
         beta = bank.beta
         # a gradient with no tangent part above its rounding (e.g. G = WS on Stiefel: a loss of
@@ -519,7 +543,8 @@ def _subset(bank: Bank, members: Sequence[int]) -> Bank:
     pick = lambda values: [values[j] for j in members]  # noqa: E731
     part = Bank(bank.options, pick(bank.params), pick(bank.grads), pick(bank.bufs), pick(bank.states),
                 pick(bank.flips), indices=pick(bank.indices), updates_given=bank.updates_given,
-                execution=bank.execution, spectral=bank.spectral, work=bank.work, ratios=bank.ratios)
+                execution=bank.execution, spectral=bank.spectral, work=bank.work, ratios=bank.ratios,
+                stiefel_iterations=bank.stiefel_iterations)
     part.set_step_sizes(list(zip(pick(bank.lrs), pick(bank.decays))))
     return part
 

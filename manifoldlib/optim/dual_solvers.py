@@ -480,10 +480,11 @@ def _normalized(g: torch.Tensor) -> torch.Tensor:
     return torch.where(usable, g * inv, 0.0)
 
 
-def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, options: DualOptions,
-                  start: torch.Tensor | None) -> BankSolution:
+def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, start: torch.Tensor | None, tol: float,
+                  patience: int | None, iterations: int) -> BankSolution:
     r"""The sync-free products-path solve of a Stiefel bank, written out: ``(B, m, n)`` tall points and
-    gradients in the solve's dtype, ``start`` a warm-start correction (as :func:`solve_bank`'s).
+    gradients in the solve's dtype, ``start`` a warm-start correction (as :func:`solve_bank`'s),
+    ``tol``, ``patience`` and ``iterations`` (run in full) as :func:`bb_solve`'s.
 
     On Stiefel :math:`W = Q` (:math:`F = I`) and the multiplier mask and normal-space metric are the
     identity: with :math:`B = W^\top G`, :math:`G_\perp = G - WB`, :math:`C = G_\perp^\top G_\perp`
@@ -491,9 +492,10 @@ def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, options:
     :math:`S = C + M^\top M`, :math:`R = \mathrm{ns}(S)`, :math:`K = MR`, gradient :math:`H = K + K^\top`,
     answer :math:`A = G_\perp R + WK`. It starts from :math:`\Lambda_0 = -(B + B^\top)/4` (then
     :math:`G + 2W\Lambda_0 = P_WG`) plus the warm start and takes :func:`bb_solve`'s steps, masks, stall
-    counts and best iterates: the same iterates bit for bit (``DualOptions(update="bb")`` runs that
-    general solver instead). A square bank takes :math:`\Lambda_0`, optimal for every odd spectral
-    map. Nothing is read back to the host.
+    counts and best iterates: the same iterates bit for bit (:class:`~manifoldlib.optim.ManifoldMuon`
+    takes it for sync-free Stiefel banks unless ``DualOptions(update="bb")`` asks for that general
+    solver). A square bank takes :math:`\Lambda_0`, optimal for every odd spectral map, and no
+    iterations. Nothing is read back to the host.
     """
     g = _normalized(g)
     n, square = w.size(-1), w.size(-2) == w.size(-1)
@@ -523,7 +525,7 @@ def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, options:
     lam = lam0
     if start is not None and not square:
         lam = lam0 + (0.5 * (start + start.mT)).to(lam0.dtype) * unit
-    tol, patience, iterations = options.tol, options.patience, 0 if square else options.iterations(True)
+    iterations = 0 if square else iterations
     residual, h, k, r, sr = evaluate(lam)
     best = (lam, k, r, sr)
     best_residual, history = residual, [residual]
@@ -596,14 +598,9 @@ def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManif
     float32 products.
     """
     with ieee_float32_matmul():
+        g = _normalized(g)
         sync_free = execution.sync_free
         kappa, fallback = resolve_smoothing(options.smoothing, manifold, w.shape, exact=spectral.method == "svd")
-        if (manifold.orthonormal_dual and sync_free and kappa is None and spectral.path == "products"
-                and spectral.method != "svd" and options.update == "auto" and not multiplier):
-            if check_point:
-                manifold.dual_factor(w, check=True)
-            return stiefel_solve(w, g, spectral, options, start)
-        g = _normalized(g)
         smooth_dtype = execution.work_dtype(w.dtype, smoothed=kappa is not None and not sync_free)
         if kappa is not None and spectral.method == "svd" and not sync_free:
             spectral = replace(spectral, path="eigh")

@@ -48,7 +48,6 @@ from .options import (
     DualOptions,
     MuonOptions,
     check_decay,
-    group_lr,
     tall,
     validate_group,
     validate_group_params,
@@ -257,7 +256,7 @@ class ManifoldMuon(Optimizer):
         if (plan is None or plan.key != key or any(isinstance(v, Tensor) for group in settings for v in group.values())
                 or plan.settings != settings):
             plan = self._step_plan = self._build_plan(key, settings)
-        lrs = [group_lr(group) for group in self.param_groups]
+        lrs = [float(group["lr"]) for group in self.param_groups]  # a tensor lr is read here, once per step
         if lrs != plan.lrs:
             for group, options, lr, (_, matrices) in zip(self.param_groups, plan.options, lrs, key):
                 if matrices:  # before anything moves: a scheduler may raise lr

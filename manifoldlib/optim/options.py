@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import geoopt
-import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -329,7 +328,7 @@ class MuonOptions:
         once per distinct (manifold, retraction) and cached."""
         name, options = retraction_spec(group)
         return cls(
-            lr=group_lr(group), weight_decay=group["weight_decay"], momentum=group["momentum"],
+            lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]), ns_steps=group["ns_steps"],
             eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], manifold=group_manifold(group["manifold"], name, options),
             fused=name is None, layout=group.get("layout", "out_in"), ns_dtype=group.get("ns_dtype", "auto"),
@@ -498,12 +497,6 @@ def check_decay(group: Mapping, decays: bool) -> None:
             f"decay multiplies W by 1 - lr * weight_decay), got lr={lr!r}, weight_decay={weight_decay!r}; "
             f"no parameter or momentum buffer was changed this step"
         )
-
-
-def group_lr(group: Mapping) -> float:
-    """The group's learning rate as a float (a tensor ``lr`` is read here, once per step)."""
-    lr = group["lr"]
-    return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.item())
 
 
 #: Default Muon retraction per manifold name, ``(name, options)`` (each manifold class names its own).

@@ -14,7 +14,7 @@ from test_steepest import CASES, _dual_optimum, _instance
 
 from manifoldlib.optim import DualOptions, ManifoldMuon, steepest_direction, tangent_residual
 from manifoldlib.optim.dual import Spectral
-from manifoldlib.optim.dual_solvers import solve_bank
+from manifoldlib.optim.dual_solvers import solve_bank, stiefel_solve
 from manifoldlib.optim.execution import BFLOAT16_MIN_SIZE, Execution
 from manifoldlib.optim.options import DUAL_UPDATES
 from manifoldlib.optim.steepest import matrix_manifold
@@ -220,9 +220,8 @@ def test_the_written_out_stiefel_solve_takes_the_general_solvers_iterates(dtype,
     execution = Execution(spectral="products", sync_free=True)
     spectral = Spectral("jordan5", 5, None, 1e-7, "products")
     options = DualOptions(max_iter=max_iter, patience=patience, tol=1e-6)
-    ours = solve_bank(w, g, matrix_manifold("stiefel"), options, execution, spectral, start=start, check_point=False)
-    general = solve_bank(w, g, matrix_manifold("stiefel"), DualOptions(max_iter=max_iter, patience=patience, tol=1e-6,
-                         update="bb"), execution, spectral, start=start, check_point=False)
+    ours = stiefel_solve(w, g, spectral, start, options.tol, options.patience, options.iterations(True))
+    general = solve_bank(w, g, matrix_manifold("stiefel"), options, execution, spectral, start=start, check_point=False)
     assert ours.problem is None and general.problem is not None  # the two solvers ran
     for name in ("residual", "iterations", "lam", "lam0", "tangent", "correction"):
         assert _same(getattr(ours, name), getattr(general, name)), name
@@ -265,3 +264,31 @@ def test_manifold_muon_stiefel_steps_are_the_general_solvers_with_fewer_launches
     assert int(ours_opt.state[ours[1]]["skipped_steps"]) == 1
     assert ours_counts.syncs == general_counts.syncs == 0
     assert ours_counts.ops < general_counts.ops
+
+
+def test_the_plan_gives_the_written_out_solve_to_sync_free_unsmoothed_stiefel_banks_only():
+    from manifoldlib.optim.core import make_banks
+    from manifoldlib.optim.options import PRODUCTS_ITERATIONS, MuonOptions
+
+    def iterations(shape, manifold="stiefel", **dual):
+        p = torch.nn.Parameter(torch.randn(shape))
+        group = ManifoldMuon([p], lr=0.1, manifold=manifold, dual={"spectral": "products", **dual}).param_groups[0]
+        opts = MuonOptions.from_group(group)
+        banks = make_banks([(opts, p, p, p, {})], lambda o, device, cols: Execution.resolve(
+            device, spectral=o.dual.spectral, sync_free=o.dual.sync_free, columns=cols))
+        return banks[0].stiefel_iterations
+
+    assert iterations((40, 8)) == PRODUCTS_ITERATIONS
+    assert iterations((8, 40)) == PRODUCTS_ITERATIONS  # wide: solved tall
+    assert iterations((40, 8), max_iter=9) == 9
+    assert iterations((12, 12)) == 0  # square: the closed form
+    assert iterations((20, 10)) is None  # m < 2.5 n: smoothed from the start (general solver)
+    assert iterations((40, 8), smoothing=None) == PRODUCTS_ITERATIONS
+    assert iterations((40, 8), smoothing=0.01) is None
+    assert iterations((40, 8), update="bb") is None
+    assert iterations((40, 8), spectral="eigh") is None
+    assert iterations((40, 8), sync_free=False) is None
+    assert iterations((40, 8), msign_method="svd") is None
+    assert iterations((40, 8), manifold="dgram") is None
+    assert iterations((40, 8), manifold="oblique") is None
+    assert iterations((40, 8), manifold="euclidean") is None

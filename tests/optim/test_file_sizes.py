@@ -44,7 +44,7 @@ def test_no_optim_module_is_over_700_lines(name):
 #: Bounds on one Stiefel step's path through the project (distinct named functions, their files,
 #: the deepest nesting of project calls). The goal is about 25 functions in about 6 files; the
 #: bounds hold what the step is today, so that it does not grow back.
-STEP_FUNCTIONS, STEP_FILES, STEP_DEPTH = 30, 8, 9
+STEP_FUNCTIONS, STEP_FILES, STEP_DEPTH = 26, 7, 9
 
 
 def test_a_stiefel_step_runs_through_few_project_functions():
