@@ -424,8 +424,9 @@ class BankSolution:
 
     Attributes:
         problem: the solved :class:`~manifoldlib.optim.dual.DualProblem` (its setup, the factor
-            :math:`F`, :math:`P = W^\top W` where computed).
-        best: the answer's evaluation per matrix (``None`` where ``a`` holds formed answers).
+            :math:`F`, :math:`P = W^\top W` where computed); ``None`` from :func:`stiefel_solve`.
+        best: the answer's evaluation per matrix (``None`` where ``a`` holds formed answers: from
+            :func:`stiefel_solve` always).
         a: ``(B, m, n)`` formed directions, or ``None`` (form them with :meth:`direction`).
         residual: ``(B,)`` relative tangent residual of each answer (its exact :math:`W^\top A`).
         iterations: ``(B,)`` dual updates each matrix took.
