@@ -249,7 +249,8 @@ class DualProblem:
         self.wg = w.mT @ g  # (B, n, n) = W^T G = F^T B
         if exact_gram is None:
             exact_gram = self._drifted()
-        self.p = 0.5 * (w.mT @ w + (w.mT @ w).mT) if exact_gram else None  # (B, n, n) = W^T W, exact
+        wtw = w.mT @ w if exact_gram else None  # (B, n, n) = W^T W, exact: one m n^2 product
+        self.p = 0.5 * (wtw + wtw.mT) if exact_gram else None
         self.explicit = explicit
         self.b = self.gperp = self.c = self.gtg = None
         self.reduced = False
