@@ -533,7 +533,7 @@ def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, start: t
     active = (residual > tol) & torch.isfinite(residual)
     mark, stall = residual.clone(), torch.zeros_like(residual, dtype=torch.long)
     counts = torch.zeros_like(stall)
-    size = x_norm(lam)  # the first step: a quarter of a typical singular value of X (as bb_solve's)
+    size = tangent if lam is lam0 else x_norm(lam)  # the first step: a quarter of a typical singular value of X
     size = 0.25 * torch.where(torch.isfinite(size) & (size > 0), size, 1.0) / math.sqrt(n)
     lam_prev = grad_prev = None
     for taken in range(iterations):
