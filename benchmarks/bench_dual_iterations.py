@@ -84,7 +84,7 @@ def aspects(ratios: list[float], n: int, seeds: int, cap: int, msign: str) -> No
     from bench_direction_quality import exact_optimum, loss
 
     from manifoldlib import DGram, Stiefel
-    from manifoldlib.optim.dual_solvers import AUTO_SMOOTHING
+    from manifoldlib.optim.options import AUTO_SMOOTHING
 
     kw = {"msign_method": msign, "tol": 1e-3, "patience": 6, "gap_tol": None, "return_info": True}
     print(f"n {n}, msign {msign}, tol 1e-3, cap {cap}, kappa {AUTO_SMOOTHING}, float64, {seeds} seeds (median); "

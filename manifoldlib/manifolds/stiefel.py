@@ -114,7 +114,9 @@ class Stiefel(MatrixConstraintManifold):
     def dual_factor(self, w, check=True):
         if not check:
             return None
-        norms = w.norm(dim=-2)  # (..., n)
+        # (..., n) column norms; summed squares are a single pass where torch's norm over the
+        # strided dim takes several (an entry past sqrt(max) overflows to inf: fails, as it should)
+        norms = (w * w).sum(dim=-2).sqrt()
         deviation = (norms - 1).abs()
         if not bool((deviation <= STIEFEL_COLUMN_TOLERANCE).all()):  # (NaN fails too)
             flat = int(torch.nan_to_num(deviation, nan=float("inf")).argmax())  # over the batch too

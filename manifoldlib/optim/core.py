@@ -55,9 +55,9 @@ from ..functional.msign import GRAM_EIGH_ONE_PASS
 from ..functional.newton_schulz import newton_schulz
 from ..functional.scaling import out_of_range_scale
 from .dual import NORMAL_GRADIENT_ULPS, Spectral
-from .dual_solvers import resolve_smoothing, solve_bank, stiefel_solve
+from .dual_solvers import solve_bank, stiefel_solve
 from .execution import Execution, ieee_float32_matmul, run_side_by_side, side_by_side, solve_dtype
-from .options import MuonOptions, adjusted_lr, flipped
+from .options import MuonOptions, adjusted_lr, flipped, resolve_smoothing
 
 __all__ = ["RETRACTION_TOL", "Bank", "make_banks", "muon_step", "stiefel_iterations"]
 
@@ -126,8 +126,15 @@ class Bank:
     stiefel_iterations: int | None = None
 
     def stack(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
-        """``(B, m, n)`` the members' tall orientations, one copy."""
+        """``(B, m, n)`` the members' tall orientations in ``dtype`` (theirs by default), one copy.
+
+        A bank with transposed members on the CPU is copied member by member into one buffer:
+        ``torch.stack`` gathers a transposed operand several times slower than ``copy_``."""
         tall = [t.mT if f else t for t, f in zip(tensors, self.flips)]
+        if any(self.flips) and tall[0].device.type == "cpu":
+            out = torch.empty((len(tall), *tall[0].shape), dtype=dtype or tall[0].dtype, device=tall[0].device)
+            torch._foreach_copy_(list(out.unbind(0)), tall)
+            return out
         out = torch.stack(tall)
         return out if dtype is None else out.to(dtype)
 
@@ -258,17 +265,18 @@ def _bank_buffer(bank: Bank) -> Tensor:
     return stacked
 
 
-def _check_points(bank: Bank) -> None:
+def _check_points(bank: Bank) -> Tensor:
     """Raise ``ValueError`` before any matrix moves where a constrained bank's point is one its
     manifold's dual cannot use (a point never projected, or edited after its group was added),
-    naming the matrix: one host read for the bank, more only where one fails."""
+    naming the matrix: one host read for the bank, more only where one fails. Returns the
+    ``(B, m, n)`` points it checked (tall, in the bank's work dtype), for the step to reuse."""
     manifold = bank.options.manifold
-    points = bank.stack([p.detach() for p in bank.params], bank.work)  # (B, m, n)
-    if manifold.decays:  # solved at a power-of-two scale (see _constrained)
-        points = points * out_of_range_scale(points, SCALE_FREE_EXPONENT)
+    stacked = bank.stack([p.detach() for p in bank.params], bank.work)  # (B, m, n)
+    # solved at a power-of-two scale where the manifold has a scale freedom (see _constrained)
+    points = stacked * out_of_range_scale(stacked, SCALE_FREE_EXPONENT) if manifold.decays else stacked
     try:
         manifold.dual_factor(points, check=True)
-        return
+        return stacked
     except ValueError:
         pass
     for j, p in enumerate(bank.params):  # name the first matrix that fails
@@ -296,11 +304,9 @@ def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def gradient_finite(g: Tensor) -> Tensor:
-    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite (one reduction, on the device).
-
-    The sum is accumulated in float64: a float32 or bfloat16 one overflows for finite entries of
-    ~1e37 (float64 entries past ~1e308 / mn would still read as non-finite)."""
-    return torch.isfinite(g.sum(dim=(-2, -1), dtype=torch.float64))
+    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite, on the device: its largest and
+    smallest entries are (both reductions propagate a NaN; exact, so no finite entry overflows them)."""
+    return torch.isfinite(g.amax(dim=(-2, -1))) & torch.isfinite(g.amin(dim=(-2, -1)))
 
 
 def _count_skips(bank: Bank, skipped: Tensor) -> None:
@@ -329,8 +335,10 @@ def _euclidean(bank: Bank, execution: Execution) -> Tensor:
     return torch.where(finite.view(-1, 1, 1), new, w)
 
 
-def _constrained(bank: Bank, execution: Execution, checked: bool = False) -> Tensor:
+def _constrained(bank: Bank, execution: Execution, checked: bool = False, w: Tensor | None = None) -> Tensor:
     """A Stiefel / DGram / Oblique bank: ``(B, m, n)`` new values (tall, the parameters' dtype).
+
+    ``w``: the members' points stacked in ``bank.work`` (:func:`_check_points`'), else stacked here.
 
     ``checked``: this step reads the host for the bank's points anyway (:func:`muon_step`), and
     where the sync-free Gram-form retraction fails for a matrix (its fixed chord steps do not reach
@@ -343,7 +351,7 @@ def _constrained(bank: Bank, execution: Execution, checked: bool = False) -> Ten
     n = min(bank.params[0].shape)
     starts = [s.get("dual_correction") if opts.dual.warm_start else None for s in bank.states]
     update, finite = _momentum(bank, work)
-    w = bank.stack(bank.params, work)
+    w = bank.stack(bank.params, work) if w is None else w
     # DGram's scale freedom: uW has the tangent space and steepest direction of W, and its
     # retractions commute with scaling, R_{uW}(uV) = u R_W(V); a matrix whose entries lie far from
     # 1 is solved and retracted as uW, u a power of two (exact), so that its Gram products (fourth
@@ -467,10 +475,12 @@ def _fused_retraction(solution, eta, beta) -> Tensor | None:
         return None
     r = ev.factor()
     k = ev.product() if problem.square or problem.gperp is not None else ev.product() - problem.b @ r
-    new = problem.w @ (beta * phi - eta * problem.solve_factor(k @ phi))
-    if not problem.square:
-        new = new - eta * ((problem.gperp if problem.gperp is not None else problem.g) @ (r @ phi))
-    return new if bool(torch.isfinite(new).all()) else None
+    new = problem.w @ (beta * phi - eta * problem.solve_factor(k @ phi))  # (B, m, n)
+    if not problem.square:  # the step's factor -eta R Phi formed n x n, the m n^2 product adds into new
+        new = torch.baddbmm(new, problem.gperp if problem.gperp is not None else problem.g, (r @ phi).mul_(-eta))
+    # one reduction: a non-finite entry makes the sum non-finite (so would an overflowing sum of
+    # finite ones, then the manifold's retraction runs: never a wrong point)
+    return new if bool(torch.isfinite(new.sum())) else None
 
 
 def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, process_group=None,
@@ -491,16 +501,16 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
             (:func:`_constrained`: a second host read per bank). Early-stopping banks, which read the host anyway, are checked on
             every step.
     """
-    for bank in banks:  # every refusal before anything moves
-        if not bank.options.manifold.flat and (check_points or not bank.execution.sync_free):
-            _check_points(bank)
+    points = [_check_points(bank) if not bank.options.manifold.flat and (check_points or not bank.execution.sync_free)
+              else None for bank in banks]  # every refusal before anything moves
     if owners is None:
-        for bank in banks:
-            torch._foreach_copy_(bank.params, bank.unstack(_step(bank, check_points)))
+        params = [p for bank in banks for p in bank.params]
+        torch._foreach_copy_(params, [v for values in _new_values(banks, check_points, points) for v in values])
         return
     rank = get_rank_world(process_group)[0]
     values: dict[int, Tensor] = {}
     params: dict[int, Tensor] = {}
+    parts = []
     for bank in banks:
         mine = [j for j, i in enumerate(bank.indices) if owners[i] == rank]
         for j, i in enumerate(bank.indices):
@@ -508,11 +518,11 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
         if not mine:
             _momentum(bank, bank.params[0].dtype)  # every rank keeps every momentum buffer
             continue
-        part = _subset(bank, mine)
+        parts.append(_subset(bank, mine))
         if len(mine) < len(bank.params):
             _momentum(_subset(bank, [j for j in range(len(bank.params)) if j not in mine]), bank.params[0].dtype)
-        for i, value in zip(part.indices, part.unstack(_step(part, check_points))):
-            values[i] = value
+    for part, new in zip(parts, _new_values(parts, check_points, [None] * len(parts))):
+        values.update(zip(part.indices, new))
     order = sorted(params)
     shared = sharded_apply([params[i] for i in order], lambda k, p: values[order[k]],
                            process_group=process_group, owners=[owners[i] for i in order],
@@ -520,22 +530,42 @@ def muon_step(banks: Sequence[Bank], *, owners: Sequence[int] | None = None, pro
     torch._foreach_copy_([params[i] for i in order], shared)
 
 
-def _step(bank: Bank, checked: bool = False) -> Tensor:
-    """``(B, m, n)`` new values of a bank; a large constrained bank on the CPU is solved in equal
-    parts side by side (:func:`~manifoldlib.optim.execution.side_by_side`)."""
-    execution = bank.execution
-    if bank.options.manifold.flat:
-        return _euclidean(bank, execution)
-    count = len(bank.params)
-    parts = 1 if execution.sync_free else side_by_side(bank.params[0].device, bank.params[0].shape, count,
-                                                        path=execution.spectral)
-    if parts == 1:
-        return _constrained(bank, execution, checked)
-    size = count // parts
-    subs = [_subset(bank, range(k * size, (k + 1) * size)) for k in range(parts)]
-    with ieee_float32_matmul():  # set here: the threads only read the process-wide setting
-        values = run_side_by_side([lambda sub=sub: _constrained(sub, execution) for sub in subs])
-    return torch.cat(values)
+def _new_values(banks: Sequence[Bank], checked: bool, points: Sequence[Tensor | None]) -> list[list[Tensor]]:
+    """Each bank's members' new values (views, in their stored orientation); ``points``: the banks'
+    stacked points where :func:`_check_points` formed them.
+
+    A large constrained bank on the CPU is solved in equal parts side by side
+    (:func:`~manifoldlib.optim.execution.side_by_side`); the parts of every bank run in one pool of
+    threads, longest first, so that a thread whose part stopped early (fewer dual iterations)
+    takes the next part instead of waiting for its neighbour."""
+    values: list = [None] * len(banks)
+    parts = []  # (cost, bank index, the part's step); a bank's parts in member order
+    workers = 1
+    for i, (bank, w) in enumerate(zip(banks, points)):
+        execution = bank.execution
+        if bank.options.manifold.flat:
+            values[i] = bank.unstack(_euclidean(bank, execution))
+            continue
+        count, shape = len(bank.params), bank.params[0].shape
+        split = 1 if execution.sync_free else side_by_side(bank.params[0].device, shape, count, path=execution.spectral)
+        if split == 1:
+            values[i] = bank.unstack(_constrained(bank, execution, checked, w))
+            continue
+        workers, size = max(workers, split), count // split
+        values[i] = []
+        for k in range(split):
+            sub = _subset(bank, range(k * size, (k + 1) * size))
+            part = None if w is None else w[k * size:(k + 1) * size]
+            parts.append((size * shape[0] * shape[1] * min(shape), i,
+                          lambda sub=sub, part=part: sub.unstack(_constrained(sub, sub.execution, w=part))))
+    if parts:
+        order = sorted(range(len(parts)), key=lambda j: -parts[j][0])  # longest first
+        with ieee_float32_matmul():  # set here: the threads only read the process-wide setting
+            done = run_side_by_side([parts[j][2] for j in order], workers)
+        new = dict(zip(order, done))
+        for j, (_, i, _) in enumerate(parts):  # each bank's parts in member order
+            values[i].extend(new[j])
+    return values
 
 
 def _subset(bank: Bank, members: Sequence[int]) -> Bank:

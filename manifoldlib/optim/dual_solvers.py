@@ -14,11 +14,13 @@ that stall.
 :func:`solve_bank` runs them on a bank, the solve of every :class:`~manifoldlib.optim.ManifoldMuon`
 step and of :func:`~manifoldlib.optim.steepest_direction`:
 
-* **smoothing** (:func:`resolve_smoothing`): ``"auto"`` smooths from the start where the plain
-  dual cannot converge or crawls — square DGram (rank-deficient optimum) and tall matrices with
-  ``m < 2.5 n`` other than square Stiefel (:data:`SMOOTH_BELOW_ASPECT`) — with
-  :math:`\kappa =` :data:`AUTO_SMOOTHING`; elsewhere it runs the plain dual, and on the eigh path a
-  matrix the plain dual leaves above ``tol`` continues on the smoothed dual from its best iterate;
+* **smoothing** (:func:`~manifoldlib.optim.options.resolve_smoothing`): ``"auto"`` smooths from
+  the start where the plain dual cannot converge or crawls — square DGram (rank-deficient
+  optimum) and tall matrices with ``m < 2.5 n`` other than square Stiefel
+  (:data:`~manifoldlib.optim.options.SMOOTH_BELOW_ASPECT`) — with :math:`\kappa =`
+  :data:`~manifoldlib.optim.options.AUTO_SMOOTHING`; elsewhere it runs the plain dual, and on the
+  eigh path a matrix the plain dual leaves above ``tol`` continues on the smoothed dual from its
+  best iterate;
 * **the plain dual**: :func:`anderson_solve` on the eigh path, :func:`bb_solve` on the products
   path or when asked for;
 * **host reads**: none on a sync-free solve (the products path: a fixed iteration count, the
@@ -42,27 +44,18 @@ from ..functional.scaling import into_safe_range
 from ..manifolds import MatrixConstraintManifold
 from .dual import _DIMS, DualProblem, Evaluation, Spectral, with_smoothing
 from .execution import Execution, ieee_float32_matmul
-from .options import DualOptions
+from .options import DualOptions, resolve_smoothing
 
 __all__ = [
-    "AUTO_SMOOTHING",
-    "SMOOTH_BELOW_ASPECT",
     "BankSolution",
     "Progress",
     "anderson_solve",
     "bb_solve",
-    "resolve_smoothing",
     "smoothed_solve",
     "solve_bank",
     "stiefel_solve",
 ]
 
-#: Relative smoothing :math:`\kappa` of ``smoothing="auto"``.
-AUTO_SMOOTHING = 2e-2
-#: ``smoothing="auto"`` smooths from the start below this aspect ratio ``m/n`` (tall orientation;
-#: square Stiefel excepted): there :math:`G_\perp^\top G_\perp` has rank ``m - n`` or sits at the
-#: Marchenko–Pastur edge, the optimum is close to rank deficient and the plain dual crawls.
-SMOOTH_BELOW_ASPECT = 2.5
 #: A sync-free solve smoothed from the start (square DGram) runs this many times the default
 #: iterations: its Barzilai–Borwein steps face curvatures up to :math:`1/\mu`.
 SMOOTHED_ITERATION_FACTOR = 4
@@ -105,13 +98,13 @@ class Progress:
     history: list
 
     sync_free: bool = True
+    #: ``best``'s tensors are this object's own (copied), so rows may be written into them in place
+    #: (:meth:`record_rows`); until then they are an evaluation's, shared with the solver loop.
+    owned: bool = False
 
     @classmethod
     def start(cls, ev: Evaluation, tol: float, sync_free: bool = True) -> Progress:
         r = ev.residual
-        if not sync_free:  # rows of the best iterate are written in place (record_rows)
-            ev = Evaluation(**{f.name: None if getattr(ev, f.name) is None else getattr(ev, f.name).clone()
-                               for f in fields(ev)})
         return cls(ev, torch.zeros_like(r, dtype=torch.long), (r > tol) & torch.isfinite(r), r.clone(),
                    torch.zeros_like(r, dtype=torch.long), [r], sync_free)
 
@@ -123,9 +116,16 @@ class Progress:
         self.iterations[rows] += 1
         best_r = self.best.residual[rows]
         improved = (r < best_r) | torch.isnan(best_r)
-        if bool(improved.any()):
-            take = rows if bool(improved.all()) else rows[improved]
-            sub = ev if bool(improved.all()) else ev.select(improved)
+        every = bool(improved.all())
+        if every and rows.numel() == self.iterations.numel():  # every matrix stepped and improved
+            self.best, self.owned = ev, False  # taken as it is: nothing copied
+        elif every or bool(improved.any()):
+            if not self.owned:  # copy once before writing rows in place
+                self.best = Evaluation(**{f.name: None if getattr(self.best, f.name) is None
+                                          else getattr(self.best, f.name).clone() for f in fields(self.best)})
+                self.owned = True
+            take = rows if every else rows[improved]
+            sub = ev if every else ev.select(improved)
             for f in fields(self.best):
                 mine, theirs = getattr(self.best, f.name), getattr(sub, f.name)
                 if mine is not None and theirs is not None:
@@ -468,17 +468,19 @@ class BankSolution:
 
 
 def _normalized(g: torch.Tensor) -> torch.Tensor:
-    r"""Each ``(m, n)`` matrix of ``g`` divided by its Frobenius norm; zero where the norm is 0 or not
-    finite (a non-finite gradient gives a zero direction). The norm is accumulated in float64, so
-    float32 entries of any size neither overflow nor underflow it, and a gradient times :math:`2^k`
-    gives the same unit matrix bit for bit; float64 input is first brought into range by a power
-    of two (:func:`~manifoldlib.functional.scaling.into_safe_range`)."""
+    r""":math:`G/\|G\|_F` for each matrix of ``g`` ``(B, m, n)``; zero where the norm is 0 or not finite (a
+    non-finite gradient gives a zero direction). The norm is that of :math:`2^{-e}G`, :math:`2^e` the
+    power of two of the largest entry (float64 out of range: :func:`~manifoldlib.functional.scaling.into_safe_range`):
+    no square over- or underflows it, and :math:`2^kG` gives the unit matrix of :math:`G` bit for bit."""
     if g.dtype == torch.float64:
         g = into_safe_range(g)
-    norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    else:  # a fresh tensor, then scaled in place; scales kept normal (a subnormal or huge top)
+        top = torch.maximum(g.amax(dim=(-2, -1), keepdim=True), -g.amin(dim=(-2, -1), keepdim=True))
+        g = g * torch.ldexp(torch.ones_like(top), -torch.frexp(top)[1].clamp(-125, 126))  # (B, 1, 1)
+    norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(g.dtype, torch.float32))
     usable = torch.isfinite(norm) & (norm > 0)
     inv = torch.where(usable, norm.reciprocal(), 0.0).to(g.dtype)
-    return torch.where(usable, g * inv, 0.0)
+    return torch.where(usable, g * inv, 0.0) if g.dtype == torch.float64 else g.mul_(inv).masked_fill_(~usable, 0.0)
 
 
 def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, start: torch.Tensor | None, tol: float,
@@ -563,25 +565,6 @@ def stiefel_solve(w: torch.Tensor, g: torch.Tensor, spectral: Spectral, start: t
     a = w @ k if square else torch.baddbmm(w @ k, gperp, r)
     return BankSolution(None, None, a, answer_residual, counts, lam, lam0, tangent, (lam - lam0) / unit,
                         [None] * w.size(0), ("bb",), iterations + 1, 0, history, (k, ata))
-
-
-def resolve_smoothing(smoothing, manifold, shape, exact: bool = False) -> tuple[float | None, float | None]:
-    r"""``(kappa, fallback)``: the relative smoothing to solve with from the start (``None``: the
-    plain dual) and the one a stalled plain solve continues with (``None``: keep its best iterate).
-    ``shape``: the tall ``(m, n)``; ``exact``: the exact-SVD plain dual was asked for, which smooths
-    from the start only where it cannot converge (square DGram)."""
-    if smoothing == "auto":
-        rows, cols = shape[-2], shape[-1]
-        square = rows == cols
-        if square and manifold.square_dual == "rank-deficient":
-            return AUTO_SMOOTHING, None
-        closed_form = square and manifold.square_dual == "closed-form"
-        if not exact and rows < SMOOTH_BELOW_ASPECT * cols and not closed_form:
-            return AUTO_SMOOTHING, None
-        return None, AUTO_SMOOTHING
-    if smoothing is None:
-        return None, None
-    return float(smoothing), None
 
 
 def solve_bank(w: torch.Tensor, g: torch.Tensor, manifold: MatrixConstraintManifold, options: DualOptions,

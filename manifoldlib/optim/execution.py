@@ -34,7 +34,8 @@ Everything that depends on the hardware and not on the mathematics is decided he
   whose largest solve is below :data:`SMALL_SOLVE_FLOPS` runs on one thread
   (:func:`step_threads` sets it for the step and restores it). A bank of large constrained
   matrices is split over the threads instead (:func:`side_by_side`, :func:`run_side_by_side`):
-  its eigendecompositions use a second thread poorly, two side by side well.
+  its eigendecompositions use a second thread poorly, two side by side well. The parts of all
+  banks of a step run in one pool, longest first.
 """
 
 from __future__ import annotations
@@ -203,20 +204,22 @@ def _in_thread(task: Callable[[], Any], threads: int) -> Any:
         return task()
 
 
-def run_side_by_side(tasks: Sequence[Callable[[], Any]]) -> list[Any]:
-    """``[task() for task in tasks]``, each on a thread of a kept pool with ``threads // len(tasks)``
-    intra-op threads; the caller's thread count is restored, and the first failure (in task order)
-    raised after all have finished. The caller holds :func:`ieee_float32_matmul` around it (a
-    process-wide setting the threads then only read)."""
-    if len(tasks) <= 1:
+def run_side_by_side(tasks: Sequence[Callable[[], Any]], workers: int | None = None) -> list[Any]:
+    """``[task() for task in tasks]`` on ``workers`` threads of a kept pool (default: one per task),
+    each with ``threads // workers`` intra-op threads; a thread that finishes takes the next task in
+    order, so put the longest first. The caller's thread count is restored, and the first failure
+    (in task order) raised after all have finished. The caller holds :func:`ieee_float32_matmul`
+    around it (a process-wide setting the threads then only read)."""
+    workers = len(tasks) if workers is None else min(workers, len(tasks))
+    if workers <= 1:
         return [task() for task in tasks]
     threads = torch.get_num_threads()
     with _pool_lock:
-        if len(tasks) not in _pools:  # kept: its threads keep their BLAS buffers from step to step
-            _pools[len(tasks)] = ThreadPoolExecutor(len(tasks), thread_name_prefix="manifoldlib-solve")
-        pool = _pools[len(tasks)]
+        if workers not in _pools:  # kept: its threads keep their BLAS buffers from step to step
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="manifoldlib-solve")
+        pool = _pools[workers]
     try:
-        futures = [pool.submit(_in_thread, task, max(1, threads // len(tasks))) for task in tasks]
+        futures = [pool.submit(_in_thread, task, max(1, threads // workers)) for task in tasks]
         for future in futures:
             future.exception()  # wait for every one
     finally:

@@ -52,11 +52,13 @@ from .execution import NS_DTYPES, SPECTRAL_PATHS
 
 __all__ = [
     "ADJUST_LR_FNS",
+    "AUTO_SMOOTHING",
     "DISTRIBUTION_MODES",
     "DUAL_MSIGN_METHODS",
     "DUAL_UPDATES",
     "LAYOUTS",
     "PRODUCTS_ITERATIONS",
+    "SMOOTH_BELOW_ASPECT",
     "Distribution",
     "DualOptions",
     "MuonOptions",
@@ -64,6 +66,7 @@ __all__ = [
     "check_layout",
     "flipped",
     "map_shape",
+    "resolve_smoothing",
     "tall",
     "validate_group",
     "validate_group_params",
@@ -247,6 +250,33 @@ class DualOptions:
         if self.max_iter is not None:
             return self.max_iter
         return PRODUCTS_ITERATIONS if sync_free else EARLY_STOP_MAX_ITER
+
+
+#: Relative smoothing :math:`\kappa` of ``smoothing="auto"``.
+AUTO_SMOOTHING = 2e-2
+#: ``smoothing="auto"`` smooths from the start below this aspect ratio ``m/n`` (tall orientation;
+#: square Stiefel excepted): there :math:`G_\perp^\top G_\perp` has rank ``m - n`` or sits at the
+#: Marchenko–Pastur edge, the optimum is close to rank deficient and the plain dual crawls.
+SMOOTH_BELOW_ASPECT = 2.5
+
+
+def resolve_smoothing(smoothing, manifold, shape, exact: bool = False) -> tuple[float | None, float | None]:
+    r"""``(kappa, fallback)``: the relative smoothing to solve with from the start (``None``: the
+    plain dual) and the one a stalled plain solve continues with (``None``: keep its best iterate).
+    ``shape``: the tall ``(m, n)``; ``exact``: the exact-SVD plain dual was asked for, which smooths
+    from the start only where it cannot converge (square DGram)."""
+    if smoothing == "auto":
+        rows, cols = shape[-2], shape[-1]
+        square = rows == cols
+        if square and manifold.square_dual == "rank-deficient":
+            return AUTO_SMOOTHING, None
+        closed_form = square and manifold.square_dual == "closed-form"
+        if not exact and rows < SMOOTH_BELOW_ASPECT * cols and not closed_form:
+            return AUTO_SMOOTHING, None
+        return None, AUTO_SMOOTHING
+    if smoothing is None:
+        return None, None
+    return float(smoothing), None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from manifoldlib.optim import steepest_direction, tangent_residual
-from manifoldlib.optim.dual_solvers import AUTO_SMOOTHING, SMOOTH_BELOW_ASPECT, resolve_smoothing
+from manifoldlib.optim.options import AUTO_SMOOTHING, SMOOTH_BELOW_ASPECT, resolve_smoothing
 from manifoldlib.optim.execution import Execution
 from manifoldlib.optim.steepest import matrix_manifold
 

@@ -8,6 +8,8 @@ choice) and :func:`~manifoldlib.testing.counting.count_ops` (host reads, eigende
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -154,15 +156,18 @@ def test_large_cpu_banks_are_split_into_equal_parts_over_the_threads():
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 def test_a_split_bank_steps_as_the_unsplit_one(manifold):
-    # two 320x160 matrices (above SIDE_BY_SIDE_FLOPS): on two threads solved side by side, on one
-    # thread one bank; the same points, states and caller settings
+    # two banks above SIDE_BY_SIDE_FLOPS (a 320x160 matrix and a 160x320 one, which share the tall
+    # shape; two 256x256 on Stiefel, two 384x128 on DGram, whose square dual is smoothed and so
+    # iterates differently at another thread count): on two threads their four parts run in one
+    # pool, on one thread each bank whole; the same points, states and caller settings
     before = torch.get_num_threads()
     results = []
     try:
         for threads in (2, 1):
             torch.set_num_threads(threads)
             g = torch.Generator().manual_seed(3)
-            params = [nn.Parameter(torch.randn(320, 160, generator=g, dtype=torch.float64)) for _ in range(2)]
+            shapes = [(320, 160), (160, 320)] + [(256, 256) if manifold == "stiefel" else (384, 128)] * 2
+            params = [nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64)) for shape in shapes]
             opt = ManifoldMuon(params, lr=0.05, manifold=manifold)
             opt.project_parameters()
             for _ in range(3):
@@ -199,6 +204,37 @@ def test_side_by_side_raises_the_first_failure_after_all_finished_and_restores_t
         with pytest.raises(RuntimeError, match="first"):
             run_side_by_side([fails, works])
         assert len(done) == 3 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_more_tasks_than_workers_run_at_most_workers_at_once_in_task_order():
+    before = torch.get_num_threads()
+    lock = threading.Lock()
+    running, most, seen = [0], [0], []
+
+    def task(k):
+        def run():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+                seen.append(torch.get_num_threads())
+            time.sleep(0.02)
+            with lock:
+                running[0] -= 1
+            if k in (3, 4):
+                raise RuntimeError(f"task {k}")
+            return k
+        return run
+
+    try:
+        torch.set_num_threads(4)
+        assert run_side_by_side([task(k) for k in range(3)], workers=2) == [0, 1, 2]
+        assert most[0] == 2 and seen == [2, 2, 2]  # two at a time, each with 4 // 2 threads
+        with pytest.raises(RuntimeError, match="task 3"):  # the first failure in task order
+            run_side_by_side([task(k) for k in range(6)], workers=2)
+        assert len(seen) == 9 and running[0] == 0 and torch.get_num_threads() == 4  # every task ran
+        assert run_side_by_side([task(0)], workers=2) == [0]  # one task: run here
     finally:
         torch.set_num_threads(before)
 
