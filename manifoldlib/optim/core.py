@@ -298,7 +298,10 @@ def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
     if bank.updates_given:
         return g if g.dtype == work else g.to(work), finite
     buf = _bank_buffer(bank)
-    torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf, out=buf)
+    if bank.execution is not None and not bank.execution.sync_free and bool(finite.all()):
+        buf.lerp_(g, 1 - opts.momentum)  # an early-stopping step reads the host anyway: in place
+    else:
+        torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf, out=buf)
     update = g.lerp_(buf, opts.momentum) if opts.nesterov else buf
     return update if update.dtype == work else update.to(work), finite
 
