@@ -431,6 +431,8 @@ def _constrained(bank: Bank, execution: Execution, checked: bool = False, w: Ten
         state["dual_iterations"] = it
         state["dual_residual"] = res
     _count_skips(bank, ~ok)
+    if not execution.sync_free and bool(ok.all()):  # read on an early-stopping step: nothing to keep
+        return new.to(bank.params[0].dtype)
     return torch.where(ok.view(-1, 1, 1), new, w).to(bank.params[0].dtype)
 
 
