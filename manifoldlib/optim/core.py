@@ -298,8 +298,8 @@ def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
     if bank.updates_given:
         return g if g.dtype == work else g.to(work), finite
     buf = _bank_buffer(bank)
-    if bank.execution is not None and not bank.execution.sync_free and bool(finite.all()):
-        buf.lerp_(g, 1 - opts.momentum)  # an early-stopping step reads the host anyway: in place
+    if not opts.manifold.flat and not bank.execution.sync_free and bool(finite.all()):
+        buf.lerp_(g, 1 - opts.momentum)  # an early-stopping solve reads the host anyway: in place
     else:
         torch.where(finite.view(-1, 1, 1), buf.lerp(g, 1 - opts.momentum), buf, out=buf)
     update = g.lerp_(buf, opts.momentum) if opts.nesterov else buf
@@ -307,9 +307,10 @@ def _momentum(bank: Bank, work: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def gradient_finite(g: Tensor) -> Tensor:
-    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite, on the device: its largest and
-    smallest entries are (both reductions propagate a NaN; exact, so no finite entry overflows them)."""
-    return torch.isfinite(g.amax(dim=(-2, -1))) & torch.isfinite(g.amin(dim=(-2, -1)))
+    """``(B,)`` whether each of the ``(B, m, n)`` matrices is finite, on the device: its largest
+    magnitude is (from its largest and smallest entries, reductions that propagate a NaN; exact, so
+    no finite entry overflows them, as a sum could)."""
+    return torch.isfinite(torch.maximum(g.amax(dim=(-2, -1)), -g.amin(dim=(-2, -1))))  # maximum keeps a NaN
 
 
 def _count_skips(bank: Bank, skipped: Tensor) -> None:

@@ -376,6 +376,21 @@ def test_the_products_path_never_synchronizes_with_the_host(attn, mlp):
     assert counts[-1].flops > 0  # the counter saw the step's products
 
 
+@pytest.mark.parametrize("dual", [None, {"spectral": "eigh"}, {"spectral": "eigh", "sync_free": False}],
+                         ids=["default", "eigh", "early-stopping"])
+def test_the_euclidean_mode_never_reads_the_host(dual):
+    # whatever the dual options say (they concern constrained groups): Muon's step has nothing to wait for
+    attn, mlp = _gpt_like(2)
+    opt = ManifoldMuon(attn + mlp, lr=0.02, manifold="euclidean", **({} if dual is None else {"dual": dual}))
+    gen = torch.Generator().manual_seed(2)
+    syncs = []
+    for _ in range(3):
+        for p in attn + mlp:
+            p.grad = torch.randn(p.shape, generator=gen)
+        syncs.append(count_ops(opt.step).syncs)
+    assert syncs == [0, 0, 0]
+
+
 @pytest.mark.parametrize("attn,mlp", [("stiefel", "dgram"), ("euclidean", "euclidean")], ids=["hetero", "euclidean"])
 def test_the_operations_of_a_step_do_not_grow_with_the_number_of_matrices(attn, mlp):
     small, large = (_counted_step(blocks, attn, mlp)[-1] for blocks in (2, 6))
