@@ -62,7 +62,8 @@ def out_of_range_scale(x: torch.Tensor, limit: int) -> torch.Tensor:
 def _rescaling_exponent(x: torch.Tensor, limit: int, up: bool = True) -> torch.Tensor:
     """``(..., 1, 1)`` the ``frexp`` exponent of each matrix's largest entry where it lies outside
     ``[-limit, limit]`` (below only with ``up``), else 0 (also for a zero or non-finite matrix)."""
-    top = x.detach().abs().amax(dim=(-2, -1), keepdim=True)  # (..., 1, 1)
+    x = x.detach()  # the largest |entry| from two reductions, without forming |x| (NaN propagates)
+    top = torch.maximum(x.amax(dim=(-2, -1), keepdim=True), -x.amin(dim=(-2, -1), keepdim=True))  # (..., 1, 1)
     exponent = torch.frexp(top)[1]  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
     outside = (exponent > limit) | ((exponent < -limit) & (top > 0) & up)
     return torch.where(outside & torch.isfinite(top), exponent, 0)

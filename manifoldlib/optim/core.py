@@ -268,12 +268,16 @@ def _bank_buffer(bank: Bank) -> Tensor:
 def _check_points(bank: Bank) -> Tensor:
     """Raise ``ValueError`` before any matrix moves where a constrained bank's point is one its
     manifold's dual cannot use (a point never projected, or edited after its group was added),
-    naming the matrix: one host read for the bank, more only where one fails. Returns the
+    naming the matrix: one host read for the bank (two for an early-stopping bank with a scale
+    freedom), more only where one fails. Returns the
     ``(B, m, n)`` points it checked (tall, in the bank's work dtype), for the step to reuse."""
     manifold = bank.options.manifold
     stacked = bank.stack([p.detach() for p in bank.params], bank.work)  # (B, m, n)
     # solved at a power-of-two scale where the manifold has a scale freedom (see _constrained)
-    points = stacked * out_of_range_scale(stacked, SCALE_FREE_EXPONENT) if manifold.decays else stacked
+    scale = out_of_range_scale(stacked, SCALE_FREE_EXPONENT) if manifold.decays else None
+    # (an early-stopping bank reads the host anyway: none of its matrices may need the scaling pass)
+    in_range = scale is None or (not bank.execution.sync_free and bool((scale == 1).all()))
+    points = stacked if in_range else stacked * scale
     try:
         manifold.dual_factor(points, check=True)
         return stacked
@@ -362,6 +366,8 @@ def _constrained(bank: Bank, execution: Execution, checked: bool = False, w: Ten
     # powers of the column norms in the alternating factor) stay in range. Multipliers scale as
     # 1/u: the stored correction is in W's units.
     unit = out_of_range_scale(w, SCALE_FREE_EXPONENT) if manifold.decays else None  # (B, 1, 1)
+    if unit is not None and not execution.sync_free and bool((unit == 1).all()):
+        unit = None  # every matrix in range (read on an early-stopping step): no pass to scale it
     point = w if unit is None else w * unit
     start = None
     if any(s is not None for s in starts):
