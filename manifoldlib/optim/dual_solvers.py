@@ -282,23 +282,18 @@ def anderson_solve(problem: DualProblem, lam: torch.Tensor, tol: float, iteratio
 def _anderson_correction(points, steps, valid, delta) -> torch.Tensor:
     r"""``(B, n, n)`` :math:`(\Delta\Lambda + \Delta\delta)\gamma` from the consecutive differences of
     the history; pairs that a restart invalidated get :math:`\gamma = 0`."""
-    d_steps = [b - a for a, b in itertools.pairwise(steps)]
-    d_points = [b - a for a, b in itertools.pairwise(points)]
+    d_steps = torch.diff(torch.stack(steps, dim=1).flatten(2), dim=1)  # (B, k, n*n)
+    d_points = torch.diff(torch.stack(points, dim=1).flatten(2), dim=1)  # (B, k, n*n)
     ok = [u & v for u, v in itertools.pairwise(valid)]
-    k = len(d_steps)
-    flat = torch.stack([d.flatten(1) for d in d_steps], dim=1)  # (B, k, n*n)
-    keep = torch.stack(ok, dim=1).to(flat.dtype)  # (B, k)
-    flat = flat * keep.unsqueeze(-1)
-    gram = flat @ flat.mT  # (B, k, k)
-    rhs = (flat @ delta.flatten(1).unsqueeze(-1)).squeeze(-1)  # (B, k)
+    k = d_steps.size(1)
+    keep = torch.stack(ok, dim=1).to(d_steps.dtype)  # (B, k)
+    gram = (d_steps @ d_steps.mT) * (keep.unsqueeze(-1) * keep.unsqueeze(-2))  # (B, k, k), dropped pairs 0
+    rhs = (d_steps @ delta.flatten(1).unsqueeze(-1)).squeeze(-1) * keep  # (B, k)
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
     ridge = 1e-10 * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(gram.dtype).tiny)
     gamma, info = torch.linalg.solve_ex(gram + ridge.view(-1, 1, 1) * eye + (1 - keep).unsqueeze(-1) * eye, rhs)
     gamma = torch.where((info == 0).unsqueeze(-1) & torch.isfinite(gamma), gamma * keep, 0.0)  # (B, k)
-    out = torch.zeros_like(delta)
-    for i in range(k):
-        out = out + gamma[:, i].view(-1, 1, 1) * (d_points[i] + d_steps[i])
-    return out
+    return (gamma.unsqueeze(1) @ d_points.add_(d_steps)).view_as(delta)  # sum_i gamma_i (dLambda_i + ddelta_i)
 
 
 # -- the smoothed dual: Newton–CG, one matrix ----------------------------------------------
