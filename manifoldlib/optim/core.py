@@ -269,8 +269,8 @@ def _check_points(bank: Bank) -> Tensor:
     """Raise ``ValueError`` before any matrix moves where a constrained bank's point is one its
     manifold's dual cannot use (a point never projected, or edited after its group was added),
     naming the matrix: one host read for the bank (two for an early-stopping bank with a scale
-    freedom), more only where one fails. Returns the
-    ``(B, m, n)`` points it checked (tall, in the bank's work dtype), for the step to reuse."""
+    freedom), more only where one fails. Returns the ``(B, m, n)`` points it checked (tall, in the
+    bank's work dtype), for the step to reuse."""
     manifold = bank.options.manifold
     stacked = bank.stack([p.detach() for p in bank.params], bank.work)  # (B, m, n)
     # solved at a power-of-two scale where the manifold has a scale freedom (see _constrained)
@@ -346,7 +346,8 @@ def _euclidean(bank: Bank, execution: Execution) -> Tensor:
 def _constrained(bank: Bank, execution: Execution, checked: bool = False, w: Tensor | None = None) -> Tensor:
     """A Stiefel / DGram / Oblique bank: ``(B, m, n)`` new values (tall, the parameters' dtype).
 
-    ``w``: the members' points stacked in ``bank.work`` (:func:`_check_points`'), else stacked here.
+    ``w``: the members' points stacked in ``bank.work`` where :func:`_check_points` formed them
+    (else they are stacked here).
 
     ``checked``: this step reads the host for the bank's points anyway (:func:`muon_step`), and
     where the sync-free Gram-form retraction fails for a matrix (its fixed chord steps do not reach
