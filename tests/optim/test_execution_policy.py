@@ -211,15 +211,18 @@ def test_side_by_side_raises_the_first_failure_after_all_finished_and_restores_t
 def test_more_tasks_than_workers_run_at_most_workers_at_once_in_task_order():
     before = torch.get_num_threads()
     lock = threading.Lock()
+    together = threading.Barrier(2, timeout=30)  # the first two tasks must run at the same time
     running, most, seen = [0], [0], []
 
-    def task(k):
+    def task(k, meet=False):
         def run():
             with lock:
                 running[0] += 1
                 most[0] = max(most[0], running[0])
                 seen.append(torch.get_num_threads())
-            time.sleep(0.02)
+            if meet:
+                together.wait()  # broken (an error) if the pool ran one task at a time
+            time.sleep(0.01)
             with lock:
                 running[0] -= 1
             if k in (3, 4):
@@ -229,7 +232,7 @@ def test_more_tasks_than_workers_run_at_most_workers_at_once_in_task_order():
 
     try:
         torch.set_num_threads(4)
-        assert run_side_by_side([task(k) for k in range(3)], workers=2) == [0, 1, 2]
+        assert run_side_by_side([task(k, meet=k < 2) for k in range(3)], workers=2) == [0, 1, 2]
         assert most[0] == 2 and seen == [2, 2, 2]  # two at a time, each with 4 // 2 threads
         with pytest.raises(RuntimeError, match="task 3"):  # the first failure in task order
             run_side_by_side([task(k) for k in range(6)], workers=2)
